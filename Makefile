@@ -1,0 +1,29 @@
+# The two commands a newcomer runs: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-requirements
+NPROC ?= 2
+
+.PHONY: demo test test-all setup clean-demo
+
+setup: $(STAMP)
+
+# Re-installs only when requirements.txt changes, so a second `make test` starts at once.
+$(STAMP): requirements.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	@touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+# Includes the checks marked slow (several minutes more).
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m "slow or not slow" tests
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py --nproc $(NPROC)
+
+clean-demo:
+	rm -rf data/synthetic work_dirs/synthetic

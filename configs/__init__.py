@@ -1,0 +1,105 @@
+"""Config loading: base defaults <- job config <- `--key value` overrides."""
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+import os
+from typing import Any, Sequence
+
+from easydict import EasyDict as edict
+
+from configs.base import config as _base
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _load_module_config(path: str) -> dict:
+    if not path.endswith(".py"):
+        path = path + ".py"
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    spec = importlib.util.spec_from_file_location("shardface_job_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "config"):
+        raise ConfigError(f"{path} defines no `config`")
+    return dict(module.config)
+
+
+def _unknown(key: str, known: Sequence[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return ConfigError(f"unknown config key '{key}' in {where}{hint}")
+
+
+def parse_value(text: str, default: Any) -> Any:
+    """Parse a command-line string to the type of the key's default."""
+    if isinstance(default, bool):
+        low = text.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"expected a boolean, got '{text}'")
+    if isinstance(default, int):
+        return int(text)
+    if isinstance(default, float):
+        return float(text)
+    if isinstance(default, (list, tuple)):
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = [v for v in text.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        return type(default)(value)
+    if default is None:
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            return text
+    return text
+
+
+def parse_overrides(argv: Sequence[str]) -> list[tuple[str, str]]:
+    pairs, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"expected --key value, got '{arg}'")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"missing value for {arg}")
+            key, value = arg[2:], argv[i + 1]
+            i += 2
+        pairs.append((key.replace("-", "_"), value))
+    return pairs
+
+
+def get_config(path: str | None = None, argv: Sequence[str] = ()) -> edict:
+    """Resolve base defaults, the job config at `path`, then `--key value` overrides."""
+    cfg = edict(dict(_base))
+    if path:
+        for key, value in _load_module_config(path).items():
+            if key not in cfg:
+                raise _unknown(key, list(cfg), path)
+            cfg[key] = value
+    for key, text in parse_overrides(argv):
+        if key not in cfg:
+            raise _unknown(key, list(cfg), "command line")
+        try:
+            cfg[key] = parse_value(text, _base[key])
+        except ValueError as exc:
+            raise ConfigError(f"--{key}: {exc}") from None
+    return cfg
+
+
+def format_config(cfg: dict) -> str:
+    width = max(len(k) for k in cfg)
+    return "\n".join(f"{k.ljust(width)} : {cfg[k]!r}" for k in sorted(cfg))

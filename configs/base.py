@@ -1,0 +1,60 @@
+"""Every default of a ShardFace run. Job configs override these; `--key value` overrides both.
+
+Key names follow insightface arcface_torch where the meaning is the same.
+"""
+from easydict import EasyDict as edict
+
+config = edict()
+
+# model
+config.network = "r50"                # backbones.get_model name
+config.embedding_size = 512
+config.dropout = 0.0
+config.grad_checkpoint = False        # recompute backbone activations in backward
+config.fp16 = False                   # fp16 autocast + dynamic loss scaling
+config.bf16 = False                   # bf16 autocast, no loss scaling
+
+# margin head (heads.PartialFC)
+config.margin_list = (1.0, 0.5, 0.0)  # (m1, m2, m3): combined margin s*(cos(m1*theta+m2)-m3)
+config.scale = 64.0                   # s
+config.interclass_filtering_threshold = 0.0
+config.sample_rate = 1.0              # Partial FC: fraction of each shard's classes per step
+config.chunk_size = 8192              # classes per chunk of the head; 0 = whole shard at once
+
+# optimisation
+config.optimizer = "sgd"              # sgd | adamw
+config.lr = 0.1                       # for the global batch below; not rescaled automatically
+config.momentum = 0.9
+config.weight_decay = 5e-4
+config.max_grad_norm = 5.0            # global norm over backbone + head; 0 disables
+config.lr_scheduler = "poly"          # poly | cosine
+config.lr_power = 2.0                 # exponent of the polynomial decay
+config.warmup_epoch = 0
+config.gradient_acc = 1               # micro-batches per optimizer step
+config.zero = True                    # ZeRO-2 for the backbone; False = DDP
+config.ema = False                    # sharded EMA of the backbone
+config.ema_decay = 0.9999
+config.ema_tau = 2000.0
+
+# data
+config.rec = "synthetic"              # dir with train.rec/train.idx, an image folder, or "synthetic"
+config.num_classes = 93431
+config.num_image = 5179510
+config.num_epoch = 20
+config.batch_size = 128               # per rank
+config.num_workers = 2
+config.skip_bad_images = False        # count and skip undecodable images instead of failing
+config.seed = 2048
+
+# evaluation and logging
+config.val_targets = []               # names of <name>.bin files inside config.val_dir
+config.val_dir = ""                   # default: the directory of config.rec
+config.verbose = 2000                 # evaluate every N steps
+config.frequent = 10                  # log every N steps
+config.output = "work_dirs/default"
+config.save_all_states = True
+config.checkpoint_interval = 2000     # steps between checkpoints (and one at the end)
+config.keep_checkpoints = 2
+config.resume = False                 # continue from output/checkpoint-latest
+config.dist_timeout_min = 10          # a dead rank makes the others fail after this long
+config.max_steps = 0                  # stop early after N steps (0 = full schedule)

@@ -1,0 +1,29 @@
+"""The embedded demo: the generated synthetic set, the tiny CNN, 2 CPU ranks, minutes."""
+from easydict import EasyDict as edict
+
+config = edict()
+config.network = "tiny"
+config.embedding_size = 128
+config.margin_list = (1.0, 0.0, 0.35)
+config.scale = 32.0
+config.chunk_size = 256
+config.optimizer = "sgd"
+config.lr = 0.1
+config.momentum = 0.9
+config.weight_decay = 5e-4
+config.max_grad_norm = 5.0
+config.batch_size = 64
+config.rec = "data/synthetic"
+config.num_classes = 400
+config.num_image = 8000
+config.num_epoch = 8
+config.warmup_epoch = 1
+config.num_workers = 1
+config.ema = True
+config.ema_decay = 0.999
+config.ema_tau = 100.0
+config.val_targets = ["synthetic_val"]
+config.verbose = 200
+config.frequent = 10
+config.checkpoint_interval = 200
+config.output = "work_dirs/synthetic"
