@@ -1,0 +1,3 @@
+from losses.margin import AMSoftmax, ArcFace, CombinedMarginLoss, CosFace
+
+__all__ = ["CombinedMarginLoss", "ArcFace", "CosFace", "AMSoftmax"]

@@ -7,6 +7,7 @@ hangs or dies fails it after `timeout` seconds instead of blocking pytest.
 """
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
@@ -32,7 +33,10 @@ def _worker(rank, world_size, port, fn, args, results):
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=60))
         try:
-            results.put((rank, "ok", fn(rank, world_size, *args)))
+            # serialised here: shared-memory tensors would die with this process
+            buf = io.BytesIO()
+            torch.save(fn(rank, world_size, *args), buf)
+            results.put((rank, "ok", buf.getvalue()))
         finally:
             dist.destroy_process_group()
     except BaseException:
@@ -59,7 +63,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> list:
             if status == "error":
                 errors.append(f"--- rank {rank} ---\n{value}")
                 break
-            out[rank] = value
+            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)

@@ -1,0 +1,74 @@
+"""Margin functions on cosine logits: combined margin s*(cos(m1*theta + m2) - m3).
+
+ArcFace = (1, m2, 0), CosFace / AM-softmax = (1, 0, m3), SphereFace = (m1, 0, 0).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class CombinedMarginLoss(nn.Module):
+    """Called as `margin(cos_logits, labels)` like arcface_torch's CombinedMarginLoss.
+
+    `labels` index columns of `cos_logits` (shard- or chunk-local) or are -1 for rows whose
+    class lives elsewhere. Returns scaled logits: `s * cos` everywhere, the margin applied to
+    each row's target column. The input is not modified.
+    """
+
+    def __init__(self, s: float = 64.0, m1: float = 1.0, m2: float = 0.5, m3: float = 0.0,
+                 interclass_filtering_threshold: float = 0.0):
+        super().__init__()
+        if m1 < 1.0 or m2 < 0 or m3 < 0:
+            raise ValueError(f"margins need m1 >= 1, m2 >= 0, m3 >= 0; got ({m1}, {m2}, {m3})")
+        self.s, self.m1, self.m2, self.m3 = float(s), float(m1), float(m2), float(m3)
+        self.interclass_filtering_threshold = float(interclass_filtering_threshold)
+        # Keep theta' = m1*theta + m2 <= pi: past the switch point cos(theta') would rise
+        # again, so the target continues as cos(theta) minus a constant. For m1 = 1 that is
+        # arcface_torch's rule (cos - m2*sin(m2) below cos(pi - m2)), so results match it.
+        if m1 == 1.0:
+            self._cos_switch = math.cos(math.pi - m2)
+            self._drop = math.sin(math.pi - m2) * m2
+        else:
+            theta_c = (math.pi - m2) / m1
+            self._cos_switch = math.cos(theta_c)
+            self._drop = math.cos(theta_c) + 1.0  # continuous at the switch point
+
+    def target_logit(self, cos: torch.Tensor) -> torch.Tensor:
+        """Scaled logit of the target class given its cosine (differentiable, elementwise)."""
+        cos = cos.clamp(-1.0, 1.0)
+        if self.m1 == 1.0 and self.m2 == 0.0:
+            return self.s * (cos - self.m3)
+        eps = 1e-7
+        theta = torch.acos(cos.clamp(-1.0 + eps, 1.0 - eps))
+        inside = torch.cos(self.m1 * theta + self.m2)
+        target = torch.where(cos > self._cos_switch, inside, cos - self._drop)
+        return self.s * (target - self.m3)
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        rows = torch.nonzero(labels != -1, as_tuple=True)[0]
+        cols = labels[rows]
+        out = logits.clamp(-1.0, 1.0)
+        if self.interclass_filtering_threshold > 0:
+            dirty = out > self.interclass_filtering_threshold
+            dirty[rows, cols] = False
+            out = out.masked_fill(dirty, 0.0)
+        out = out * self.s
+        out = out.index_put((rows, cols), self.target_logit(logits[rows, cols]))
+        return out
+
+    def extra_repr(self) -> str:
+        return f"s={self.s}, m1={self.m1}, m2={self.m2}, m3={self.m3}"
+
+
+def ArcFace(s: float = 64.0, margin: float = 0.5) -> CombinedMarginLoss:
+    return CombinedMarginLoss(s=s, m1=1.0, m2=margin, m3=0.0)
+
+
+def CosFace(s: float = 64.0, m: float = 0.4) -> CombinedMarginLoss:
+    return CombinedMarginLoss(s=s, m1=1.0, m2=0.0, m3=m)
+
+
+AMSoftmax = CosFace
