@@ -1,0 +1,182 @@
+"""ZeRO-2 on W ranks equals the plain torch optimizer on one process with the global batch."""
+import pytest
+import torch
+from torch import nn
+
+from parallel import DynamicLossScaler, Zero2Optimizer
+from tests.distributed import run_distributed
+
+GLOBAL_BATCH, STEPS = 12, 6
+TINY_BUCKET_MB = 40 * 4 / 2**20  # ~40 fp32 elements: many buckets, shards straddle params
+
+
+class TwoDtypeNet(nn.Module):
+    """7*13+13+13+13*5+5 = 187 fp32 elements (not divisible by 2 or 3) plus an fp64 vector."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin1 = nn.Linear(7, 13)
+        self.act = nn.PReLU(13)
+        self.lin2 = nn.Linear(13, 5)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 5, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.lin2(self.act(self.lin1(x))) * self.scale.float()
+
+
+def _data(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(GLOBAL_BATCH, 7, generator=g), torch.randn(GLOBAL_BATCH, 5, generator=g)
+
+
+def _loss(model, x, y):
+    return (model(x) - y).square().mean()
+
+
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-2)),
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+}
+
+
+def _reference(opt_name, clip, steps=STEPS):
+    model = TwoDtypeNet()
+    cls, kw = OPTIMIZERS[opt_name]
+    opt = cls(model.parameters(), **kw)
+    norms = []
+    for step in range(steps):
+        x, y = _data(step)
+        _loss(model, x, y).backward()
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+def _zero_train(rank, world_size, opt_name, clip, steps=STEPS, model=None, opt=None, first=0):
+    if model is None:
+        model = TwoDtypeNet()
+        cls, kw = OPTIMIZERS[opt_name]
+        opt = Zero2Optimizer(model, cls, bucket_cap_mb=TINY_BUCKET_MB, **kw)
+    b = GLOBAL_BATCH // world_size
+    norms = []
+    for step in range(first, first + steps):
+        x, y = _data(step)
+        _loss(model, x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
+        assert all(p.grad is None for p in model.parameters())
+        if clip:
+            norms.append(float(opt.clip_grad_norm_(clip)))
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_zero2_matches_plain_optimizer_on_global_batch(world_size):
+    cases = [(o, c) for o in OPTIMIZERS for c in (0.0, 0.3)]
+    results = run_distributed(_zero_cases, world_size, cases)
+    for case, per_rank in zip(cases, zip(*results)):
+        ref_params, ref_norms = _reference(*case)
+        for params, norms in per_rank:
+            assert norms == pytest.approx(ref_norms, rel=1e-5)
+            for name, ref in ref_params.items():
+                torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-5, msg=f"{case} {name}")
+        if case[1]:
+            assert min(ref_norms) > case[1], "clipping must be active in this test"
+
+
+def _zero_cases(rank, world_size, cases):
+    return [_zero_train(rank, world_size, *case) for case in cases]
+
+
+def test_layout_straddles_shard_borders():
+    from parallel import build_layouts
+    layouts = build_layouts(TwoDtypeNet(), 3, 1)
+    fp32 = next(l for l in layouts if l.dtype == torch.float32)
+    assert fp32.numel % (3 * 16) == 0
+    partial = [s for s in fp32.slots if 0 < s.local_range.size < s.global_range.size]
+    assert partial, "some parameter must be split between ranks"
+
+
+def _resume_worker(rank, world_size, path, phase):
+    model = TwoDtypeNet()
+    opt = Zero2Optimizer(model, torch.optim.AdamW, bucket_cap_mb=TINY_BUCKET_MB, lr=1e-2, weight_decay=0.1)
+    if phase == "save":
+        _zero_train(rank, world_size, "adamw", 0.3, steps=3, model=model, opt=opt)
+        state = opt.state_dict()
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "opt": state}, path)
+        first = 3
+    else:
+        saved = torch.load(path, weights_only=True)
+        model.load_state_dict(saved["model"])  # copies into the flat buffer views
+        opt.load_state_dict(saved["opt"])
+        first = 3
+    params, _ = _zero_train(rank, world_size, "adamw", 0.3, steps=3, model=model, opt=opt, first=first)
+    return params
+
+
+def test_state_dict_saved_at_two_ranks_continues_identically_at_one_and_three(tmp_path):
+    path = str(tmp_path / "zero.pt")
+    continued = run_distributed(_resume_worker, 2, path, "save")[0]
+    for world_size in (1, 3):
+        resumed = run_distributed(_resume_worker, world_size, path, "load")
+        for params in resumed:
+            for name, ref in continued.items():
+                torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6)
+
+
+def _bf16_worker(rank, world_size):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 5)).to(torch.bfloat16)
+    opt = Zero2Optimizer(model, torch.optim.SGD, bucket_cap_mb=TINY_BUCKET_MB, lr=0.1)
+    assert all(g.master.dtype == torch.float32 for g in opt.groups)
+    b = GLOBAL_BATCH // world_size
+    losses = []
+    for step in range(8):
+        x, y = _data(0)
+        loss = _loss(model, x[rank * b:(rank + 1) * b].bfloat16(), y[rank * b:(rank + 1) * b].bfloat16())
+        loss.backward()
+        opt.step(); opt.zero_grad()
+        losses.append(float(loss))
+    g = opt.groups[0]
+    # bf16 parameters are the rounded fp32 master: updates smaller than bf16 precision survive
+    assert torch.equal(g.layout.shard.of(g.buffer), g.master.detach().bfloat16())
+    assert not torch.equal(g.master.detach(), g.master.detach().bfloat16().float())
+    return losses
+
+
+def test_bf16_model_keeps_fp32_master_and_learns():
+    for losses in run_distributed(_bf16_worker, 2):
+        assert losses[-1] < losses[0] * 0.9
+
+
+def _fp16_skip_worker(rank, world_size):
+    model = TwoDtypeNet()
+    model.lin1.half(); model.lin2.half(); model.act.half()
+    net = lambda x: model.lin2(model.act(model.lin1(x.half()))).float() * model.scale.float()
+    opt = Zero2Optimizer(model, torch.optim.SGD, bucket_cap_mb=TINY_BUCKET_MB, lr=0.05)
+    scaler = DynamicLossScaler(init_scale=1024.0, growth_interval=1000)
+    b = GLOBAL_BATCH // world_size
+    record = []
+    for step in range(3):
+        x, y = _data(step)
+        x = x[rank * b:(rank + 1) * b]
+        if step == 1 and rank == 1:
+            x = x.clone(); x[0, 0] = float("inf")  # an overflow on one rank only
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.scale((net(x) - y[rank * b:(rank + 1) * b]).square().mean()).backward()
+        stepped = scaler.unscale_(opt)
+        if stepped:
+            opt.step()
+        opt.zero_grad()
+        changed = any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+        record.append((stepped, changed, scaler.scale_value))
+    return record
+
+
+def test_fp16_inf_on_one_rank_skips_the_step_on_every_rank():
+    for record in run_distributed(_fp16_skip_worker, 2):
+        assert record == [(True, True, 1024.0), (False, False, 512.0), (True, True, 512.0)]
