@@ -1,0 +1,71 @@
+#!/usr/bin/env python
+"""Pack an image folder (one sub-folder per identity) or a list file (`path<TAB>label` per
+line) into train.rec, train.idx and property in the insightface layout."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dataset.pack import write_insightface_rec  # noqa: E402
+from utils.progress import Progress  # noqa: E402
+
+EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp")
+
+
+def collect(source: str) -> list[list[str]]:
+    """Image paths grouped by label 0..C-1."""
+    if os.path.isdir(source):
+        names = sorted(d for d in os.listdir(source) if os.path.isdir(os.path.join(source, d)))
+        groups = [[os.path.join(source, n, f) for f in sorted(os.listdir(os.path.join(source, n)))
+                   if f.lower().endswith(EXTENSIONS)] for n in names]
+    else:
+        by_label = defaultdict(list)
+        base = os.path.dirname(source)
+        with open(source) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    path, label = line.rstrip("\n").split("\t")[:2]
+                    by_label[int(label)].append(os.path.join(base, path))
+                except ValueError:
+                    raise SystemExit(f"{source}:{lineno}: expected 'path<TAB>label'") from None
+        labels = sorted(by_label)
+        if labels != list(range(len(labels))):
+            raise SystemExit(f"{source}: labels must be 0..C-1 without gaps")
+        groups = [by_label[label] for label in labels]
+    empty = [i for i, g in enumerate(groups) if not g]
+    if empty or not groups:
+        raise SystemExit(f"{source}: identity {empty[0] if empty else 0} has no images")
+    return groups
+
+
+def read_bytes(paths):
+    for path in paths:
+        with open(path, "rb") as f:
+            yield f.read()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("source", help="image folder or list file")
+    p.add_argument("output", help="directory for train.rec, train.idx, property")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing set")
+    args = p.parse_args(argv)
+    groups = collect(args.source)
+    total = sum(len(g) for g in groups)
+    progress = Progress(total, "packing")
+    try:
+        write_insightface_rec(args.output, (list(read_bytes(g)) for g in groups), total, len(groups),
+                              progress, overwrite=args.overwrite)
+    except FileExistsError as exc:
+        raise SystemExit(str(exc)) from None
+    print(f"packed {total} images of {len(groups)} identities into {args.output}")
+
+
+if __name__ == "__main__":
+    main()
