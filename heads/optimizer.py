@@ -33,6 +33,7 @@ class SampledRowsOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.head.clear_sampled()
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()

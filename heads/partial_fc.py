@@ -30,7 +30,8 @@ class PartialFC(nn.Module):
     in the global batch plus uniformly drawn other classes, `max(int(sample_rate *
     num_local), positives)` in all. Unsampled rows get a zero gradient; pair the head with
     `heads.SampledRowsOptimizer` so they are neither decayed nor moved by momentum and keep
-    their optimizer state unchanged (`sampled_index` tells it which rows took part).
+    their optimizer state unchanged (`sampled_index` tells it which rows took part since the
+    optimizer's last `zero_grad()`, so gradient accumulation over micro-steps is covered).
     """
 
     def __init__(self, margin_loss: CombinedMarginLoss, embedding_size: int, num_classes: int,
@@ -87,6 +88,10 @@ class PartialFC(nn.Module):
             raise ValueError(f"PartialFC: batch sizes differ across ranks ({-int(status[1])} to "
                              f"{int(status[0])}); every rank must pass the same number of rows")
 
+    def clear_sampled(self) -> None:
+        """Forget the rows sampled so far (the head optimizer calls this in zero_grad)."""
+        self.sampled_index = None
+
     def sample(self, local_labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pick the shard rows for this step; return (sorted index, labels remapped into it)."""
         positive = torch.unique(local_labels[local_labels >= 0], sorted=True)
@@ -113,6 +118,9 @@ class PartialFC(nn.Module):
         index = None
         if self.num_sample < self.num_local and self.training:
             index, local = self.sample(local)
-        self.sampled_index = index
+            if self.sampled_index is not None:  # gradient accumulation: rows of earlier micro-steps
+                self.sampled_index = torch.unique(torch.cat([self.sampled_index, index]))
+            else:
+                self.sampled_index = index
         return ShardedMarginCE.apply(normalise_embeddings(embeddings), self.weight, local, index,
                                      self.margin_loss, self.chunk_size, self.group)

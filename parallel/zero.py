@@ -274,7 +274,10 @@ class Zero2Optimizer:
                 else:
                     new_state[key] = value.clone() if torch.is_tensor(value) else value
             self.optimizer.state[g.master] = new_state
-            if g.layout.dtype != torch.float32 and state_dict.get("master"):
-                full = g.layout.flatten(state_dict["master"], dtype=torch.float32)
-                g.master.data.copy_(g.layout.shard.of(full))
+            if g.layout.dtype != torch.float32:
+                if state_dict.get("master"):
+                    full = g.layout.flatten(state_dict["master"], dtype=torch.float32)
+                    g.master.data.copy_(g.layout.shard.of(full))
+                else:  # saved without masters (e.g. by DDPOptimizer): start from the weights
+                    g.master.data.copy_(g.layout.shard.of(g.buffer))
 

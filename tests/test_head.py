@@ -141,6 +141,7 @@ def test_sampling_keeps_positives_and_count_and_equals_restricted_ce():
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     # more positives than the sample size: exactly the positives are kept
     many = torch.arange(0, 24, 2)
+    head.clear_sampled()
     head(torch.randn(12, D), many)
     assert head.sampled_index.tolist() == many.tolist()
 
@@ -150,8 +151,9 @@ def test_unsampled_rows_keep_weights_and_optimizer_state():
     head = PartialFC(CosFace(s=16.0, m=0.3), D, 40, sample_rate=0.25)
     opt = SampledRowsOptimizer(head, torch.optim.SGD, lr=0.5, momentum=0.9, weight_decay=0.1)
     head(torch.randn(4, D), torch.tensor([1, 2, 3, 4])).backward()
-    opt.step(); opt.zero_grad()
+    opt.step()
     first = head.sampled_index.clone()
+    opt.zero_grad()
     w_before = head.weight.detach().clone()
     buf_before = opt.state[head.weight]["momentum_buffer"].clone()
     head(torch.randn(4, D), torch.tensor([30, 31, 32, 33])).backward()
@@ -164,6 +166,18 @@ def test_unsampled_rows_keep_weights_and_optimizer_state():
     assert torch.equal(opt.state[head.weight]["momentum_buffer"][untouched], buf_before[untouched])
     moved = second[~torch.isin(second, first)]
     assert not torch.equal(head.weight.detach()[moved], w_before[moved])
+
+
+def test_sampled_rows_accumulate_over_micro_steps_until_zero_grad():
+    torch.manual_seed(5)
+    head = PartialFC(CosFace(s=16.0, m=0.3), D, 40, sample_rate=0.1)
+    opt = SampledRowsOptimizer(head, torch.optim.SGD, lr=0.1)
+    head(torch.randn(2, D), torch.tensor([1, 2]))
+    first = set(head.sampled_index.tolist())
+    head(torch.randn(2, D), torch.tensor([30, 31]))
+    assert first | {30, 31} <= set(head.sampled_index.tolist())
+    opt.zero_grad()
+    assert head.sampled_index is None
 
 
 def _bad_input_worker(rank, world_size, kind):

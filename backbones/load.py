@@ -1,0 +1,62 @@
+"""Build a backbone from a ShardFace checkpoint or a plain (insightface) state dict."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+
+from backbones import get_model
+from utils.checkpoint import CheckpointError, resolve_checkpoint, safe_load
+
+
+def _embedding_size(state: dict) -> int | None:
+    """The last BatchNorm of every registered backbone is its embedding BatchNorm."""
+    bn = [k for k in state if k.endswith("running_mean")]
+    return int(state[bn[-1]].numel()) if bn else None
+
+
+def _sibling_config(path: str) -> dict:
+    cfg = os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")
+    return json.load(open(cfg)) if os.path.isfile(cfg) else {}
+
+
+def load_backbone_state(path: str, ema: bool = True) -> tuple[dict, dict]:
+    """(state dict, training config or {}) from a checkpoint dir, a run output or a .pt file."""
+    if os.path.isdir(path):
+        ckpt = resolve_checkpoint(path)
+        meta = safe_load(os.path.join(ckpt, "meta.pt"))
+        ema_path = os.path.join(ckpt, "ema.pt")
+        if ema and os.path.isfile(ema_path):
+            return safe_load(ema_path)["state"], meta.get("config", {})
+        return safe_load(os.path.join(ckpt, "backbone.pt")), meta.get("config", {})
+    state = safe_load(path)
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        raise CheckpointError(f"{path}: not a backbone state dict")
+    return {k.removeprefix("module."): v for k, v in state.items()}, _sibling_config(path)
+
+
+def load_backbone(path: str, network: str | None = None, ema: bool = True) -> nn.Module:
+    """An eval-mode fp32 backbone with the weights at `path` (EMA weights when present and
+    `ema`). `network` defaults to the one recorded in the training config."""
+    state, config = load_backbone_state(path, ema)
+    network = network or config.get("network")
+    if not network:
+        raise CheckpointError(f"{path}: no training config beside it names the network; pass --network")
+    model = get_model(network, num_features=_embedding_size(state) or config.get("embedding_size", 512))
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    if missing or unexpected:
+        raise CheckpointError(f"{path} is not a '{network}' checkpoint: {len(missing)} missing keys "
+                              f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})")
+    mismatched = [k for k, v in expected.items() if state[k].shape != v.shape]
+    if mismatched:
+        k = mismatched[0]
+        raise CheckpointError(f"{path} is not a '{network}' checkpoint: '{k}' has shape "
+                              f"{tuple(state[k].shape)}, expected {tuple(expected[k].shape)}")
+    model.load_state_dict(state, strict=True)
+    return model.float().eval()

@@ -1,0 +1,181 @@
+#!/usr/bin/env python
+"""IJB-B / IJB-C 1:1 verification (template-based TAR at fixed FAR).
+
+Layout under `root`: meta/<prefix>_face_tid_mid.txt (image, template, media),
+meta/<prefix>_template_pair_label.txt (template 1, template 2, label),
+meta/<prefix>_name_5pts_score.txt (image, 10 landmark coordinates, detector score),
+loose_crop/<images>. Each face is aligned to the 112x112 ArcFace template by a 5-point
+similarity transform; its feature is the embedding of the face plus that of its mirror image,
+weighted by the detector score; images of one media are averaged, media of one template
+summed, templates L2-normalised; pair scores are cosine similarities; TAR at each FAR is the
+highest true accept rate whose false accept rate does not exceed it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+from sklearn.metrics import roc_curve
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ARCFACE_TEMPLATE = np.array([[38.2946, 51.6963], [73.5318, 51.5014], [56.0252, 71.7366],
+                             [41.5493, 92.3655], [70.7299, 92.2041]], dtype=np.float64)
+FAR_LEVELS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
+
+
+def similarity_transform(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """2x3 matrix of the least-squares similarity (rotation, scale, shift) mapping src -> dst
+    (Umeyama's closed form)."""
+    src, dst = np.asarray(src, np.float64), np.asarray(dst, np.float64)
+    mu_s, mu_d = src.mean(0), dst.mean(0)
+    s, d = src - mu_s, dst - mu_d
+    cov = d.T @ s / len(src)
+    u, sig, vt = np.linalg.svd(cov)
+    sign = np.eye(2)
+    if np.linalg.det(u) * np.linalg.det(vt) < 0:
+        sign[1, 1] = -1
+    rot = u @ sign @ vt
+    scale = np.trace(np.diag(sig) @ sign) / s.var(0).sum()
+    m = np.zeros((2, 3))
+    m[:, :2] = scale * rot
+    m[:, 2] = mu_d - scale * rot @ mu_s
+    return m
+
+
+def align_face(img: Image.Image, landmarks: np.ndarray, size: int = 112) -> Image.Image:
+    """Warp so the 5 landmarks land on the ArcFace template."""
+    to_image = similarity_transform(ARCFACE_TEMPLATE * (size / 112.0), landmarks)  # output -> input
+    return img.convert("RGB").transform((size, size), Image.AFFINE, to_image.ravel().tolist(), Image.BILINEAR)
+
+
+def _read_rows(path: str, min_fields: int) -> list[list[str]]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: IJB meta file not found")
+    rows = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            fields = line.split()
+            if not fields:
+                continue
+            if len(fields) < min_fields:
+                raise ValueError(f"{path}:{lineno}: expected {min_fields} fields, got {len(fields)}")
+            rows.append(fields)
+    return rows
+
+
+def load_meta(root: str, prefix: str):
+    meta = os.path.join(root, "meta")
+    faces = _read_rows(os.path.join(meta, f"{prefix}_face_tid_mid.txt"), 3)
+    pairs = _read_rows(os.path.join(meta, f"{prefix}_template_pair_label.txt"), 3)
+    marks = _read_rows(os.path.join(meta, f"{prefix}_name_5pts_score.txt"), 12)
+    if [r[0] for r in faces] != [r[0] for r in marks]:
+        raise ValueError(f"{meta}: face and landmark files list different images")
+    landmarks = np.array([[float(v) for v in r[1:11]] for r in marks]).reshape(-1, 5, 2)
+    scores = np.array([float(r[11]) for r in marks])
+    return ([r[0] for r in faces], np.array([int(r[1]) for r in faces]), np.array([int(r[2]) for r in faces]),
+            landmarks, scores, np.array([[int(r[0]), int(r[1])] for r in pairs]), np.array([int(r[2]) for r in pairs]))
+
+
+@torch.no_grad()
+def image_features(root: str, names, landmarks, backbone, batch_size: int = 64) -> np.ndarray:
+    """Embedding of each aligned face plus that of its mirror image."""
+    device = next(backbone.parameters()).device
+    backbone.eval()
+    feats = []
+    for start in range(0, len(names), batch_size):
+        batch = []
+        for name, marks in zip(names[start:start + batch_size], landmarks[start:start + batch_size]):
+            path = os.path.join(root, "loose_crop", name)
+            try:
+                img = Image.open(path)
+            except (FileNotFoundError, OSError) as exc:
+                raise FileNotFoundError(f"{path}: cannot read face image ({exc})") from None
+            batch.append(torch.from_numpy(np.asarray(align_face(img, marks)).copy()).permute(2, 0, 1))
+        x = torch.stack(batch).to(device).float().div_(127.5).sub_(1.0)
+        emb = backbone(x) + backbone(torch.flip(x, dims=[3]))
+        feats.append(emb.float().cpu().numpy())
+    return np.concatenate(feats)
+
+
+def template_features(feats, templates, medias):
+    """Average images within a media, sum media within a template, L2-normalise."""
+    ids = np.unique(templates)
+    out = np.zeros((len(ids), feats.shape[1]))
+    for i, t in enumerate(ids):
+        in_t = templates == t
+        for m in np.unique(medias[in_t]):
+            out[i] += feats[in_t & (medias == m)].mean(0)
+    out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+    return ids, out
+
+
+def pair_scores(ids, tfeats, pairs) -> np.ndarray:
+    row = {t: i for i, t in enumerate(ids)}
+    try:
+        a = np.array([row[t] for t in pairs[:, 0]])
+        b = np.array([row[t] for t in pairs[:, 1]])
+    except KeyError as exc:
+        raise ValueError(f"pair file names template {exc.args[0]} that has no faces") from None
+    return np.sum(tfeats[a] * tfeats[b], axis=1)
+
+
+def tar_at_far(labels, scores, far_levels=FAR_LEVELS) -> dict[float, float]:
+    fpr, tpr, _ = roc_curve(labels, scores)
+    return {far: float(tpr[fpr <= far].max()) for far in far_levels}
+
+
+def plot_roc(labels, scores, path: str, title: str = "ROC") -> None:
+    """A log-FAR ROC plot written with PIL (no plotting library needed)."""
+    fpr, tpr, _ = roc_curve(labels, scores)
+    w, h, pad = 640, 480, 60
+    img = Image.new("RGB", (w, h), "white")
+    d = ImageDraw.Draw(img)
+    lo, hi = -6.0, 0.0
+    to_xy = lambda f, t: (pad + (np.log10(max(f, 1e-6)) - lo) / (hi - lo) * (w - 2 * pad),  # noqa: E731
+                          h - pad - t * (h - 2 * pad))
+    d.rectangle([pad, pad, w - pad, h - pad], outline="black")
+    for e in range(-6, 1):
+        x, _ = to_xy(10.0 ** e, 0)
+        d.line([x, h - pad, x, h - pad + 5], fill="black")
+        d.text((x - 12, h - pad + 8), f"1e{e}", fill="black")
+    for t in np.linspace(0, 1, 6):
+        _, y = to_xy(1e-6, t)
+        d.text((10, y - 6), f"{t:.1f}", fill="black")
+    d.line([to_xy(f, t) for f, t in zip(fpr, tpr)], fill="blue", width=2)
+    d.text((pad, 20), f"{title} (x: FAR, log scale; y: TAR)", fill="black")
+    img.save(path)
+
+
+def evaluate_ijb(root: str, backbone, prefix: str = "ijbc", batch_size: int = 64, roc_path: str | None = None):
+    names, templates, medias, landmarks, det_scores, pairs, labels = load_meta(root, prefix)
+    feats = image_features(root, names, landmarks, backbone, batch_size) * det_scores[:, None]
+    ids, tfeats = template_features(feats, templates, medias)
+    scores = pair_scores(ids, tfeats, pairs)
+    if roc_path:
+        plot_roc(labels, scores, roc_path, title=prefix.upper())
+    return tar_at_far(labels, scores)
+
+
+def main(argv=None) -> None:
+    from backbones.load import load_backbone
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("checkpoint")
+    p.add_argument("--root", required=True, help="IJB directory with meta/ and loose_crop/")
+    p.add_argument("--target", default="IJBC", choices=["IJBB", "IJBC"])
+    p.add_argument("--network", default=None)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--roc", default=None, help="PNG path for the ROC plot")
+    args = p.parse_args(argv)
+    backbone = load_backbone(args.checkpoint, args.network)
+    tars = evaluate_ijb(args.root, backbone, args.target.lower(), args.batch_size, args.roc)
+    print(f"{args.target} 1:1 TAR@FAR: " + "  ".join(f"{far:.0e}: {tar:.4f}" for far, tar in tars.items()))
+
+
+if __name__ == "__main__":
+    main()

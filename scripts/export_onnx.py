@@ -1,0 +1,66 @@
+#!/usr/bin/env python
+"""Export a backbone to ONNX (input `data`: N x 3 x 112 x 112, dynamic batch, fp32) and check
+onnxruntime against torch on batches of 1 and 8."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from backbones.load import load_backbone  # noqa: E402
+
+
+def export(model: torch.nn.Module, output: str, opset: int = 17) -> None:
+    model = model.float().eval()
+    dummy = torch.zeros(1, 3, 112, 112)
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    torch.onnx.export(model, dummy, output, input_names=["data"], output_names=["embedding"],
+                      dynamic_axes={"data": {0: "batch"}, "embedding": {0: "batch"}},
+                      opset_version=opset, dynamo=False)
+
+
+def check_parity(model: torch.nn.Module, onnx_path: str, batches=(1, 8), seed: int = 0) -> float:
+    """max |onnx - torch| relative to max(1, max |torch|); raises when it exceeds 1e-4."""
+    import onnx
+    import onnxruntime as ort
+    onnx.checker.check_model(onnx.load(onnx_path))
+    session = ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"])
+    g = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    for n in batches:
+        x = torch.rand(n, 3, 112, 112, generator=g) * 2 - 1
+        with torch.no_grad():
+            ref = model(x).numpy()
+        out = session.run(None, {"data": x.numpy()})[0]
+        if out.shape != ref.shape:
+            raise RuntimeError(f"onnx output shape {out.shape} != torch {ref.shape} at batch {n}")
+        rel = float(np.abs(out - ref).max() / max(1.0, float(np.abs(ref).max())))
+        print(f"batch {n}: max |onnx - torch| = {np.abs(out - ref).max():.3e} "
+              f"(relative to max(1, max|torch|) = {rel:.3e})")
+        worst = max(worst, rel)
+    if worst > 1e-4:
+        raise RuntimeError(f"{onnx_path}: onnxruntime differs from torch by {worst:.3e} > 1e-4")
+    return worst
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("checkpoint", help="run output, checkpoint dir, our model.pt or insightface model.pt")
+    p.add_argument("output", help="path of the .onnx file")
+    p.add_argument("--network", default=None, help="backbone name (default: from the training config)")
+    p.add_argument("--no-ema", action="store_true", help="export the raw weights, not the EMA")
+    p.add_argument("--opset", type=int, default=17)
+    args = p.parse_args(argv)
+    model = load_backbone(args.checkpoint, args.network, ema=not args.no_ema)
+    export(model, args.output, args.opset)
+    check_parity(model, args.output)
+    print(f"exported {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Face datasets in the insightface and im2rec layouts, workers, sampler resume, bad input."""
+import os
+
+import pytest
+import torch
+
+from dataset import MXFaceDataset, RecordIOError, ResumableDistributedSampler, build_dataset, get_dataloader
+from dataset.pack import write_insightface_rec
+from dataset.recordio import IRHeader, RecordWriter, pack
+from tests.test_recordio import jpeg
+
+COLORS = [(200, 30, 30), (30, 200, 30), (30, 30, 200)]
+
+
+def _insightface_set(root, per_id=4):
+    ids = [[jpeg(c) for _ in range(per_id)] for c in COLORS]
+    write_insightface_rec(str(root), ids, per_id * len(COLORS), len(COLORS))
+    return str(root)
+
+
+def test_insightface_layout_reads_images_and_labels(tmp_path):
+    root = _insightface_set(tmp_path)
+    ds = MXFaceDataset(root, train=False)
+    assert len(ds) == 12 and ds.num_classes == 3
+    img, label = ds[5]
+    assert img.shape == (3, 112, 112) and img.dtype == torch.float32
+    assert -1.0 <= img.min() and img.max() <= 1.0
+    assert label.item() == 1
+    # the red identity is red: channel 0 high
+    assert ds[0][0][0].mean() > 0.5 and ds[0][0][2].mean() < -0.5
+
+
+def test_im2rec_layout_uses_every_key(tmp_path):
+    with RecordWriter(str(tmp_path / "train.idx"), str(tmp_path / "train.rec")) as w:
+        for key in range(5):
+            w.write(key, pack(IRHeader(0, float(key % 2), key, 0), jpeg(COLORS[key % 2])))
+    ds = MXFaceDataset(str(tmp_path), num_classes=2, train=False)
+    assert len(ds) == 5 and [ds[i][1].item() for i in range(5)] == [0, 1, 0, 1, 0]
+
+
+def test_training_flip_mirrors_the_image(tmp_path):
+    root = _insightface_set(tmp_path)
+    train, plain = MXFaceDataset(root, train=True), MXFaceDataset(root, train=False)
+    flipped = [i for i in range(len(train)) if train.mirror(i)]
+    assert 0 < len(flipped) < len(train)
+    i = flipped[0]
+    torch.testing.assert_close(train[i][0], torch.flip(plain[i][0], dims=[2]))
+
+
+def test_label_beyond_num_classes_names_file_and_key(tmp_path):
+    root = _insightface_set(tmp_path)
+    with open(os.path.join(root, "property"), "w") as f:
+        f.write("2,112,112\n")
+    ds = MXFaceDataset(root)
+    with pytest.raises(RecordIOError, match=r"train\.rec key 9: label 2 outside \[0, 2\)"):
+        ds[8]
+
+
+def test_undecodable_image_raises_or_is_skipped_when_configured(tmp_path):
+    ids = [[jpeg(COLORS[0]), b"not a jpeg", jpeg(COLORS[0])]]
+    write_insightface_rec(str(tmp_path), ids, 3, 1)
+    with pytest.raises(RecordIOError, match=r"train\.rec key 2: cannot decode image"):
+        MXFaceDataset(str(tmp_path))[1]
+    ds = MXFaceDataset(str(tmp_path), skip_bad_images=True)
+    img, label = ds[1]
+    assert img.shape == (3, 112, 112) and ds.bad_images == 1
+
+
+def test_missing_property_is_named(tmp_path):
+    root = _insightface_set(tmp_path)
+    os.remove(os.path.join(root, "property"))
+    with pytest.raises(RecordIOError, match="property file not found"):
+        MXFaceDataset(root)
+
+
+def test_two_workers_read_the_same_items_as_none(tmp_path):
+    root = _insightface_set(tmp_path, per_id=6)
+    ds = MXFaceDataset(root)
+    batches = {}
+    for workers in (0, 2):
+        sampler = ResumableDistributedSampler(len(ds), 1, 0, batch_size=4, seed=3)
+        batches[workers] = list(get_dataloader(ds, sampler, num_workers=workers))
+    assert len(batches[0]) == len(batches[2]) == 4
+    for (x0, y0), (x2, y2) in zip(batches[0], batches[2]):
+        assert torch.equal(x0, x2) and torch.equal(y0, y2)
+
+
+def test_sampler_ranks_are_disjoint_and_resume_skips_what_was_seen():
+    n, world, bs = 50, 2, 4
+    per_rank = [ResumableDistributedSampler(n, world, r, bs, seed=1) for r in range(world)]
+    for s in per_rank:
+        s.set_epoch(3)
+    seen = [list(s) for s in per_rank]
+    assert not set(seen[0]) & set(seen[1])
+    assert len(seen[0]) == (n // (world * bs)) * bs
+    resumed = ResumableDistributedSampler(n, world, 1, bs, seed=1)
+    resumed.set_epoch(3, start_batch=2)
+    assert list(resumed) == seen[1][2 * bs:]
+    other_epoch = ResumableDistributedSampler(n, world, 1, bs, seed=1)
+    other_epoch.set_epoch(4)
+    assert list(other_epoch) != seen[1]
+
+
+def test_build_dataset_checks_num_classes(tmp_path):
+    root = _insightface_set(tmp_path)
+    with pytest.raises(RecordIOError, match="3 classes, config num_classes is 5"):
+        build_dataset(root, 5)
+    assert len(build_dataset("synthetic", 10)) > 0
+
+
+def test_pack_rec_refuses_to_overwrite(tmp_path):
+    root = _insightface_set(tmp_path)
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        _insightface_set(root)
+
+
+def test_pack_rec_script_packs_an_image_folder(tmp_path):
+    import subprocess, sys
+    for i, color in enumerate(COLORS):
+        d = tmp_path / "faces" / f"id{i}"
+        d.mkdir(parents=True)
+        for j in range(2):
+            (d / f"{j}.jpg").write_bytes(jpeg(color))
+    out = tmp_path / "rec"
+    subprocess.run([sys.executable, "scripts/pack_rec.py", str(tmp_path / "faces"), str(out)], check=True,
+                   capture_output=True)
+    ds = MXFaceDataset(str(out), train=False)
+    assert len(ds) == 6 and [ds[i][1].item() for i in range(6)] == [0, 0, 1, 1, 2, 2]
+    again = subprocess.run([sys.executable, "scripts/pack_rec.py", str(tmp_path / "faces"), str(out)],
+                           capture_output=True, text=True)
+    assert again.returncode != 0 and "--overwrite" in again.stderr

@@ -1,0 +1,152 @@
+#!/usr/bin/env python
+"""Train a face recognition model: `python train.py configs/x [--key value ...]`, or under
+`torchrun --nproc_per_node N train.py configs/x` for N ranks (NCCL on GPUs, gloo on CPU).
+
+One step: backbone (ZeRO-2 or DDP) -> class-sharded margin head -> loss -> backward ->
+[fp16 unscale] -> global-norm clip over backbone and head -> both optimizers -> EMA.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import torch
+
+from configs import format_config, get_config
+from dataset import ResumableDistributedSampler, build_dataset, get_dataloader
+from eval.callback import VerificationCallback
+from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
+from parallel.dist import barrier
+from utils.checkpoint import TrainState, atomic_save, load_checkpoint, save_checkpoint
+from utils.schedule import lr_factor, set_lr
+from utils.training import (ProgressLogger, StopSignal, TrainingStopped, build_backbone, build_head,
+                            build_optimizers, check_loss, save_config, seed_everything)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0].startswith("--"):
+        print(__doc__)
+        return 2
+    cfg = get_config(argv[0], argv[1:])
+    info = init_distributed(cfg.dist_timeout_min)
+    os.makedirs(cfg.output, exist_ok=True)
+    logger = setup_logging(info.rank, os.path.join(cfg.output, "training.log"))
+    if info.is_main:
+        save_config(cfg, cfg.output)
+        logger.info("config %s (world size %d, %s)\n%s", argv[0], info.world_size, info.device, format_config(cfg))
+
+    torch.manual_seed(cfg.seed)  # identical initial backbone on every rank
+    backbone = build_backbone(cfg).to(info.device)
+    head = build_head(cfg).to(info.device)
+    backbone_opt, head_opt = build_optimizers(cfg, backbone, head)
+    ema = ShardedEMA(backbone, cfg.ema_decay, cfg.ema_tau, optimizer=backbone_opt if cfg.zero else None) \
+        if cfg.ema else None
+    scaler = DynamicLossScaler() if cfg.fp16 else None
+    seed_everything(cfg.seed + info.rank)  # per-rank randomness (Partial FC sampling) from here
+
+    dataset = build_dataset(cfg.rec, cfg.num_classes, train=True, skip_bad_images=cfg.skip_bad_images)
+    sampler = ResumableDistributedSampler(len(dataset), info.world_size, info.rank, cfg.batch_size, cfg.seed)
+    steps_per_epoch = sampler.batches_per_epoch // cfg.gradient_acc
+    total_steps = cfg.num_epoch * steps_per_epoch
+    if cfg.max_steps:
+        total_steps = min(total_steps, cfg.max_steps)
+    warmup_steps = cfg.warmup_epoch * steps_per_epoch
+
+    state = TrainState()
+    parts = dict(backbone=backbone, backbone_opt=backbone_opt, head=head, head_opt=head_opt, ema=ema, scaler=scaler)
+    if cfg.resume:
+        state, _ = load_checkpoint(cfg.output, **parts, rank=info.rank, world_size=info.world_size,
+                                   batch_size=cfg.batch_size)
+        logger.info("resumed at step %d (epoch %d, batch %d)", state.step, state.epoch, state.batch_in_epoch)
+
+    def save() -> None:
+        save_checkpoint(cfg.output, state, **parts, config=cfg, rank=info.rank,
+                        world_size=info.world_size, keep=cfg.keep_checkpoints)
+        weights = ema.state_dict() if ema is not None else backbone.state_dict()  # collective with EMA
+        if info.is_main:
+            atomic_save(weights, os.path.join(cfg.output, "model.pt"))
+
+    writer, verifier = None, None
+    if info.is_main:
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(os.path.join(cfg.output, "tensorboard"))
+        verifier = VerificationCallback(cfg.val_targets, cfg.val_dir or cfg.rec, cfg.verbose, writer)
+    verify_due = lambda step: bool(cfg.val_targets) and cfg.verbose > 0 and step % cfg.verbose == 0  # noqa: E731
+
+    def verify() -> None:
+        ema_model = ema.ema_module() if ema is not None else None  # collective
+        if verifier is not None:
+            verifier(state.step, backbone, ema_model)
+        barrier()
+
+    model = getattr(backbone_opt, "ddp", backbone)  # forward through DDP so it reduces gradients
+    progress = ProgressLogger(total_steps, cfg.frequent, cfg.batch_size * info.world_size * cfg.gradient_acc,
+                              writer, first_step=state.step)
+    stop = StopSignal()
+    micro = 0
+    try:
+        while state.step < total_steps and state.epoch < cfg.num_epoch:
+            sampler.set_epoch(state.epoch, state.batch_in_epoch)
+            dataset.set_epoch(state.epoch, cfg.seed) if hasattr(dataset, "set_epoch") else None
+            for images, labels in get_dataloader(dataset, sampler, cfg.num_workers, info.device, cfg.seed):
+                images = images.to(info.device, non_blocking=True)
+                labels = labels.to(info.device, non_blocking=True)
+                micro += 1
+                last_micro = micro % cfg.gradient_acc == 0
+                sync = contextlib.nullcontext() if last_micro or not hasattr(backbone_opt, "no_sync") \
+                    else backbone_opt.no_sync()
+                with sync:
+                    loss = head(model(images), labels)
+                    scaled = loss / cfg.gradient_acc
+                    (scaler.scale(scaled) if scaler else scaled).backward()
+                state.batch_in_epoch += 1
+                if not last_micro:
+                    continue
+
+                lr = cfg.lr * lr_factor(state.step, total_steps, warmup_steps, cfg.lr_scheduler, cfg.lr_power)
+                set_lr([backbone_opt, head_opt], lr)
+                if scaler is None or scaler.unscale_(backbone_opt, extra_params=head.parameters()):
+                    backbone_opt.clip_grad_norm_(cfg.max_grad_norm, extra_params=head.parameters())
+                    backbone_opt.step()
+                    head_opt.step()
+                    if ema is not None:
+                        ema.update()
+                backbone_opt.zero_grad()
+                head_opt.zero_grad()
+                state.step += 1
+                loss_value = loss.item()
+                check_loss(loss_value, state.step, scaler)
+                progress(state.step, state.epoch, loss_value, lr, scaler.scale_value if scaler else None)
+
+                if verify_due(state.step):
+                    verify()
+                if state.step % cfg.checkpoint_interval == 0:
+                    save()
+                if stop.requested():
+                    logger.info("stop signal: saving a checkpoint at step %d and exiting", state.step)
+                    save()
+                    return 0
+                if state.step >= total_steps:
+                    break
+            else:
+                state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+        save()
+        if not verify_due(state.step):
+            verify()
+        logger.info("done: %d steps; weights in %s", state.step, os.path.join(cfg.output, "model.pt"))
+        return 0
+    except TrainingStopped as exc:
+        logger.error("stopped: %s", exc)
+        return 3
+    finally:
+        stop.restore()
+        if writer is not None:
+            writer.close()
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.exit(code)

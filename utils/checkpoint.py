@@ -1,0 +1,216 @@
+"""Training checkpoints in one format that any world size can load.
+
+A checkpoint is a directory `checkpoint-<step>` under the run's output:
+
+    meta.pt        step, epoch, data position, world size, loss-scaler state, config
+    backbone.pt    the backbone's full state dict
+    optimizer.pt   the backbone optimizer's state per parameter name (ZeRO-2 or DDP alike)
+    ema.pt         the EMA's full state dict and its update count (when EMA is on)
+    head-<a>-<b>.pt  weight rows and optimizer state of classes [a, b), one file per rank
+    rng-rank<r>.pt RNG states of rank r (restored when resuming at the same world size)
+
+It is written into `checkpoint-<step>.tmp`, each file via temp file, fsync and
+`os.replace`, then renamed into place and named in `latest`, so an interrupted save never
+replaces the last good checkpoint. Loading uses `torch.load(weights_only=True)` and
+reshards the head (by class index), the optimizer state and the EMA to the current ranks.
+The output directory must be shared by all ranks (one machine, or a shared file system).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import random
+import re
+import shutil
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from parallel.dist import barrier
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+@dataclass
+class TrainState:
+    step: int = 0            # optimizer steps taken
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches this rank consumed in `epoch`
+
+
+def atomic_save(obj, path: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def safe_load(path: str):
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: checkpoint file missing")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for truncated or foreign files
+        raise CheckpointError(f"{path}: corrupt or unreadable checkpoint file ({type(exc).__name__}: {exc})") from None
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:])}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _head_payload(head, head_opt) -> dict:
+    state = head_opt.state.get(head.weight, {}) if head_opt is not None else {}
+    return {"class_start": head.class_start, "num_local": head.num_local, "num_classes": head.num_classes,
+            "weight": head.weight.detach().cpu(),
+            "state": {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in state.items()}}
+
+
+def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, head, head_opt,
+                    ema=None, scaler=None, config=None, rank: int = 0, world_size: int = 1,
+                    keep: int = 2) -> str:
+    """Collective: every rank calls it. Returns the checkpoint directory."""
+    final = os.path.join(output, f"checkpoint-{state.step:08d}")
+    tmp = f"{final}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    barrier()
+    opt_state = backbone_opt.state_dict()            # collectives: every rank takes part
+    ema_state = ema.state_dict() if ema is not None else None
+    end = head.class_start + head.num_local
+    atomic_save(_head_payload(head, head_opt), os.path.join(tmp, f"head-{head.class_start:010d}-{end:010d}.pt"))
+    atomic_save(rng_state(), os.path.join(tmp, f"rng-rank{rank}.pt"))
+    if rank == 0:
+        atomic_save(backbone.state_dict(), os.path.join(tmp, "backbone.pt"))
+        atomic_save(opt_state, os.path.join(tmp, "optimizer.pt"))
+        if ema_state is not None:
+            atomic_save({"state": ema_state, "updates": ema.updates}, os.path.join(tmp, "ema.pt"))
+        meta = {**asdict(state), "world_size": world_size, "num_classes": head.num_classes,
+                "batch_size": int(config.batch_size) if config else 0,
+                "scaler": scaler.state_dict() if scaler is not None else None,
+                "config": _plain(dict(config)) if config else {}}
+        atomic_save(meta, os.path.join(tmp, "meta.pt"))
+    barrier()
+    if rank == 0:
+        _fsync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(output)
+        atomic_write_text(os.path.join(output, "latest"), os.path.basename(final) + "\n")
+        for old in sorted(glob.glob(os.path.join(output, "checkpoint-*[0-9]")))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory, or a run output holding `latest`."""
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):
+        path = os.path.join(path, open(latest).read().strip())
+    if not os.path.isfile(os.path.join(path, "meta.pt")):
+        raise CheckpointError(f"{path}: not a checkpoint (no meta.pt) and no 'latest' file names one")
+    return path
+
+
+def _load_head(ckpt: str, head, head_opt) -> None:
+    start, end = head.class_start, head.class_start + head.num_local
+    weight = head.weight.detach()
+    new_state: dict = {}
+    covered = 0
+    for path in sorted(glob.glob(os.path.join(ckpt, "head-*.pt"))):
+        a, b = (int(v) for v in re.findall(r"head-(\d+)-(\d+)\.pt$", path)[0])
+        lo, hi = max(a, start), min(b, end)
+        if lo >= hi:
+            continue
+        part = safe_load(path)
+        if part["num_classes"] != head.num_classes:
+            raise CheckpointError(f"{path}: head of {part['num_classes']} classes, this run has {head.num_classes}")
+        with torch.no_grad():
+            weight[lo - start:hi - start].copy_(part["weight"][lo - a:hi - a])
+        for k, v in part["state"].items():
+            if torch.is_tensor(v) and v.dim() == 2:
+                new_state.setdefault(k, torch.zeros_like(weight, dtype=v.dtype))[lo - start:hi - start].copy_(v[lo - a:hi - a])
+            else:
+                new_state[k] = v
+        covered += hi - lo
+    if covered != end - start:
+        raise CheckpointError(f"{ckpt}: head files cover {covered} of the {end - start} classes [{start}, {end})")
+    if head_opt is not None and new_state:
+        head_opt.state[head.weight] = new_state
+
+
+def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=None, scaler=None,
+                    rank: int = 0, world_size: int = 1, batch_size: int | None = None) -> tuple[TrainState, dict]:
+    """Restore everything saved by `save_checkpoint`, resharding to this world size."""
+    ckpt = resolve_checkpoint(path)
+    meta = safe_load(os.path.join(ckpt, "meta.pt"))
+    if meta["num_classes"] != head.num_classes:
+        raise CheckpointError(f"{ckpt}: trained with {meta['num_classes']} classes, this run has {head.num_classes}")
+    try:
+        backbone.load_state_dict(safe_load(os.path.join(ckpt, "backbone.pt")))
+    except RuntimeError as exc:
+        raise CheckpointError(f"{ckpt}/backbone.pt does not fit this network: {exc}") from None
+    backbone_opt.load_state_dict(safe_load(os.path.join(ckpt, "optimizer.pt")))
+    if ema is not None:
+        ema_path = os.path.join(ckpt, "ema.pt")
+        if os.path.isfile(ema_path):
+            saved = safe_load(ema_path)
+            ema.load_state_dict(saved["state"], updates=saved["updates"])
+        else:  # EMA switched on at resume: it starts from the loaded weights
+            ema.load_state_dict(backbone.state_dict(), updates=0)
+    _load_head(ckpt, head, head_opt)
+    if scaler is not None and meta.get("scaler"):
+        scaler.load_state_dict(meta["scaler"])
+    state = TrainState(meta["step"], meta["epoch"], meta["batch_in_epoch"])
+    if meta["world_size"] == world_size:
+        set_rng_state(safe_load(os.path.join(ckpt, f"rng-rank{rank}.pt")))
+    elif batch_size:
+        # same samples seen, expressed in this world's batches (rounded down)
+        seen = meta["batch_in_epoch"] * meta["batch_size"] * meta["world_size"]
+        state.batch_in_epoch = seen // (batch_size * world_size)
+    return state, meta

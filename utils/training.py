@@ -1,0 +1,134 @@
+"""Builders and run-time helpers for train.py: models and optimizers from a config, stop
+signals, progress logging, fault checks."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from backbones import get_model
+from heads import PartialFC, SampledRowsOptimizer
+from losses import CombinedMarginLoss
+from parallel.ddp import DDPOptimizer
+from parallel.dist import cpu_group, get_world_size
+from parallel.zero import Zero2Optimizer
+from utils.progress import format_seconds
+
+logger = logging.getLogger("shardface")
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot continue (diverged); the last checkpoint on disk is the last good one."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_backbone(cfg) -> torch.nn.Module:
+    return get_model(cfg.network, num_features=cfg.embedding_size, dropout=cfg.dropout,
+                     fp16=cfg.fp16, bf16=cfg.bf16, grad_checkpoint=cfg.grad_checkpoint)
+
+
+def build_head(cfg) -> PartialFC:
+    m1, m2, m3 = cfg.margin_list
+    margin = CombinedMarginLoss(cfg.scale, m1, m2, m3, cfg.interclass_filtering_threshold)
+    return PartialFC(margin, cfg.embedding_size, cfg.num_classes, cfg.sample_rate, cfg.chunk_size or None)
+
+
+def optimizer_kwargs(cfg) -> tuple[type, dict]:
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer '{cfg.optimizer}' ({', '.join(OPTIMIZERS)})")
+    kw = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    if cfg.optimizer == "sgd":
+        kw["momentum"] = cfg.momentum
+    return OPTIMIZERS[cfg.optimizer], kw
+
+
+def build_optimizers(cfg, backbone, head):
+    """(backbone optimizer: ZeRO-2 or DDP, head optimizer stepping only sampled rows)."""
+    cls, kw = optimizer_kwargs(cfg)
+    backbone_opt = Zero2Optimizer(backbone, cls, **kw) if cfg.zero else DDPOptimizer(backbone, cls, **kw)
+    return backbone_opt, SampledRowsOptimizer(head, cls, **kw)
+
+
+def save_config(cfg, output: str) -> None:
+    with open(os.path.join(output, "config.json"), "w") as f:
+        json.dump(dict(cfg), f, indent=2, sort_keys=True, default=list)
+
+
+class StopSignal:
+    """SIGTERM / SIGINT set a flag; `requested()` agrees on it across ranks (one tiny
+    all-reduce over a CPU group), so every rank saves and exits at the same step."""
+
+    def __init__(self):
+        self.flag = False
+        self.previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.flag = True
+
+    def requested(self) -> bool:
+        if get_world_size() == 1:
+            return self.flag
+        t = torch.tensor([float(self.flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
+        return bool(t.item())
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+class ProgressLogger:
+    """Rank 0's progress line every `frequent` steps: loss, lr, global samples/s, ETA."""
+
+    def __init__(self, total_steps: int, frequent: int, samples_per_step: int, writer=None, first_step: int = 0):
+        self.total, self.frequent, self.samples_per_step = total_steps, frequent, samples_per_step
+        self.writer = writer
+        self.losses: list[float] = []
+        self.mark_time, self.mark_step = time.time(), first_step
+
+    def __call__(self, step: int, epoch: int, loss: float, lr: float, scale: float | None) -> None:
+        self.losses.append(loss)
+        if self.writer is not None:
+            self.writer.add_scalar("train/loss", loss, step)
+            self.writer.add_scalar("train/lr", lr, step)
+        if step % self.frequent and step != self.total:
+            return
+        now = time.time()
+        rate = (step - self.mark_step) * self.samples_per_step / max(now - self.mark_time, 1e-9)
+        eta = (self.total - step) * self.samples_per_step / max(rate, 1e-9)
+        mean_loss = sum(self.losses) / len(self.losses)
+        scale_txt = f"  scale {scale:.0f}" if scale is not None else ""
+        logger.info("step %d/%d  epoch %d  loss %.4f  lr %.5f  %.1f samples/s  ETA %s%s",
+                    step, self.total, epoch, mean_loss, lr, rate, format_seconds(eta), scale_txt)
+        if self.writer is not None:
+            self.writer.add_scalar("train/samples_per_second", rate, step)
+        self.losses.clear()
+        self.mark_time, self.mark_step = now, step
+
+
+def check_loss(loss_value: float, step: int, scaler, max_skipped: int = 20) -> None:
+    """Stop on a non-finite loss (fp32/bf16) or a loss scaler that keeps skipping (fp16).
+    The loss is the global mean, identical on every rank, so all ranks stop together."""
+    if scaler is None:
+        if not np.isfinite(loss_value):
+            raise TrainingStopped(f"loss is {loss_value} at step {step}: training diverged; "
+                                  f"resume from the last checkpoint with a lower lr")
+    elif scaler.skipped_in_a_row >= max_skipped:
+        raise TrainingStopped(f"fp16 loss scaler skipped {scaler.skipped_in_a_row} steps in a row "
+                              f"(scale {scaler.scale_value}) at step {step}: gradients stay non-finite")
