@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
     progress = ProgressLogger(total_steps, cfg.frequent, cfg.batch_size * info.world_size * cfg.gradient_acc,
                               writer, first_step=state.step)
     stop = StopSignal()
-    micro = 0
+    micro, first_step = 0, state.step
     try:
         while state.step < total_steps and state.epoch < cfg.num_epoch:
             sampler.set_epoch(state.epoch, state.batch_in_epoch)
@@ -123,8 +123,10 @@ def main(argv: list[str]) -> int:
                     verify()
                 if state.step % cfg.checkpoint_interval == 0:
                     save()
-                if stop.requested():
-                    logger.info("stop signal: saving a checkpoint at step %d and exiting", state.step)
+                job_done = cfg.stop_after_steps and state.step - first_step >= cfg.stop_after_steps
+                if stop.requested() or job_done:
+                    logger.info("%s: saving a checkpoint at step %d and exiting",
+                                "job step limit" if job_done else "stop signal", state.step)
                     save()
                     return 0
                 if state.step >= total_steps:

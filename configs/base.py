@@ -57,4 +57,6 @@ config.checkpoint_interval = 2000     # steps between checkpoints (and one at th
 config.keep_checkpoints = 2
 config.resume = False                 # continue from output/checkpoint-latest
 config.dist_timeout_min = 10          # a dead rank makes the others fail after this long
-config.max_steps = 0                  # stop early after N steps (0 = full schedule)
+config.max_steps = 0                  # shorten the schedule to N steps (0 = num_epoch epochs)
+config.stop_after_steps = 0           # save and exit after N steps of this job, schedule unchanged
+                                      # (time-limited cluster jobs; resume continues exactly)

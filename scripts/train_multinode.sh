@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Several nodes through torchrun's rendezvous. Run the same command on every node:
+#   NNODES=2 NPROC=8 RDZV_HOST=node0 scripts/train_multinode.sh configs/glint360k_r100 [--key value ...]
+# The output directory must be on a file system all nodes share (checkpoints are written by every rank).
+set -euo pipefail
+config=${1:?usage: NNODES=.. NPROC=.. RDZV_HOST=.. scripts/train_multinode.sh CONFIG [--key value ...]}
+shift
+exec torchrun --nnodes "${NNODES:?set NNODES}" --nproc_per_node "${NPROC:?set NPROC}" \
+  --rdzv_backend c10d --rdzv_endpoint "${RDZV_HOST:?set RDZV_HOST}:${RDZV_PORT:-29400}" \
+  --rdzv_id "${RDZV_ID:-shardface}" train.py "$config" "$@"

@@ -1,0 +1,123 @@
+"""train.py end to end on a tiny generated set: learning, exact resume, resharded resume,
+DDP = ZeRO-2, stop signals, divergence and corrupt checkpoints."""
+import os
+import re
+import shutil
+
+import pytest
+import torch
+
+import train
+from scripts.make_synthetic import main as make_synthetic
+from tests.distributed import run_distributed
+from utils.checkpoint import CheckpointError, resolve_checkpoint
+
+STEPS = 12  # 8 steps per epoch at W=2, b=8: crosses an epoch boundary
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("data") / "syn")
+    make_synthetic(["--output", root, "--num-ids", "16", "--per-id", "8", "--val-ids", "6",
+                    "--val-per-id", "4", "--val-pairs", "40", "--workers", "1"])
+    return root
+
+
+def argv(data_dir, output, *extra):
+    return ["configs/synthetic.py", "--rec", data_dir, "--num_classes", "16", "--batch_size", "8",
+            "--num_workers", "0", "--frequent", "1", "--verbose", "0", "--val_targets", "[]",
+            "--checkpoint_interval", "4", "--num_epoch", "3", "--warmup_epoch", "0", "--max_steps", str(STEPS),
+            "--chunk_size", "5", "--ema", "true", "--ema_tau", "2", "--lr", "0.05", "--output", output, *extra]
+
+
+def _run(rank, world_size, args):
+    return train.main(args)
+
+
+def losses_in_log(output):
+    text = open(os.path.join(output, "training.log")).read()
+    return [float(v) for v in re.findall(r"loss ([0-9.]+|nan|inf)", text)]
+
+
+def checkpoint_tensors(path):
+    ckpt = resolve_checkpoint(path)
+    out = {f"backbone.{k}": v for k, v in torch.load(os.path.join(ckpt, "backbone.pt")).items()}
+    out.update({f"ema.{k}": v for k, v in torch.load(os.path.join(ckpt, "ema.pt"))["state"].items()})
+    heads = sorted(f for f in os.listdir(ckpt) if f.startswith("head-"))
+    out["head"] = torch.cat([torch.load(os.path.join(ckpt, f))["weight"] for f in heads])
+    out["head_momentum"] = torch.cat([torch.load(os.path.join(ckpt, f))["state"]["momentum_buffer"] for f in heads])
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(data_dir, tmp_path_factory):
+    """Uninterrupted ZeRO-2 run, the same run killed at step 5 and resumed, and DDP."""
+    base = tmp_path_factory.mktemp("runs")
+    full, cut, ddp = str(base / "full"), str(base / "cut"), str(base / "ddp")
+    assert run_distributed(_run, 2, argv(data_dir, full)) == [0, 0]
+    assert run_distributed(_run, 2, argv(data_dir, cut, "--stop_after_steps", "5")) == [0, 0]
+    shutil.copytree(cut, str(base / "cut_at_5"))
+    assert run_distributed(_run, 2, argv(data_dir, cut, "--resume", "true")) == [0, 0]
+    assert run_distributed(_run, 2, argv(data_dir, ddp, "--zero", "false")) == [0, 0]
+    return {"full": full, "cut": cut, "ddp": ddp, "cut_at_5": str(base / "cut_at_5")}
+
+
+def test_two_ranks_zero2_ema_chunked_head_loss_falls(runs):
+    losses = losses_in_log(runs["full"])
+    assert len(losses) == STEPS
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3
+
+
+def test_killed_and_resumed_run_matches_uninterrupted_run(runs):
+    a, b = checkpoint_tensors(runs["full"]), checkpoint_tensors(runs["cut"])
+    assert resolve_checkpoint(runs["cut"]).endswith(f"checkpoint-{STEPS:08d}")
+    for key, value in a.items():
+        torch.testing.assert_close(b[key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_ddp_and_zero2_train_the_same_model(runs):
+    a, b = checkpoint_tensors(runs["full"]), checkpoint_tensors(runs["ddp"])
+    for key, value in a.items():
+        if value.is_floating_point():  # reduction order differs: float noise only
+            torch.testing.assert_close(b[key], value, rtol=1e-4, atol=max(1e-5, 1e-4 * value.abs().max().item()), msg=key)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_checkpoint_resumes_on_another_number_of_ranks(runs, data_dir, tmp_path, world_size):
+    out = str(tmp_path / "resharded")
+    shutil.copytree(runs["cut_at_5"], out)
+    args = argv(data_dir, out, "--resume", "true", "--stop_after_steps", "3")
+    assert run_distributed(_run, world_size, args) == [0] * world_size
+    assert resolve_checkpoint(out).endswith("checkpoint-00000008")
+    before, after = checkpoint_tensors(runs["cut_at_5"]), checkpoint_tensors(out)
+    assert after["head"].shape == before["head"].shape == (16, 128)
+    assert not torch.equal(after["head"], before["head"])
+    assert all(torch.isfinite(v).all() for v in after.values() if v.is_floating_point())
+    log = open(os.path.join(out, "training.log")).read()
+    assert "resumed at step 5" in log
+
+
+def test_diverging_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
+    out = str(tmp_path / "nan")
+    code = train.main(argv(data_dir, out, "--lr", "1e30", "--max_grad_norm", "0", "--checkpoint_interval", "1",
+                           "--ema", "false"))
+    assert code == 3
+    log = open(os.path.join(out, "training.log")).read()
+    assert "training diverged" in log
+    last = checkpoint_tensors_plain(out)
+    assert all(torch.isfinite(v).all() for v in last.values() if v.is_floating_point())
+
+
+def checkpoint_tensors_plain(path):
+    ckpt = resolve_checkpoint(path)
+    return torch.load(os.path.join(ckpt, "backbone.pt"))
+
+
+def test_corrupt_checkpoint_is_a_clear_error(data_dir, tmp_path, runs):
+    out = str(tmp_path / "corrupt")
+    shutil.copytree(runs["cut_at_5"], out)
+    target = os.path.join(resolve_checkpoint(out), "optimizer.pt")
+    data = open(target, "rb").read()
+    open(target, "wb").write(data[: len(data) // 3])
+    with pytest.raises(CheckpointError, match=r"optimizer\.pt: corrupt or unreadable"):
+        train.main(argv(data_dir, out, "--resume", "true", "--zero", "false"))

@@ -1,0 +1,105 @@
+"""Verification protocol, .bin loading (py3 and py2 pickles) and the flip test."""
+import io
+import pickle
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from eval import verification
+from eval.verification import VerificationDataError, embed, evaluate, load_bin, write_bin
+from tests.test_recordio import jpeg
+
+
+def _pairs(n_pairs, bad_same):
+    """Same pairs identical (distance 0), different pairs orthogonal (distance 2); the first
+    `bad_same` same-pairs are orthogonal too, so exactly they are misclassified."""
+    emb, issame = [], []
+    for i in range(n_pairs):
+        same = i % 2 == 0
+        a = np.zeros(4); a[0] = 1
+        b = a.copy() if same and i // 2 >= bad_same else np.eye(4)[1]
+        emb += [a, b]
+        issame.append(same)
+    return np.array(emb), issame
+
+
+def test_evaluate_gives_exact_accuracy_of_constructed_pairs():
+    emb, issame = _pairs(100, 0)
+    _, _, acc, val, _, far = evaluate(emb, issame)
+    assert acc.mean() == 1.0 and val == 1.0 and far == 0.0
+    emb, issame = _pairs(100, 6)
+    _, _, acc, _, _, _ = evaluate(emb, issame)
+    assert acc.mean() == pytest.approx(0.94)
+
+
+def _write_py2_pickle(path, images, issame):
+    """What python 2's pickle.dump((list_of_str, list_of_bool), f, protocol=2) writes."""
+    out = bytearray(b"\x80\x02](")
+    for data in images:
+        out += b"T" + struct.pack("<I", len(data)) + data  # BINSTRING: a py2 str
+    out += b"e](" + b"".join(b"\x88" if s else b"\x89" for s in issame) + b"e\x86."
+    path.write_bytes(bytes(out))
+
+
+@pytest.mark.parametrize("py2", [False, True])
+def test_load_bin_reads_images_and_mirrors(tmp_path, py2):
+    images = [jpeg((250, 10, 10)), jpeg((10, 250, 10)), jpeg((10, 10, 250)), jpeg((10, 10, 250), size=96)]
+    path = tmp_path / "set.bin"
+    if py2:
+        _write_py2_pickle(path, images, [False, True])
+        with pytest.raises(UnicodeDecodeError):
+            pickle.load(open(path, "rb"))
+    else:
+        write_bin(str(path), images, [False, True])
+    (data, flipped), issame = load_bin(str(path))
+    assert issame == [False, True]
+    assert data.shape == (4, 3, 112, 112) and data.dtype == torch.uint8
+    assert data[0, 0].float().mean() > 200 and data[2, 2].float().mean() > 200  # resized image kept
+    assert torch.equal(flipped, torch.flip(data, dims=[3]))
+
+
+def test_bad_bin_files_are_named(tmp_path):
+    odd = tmp_path / "odd.bin"
+    write_bin(str(odd), [jpeg((0, 0, 0))] * 3, [True])
+    with pytest.raises(VerificationDataError, match=r"odd\.bin: odd number of images"):
+        load_bin(str(odd))
+    mismatch = tmp_path / "mismatch.bin"
+    write_bin(str(mismatch), [jpeg((0, 0, 0))] * 4, [True, False, True])
+    with pytest.raises(VerificationDataError, match=r"mismatch\.bin: 4 images but 3 issame"):
+        load_bin(str(mismatch))
+
+
+class LeftHalfMean(torch.nn.Module):
+    """An embedding that changes under mirroring: channel means of the left half."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(3, 3, bias=False)
+        torch.nn.init.eye_(self.proj.weight)
+
+    def forward(self, x):
+        return self.proj(x[..., : x.shape[-1] // 2].mean(dim=(2, 3)))
+
+
+def test_flip_test_sums_mirror_embeddings_and_is_batch_size_independent(tmp_path):
+    rng = np.random.default_rng(0)
+    images = []
+    for _ in range(40):
+        arr = rng.integers(0, 255, (112, 112, 3), dtype=np.uint8)
+        buf = io.BytesIO()
+        from PIL import Image
+        Image.fromarray(arr).save(buf, format="PNG")
+        images.append(buf.getvalue())
+    path = tmp_path / "v.bin"
+    write_bin(str(path), images, [i % 2 == 0 for i in range(20)])
+    data = load_bin(str(path))
+    model = LeftHalfMean()
+    a = verification.test(data, model, batch_size=7, nfolds=10)
+    b = verification.test(data, model, batch_size=64, nfolds=10)
+    assert a[:5] == pytest.approx(b[:5])
+    np.testing.assert_allclose(a[5][1], embed(torch.flip(data[0][0], dims=[3]), model, 64), rtol=1e-6)
+    summed = a[5][0] + a[5][1]
+    summed /= np.linalg.norm(summed, axis=1, keepdims=True)
+    assert a[2] == pytest.approx(evaluate(summed, data[1])[2].mean())
