@@ -29,13 +29,17 @@ def _normalised(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return w / norm, norm
 
 
-def _scaled_cos(emb_n, wn, margin: CombinedMarginLoss, rows, cc) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _inv_norm(w: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(w, dim=1).clamp_min_(_EPS).reciprocal_()
+
+
+def _scaled_cos(emb_n, w, inv_norm, margin: CombinedMarginLoss, rows, cc) -> tuple[torch.Tensor, torch.Tensor | None]:
     """s * cos for one chunk with interclass filtering; returns (logits, filtered mask).
 
     Filtering (arcface_torch's interclass_filtering_threshold) zeroes the cosine of
     non-target classes above the threshold; those entries carry no gradient.
     """
-    cos = (emb_n @ wn.t()).clamp_(-1.0, 1.0)
+    cos = (emb_n @ w.t()).mul_(inv_norm).clamp_(-1.0, 1.0)
     filtered = None
     thr = margin.interclass_filtering_threshold
     if thr > 0:
@@ -75,14 +79,14 @@ class ShardedMarginCE(torch.autograd.Function):
         row_sum = emb_n.new_zeros(B)
         for j0 in range(0, cols, K):
             j1 = min(j0 + K, cols)
-            wn, _ = _normalised(_weight_rows(weight, index, j0, j1))
+            w = _weight_rows(weight, index, j0, j1)
             rows, cc = _chunk_targets(labels, j0, j1)
-            logits, _ = _scaled_cos(emb_n, wn, margin, rows, cc)
+            logits, _ = _scaled_cos(emb_n, w, _inv_norm(w), margin, rows, cc)
             logits[rows, cc] = t_logit[torch.searchsorted(t_rows, rows)]
             new_max = torch.maximum(row_max, logits.max(1).values)
-            row_sum = row_sum * torch.exp(row_max - new_max) + torch.exp(logits - new_max[:, None]).sum(1)
+            row_sum = row_sum * torch.exp(row_max - new_max) + logits.sub_(new_max[:, None]).exp_().sum(1)
             row_max = new_max
-            del logits, wn
+            del logits
 
         target = emb_n.new_zeros(B)
         target[t_rows] = t_logit
@@ -113,24 +117,30 @@ class ShardedMarginCE(torch.autograd.Function):
         grad_emb = torch.zeros_like(emb_n)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
 
-        # Non-target columns, chunk by chunk: d logit = coef * p, d cos = s * d logit.
+        # Non-target columns, chunk by chunk. With l = s * (e . w) / |w| and dl = coef * p:
+        #   d e = sum_j dl * s / |w_j| * w_j
+        #   d w_j = sum_i dl * s / |w_j| * e_i  -  w_j / |w_j|^2 * sum_i dl * l
+        # computed from the weight rows themselves (no normalised copy of the chunk).
         for j0 in range(0, cols, K):
             j1 = min(j0 + K, cols)
-            wn, norm = _normalised(_weight_rows(weight, index, j0, j1))
+            w = _weight_rows(weight, index, j0, j1)
+            inv = _inv_norm(w)
             rows, cc = _chunk_targets(labels, j0, j1)
-            logits, filtered = _scaled_cos(emb_n, wn, margin, rows, cc)
-            dcos = torch.exp_(logits.sub_(log_z[:, None])).mul_(coef * margin.s)
-            dcos[rows, cc] = 0.0
+            logits, filtered = _scaled_cos(emb_n, w, inv, margin, rows, cc)
+            dl = (logits - log_z[:, None]).exp_().mul_(coef)
+            dl[rows, cc] = 0.0
             if filtered is not None:
-                dcos.masked_fill_(filtered, 0.0)
-            grad_emb.addmm_(dcos, wn)
-            grad_wn = dcos.t() @ emb_n
-            del dcos, logits
-            grad_wc = (grad_wn - wn * (grad_wn * wn).sum(1, keepdim=True)).div_(norm)
-            if index is None:
-                grad_w[j0:j1] = grad_wc
-            else:
-                grad_w[index[j0:j1]] = grad_wc  # sampled rows are unique
+                dl.masked_fill_(filtered, 0.0)
+            radial = (dl * logits).sum(0)
+            del logits
+            dl.mul_(inv.mul(margin.s))  # now d(e . w_j)
+            grad_emb.addmm_(dl, w)
+            g = grad_w[j0:j1] if index is None else torch.empty_like(w)
+            torch.mm(dl.t(), emb_n, out=g)
+            del dl
+            g.addcmul_(w, (radial * inv * inv)[:, None], value=-1.0)
+            if index is not None:
+                grad_w.index_copy_(0, index[j0:j1], g)  # sampled rows are unique
 
         # Target columns: d t = coef * (p_target - 1), through the margin and normalisation.
         if t_rows.numel():

@@ -1,6 +1,7 @@
 """ZeRO-2: sharded optimizer state, fp32 master weights and gradients over one flat layout."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -12,15 +13,18 @@ from parallel.dist import get_rank, get_world_size
 from parallel.flat import FlatLayout, ParamSlot, Range, build_layouts
 
 
-@dataclass
+@dataclass(eq=False)  # identity: buckets are compared by object, never by tensor contents
 class _Bucket:
-    """A contiguous run of parameters whose gradients are reduced together."""
+    """A contiguous run of parameters whose gradients are reduced together.
+
+    state: "empty" (no gradient this backward) -> "filling" -> "ready" -> "launched"
+    (reduction in flight) -> "done" (added to the gradient shard, scratch released).
+    """
     range: Range
     slots: list[ParamSlot]
+    state: str = "empty"
     pending: int = 0
     scratch: torch.Tensor | None = None
-    ready: bool = False
-    launched: bool = False
     handles: list = field(default_factory=list)
     pieces: list = field(default_factory=list)  # (shard range, scratch slice) this rank receives
 
@@ -43,6 +47,17 @@ class _DtypeGroup:
         self.buckets = self._make_buckets(bucket_numel)
         self.bucket_of = {slot.name: b for b in self.buckets for slot in b.slots}
 
+    def gaps_in(self, bucket: _Bucket) -> list[Range]:
+        """Bucket-relative ranges that no parameter covers (alignment and end padding)."""
+        gaps, pos = [], bucket.range.start
+        for slot in bucket.slots:
+            if slot.global_range.start > pos:
+                gaps.append(Range(pos, slot.global_range.start).shift(bucket.range.start))
+            pos = slot.global_range.end
+        if pos < bucket.range.end:
+            gaps.append(Range(pos, bucket.range.end).shift(bucket.range.start))
+        return gaps
+
     def _make_buckets(self, bucket_numel: int) -> list[_Bucket]:
         buckets, current = [], []
         for slot in self.layout.slots:
@@ -55,7 +70,7 @@ class _DtypeGroup:
         out = []
         for i, slots in enumerate(buckets):
             end = buckets[i + 1][0].global_range.start if i + 1 < len(buckets) else self.layout.numel
-            out.append(_Bucket(Range(slots[0].global_range.start, end), slots, pending=len(slots)))
+            out.append(_Bucket(Range(slots[0].global_range.start, end), slots))
         return out
 
 
@@ -70,7 +85,9 @@ class Zero2Optimizer:
     When communication happens:
       * during `backward()`: a hook copies each gradient into its bucket's scratch and frees
         it; a full bucket is reduced (summed, then divided by W like DDP) to the ranks owning
-        its elements, asynchronously, buckets in a fixed order on every rank;
+        its elements, asynchronously, buckets in a fixed order on every rank; at most
+        `max_inflight_buckets` reductions stay open, so gradient memory is the fp32 shard
+        plus a few buckets of scratch (`peak_scratch_bytes`), not a full gradient copy;
       * in `clip_grad_norm_` / `unscale_and_check_`: one all-reduce of a scalar;
       * in `step()`: the remaining reductions are awaited, every rank steps its shard, and the
         parameters are all-gathered.
@@ -90,7 +107,7 @@ class Zero2Optimizer:
     """
 
     def __init__(self, module: nn.Module, optimizer_class=torch.optim.SGD, process_group=None,
-                 bucket_cap_mb: float = 25.0, **defaults):
+                 bucket_cap_mb: float = 25.0, max_inflight_buckets: int = 2, **defaults):
         self.module = module
         self.group = process_group
         self.world_size = get_world_size(process_group)
@@ -101,6 +118,12 @@ class Zero2Optimizer:
             bucket_numel = max(1, int(bucket_cap_mb * 2**20 / layout.element_size))
             self.groups.append(_DtypeGroup(layout, bucket_numel))
         self.optimizer = optimizer_class([g.master for g in self.groups], **defaults)
+        self._gloo = self.world_size > 1 and dist.get_backend(process_group) == "gloo"
+        self.max_inflight_buckets = max_inflight_buckets
+        self._inflight: deque = deque()  # (group, bucket) launched, scratch not yet released
+        self._in_backward = False
+        self.scratch_bytes = 0           # gradient scratch held now / at most: reported memory
+        self.peak_scratch_bytes = 0
         self._hooks = []
         for g in self.groups:
             for slot in g.layout.slots:
@@ -109,59 +132,90 @@ class Zero2Optimizer:
     # ----- gradient reduction -------------------------------------------------------
     def _grad_ready(self, group: _DtypeGroup, slot: ParamSlot):
         def hook(param: torch.Tensor) -> None:
+            if not self._in_backward:  # first gradient of a backward pass
+                self._in_backward = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                for g in self.groups:
+                    for b in g.buckets:
+                        if b.state == "done":
+                            b.state = "empty"
             bucket = group.bucket_of[slot.name]
-            if bucket.launched:  # gradient accumulation: the previous pass is still in flight
+            if bucket.state == "launched":  # gradient accumulation: the previous pass is in flight
                 self._complete(group, bucket)
-            if bucket.scratch is None:
-                bucket.scratch = torch.zeros(bucket.range.size, dtype=param.dtype, device=param.device)
-            slot.global_range.shift(bucket.range.start).of(bucket.scratch).add_(param.grad.reshape(-1))
+                bucket.state = "empty"
+            if bucket.state == "empty":
+                self._alloc_scratch(group, bucket)
+                bucket.state, bucket.pending = "filling", len(bucket.slots)
+            slot.global_range.shift(bucket.range.start).of(bucket.scratch).copy_(param.grad.reshape(-1))
             param.grad = None
             bucket.pending -= 1
             if bucket.pending == 0:
-                bucket.ready = True
+                bucket.state = "ready"
                 self._launch_ready(group)
         return hook
 
+    def _end_of_backward(self) -> None:
+        self._in_backward = False
+        for g in self.groups:
+            self._launch_ready(g, flush=True)
+
     def _launch_ready(self, group: _DtypeGroup, flush: bool = False) -> None:
-        """Launch ready buckets strictly in bucket order, so all ranks issue the same calls."""
+        """Launch ready buckets strictly in bucket order, so all ranks issue the same calls.
+        `flush` (end of backward) also launches partly filled buckets (unused parameters)."""
         for bucket in group.buckets:
-            if bucket.launched:
+            if bucket.state in ("launched", "done") or (flush and bucket.state == "empty"):
                 continue
-            if not (bucket.ready or flush):
+            if not (bucket.state == "ready" or flush):
                 return
-            if bucket.scratch is None:
-                bucket.scratch = torch.zeros(bucket.range.size, dtype=group.layout.dtype,
-                                             device=group.layout.device)
-            for r in range(self.world_size):
-                piece = bucket.range.intersect(group.layout.shard_of(r))
-                if not piece.size:
-                    continue
-                data = piece.shift(bucket.range.start).of(bucket.scratch)
-                if self.world_size > 1:
-                    dst = r if self.group is None else dist.get_global_rank(self.group, r)
-                    bucket.handles.append(dist.reduce(data, dst=dst, group=self.group, async_op=True))
-                if r == self.rank:
-                    bucket.pieces.append((piece.shift(group.layout.shard.start), data))
-            bucket.launched = True
+            self._launch(group, bucket)
+
+    def _launch(self, group: _DtypeGroup, bucket: _Bucket) -> None:
+        if self.world_size > 1 and self._gloo:
+            # gloo's all-reduce is far faster than its reduce/reduce-scatter: sum the whole
+            # bucket and keep this rank's piece
+            bucket.handles.append(dist.all_reduce(bucket.scratch, group=self.group, async_op=True))
+        for r in range(self.world_size):
+            piece = bucket.range.intersect(group.layout.shard_of(r))
+            if not piece.size:
+                continue
+            data = piece.shift(bucket.range.start).of(bucket.scratch)
+            if self.world_size > 1 and not self._gloo:
+                dst = r if self.group is None else dist.get_global_rank(self.group, r)
+                bucket.handles.append(dist.reduce(data, dst=dst, group=self.group, async_op=True))
+            if r == self.rank:
+                bucket.pieces.append((piece.shift(group.layout.shard.start), data))
+        bucket.state = "launched"
+        self._inflight.append((group, bucket))
+        while len(self._inflight) > self.max_inflight_buckets:  # bound the scratch memory
+            self._complete(*self._inflight.popleft())
+
+    def _alloc_scratch(self, group: _DtypeGroup, bucket: _Bucket) -> None:
+        bucket.scratch = torch.empty(bucket.range.size, dtype=group.layout.dtype, device=group.layout.device)
+        for gap in group.gaps_in(bucket):  # alignment padding: every gradient is copied in
+            gap.of(bucket.scratch).zero_()
+        self.scratch_bytes += bucket.scratch.numel() * bucket.scratch.element_size()
+        self.peak_scratch_bytes = max(self.peak_scratch_bytes, self.scratch_bytes)
 
     def _finish_reduction(self) -> None:
-        """Flush incomplete buckets, wait for all reductions, accumulate into the fp32 shards."""
+        """Launch what is left, wait for all reductions, accumulate into the fp32 shards."""
         for g in self.groups:
-            if not any(b.scratch is not None for b in g.buckets):
-                continue  # no backward since the last step
             self._launch_ready(g, flush=True)
-            for bucket in g.buckets:
-                self._complete(g, bucket)
+        while self._inflight:
+            self._complete(*self._inflight.popleft())
 
     def _complete(self, group: _DtypeGroup, bucket: _Bucket) -> None:
-        """Wait for a launched bucket, add its reduced part to the gradient shard, reset it."""
+        """Wait for a launched bucket, add its reduced part to the gradient shard, free it."""
+        if bucket.state != "launched":
+            return
+        if (group, bucket) in self._inflight:
+            self._inflight.remove((group, bucket))
         for h in bucket.handles:
             h.wait()
         for shard_range, data in bucket.pieces:
             shard_range.of(group.master.grad).add_(data.float(), alpha=1.0 / self.world_size)
+        self.scratch_bytes -= bucket.scratch.numel() * bucket.scratch.element_size()
         bucket.scratch, bucket.handles, bucket.pieces = None, [], []
-        bucket.ready = bucket.launched = False
-        bucket.pending = len(bucket.slots)
+        bucket.state = "done"
 
     # ----- the torch.optim.Optimizer surface ---------------------------------------------
     @property
@@ -226,9 +280,13 @@ class Zero2Optimizer:
             local = g.layout.shard.of(g.buffer)
             if g.master.data_ptr() != local.data_ptr():
                 local.copy_(g.master)
-            if self.world_size > 1:
-                src = local.clone() if g.buffer.device.type == "cpu" else local
-                all_gather_flat(g.buffer, src, group=self.group)
+            if self.world_size > 1 and self._gloo:
+                # as above: zero what others own and sum, instead of gloo's slow all-gather
+                g.buffer[:g.layout.shard.start].zero_()
+                g.buffer[g.layout.shard.end:].zero_()
+                dist.all_reduce(g.buffer, group=self.group)
+            elif self.world_size > 1:
+                all_gather_flat(g.buffer, local, group=self.group)  # in place: NCCL allows it
 
     # ----- world-size independent state --------------------------------------------------
     def _gather_full(self, g: _DtypeGroup, shard: torch.Tensor) -> torch.Tensor:
