@@ -14,7 +14,7 @@ import sys
 import torch
 
 from configs import format_config, get_config
-from dataset import ResumableDistributedSampler, build_dataset, get_dataloader
+from dataset import ResumableDistributedSampler, build_dataset, get_dataloader, normalize_batch
 from eval.callback import VerificationCallback
 from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
 from parallel.dist import barrier
@@ -45,7 +45,8 @@ def main(argv: list[str]) -> int:
     scaler = DynamicLossScaler() if cfg.fp16 else None
     seed_everything(cfg.seed + info.rank)  # per-rank randomness (Partial FC sampling) from here
 
-    dataset = build_dataset(cfg.rec, cfg.num_classes, train=True, skip_bad_images=cfg.skip_bad_images)
+    dataset = build_dataset(cfg.rec, cfg.num_classes, train=True, skip_bad_images=cfg.skip_bad_images,
+                            normalize=False)  # uint8 from the workers, normalised on the device
     sampler = ResumableDistributedSampler(len(dataset), info.world_size, info.rank, cfg.batch_size, cfg.seed)
     steps_per_epoch = sampler.batches_per_epoch // cfg.gradient_acc
     total_steps = cfg.num_epoch * steps_per_epoch
@@ -90,7 +91,7 @@ def main(argv: list[str]) -> int:
             sampler.set_epoch(state.epoch, state.batch_in_epoch)
             dataset.set_epoch(state.epoch, cfg.seed) if hasattr(dataset, "set_epoch") else None
             for images, labels in get_dataloader(dataset, sampler, cfg.num_workers, info.device, cfg.seed):
-                images = images.to(info.device, non_blocking=True)
+                images = normalize_batch(images.to(info.device, non_blocking=True))
                 labels = labels.to(info.device, non_blocking=True)
                 micro += 1
                 last_micro = micro % cfg.gradient_acc == 0

@@ -15,12 +15,18 @@ from dataset.recordio import IndexedRecordReader, RecordIOError, unpack
 logger = logging.getLogger("shardface")
 
 
-def to_tensor(rgb: np.ndarray, flip: bool) -> torch.Tensor:
-    """HxWx3 uint8 -> 3xHxW float in [-1, 1], optionally mirrored left-right."""
-    if flip:
-        rgb = rgb[:, ::-1]
-    chw = torch.from_numpy(np.ascontiguousarray(rgb.transpose(2, 0, 1)))
-    return chw.float().mul_(1.0 / 127.5).sub_(1.0)
+def to_tensor(rgb: np.ndarray, normalize: bool = True) -> torch.Tensor:
+    """HxWx3 uint8 -> 3xHxW: float in [-1, 1], or the uint8 values (a view) when the batch is
+    normalised later on the training device (`normalize_batch`), which is cheaper."""
+    chw = torch.from_numpy(rgb).permute(2, 0, 1)
+    return chw.sub(127.5).div_(127.5) if normalize else chw
+
+
+def normalize_batch(images: torch.Tensor) -> torch.Tensor:
+    """uint8 batches from `normalize=False` datasets -> float in [-1, 1]; float batches pass."""
+    if images.dtype == torch.uint8:
+        return images.float().sub_(127.5).div_(127.5)
+    return images
 
 
 def mirror_for(seed: int, epoch: int, index: int) -> bool:
@@ -46,10 +52,14 @@ class _MirrorsInTraining:
         return self.train and mirror_for(self.seed, self.epoch, index)
 
 
-def decode_image(data: bytes, where: str) -> np.ndarray:
+def decode_image(data: bytes, where: str, mirror: bool = False) -> np.ndarray:
     try:
         with Image.open(io.BytesIO(data)) as img:
-            return np.asarray(img.convert("RGB"))
+            if img.mode != "RGB":
+                img = img.convert("RGB")
+            if mirror:
+                img = img.transpose(Image.FLIP_LEFT_RIGHT)
+            return np.array(img)
     except Exception as exc:  # PIL raises many types for corrupt data
         raise RecordIOError(f"{where}: cannot decode image ({exc})") from None
 
@@ -72,12 +82,14 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
     images, keys 1 .. label[0]-1. im2rec layout (record 0 flag 0): every key is an image.
     Items are `(3x112x112 float tensor in [-1, 1], int64 label)`; training mirrors half the
     items, chosen by (seed, epoch, index) so workers and resumed runs see the same flips.
-    `transform`, when given, receives the HxWx3 uint8 array instead and must return a tensor.
+    `transform`, when given, receives the (mirrored) HxWx3 uint8 array instead and must return
+    a tensor. `normalize=False` returns 3x112x112 uint8 instead of floats (see
+    `normalize_batch`): the training loop normalises whole batches on its device.
     """
 
     def __init__(self, root_dir: str, transform=None, train: bool = True, num_classes: int | None = None,
-                 skip_bad_images: bool = False):
-        self.root_dir, self.transform, self.train = root_dir, transform, train
+                 skip_bad_images: bool = False, normalize: bool = True):
+        self.root_dir, self.transform, self.train, self.normalize = root_dir, transform, train, normalize
         self.skip_bad_images = skip_bad_images
         self.reader = IndexedRecordReader(os.path.join(root_dir, "train.idx"),
                                           os.path.join(root_dir, "train.rec"))
@@ -97,7 +109,7 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
     def __len__(self) -> int:
         return len(self.keys)
 
-    def load(self, index: int) -> tuple[np.ndarray, int]:
+    def load(self, index: int, mirror: bool = False) -> tuple[np.ndarray, int]:
         key = self.keys[index]
         where = f"{self.reader.rec_path} key {key}"
         header, payload = unpack(self.reader.read(key), where)
@@ -105,22 +117,21 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
         if not 0 <= label < self.num_classes:
             raise RecordIOError(f"{where}: label {label} outside [0, {self.num_classes}) "
                                 f"(num_classes from {os.path.join(self.root_dir, 'property')} or config)")
-        return decode_image(payload, where), label
+        return decode_image(payload, where, mirror), label
 
     def __getitem__(self, index: int):
+        flip = self.mirror(index)
         for attempt in range(len(self)):
             try:
-                rgb, label = self.load((index + attempt) % len(self))
+                rgb, label = self.load((index + attempt) % len(self), flip)
                 break
             except RecordIOError as exc:
                 if not (self.skip_bad_images and "cannot decode" in str(exc)):
                     raise
                 self.bad_images += 1
                 logger.warning("skipping undecodable image (%d so far in this worker): %s", self.bad_images, exc)
-        flip = self.mirror(index)
-        if self.transform is not None:
-            return self.transform(rgb[:, ::-1] if flip else rgb), torch.tensor(label, dtype=torch.long)
-        return to_tensor(rgb, flip), torch.tensor(label, dtype=torch.long)
+        image = self.transform(rgb) if self.transform is not None else to_tensor(rgb, self.normalize)
+        return image, torch.tensor(label, dtype=torch.long)
 
 
 class FolderFaceDataset(_MirrorsInTraining, Dataset):
@@ -128,8 +139,8 @@ class FolderFaceDataset(_MirrorsInTraining, Dataset):
 
     EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp")
 
-    def __init__(self, root_dir: str, train: bool = True):
-        self.train = train
+    def __init__(self, root_dir: str, train: bool = True, normalize: bool = True):
+        self.train, self.normalize = train, normalize
         self.classes = sorted(d for d in os.listdir(root_dir) if os.path.isdir(os.path.join(root_dir, d)))
         if not self.classes:
             raise RecordIOError(f"{root_dir}: no identity sub-folders and no train.rec")
@@ -144,8 +155,8 @@ class FolderFaceDataset(_MirrorsInTraining, Dataset):
     def __getitem__(self, index: int):
         path, label = self.samples[index]
         with open(path, "rb") as f:
-            rgb = decode_image(f.read(), path)
-        return to_tensor(rgb, self.mirror(index)), torch.tensor(label, dtype=torch.long)
+            rgb = decode_image(f.read(), path, self.mirror(index))
+        return to_tensor(rgb, self.normalize), torch.tensor(label, dtype=torch.long)
 
 
 class SyntheticFaceDataset(Dataset):
@@ -163,19 +174,21 @@ class SyntheticFaceDataset(Dataset):
         return self.image, torch.tensor(index % self.num_classes, dtype=torch.long)
 
 
-def build_dataset(rec: str, num_classes: int, train: bool = True, skip_bad_images: bool = False) -> Dataset:
-    """Choose the source from `cfg.rec`: "synthetic", a RecordIO dir, or an image folder."""
+def build_dataset(rec: str, num_classes: int, train: bool = True, skip_bad_images: bool = False,
+                  normalize: bool = True) -> Dataset:
+    """Choose the source from `cfg.rec`: "synthetic", a RecordIO dir, or an image folder.
+    `normalize=False` yields uint8 images for `normalize_batch` on the training device."""
     if rec == "synthetic":
         return SyntheticFaceDataset(num_classes)
     if not os.path.isdir(rec):
         raise RecordIOError(f"{rec}: data directory not found")
     if os.path.isfile(os.path.join(rec, "train.rec")):
-        dataset = MXFaceDataset(rec, train=train, skip_bad_images=skip_bad_images)
+        dataset = MXFaceDataset(rec, train=train, skip_bad_images=skip_bad_images, normalize=normalize)
         if dataset.num_classes != num_classes:
             raise RecordIOError(f"{os.path.join(rec, 'property')}: {dataset.num_classes} classes, "
                                 f"config num_classes is {num_classes}")
         return dataset
-    dataset = FolderFaceDataset(rec, train=train)
+    dataset = FolderFaceDataset(rec, train=train, normalize=normalize)
     if dataset.num_classes != num_classes:
         raise RecordIOError(f"{rec}: {dataset.num_classes} identity folders, config num_classes is {num_classes}")
     return dataset

@@ -107,7 +107,7 @@ class Zero2Optimizer:
     """
 
     def __init__(self, module: nn.Module, optimizer_class=torch.optim.SGD, process_group=None,
-                 bucket_cap_mb: float = 25.0, max_inflight_buckets: int = 2, **defaults):
+                 bucket_cap_mb: float = 8.0, max_inflight_buckets: int = 1, **defaults):
         self.module = module
         self.group = process_group
         self.world_size = get_world_size(process_group)

@@ -30,6 +30,15 @@ def test_insightface_layout_reads_images_and_labels(tmp_path):
     assert ds[0][0][0].mean() > 0.5 and ds[0][0][2].mean() < -0.5
 
 
+def test_uint8_images_normalised_on_device_equal_float_images(tmp_path):
+    from dataset import normalize_batch
+    root = _insightface_set(tmp_path)
+    floats, raw = MXFaceDataset(root), MXFaceDataset(root, normalize=False)
+    assert raw[3][0].dtype == torch.uint8
+    batch = torch.stack([raw[i][0] for i in range(6)])
+    torch.testing.assert_close(normalize_batch(batch), torch.stack([floats[i][0] for i in range(6)]))
+
+
 def test_im2rec_layout_uses_every_key(tmp_path):
     with RecordWriter(str(tmp_path / "train.idx"), str(tmp_path / "train.rec")) as w:
         for key in range(5):

@@ -27,7 +27,8 @@ def argv(data_dir, output, *extra):
     return ["configs/synthetic.py", "--rec", data_dir, "--num_classes", "16", "--batch_size", "8",
             "--num_workers", "0", "--frequent", "1", "--verbose", "0", "--val_targets", "[]",
             "--checkpoint_interval", "4", "--num_epoch", "3", "--warmup_epoch", "0", "--max_steps", str(STEPS),
-            "--chunk_size", "5", "--ema", "true", "--ema_tau", "2", "--lr", "0.05", "--output", output, *extra]
+            "--chunk_size", "5", "--ema", "true", "--ema_tau", "2", "--lr", "0.05", "--keep_checkpoints", "5",
+            "--output", output, *extra]
 
 
 def _run(rank, world_size, args):
@@ -76,10 +77,12 @@ def test_killed_and_resumed_run_matches_uninterrupted_run(runs):
 
 
 def test_ddp_and_zero2_train_the_same_model(runs):
-    a, b = checkpoint_tensors(runs["full"]), checkpoint_tensors(runs["ddp"])
+    # compared at step 4: the norms for clipping are summed in another order, and over more
+    # steps training amplifies those last-bit differences
+    a = checkpoint_tensors(os.path.join(runs["full"], "checkpoint-00000004"))
+    b = checkpoint_tensors(os.path.join(runs["ddp"], "checkpoint-00000004"))
     for key, value in a.items():
-        if value.is_floating_point():  # reduction order differs: float noise only
-            torch.testing.assert_close(b[key], value, rtol=1e-4, atol=max(1e-5, 1e-4 * value.abs().max().item()), msg=key)
+        torch.testing.assert_close(b[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
