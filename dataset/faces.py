@@ -113,7 +113,7 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
         key = self.keys[index]
         where = f"{self.reader.rec_path} key {key}"
         header, payload = unpack(self.reader.read(key), where)
-        label = int(np.asarray(header.label, dtype=np.float64).ravel()[0])
+        label = int(header.label) if header.flag == 0 else int(header.label[0])
         if not 0 <= label < self.num_classes:
             raise RecordIOError(f"{where}: label {label} outside [0, {self.num_classes}) "
                                 f"(num_classes from {os.path.join(self.root_dir, 'property')} or config)")

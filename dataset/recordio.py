@@ -121,8 +121,9 @@ def read_index(idx_path: str, rec_size: int | None = None) -> dict[int, int]:
 
 
 class IndexedRecordReader:
-    """Random access to records by key. The file handle is opened lazily and re-opened after
-    a fork, so each DataLoader worker reads through its own handle."""
+    """Random access to records by key. The file is opened lazily and re-opened after a fork,
+    so each DataLoader worker reads through its own descriptor. A record is fetched with one
+    `pread` of the bytes up to the next indexed offset, then its parts are parsed in memory."""
 
     def __init__(self, idx_path: str, rec_path: str):
         if not os.path.isfile(rec_path):
@@ -131,51 +132,57 @@ class IndexedRecordReader:
         self.size = os.path.getsize(rec_path)
         self.index = read_index(idx_path, self.size)
         self.keys = sorted(self.index)
-        self._file, self._pid = None, None
+        starts = sorted(set(self.index.values())) + [self.size]
+        following = dict(zip(starts[:-1], starts[1:]))
+        self.span = {key: following[offset] - offset for key, offset in self.index.items()}
+        self._fd, self._pid = None, None
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_file"], state["_pid"] = None, None
+        state["_fd"], state["_pid"] = None, None
         return state
 
-    def _handle(self):
-        if self._file is None or self._pid != os.getpid():
-            self._file = open(self.rec_path, "rb")
+    def _descriptor(self) -> int:
+        if self._fd is None or self._pid != os.getpid():
+            self._fd = os.open(self.rec_path, os.O_RDONLY)
             self._pid = os.getpid()
-        return self._file
+        return self._fd
 
-    def read_at(self, offset: int, key=None) -> bytes:
+    def read_at(self, offset: int, key=None, span: int | None = None) -> bytes:
         where = f"{self.rec_path} (key {key}, offset {offset})"
-        f = self._handle()
-        parts, pos = [], offset
+        buf = os.pread(self._descriptor(), span or 8, offset)
+        parts, pos = [], 0
         while True:
-            f.seek(pos)
-            head = f.read(8)
-            if len(head) < 8:
-                raise RecordIOError(f"{where}: file truncated inside a record header at {pos}")
-            magic, lrec = struct.unpack("<II", head)
+            if pos + 8 > len(buf):  # the record runs past what was read: read on
+                more = os.pread(self._descriptor(), 8, offset + pos)
+                if len(more) < 8:
+                    raise RecordIOError(f"{where}: file truncated inside a record header at {offset + pos}")
+                buf = buf[:pos] + more
+            magic, lrec = struct.unpack_from("<II", buf, pos)
             if magic != MAGIC:
-                raise RecordIOError(f"{where}: bad magic 0x{magic:08x} at byte {pos}, expected 0x{MAGIC:08x}")
+                raise RecordIOError(f"{where}: bad magic 0x{magic:08x} at byte {offset + pos}, expected 0x{MAGIC:08x}")
             flag, length = lrec >> 29, lrec & _LENGTH_MASK
-            data = f.read(length)
-            if len(data) < length:
-                raise RecordIOError(f"{where}: record truncated ({len(data)} of {length} bytes)")
-            parts.append(data)
-            pos += 8 + length + (-length) % 4
+            end = pos + 8 + length
+            if end > len(buf):
+                buf = buf[:pos + 8] + os.pread(self._descriptor(), length, offset + pos + 8)
+                if end > len(buf):
+                    raise RecordIOError(f"{where}: record truncated ({len(buf) - pos - 8} of {length} bytes)")
+            parts.append(buf[pos + 8:end])
+            pos = end + (-length) % 4
             if flag in (0, 3):
                 break
             if flag not in (1, 2):
                 raise RecordIOError(f"{where}: invalid part flag {flag}")
-        return _MAGIC_BYTES.join(parts)
+        return parts[0] if len(parts) == 1 else _MAGIC_BYTES.join(parts)
 
     def read(self, key: int) -> bytes:
         try:
             offset = self.index[key]
         except KeyError:
             raise RecordIOError(f"{self.idx_path}: no key {key}") from None
-        return self.read_at(offset, key)
+        return self.read_at(offset, key, self.span[key])
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
