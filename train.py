@@ -29,12 +29,20 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     cfg = get_config(argv[0], argv[1:])
+    stop = StopSignal()  # before any thread starts (see its docstring)
+    try:
+        return train(cfg, argv[0], stop)
+    finally:
+        stop.restore()
+
+
+def train(cfg, config_path: str, stop: StopSignal) -> int:
     info = init_distributed(cfg.dist_timeout_min)
     os.makedirs(cfg.output, exist_ok=True)
     logger = setup_logging(info.rank, os.path.join(cfg.output, "training.log"))
     if info.is_main:
         save_config(cfg, cfg.output)
-        logger.info("config %s (world size %d, %s)\n%s", argv[0], info.world_size, info.device, format_config(cfg))
+        logger.info("config %s (world size %d, %s)\n%s", config_path, info.world_size, info.device, format_config(cfg))
 
     torch.manual_seed(cfg.seed)  # identical initial backbone on every rank
     backbone = build_backbone(cfg).to(info.device)
@@ -84,7 +92,6 @@ def main(argv: list[str]) -> int:
     model = getattr(backbone_opt, "ddp", backbone)  # forward through DDP so it reduces gradients
     progress = ProgressLogger(total_steps, cfg.frequent, cfg.batch_size * info.world_size * cfg.gradient_acc,
                               writer, first_step=state.step)
-    stop = StopSignal()
     micro, first_step = 0, state.step
     try:
         while state.step < total_steps and state.epoch < cfg.num_epoch:
@@ -143,7 +150,6 @@ def main(argv: list[str]) -> int:
         logger.error("stopped: %s", exc)
         return 3
     finally:
-        stop.restore()
         if writer is not None:
             writer.close()
 

@@ -7,6 +7,7 @@ import logging
 import os
 import random
 import signal
+import threading
 import time
 
 import numpy as np
@@ -70,15 +71,31 @@ def save_config(cfg, output: str) -> None:
 
 class StopSignal:
     """SIGTERM / SIGINT set a flag; `requested()` agrees on it across ranks (one tiny
-    all-reduce over a CPU group), so every rank saves and exits at the same step."""
+    all-reduce over a CPU group), so every rank saves and exits at the same step.
+
+    Create it first thing, before any thread exists: it blocks the signals in the calling
+    thread, so every thread started later (gloo's, the data loader's) inherits the block and
+    no blocking call in them is interrupted mid-collective; one waiter thread receives them.
+    """
+
+    SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
     def __init__(self):
         self.flag = False
-        self.previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self.previous[sig] = signal.signal(sig, self._handle)
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        self.previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
+        self.closed = False
+        self.waiter = threading.Thread(target=self._wait, name="stop-signal", daemon=True)
+        self.waiter.start()
 
-    def _handle(self, signum, frame) -> None:
+    def _wait(self) -> None:
+        while True:
+            signal.sigwait(self.SIGNALS)
+            if self.closed:
+                return
+            self.flag = True
+
+    def _handle(self, signum, frame) -> None:  # a thread started before us took the signal
         self.flag = True
 
     def requested(self) -> bool:
@@ -89,6 +106,11 @@ class StopSignal:
         return bool(t.item())
 
     def restore(self) -> None:
+        """Give the signals back to their previous handlers (in-process callers, tests)."""
+        self.closed = True
+        signal.pthread_kill(self.waiter.ident, signal.SIGTERM)  # wakes the waiter, which exits
+        self.waiter.join(timeout=5)
+        signal.pthread_sigmask(signal.SIG_SETMASK, self.previous_mask)
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
