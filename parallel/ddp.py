@@ -4,11 +4,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from parallel.dist import get_world_size
+from parallel.grad_ops import clip_global_norm_, unscale_and_check_
 
 
 class DDPOptimizer:
@@ -47,33 +47,13 @@ class DDPOptimizer:
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for _, p in self.named if p.grad is not None]
 
-    def _model_parallel_sum(self, local: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            dist.all_reduce(local, group=self.group)
-        return local
-
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, extra_params=()) -> torch.Tensor:
-        grads = self._grads()
         extra = [p.grad for p in extra_params if p.grad is not None]
-        dev = grads[0].device
-        replicated = sum((g.float().square().sum() for g in grads), torch.zeros((), device=dev))
-        sharded = sum((g.float().square().sum().to(dev) for g in extra), torch.zeros((), device=dev))
-        norm = (replicated + self._model_parallel_sum(sharded)).sqrt()
-        if max_norm > 0:
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for g in grads + extra:
-                g.mul_(coef.to(g.device))
-        return norm
+        return clip_global_norm_(extra, self._grads(), max_norm, self.group)
 
-    @torch.no_grad()
     def unscale_and_check_(self, inv_scale: float, extra_params=()) -> bool:
-        grads = self._grads() + [p.grad for p in extra_params if p.grad is not None]
-        bad = torch.zeros((), device=grads[0].device)
-        for g in grads:
-            g.mul_(inv_scale)
-            bad += (~torch.isfinite(g)).any().float().to(bad.device)
-        return bool(self._model_parallel_sum(bad).item() > 0)
+        extra = [p.grad for p in extra_params if p.grad is not None]
+        return unscale_and_check_(self._grads() + extra, inv_scale, self.group)
 
     def step(self) -> None:
         self.optimizer.step()

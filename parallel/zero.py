@@ -11,6 +11,7 @@ from torch import nn
 from parallel.collectives import all_gather_flat
 from parallel.dist import get_rank, get_world_size
 from parallel.flat import FlatLayout, ParamSlot, Range, build_layouts
+from parallel.grad_ops import clip_global_norm_, unscale_and_check_
 
 
 @dataclass(eq=False)  # identity: buckets are compared by object, never by tensor contents
@@ -236,39 +237,16 @@ class Zero2Optimizer:
         self._finish_reduction()
         return [g.master.grad for g in self.groups]
 
-    def _global_sum(self, local: torch.Tensor, extra: list[torch.Tensor]) -> torch.Tensor:
-        total = local.clone()
-        for t in extra:
-            total += t
-        if self.world_size > 1:
-            dist.all_reduce(total, group=self.group)
-        return total
-
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, extra_params=()) -> torch.Tensor:
         """Clip by the global L2 norm of all shards plus `extra_params` (model-parallel tensors
         distinct on every rank, such as the head's shard); returns the norm before clipping."""
-        shards = self.grad_shards()
         extra = [p.grad for p in extra_params if p.grad is not None]
-        dev = shards[0].device
-        local = sum((s.float().square().sum() for s in shards), torch.zeros((), device=dev))
-        norm = self._global_sum(local, [e.float().square().sum().to(dev) for e in extra]).sqrt()
-        if max_norm > 0:
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for t in shards + extra:
-                t.mul_(coef.to(t.device))
-        return norm
+        return clip_global_norm_(self.grad_shards() + extra, [], max_norm, self.group)
 
-    @torch.no_grad()
     def unscale_and_check_(self, inv_scale: float, extra_params=()) -> bool:
         """Multiply every gradient by inv_scale; True if any rank found inf/NaN (all agree)."""
-        shards = self.grad_shards()
         extra = [p.grad for p in extra_params if p.grad is not None]
-        bad = torch.zeros((), device=shards[0].device)
-        for t in shards + extra:
-            t.mul_(inv_scale)
-            bad += (~torch.isfinite(t)).any().float().to(bad.device)
-        return bool(self._global_sum(bad, []).item() > 0)
+        return unscale_and_check_(self.grad_shards() + extra, inv_scale, self.group)
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
