@@ -69,7 +69,12 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
                                    batch_size=cfg.batch_size)
         logger.info("resumed at step %d (epoch %d, batch %d)", state.step, state.epoch, state.batch_in_epoch)
 
+    saved_at = [-1]
+
     def save() -> None:
+        if saved_at[0] == state.step:  # e.g. the interval checkpoint was this very step
+            return
+        saved_at[0] = state.step
         save_checkpoint(cfg.output, state, **parts, config=cfg, rank=info.rank,
                         world_size=info.world_size, keep=cfg.keep_checkpoints)
         weights = ema.state_dict() if ema is not None else backbone.state_dict()  # collective with EMA
@@ -96,7 +101,8 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
     try:
         while state.step < total_steps and state.epoch < cfg.num_epoch:
             sampler.set_epoch(state.epoch, state.batch_in_epoch)
-            dataset.set_epoch(state.epoch, cfg.seed) if hasattr(dataset, "set_epoch") else None
+            if hasattr(dataset, "set_epoch"):  # mirroring fixed by (seed, epoch, index)
+                dataset.set_epoch(state.epoch, cfg.seed)
             for images, labels in get_dataloader(dataset, sampler, cfg.num_workers, info.device, cfg.seed):
                 images = normalize_batch(images.to(info.device, non_blocking=True))
                 labels = labels.to(info.device, non_blocking=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 import numpy as np
 import torch
@@ -19,6 +20,8 @@ def export(model: torch.nn.Module, output: str, opset: int = 17) -> None:
     model = model.float().eval()
     dummy = torch.zeros(1, 3, 112, 112)
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    # the TorchScript exporter: the dynamo one needs onnxscript, not among our dependencies
+    warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export")
     torch.onnx.export(model, dummy, output, input_names=["data"], output_names=["embedding"],
                       dynamic_axes={"data": {0: "batch"}, "embedding": {0: "batch"}},
                       opset_version=opset, dynamo=False)
