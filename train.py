@@ -55,6 +55,9 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
 
     dataset = build_dataset(cfg.rec, cfg.num_classes, train=True, skip_bad_images=cfg.skip_bad_images,
                             normalize=False)  # uint8 from the workers, normalised on the device
+    if cfg.num_image and cfg.num_image != len(dataset) and cfg.rec != "synthetic":
+        logger.warning("config num_image is %d but %s holds %d images; using the latter",
+                       cfg.num_image, cfg.rec, len(dataset))
     sampler = ResumableDistributedSampler(len(dataset), info.world_size, info.rank, cfg.batch_size, cfg.seed)
     steps_per_epoch = sampler.batches_per_epoch // cfg.gradient_acc
     total_steps = cfg.num_epoch * steps_per_epoch

@@ -39,7 +39,7 @@ config.ema_tau = 2000.0
 # data
 config.rec = "synthetic"              # dir with train.rec/train.idx, an image folder, or "synthetic"
 config.num_classes = 93431
-config.num_image = 5179510
+config.num_image = 5179510             # informational (as arcface_torch); the data set is counted
 config.num_epoch = 20
 config.batch_size = 128               # per rank
 config.num_workers = 2
@@ -52,7 +52,6 @@ config.val_dir = ""                   # default: the directory of config.rec
 config.verbose = 2000                 # evaluate every N steps
 config.frequent = 10                  # log every N steps
 config.output = "work_dirs/default"
-config.save_all_states = True
 config.checkpoint_interval = 2000     # steps between checkpoints (and one at the end)
 config.keep_checkpoints = 2
 config.resume = False                 # continue from output/checkpoint-latest

@@ -136,13 +136,11 @@ class Zero2Optimizer:
             if not self._in_backward:  # first gradient of a backward pass
                 self._in_backward = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-                for g in self.groups:
-                    for b in g.buckets:
-                        if b.state == "done":
-                            b.state = "empty"
             bucket = group.bucket_of[slot.name]
-            if bucket.state == "launched":  # gradient accumulation: the previous pass is in flight
-                self._complete(group, bucket)
+            # a bucket still launched or done holds an earlier backward pass (gradient
+            # accumulation): finish that one, then start this pass's sum afresh
+            self._complete(group, bucket)
+            if bucket.state == "done":
                 bucket.state = "empty"
             if bucket.state == "empty":
                 self._alloc_scratch(group, bucket)

@@ -91,6 +91,33 @@ def _zero_cases(rank, world_size, cases):
     return [_zero_train(rank, world_size, *case) for case in cases]
 
 
+def _accumulation_worker(rank, world_size):
+    """Two micro-batches with loss/2 each, then one step, must equal the full batch."""
+    model = TwoDtypeNet()
+    opt = Zero2Optimizer(model, torch.optim.SGD, bucket_cap_mb=TINY_BUCKET_MB, lr=0.05, momentum=0.9)
+    b = GLOBAL_BATCH // world_size
+    for step in range(3):
+        x, y = _data(step)
+        x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+        for half in (slice(0, b // 2), slice(b // 2, b)):
+            (_loss(model, x[half], y[half]) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_gradient_accumulation_over_micro_batches_equals_the_full_batch():
+    ref_model = TwoDtypeNet()
+    opt = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(3):
+        x, y = _data(step)
+        _loss(ref_model, x, y).backward()
+        opt.step(); opt.zero_grad()
+    for params in run_distributed(_accumulation_worker, 2):
+        for name, p in ref_model.named_parameters():
+            torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_layout_straddles_shard_borders():
     from parallel import build_layouts
     layouts = build_layouts(TwoDtypeNet(), 3, 1)
