@@ -9,7 +9,7 @@ from torch import nn
 
 from parallel.collectives import all_gather_flat
 from parallel.dist import get_rank, get_world_size
-from parallel.flat import build_layouts
+from parallel.flat import Range, build_layouts
 
 
 class ShardedEMA:
@@ -34,24 +34,19 @@ class ShardedEMA:
         self.updates = 0
         if optimizer is not None:
             self.layouts = [g.layout for g in optimizer.groups]
-            self._sources = [[g.master.detach()] for g in optimizer.groups]
-            self._targets = None
+            # the whole fp32 master shard of each dtype
+            self.sources = [[(Range(0, g.layout.shard_numel), g.master.detach())] for g in optimizer.groups]
         else:
             self.layouts = build_layouts(module, self.world_size, get_rank(process_group))
-            self._sources = None
+            # views of the parameter slices this rank owns (build the EMA after moving the model)
+            self.sources = [layout.local_pieces({s.name: s.param.detach() for s in layout.slots})
+                            for layout in self.layouts]
         self.shards = []
-        for i, layout in enumerate(self.layouts):
+        for layout, pieces in zip(self.layouts, self.sources):
             shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=layout.device)
-            for shard_range, piece in self._pieces(i):
+            for shard_range, piece in pieces:
                 shard_range.of(shard).copy_(piece)
             self.shards.append(shard)
-
-    def _pieces(self, i: int):
-        """(shard range, current value) for every part of layout i this rank owns."""
-        if self._sources is not None:
-            return [(self.layouts[i].shard.shift(self.layouts[i].shard.start), self._sources[i][0])]
-        params = {s.name: s.param.detach() for s in self.layouts[i].slots}
-        return self.layouts[i].local_pieces(params)
 
     def current_decay(self) -> float:
         return self.decay * (1.0 - math.exp(-self.updates / self.tau))
@@ -60,13 +55,9 @@ class ShardedEMA:
     def update(self) -> None:
         self.updates += 1
         weight = 1.0 - self.current_decay()
-        for i, shard in enumerate(self.shards):
-            pieces = self._pieces(i)
-            if self._sources is not None:
-                shard.lerp_(pieces[0][1], weight)
-            elif pieces:  # a rank may own only padding of a small layout
-                targets = [r.of(shard) for r, _ in pieces]
-                torch._foreach_lerp_(targets, [p.float() for _, p in pieces], weight)
+        for shard, pieces in zip(self.shards, self.sources):
+            if pieces:  # with ZeRO-2 one piece, the master shard: a single lerp kernel
+                torch._foreach_lerp_([r.of(shard) for r, _ in pieces], [p.float() for _, p in pieces], weight)
 
     def _full_flat(self, i: int) -> torch.Tensor:
         if self.world_size == 1:
