@@ -6,8 +6,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Large blocks straight from mmap, so freed memory leaves the RSS and the peak is honest.
-os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+
+def exact_rss_allocator() -> None:
+    """Large blocks straight from mmap, so freed memory leaves the RSS and peaks are honest
+    (for memory measurements only: it makes every large allocation fault its pages in).
+    Call before spawning the measured processes, which inherit it."""
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
 
 MB = 1e6
 

@@ -12,7 +12,7 @@ import argparse
 import statistics
 import time
 
-import common  # noqa: F401,I001  (sets the allocator before torch loads)
+import common  # noqa: F401,I001
 import torch
 
 from common import MB, peak_bytes, reset_peak, rss_bytes, table
@@ -57,6 +57,7 @@ def measure(method, num_classes, chunk, iters):
 
 
 def main(argv=None):
+    common.exact_rss_allocator()
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--classes", type=int, nargs="+", default=[100_000, 400_000])
     p.add_argument("--chunk", type=int, default=8192)

@@ -108,7 +108,7 @@ class Zero2Optimizer:
     """
 
     def __init__(self, module: nn.Module, optimizer_class=torch.optim.SGD, process_group=None,
-                 bucket_cap_mb: float = 8.0, max_inflight_buckets: int = 1, **defaults):
+                 bucket_cap_mb: float = 16.0, max_inflight_buckets: int = 1, **defaults):
         self.module = module
         self.group = process_group
         self.world_size = get_world_size(process_group)
@@ -179,14 +179,16 @@ class Zero2Optimizer:
                 continue
             data = piece.shift(bucket.range.start).of(bucket.scratch)
             if self.world_size > 1 and not self._gloo:
-                dst = r if self.group is None else dist.get_global_rank(self.group, r)
-                bucket.handles.append(dist.reduce(data, dst=dst, group=self.group, async_op=True))
+                bucket.handles.append(dist.reduce(data, dst=self._global_rank(r), group=self.group, async_op=True))
             if r == self.rank:
                 bucket.pieces.append((piece.shift(group.layout.shard.start), data))
         bucket.state = "launched"
         self._inflight.append((group, bucket))
         while len(self._inflight) > self.max_inflight_buckets:  # bound the scratch memory
             self._complete(*self._inflight.popleft())
+
+    def _global_rank(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
     def _alloc_scratch(self, group: _DtypeGroup, bucket: _Bucket) -> None:
         bucket.scratch = torch.empty(bucket.range.size, dtype=group.layout.dtype, device=group.layout.device)
@@ -257,10 +259,12 @@ class Zero2Optimizer:
             if g.master.data_ptr() != local.data_ptr():
                 local.copy_(g.master)
             if self.world_size > 1 and self._gloo:
-                # as above: zero what others own and sum, instead of gloo's slow all-gather
-                g.buffer[:g.layout.shard.start].zero_()
-                g.buffer[g.layout.shard.end:].zero_()
-                dist.all_reduce(g.buffer, group=self.group)
+                # gloo's all-gather is slow: every rank broadcasts its shard, concurrently
+                # (96 MB at W=2: 31 ms, against 107 ms all-gather and 69 ms all-reduce)
+                handles = [dist.broadcast(g.layout.shard_of(r).of(g.buffer), src=self._global_rank(r),
+                                          group=self.group, async_op=True) for r in range(self.world_size)]
+                for h in handles:
+                    h.wait()
             elif self.world_size > 1:
                 all_gather_flat(g.buffer, local, group=self.group)  # in place: NCCL allows it
 
