@@ -5,9 +5,10 @@ import torch
 from torch import nn
 
 from heads.partial_fc import PartialFC
+from parallel.wrapped import WrappedOptimizer
 
 
-class SampledRowsOptimizer:
+class SampledRowsOptimizer(WrappedOptimizer):
     """Wraps a pointwise torch optimizer (SGD, AdamW, ...) over `head.weight`.
 
     With `sample_rate` = 1 it is the plain optimizer. With Partial FC, each `step()` updates
@@ -22,14 +23,6 @@ class SampledRowsOptimizer:
     def __init__(self, head: PartialFC, optimizer_class=torch.optim.SGD, **defaults):
         self.head = head
         self.optimizer = optimizer_class([head.weight], **defaults)
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

@@ -9,9 +9,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from parallel.dist import get_world_size
 from parallel.grad_ops import clip_global_norm_, unscale_and_check_
+from parallel.wrapped import WrappedOptimizer
 
 
-class DDPOptimizer:
+class DDPOptimizer(WrappedOptimizer):
     """A torch optimizer over a DDP-wrapped module, exposing what Zero2Optimizer exposes
     (`clip_grad_norm_` with model-parallel `extra_params`, `unscale_and_check_`, per-name
     `state_dict`) so the training loop and checkpoints treat both alike. Every rank holds the
@@ -28,14 +29,6 @@ class DDPOptimizer:
             self.ddp = module
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.optimizer = optimizer_class([p for _, p in self.named], **defaults)
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
 
     def no_sync(self):
         """Skip gradient all-reduce for the micro-steps of gradient accumulation."""

@@ -12,6 +12,7 @@ from parallel.collectives import all_gather_flat
 from parallel.dist import get_rank, get_world_size
 from parallel.flat import FlatLayout, ParamSlot, Range, build_layouts
 from parallel.grad_ops import clip_global_norm_, unscale_and_check_
+from parallel.wrapped import WrappedOptimizer
 
 
 @dataclass(eq=False)  # identity: buckets are compared by object, never by tensor contents
@@ -75,7 +76,7 @@ class _DtypeGroup:
         return out
 
 
-class Zero2Optimizer:
+class Zero2Optimizer(WrappedOptimizer):
     """ZeRO stage 2 over any pointwise torch optimizer (SGD, AdamW, ...).
 
     What is sharded: each rank keeps the optimizer state, the fp32 master weights and the
@@ -218,15 +219,7 @@ class Zero2Optimizer:
         bucket.scratch, bucket.handles, bucket.pieces = None, [], []
         bucket.state = "done"
 
-    # ----- the torch.optim.Optimizer surface ---------------------------------------------
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
+    # ----- the torch.optim.Optimizer surface (param_groups, state: WrappedOptimizer) ------
     def zero_grad(self, set_to_none: bool = False) -> None:
         self._finish_reduction()
         for g in self.groups:

@@ -209,8 +209,8 @@ def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=No
     state = TrainState(meta["step"], meta["epoch"], meta["batch_in_epoch"])
     if meta["world_size"] == world_size:
         set_rng_state(safe_load(os.path.join(ckpt, f"rng-rank{rank}.pt")))
-    elif batch_size:
-        # same samples seen, expressed in this world's batches (rounded down)
+    if batch_size and (meta["world_size"], meta["batch_size"]) != (world_size, batch_size):
+        # the samples already seen this epoch, in this run's batches (rounded down)
         seen = meta["batch_in_epoch"] * meta["batch_size"] * meta["world_size"]
         state.batch_in_epoch = seen // (batch_size * world_size)
     return state, meta
