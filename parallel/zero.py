@@ -87,12 +87,13 @@ class Zero2Optimizer(WrappedOptimizer):
     When communication happens:
       * during `backward()`: a hook copies each gradient into its bucket's scratch and frees
         it; a full bucket is reduced (summed, then divided by W like DDP) to the ranks owning
-        its elements, asynchronously, buckets in a fixed order on every rank; at most
+        its elements (gloo: all-reduce of the bucket), asynchronously, buckets in a fixed
+        order on every rank; at most
         `max_inflight_buckets` reductions stay open, so gradient memory is the fp32 shard
         plus a few buckets of scratch (`peak_scratch_bytes`), not a full gradient copy;
       * in `clip_grad_norm_` / `unscale_and_check_`: one all-reduce of a scalar;
       * in `step()`: the remaining reductions are awaited, every rank steps its shard, and the
-        parameters are all-gathered.
+        parameters are re-assembled (NCCL: all-gather in place; gloo: one broadcast per rank).
 
     Every rank must call `backward`, `step`, `clip_grad_norm_`, `state_dict` and
     `load_state_dict` together. Parameters receive no `.grad` (it lives in the shards); use
@@ -114,7 +115,6 @@ class Zero2Optimizer(WrappedOptimizer):
         self.group = process_group
         self.world_size = get_world_size(process_group)
         self.rank = get_rank(process_group)
-        self.name_of = {p: n for n, p in module.named_parameters()}
         self.groups: list[_DtypeGroup] = []
         for layout in build_layouts(module, self.world_size, self.rank, reverse=True):
             bucket_numel = max(1, int(bucket_cap_mb * 2**20 / layout.element_size))
