@@ -105,19 +105,19 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
         else:
             self.keys = list(self.reader.keys)
         self.bad_images = 0
+        self._labels: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def load(self, index: int, mirror: bool = False) -> tuple[np.ndarray, int]:
         key = self.keys[index]
-        where = f"{self.reader.rec_path} key {key}"
-        header, payload = unpack(self.reader.read(key), where)
+        header, payload = unpack(self.reader.read(key), f"{self.reader.rec_path} key {key}")
         label = int(header.label) if header.flag == 0 else int(header.label[0])
         if not 0 <= label < self.num_classes:
-            raise RecordIOError(f"{where}: label {label} outside [0, {self.num_classes}) "
+            raise RecordIOError(f"{self.reader.rec_path} key {key}: label {label} outside [0, {self.num_classes}) "
                                 f"(num_classes from {os.path.join(self.root_dir, 'property')} or config)")
-        return decode_image(payload, where, mirror), label
+        return decode_image(payload, f"{self.reader.rec_path} key {key}", mirror), label
 
     def __getitem__(self, index: int):
         flip = self.mirror(index)
@@ -131,7 +131,14 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
                 self.bad_images += 1
                 logger.warning("skipping undecodable image (%d so far in this worker): %s", self.bad_images, exc)
         image = self.transform(rgb) if self.transform is not None else to_tensor(rgb, self.normalize)
-        return image, torch.tensor(label, dtype=torch.long)
+        return image, self._label_tensor(label)
+
+    def _label_tensor(self, label: int) -> torch.Tensor:
+        # one shared tensor per label: batches copy them, nobody writes to them
+        t = self._labels.get(label)
+        if t is None:
+            t = self._labels[label] = torch.tensor(label, dtype=torch.long)
+        return t
 
 
 class FolderFaceDataset(_MirrorsInTraining, Dataset):

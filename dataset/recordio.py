@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -25,8 +25,7 @@ class RecordIOError(ValueError):
     """A .rec/.idx problem, with the file and the key or offset that is wrong."""
 
 
-@dataclass(frozen=True)
-class IRHeader:
+class IRHeader(NamedTuple):
     flag: int
     label: float | np.ndarray
     id: int
@@ -151,6 +150,11 @@ class IndexedRecordReader:
     def read_at(self, offset: int, key=None, span: int | None = None) -> bytes:
         where = f"{self.rec_path} (key {key}, offset {offset})"
         buf = os.pread(self._descriptor(), span or 8, offset)
+        if len(buf) >= 8:  # the common case: one part, wholly read
+            magic, lrec = struct.unpack_from("<II", buf)
+            length = lrec & _LENGTH_MASK
+            if magic == MAGIC and lrec >> 29 == 0 and 8 + length <= len(buf):
+                return buf[8:8 + length]
         parts, pos = [], 0
         while True:
             if pos + 8 > len(buf):  # the record runs past what was read: read on
