@@ -39,6 +39,24 @@ def test_uint8_images_normalised_on_device_equal_float_images(tmp_path):
     torch.testing.assert_close(normalize_batch(batch), torch.stack([floats[i][0] for i in range(6)]))
 
 
+def test_fast_jpeg_decoder_matches_pil_and_rejects_truncation():
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from dataset.faces import decode_chw, decode_image
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (112, 112, 3), dtype=np.uint8)).save(buf, format="JPEG", quality=90)
+    data = buf.getvalue()
+    pil = torch.from_numpy(decode_image(data, "x")).permute(2, 0, 1)
+    assert torch.equal(decode_chw(data, "x"), pil)
+    assert torch.equal(decode_chw(data, "x", mirror=True), torch.flip(pil, dims=[2]))
+    with pytest.raises(RecordIOError, match="cut.jpg: cannot decode image"):
+        decode_chw(data[: len(data) // 2], "cut.jpg")
+
+
 def test_im2rec_layout_uses_every_key(tmp_path):
     with RecordWriter(str(tmp_path / "train.idx"), str(tmp_path / "train.rec")) as w:
         for key in range(5):
