@@ -88,7 +88,7 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
     if info.is_main:
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(os.path.join(cfg.output, "tensorboard"))
-        verifier = VerificationCallback(cfg.val_targets, cfg.val_dir or cfg.rec, cfg.verbose, writer)
+        verifier = VerificationCallback(cfg.val_targets, cfg.val_dir or cfg.rec, writer)
     verify_due = lambda step: bool(cfg.val_targets) and cfg.verbose > 0 and step % cfg.verbose == 0  # noqa: E731
 
     def verify() -> None:

@@ -10,13 +10,13 @@ logger = logging.getLogger("shardface")
 
 
 class VerificationCallback:
-    """Evaluates `val_targets` (names of `<name>.bin` in `val_dir`) every `frequency` steps,
-    logs accuracy (with flip), std and XNorm, writes tensorboard scalars and tracks the best.
-    Construct and call it on rank 0 only; pass the EMA model as well to evaluate both."""
+    """Evaluates `val_targets` (names of `<name>.bin` in `val_dir`) when called, logs accuracy
+    (with flip), std and XNorm, writes tensorboard scalars and tracks the best. Construct and
+    call it on rank 0 only (train.py decides when, on every rank, since gathering the EMA
+    model is collective); pass the EMA model as well to evaluate both."""
 
-    def __init__(self, val_targets, val_dir: str, frequency: int, summary_writer=None,
-                 batch_size: int = 128):
-        self.frequency, self.writer, self.batch_size = frequency, summary_writer, batch_size
+    def __init__(self, val_targets, val_dir: str, summary_writer=None, batch_size: int = 128):
+        self.writer, self.batch_size = summary_writer, batch_size
         self.sets = {}
         for name in val_targets:
             path = bin_path(val_dir, name)
@@ -25,9 +25,6 @@ class VerificationCallback:
             self.sets[name] = load_bin(path)
         self.best: dict[str, float] = {}
         self.last: dict[str, float] = {}
-
-    def due(self, step: int) -> bool:
-        return bool(self.sets) and self.frequency > 0 and step % self.frequency == 0
 
     def __call__(self, step: int, backbone, ema_backbone=None) -> dict[str, float]:
         models = {"": backbone}

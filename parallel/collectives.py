@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel.dist import get_rank, get_world_size
+from parallel.dist import get_world_size
 
 # torch >= 2.14 renamed the flat-tensor collectives; keep one spelling here.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -74,5 +74,4 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-__all__ = ["reduce_scatter_flat", "all_gather_flat", "all_gather_rows", "all_gather_no_grad",
-           "get_rank", "get_world_size"]
+__all__ = ["reduce_scatter_flat", "all_gather_flat", "all_gather_rows", "all_gather_no_grad"]

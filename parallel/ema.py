@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from parallel.collectives import all_gather_flat
+from parallel.collectives import all_gather_no_grad
 from parallel.dist import get_rank, get_world_size
 from parallel.flat import Range, build_layouts
 
@@ -59,19 +59,12 @@ class ShardedEMA:
             if pieces:  # with ZeRO-2 one piece, the master shard: a single lerp kernel
                 torch._foreach_lerp_([r.of(shard) for r, _ in pieces], [p.float() for _, p in pieces], weight)
 
-    def _full_flat(self, i: int) -> torch.Tensor:
-        if self.world_size == 1:
-            return self.shards[i]
-        full = self.shards[i].new_empty(self.layouts[i].numel)
-        all_gather_flat(full, self.shards[i], group=self.group)
-        return full
-
     @torch.no_grad()
     def state_dict(self) -> dict:
         """The module's full state dict with EMA parameters (collective: call on every rank)."""
         state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         for i, layout in enumerate(self.layouts):
-            for name, t in layout.unflatten(self._full_flat(i)).items():
+            for name, t in layout.unflatten(all_gather_no_grad(self.shards[i], self.group)).items():
                 state[name] = t.to(state[name].dtype).clone()
         return state
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.collectives import all_gather_flat
+from parallel.collectives import all_gather_flat, all_gather_no_grad
 from parallel.dist import get_rank, get_world_size
 from parallel.flat import FlatLayout, ParamSlot, Range, build_layouts
 from parallel.grad_ops import clip_global_norm_, unscale_and_check_
@@ -262,26 +262,19 @@ class Zero2Optimizer(WrappedOptimizer):
                 all_gather_flat(g.buffer, local, group=self.group)  # in place: NCCL allows it
 
     # ----- world-size independent state --------------------------------------------------
-    def _gather_full(self, g: _DtypeGroup, shard: torch.Tensor) -> torch.Tensor:
-        if self.world_size == 1:
-            return shard.clone()
-        full = shard.new_empty(g.layout.numel)
-        all_gather_flat(full, shard.contiguous(), group=self.group)
-        return full
-
     def state_dict(self) -> dict:
         """Per-parameter optimizer state (full tensors by parameter name): loads at any W."""
         state, master = {}, {}
         for g in self.groups:
             for key, value in self.optimizer.state.get(g.master, {}).items():
                 if torch.is_tensor(value) and value.shape == g.master.shape:
-                    for name, t in g.layout.unflatten(self._gather_full(g, value)).items():
+                    for name, t in g.layout.unflatten(all_gather_no_grad(value, self.group)).items():
                         state.setdefault(name, {})[key] = t.clone()
                 else:
                     for slot in g.layout.slots:
                         state.setdefault(slot.name, {})[key] = value
             if g.layout.dtype != torch.float32:
-                full = self._gather_full(g, g.master.detach())
+                full = all_gather_no_grad(g.master.detach(), self.group)
                 master.update({n: t.clone() for n, t in g.layout.unflatten(full).items()})
         groups = [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
         return {"state": state, "param_groups": groups, "master": master}
