@@ -105,6 +105,10 @@ class Zero2Optimizer(WrappedOptimizer):
         torch optimizer sees it as `step_chunk_mb` chunks), and the parameters are
         re-assembled (NCCL: all-gather in place; gloo: one broadcast per rank).
 
+    `exchange` picks how gradients and parameters travel: "collective" (dist.reduce to each
+    owner, in-place all-gather: the default under NCCL) or "p2p" (sends to the owners, one
+    broadcast per rank: the default under gloo, whose reduce and all-gather are slow).
+
     Every rank must call `backward`, `step`, `clip_grad_norm_`, `state_dict` and
     `load_state_dict` together. Parameters receive no `.grad` (it lives in the shards); use
     `clip_grad_norm_` for the norm. Move the module to its device and dtype before building
@@ -121,7 +125,7 @@ class Zero2Optimizer(WrappedOptimizer):
 
     def __init__(self, module: nn.Module, optimizer_class=torch.optim.SGD, process_group=None,
                  bucket_cap_mb: float = 16.0, max_inflight_buckets: int = 1, step_chunk_mb: float = 4.0,
-                 **defaults):
+                 exchange: str = "auto", **defaults):
         self.module = module
         self.group = process_group
         self.world_size = get_world_size(process_group)
@@ -134,7 +138,12 @@ class Zero2Optimizer(WrappedOptimizer):
             self.groups.append(_DtypeGroup(layout, bucket_numel, chunk_numel, first_tag=tags))
             tags += len(self.groups[-1].buckets)
         self.optimizer = optimizer_class([c for g in self.groups for c in g.chunks], **defaults)
-        self._gloo = self.world_size > 1 and dist.get_backend(process_group) == "gloo"
+        if exchange not in ("auto", "p2p", "collective"):
+            raise ValueError(f"exchange must be 'auto', 'p2p' or 'collective', not {exchange!r}")
+        if exchange == "auto":
+            exchange = "p2p" if self.world_size > 1 and dist.get_backend(process_group) == "gloo" else "collective"
+        self._p2p = self.world_size > 1 and exchange == "p2p"
+        self._collective = self.world_size > 1 and exchange == "collective"
         self.max_inflight_buckets = max_inflight_buckets
         self._inflight: deque = deque()  # (group, bucket) launched, scratch not yet released
         self._in_backward = False
@@ -185,11 +194,10 @@ class Zero2Optimizer(WrappedOptimizer):
             self._launch(group, bucket)
 
     def _launch(self, group: _DtypeGroup, bucket: _Bucket) -> None:
-        """Start reducing the bucket to the ranks owning its elements. NCCL: one reduce per
-        owner. Gloo (whose reduce and reduce-scatter are slow): each rank sends every other
-        owner its piece and receives the others' copies of its own piece (for a 96 MB bucket
-        at W=2: 31 ms, against 56 ms for gloo's all-reduce)."""
-        p2p = self.world_size > 1 and self._gloo
+        """Start reducing the bucket to the ranks owning its elements. "collective": one
+        reduce per owner. "p2p": each rank sends every other owner its piece and receives the
+        others' copies of its own piece (gloo, 96 MB bucket at W=2: 31 ms, against 56 ms for
+        its all-reduce and 100 ms for its reduce-scatter)."""
         for r in range(self.world_size):
             piece = bucket.range.intersect(group.layout.shard_of(r))
             if not piece.size:
@@ -197,16 +205,16 @@ class Zero2Optimizer(WrappedOptimizer):
             data = piece.shift(bucket.range.start).of(bucket.scratch)
             if r == self.rank:
                 summands = [data]
-                if p2p:
+                if self._p2p:
                     for other in range(self.world_size):
                         if other != r:
                             summands.append(self.scratch.take(piece.size, data.dtype, data.device))
                             bucket.handles.append(dist.irecv(summands[-1], src=self._global_rank(other),
                                                              group=self.group, tag=bucket.tag))
                 bucket.pieces.append((piece.shift(group.layout.shard.start), summands))
-            elif p2p:
+            elif self._p2p:
                 bucket.handles.append(dist.isend(data, dst=self._global_rank(r), group=self.group, tag=bucket.tag))
-            if self.world_size > 1 and not self._gloo:
+            if self._collective:
                 bucket.handles.append(dist.reduce(data, dst=self._global_rank(r), group=self.group, async_op=True))
         bucket.state = "launched"
         self._inflight.append((group, bucket))
@@ -284,14 +292,14 @@ class Zero2Optimizer(WrappedOptimizer):
             local = g.layout.shard.of(g.buffer)
             if g.master.data_ptr() != local.data_ptr():
                 local.copy_(g.master)
-            if self.world_size > 1 and self._gloo:
+            if self._p2p:
                 # gloo's all-gather is slow: every rank broadcasts its shard, concurrently
                 # (96 MB at W=2: 31 ms, against 107 ms all-gather and 69 ms all-reduce)
                 handles = [dist.broadcast(g.layout.shard_of(r).of(g.buffer), src=self._global_rank(r),
                                           group=self.group, async_op=True) for r in range(self.world_size)]
                 for h in handles:
                     h.wait()
-            elif self.world_size > 1:
+            elif self._collective:
                 all_gather_flat(g.buffer, local, group=self.group)  # in place: NCCL allows it
 
     # ----- world-size independent state --------------------------------------------------

@@ -56,11 +56,12 @@ def _reference(opt_name, clip, steps=STEPS):
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
-def _zero_train(rank, world_size, opt_name, clip, steps=STEPS, model=None, opt=None, first=0):
+def _zero_train(rank, world_size, opt_name, clip, exchange="auto", steps=STEPS, model=None, opt=None, first=0):
     if model is None:
         model = TwoDtypeNet()
         cls, kw = OPTIMIZERS[opt_name]
-        opt = Zero2Optimizer(model, cls, bucket_cap_mb=TINY_BUCKET_MB, step_chunk_mb=TINY_CHUNK_MB, **kw)
+        opt = Zero2Optimizer(model, cls, bucket_cap_mb=TINY_BUCKET_MB, step_chunk_mb=TINY_CHUNK_MB,
+                             exchange=exchange, **kw)
         assert len(opt.groups[0].chunks) > 1
     b = GLOBAL_BATCH // world_size
     norms = []
@@ -77,10 +78,13 @@ def _zero_train(rank, world_size, opt_name, clip, steps=STEPS, model=None, opt=N
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_zero2_matches_plain_optimizer_on_global_batch(world_size):
-    cases = [(o, c) for o in OPTIMIZERS for c in (0.0, 0.3)]
+    # "auto" is point-to-point under gloo; "collective" (NCCL's default: reduce to each
+    # owner, in-place all-gather) is proven here on gloo too
+    cases = [(o, c, "auto") for o in OPTIMIZERS for c in (0.0, 0.3)]
+    cases += [("sgd", 0.3, "collective"), ("adamw", 0.0, "collective")]
     results = run_distributed(_zero_cases, world_size, cases)
     for case, per_rank in zip(cases, zip(*results)):
-        ref_params, ref_norms = _reference(*case)
+        ref_params, ref_norms = _reference(*case[:2])
         for params, norms in per_rank:
             assert norms == pytest.approx(ref_norms, rel=1e-5)
             for name, ref in ref_params.items():
