@@ -147,6 +147,7 @@ class Zero2Optimizer(WrappedOptimizer):
         self.max_inflight_buckets = max_inflight_buckets
         self._inflight: deque = deque()  # (group, bucket) launched, scratch not yet released
         self._in_backward = False
+        self._arrived: set[str] = set()  # parameters whose gradient this backward pass delivered
         self.scratch = ScratchPool()     # bucket and receive buffers, reused every backward
         self._hooks = []
         for g in self.groups:
@@ -158,7 +159,9 @@ class Zero2Optimizer(WrappedOptimizer):
         def hook(param: torch.Tensor) -> None:
             if not self._in_backward:  # first gradient of a backward pass
                 self._in_backward = True
+                self._arrived = set()
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._arrived.add(slot.name)
             grad = param.grad.reshape(-1)
             param.grad = None
             for bucket in group.buckets_of[slot.name]:
@@ -180,6 +183,12 @@ class Zero2Optimizer(WrappedOptimizer):
 
     def _end_of_backward(self) -> None:
         self._in_backward = False
+        missing = [s.name for g in self.groups for s in g.layout.slots if s.name not in self._arrived]
+        if missing:  # its bucket would never be complete: the ranks' reductions would diverge
+            raise RuntimeError(
+                f"Zero2Optimizer: parameter '{missing[0]}' ({len(missing)} in all) got no gradient in "
+                f"this backward pass; every trainable parameter must be used in every pass "
+                f"(freeze unused ones with requires_grad_(False) before building the optimizer)")
         for g in self.groups:
             self._launch_ready(g, flush=True)
 

@@ -255,3 +255,22 @@ def test_scratch_pool_lends_the_smallest_fitting_buffer_and_drops_ones_too_small
     pool.give(c); pool.give(d)
     assert pool.take(40, torch.float64, "cpu").dtype == torch.float64  # kinds never mix
     assert len(pool.free) == 2
+
+
+def test_a_parameter_without_gradient_is_named_instead_of_reducing_garbage():
+    model = TwoDtypeNet()
+    model.unused = nn.Linear(3, 3)
+    opt = Zero2Optimizer(model, torch.optim.SGD, lr=0.1)
+    x, y = _data(0)
+    with pytest.raises(RuntimeError, match=r"parameter 'unused\.(weight|bias)' \(2 in all\) got no gradient"):
+        _loss(model, x, y).backward()
+
+
+@pytest.mark.parametrize("network", ["r18", "mbf", "vit_t"])
+def test_every_backbone_delivers_every_gradient_to_its_bucket(network):
+    from backbones import get_model
+    model = get_model(network)
+    opt = Zero2Optimizer(model, torch.optim.SGD, bucket_cap_mb=1.0, lr=0.1)
+    model(torch.randn(2, 3, 112, 112)).square().mean().backward()
+    assert all(b.state in ("launched", "done") for g in opt.groups for b in g.buckets)
+    assert all(torch.isfinite(s).all() and s.abs().sum() > 0 for s in opt.grad_shards())
