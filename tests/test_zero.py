@@ -3,7 +3,9 @@ import pytest
 import torch
 from torch import nn
 
+from backbones import get_model
 from parallel import DynamicLossScaler, Zero2Optimizer
+from parallel.scratch import ScratchPool
 from tests.distributed import run_distributed
 
 GLOBAL_BATCH, STEPS = 12, 6
@@ -219,7 +221,6 @@ def test_fp16_inf_on_one_rank_skips_the_step_on_every_rank():
 
 
 def _scratch_worker(rank, world_size, bucket_mb):
-    from backbones import get_model
     torch.manual_seed(0)
     model = get_model("mbf")  # 2.06M parameters: 7.9 MB of fp32 gradients
     opt = Zero2Optimizer(model, torch.optim.SGD, bucket_cap_mb=bucket_mb, lr=0.01, momentum=0.9)
@@ -243,7 +244,6 @@ def test_gradient_scratch_is_a_few_buckets_reused_every_step(world_size):
 
 
 def test_scratch_pool_lends_the_smallest_fitting_buffer_and_drops_ones_too_small():
-    from parallel.scratch import ScratchPool
     pool = ScratchPool()
     a, b = pool.take(10, torch.float32, "cpu"), pool.take(30, torch.float32, "cpu")
     pool.give(a); pool.give(b)
@@ -268,7 +268,6 @@ def test_a_parameter_without_gradient_is_named_instead_of_reducing_garbage():
 
 @pytest.mark.parametrize("network", ["r18", "mbf", "vit_t"])
 def test_every_backbone_delivers_every_gradient_to_its_bucket(network):
-    from backbones import get_model
     model = get_model(network)
     opt = Zero2Optimizer(model, torch.optim.SGD, bucket_cap_mb=1.0, lr=0.1)
     model(torch.randn(2, 3, 112, 112)).square().mean().backward()
