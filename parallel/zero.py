@@ -183,6 +183,7 @@ class Zero2Optimizer(WrappedOptimizer):
         return hook
 
     def _end_of_backward(self) -> None:
+        """Every bucket is full, hence launched, once every parameter's gradient arrived."""
         self._in_backward = False
         missing = [s.name for g in self.groups for s in g.layout.slots if s.name not in self._arrived]
         if missing:  # its bucket would never be complete: the ranks' reductions would diverge
@@ -190,16 +191,13 @@ class Zero2Optimizer(WrappedOptimizer):
                 f"Zero2Optimizer: parameter '{missing[0]}' ({len(missing)} in all) got no gradient in "
                 f"this backward pass; every trainable parameter must be used in every pass "
                 f"(freeze unused ones with requires_grad_(False) before building the optimizer)")
-        for g in self.groups:
-            self._launch_ready(g, flush=True)
 
-    def _launch_ready(self, group: _DtypeGroup, flush: bool = False) -> None:
-        """Launch ready buckets strictly in bucket order, so all ranks issue the same calls.
-        `flush` (end of backward) also launches partly filled buckets (unused parameters)."""
+    def _launch_ready(self, group: _DtypeGroup) -> None:
+        """Launch ready buckets strictly in bucket order, so all ranks issue the same calls."""
         for bucket in group.buckets:
-            if bucket.state in ("launched", "done") or (flush and bucket.state == "empty"):
+            if bucket.state in ("launched", "done"):
                 continue
-            if not (bucket.state == "ready" or flush):
+            if bucket.state != "ready":
                 return
             self._launch(group, bucket)
 
@@ -245,9 +243,7 @@ class Zero2Optimizer(WrappedOptimizer):
             gap.of(bucket.scratch).zero_()
 
     def _finish_reduction(self) -> None:
-        """Launch what is left, wait for all reductions, accumulate into the fp32 shards."""
-        for g in self.groups:
-            self._launch_ready(g, flush=True)
+        """Wait for the reductions still open and accumulate them into the fp32 shards."""
         while self._inflight:
             self._complete(*self._inflight.popleft())
 
