@@ -14,6 +14,7 @@ import time
 
 import common  # noqa: F401,I001
 import torch
+import torch.distributed as dist
 
 from backbones import get_model
 from parallel import ShardedEMA, Zero2Optimizer
@@ -21,10 +22,12 @@ from parallel.spawn import run_distributed
 
 
 def _timed_round_robin(fns: dict, iters: int) -> dict:
-    """Median time of each function, measured in turns so all see the same conditions."""
+    """Median time of each function, measured in turns so all see the same conditions; the
+    ranks start each call together (they share the memory bandwidth)."""
     times = {name: [] for name in fns}
     for it in range(iters + 1):
         for name, fn in fns.items():
+            dist.barrier()
             t = time.perf_counter()
             fn()
             if it:
