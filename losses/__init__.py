@@ -1,3 +1,4 @@
+from losses.base import MarginLoss
 from losses.margin import AMSoftmax, ArcFace, CombinedMarginLoss, CosFace
 
-__all__ = ["CombinedMarginLoss", "ArcFace", "CosFace", "AMSoftmax"]
+__all__ = ["MarginLoss", "CombinedMarginLoss", "ArcFace", "CosFace", "AMSoftmax"]

@@ -1,4 +1,4 @@
-"""Margin functions on cosine logits: combined margin s*(cos(m1*theta + m2) - m3).
+"""The combined margin s*(cos(m1*theta + m2) - m3) on the target cosine.
 
 ArcFace = (1, m2, 0), CosFace / AM-softmax = (1, 0, m3), SphereFace = (m1, 0, 0).
 """
@@ -7,24 +7,20 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
+
+from losses.base import MarginLoss
 
 
-class CombinedMarginLoss(nn.Module):
-    """Called as `margin(cos_logits, labels)` like arcface_torch's CombinedMarginLoss.
-
-    `labels` index columns of `cos_logits` (shard- or chunk-local) or are -1 for rows whose
-    class lives elsewhere. Returns scaled logits: `s * cos` everywhere, the margin applied to
-    each row's target column. The input is not modified.
-    """
+class CombinedMarginLoss(MarginLoss):
+    """Called as `margin(cos_logits, labels)` like arcface_torch's CombinedMarginLoss, and used
+    by the sharded head through `target_logit` / `other_logits` (see losses/base.py)."""
 
     def __init__(self, s: float = 64.0, m1: float = 1.0, m2: float = 0.5, m3: float = 0.0,
                  interclass_filtering_threshold: float = 0.0):
-        super().__init__()
+        super().__init__(s, interclass_filtering_threshold)
         if m1 < 1.0 or m2 < 0 or m3 < 0:
             raise ValueError(f"margins need m1 >= 1, m2 >= 0, m3 >= 0; got ({m1}, {m2}, {m3})")
-        self.s, self.m1, self.m2, self.m3 = float(s), float(m1), float(m2), float(m3)
-        self.interclass_filtering_threshold = float(interclass_filtering_threshold)
+        self.m1, self.m2, self.m3 = float(m1), float(m2), float(m3)
         # Keep theta' = m1*theta + m2 <= pi: past the switch point cos(theta') would rise
         # again, so the target continues as cos(theta) minus a constant. For m1 = 1 that is
         # arcface_torch's rule (cos - m2*sin(m2) below cos(pi - m2)), so results match it.
@@ -36,7 +32,7 @@ class CombinedMarginLoss(nn.Module):
             self._cos_switch = math.cos(theta_c)
             self._drop = math.cos(theta_c) + 1.0  # continuous at the switch point
 
-    def target_logit(self, cos: torch.Tensor) -> torch.Tensor:
+    def target_logit(self, cos: torch.Tensor, rows: dict | None = None) -> torch.Tensor:
         """Scaled logit of the target class given its cosine (differentiable, elementwise)."""
         cos = cos.clamp(-1.0, 1.0)
         if self.m1 == 1.0 and self.m2 == 0.0:
@@ -46,18 +42,6 @@ class CombinedMarginLoss(nn.Module):
         inside = torch.cos(self.m1 * theta + self.m2)
         target = torch.where(cos > self._cos_switch, inside, cos - self._drop)
         return self.s * (target - self.m3)
-
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        rows = torch.nonzero(labels != -1, as_tuple=True)[0]
-        cols = labels[rows]
-        out = logits.clamp(-1.0, 1.0)
-        if self.interclass_filtering_threshold > 0:
-            dirty = out > self.interclass_filtering_threshold
-            dirty[rows, cols] = False
-            out = out.masked_fill(dirty, 0.0)
-        out = out * self.s
-        out = out.index_put((rows, cols), self.target_logit(logits[rows, cols]))
-        return out
 
     def extra_repr(self) -> str:
         return f"s={self.s}, m1={self.m1}, m2={self.m2}, m3={self.m3}"
