@@ -1,5 +1,6 @@
 from heads.optimizer import SampledRowsOptimizer
-from heads.partial_fc import PartialFC
-from heads.sharding import ClassShard, all_class_shards, class_shard
+from heads.partial_fc import PartialFC, SampledRows
+from heads.sharded_ce import HeadPlan
+from heads.sharding import ClassShard, class_shard
 
-__all__ = ["PartialFC", "SampledRowsOptimizer", "ClassShard", "class_shard", "all_class_shards"]
+__all__ = ["PartialFC", "SampledRows", "SampledRowsOptimizer", "HeadPlan", "ClassShard", "class_shard"]

@@ -12,21 +12,23 @@ class SampledRowsOptimizer(WrappedOptimizer):
     """Wraps a pointwise torch optimizer (SGD, AdamW, ...) over `head.weight`.
 
     With `sample_rate` = 1 it is the plain optimizer. With Partial FC, each `step()` updates
-    only the rows in `head.sampled_index`: their weights and per-row optimizer state
+    only the rows in `head.sampled` (the rows used since the last step): their weights and per-row optimizer state
     (momentum, Adam moments) are gathered, stepped and written back; every other row and
     its state stay exactly as they were (no weight decay, no momentum drift while a class
     is not sampled). A row's state starts at zero the first time it is sampled, which for
     SGD equals torch's lazy initialisation. Scalar state such as Adam's `step` counts
-    head steps, not per-row steps.
+    head steps, not per-row steps. A row listed twice (two micro-steps sampled it) is
+    stepped twice from the same values, so both copies write back the same result.
     """
 
     def __init__(self, head: PartialFC, optimizer_class=torch.optim.SGD, **defaults):
         self.head = head
+        self.sampled = head.sampled
         self.optimizer = optimizer_class([head.weight], **defaults)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        self.head.clear_sampled()
+        self.sampled.clear()
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
@@ -36,7 +38,7 @@ class SampledRowsOptimizer(WrappedOptimizer):
 
     @torch.no_grad()
     def step(self) -> None:
-        index, weight = self.head.sampled_index, self.head.weight
+        index, weight = self.sampled.index(), self.head.weight
         if index is None or weight.grad is None:
             self.optimizer.step()
             return

@@ -5,38 +5,74 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from heads.sharded_ce import ShardedMarginCE, normalise_embeddings
+from heads.sharded_ce import HeadPlan, ShardedMarginCE, rows_of_classes
 from heads.sharding import class_shard
-from losses.margin import CombinedMarginLoss
+from losses.base import MarginLoss
 from parallel.collectives import all_gather_no_grad, all_gather_rows
-from parallel.dist import cpu_group, get_rank, get_world_size
+from parallel.dist import get_rank, get_world_size
+
+EPS = 1e-12
+
+
+class SampledRows:
+    """The weight rows Partial FC used since the head optimizer last stepped.
+
+    Shared by the head, which adds each step's rows, and `SampledRowsOptimizer`, which steps
+    exactly those rows and then clears them. Micro-steps of gradient accumulation add their
+    rows one after another; a row may appear more than once (no `unique`, which would wait
+    on the device): stepping a duplicated row computes the same new value twice.
+    """
+
+    def __init__(self):
+        self._parts: list[torch.Tensor] = []
+
+    def add(self, rows: torch.Tensor) -> None:
+        self._parts.append(rows)
+
+    def index(self) -> torch.Tensor | None:
+        """Every row used since the last `clear()`, or None when the whole shard was used."""
+        if not self._parts:
+            return None
+        return self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts)
+
+    def clear(self) -> None:
+        self._parts.clear()
 
 
 class PartialFC(nn.Module):
     """Margin-softmax classifier whose C classes are split in contiguous shards over ranks.
 
-    Rank r holds `weight` (num_local x embedding_size) for classes
-    [class_start, class_start + num_local). `forward(local_embeddings, local_labels)`
-    all-gathers embeddings and labels, computes cosine logits for the local shard only
-    (chunk_size classes at a time when set) and returns the mean cross-entropy over the
-    global batch, identical on every rank. Must be called on every rank of the group.
+    Rank r holds `weight` (num_local * k x embedding_size; k = the margin's sub-centres per
+    class, class-major) for classes [class_start, class_start + num_local).
+    `forward(local_embeddings, local_labels)` all-gathers the raw embeddings and labels,
+    computes cosine logits for the local shard only and returns the mean cross-entropy over
+    the global batch (plus the margin's regulariser), identical on every rank. Must be called
+    on every rank of the group. The loss and both gradients are formed in one pass (see
+    heads/sharded_ce.py): `chunk_size` classes per GEMM tile, `row_block` rows of the global
+    batch at a time (its cosines against the shard are what the head keeps), `precision`
+    of the logits GEMM ("fp32", "tf32" on GPUs, or "bf16").
 
     Gradient scale: the loss is the global-batch mean, and the gradient each rank receives
-    for its own embeddings is multiplied by W. A backbone whose gradients are then
-    averaged across ranks (DDP, Zero2Optimizer) gets exactly the gradient of one process
-    with batch W*b. The head's weight gradient is already exact: no cross-rank reduction.
+    for its own embeddings is multiplied by W. A backbone whose gradients are then averaged
+    across ranks (DDP, Zero2Optimizer) gets exactly the gradient of one process with batch
+    W*b. The head's weight gradient is already exact: no cross-rank reduction.
 
-    Partial FC (`sample_rate` < 1): each step keeps every class of the shard that appears
-    in the global batch plus uniformly drawn other classes, `max(int(sample_rate *
-    num_local), positives)` in all. Unsampled rows get a zero gradient; pair the head with
-    `heads.SampledRowsOptimizer` so they are neither decayed nor moved by momentum and keep
-    their optimizer state unchanged (`sampled_index` tells it which rows took part since the
-    optimizer's last `zero_grad()`, so gradient accumulation over micro-steps is covered).
+    Partial FC (`sample_rate` < 1): each training step keeps every class of the shard that
+    appears in the global batch plus uniformly drawn other classes, a fixed number in all:
+    `max(int(sample_rate * num_local), min(B, num_local))` for a global batch of B rows, so
+    every positive always fits and no size depends on the data (nothing waits on the
+    device). Unsampled rows get a zero gradient; `heads.SampledRowsOptimizer` then leaves
+    them and their optimizer state untouched (the rows are shared through `self.sampled`).
+
+    Labels are checked on the all-gathered batch, which every rank holds, so a bad label
+    raises the same ValueError on every rank without communication when labels are on the
+    CPU; on a GPU the loss becomes NaN instead of waiting on the device (train.py checks
+    labels on the CPU before moving them).
     """
 
-    def __init__(self, margin_loss: CombinedMarginLoss, embedding_size: int, num_classes: int,
+    def __init__(self, margin_loss: MarginLoss, embedding_size: int, num_classes: int,
                  sample_rate: float = 1.0, chunk_size: int | None = None, process_group=None,
-                 validate: bool = True):
+                 validate: bool = True, row_block: int = 32, precision: str = "fp32"):
         super().__init__()
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
@@ -45,82 +81,90 @@ class PartialFC(nn.Module):
         self.num_classes = num_classes
         self.sample_rate = sample_rate
         self.chunk_size = chunk_size or None
+        self.plan = HeadPlan(tile=self.chunk_size or 2**62, row_block=row_block, precision=precision)
         self.group = process_group
         self.world_size = get_world_size(process_group)
         shard = class_shard(num_classes, self.world_size, get_rank(process_group))
         self.class_start, self.num_local = shard.start, shard.size
+        self.subcenters = margin_loss.subcenters
         self.num_sample = self.num_local if sample_rate >= 1.0 else int(sample_rate * self.num_local)
-        self.weight = nn.Parameter(torch.normal(0, 0.01, (self.num_local, embedding_size)))
+        self.weight = nn.Parameter(torch.normal(0, 0.01, (self.num_local * self.subcenters, embedding_size)))
         self.validate = validate
-        self.sampled_index: torch.Tensor | None = None
+        self.sampled = SampledRows()
+        self._shapes_checked = False
 
     def extra_repr(self) -> str:
         return (f"classes [{self.class_start}, {self.class_start + self.num_local}) of {self.num_classes}, "
-                f"D={self.embedding_size}, sample_rate={self.sample_rate}, chunk_size={self.chunk_size}")
+                f"D={self.embedding_size}, k={self.subcenters}, sample_rate={self.sample_rate}, "
+                f"chunk_size={self.chunk_size}, row_block={self.plan.row_block}, precision={self.plan.precision}")
 
-    def _check_inputs(self, emb: torch.Tensor, labels: torch.Tensor) -> None:
-        """Agree across ranks on whether the inputs are valid, so that all raise or none does."""
+    def _check_shapes(self, emb: torch.Tensor, labels: torch.Tensor) -> None:
+        """Once: every rank passes (b, D) embeddings with b labels and the same b (a mismatch
+        would otherwise hang or garble the all-gather)."""
         problem = ""
         if emb.dim() != 2 or emb.shape[1] != self.embedding_size:
             problem = f"embeddings of shape {tuple(emb.shape)}, expected (b, {self.embedding_size})"
         elif labels.numel() != emb.shape[0]:
             problem = f"{labels.numel()} labels for {emb.shape[0]} embeddings"
-        elif labels.device.type == "cpu":
-            bad = (labels < 0) | (labels >= self.num_classes)
-            if bool(bad.any()):
-                problem = (f"label {int(labels[bad][0])} outside [0, {self.num_classes}) "
-                           f"at batch position {int(torch.nonzero(bad)[0])}")
-        else:
-            torch._assert_async(((labels >= 0) & (labels < self.num_classes)).all(),
-                                "PartialFC: label outside [0, num_classes)")
-        if self.world_size == 1:
-            if problem:
-                raise ValueError(f"PartialFC: {problem}")
-            return
-        b = emb.shape[0] if emb.dim() else -1
-        status = torch.tensor([b, -b, int(bool(problem))], dtype=torch.int64)
-        dist.all_reduce(status, op=dist.ReduceOp.MAX, group=cpu_group(self.group))
+        if self.world_size > 1:
+            b = emb.shape[0] if emb.dim() else -1
+            status = torch.tensor([b, -b, int(bool(problem))], dtype=torch.int64, device=emb.device)
+            dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.group)
+            high, neg_low, bad = status.tolist()
+            if not problem and bad:
+                problem = "another rank received invalid inputs (see its error)"
+            elif not problem and high != -neg_low:
+                problem = f"batch sizes differ across ranks ({-neg_low} to {high}); every rank must pass the same number"
         if problem:
             raise ValueError(f"PartialFC (rank {get_rank(self.group)}): {problem}")
-        if status[2]:
-            raise ValueError("PartialFC: another rank received invalid inputs (see its error)")
-        if status[0] != -status[1]:
-            raise ValueError(f"PartialFC: batch sizes differ across ranks ({-int(status[1])} to "
-                             f"{int(status[0])}); every rank must pass the same number of rows")
+        self._shapes_checked = True
 
-    def clear_sampled(self) -> None:
-        """Forget the rows sampled so far (the head optimizer calls this in zero_grad)."""
-        self.sampled_index = None
+    def _check_labels(self, labels: torch.Tensor) -> None:
+        """Global labels (identical on every rank): every rank raises the same error."""
+        bad = (labels < 0) | (labels >= self.num_classes)
+        if bool(bad.any()):
+            at = int(bad.int().argmax())
+            b = labels.numel() // self.world_size
+            raise ValueError(f"PartialFC: label {int(labels[at])} outside [0, {self.num_classes}) at position "
+                             f"{at % b} of rank {at // b}'s batch")
 
     def sample(self, local_labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pick the shard rows for this step; return (sorted index, labels remapped into it)."""
-        positive = torch.unique(local_labels[local_labels >= 0], sorted=True)
-        if self.num_sample > positive.numel():
-            score = torch.rand(self.num_local, device=local_labels.device)
-            score[positive] = 2.0
-            index = torch.topk(score, k=self.num_sample).indices.sort().values
-        else:
-            index = positive
-        remapped = torch.where(local_labels >= 0,
-                               torch.searchsorted(index, local_labels.clamp_min(0)),
-                               torch.full_like(local_labels, -1))
+        """Pick the shard classes for this step; return (sorted index, labels remapped into it)."""
+        n = self.num_local
+        size = min(n, max(self.num_sample, local_labels.numel()))
+        has = local_labels >= 0
+        score = torch.rand(n + 1, device=local_labels.device)  # the last slot takes rows without a class here
+        score.scatter_(0, torch.where(has, local_labels, n), 2.0)
+        index = torch.topk(score[:n], k=size, sorted=False).indices.sort().values
+        remapped = torch.where(has, torch.searchsorted(index, local_labels.clamp_min(0)), -1)
         return index, remapped
 
     def forward(self, local_embeddings: torch.Tensor, local_labels: torch.Tensor) -> torch.Tensor:
         local_labels = local_labels.reshape(-1).long()
-        if self.validate:
-            self._check_inputs(local_embeddings, local_labels)
+        if self.validate and not self._shapes_checked:
+            self._check_shapes(local_embeddings, local_labels)
         embeddings = all_gather_rows(local_embeddings, self.group, grad_scale=float(self.world_size))
         labels = all_gather_no_grad(local_labels, self.group)
+        if self.validate and labels.device.type == "cpu":
+            self._check_labels(labels)
 
+        emb = embeddings.float()
+        norms = torch.linalg.vector_norm(emb, dim=1)
+        emb_n = emb / norms.clamp_min(EPS)[:, None]
         local = labels - self.class_start
-        local = torch.where((local >= 0) & (local < self.num_local), local, torch.full_like(local, -1))
+        local = torch.where((local >= 0) & (local < self.num_local), local, -1)
         index = None
         if self.num_sample < self.num_local and self.training:
             index, local = self.sample(local)
-            if self.sampled_index is not None:  # gradient accumulation: rows of earlier micro-steps
-                self.sampled_index = torch.unique(torch.cat([self.sampled_index, index]))
-            else:
-                self.sampled_index = index
-        return ShardedMarginCE.apply(normalise_embeddings(embeddings), self.weight, local, index,
-                                     self.margin_loss, self.chunk_size, self.group)
+            self.sampled.add(rows_of_classes(index, self.subcenters))
+        margin = self.margin_loss
+        loss = ShardedMarginCE.apply(emb_n, norms if margin.uses_norms else norms.detach(), self.weight, local,
+                                     index, margin, self.plan, self.group)
+        reg = margin.regularizer(norms)
+        if reg is not None:  # identical on every rank: its gradient must count once in the sum over ranks
+            share = 1.0 / self.world_size
+            loss = loss + (reg * share + reg.detach() * (1.0 - share))
+        if self.validate and labels.device.type != "cpu":
+            loss = torch.where(((labels >= 0) & (labels < self.num_classes)).all(), loss, float("nan"))
+        return loss
+

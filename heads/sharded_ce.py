@@ -1,163 +1,315 @@
-"""Cross-entropy over a class-sharded, margin-adjusted cosine classifier.
+"""Cross-entropy over a class-sharded, margin-adjusted cosine classifier, in one pass.
 
 Each rank holds the weight rows of its class shard and the normalised embeddings of the
-whole global batch. Logits are formed chunk by chunk (K classes at a time) and reduced to
-three per-row statistics: the running max, the sum of exp(logit - max) and the target
-logit. Across ranks only those statistics travel (all-reduce MAX, then SUM), so logits are
-never concatenated and, in the forward pass, never held for more than one chunk. The
-backward pass recomputes each chunk's logits.
+whole global batch. The batch is processed in blocks of rows; for each block:
+
+1. cosines of the block against the shard, tile by tile (K classes at a time), kept in one
+   block buffer (rows x shard), and the block's local row statistics (max, sum of exp);
+2. one all-gather of those statistics, from which every rank forms log Z of each row
+   (logits are never concatenated or exchanged);
+3. the softmax gradient from the kept cosines, tile by tile, straight into the gradient of
+   the embeddings and of the weight (the three GEMMs any exact head needs: logits, dE, dW).
+
+So the loss and both gradients are ready when forward returns; backward only scales them
+by the incoming gradient. Under `torch.no_grad()` only the statistics are formed. The
+margin (losses/base.py) shapes each logit elementwise; the target cosines of the global
+batch are all-reduced up front, so every rank knows every row's target logit, and the
+per-row context of the margin (norm statistics, CurricularFace's t) is the same everywhere.
+
+Nothing here waits on the device: no `nonzero`, `unique`, `.item()` or boolean indexing;
+rows without a target on this rank are handled with gathers and scatters that write an
+unchanged value back.
 """
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from losses.margin import CombinedMarginLoss
+from losses.base import MarginLoss
+from parallel.collectives import all_gather_flat
 from parallel.dist import get_world_size
 
-_EPS = 1e-12
+EPS = 1e-12
+PRECISIONS = ("fp32", "tf32", "bf16")
 
 
-def _weight_rows(weight: torch.Tensor, index: torch.Tensor | None, j0: int, j1: int) -> torch.Tensor:
-    rows = weight[j0:j1] if index is None else weight[index[j0:j1]]
-    return rows.float()
+@dataclass(frozen=True)
+class HeadPlan:
+    """How the head walks its work: `tile` classes per GEMM tile, `row_block` rows of the
+    global batch per block (the kept block buffer is row_block x shard cosines), and the
+    precision of the logits GEMM (row statistics and gradients stay fp32)."""
+    tile: int = 8192
+    row_block: int = 32
+    precision: str = "fp32"
+
+    def __post_init__(self):
+        if self.tile < 1 or self.row_block < 1:
+            raise ValueError(f"tile and row_block must be >= 1, got {self.tile}, {self.row_block}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
 
 
-def _normalised(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    norm = w.norm(dim=1, keepdim=True).clamp_min(_EPS)
-    return w / norm, norm
+def _tf32(enabled: bool):
+    if not enabled or not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    return _AllowTF32()
 
 
-def _inv_norm(w: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(w, dim=1).clamp_min_(_EPS).reciprocal_()
+class _AllowTF32:
+    def __enter__(self):
+        self.prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.prev
 
 
-def _scaled_cos(emb_n, w, inv_norm, margin: CombinedMarginLoss, rows, cc) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """s * cos for one chunk with interclass filtering; returns (logits, filtered mask).
-
-    Filtering (arcface_torch's interclass_filtering_threshold) zeroes the cosine of
-    non-target classes above the threshold; those entries carry no gradient.
-    """
-    cos = (emb_n @ w.t()).mul_(inv_norm).clamp_(-1.0, 1.0)
-    filtered = None
-    thr = margin.interclass_filtering_threshold
-    if thr > 0:
-        filtered = cos > thr
-        filtered[rows, cc] = False
-        cos.masked_fill_(filtered, 0.0)
-    return cos.mul_(margin.s), filtered
+def rows_of_classes(classes: torch.Tensor, k: int) -> torch.Tensor:
+    """Weight rows of the given classes with k sub-centres each (class-major)."""
+    if k == 1:
+        return classes
+    return (classes[:, None] * k + torch.arange(k, device=classes.device)).reshape(-1)
 
 
-def _chunk_targets(labels, j0, j1):
-    """Rows whose target column lies in [j0, j1), and that column relative to j0."""
-    rows = torch.nonzero((labels >= j0) & (labels < j1), as_tuple=True)[0]
-    return rows, labels[rows] - j0
+def _slice_rows(rows: dict[str, torch.Tensor], r0: int, r1: int) -> dict[str, torch.Tensor]:
+    return {name: (v[r0:r1] if v.dim() else v) for name, v in rows.items()}
+
+
+def _put(tile: torch.Tensor, pos: torch.Tensor, has: torch.Tensor, value: torch.Tensor) -> None:
+    """tile[i, pos[i]] = value[i] where has[i]; other rows keep their value (no host sync)."""
+    col = pos.clamp(0, tile.shape[1] - 1)[:, None]
+    old = tile.gather(1, col)[:, 0]
+    tile.scatter_(1, col, torch.where(has, value, old)[:, None])
+
+
+class _Shard:
+    """The classes this rank computes this step: the whole shard or a sampled index."""
+
+    def __init__(self, weight: torch.Tensor, index: torch.Tensor | None, k: int):
+        self.weight, self.index, self.k = weight, index, k
+        self.classes = weight.shape[0] // k if index is None else index.numel()
+        # one pass over the shard's rows for their norms; with sampling, per tile instead
+        self.inv_norm = None if index is not None else \
+            torch.linalg.vector_norm(weight.float(), dim=1).clamp_min_(EPS).reciprocal_()
+
+    def tile(self, c0: int, c1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(weight rows of classes [c0, c1) as fp32, their inverse norms, their shard rows)."""
+        k = self.k
+        if self.index is None:
+            w = self.weight[c0 * k:c1 * k].float()
+            return w, self.inv_norm[c0 * k:c1 * k], None
+        rows = rows_of_classes(self.index[c0:c1], k)
+        w = self.weight[rows].float()
+        return w, torch.linalg.vector_norm(w, dim=1).clamp_min_(EPS).reciprocal_(), rows
+
+    def target_cos(self, emb_n: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """cos of each row's target class where it lives on this rank, else 0 (max over
+        sub-centres)."""
+        has = labels >= 0
+        cls = labels.clamp_min(0)
+        if self.index is not None:
+            cls = self.index[cls]
+        w = self.weight[rows_of_classes(cls, self.k)].float().view(len(cls), self.k, -1)
+        w_n = w / torch.linalg.vector_norm(w, dim=2, keepdim=True).clamp_min(EPS)
+        cos = torch.einsum("bd,bkd->bk", emb_n, w_n).amax(1).clamp(-1.0, 1.0)
+        return torch.where(has, cos, 0.0)
 
 
 class ShardedMarginCE(torch.autograd.Function):
-    """loss = mean_i(log S_i + M_i - t_i) over the global batch; identical on every rank.
+    """loss = mean_i(log Z_i - t_i) [+ margin.regularizer] over the global batch; identical
+    on every rank.
 
-    Inputs: `emb_n` (B x D, L2-normalised, fp32), `weight` (n_local x D), `labels` (B,
-    column index into the shard, or into `index` when sampling; -1 when the class is on
-    another rank), `index` (sampled shard rows, sorted, or None for all rows).
+    Inputs: `emb_n` (B x D, L2-normalised, fp32), `norms` (B, raw embedding norms), `weight`
+    (shard rows x D; k rows per class with sub-centres), `labels` (B, column index into the
+    shard, or into `index` when sampling; -1 when the class is on another rank), `index`
+    (sampled shard classes, sorted, or None for all).
     """
 
     @staticmethod
-    def forward(ctx, emb_n, weight, labels, index, margin, chunk_size, group):
+    def forward(ctx, emb_n, norms, weight, labels, index, margin: MarginLoss, plan: HeadPlan, group):
+        world = get_world_size(group)
+        grads = any(ctx.needs_input_grad[:3])
         B = emb_n.shape[0]
-        cols = weight.shape[0] if index is None else index.numel()
-        K = max(1, min(chunk_size or cols, cols))
+        k = margin.subcenters
+        shard = _Shard(weight, index, k)
+        has = labels >= 0
 
-        t_rows = torch.nonzero(labels >= 0, as_tuple=True)[0]
-        w_idx = labels[t_rows] if index is None else index[labels[t_rows]]
-        wt_n, _ = _normalised(weight[w_idx].float())
-        t_cos = (emb_n[t_rows] * wt_n).sum(1)
-        t_logit = margin.target_logit(t_cos)
+        # the global batch's target cosines and logits, identical on every rank
+        cos_y = shard.target_cos(emb_n, labels)
+        if world > 1:
+            dist.all_reduce(cos_y, group=group)
+        with torch.enable_grad():
+            cos_leaf = cos_y.detach().requires_grad_(grads)
+            norm_leaf = norms.detach().requires_grad_(grads and margin.uses_norms)
+            rows = margin.begin_step(cos_y.detach(), norm_leaf)
+            t_logit = margin.target_logit(cos_leaf, rows)
+            if grads:  # elementwise margins: d t_i / d cos_i and d t_i / d norm_i
+                leaves = [cos_leaf] + ([norm_leaf] if margin.uses_norms else [])
+                d_t = torch.autograd.grad(t_logit.sum(), leaves)
+        t_logit = t_logit.detach()
+        rows = {n: v.detach() for n, v in rows.items()}
 
-        row_max = emb_n.new_full((B,), float("-inf"))
-        row_sum = emb_n.new_zeros(B)
-        for j0 in range(0, cols, K):
-            j1 = min(j0 + K, cols)
-            w = _weight_rows(weight, index, j0, j1)
-            rows, cc = _chunk_targets(labels, j0, j1)
-            logits, _ = _scaled_cos(emb_n, w, _inv_norm(w), margin, rows, cc)
-            logits[rows, cc] = t_logit[torch.searchsorted(t_rows, rows)]
-            new_max = torch.maximum(row_max, logits.max(1).values)
-            row_sum = row_sum * torch.exp(row_max - new_max) + logits.sub_(new_max[:, None]).exp_().sum(1)
-            row_max = new_max
-            del logits
+        walk = _Walk(emb_n, shard, labels, has, t_logit, margin, rows, plan, group, grads)
+        if grads:
+            walk.d_t_dcos = d_t[0]
+        log_z = walk.run()
+        loss = (log_z - t_logit).mean()
 
-        target = emb_n.new_zeros(B)
-        target[t_rows] = t_logit
-        if get_world_size(group) > 1:
-            global_max = row_max.clone()
-            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-            sums = torch.stack([row_sum * torch.exp(row_max - global_max), target])
-            dist.all_reduce(sums, group=group)
-            row_sum, target, row_max = sums[0], sums[1], global_max
-        log_z = row_max + torch.log(row_sum)
-        loss = (log_z - target).mean()
-
-        ctx.save_for_backward(emb_n, weight, labels, index if index is not None else torch.empty(0),
-                              t_rows, t_cos, log_z)
-        ctx.has_index = index is not None
-        ctx.margin, ctx.K = margin, K
+        if grads:
+            # the target column's gradient went into the GEMMs through dcos_y; the norm's
+            # share (MagFace) comes from the rank that owns the target only
+            ctx.grads = (walk.grad_emb, walk.grad_weight.to(weight.dtype),
+                         walk.d_target * d_t[1] if margin.uses_norms else None)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        emb_n, weight, labels, index, t_rows, t_cos, log_z = ctx.saved_tensors
-        index = index if ctx.has_index else None
-        margin, K = ctx.margin, ctx.K
-        B = emb_n.shape[0]
-        cols = weight.shape[0] if index is None else index.numel()
-        coef = grad_loss.float() / B  # d loss / d logit = coef * (softmax - onehot)
-
-        grad_emb = torch.zeros_like(emb_n)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-
-        # Non-target columns, chunk by chunk. With l = s * (e . w) / |w| and dl = coef * p:
-        #   d e = sum_j dl * s / |w_j| * w_j
-        #   d w_j = sum_i dl * s / |w_j| * e_i  -  w_j / |w_j|^2 * sum_i dl * l
-        # computed from the weight rows themselves (no normalised copy of the chunk).
-        for j0 in range(0, cols, K):
-            j1 = min(j0 + K, cols)
-            w = _weight_rows(weight, index, j0, j1)
-            inv = _inv_norm(w)
-            rows, cc = _chunk_targets(labels, j0, j1)
-            logits, filtered = _scaled_cos(emb_n, w, inv, margin, rows, cc)
-            dl = (logits - log_z[:, None]).exp_().mul_(coef)
-            dl[rows, cc] = 0.0
-            if filtered is not None:
-                dl.masked_fill_(filtered, 0.0)
-            radial = (dl * logits).sum(0)
-            del logits
-            dl.mul_(inv.mul(margin.s))  # now d(e . w_j)
-            grad_emb.addmm_(dl, w)
-            g = grad_w[j0:j1] if index is None else torch.empty_like(w)
-            torch.mm(dl.t(), emb_n, out=g)
-            del dl
-            g.addcmul_(w, (radial * inv * inv)[:, None], value=-1.0)
-            if index is not None:
-                grad_w.index_copy_(0, index[j0:j1], g)  # sampled rows are unique
-
-        # Target columns: d t = coef * (p_target - 1), through the margin and normalisation.
-        if t_rows.numel():
-            w_idx = labels[t_rows] if index is None else index[labels[t_rows]]
-            wt_n, wt_norm = _normalised(weight[w_idx].float())
-            with torch.enable_grad():
-                tc = t_cos.detach().requires_grad_(True)
-                t_logit = margin.target_logit(tc)
-                p_t = torch.exp(t_logit.detach() - log_z[t_rows])
-                (dt_cos,) = torch.autograd.grad(t_logit, tc, grad_outputs=coef * (p_t - 1.0))
-            grad_emb.index_add_(0, t_rows, dt_cos[:, None] * wt_n)
-            g_wn = dt_cos[:, None] * emb_n[t_rows]
-            g_w = (g_wn - wt_n * (g_wn * wt_n).sum(1, keepdim=True)) / wt_norm
-            grad_w.index_add_(0, w_idx, g_w)
-
-        return grad_emb, grad_w.to(weight.dtype), None, None, None, None, None
+        grad_emb, grad_weight, grad_norm = ctx.grads
+        if not (grad_loss.device.type == "cpu" and float(grad_loss) == 1.0):  # 1: skip a pass over dW
+            grad_emb, grad_weight = grad_emb * grad_loss, grad_weight * grad_loss.to(grad_weight.dtype)
+            grad_norm = grad_norm * grad_loss if grad_norm is not None else None
+        return grad_emb, grad_norm, grad_weight, None, None, None, None, None
 
 
-def normalise_embeddings(emb: torch.Tensor) -> torch.Tensor:
-    return F.normalize(emb.float(), dim=1, eps=_EPS)
+class _Walk:
+    """One pass over row blocks x class tiles (see the module docstring)."""
+
+    def __init__(self, emb_n, shard: _Shard, labels, has, t_logit, margin: MarginLoss, rows, plan: HeadPlan,
+                 group, grads: bool):
+        self.emb_n, self.shard, self.labels, self.has = emb_n, shard, labels, has
+        self.t_logit, self.margin, self.rows, self.plan, self.group = t_logit, margin, rows, plan, group
+        self.grads = grads
+        B, D = emb_n.shape
+        self.k = shard.k
+        self.K = max(1, min(plan.tile, shard.classes))
+        self.tiles = [(c0, min(c0 + self.K, shard.classes)) for c0 in range(0, shard.classes, self.K)]
+        self.R = B if not grads else max(1, min(plan.row_block, B))
+        self.world = get_world_size(group)
+        if grads:
+            n_rows = shard.classes * self.k
+            self.grad_emb = torch.empty_like(emb_n)
+            if shard.index is None:
+                self.grad_weight = torch.empty(shard.weight.shape, dtype=torch.float32, device=emb_n.device)
+            else:  # unsampled rows get an exact zero
+                self.grad_weight = torch.zeros(shard.weight.shape, dtype=torch.float32, device=emb_n.device)
+            self.radial = torch.zeros(n_rows, dtype=torch.float32, device=emb_n.device)
+            self.d_target = torch.zeros(B, dtype=torch.float32, device=emb_n.device)
+            self.cos_buf = torch.empty(self.R * n_rows, dtype=torch.float32, device=emb_n.device)
+
+    def _gemm_in(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.bfloat16) if self.plan.precision == "bf16" else x
+
+    def _class_cos(self, cos_sub: torch.Tensor):
+        """Class cosines from sub-centre cosines (max over k) and the argmax, or as is."""
+        if self.k == 1:
+            return cos_sub, None
+        vals, arg = cos_sub.view(cos_sub.shape[0], -1, self.k).max(2)
+        return vals, arg
+
+    def _logits(self, cos: torch.Tensor, r0: int, r1: int, c0: int, rows) -> torch.Tensor:
+        logits = self.margin.other_logits(cos, rows)
+        if logits.data_ptr() == cos.data_ptr():
+            logits = logits.clone()
+        pos = self.labels[r0:r1] - c0
+        has = self.has[r0:r1] & (pos >= 0) & (pos < cos.shape[1])
+        _put(logits, pos, has, self.t_logit[r0:r1])
+        return logits
+
+    def run(self) -> torch.Tensor:
+        B = self.emb_n.shape[0]
+        log_z = torch.empty(B, dtype=torch.float32, device=self.emb_n.device)
+        with _tf32(self.plan.precision == "tf32"):
+            for r0 in range(0, B, self.R):
+                r1 = min(r0 + self.R, B)
+                rows = _slice_rows(self.rows, r0, r1)
+                row_max, row_sum = self._statistics(r0, r1, rows)
+                log_z[r0:r1] = self._exchange(row_max, row_sum)
+                if self.grads:
+                    self._gradient(r0, r1, rows, log_z[r0:r1], last=r1 == B)
+        return log_z
+
+    def _statistics(self, r0: int, r1: int, rows):
+        e = self._gemm_in(self.emb_n[r0:r1])
+        n = r1 - r0
+        row_max = torch.full((n,), float("-inf"), device=e.device)
+        row_sum = torch.zeros(n, device=e.device)
+        pos = 0
+        for c0, c1 in self.tiles:
+            w, inv, _ = self.shard.tile(c0, c1)
+            width = (c1 - c0) * self.k
+            if self.grads:
+                cos_sub = self.cos_buf[pos * n:(pos + width) * n].view(n, width)
+                torch.mm(e, self._gemm_in(w).t(), out=cos_sub) if e.dtype == torch.float32 else \
+                    cos_sub.copy_(e @ self._gemm_in(w).t())
+            else:
+                cos_sub = (e @ self._gemm_in(w).t()).float()
+            pos += width
+            cos_sub.mul_(inv).clamp_(-1.0, 1.0)
+            cos, _ = self._class_cos(cos_sub)
+            logits = self._logits(cos, r0, r1, c0, rows)
+            tile_max = logits.amax(1)
+            new_max = torch.maximum(row_max, tile_max)
+            row_sum = row_sum * torch.exp(row_max - new_max) + logits.sub_(new_max[:, None]).exp_().sum(1)
+            row_max = new_max
+        return row_max, row_sum
+
+    def _exchange(self, row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
+        """log Z per row from every rank's (max, sum): one all-gather, exact and overflow-free."""
+        local = row_max + torch.log(row_sum)
+        if self.world == 1:
+            return local
+        gathered = local.new_empty(self.world * local.numel())
+        all_gather_flat(gathered, local.contiguous(), group=self.group)
+        return torch.logsumexp(gathered.view(self.world, -1), dim=0)
+
+    def _gradient(self, r0: int, r1: int, rows, log_z: torch.Tensor, last: bool) -> None:
+        """Softmax gradient of the kept block, tile by tile, into dE and dW."""
+        n = r1 - r0
+        B = self.emb_n.shape[0]
+        coef = 1.0 / B
+        e = self.emb_n[r0:r1]
+        # target column: d loss / d t = coef * (p_t - 1), through the margin into cos_y
+        has = self.has[r0:r1]
+        d_t = torch.where(has, (torch.exp(self.t_logit[r0:r1] - log_z) - 1.0) * coef, 0.0)
+        self.d_target[r0:r1] = d_t
+        dcos_y = d_t * self.d_t_dcos[r0:r1]
+        first = r0 == 0
+        grad_e = self.grad_emb[r0:r1]
+        pos = 0
+        for c0, c1 in self.tiles:
+            w, inv, shard_rows = self.shard.tile(c0, c1)
+            width = (c1 - c0) * self.k
+            cos_sub = self.cos_buf[pos * n:(pos + width) * n].view(n, width)
+            cos, arg = self._class_cos(cos_sub)
+            logits = self._logits(cos, r0, r1, c0, rows)
+            dl = logits.sub_(log_z[:, None]).exp_().mul_(coef)  # d loss / d logit (targets below)
+            grad = self.margin.other_grad(cos, rows)
+            dcos = dl.mul_(grad)
+            tpos = self.labels[r0:r1] - c0
+            _put(dcos, tpos, has & (tpos >= 0) & (tpos < c1 - c0), dcos_y)
+            if arg is not None:
+                dsub = torch.zeros_like(cos_sub).view(n, -1, self.k)
+                dsub.scatter_(2, arg[..., None], dcos[..., None])
+                dcos = dsub.view(n, width)
+            radial = (dcos * cos_sub).sum(0)  # sum_i dcos_ij cos_ij, for the weight's normalisation
+            dcos.mul_(inv)                    # now d loss / d (e . w_j)
+            if c0 == 0:
+                torch.mm(dcos, w, out=grad_e)
+            else:
+                grad_e.addmm_(dcos, w)
+            rr = slice(pos, pos + width)
+            self.radial[rr] += radial
+            if shard_rows is None:
+                g = self.grad_weight[rr]
+                torch.mm(dcos.t(), e, out=g) if first else g.addmm_(dcos.t(), e)
+                if last:  # d cos_ij / d w_j = inv_j e_i - cos_ij inv_j^2 w_j
+                    g.addcmul_(w, (self.radial[rr] * inv * inv).neg_()[:, None])
+            else:
+                g = dcos.t() @ e
+                if last:
+                    g.addcmul_(w, (self.radial[rr] * inv * inv).neg_()[:, None])
+                self.grad_weight.index_add_(0, shard_rows, g)
+            pos += width

@@ -21,6 +21,3 @@ def class_shard(num_classes: int, world_size: int, rank: int) -> ClassShard:
     base, extra = divmod(num_classes, world_size)
     return ClassShard(start=base * rank + min(rank, extra), size=base + int(rank < extra))
 
-
-def all_class_shards(num_classes: int, world_size: int) -> list[ClassShard]:
-    return [class_shard(num_classes, world_size, r) for r in range(world_size)]

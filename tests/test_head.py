@@ -132,7 +132,7 @@ def test_sampling_keeps_positives_and_count_and_equals_restricted_ce():
     head = PartialFC(ArcFace(s=16.0, margin=0.5), D, num_classes, sample_rate=rate)
     emb, labels = torch.randn(6, D), torch.tensor([3, 3, 17, 40, 41, 8])
     loss = head(emb, labels)
-    index = head.sampled_index
+    index = head.sampled.index()
     assert set(labels.tolist()) <= set(index.tolist())
     assert index.numel() == int(rate * num_classes) and index.unique().numel() == index.numel()
     sub = head.weight.detach()[index]
@@ -141,9 +141,9 @@ def test_sampling_keeps_positives_and_count_and_equals_restricted_ce():
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     # more positives than the sample size: exactly the positives are kept
     many = torch.arange(0, 24, 2)
-    head.clear_sampled()
+    head.sampled.clear()
     head(torch.randn(12, D), many)
-    assert head.sampled_index.tolist() == many.tolist()
+    assert head.sampled.index().tolist() == many.tolist()
 
 
 def test_unsampled_rows_keep_weights_and_optimizer_state():
@@ -152,13 +152,13 @@ def test_unsampled_rows_keep_weights_and_optimizer_state():
     opt = SampledRowsOptimizer(head, torch.optim.SGD, lr=0.5, momentum=0.9, weight_decay=0.1)
     head(torch.randn(4, D), torch.tensor([1, 2, 3, 4])).backward()
     opt.step()
-    first = head.sampled_index.clone()
+    first = head.sampled.index().clone()
     opt.zero_grad()
     w_before = head.weight.detach().clone()
     buf_before = opt.state[head.weight]["momentum_buffer"].clone()
     head(torch.randn(4, D), torch.tensor([30, 31, 32, 33])).backward()
     opt.step()
-    second = head.sampled_index
+    second = head.sampled.index()
     untouched = torch.ones(40, dtype=torch.bool)
     untouched[second] = False
     assert untouched.sum() > 0
@@ -173,11 +173,11 @@ def test_sampled_rows_accumulate_over_micro_steps_until_zero_grad():
     head = PartialFC(CosFace(s=16.0, m=0.3), D, 40, sample_rate=0.1)
     opt = SampledRowsOptimizer(head, torch.optim.SGD, lr=0.1)
     head(torch.randn(2, D), torch.tensor([1, 2]))
-    first = set(head.sampled_index.tolist())
+    first = set(head.sampled.index().tolist())
     head(torch.randn(2, D), torch.tensor([30, 31]))
-    assert first | {30, 31} <= set(head.sampled_index.tolist())
+    assert first | {30, 31} <= set(head.sampled.index().tolist())
     opt.zero_grad()
-    assert head.sampled_index is None
+    assert head.sampled.index() is None
 
 
 def _bad_input_worker(rank, world_size, kind):
