@@ -1,10 +1,15 @@
 #!/usr/bin/env python
-"""Head step time and peak memory per rank: ours (chunked) vs arcface_torch's PFC v2.
+"""Head step time and peak memory per rank, side by side in one run:
 
-W=2 gloo ranks on CPU (one thread each), b=128 per rank, D=512, fp32, C in {100k, 400k}.
-Each case runs in fresh processes; memory is the weight plus the peak growth of the
-resident set during a step after a warm-up step (gradient + temporaries); the floor is the
-weight plus its gradient.
+- ours (chunked, one pass), and ours with the optimizer fused into backward (no weight gradient);
+- arcface_torch's PFC v2 algorithm (benchmarks/pfc_v2_reference.py);
+- the limit: the three bare GEMMs any exact head must do at the same shapes (logits B x n,
+  dE = G @ W, dW = G^T @ E), with nothing else;
+- at W=1: torch's `F.linear_cross_entropy` (no margin, no normalisation) at the same shapes.
+
+W=2 gloo ranks on CPU (one thread each), b=128 per rank, D=512, fp32. Each case runs in fresh
+processes with the default allocator; memory is the weight plus the peak growth of the
+resident set during a step after a warm-up step; the floor is the weight plus its gradient.
 """
 from __future__ import annotations
 
@@ -14,26 +19,51 @@ import time
 
 import common  # noqa: F401,I001
 import torch
+import torch.nn.functional as F
 
 from common import MB, peak_bytes, reset_peak, rss_bytes, table
 from pfc_v2_reference import PFCv2Reference
-from heads import PartialFC
+from heads import PartialFC, SampledRowsOptimizer
+from heads.sharding import class_shard
 from losses import CombinedMarginLoss
 from parallel.spawn import run_distributed
 
 B, D = 128, 512
 
 
-def _case(rank, world_size, method, num_classes, chunk, iters):
-    torch.set_num_threads(1)
-    torch.manual_seed(rank)
+class BareGEMMs(torch.nn.Module):
+    """The three products of an exact head, bare: the time and memory limit."""
+
+    def __init__(self, num_local: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.normal(0, 0.01, (num_local, D)))
+
+    def step(self, emb: torch.Tensor) -> None:
+        with torch.no_grad():
+            logits = emb @ self.weight.t()
+            logits.mul_(1e-3)  # stands in for the softmax gradient, in place
+            emb.grad = logits @ self.weight
+            self.weight.grad = logits.t() @ emb
+
+
+def _head(method: str, num_classes: int, world: int, chunk: int, row_block: int):
     margin = CombinedMarginLoss(64.0, 1.0, 0.5, 0.0)
     if method == "pfc_v2":
-        head = PFCv2Reference(margin, D, num_classes)
-    else:
-        head = PartialFC(margin, D, num_classes, chunk_size=chunk, validate=False)
-    emb = torch.randn(B, D, requires_grad=True)
-    labels = torch.randint(0, num_classes, (B,))
+        return PFCv2Reference(margin, D, num_classes)
+    if method in ("limit", "linear_ce"):
+        return BareGEMMs(class_shard(num_classes, world, torch.distributed.get_rank() if world > 1 else 0).size)
+    fused = {"fused_optimizer": True} if method == "fused" else {}
+    return PartialFC(margin, D, num_classes, chunk_size=chunk, row_block=row_block, validate=False, **fused)
+
+
+def _case(rank, world_size, method, num_classes, chunk, row_block, iters, batch):
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)
+    head = _head(method, num_classes, world_size, chunk, row_block)
+    emb = torch.randn(batch, D, requires_grad=True)
+    emb_global = torch.randn(world_size * batch, D) if method == "limit" else None
+    labels = torch.randint(0, num_classes, (batch,))
+    opt = SampledRowsOptimizer(head, torch.optim.SGD, lr=0.1, momentum=0.9) if method == "fused" else None
     weight_bytes = head.weight.numel() * 4
     times = []
     for it in range(iters + 1):
@@ -42,14 +72,24 @@ def _case(rank, world_size, method, num_classes, chunk, iters):
             reset_peak()
             resting = rss_bytes()
         t = time.perf_counter()
-        head(emb, labels).backward()
+        if method == "limit":  # the products over the global batch, as every rank of a head does
+            head.step(emb_global)
+        elif method == "linear_ce":
+            F.linear_cross_entropy(emb, head.weight, labels, options=_linear_ce_options()).backward()
+        else:
+            head(emb, labels).backward()
         times.append(time.perf_counter() - t)
+    del opt
     # the weight plus the largest growth of the process during a step
     return statistics.median(times[1:]), peak_bytes() - resting + weight_bytes, weight_bytes
 
 
-def measure(method, num_classes, chunk, iters):
-    results = run_distributed(_case, 2, method, num_classes, chunk, iters, timeout=900)
+def _linear_ce_options():
+    return torch.nn.LinearCrossEntropyOptions(batch_chunk_size=64)
+
+
+def measure(method, num_classes, chunk, row_block, iters, world=2, batch=B):
+    results = run_distributed(_case, world, method, num_classes, chunk, row_block, iters, batch, timeout=1800)
     step = max(r[0] for r in results)
     peak = max(r[1] for r in results)
     weight = max(r[2] for r in results)
@@ -57,32 +97,35 @@ def measure(method, num_classes, chunk, iters):
 
 
 def main(argv=None):
-    common.exact_rss_allocator()
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--classes", type=int, nargs="+", default=[100_000, 400_000])
     p.add_argument("--chunk", type=int, default=8192)
+    p.add_argument("--row-block", type=int, default=128)
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--budget-mb", type=float, default=4096, help="per-rank memory budget for the capacity line")
+    p.add_argument("--skip-pfc", action="store_true", help="leave out the (slow) PFC v2 baseline")
+    p.add_argument("--skip-w1", action="store_true", help="leave out the W=1 comparison")
     args = p.parse_args(argv)
-    rows, fits = [], {}
+    rows = []
+    methods = ["limit", "ours", "fused"] + ([] if args.skip_pfc else ["pfc_v2"])
     for c in args.classes:
-        base_t, base_m, floor = measure("pfc_v2", c, None, args.iters)
-        ours_t, ours_m, _ = measure("ours", c, args.chunk, args.iters)
-        fits.setdefault("pfc_v2", []).append((c, base_m))
-        fits.setdefault("ours", []).append((c, ours_m))
-        rows.append({"C": c, "pfc_v2 ms": f"{base_t * 1e3:.0f}", "ours ms": f"{ours_t * 1e3:.0f}",
-                     "time ours/pfc_v2": f"{ours_t / base_t:.2f}", "floor MB": f"{floor / MB:.0f}",
-                     "pfc_v2 MB": f"{base_m / MB:.0f}", "ours MB": f"{ours_m / MB:.0f}",
-                     "pfc_v2/floor": f"{base_m / floor:.2f}", "ours/floor": f"{ours_m / floor:.2f}"})
-    print(f"W=2 gloo ranks, 1 thread each, b={B}/rank, D={D}, fp32, chunk_size={args.chunk}")
+        got = {m: measure(m, c, args.chunk, args.row_block, args.iters) for m in methods}
+        limit_t, _, floor = got["limit"]
+        row = {"C": f"{c:,}", "floor MB": f"{floor / MB:.0f}", "limit ms": f"{limit_t * 1e3:.0f}"}
+        for m in methods[1:]:
+            t, peak, _ = got[m]
+            row[f"{m} ms"] = f"{t * 1e3:.0f}"
+            row[f"{m}/limit"] = f"{t / limit_t:.2f}"
+            row[f"{m} MB/floor"] = f"{peak / floor:.2f}"
+        rows.append(row)
+    print(f"W=2 gloo ranks, 1 thread each, b={B}/rank, D={D}, fp32, chunk_size={args.chunk}, "
+          f"row_block={args.row_block}, default allocator")
     print(table(rows, list(rows[0])))
-    if len(args.classes) >= 2:
-        budget = args.budget_mb * MB
-        print(f"\nlargest C within {args.budget_mb:.0f} MB per rank (W=2), from the linear fit of the peaks above:")
-        for name, pts in fits.items():
-            (c0, m0), (c1, m1) = pts[0], pts[-1]
-            slope = (m1 - m0) / (c1 - c0)
-            print(f"  {name:7s} {int((budget - (m0 - slope * c0)) / slope):>12,d} classes")
+    if not args.skip_w1:
+        c = args.classes[0]
+        ours = measure("ours", c, args.chunk, args.row_block, args.iters, world=1, batch=2 * B)
+        ref = measure("linear_ce", c, args.chunk, args.row_block, args.iters, world=1, batch=2 * B)
+        print(f"\nW=1, B={2 * B}, C={c:,}: ours {ours[0] * 1e3:.0f} ms, F.linear_cross_entropy "
+              f"(batch_chunk_size=64, no margin) {ref[0] * 1e3:.0f} ms: ours/theirs {ours[0] / ref[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ class PartialFC(nn.Module):
 
     def __init__(self, margin_loss: MarginLoss, embedding_size: int, num_classes: int,
                  sample_rate: float = 1.0, chunk_size: int | None = None, process_group=None,
-                 validate: bool = True, row_block: int = 32, precision: str = "fp32"):
+                 validate: bool = True, row_block: int = 128, precision: str = "fp32"):
         super().__init__()
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")

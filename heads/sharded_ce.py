@@ -42,7 +42,7 @@ class HeadPlan:
     global batch per block (the kept block buffer is row_block x shard cosines), and the
     precision of the logits GEMM (row statistics and gradients stay fp32)."""
     tile: int = 8192
-    row_block: int = 32
+    row_block: int = 128
     precision: str = "fp32"
 
     def __post_init__(self):
@@ -168,6 +168,7 @@ class ShardedMarginCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_emb, grad_weight, grad_norm = ctx.grads
+        ctx.grads = None  # the returned gradient is then the only reference: autograd keeps it, no copy
         if not (grad_loss.device.type == "cpu" and float(grad_loss) == 1.0):  # 1: skip a pass over dW
             grad_emb, grad_weight = grad_emb * grad_loss, grad_weight * grad_loss.to(grad_weight.dtype)
             grad_norm = grad_norm * grad_loss if grad_norm is not None else None

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from heads import PartialFC, SampledRowsOptimizer, class_shard
-from losses import ArcFace, CombinedMarginLoss, CosFace
+from losses import ArcFace, CombinedMarginLoss, CosFace, MarginLoss
 from tests.distributed import run_distributed
 
 C, D, B_LOCAL = 13, 8, 4
@@ -14,7 +14,8 @@ MARGINS = {
     "combined": lambda: CombinedMarginLoss(16.0, 1.1, 0.3, 0.1),
     "arcface_filtered": lambda: CombinedMarginLoss(16.0, 1.0, 0.5, 0.0, interclass_filtering_threshold=0.2),
 }
-CHUNKS = [None, 3]
+CHUNKS = [None, 3]  # classes per tile
+ROW_BLOCKS = {None: 128, 3: 5}  # several row blocks, the last one short
 
 
 def _problem(world_size, seed=0):
@@ -43,7 +44,7 @@ def _sharded_worker(rank, world_size):
     out = {}
     for name, make in MARGINS.items():
         for chunk in CHUNKS:
-            head = PartialFC(make(), D, C, chunk_size=chunk)
+            head = PartialFC(make(), D, C, chunk_size=chunk, row_block=ROW_BLOCKS[chunk])
             assert (head.class_start, head.num_local) == (shard.start, shard.size)
             with torch.no_grad():
                 head.weight.copy_(weight[shard.start:shard.end])
@@ -200,3 +201,139 @@ def test_bad_input_raises_on_every_rank_without_hanging(kind, message):
     errors = run_distributed(_bad_input_worker, 2, kind, timeout=60)
     assert all(e != "no error" for e in errors)
     assert any(message in e for e in errors)
+
+
+class _NormMargin(MarginLoss):
+    """A margin that reads the raw norm (with gradient) and adds a regulariser: exercises
+    the head's norm path as MagFace does, with a formula simple enough to restate below."""
+
+    uses_norms = True
+
+    def target_logit(self, cos, rows=None):
+        return self.s * (cos - 0.05 * rows["norm"].clamp(0.5, 3.0))
+
+    def begin_step(self, target_cos, norms):
+        return {"norm": norms}
+
+    def regularizer(self, norms):
+        return 0.1 * (norms / 4 + 1 / norms).mean()
+
+
+class _TwoSubcenters(MarginLoss):
+    subcenters = 2
+
+    def target_logit(self, cos, rows=None):
+        return self.s * (cos - 0.2)
+
+
+def _norm_reference(weight, emb, labels, s=16.0):
+    weight = weight.clone().requires_grad_(True)
+    emb = emb.clone().requires_grad_(True)
+    norm = emb.norm(dim=1)
+    cos = F.normalize(emb) @ F.normalize(weight).t()
+    b = torch.arange(len(labels))
+    target = s * (cos[b, labels] - 0.05 * norm.clamp(0.5, 3.0))
+    logits = (s * cos).index_put((b, labels), target)
+    loss = F.cross_entropy(logits, labels) + 0.1 * (norm / 4 + 1 / norm).mean()
+    loss.backward()
+    return loss.detach(), weight.grad, emb.grad
+
+
+def _subcenter_reference(weight, emb, labels, s=16.0):
+    weight = weight.clone().requires_grad_(True)
+    emb = emb.clone().requires_grad_(True)
+    cos = (F.normalize(emb) @ F.normalize(weight).t()).view(len(labels), -1, 2).amax(2)
+    b = torch.arange(len(labels))
+    logits = (s * cos).index_put((b, labels), s * (cos[b, labels] - 0.2))
+    loss = F.cross_entropy(logits, labels)
+    loss.backward()
+    return loss.detach(), weight.grad, emb.grad
+
+
+def _special_worker(rank, world_size, kind, chunk, row_block):
+    margin = _NormMargin(s=16.0) if kind == "norm" else _TwoSubcenters(s=16.0)
+    k = margin.subcenters
+    weight, emb, labels = _problem(world_size)
+    weight = torch.randn(C * k, D, generator=torch.Generator().manual_seed(9))
+    emb = emb * torch.linspace(0.6, 2.5, len(emb))[:, None]  # norms on both sides of the clamp
+    shard = class_shard(C, world_size, rank)
+    head = PartialFC(margin, D, C, chunk_size=chunk, row_block=row_block)
+    with torch.no_grad():
+        head.weight.copy_(weight[shard.start * k:shard.end * k])
+    rows = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
+    local_emb = emb[rows].clone().requires_grad_(True)
+    loss = head(local_emb, labels[rows])
+    loss.backward()
+    with torch.no_grad():
+        no_grad_loss = head(emb[rows], labels[rows])
+    return loss.detach(), no_grad_loss, head.weight.grad.clone(), local_emb.grad.clone()
+
+
+@pytest.mark.parametrize("kind", ["norm", "subcenter"])
+@pytest.mark.parametrize("world_size,chunk,row_block", [(1, None, 128), (2, 2, 3), (3, 4, 5)])
+def test_norm_and_subcenter_margins_match_full_softmax(kind, world_size, chunk, row_block):
+    k = 2 if kind == "subcenter" else 1
+    _, emb, labels = _problem(world_size)
+    weight = torch.randn(C * k, D, generator=torch.Generator().manual_seed(9))
+    emb = emb * torch.linspace(0.6, 2.5, len(emb))[:, None]
+    ref_loss, ref_dw, ref_de = (_norm_reference if kind == "norm" else _subcenter_reference)(weight, emb, labels)
+    results = run_distributed(_special_worker, world_size, kind, chunk, row_block)
+    for loss, no_grad_loss, _, _ in results:
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(no_grad_loss, ref_loss, rtol=1e-5, atol=1e-5)
+    dw = torch.cat([r[2] for r in results])
+    de = torch.cat([r[3] for r in results])
+    torch.testing.assert_close(dw, ref_dw, rtol=1e-5, atol=1e-5 * ref_dw.abs().max().item())
+    torch.testing.assert_close(de / world_size, ref_de, rtol=1e-5, atol=1e-6)
+
+
+def _sampled_worker(rank, world_size, chunk):
+    torch.manual_seed(100 + rank)
+    num_classes = 40
+    weight = torch.randn(num_classes, D, generator=torch.Generator().manual_seed(7))
+    emb = torch.randn(world_size * B_LOCAL, D, generator=torch.Generator().manual_seed(8))
+    labels = torch.randint(0, num_classes, (world_size * B_LOCAL,), generator=torch.Generator().manual_seed(6))
+    shard = class_shard(num_classes, world_size, rank)
+    head = PartialFC(ArcFace(s=16.0, margin=0.4), D, num_classes, sample_rate=0.5, chunk_size=chunk, row_block=3)
+    with torch.no_grad():
+        head.weight.copy_(weight[shard.start:shard.end])
+    rows = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
+    local_emb = emb[rows].clone().requires_grad_(True)
+    loss = head(local_emb, labels[rows])
+    loss.backward()
+    return loss.detach(), head.weight.grad.clone(), local_emb.grad.clone(), head.sampled.index() + shard.start
+
+
+@pytest.mark.parametrize("world_size,chunk", [(2, None), (3, 3)])
+def test_partial_fc_sampling_matches_softmax_over_the_sampled_classes(world_size, chunk):
+    num_classes = 40
+    weight = torch.randn(num_classes, D, generator=torch.Generator().manual_seed(7))
+    emb = torch.randn(world_size * B_LOCAL, D, generator=torch.Generator().manual_seed(8))
+    labels = torch.randint(0, num_classes, (world_size * B_LOCAL,), generator=torch.Generator().manual_seed(6))
+    results = run_distributed(_sampled_worker, world_size, chunk)
+    sampled = torch.cat([r[3] for r in results])
+    assert set(labels.tolist()) <= set(sampled.tolist())
+    margin = ArcFace(s=16.0, margin=0.4)
+    sub_labels = torch.searchsorted(sampled, labels)
+    ref_loss, ref_dw_sub, ref_de = _reference(margin, weight[sampled], emb, sub_labels)
+    ref_dw = torch.zeros_like(weight).index_copy_(0, sampled, ref_dw_sub)  # unsampled rows: exactly zero
+    for r in results:
+        torch.testing.assert_close(r[0], ref_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([r[1] for r in results]), ref_dw, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.cat([r[2] for r in results]) / world_size, ref_de, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_logits_stay_close_to_an_fp64_reference():
+    """bf16 GEMM for the logits, fp32 row statistics and gradients, against fp64."""
+    torch.manual_seed(11)
+    n, b = 300, 24
+    head = PartialFC(ArcFace(s=64.0, margin=0.5), 64, n, chunk_size=128, row_block=8, precision="bf16")
+    emb = torch.randn(b, 64, requires_grad=True)
+    labels = torch.randint(0, n, (b,))
+    loss = head(emb, labels)
+    loss.backward()
+    ref_loss, ref_dw, ref_de = _reference(ArcFace(s=64.0, margin=0.5), head.weight.detach().double(),
+                                          emb.detach().double(), labels)
+    assert abs(loss.item() - ref_loss.item()) < 2e-2 * abs(ref_loss.item())
+    assert (head.weight.grad.double() - ref_dw).norm() < 0.05 * ref_dw.norm()
+    assert (emb.grad.double() - ref_de).norm() < 0.05 * ref_de.norm()
