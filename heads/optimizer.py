@@ -12,23 +12,33 @@ class SampledRowsOptimizer(WrappedOptimizer):
     """Wraps a pointwise torch optimizer (SGD, AdamW, ...) over `head.weight`.
 
     With `sample_rate` = 1 it is the plain optimizer. With Partial FC, each `step()` updates
-    only the rows in `head.sampled` (the rows used since the last step): their weights and per-row optimizer state
-    (momentum, Adam moments) are gathered, stepped and written back; every other row and
-    its state stay exactly as they were (no weight decay, no momentum drift while a class
-    is not sampled). A row's state starts at zero the first time it is sampled, which for
-    SGD equals torch's lazy initialisation. Scalar state such as Adam's `step` counts
-    head steps, not per-row steps. A row listed twice (two micro-steps sampled it) is
-    stepped twice from the same values, so both copies write back the same result.
+    only the rows in `head.sampled` (the rows used since the last step): their weights
+    and per-row optimizer state (momentum, Adam moments) are gathered, stepped and written
+    back; every other row and its state stay exactly as they were (no weight decay, no
+    momentum drift while a class is not sampled). A row's state starts at zero the first
+    time it is sampled, which for SGD equals torch's lazy initialisation. Scalar state such as
+    Adam's `step` counts head steps, not per-row steps. A row listed twice (two micro-steps
+    sampled it) is stepped twice from the same values, so both copies write back the same
+    result.
+
+    With a fused head (`PartialFC(fused_optimizer=True)`) the head calls `step_rows` for each
+    tile of rows during backward, as soon as that tile's gradient is complete, so no weight
+    gradient exists; `step()` then has nothing left to do. Set the learning rate before the
+    forward pass.
     """
 
     def __init__(self, head: PartialFC, optimizer_class=torch.optim.SGD, **defaults):
         self.head = head
         self.sampled = head.sampled
         self.optimizer = optimizer_class([head.weight], **defaults)
+        self._scalars: dict | None = None  # scalar state as it was before this step's first tile
+        if head.plan.fused:
+            head.step_rows = self.step_rows
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self.sampled.clear()
+        self._scalars = None
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
@@ -38,30 +48,46 @@ class SampledRowsOptimizer(WrappedOptimizer):
 
     @torch.no_grad()
     def step(self) -> None:
+        if self.head.plan.fused:  # every used row was stepped during backward
+            self._scalars = None
+            return
         index, weight = self.sampled.index(), self.head.weight
         if index is None or weight.grad is None:
             self.optimizer.step()
             return
-        full_state = self.optimizer.state.get(weight, {})
-        rows = nn.Parameter(weight[index].clone())
-        rows.grad = weight.grad[index]
-        self.optimizer.state[rows] = {
-            k: (v[index].clone() if torch.is_tensor(v) and v.shape == weight.shape else v)
-            for k, v in full_state.items()
-        }
+        self.step_rows(index, weight.grad[index])
+        self._scalars = None
+
+    @torch.no_grad()
+    def step_rows(self, rows: slice | torch.Tensor, grad: torch.Tensor) -> None:
+        """One optimizer step of `weight[rows]` with gradient `grad` (one tile of a fused head, or
+        the sampled rows): the rows and their state are stepped as their own parameter."""
+        weight = self.head.weight
+        full_state = self.optimizer.state.setdefault(weight, {})
+        if self._scalars is None:  # every tile of this step starts from the state before it
+            self._scalars = {k: v.clone() if torch.is_tensor(v) else v
+                             for k, v in full_state.items() if not _per_row(v, weight)}
+            self._row_keys = [k for k, v in full_state.items() if _per_row(v, weight)]
+        part = nn.Parameter(weight[rows].clone())
+        part.grad = grad.to(weight.dtype)
+        state = {k: v.clone() if torch.is_tensor(v) else v for k, v in self._scalars.items()}
+        state.update({k: full_state[k][rows].clone() for k in self._row_keys})
+        self.optimizer.state[part] = state
         group = self.optimizer.param_groups[0]
-        group["params"] = [rows]
+        group["params"] = [part]
         try:
             self.optimizer.step()
         finally:
             group["params"] = [weight]
-        weight[index] = rows
-        stepped = self.optimizer.state.pop(rows)
-        for k, v in stepped.items():
-            if torch.is_tensor(v) and v.shape == rows.shape:
+        weight[rows] = part
+        for k, v in self.optimizer.state.pop(part).items():
+            if _per_row(v, part):
                 if k not in full_state:
                     full_state[k] = torch.zeros_like(weight, dtype=v.dtype)
-                full_state[k][index] = v
+                full_state[k][rows] = v
             else:
                 full_state[k] = v
-        self.optimizer.state[weight] = full_state
+
+
+def _per_row(value, like: torch.Tensor) -> bool:
+    return torch.is_tensor(value) and value.shape == like.shape

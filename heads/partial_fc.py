@@ -50,7 +50,9 @@ class PartialFC(nn.Module):
     on every rank of the group. The loss and both gradients are formed in one pass (see
     heads/sharded_ce.py): `chunk_size` classes per GEMM tile, `row_block` rows of the global
     batch at a time (its cosines against the shard are what the head keeps), `precision`
-    of the logits GEMM ("fp32", "tf32" on GPUs, or "bf16").
+    of the logits GEMM ("fp32", "tf32" on GPUs, or "bf16"). `fused_optimizer`: the head's
+    optimizer steps each tile of rows during backward and no weight gradient is held (see
+    HeadPlan); one extra GEMM per step buys the memory of the gradient.
 
     Gradient scale: the loss is the global-batch mean, and the gradient each rank receives
     for its own embeddings is multiplied by W. A backbone whose gradients are then averaged
@@ -72,7 +74,8 @@ class PartialFC(nn.Module):
 
     def __init__(self, margin_loss: MarginLoss, embedding_size: int, num_classes: int,
                  sample_rate: float = 1.0, chunk_size: int | None = None, process_group=None,
-                 validate: bool = True, row_block: int = 128, precision: str = "fp32"):
+                 validate: bool = True, row_block: int = 128, precision: str = "fp32",
+                 fused_optimizer: bool = False):
         super().__init__()
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
@@ -81,7 +84,9 @@ class PartialFC(nn.Module):
         self.num_classes = num_classes
         self.sample_rate = sample_rate
         self.chunk_size = chunk_size or None
-        self.plan = HeadPlan(tile=self.chunk_size or 2**62, row_block=row_block, precision=precision)
+        self.plan = HeadPlan(tile=self.chunk_size or 2**62, row_block=row_block, precision=precision,
+                             fused=fused_optimizer)
+        self.step_rows = None  # set by SampledRowsOptimizer on a fused head
         self.group = process_group
         self.world_size = get_world_size(process_group)
         shard = class_shard(num_classes, self.world_size, get_rank(process_group))
@@ -159,7 +164,7 @@ class PartialFC(nn.Module):
             self.sampled.add(rows_of_classes(index, self.subcenters))
         margin = self.margin_loss
         loss = ShardedMarginCE.apply(emb_n, norms if margin.uses_norms else norms.detach(), self.weight, local,
-                                     index, margin, self.plan, self.group)
+                                     index, margin, self.plan, self.group, self.step_rows)
         reg = margin.regularizer(norms)
         if reg is not None:  # identical on every rank: its gradient must count once in the sum over ranks
             share = 1.0 / self.world_size

@@ -40,10 +40,16 @@ PRECISIONS = ("fp32", "tf32", "bf16")
 class HeadPlan:
     """How the head walks its work: `tile` classes per GEMM tile, `row_block` rows of the
     global batch per block (the kept block buffer is row_block x shard cosines), and the
-    precision of the logits GEMM (row statistics and gradients stay fp32)."""
+    precision of the logits GEMM (row statistics and gradients stay fp32).
+
+    `fused`: no weight gradient is ever held. Forward forms only the statistics; backward
+    recomputes each tile's cosines for the whole batch (a fourth GEMM), and as soon as a
+    tile's weight gradient is complete hands it to `step_rows(rows, grad)` (the head
+    optimizer's update of those rows), then drops it."""
     tile: int = 8192
     row_block: int = 128
     precision: str = "fp32"
+    fused: bool = False
 
     def __post_init__(self):
         if self.tile < 1 or self.row_block < 1:
@@ -129,7 +135,8 @@ class ShardedMarginCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, emb_n, norms, weight, labels, index, margin: MarginLoss, plan: HeadPlan, group):
+    def forward(ctx, emb_n, norms, weight, labels, index, margin: MarginLoss, plan: HeadPlan, group,
+                step_rows=None):
         world = get_world_size(group)
         grads = any(ctx.needs_input_grad[:3])
         B = emb_n.shape[0]
@@ -152,13 +159,20 @@ class ShardedMarginCE(torch.autograd.Function):
         t_logit = t_logit.detach()
         rows = {n: v.detach() for n, v in rows.items()}
 
-        walk = _Walk(emb_n, shard, labels, has, t_logit, margin, rows, plan, group, grads)
+        walk = _Walk(emb_n, shard, labels, has, t_logit, margin, rows, plan, group,
+                     grads and not plan.fused)
         if grads:
             walk.d_t_dcos = d_t[0]
         log_z = walk.run()
         loss = (log_z - t_logit).mean()
 
-        if grads:
+        if grads and plan.fused:
+            if step_rows is None:
+                raise RuntimeError("PartialFC(fused_optimizer=True) needs its SampledRowsOptimizer: "
+                                   "create one for the head before the first backward")
+            walk.grads, walk.log_z, walk.step_rows = True, log_z, step_rows
+            ctx.walk, ctx.d_t = walk, d_t
+        elif grads:
             # the target column's gradient went into the GEMMs through dcos_y; the norm's
             # share (MagFace) comes from the rank that owns the target only
             ctx.grads = (walk.grad_emb, walk.grad_weight.to(weight.dtype),
@@ -167,12 +181,18 @@ class ShardedMarginCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if hasattr(ctx, "walk"):  # fused: the weight's update happens here, tile by tile
+            walk, d_t = ctx.walk, ctx.d_t
+            del ctx.walk, ctx.d_t
+            walk.fused_backward(grad_loss.float())
+            grad_norm = walk.d_target * d_t[1] if len(d_t) > 1 else None
+            return walk.grad_emb, grad_norm, None, None, None, None, None, None, None
         grad_emb, grad_weight, grad_norm = ctx.grads
         ctx.grads = None  # the returned gradient is then the only reference: autograd keeps it, no copy
         if not (grad_loss.device.type == "cpu" and float(grad_loss) == 1.0):  # 1: skip a pass over dW
             grad_emb, grad_weight = grad_emb * grad_loss, grad_weight * grad_loss.to(grad_weight.dtype)
             grad_norm = grad_norm * grad_loss if grad_norm is not None else None
-        return grad_emb, grad_norm, grad_weight, None, None, None, None, None
+        return grad_emb, grad_norm, grad_weight, None, None, None, None, None, None
 
 
 class _Walk:
@@ -189,6 +209,7 @@ class _Walk:
         self.tiles = [(c0, min(c0 + self.K, shard.classes)) for c0 in range(0, shard.classes, self.K)]
         self.R = B if not grads else max(1, min(plan.row_block, B))
         self.world = get_world_size(group)
+        self.step_rows = None
         if grads:
             n_rows = shard.classes * self.k
             self.grad_emb = torch.empty_like(emb_n)
@@ -266,11 +287,23 @@ class _Walk:
         all_gather_flat(gathered, local.contiguous(), group=self.group)
         return torch.logsumexp(gathered.view(self.world, -1), dim=0)
 
-    def _gradient(self, r0: int, r1: int, rows, log_z: torch.Tensor, last: bool) -> None:
-        """Softmax gradient of the kept block, tile by tile, into dE and dW."""
+    def fused_backward(self, grad_loss: torch.Tensor) -> None:
+        """The fused path's backward: the whole batch as one block, cosines recomputed per
+        tile, each tile's weight gradient handed to `step_rows` as soon as it is complete."""
+        B = self.emb_n.shape[0]
+        self.grad_emb = torch.empty_like(self.emb_n)
+        self.d_target = torch.zeros(B, dtype=torch.float32, device=self.emb_n.device)
+        with _tf32(self.plan.precision == "tf32"):
+            self._gradient(0, B, self.rows, self.log_z, last=True, scale=grad_loss)
+
+    def _gradient(self, r0: int, r1: int, rows, log_z: torch.Tensor, last: bool,
+                  scale: torch.Tensor | None = None) -> None:
+        """Softmax gradient of the block, tile by tile, into dE and dW (or, fused, into the
+        head optimizer's update of each tile)."""
         n = r1 - r0
         B = self.emb_n.shape[0]
-        coef = 1.0 / B
+        coef = 1.0 / B if scale is None else scale / B
+        fused = self.step_rows is not None
         e = self.emb_n[r0:r1]
         # target column: d loss / d t = coef * (p_t - 1), through the margin into cos_y
         has = self.has[r0:r1]
@@ -283,7 +316,10 @@ class _Walk:
         for c0, c1 in self.tiles:
             w, inv, shard_rows = self.shard.tile(c0, c1)
             width = (c1 - c0) * self.k
-            cos_sub = self.cos_buf[pos * n:(pos + width) * n].view(n, width)
+            if fused:  # recomputed: nothing of the forward's tiles was kept
+                cos_sub = (self._gemm_in(e) @ self._gemm_in(w).t()).float().mul_(inv).clamp_(-1.0, 1.0)
+            else:
+                cos_sub = self.cos_buf[pos * n:(pos + width) * n].view(n, width)
             cos, arg = self._class_cos(cos_sub)
             logits = self._logits(cos, r0, r1, c0, rows)
             dl = logits.sub_(log_z[:, None]).exp_().mul_(coef)  # d loss / d logit (targets below)
@@ -302,6 +338,12 @@ class _Walk:
             else:
                 grad_e.addmm_(dcos, w)
             rr = slice(pos, pos + width)
+            if fused:  # the tile's gradient is complete: step its rows now and drop it
+                g = dcos.t() @ e
+                g.addcmul_(w, (radial * inv * inv).neg_()[:, None])
+                self.step_rows(rr if shard_rows is None else shard_rows, g)
+                pos += width
+                continue
             self.radial[rr] += radial
             if shard_rows is None:
                 g = self.grad_weight[rr]

@@ -337,3 +337,40 @@ def test_bf16_logits_stay_close_to_an_fp64_reference():
     assert abs(loss.item() - ref_loss.item()) < 2e-2 * abs(ref_loss.item())
     assert (head.weight.grad.double() - ref_dw).norm() < 0.05 * ref_dw.norm()
     assert (emb.grad.double() - ref_de).norm() < 0.05 * ref_de.norm()
+
+
+def _fused_worker(rank, world_size, optimizer, sample_rate, fused):
+    torch.manual_seed(200 + rank)  # Partial FC draws the same samples in both runs
+    num_classes = 30
+    shard = class_shard(num_classes, world_size, rank)
+    head = PartialFC(CosFace(s=16.0, m=0.3), D, num_classes, sample_rate=sample_rate, chunk_size=4,
+                     row_block=3, fused_optimizer=fused)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(num_classes, D, generator=torch.Generator().manual_seed(3))[shard.start:shard.end])
+    cls, kw = {"sgd": (torch.optim.SGD, dict(lr=0.5, momentum=0.9, weight_decay=0.05)),
+               "adamw": (torch.optim.AdamW, dict(lr=0.05, weight_decay=0.05))}[optimizer]
+    opt = SampledRowsOptimizer(head, cls, **kw)
+    g = torch.Generator().manual_seed(4)
+    grads = []
+    for step in range(4):
+        emb = torch.randn(world_size * B_LOCAL, D, generator=g)[rank * B_LOCAL:(rank + 1) * B_LOCAL]
+        labels = torch.randint(0, num_classes, (world_size * B_LOCAL,), generator=g)[rank * B_LOCAL:(rank + 1) * B_LOCAL]
+        emb.requires_grad_(True)
+        (head(emb, labels) * 0.5).backward()  # a grad_output other than 1 reaches the fused update
+        grads.append(emb.grad)
+        opt.step()
+        opt.zero_grad()
+    return head.weight.detach(), {k: v for k, v in opt.state[head.weight].items()}, grads
+
+
+@pytest.mark.parametrize("optimizer,sample_rate", [("sgd", 1.0), ("adamw", 1.0), ("sgd", 0.4)])
+def test_fused_head_optimizer_equals_the_unfused_step(optimizer, sample_rate):
+    fused = run_distributed(_fused_worker, 2, optimizer, sample_rate, True)
+    plain = run_distributed(_fused_worker, 2, optimizer, sample_rate, False)
+    for (w_f, s_f, g_f), (w_p, s_p, g_p) in zip(fused, plain):
+        torch.testing.assert_close(w_f, w_p, rtol=1e-6, atol=1e-6)
+        assert s_f.keys() == s_p.keys()
+        for k in s_p:
+            torch.testing.assert_close(s_f[k], s_p[k], rtol=1e-6, atol=1e-6, msg=k)
+        for a, b in zip(g_f, g_p):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
