@@ -21,7 +21,7 @@ from parallel.dist import barrier
 from utils.checkpoint import TrainState, atomic_save, load_checkpoint, save_checkpoint
 from utils.schedule import lr_factor, set_lr
 from utils.training import (ProgressLogger, StopSignal, TrainingStopped, build_backbone, build_head,
-                            build_optimizers, check_loss, save_config, seed_everything)
+                            build_optimizers, check_labels, check_loss, save_config, seed_everything)
 
 
 def main(argv: list[str]) -> int:
@@ -107,10 +107,15 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
             if hasattr(dataset, "set_epoch"):  # mirroring fixed by (seed, epoch, index)
                 dataset.set_epoch(state.epoch, cfg.seed)
             for images, labels in get_dataloader(dataset, sampler, cfg.num_workers, info.device, cfg.seed):
+                problem = check_labels(labels, cfg.num_classes)  # on the CPU, where no device waits
+                if problem:
+                    logger.error("%s (the head stops every rank)", problem)
                 images = normalize_batch(images.to(info.device, non_blocking=True))
                 labels = labels.to(info.device, non_blocking=True)
                 micro += 1
                 last_micro = micro % cfg.gradient_acc == 0
+                lr = cfg.lr * lr_factor(state.step, total_steps, warmup_steps, cfg.lr_scheduler, cfg.lr_power)
+                set_lr([backbone_opt, head_opt], lr)  # before forward: a fused head steps in backward
                 sync = contextlib.nullcontext() if last_micro or not hasattr(backbone_opt, "no_sync") \
                     else backbone_opt.no_sync()
                 with sync:
@@ -121,10 +126,9 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
                 if not last_micro:
                     continue
 
-                lr = cfg.lr * lr_factor(state.step, total_steps, warmup_steps, cfg.lr_scheduler, cfg.lr_power)
-                set_lr([backbone_opt, head_opt], lr)
+                head_params = list(head.parameters()) if cfg.clip_head else []
                 if scaler is None or scaler.unscale_(backbone_opt, extra_params=head.parameters()):
-                    backbone_opt.clip_grad_norm_(cfg.max_grad_norm, extra_params=head.parameters())
+                    backbone_opt.clip_grad_norm_(cfg.max_grad_norm, extra_params=head_params)
                     backbone_opt.step()
                     head_opt.step()
                     if ema is not None:
@@ -132,16 +136,20 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
                 backbone_opt.zero_grad()
                 head_opt.zero_grad()
                 state.step += 1
-                loss_value = loss.item()
-                check_loss(loss_value, state.step, scaler)
-                progress(state.step, state.epoch, loss_value, lr, scaler.scale_value if scaler else None)
+                # the loss stays on the device; the host reads it once per `frequent` steps
+                progress.add(loss.detach())
+                if progress.due(state.step):
+                    loss_value = progress.mean_loss()
+                    check_loss(loss_value, state.step, scaler)
+                    progress(state.step, state.epoch, loss_value, lr, scaler.scale_value if scaler else None)
 
                 if verify_due(state.step):
                     verify()
                 if state.step % cfg.checkpoint_interval == 0:
                     save()
                 job_done = cfg.stop_after_steps and state.step - first_step >= cfg.stop_after_steps
-                if stop.requested() or job_done:
+                # every rank polls the stop flag at the same steps (one tiny collective per `frequent`)
+                if job_done or (progress.due(state.step) and stop.requested()):
                     logger.info("%s: saving a checkpoint at step %d and exiting",
                                 "job step limit" if job_done else "stop signal", state.step)
                     save()

@@ -19,14 +19,21 @@ config.margin_list = (1.0, 0.5, 0.0)  # (m1, m2, m3): combined margin s*(cos(m1*
 config.scale = 64.0                   # s
 config.interclass_filtering_threshold = 0.0
 config.sample_rate = 1.0              # Partial FC: fraction of each shard's classes per step
-config.chunk_size = 8192              # classes per chunk of the head; 0 = whole shard at once
+config.chunk_size = 8192              # classes per GEMM tile of the head; 0 = whole shard at once
+config.row_block = 128                # rows of the global batch per block: the head keeps their
+                                      # cosines against its shard (row_block x shard floats)
+config.head_precision = "fp32"        # logits GEMM: fp32 | tf32 (GPU) | bf16; statistics stay fp32
+config.head_fused_optimizer = False   # step the head's rows inside backward: no weight gradient held
+                                      # (needs gradient_acc 1, no fp16, clip_head False)
+config.clip_head = True               # head inside the global-norm clip; False = backbone only
+                                      # (arcface_torch's behaviour)
 
 # optimisation
 config.optimizer = "sgd"              # sgd | adamw
 config.lr = 0.1                       # for the global batch below; not rescaled automatically
 config.momentum = 0.9
 config.weight_decay = 5e-4
-config.max_grad_norm = 5.0            # global norm over backbone + head; 0 disables
+config.max_grad_norm = 5.0            # global gradient-norm clip (see clip_head); 0 disables
 config.lr_scheduler = "poly"          # poly | cosine
 config.lr_power = 2.0                 # exponent of the polynomial decay
 config.warmup_epoch = 0

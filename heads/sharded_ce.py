@@ -189,9 +189,11 @@ class ShardedMarginCE(torch.autograd.Function):
             return walk.grad_emb, grad_norm, None, None, None, None, None, None, None
         grad_emb, grad_weight, grad_norm = ctx.grads
         ctx.grads = None  # the returned gradient is then the only reference: autograd keeps it, no copy
-        if not (grad_loss.device.type == "cpu" and float(grad_loss) == 1.0):  # 1: skip a pass over dW
-            grad_emb, grad_weight = grad_emb * grad_loss, grad_weight * grad_loss.to(grad_weight.dtype)
-            grad_norm = grad_norm * grad_loss if grad_norm is not None else None
+        # scaled in place on the device, never compared on the host (that would wait on a GPU)
+        grad_emb.mul_(grad_loss)
+        grad_weight.mul_(grad_loss.to(grad_weight.dtype))
+        if grad_norm is not None:
+            grad_norm = grad_norm * grad_loss
         return grad_emb, grad_norm, grad_weight, None, None, None, None, None, None
 
 

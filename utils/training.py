@@ -19,6 +19,7 @@ from heads import PartialFC, SampledRowsOptimizer
 from losses import CombinedMarginLoss
 from parallel.ddp import DDPOptimizer
 from parallel.dist import cpu_group, get_world_size
+from parallel.dist import get_rank as dist_rank
 from parallel.zero import Zero2Optimizer
 from utils.progress import format_seconds
 
@@ -45,7 +46,18 @@ def build_backbone(cfg) -> torch.nn.Module:
 def build_head(cfg) -> PartialFC:
     m1, m2, m3 = cfg.margin_list
     margin = CombinedMarginLoss(cfg.scale, m1, m2, m3, cfg.interclass_filtering_threshold)
-    return PartialFC(margin, cfg.embedding_size, cfg.num_classes, cfg.sample_rate, cfg.chunk_size or None)
+    if cfg.head_fused_optimizer:
+        # the head's rows are stepped inside backward: refuse what that cannot serve exactly
+        refuse = {"gradient_acc > 1 (rows would step every micro-batch)": cfg.gradient_acc > 1,
+                  "fp16 (a step the loss scaler skips would already have moved the head)": cfg.fp16,
+                  "clip_head true with max_grad_norm > 0 (the global norm is not known yet; set "
+                  "clip_head false to clip the backbone only)": cfg.clip_head and cfg.max_grad_norm > 0}
+        bad = [why for why, hit in refuse.items() if hit]
+        if bad:
+            raise ValueError("head_fused_optimizer true cannot serve: " + "; ".join(bad))
+    return PartialFC(margin, cfg.embedding_size, cfg.num_classes, cfg.sample_rate, cfg.chunk_size or None,
+                     row_block=cfg.row_block, precision=cfg.head_precision,
+                     fused_optimizer=cfg.head_fused_optimizer)
 
 
 def optimizer_kwargs(cfg) -> tuple[type, dict]:
@@ -115,32 +127,55 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
+def check_labels(labels: torch.Tensor, num_classes: int) -> str | None:
+    """Describe the first label of a CPU batch outside [0, num_classes), or None. The head
+    raises the same error on every rank; this names the position on the rank that has it."""
+    bad = (labels < 0) | (labels >= num_classes)
+    if not bool(bad.any()):
+        return None
+    at = int(bad.int().argmax())
+    return f"label {int(labels[at])} outside [0, {num_classes}) at batch position {at} of rank {dist_rank()}"
+
+
 class ProgressLogger:
-    """Rank 0's progress line every `frequent` steps: loss, lr, global samples/s, ETA."""
+    """Rank 0's progress line every `frequent` steps: loss, lr, global samples/s, ETA.
+
+    Losses are collected as device tensors (`add`) and read by the host only when a line is
+    due, so the training loop waits on the device once per `frequent` steps."""
 
     def __init__(self, total_steps: int, frequent: int, samples_per_step: int, writer=None, first_step: int = 0):
         self.total, self.frequent, self.samples_per_step = total_steps, frequent, samples_per_step
         self.writer = writer
-        self.losses: list[float] = []
+        self.pending: list[torch.Tensor] = []
         self.mark_time, self.mark_step = time.time(), first_step
 
+    def add(self, loss: torch.Tensor) -> None:
+        self.pending.append(loss)
+
+    def due(self, step: int) -> bool:
+        return step % self.frequent == 0 or step == self.total
+
+    def mean_loss(self) -> float:
+        """The mean of the losses since the last line (one read from the device); a non-finite
+        loss anywhere in the window makes it non-finite."""
+        losses = torch.stack(self.pending).float().cpu()
+        self.window = losses.tolist()
+        self.pending.clear()
+        return float(losses.mean())
+
     def __call__(self, step: int, epoch: int, loss: float, lr: float, scale: float | None) -> None:
-        self.losses.append(loss)
         if self.writer is not None:
-            self.writer.add_scalar("train/loss", loss, step)
+            for i, value in enumerate(self.window):
+                self.writer.add_scalar("train/loss", value, step - len(self.window) + 1 + i)
             self.writer.add_scalar("train/lr", lr, step)
-        if step % self.frequent and step != self.total:
-            return
         now = time.time()
         rate = (step - self.mark_step) * self.samples_per_step / max(now - self.mark_time, 1e-9)
         eta = (self.total - step) * self.samples_per_step / max(rate, 1e-9)
-        mean_loss = sum(self.losses) / len(self.losses)
         scale_txt = f"  scale {scale:.0f}" if scale is not None else ""
         logger.info("step %d/%d  epoch %d  loss %.4f  lr %.5f  %.1f samples/s  ETA %s%s",
-                    step, self.total, epoch, mean_loss, lr, rate, format_seconds(eta), scale_txt)
+                    step, self.total, epoch, loss, lr, rate, format_seconds(eta), scale_txt)
         if self.writer is not None:
             self.writer.add_scalar("train/samples_per_second", rate, step)
-        self.losses.clear()
         self.mark_time, self.mark_step = now, step
 
 
@@ -149,8 +184,9 @@ def check_loss(loss_value: float, step: int, scaler, max_skipped: int = 20) -> N
     The loss is the global mean, identical on every rank, so all ranks stop together."""
     if scaler is None:
         if not np.isfinite(loss_value):
-            raise TrainingStopped(f"loss is {loss_value} at step {step}: training diverged; "
-                                  f"resume from the last checkpoint with a lower lr")
+            raise TrainingStopped(f"loss is {loss_value} at step {step}: training diverged (or a label "
+                                  f"was out of range: see any error above); resume from the last "
+                                  f"checkpoint with a lower lr")
     elif scaler.skipped_in_a_row >= max_skipped:
         raise TrainingStopped(f"fp16 loss scaler skipped {scaler.skipped_in_a_row} steps in a row "
                               f"(scale {scaler.scale_value}) at step {step}: gradients stay non-finite")
