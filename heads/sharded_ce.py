@@ -249,8 +249,7 @@ class _Walk:
             for r0 in range(0, B, self.R):
                 r1 = min(r0 + self.R, B)
                 rows = _slice_rows(self.rows, r0, r1)
-                row_max, row_sum = self._statistics(r0, r1, rows)
-                log_z[r0:r1] = self._exchange(row_max, row_sum)
+                log_z[r0:r1] = self._exchange(self._statistics(r0, r1, rows))
                 if self.grads:
                     self._gradient(r0, r1, rows, log_z[r0:r1], last=r1 == B)
         return log_z
@@ -258,8 +257,7 @@ class _Walk:
     def _statistics(self, r0: int, r1: int, rows):
         e = self._gemm_in(self.emb_n[r0:r1])
         n = r1 - r0
-        row_max = torch.full((n,), float("-inf"), device=e.device)
-        row_sum = torch.zeros(n, device=e.device)
+        lse = torch.full((n,), float("-inf"), device=e.device)  # log-sum-exp of the shard's logits
         pos = 0
         for c0, c1 in self.tiles:
             w, inv, _ = self.shard.tile(c0, c1)
@@ -271,18 +269,14 @@ class _Walk:
             else:
                 cos_sub = (e @ self._gemm_in(w).t()).float()
             pos += width
-            cos_sub.mul_(inv).clamp_(-1.0, 1.0)
+            cos_sub.mul_(inv)  # |cos| <= 1 up to rounding; the target's cosine is clamped by the margin
             cos, _ = self._class_cos(cos_sub)
             logits = self._logits(cos, r0, r1, c0, rows)
-            tile_max = logits.amax(1)
-            new_max = torch.maximum(row_max, tile_max)
-            row_sum = row_sum * torch.exp(row_max - new_max) + logits.sub_(new_max[:, None]).exp_().sum(1)
-            row_max = new_max
-        return row_max, row_sum
+            lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=1))
+        return lse
 
-    def _exchange(self, row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
-        """log Z per row from every rank's (max, sum): one all-gather, exact and overflow-free."""
-        local = row_max + torch.log(row_sum)
+    def _exchange(self, local: torch.Tensor) -> torch.Tensor:
+        """log Z per row from every rank's log-sum-exp: one all-gather, exact and overflow-free."""
         if self.world == 1:
             return local
         gathered = local.new_empty(self.world * local.numel())
@@ -319,14 +313,15 @@ class _Walk:
             w, inv, shard_rows = self.shard.tile(c0, c1)
             width = (c1 - c0) * self.k
             if fused:  # recomputed: nothing of the forward's tiles was kept
-                cos_sub = (self._gemm_in(e) @ self._gemm_in(w).t()).float().mul_(inv).clamp_(-1.0, 1.0)
+                cos_sub = (self._gemm_in(e) @ self._gemm_in(w).t()).float().mul_(inv)
             else:
                 cos_sub = self.cos_buf[pos * n:(pos + width) * n].view(n, width)
             cos, arg = self._class_cos(cos_sub)
             logits = self._logits(cos, r0, r1, c0, rows)
-            dl = logits.sub_(log_z[:, None]).exp_().mul_(coef)  # d loss / d logit (targets below)
             grad = self.margin.other_grad(cos, rows)
-            dcos = dl.mul_(grad)
+            dl = logits.sub_(log_z[:, None]).exp_()  # softmax; times coef = d loss / d logit
+            # d loss / d cos (the target column is put below)
+            dcos = dl.mul_(coef * grad) if isinstance(grad, float) else dl.mul_(coef).mul_(grad)
             tpos = self.labels[r0:r1] - c0
             _put(dcos, tpos, has & (tpos >= 0) & (tpos < c1 - c0), dcos_y)
             if arg is not None:
