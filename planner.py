@@ -1,0 +1,157 @@
+"""Capacity model: per-rank memory and traffic of a ShardFace job, from its config.
+
+Pure arithmetic over the layouts the code really uses (heads/sharded_ce.py, parallel/zero.py),
+except the backbone's parameter count and activations, which are read off the network built
+on the `meta` device (no memory): activations are the bytes autograd saves for backward at
+the batch size. `scripts/plan.py` prints it; tests hold its head and ZeRO-2 figures against
+peaks measured on the CPU.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from heads.sharding import class_shard
+
+F32 = 4
+GB = 1e9
+STATE_PER_PARAM = {"sgd": 1, "adamw": 2}  # fp32 tensors of optimizer state per parameter
+CUDA_RESERVE = 1.5e9  # CUDA context, NCCL buffers, allocator slack: kept free on the GPU
+
+
+@dataclass
+class Plan:
+    """Bytes per rank, by part (`parts`), and bytes each rank sends per step (`sends`)."""
+    parts: dict[str, float] = field(default_factory=dict)
+    sends: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def head_bytes(self) -> float:
+        return sum(v for k, v in self.parts.items() if k.startswith("head"))
+
+    def zero_bytes(self) -> float:
+        return sum(v for k, v in self.parts.items() if k.startswith("zero"))
+
+
+def head_memory(num_classes: int, world: int, batch: int, dim: int, *, subcenters: int = 1,
+                sample_rate: float = 1.0, chunk: int = 8192, row_block: int = 128, optimizer: str = "sgd",
+                momentum: float = 0.9, fused: bool = False) -> dict[str, float]:
+    """Per-rank bytes of the class-sharded head (the largest shard, rank 0)."""
+    n = class_shard(num_classes, world, 0).size
+    B = batch * world
+    rows = n * subcenters * dim * F32
+    n_used = n if sample_rate >= 1 else min(n, max(int(sample_rate * n), B))
+    tile = min(chunk or n_used, n_used) * subcenters
+    states = STATE_PER_PARAM[optimizer] if (optimizer != "sgd" or momentum > 0) else 0
+    parts = {"head weight": rows, "head optimizer state": states * rows}
+    if fused:  # backward recomputes a B x tile block per tile and steps it; no gradient, no kept cosines
+        parts["head tile buffers"] = 4 * B * tile * F32 + 2 * tile * dim * F32
+    else:
+        parts["head weight gradient"] = rows
+        r = min(row_block, B)
+        parts["head kept cosines"] = r * n_used * subcenters * F32
+        parts["head tile buffers"] = 4 * r * tile * F32 + (2 * tile * dim * F32 if sample_rate < 1 else 0)
+    parts["head embeddings"] = 4 * B * dim * F32  # gathered, normalised, their gradient, target rows
+    return parts
+
+
+def backbone_counts(network: str, dim: int, batch: int, grad_checkpoint: bool = False) -> tuple[int, int]:
+    """(parameters, bytes saved for backward at `batch` in fp32), from a meta-device forward."""
+    from backbones import get_model
+    with torch.device("meta"):
+        model = get_model(network, num_features=dim, grad_checkpoint=grad_checkpoint)
+        params = sum(p.numel() for p in model.parameters())
+        saved = [0]
+
+        def pack(t):
+            saved[0] += t.numel() * t.element_size()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(torch.empty(batch, 3, 112, 112))
+    return params, saved[0]
+
+
+def zero_memory(params: int, world: int, optimizer: str = "sgd", momentum: float = 0.9,
+                bucket_cap_mb: float = 16.0, inflight: int = 1) -> dict[str, float]:
+    """Per-rank bytes of ZeRO-2 beyond the parameters: fp32 gradient and state shards, and the
+    bucket scratch of the NCCL exchange (buckets in flight, the one filling, and the one a
+    large parameter's gradient spills into). Gloo's point-to-point exchange also holds the
+    W-1 received copies of each owned part: not modelled (no GPU job uses it)."""
+    shard = math.ceil(params / world) * F32
+    states = STATE_PER_PARAM[optimizer] if (optimizer != "sgd" or momentum > 0) else 0
+    bucket = min(bucket_cap_mb * 2**20, params * F32)
+    scratch = bucket * (inflight + 2)
+    return {"zero gradient shard": shard, "zero optimizer state shard": states * shard,
+            "zero bucket scratch": scratch if world > 1 else 0.0}
+
+
+def plan(cfg, gpus: int) -> Plan:
+    """The whole job per rank: backbone (ZeRO-2 or DDP), activations, head; and traffic."""
+    params, saved = backbone_counts(cfg.network, cfg.embedding_size, cfg.batch_size, cfg.grad_checkpoint)
+    half = 0.5 if (cfg.fp16 or cfg.bf16) else 1.0  # autocast: activations mostly in 16 bits
+    p = Plan()
+    p.parts["backbone parameters"] = params * F32
+    if cfg.zero:
+        p.parts.update(zero_memory(params, gpus, cfg.optimizer, cfg.momentum))
+    else:
+        states = STATE_PER_PARAM[cfg.optimizer] if (cfg.optimizer != "sgd" or cfg.momentum > 0) else 0
+        p.parts["ddp gradient"] = params * F32
+        p.parts["ddp optimizer state"] = states * params * F32
+    p.parts["backbone activations"] = saved * half
+    p.parts.update(head_memory(cfg.num_classes, gpus, cfg.batch_size, cfg.embedding_size,
+                               sample_rate=cfg.sample_rate, chunk=cfg.chunk_size, row_block=cfg.row_block,
+                               optimizer=cfg.optimizer, momentum=cfg.momentum, fused=cfg.head_fused_optimizer))
+    W, b, D = gpus, cfg.batch_size, cfg.embedding_size
+    ring = (W - 1) / W
+    p.sends = {
+        "embeddings all-gather": (W - 1) * b * D * F32,
+        "labels all-gather": (W - 1) * b * 8,
+        "target cosines all-reduce": 2 * ring * W * b * F32,
+        "row statistics all-gather": (W - 1) * W * b * F32,
+        "embedding gradients reduce-scatter": ring * W * b * D * F32,
+        ("ZeRO-2 gradients + parameters" if cfg.zero else "DDP all-reduce"): 2 * ring * params * F32,
+    }
+    return p
+
+
+def max_classes(cfg, gpus: int, budget: float) -> int:
+    """The largest num_classes whose plan fits `budget` bytes per rank (memory grows
+    linearly with the classes per rank, so two points give the line)."""
+    def total(c):
+        cfg2 = dict(cfg)
+        cfg2["num_classes"] = c
+        return plan(_Cfg(cfg2), gpus).total
+    c0, c1 = gpus * 100_000, gpus * 1_100_000  # shards past the tile size: memory is linear there
+    t0, t1 = total(c0), total(c1)
+    slope = (t1 - t0) / (c1 - c0)
+    return max(0, int(c0 + (budget - t0) / slope))
+
+
+def pfc_v2_head_memory(num_classes: int, world: int, batch: int, dim: int, fp16: bool = True) -> float:
+    """arcface_torch PFC v2 (sample_rate 1) per rank, by its algorithm: weight, gradient and
+    momentum (fp32), the normalised weight copy (fp16 under amp), the B x n logits and the
+    probabilities kept for backward (fp32)."""
+    n = class_shard(num_classes, world, 0).size
+    B = batch * world
+    return 3 * n * dim * F32 + n * dim * (2 if fp16 else F32) + 2 * B * n * F32
+
+
+def pfc_v2_max_classes(cfg, gpus: int, budget: float) -> int:
+    """The same question for arcface_torch: DDP backbone (parameters, gradient, momentum),
+    the same activations, and PFC v2's head (`pfc_v2_head_memory`)."""
+    params, saved = backbone_counts(cfg.network, cfg.embedding_size, cfg.batch_size, cfg.grad_checkpoint)
+    fixed = 3 * params * F32 + saved * (0.5 if (cfg.fp16 or cfg.bf16) else 1.0)
+    c0, c1 = gpus * 100_000, gpus * 1_100_000  # shards past the tile size: memory is linear there
+    h0 = pfc_v2_head_memory(c0, gpus, cfg.batch_size, cfg.embedding_size, cfg.fp16)
+    h1 = pfc_v2_head_memory(c1, gpus, cfg.batch_size, cfg.embedding_size, cfg.fp16)
+    slope = (h1 - h0) / (c1 - c0)
+    return max(0, int(c0 + (budget - fixed - h0) / slope))
+
+
+class _Cfg(dict):
+    __getattr__ = dict.__getitem__

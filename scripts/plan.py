@@ -1,0 +1,73 @@
+#!/usr/bin/env python
+"""Will this job fit? Per-rank memory and per-step traffic from a config.
+
+    scripts/plan.py configs/glint360k_r100 --gpus 8 --gpu_mem_gb 80 [--key value ...]
+
+Prints the bytes each rank holds (backbone, ZeRO-2 shards and bucket scratch, activations at
+the batch size, head weight, gradient, optimizer state and buffers), whether the job fits,
+the largest num_classes that would, the head's tile size and the bytes each rank sends per
+step. The model is planner.py's; tests hold it against peaks measured on the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from configs import get_config  # noqa: E402
+from heads.sharding import class_shard  # noqa: E402
+from planner import CUDA_RESERVE, GB, max_classes, pfc_v2_max_classes, plan  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config")
+    p.add_argument("--gpus", type=int, required=True, help="world size (ranks)")
+    p.add_argument("--gpu_mem_gb", type=float, default=80.0, help="memory of one GPU")
+    p.add_argument("--table", action="store_true",
+                   help="print README's capacity table (r50, r100; 8 and 64 GPUs; ours vs PFC v2)")
+    args, overrides = p.parse_known_args(argv)
+    cfg = get_config(args.config, overrides)
+    budget = args.gpu_mem_gb * GB - CUDA_RESERVE
+    if args.table:
+        return capacity_table(args.config, overrides, args.gpu_mem_gb, budget)
+    result = plan(cfg, args.gpus)
+    print(f"{args.config}: {cfg.network}, {cfg.num_classes:,} classes, batch {cfg.batch_size}/rank, "
+          f"{args.gpus} ranks, {'ZeRO-2' if cfg.zero else 'DDP'}, sample_rate {cfg.sample_rate}, "
+          f"fused head optimizer {cfg.head_fused_optimizer}")
+    print("\nper rank:")
+    for name, value in result.parts.items():
+        print(f"  {name:32s} {value / GB:9.3f} GB")
+    print(f"  {'total':32s} {result.total / GB:9.3f} GB   (budget {budget / GB:.1f} GB: "
+          f"{args.gpu_mem_gb:g} GB less {CUDA_RESERVE / GB:g} GB for CUDA, NCCL and the allocator)")
+    fits = result.total <= budget
+    print(f"\nfits: {'yes' if fits else 'NO'}; largest num_classes that fits: "
+          f"{max_classes(cfg, args.gpus, budget):,}")
+    n = class_shard(cfg.num_classes, args.gpus, 0).size
+    print(f"head tile: {min(cfg.chunk_size or n, n):,} classes; row block {cfg.row_block} rows")
+    print("\nsent per rank per step:")
+    for name, value in result.sends.items():
+        print(f"  {name:36s} {value / 1e6:10.2f} MB")
+    print(f"  {'total':36s} {sum(result.sends.values()) / 1e6:10.2f} MB")
+    return 0 if fits else 1
+
+
+def capacity_table(config: str, overrides: list[str], gpu_mem_gb: float, budget: float) -> int:
+    print(f"| network | GPUs | ours | ours, fused head optimizer | PFC v2 (memory model) |")
+    print("|---|---|---|---|---|")
+    for network in ("r50", "r100"):
+        for gpus in (8, 64):
+            base = overrides + ["--network", network, "--batch_size", "128", "--sample_rate", "1.0"]
+            ours = max_classes(get_config(config, base), gpus, budget)
+            fused = max_classes(get_config(config, base + ["--head_fused_optimizer", "true", "--fp16", "false",
+                                                           "--bf16", "true", "--clip_head", "false"]), gpus, budget)
+            theirs = pfc_v2_max_classes(get_config(config, base), gpus, budget)
+            print(f"| {network} | {gpus} | {ours / 1e6:.0f}M | {fused / 1e6:.0f}M | {theirs / 1e6:.0f}M |")
+    print(f"\n{gpu_mem_gb:g} GB per GPU, batch 128 per GPU, sample_rate 1, D=512, SGD with momentum.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The capacity planner's head and ZeRO-2 figures against what the code really holds."""
+import pytest
+import torch
+
+from heads import PartialFC, SampledRowsOptimizer
+from losses import CosFace
+from parallel import Zero2Optimizer
+from planner import backbone_counts, head_memory, zero_memory
+from tests.distributed import run_distributed
+
+C, D, B_LOCAL = 60_000, 128, 64
+
+
+def _rss_status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _head_peak(rank, world_size, fused):
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)
+    head = PartialFC(CosFace(s=32.0, m=0.3), D, C, chunk_size=4096, row_block=32, validate=False,
+                     fused_optimizer=fused)
+    opt = SampledRowsOptimizer(head, torch.optim.SGD, lr=0.1, momentum=0.9)
+    emb = torch.randn(B_LOCAL, D, requires_grad=True)
+    labels = torch.randint(0, C, (B_LOCAL,))
+    for step in range(2):
+        if step == 1:  # steady state: weight and momentum exist, the gradient does not
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            resting = _rss_status("VmRSS")
+        head(emb, labels).backward()
+        opt.step()
+        opt.zero_grad()
+        emb.grad = None
+    held = head.weight.numel() * 4 * 2  # weight + momentum, resident before the measured step
+    return _rss_status("VmHWM") - resting + held
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_planner_head_memory_matches_the_measured_peak(fused, monkeypatch):
+    # exact resident-set peaks: large blocks straight from mmap, returned when freed
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    measured = max(run_distributed(_head_peak, 2, fused, timeout=300))
+    planned = sum(head_memory(C, 2, B_LOCAL, D, chunk=4096, row_block=32, fused=fused).values())
+    assert abs(planned - measured) < 0.10 * measured, (planned, measured)
+
+
+def _zero_bytes(rank, world_size, optimizer):
+    from backbones import get_model
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = get_model("r18", num_features=128)
+    cls, kw = (torch.optim.SGD, {"momentum": 0.9}) if optimizer == "sgd" else (torch.optim.AdamW, {})
+    opt = Zero2Optimizer(model, cls, lr=0.01, exchange="collective", **kw)  # the NCCL algorithm
+    for _ in range(2):
+        model(torch.randn(2, 3, 112, 112)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    state = sum(v.numel() * v.element_size() for s in opt.optimizer.state.values() for v in s.values()
+                if torch.is_tensor(v) and v.dim() > 0)
+    grad = sum(g.master.grad.numel() * 4 for g in opt.groups)
+    return state, grad, opt.scratch.peak_held_bytes
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_planner_zero2_shards_and_scratch_match_the_optimizer(optimizer):
+    from backbones import get_model
+    params, _ = backbone_counts("r18", 128, 2)
+    assert params == sum(p.numel() for p in get_model("r18", num_features=128).parameters())
+    planned = zero_memory(params, 2, optimizer, 0.9)
+    for state, grad, scratch in run_distributed(_zero_bytes, 2, optimizer, timeout=300):
+        assert abs(planned["zero optimizer state shard"] - state) < 0.10 * state
+        assert abs(planned["zero gradient shard"] - grad) < 0.10 * grad
+        assert abs(planned["zero bucket scratch"] - scratch) < 0.10 * scratch, (planned, scratch)
