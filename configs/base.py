@@ -14,9 +14,25 @@ config.grad_checkpoint = False        # recompute backbone activations in backwa
 config.fp16 = False                   # fp16 autocast + dynamic loss scaling
 config.bf16 = False                   # bf16 autocast, no loss scaling
 
-# margin head (heads.PartialFC)
-config.margin_list = (1.0, 0.5, 0.0)  # (m1, m2, m3): combined margin s*(cos(m1*theta+m2)-m3)
-config.scale = 64.0                   # s
+# margin head (heads.PartialFC); losses.build_margin reads these
+config.margin = "combined"            # combined | arcface | cosface | adaface | magface |
+                                      # curricularface | subcenter_arcface
+config.margin_list = (1.0, 0.5, 0.0)  # combined: (m1, m2, m3): s*(cos(m1*theta+m2)-m3)
+config.scale = 64.0                   # s, every margin
+config.straight_through = False       # combined/arcface: margin's derivative taken as 1 (arcface_torch's gradient)
+config.arcface_m = 0.5                # arcface, subcenter_arcface: additive angular margin
+config.cosface_m = 0.4                # cosface: additive cosine margin
+config.adaface_m = 0.4                # adaface (Kim et al. 2022): margin
+config.adaface_h = 0.333              #   h: how far the norm moves the margin
+config.adaface_t_alpha = 0.01         #   EMA rate of the batch norm mean/std
+config.magface_l_a = 10.0             # magface (Meng et al. 2021): norm range [l_a, u_a]
+config.magface_u_a = 110.0
+config.magface_l_m = 0.45             #   margin range [l_m, u_m], linear in the norm
+config.magface_u_m = 0.8
+config.magface_lambda_g = 20.0        #   weight of the norm regulariser
+config.magface_easy_margin = True     #   the authors' default
+config.curricularface_m = 0.5         # curricularface (Huang et al. 2020): angular margin
+config.subcenter_k = 3                # subcenter_arcface (Deng et al. 2020): centres per class
 config.interclass_filtering_threshold = 0.0
 config.sample_rate = 1.0              # Partial FC: fraction of each shard's classes per step
 config.chunk_size = 8192              # classes per GEMM tile of the head; 0 = whole shard at once

@@ -13,11 +13,18 @@ from losses.base import MarginLoss
 
 class CombinedMarginLoss(MarginLoss):
     """Called as `margin(cos_logits, labels)` like arcface_torch's CombinedMarginLoss, and used
-    by the sharded head through `target_logit` / `other_logits` (see losses/base.py)."""
+    by the sharded head through `target_logit` / `other_logits` (see losses/base.py).
+
+    `straight_through`: the loss is the same, but the target logit's derivative in cos is
+    taken as s, as if there were no angular margin: the gradient arcface_torch computes
+    (it applies the margin under `no_grad`). False (the default) is the true derivative of
+    the loss being minimised; True reproduces an arcface_torch run.
+    """
 
     def __init__(self, s: float = 64.0, m1: float = 1.0, m2: float = 0.5, m3: float = 0.0,
-                 interclass_filtering_threshold: float = 0.0):
+                 interclass_filtering_threshold: float = 0.0, straight_through: bool = False):
         super().__init__(s, interclass_filtering_threshold)
+        self.straight_through = bool(straight_through)
         if m1 < 1.0 or m2 < 0 or m3 < 0:
             raise ValueError(f"margins need m1 >= 1, m2 >= 0, m3 >= 0; got ({m1}, {m2}, {m3})")
         self.m1, self.m2, self.m3 = float(m1), float(m2), float(m3)
@@ -34,6 +41,12 @@ class CombinedMarginLoss(MarginLoss):
 
     def target_logit(self, cos: torch.Tensor, rows: dict | None = None) -> torch.Tensor:
         """Scaled logit of the target class given its cosine (differentiable, elementwise)."""
+        if self.straight_through:
+            plain = self.s * (cos - self.m3)
+            return plain + (self._margin_logit(cos) - plain).detach()
+        return self._margin_logit(cos)
+
+    def _margin_logit(self, cos: torch.Tensor) -> torch.Tensor:
         cos = cos.clamp(-1.0, 1.0)
         if self.m1 == 1.0 and self.m2 == 0.0:
             return self.s * (cos - self.m3)

@@ -105,7 +105,7 @@ def _plain(value):
 def _head_payload(head, head_opt) -> dict:
     state = head_opt.state.get(head.weight, {}) if head_opt is not None else {}
     return {"class_start": head.class_start, "num_local": head.num_local, "num_classes": head.num_classes,
-            "weight": head.weight.detach().cpu(),
+            "subcenters": head.subcenters, "weight": head.weight.detach().cpu(),
             "state": {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in state.items()}}
 
 
@@ -132,6 +132,8 @@ def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, h
         meta = {**asdict(state), "world_size": world_size, "num_classes": head.num_classes,
                 "batch_size": int(config.batch_size) if config else 0,
                 "scaler": scaler.state_dict() if scaler is not None else None,
+                # running statistics of the margin (identical on every rank)
+                "margin": {k: v.cpu() for k, v in head.margin_loss.state_dict().items()},
                 "config": _plain(dict(config)) if config else {}}
         atomic_save(meta, os.path.join(tmp, "meta.pt"))
     barrier()
@@ -170,13 +172,17 @@ def _load_head(ckpt: str, head, head_opt) -> None:
         part = safe_load(path)
         if part["num_classes"] != head.num_classes:
             raise CheckpointError(f"{path}: head of {part['num_classes']} classes, this run has {head.num_classes}")
+        k = part.get("subcenters", 1)
+        if k != head.subcenters:
+            raise CheckpointError(f"{path}: {k} sub-centres per class, this run's margin has {head.subcenters}")
+        mine, theirs = slice((lo - start) * k, (hi - start) * k), slice((lo - a) * k, (hi - a) * k)
         with torch.no_grad():
-            weight[lo - start:hi - start].copy_(part["weight"][lo - a:hi - a])
-        for k, v in part["state"].items():
+            weight[mine].copy_(part["weight"][theirs])
+        for key, v in part["state"].items():
             if torch.is_tensor(v) and v.dim() == 2:
-                new_state.setdefault(k, torch.zeros_like(weight, dtype=v.dtype))[lo - start:hi - start].copy_(v[lo - a:hi - a])
+                new_state.setdefault(key, torch.zeros_like(weight, dtype=v.dtype))[mine].copy_(v[theirs])
             else:
-                new_state[k] = v
+                new_state[key] = v
         covered += hi - lo
     if covered != end - start:
         raise CheckpointError(f"{ckpt}: head files cover {covered} of the {end - start} classes [{start}, {end})")
@@ -204,6 +210,8 @@ def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=No
         else:  # EMA switched on at resume: it starts from the loaded weights
             ema.load_state_dict(backbone.state_dict(), updates=0)
     _load_head(ckpt, head, head_opt)
+    if meta.get("margin"):
+        head.margin_loss.load_state_dict(meta["margin"])
     if scaler is not None and meta.get("scaler"):
         scaler.load_state_dict(meta["scaler"])
     state = TrainState(meta["step"], meta["epoch"], meta["batch_in_epoch"])

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from backbones import get_model
 from heads import PartialFC, SampledRowsOptimizer
-from losses import CombinedMarginLoss
+from losses import build_margin
 from parallel.ddp import DDPOptimizer
 from parallel.dist import cpu_group, get_world_size
 from parallel.dist import get_rank as dist_rank
@@ -44,8 +44,7 @@ def build_backbone(cfg) -> torch.nn.Module:
 
 
 def build_head(cfg) -> PartialFC:
-    m1, m2, m3 = cfg.margin_list
-    margin = CombinedMarginLoss(cfg.scale, m1, m2, m3, cfg.interclass_filtering_threshold)
+    margin = build_margin(cfg)
     if cfg.head_fused_optimizer:
         # the head's rows are stepped inside backward: refuse what that cannot serve exactly
         refuse = {"gradient_acc > 1 (rows would step every micro-batch)": cfg.gradient_acc > 1,

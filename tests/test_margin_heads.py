@@ -1,0 +1,204 @@
+"""AdaFace, MagFace, CurricularFace and sub-center ArcFace, class-sharded and chunked, equal
+their papers' single-process formulations (tests/margin_references.py)."""
+import copy
+
+import pytest
+import torch
+
+from heads import PartialFC, class_shard
+from losses import AdaFace, ArcFace, CombinedMarginLoss, CurricularFace, MagFace, SubCenterArcFace
+from tests import margin_references as ref
+from tests.distributed import run_distributed
+
+C, D, B_LOCAL, STEPS, S = 13, 8, 4, 3, 16.0
+HEADS = {
+    "adaface": (lambda: AdaFace(s=S, m=0.4, h=0.333, t_alpha=0.01), ref.adaface_loss, dict(s=S)),
+    "magface": (lambda: MagFace(s=S), ref.magface_loss, dict(s=S)),
+    "magface_hard": (lambda: MagFace(s=S, easy_margin=False), ref.magface_loss, dict(s=S, easy_margin=False)),
+    "curricularface": (lambda: CurricularFace(s=S, m=0.5), ref.curricularface_loss, dict(s=S)),
+    "subcenter_arcface": (lambda: SubCenterArcFace(s=S, margin=0.5, k=3), ref.subcenter_arcface_loss,
+                          dict(s=S, k=3)),
+}
+# (classes per tile, rows per block, sample_rate): unchunked, chunked with several blocks, Partial FC
+LAYOUTS = [(None, 128, 1.0), (4, 3, 1.0), (4, 5, 0.5)]
+
+
+def _data(world_size, step):
+    g = torch.Generator().manual_seed(10 + step)
+    n = world_size * B_LOCAL
+    emb = torch.randn(n, D, generator=g) * torch.linspace(3.0, 130.0, n)[torch.randperm(n, generator=g)][:, None] / 3
+    labels = torch.randint(0, C, (n,), generator=g)
+    labels[:2] = torch.tensor([0, C - 1])
+    return emb, labels
+
+
+def _weight(k):
+    return torch.randn(C * k, D, generator=torch.Generator().manual_seed(9))
+
+
+def _worker(rank, world_size):
+    torch.manual_seed(50 + rank)
+    shard = class_shard(C, world_size, rank)
+    rows = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
+    out = {}
+    for name, (make, _, _) in HEADS.items():
+        for chunk, row_block, rate in LAYOUTS:
+            margin = make()
+            k = margin.subcenters
+            head = PartialFC(margin, D, C, sample_rate=rate, chunk_size=chunk, row_block=row_block)
+            with torch.no_grad():
+                head.weight.copy_(_weight(k)[shard.start * k:shard.end * k])
+            steps = []
+            for step in range(STEPS):
+                emb, labels = _data(world_size, step)
+                local = emb[rows].clone().requires_grad_(True)
+                head.weight.grad = None
+                loss = head(local, labels[rows])
+                loss.backward()
+                index = head.sampled.index()
+                head.sampled.clear()
+                classes = None if index is None else index[::k] // k + shard.start
+                steps.append((loss.detach(), head.weight.grad.clone(), local.grad.clone(), classes))
+            out[(name, chunk, rate)] = (steps, copy.deepcopy(dict(margin.named_buffers())))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_margin_heads_match_their_papers_sharded_chunked_and_sampled(world_size):
+    results = run_distributed(_worker, world_size, timeout=300)
+    for name, (make, reference, kw) in HEADS.items():
+        k = make().subcenters
+        for chunk, _, rate in LAYOUTS:
+            state = copy.deepcopy(ref.INITIAL_STATE[name.replace("_hard", "")])
+            for step in range(STEPS):
+                emb, labels = _data(world_size, step)
+                parts = [r[(name, chunk, rate)][0][step] for r in results]
+                classes = None if parts[0][3] is None else torch.cat([p[3] for p in parts])
+                w = _weight(k).requires_grad_(True)
+                e = emb.clone().requires_grad_(True)
+                loss, state = reference(e, w, labels, state, classes=classes, **kw)
+                loss.backward()
+                where = f"{name} chunk={chunk} rate={rate} step={step}"
+                for p in parts:
+                    torch.testing.assert_close(p[0], loss.detach(), rtol=1e-5, atol=1e-5, msg=where)
+                dw = torch.cat([p[1] for p in parts])
+                torch.testing.assert_close(dw, w.grad, rtol=1e-5, atol=1e-5 * w.grad.abs().max().item(), msg=where)
+                de = torch.cat([p[2] for p in parts]) / world_size
+                torch.testing.assert_close(de, e.grad, rtol=1e-5, atol=1e-5 * e.grad.abs().max().item(), msg=where)
+            buffers = results[0][(name, chunk, rate)][1]
+            for key, value in state.items():  # running statistics, identical on every rank
+                own = {"mean": "batch_mean", "std": "batch_std", "t": "t"}[key]
+                for r in results:
+                    torch.testing.assert_close(r[(name, chunk, rate)][1][own], value.float(), msg=f"{name} {key}")
+            del buffers
+
+
+def _reference_logits_loss(margin, emb, weight, labels):
+    w = weight.clone().requires_grad_(True)
+    e = emb.clone().requires_grad_(True)
+    cos = torch.nn.functional.normalize(e) @ torch.nn.functional.normalize(w).t()
+    loss = torch.nn.functional.cross_entropy(margin(cos, labels, e.norm(dim=1)), labels)
+    reg = margin.regularizer(e.norm(dim=1))
+    if reg is not None:
+        loss = loss + reg
+    loss.backward()
+    return loss.detach(), w.grad, e.grad
+
+
+def test_subcenter_arcface_with_one_centre_is_arcface():
+    torch.manual_seed(1)
+    emb, labels, weight = torch.randn(6, D), torch.randint(0, C, (6,)), torch.randn(C, D)
+    results = []
+    for margin in (SubCenterArcFace(s=S, margin=0.5, k=1), ArcFace(s=S, margin=0.5)):
+        head = PartialFC(margin, D, C, chunk_size=4, row_block=4)
+        with torch.no_grad():
+            head.weight.copy_(weight)
+        e = emb.clone().requires_grad_(True)
+        loss = head(e, labels)
+        loss.backward()
+        results.append((loss.detach(), head.weight.grad, e.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+
+
+def test_magface_with_a_fixed_margin_and_no_regulariser_is_arcface():
+    torch.manual_seed(2)
+    emb, labels, weight = torch.randn(6, D) * 20, torch.randint(0, C, (6,)), torch.randn(C, D)
+    mag = MagFace(s=S, l_m=0.5, u_m=0.5, lambda_g=0.0, easy_margin=False)
+    a = _reference_logits_loss(mag, emb, weight, labels)
+    b = _reference_logits_loss(ArcFace(s=S, margin=0.5), emb, weight, labels)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_straight_through_keeps_the_loss_and_takes_the_margin_derivative_as_one():
+    torch.manual_seed(3)
+    cos = (torch.rand(5) * 1.8 - 0.9).requires_grad_(True)
+    exact, straight = CombinedMarginLoss(S, 1.0, 0.5, 0.0), CombinedMarginLoss(S, 1.0, 0.5, 0.0, straight_through=True)
+    torch.testing.assert_close(straight.target_logit(cos), exact.target_logit(cos))
+    (g,) = torch.autograd.grad(straight.target_logit(cos).sum(), cos)
+    torch.testing.assert_close(g, torch.full_like(g, S))
+    (g_exact,) = torch.autograd.grad(exact.target_logit(cos).sum(), cos)
+    assert not torch.allclose(g_exact, g)
+
+
+def test_running_statistics_survive_state_dict_and_eval_does_not_move_them():
+    ada, cur = AdaFace(s=S), CurricularFace(s=S)
+    ada.begin_step(torch.rand(8), torch.rand(8) * 50)
+    cur.begin_step(torch.rand(8), torch.ones(8))
+    ada2, cur2 = AdaFace(s=S), CurricularFace(s=S)
+    ada2.load_state_dict(ada.state_dict())
+    cur2.load_state_dict(cur.state_dict())
+    assert float(ada2.batch_mean) == float(ada.batch_mean) != 20.0
+    assert float(cur2.t) == float(cur.t) != 0.0
+    cur2.eval()
+    before = float(cur2.t)
+    cur2.begin_step(torch.rand(8), torch.ones(8))
+    assert float(cur2.t) == before
+
+
+def test_dominant_subcenters_keep_the_centre_most_images_are_nearest():
+    from losses.subcenter import dominant_subcenters, drop_subcenters, far_from_dominant
+    k = 3
+    weight = torch.eye(6).repeat_interleave(1, 0)[:6]  # 2 classes x 3 centres, orthogonal
+    labels = torch.tensor([0, 0, 0, 1, 1, 1])
+    emb = torch.stack([weight[1], weight[1], weight[0], weight[5], weight[5], -weight[5]])
+    dominant = dominant_subcenters(weight, emb, labels, k)
+    assert dominant.tolist() == [1, 2]
+    torch.testing.assert_close(drop_subcenters(weight, dominant, k), weight[[1, 5]])
+    assert far_from_dominant(weight, dominant, emb, labels, k).tolist() == [2, 5]
+
+
+class _CurricularWithTwoCentres(CurricularFace):
+    subcenters = 2
+
+
+def _checkpoint_worker(rank, world_size, output, save):
+    from parallel.ddp import DDPOptimizer
+    from utils.checkpoint import TrainState, load_checkpoint, save_checkpoint
+    torch.manual_seed(0)
+    backbone = torch.nn.Linear(4, D)
+    backbone_opt = DDPOptimizer(backbone, torch.optim.SGD, lr=0.1)
+    curricular = _CurricularWithTwoCentres(s=S)  # sub-centre rows and a running statistic: both travel
+    head = PartialFC(curricular, D, C, row_block=3)
+    shard = class_shard(C, world_size, rank)
+    full = torch.arange(C * 2 * D, dtype=torch.float32).view(C * 2, D)
+    head_opt = torch.optim.SGD([head.weight], lr=0.1)
+    if save:
+        with torch.no_grad():
+            head.weight.copy_(full[shard.start * 2:shard.end * 2])
+            curricular.t.fill_(0.25)
+        save_checkpoint(output, TrainState(3, 0, 0), backbone=backbone, backbone_opt=backbone_opt, head=head,
+                        head_opt=head_opt, rank=rank, world_size=world_size)
+        return None
+    load_checkpoint(output, backbone=backbone, backbone_opt=backbone_opt, head=head, head_opt=head_opt,
+                    rank=rank, world_size=world_size)
+    return head.weight.detach().clone(), float(curricular.t), full[shard.start * 2:shard.end * 2]
+
+
+@pytest.mark.parametrize("load_world", [1, 3])
+def test_margin_state_and_subcentre_rows_resume_on_another_world_size(tmp_path, load_world):
+    run_distributed(_checkpoint_worker, 2, str(tmp_path), True)
+    for weight, t, expected in run_distributed(_checkpoint_worker, load_world, str(tmp_path), False):
+        torch.testing.assert_close(weight, expected)
+        assert t == 0.25
