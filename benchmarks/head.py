@@ -25,7 +25,7 @@ from common import MB, peak_bytes, reset_peak, rss_bytes, table
 from pfc_v2_reference import PFCv2Reference
 from heads import PartialFC, SampledRowsOptimizer
 from heads.sharding import class_shard
-from losses import CombinedMarginLoss
+from losses import AdaFace, CombinedMarginLoss, CurricularFace, MagFace, SubCenterArcFace
 from parallel.spawn import run_distributed
 
 B, D = 128, 512
@@ -46,8 +46,13 @@ class BareGEMMs(torch.nn.Module):
             self.weight.grad = logits.t() @ emb
 
 
+MARGINS = {"arcface": lambda: CombinedMarginLoss(64.0, 1.0, 0.5, 0.0), "adaface": lambda: AdaFace(),
+           "magface": lambda: MagFace(), "curricularface": lambda: CurricularFace(),
+           "subcenter_arcface": lambda: SubCenterArcFace(k=3)}
+
+
 def _head(method: str, num_classes: int, world: int, chunk: int, row_block: int):
-    margin = CombinedMarginLoss(64.0, 1.0, 0.5, 0.0)
+    margin = MARGINS[method.split(":")[1]]() if method.startswith("margin:") else MARGINS["arcface"]()
     if method == "pfc_v2":
         return PFCv2Reference(margin, D, num_classes)
     if method in ("limit", "linear_ce"):
@@ -104,7 +109,11 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--skip-pfc", action="store_true", help="leave out the (slow) PFC v2 baseline")
     p.add_argument("--skip-w1", action="store_true", help="leave out the W=1 comparison")
+    p.add_argument("--margins", action="store_true",
+                   help="instead: each margin head's step time against plain ArcFace at the first --classes")
     args = p.parse_args(argv)
+    if args.margins:
+        return compare_margins(args)
     rows = []
     methods = ["limit", "ours", "fused"] + ([] if args.skip_pfc else ["pfc_v2"])
     for c in args.classes:
@@ -126,6 +135,14 @@ def main(argv=None):
         ref = measure("linear_ce", c, args.chunk, args.row_block, args.iters, world=1, batch=2 * B)
         print(f"\nW=1, B={2 * B}, C={c:,}: ours {ours[0] * 1e3:.0f} ms, F.linear_cross_entropy "
               f"(batch_chunk_size=64, no margin) {ref[0] * 1e3:.0f} ms: ours/theirs {ours[0] / ref[0]:.2f}")
+
+
+def compare_margins(args) -> None:
+    c = args.classes[0]
+    times = {m: measure(f"margin:{m}", c, args.chunk, args.row_block, args.iters)[0] for m in MARGINS}
+    print(f"W=2 gloo ranks, b={B}/rank, D={D}, C={c:,}, chunk_size={args.chunk}, row_block={args.row_block}")
+    rows = [{"margin": m, "ms": f"{t * 1e3:.0f}", "x arcface": f"{t / times['arcface']:.2f}"} for m, t in times.items()]
+    print(table(rows, ["margin", "ms", "x arcface"]))
 
 
 if __name__ == "__main__":

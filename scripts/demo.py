@@ -23,7 +23,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--min-accuracy", type=float, default=0.90)
+    p.add_argument("--margin", default="", help="train with this margin head instead (see configs/base.py)")
     args = p.parse_args(argv)
+    overrides = ["--margin", args.margin, "--output", f"work_dirs/synthetic_{args.margin}"] if args.margin else []
     start = time.time()
 
     import torch
@@ -31,7 +33,7 @@ def main(argv=None) -> int:
     from configs import get_config
     from eval.verification import load_bin, test
 
-    cfg = get_config(os.path.join(ROOT, "configs/synthetic.py"))
+    cfg = get_config(os.path.join(ROOT, "configs/synthetic.py"), overrides)
     data = os.path.join(ROOT, cfg.rec)
     if not os.path.isfile(os.path.join(data, "train.rec")):
         run([sys.executable, "scripts/make_synthetic.py", "--output", cfg.rec])
@@ -47,7 +49,7 @@ def main(argv=None) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
                 "--standalone"] if args.nproc > 1 else [sys.executable]
-    run(torchrun + ["train.py", "configs/synthetic.py"], env=env)
+    run(torchrun + ["train.py", "configs/synthetic.py", *overrides], env=env)
     run([sys.executable, "eval/verify.py", cfg.output, "--bin", val_bin])
     onnx_path = os.path.join(cfg.output, "model.onnx")
     run([sys.executable, "scripts/export_onnx.py", cfg.output, onnx_path])

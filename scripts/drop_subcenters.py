@@ -1,0 +1,72 @@
+#!/usr/bin/env python
+"""After sub-center ArcFace training: keep each class's dominant sub-centre, list noisy images.
+
+    scripts/drop_subcenters.py work_dirs/ms1mv3_r50_subcenter_arcface --out clean/
+
+Embeds the training set with the run's backbone, finds for every class the sub-centre most
+of its images are nearest to (Deng et al., ECCV 2020), and writes `head_dominant.pt` (the
+C x D weight of those centres) and `noisy_images.txt` (dataset indices of images more than
+`--max_degrees` from their class's dominant centre, which the paper drops before retraining).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+import torch
+from easydict import EasyDict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from backbones.load import load_backbone  # noqa: E402
+from dataset import build_dataset  # noqa: E402
+from losses.subcenter import dominant_subcenters, drop_subcenters, far_from_dominant  # noqa: E402
+from utils.checkpoint import resolve_checkpoint, safe_load  # noqa: E402
+
+
+def full_head_weight(checkpoint: str) -> tuple[torch.Tensor, int]:
+    """The whole C*k x D head weight from a checkpoint's per-rank files, and k."""
+    parts = [safe_load(p) for p in sorted(glob.glob(os.path.join(checkpoint, "head-*.pt")))]
+    if not parts:
+        raise FileNotFoundError(f"{checkpoint}: no head-*.pt files")
+    return torch.cat([p["weight"] for p in parts]), parts[0].get("subcenters", 1)
+
+
+@torch.no_grad()
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", help="a training output directory (config.json and checkpoints)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--max_degrees", type=float, default=75.0)
+    p.add_argument("--batch_size", type=int, default=256)
+    args = p.parse_args(argv)
+    with open(os.path.join(args.run, "config.json")) as f:
+        cfg = EasyDict(json.load(f))
+    weight, k = full_head_weight(resolve_checkpoint(args.run))
+    if k < 2:
+        raise SystemExit(f"{args.run}: the head has one centre per class; nothing to drop")
+    model = load_backbone(args.run).eval()
+    dataset = build_dataset(cfg.rec, cfg.num_classes, train=False)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=cfg.num_workers)
+    embeddings, labels = [], []
+    for i, (images, y) in enumerate(loader):
+        embeddings.append(model(images))
+        labels.append(y.long())
+        print(f"\rembedded {min((i + 1) * args.batch_size, len(dataset))}/{len(dataset)}", end="", flush=True)
+    embeddings, labels = torch.cat(embeddings), torch.cat(labels)
+    dominant = dominant_subcenters(weight, embeddings, labels, k)
+    noisy = far_from_dominant(weight, dominant, embeddings, labels, k, args.max_degrees)
+    os.makedirs(args.out, exist_ok=True)
+    torch.save(drop_subcenters(weight, dominant, k), os.path.join(args.out, "head_dominant.pt"))
+    with open(os.path.join(args.out, "noisy_images.txt"), "w") as f:
+        f.writelines(f"{i}\n" for i in noisy.tolist())
+    print(f"\n{len(dominant)} classes kept one centre each; {len(noisy)} of {len(labels)} images are more "
+          f"than {args.max_degrees:g} degrees from it (listed in noisy_images.txt)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
