@@ -33,15 +33,26 @@ def init_distributed(timeout_min: float = 10.0) -> DistInfo:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
+        check_local_rank(local_rank, torch.cuda.device_count())
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        # device_id binds NCCL to this rank's GPU at once (no lazy, guessed device)
+        extra = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(minutes=timeout_min))
+                                timeout=datetime.timedelta(minutes=timeout_min), **extra)
     return DistInfo(rank, local_rank, world_size, device)
+
+
+def check_local_rank(local_rank: int, gpus: int) -> None:
+    """One process per GPU: more local processes than GPUs would put two ranks on one GPU."""
+    if local_rank >= gpus:
+        raise RuntimeError(f"LOCAL_RANK {local_rank} but this node has {gpus} visible GPU(s): start at most "
+                           f"{gpus} processes per node (torchrun --nproc_per_node {gpus}) or make more GPUs "
+                           f"visible (CUDA_VISIBLE_DEVICES)")
 
 
 def get_rank(group=None) -> int:
