@@ -44,7 +44,7 @@ class DDPOptimizer(WrappedOptimizer):
         extra = [p.grad for p in extra_params if p.grad is not None]
         return clip_global_norm_(extra, self._grads(), max_norm, self.group)
 
-    def unscale_and_check_(self, inv_scale: float, extra_params=()) -> bool:
+    def unscale_and_check_(self, inv_scale: float, extra_params=()) -> torch.Tensor:
         extra = [p.grad for p in extra_params if p.grad is not None]
         return unscale_and_check_(self._grads() + extra, inv_scale, self.group)
 

@@ -283,8 +283,8 @@ class Zero2Optimizer(WrappedOptimizer):
         extra = [p.grad for p in extra_params if p.grad is not None]
         return clip_global_norm_(self.grad_shards() + extra, [], max_norm, self.group)
 
-    def unscale_and_check_(self, inv_scale: float, extra_params=()) -> bool:
-        """Multiply every gradient by inv_scale; True if any rank found inf/NaN (all agree)."""
+    def unscale_and_check_(self, inv_scale: float, extra_params=()) -> torch.Tensor:
+        """Multiply every gradient by inv_scale; a device flag > 0 if any rank found inf/NaN (all agree)."""
         extra = [p.grad for p in extra_params if p.grad is not None]
         return unscale_and_check_(self.grad_shards() + extra, inv_scale, self.group)
 
