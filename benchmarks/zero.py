@@ -52,7 +52,7 @@ def _case(rank, world_size, network, batch, iters, bucket_mb, optimizer):
     fwd_bytes = lambda opt: _tensor_bytes(v for s in opt.state.values() for v in s.values())  # noqa: E731
     return {
         "zero_state": fwd_bytes(zero), "ddp_state": fwd_bytes(ddp),
-        "zero_grad": _tensor_bytes(g.master.grad for g in zero.groups),
+        "zero_grad": _tensor_bytes(zero.grad_shards()),
         "ddp_grad": _tensor_bytes(p.grad for p in ddp_model.parameters() if p.grad is not None)
         or _tensor_bytes(p for p in ddp_model.parameters() if p.requires_grad),
         "zero_scratch": zero.peak_scratch_bytes,

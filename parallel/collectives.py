@@ -11,9 +11,11 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    """Sum `input` (W * n elements) over ranks; rank r receives elements [r*n, (r+1)*n)."""
-    return _reduce_scatter(output, input, group=group, async_op=async_op)
+def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
+                        async_op: bool = False):
+    """Reduce `input` (W * n elements) over ranks with `op` (sum by default); rank r receives
+    elements [r*n, (r+1)*n)."""
+    return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
 
 
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from parallel.dist import get_world_size
+from parallel.dist import get_rank, get_world_size
 from parallel.grad_ops import clip_global_norm_, unscale_and_check_
 from parallel.wrapped import WrappedOptimizer
 
@@ -31,10 +31,13 @@ class DDPOptimizer(WrappedOptimizer):
         self.optimizer = optimizer_class([p for _, p in self.named], **defaults)
 
     def no_sync(self):
-        """Skip gradient all-reduce for the micro-steps of gradient accumulation."""
+        """Skip the gradient all-reduce in the backward passes inside this context (the
+        micro-steps of gradient accumulation); the first backward after it reduces the sum."""
         return self.ddp.no_sync() if self.world_size > 1 else contextlib.nullcontext()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the gradients in place by default: DDP's `gradient_as_bucket_view` keeps them
+        as views of its buckets, which `set_to_none=True` would drop (torch's meaning)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def _grads(self) -> list[torch.Tensor]:
@@ -44,22 +47,28 @@ class DDPOptimizer(WrappedOptimizer):
         extra = [p.grad for p in extra_params if p.grad is not None]
         return clip_global_norm_(extra, self._grads(), max_norm, self.group)
 
-    def unscale_and_check_(self, inv_scale: float, extra_params=()) -> bool:
+    def unscale_and_check_(self, inv_scale: float, extra_params=()) -> torch.Tensor:
         extra = [p.grad for p in extra_params if p.grad is not None]
         return unscale_and_check_(self._grads() + extra, inv_scale, self.group)
 
-    def step(self) -> None:
+    def step(self, closure=None) -> None:
+        if closure is not None:
+            raise ValueError("DDPOptimizer.step does not take a closure")
         self.optimizer.step()
 
-    def state_dict(self) -> dict:
+    def state_dict(self, to_rank: int | None = None) -> dict | None:
+        """Per-parameter optimizer state by name, on the CPU (the format Zero2Optimizer saves).
+        Every rank holds it whole, so nothing is communicated; with `to_rank`, ranks other than
+        that group rank return None (the same contract as Zero2Optimizer.state_dict)."""
+        if to_rank is not None and get_rank(self.group) != to_rank:
+            return None
         index = {id(p): n for n, p in self.named}
-        state = {index[id(p)]: dict(s) for p, s in self.optimizer.state.items()}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        return {"state": state, "param_groups": groups, "master": {}}
+        state = {index[id(p)]: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+                 for p, s in self.optimizer.state.items()}
+        return {"state": state, "param_groups": self._param_groups_state(), "master": {}}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        for pg, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
-            pg.update(saved)
+        self._load_param_groups(state_dict["param_groups"])
         for name, p in self.named:
             if name in state_dict["state"]:
                 self.optimizer.state[p] = {k: (v.clone().to(p.device) if torch.is_tensor(v) and v.dim() else v)

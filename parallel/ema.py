@@ -5,11 +5,12 @@ import copy
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from parallel.collectives import all_gather_no_grad
 from parallel.dist import get_rank, get_world_size
-from parallel.flat import Range, build_layouts
+from parallel.flat import build_layouts
 
 
 class ShardedEMA:
@@ -19,11 +20,12 @@ class ShardedEMA:
     d = decay * (1 - exp(-updates / tau)) and ema = d * ema + (1 - d) * param.
 
     Given a `Zero2Optimizer`, the EMA shard of each dtype is lerped toward that optimizer's
-    fp32 master shard: one `lerp_` per dtype, no communication. Without it (e.g. under DDP)
+    fp32 master shard (`master_shards()`): one foreach `lerp_`, no communication. Without it (e.g. under DDP)
     the same layout is laid over the module's own parameters and each rank lerps the slices
-    it owns. Communication happens only in `state_dict()` / `ema_module()`, which all-gather
-    the shards (every rank must call them); buffers (BatchNorm statistics) and frozen
-    parameters are taken from the live model then.
+    it owns. Communication happens only in `state_dict()` / `ema_module()`, which gather the
+    shards (every rank must call them); buffers (BatchNorm statistics) and frozen parameters
+    are taken from the live model then. A save that writes the EMA twice (the checkpoint and
+    model.pt) gathers once: `state = ema.state_dict(to_rank=0)` and hands `state` to both.
     """
 
     def __init__(self, module: nn.Module, decay: float = 0.9999, tau: float = 2000.0,
@@ -32,10 +34,10 @@ class ShardedEMA:
         self.group = process_group
         self.world_size = get_world_size(process_group)
         self.updates = 0
-        if optimizer is not None:
-            self.layouts = [g.layout for g in optimizer.groups]
-            # the whole fp32 master shard of each dtype
-            self.sources = [[(Range(0, g.layout.shard_numel), g.master.detach())] for g in optimizer.groups]
+        if optimizer is not None:  # the fp32 master shard of each dtype (one or a few pieces)
+            masters = optimizer.master_shards()
+            self.layouts = [m.layout for m in masters]
+            self.sources = [[(r, t.detach()) for r, t in m.pieces] for m in masters]
         else:
             self.layouts = build_layouts(module, self.world_size, get_rank(process_group))
             # views of the parameter slices this rank owns (build the EMA after moving the model)
@@ -60,13 +62,29 @@ class ShardedEMA:
                 torch._foreach_lerp_([r.of(shard) for r, _ in pieces], [p.float() for _, p in pieces], weight)
 
     @torch.no_grad()
-    def state_dict(self) -> dict:
-        """The module's full state dict with EMA parameters (collective: call on every rank)."""
-        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+    def state_dict(self, to_rank: int | None = None) -> dict | None:
+        """The module's full state dict with EMA parameters, on the CPU (collective: call on
+        every rank). `to_rank=r` gathers to group rank r only; the others return None."""
+        keep = to_rank is None or get_rank(self.group) == to_rank
+        state = {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()} if keep else None
         for i, layout in enumerate(self.layouts):
-            for name, t in layout.unflatten(all_gather_no_grad(self.shards[i], self.group)).items():
-                state[name] = t.to(state[name].dtype).clone()
+            full = self._gather(self.shards[i], to_rank)
+            if full is not None:
+                for name, t in layout.unflatten(layout.assemble(full)).items():
+                    state[name] = t.to(state[name].dtype).cpu().clone()
         return state
+
+    def _gather(self, shard: torch.Tensor, to_rank: int | None) -> torch.Tensor | None:
+        """Every rank's shard concatenated in rank order, on every rank or on `to_rank` only."""
+        if self.world_size == 1:
+            return shard
+        if to_rank is None:
+            return all_gather_no_grad(shard, self.group)
+        parts = [torch.empty_like(shard) for _ in range(self.world_size)] \
+            if get_rank(self.group) == to_rank else None
+        dst = to_rank if self.group is None else dist.get_global_rank(self.group, to_rank)
+        dist.gather(shard, parts, dst=dst, group=self.group)
+        return torch.cat(parts) if parts is not None else None
 
     @torch.no_grad()
     def load_state_dict(self, state: dict, updates: int | None = None) -> None:
@@ -78,13 +96,15 @@ class ShardedEMA:
             if missing:
                 raise KeyError(f"EMA state dict has no entry for parameter '{missing[0]}'")
             full = layout.flatten({n: state[n] for n in names}, dtype=torch.float32)
-            self.shards[i].copy_(layout.shard.of(full))
+            self.shards[i].copy_(layout.shard_of(full))
         if updates is not None:
             self.updates = int(updates)
 
-    def ema_module(self) -> nn.Module:
-        """A deep copy of the module holding the EMA weights (collective), for evaluation."""
-        state = self.state_dict()
+    def ema_module(self, state: dict | None = None) -> nn.Module:
+        """A deep copy of the module holding the EMA weights, for evaluation: collective unless
+        `state` (a `state_dict()` already gathered on this rank) is given."""
+        if state is None:
+            state = self.state_dict()
         model = copy.deepcopy(self.module)
         model.load_state_dict(state)
         return model

@@ -27,10 +27,17 @@ class DynamicLossScaler:
         return loss * self.scale_value
 
     def unscale_(self, optimizer, extra_params=()) -> bool:
-        """Unscale gradients in place and update the scale; True when the step may proceed."""
+        """Unscale gradients in place and update the scale; True when the step may proceed.
+
+        The one host read of an fp16 step: the optimizers keep the found-inf flag on the
+        device, but skipping a step of any torch optimizer (Adam's step count lives on the
+        host) and of the head's optimizer needs the decision on the host, as in torch's
+        GradScaler. It is taken here, once per step, after the all-reduce that all ranks share.
+        """
         found_inf = optimizer.unscale_and_check_(1.0 / self.scale_value, extra_params)
-        self.update(found_inf)
-        return not found_inf
+        found = bool(found_inf.item() > 0)
+        self.update(found)
+        return not found
 
     def update(self, found_inf: bool) -> None:
         if found_inf:

@@ -8,8 +8,8 @@ class ScratchPool:
     """Lends 1-D buffers and takes them back for reuse.
 
     On CPU every fresh allocation of a few MB is new pages, which the kernel zeroes on first
-    touch: for an r50's 174 MB of gradient buckets per step that cost ~60 ms, as much as the
-    whole gradient exchange. (On GPU torch's caching allocator already reuses blocks.)
+    touch: allocating the gradient buckets every backward cost as much as the whole gradient
+    exchange (benchmarks/README.md). On GPU torch's caching allocator already reuses blocks.
 
     `take` lends the smallest free buffer that is large enough (as a view of the requested
     length) or allocates one; free buffers too small for a request that missed are dropped,
