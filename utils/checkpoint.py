@@ -80,9 +80,16 @@ def rng_state() -> dict:
     np_state = np.random.get_state()
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
              "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:])}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this rank's own device only: GPUs per node may differ on resume
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+def cuda_state_to_restore(state: dict) -> torch.Tensor | None:
+    """This rank's saved CUDA generator state, or None: absent (a CPU run), or a per-node list
+    from older checkpoints whose positions need not match this node's devices."""
+    saved = state.get("cuda")
+    return saved if torch.is_tensor(saved) else None
 
 
 def set_rng_state(state: dict) -> None:
@@ -90,8 +97,9 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = cuda_state_to_restore(state)
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
 
 
 def _plain(value):
