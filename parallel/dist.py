@@ -1,9 +1,11 @@
 """Distributed bootstrap: torchrun environment -> process group, device, rank-0 logging."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -23,36 +25,101 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed(timeout_min: float = 10.0) -> DistInfo:
+def init_distributed(timeout_min: float = 10.0, force_group: bool = False) -> DistInfo:
     """Read torchrun's RANK/WORLD_SIZE/LOCAL_RANK; NCCL with CUDA, gloo otherwise.
 
     A plain `python` process (no torchrun variables) runs as world size 1 with no process
-    group. A rank that dies makes the others fail after `timeout_min` instead of hanging.
+    group, unless `force_group` (the GPU tests: NCCL's code paths on one GPU). Each process
+    takes the GPU of its LOCAL_RANK; more processes per node than GPUs are refused. Under
+    NCCL the gloo side group for host-side checks (`cpu_group()`) is created and connected
+    here, so a network set-up gloo cannot use fails now, naming GLOO_SOCKET_IFNAME, instead
+    of at the first step. A rank that dies makes the others fail after `timeout_min`.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     if torch.cuda.is_available():
-        check_local_rank(local_rank, torch.cuda.device_count())
+        check_local_rank(local_rank, torch.cuda.device_count(), local_world_size)
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    if world_size > 1 and not dist.is_initialized():
+    if (world_size > 1 or force_group) and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(minutes=timeout_min)
+        problem = gloo_interface_problem(world_size, local_world_size)
+        if problem:  # gloo would hang for `timeout` trying to connect: refuse at once
+            raise RuntimeError(problem)
         # device_id binds NCCL to this rank's GPU at once (no lazy, guessed device)
         extra = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(minutes=timeout_min), **extra)
+        with _naming_gloo_interface(backend == "gloo", "the gloo process group"):
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **extra)
+        create_cpu_group(timeout=timeout)
     return DistInfo(rank, local_rank, world_size, device)
 
 
-def check_local_rank(local_rank: int, gpus: int) -> None:
-    """One process per GPU: more local processes than GPUs would put two ranks on one GPU."""
+def check_local_rank(local_rank: int, gpus: int, local_world_size: int | None = None) -> None:
+    """One process per GPU: more local processes than GPUs would put two ranks on one GPU.
+    Every local rank refuses (LOCAL_WORLD_SIZE), not only the ones without a GPU, so none is
+    left waiting for the others at the rendezvous."""
     if local_rank >= gpus:
         raise RuntimeError(f"LOCAL_RANK {local_rank} but this node has {gpus} visible GPU(s): start at most "
                            f"{gpus} processes per node (torchrun --nproc_per_node {gpus}) or make more GPUs "
                            f"visible (CUDA_VISIBLE_DEVICES)")
+    if local_world_size is not None and local_world_size > gpus:
+        raise RuntimeError(f"LOCAL_WORLD_SIZE {local_world_size} processes on this node but it has {gpus} "
+                           f"visible GPU(s): two ranks would share a GPU; start at most {gpus} "
+                           f"(torchrun --nproc_per_node {gpus})")
+
+
+def _host_address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "unresolvable"
+
+
+def gloo_interface_problem(world_size: int, local_world_size: int, ifname: str | None = None,
+                           host_address: str | None = None, interfaces: list[str] | None = None) -> str | None:
+    """Why gloo cannot connect these ranks, when that is known before trying, else None.
+
+    gloo binds to GLOO_SOCKET_IFNAME, or else to the address the hostname resolves to; across
+    nodes a loopback address (Debian's 127.0.1.1) or a missing interface hangs every rank
+    for the whole timeout. The arguments default to this host's values.
+    """
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME") if ifname is None else ifname
+    if interfaces is None:
+        interfaces = [name for _, name in socket.if_nameindex()]
+    if ifname:
+        missing = [name for name in ifname.split(",") if name not in interfaces]
+        if missing:
+            return (f"GLOO_SOCKET_IFNAME={ifname}: no interface '{missing[0]}' on this host "
+                    f"(interfaces: {', '.join(interfaces)})")
+        return None
+    host_address = _host_address() if host_address is None else host_address
+    multi_node = world_size > local_world_size
+    if multi_node and (host_address.startswith("127.") or host_address in ("::1", "unresolvable")):
+        return (f"{world_size} ranks on several nodes, but this host's name {socket.gethostname()} resolves to "
+                f"{host_address}, which other nodes cannot reach: set GLOO_SOCKET_IFNAME to the interface "
+                f"that connects the nodes (interfaces: {', '.join(interfaces)})")
+    return None
+
+
+@contextlib.contextmanager
+def _naming_gloo_interface(uses_gloo: bool, what: str):
+    """Re-raise gloo's connection errors with the setting that fixes them."""
+    try:
+        yield
+    except Exception as exc:
+        if not uses_gloo:
+            raise
+        ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+        chosen = f"GLOO_SOCKET_IFNAME={ifname}" if ifname else \
+            f"GLOO_SOCKET_IFNAME unset, so the hostname's address {_host_address()}"
+        raise RuntimeError(f"{what} could not connect the ranks ({chosen}): {type(exc).__name__}: {exc}. "
+                           f"Set GLOO_SOCKET_IFNAME to the network interface that reaches the other "
+                           f"nodes (e.g. GLOO_SOCKET_IFNAME=eth0)") from exc
 
 
 def get_rank(group=None) -> int:
@@ -68,20 +135,46 @@ def barrier(group=None) -> None:
         dist.barrier(group)
 
 
-_CPU_GROUPS: dict = {}
+_CPU_GROUPS: dict = {}  # id(group) (None: the default group) -> its gloo side group
+
+
+def new_gloo_group(ranks: list[int] | None = None, timeout: datetime.timedelta | None = None):
+    """A gloo group over `ranks` (all when None), connected and checked with one all-reduce
+    now; a failure names GLOO_SOCKET_IFNAME. Collective over the whole default group."""
+    with _naming_gloo_interface(True, "the gloo side group"):
+        group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        if ranks is None or dist.get_rank() in ranks:
+            dist.all_reduce(torch.zeros(1), group=group)
+    return group
+
+
+def create_cpu_group(group=None, timeout: datetime.timedelta | None = None):
+    """Make `cpu_group(group)` available: under gloo the group itself, otherwise a new gloo
+    group over the same ranks. Collective over the default group, at set-up (init_distributed
+    does it for the default group); never on a training step."""
+    if not dist.is_initialized() or dist.get_backend(group) == "gloo":
+        return group
+    key = id(group) if group is not None else None
+    if key not in _CPU_GROUPS:
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        _CPU_GROUPS[key] = new_gloo_group(ranks, timeout)
+    return _CPU_GROUPS[key]
 
 
 def cpu_group(group=None):
-    """A gloo group over the same ranks, for host-side metadata checks without a device sync.
+    """A gloo group over the same ranks, for host-side checks without a device sync.
 
-    Under gloo this is the group itself. Must be first called on every rank of `group`.
+    Under gloo this is the group itself; otherwise the side group `create_cpu_group` made at
+    set-up (init_distributed makes the default group's).
     """
     if not dist.is_initialized() or dist.get_backend(group) == "gloo":
         return group
-    key = id(group)
+    key = id(group) if group is not None else None
     if key not in _CPU_GROUPS:
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        _CPU_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
+        raise RuntimeError(f"no gloo side group for the {dist.get_backend(group)} group "
+                           f"{'(default)' if group is None else dist.get_process_group_ranks(group)}: "
+                           f"create it at set-up with parallel.dist.create_cpu_group(group) on every rank "
+                           f"(init_distributed does so for the default group)")
     return _CPU_GROUPS[key]
 
 

@@ -2,8 +2,10 @@
 
 Every distributed test and benchmark uses `run_distributed(fn, world_size, *args)`: `fn(rank, world_size,
 *args)` must be a module-level function; its return values (picklable) come back as a list
-ordered by rank. A rank that raises fails the call with that rank's traceback, a rank that
-dies fails it at once, and one that hangs fails it after `timeout` seconds.
+ordered by rank. With `init=False` the ranks get torchrun's environment variables but no
+process group, for functions that set one up themselves. A rank that raises fails the call
+with that rank's traceback, a rank that dies fails it at once, and one that hangs fails it
+after `timeout` seconds.
 """
 from __future__ import annotations
 
@@ -26,29 +28,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, results):
+def _worker(rank, world_size, port, fn, args, results, init):
     try:
         torch.set_num_threads(1)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                          RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=60))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+        if init:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=60))
         try:
             # serialised here: shared-memory tensors would die with this process
             buf = io.BytesIO()
             torch.save(fn(rank, world_size, *args), buf)
             results.put((rank, "ok", buf.getvalue()))
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> list:
+def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, init: bool = True) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, init),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -128,6 +128,85 @@ def test_sampler_ranks_are_disjoint_and_resume_skips_what_was_seen():
     assert list(other_epoch) != seen[1]
 
 
+def _old_definition(n, world, rank, bs, seed, epoch, start_batch=0):
+    """The sampler's order as first written: the full permutation as a list on every rank."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    used = (n // (world * bs)) * bs * world
+    return order[rank:used:world][start_batch * bs:]
+
+
+@pytest.mark.parametrize("n,world,bs,start", [(50, 2, 4, 0), (1000, 3, 7, 5), (100_003, 8, 128, 60)])
+def test_sampler_order_equals_the_rank_slice_of_the_seeded_permutation(n, world, bs, start):
+    for rank in range(world):
+        s = ResumableDistributedSampler(n, world, rank, bs, seed=11)
+        s.set_epoch(4, start_batch=start)
+        assert list(s) == _old_definition(n, world, rank, bs, 11, 4, start)
+    plain = ResumableDistributedSampler(n, world, 1, bs, shuffle=False)
+    assert list(plain)[:3] == [1, 1 + world, 1 + 2 * world]
+
+
+def test_ranks_partition_the_epoch_exactly():
+    n, world, bs = 1001, 4, 10
+    parts = []
+    for rank in range(world):
+        s = ResumableDistributedSampler(n, world, rank, bs, seed=5)
+        s.set_epoch(2)
+        parts.append(s.epoch_indices())
+    every = torch.cat(parts)
+    used = (n // (world * bs)) * bs * world
+    assert every.numel() == used and every.unique().numel() == used
+    assert set(every.tolist()) == set(torch.randperm(n, generator=torch.Generator().manual_seed(7))[:used].tolist())
+
+
+def test_sampler_memory_per_rank_is_its_own_indices_not_the_data_set():
+    """A rank holds an int64 tensor of n/W indices and a bounded slice of Python ints; the
+    old list of all n indices would take ~36 bytes * n of Python objects on every rank."""
+    import tracemalloc
+    n, world, bs = 2_000_000, 8, 128
+    s = ResumableDistributedSampler(n, world, 3, bs, seed=1)
+    held = s.epoch_indices()
+    assert held.dtype == torch.int64 and held.numel() == (n // (world * bs)) * bs
+    assert held.untyped_storage().nbytes() == 8 * held.numel()  # not a view into all n
+    tracemalloc.start()
+    try:
+        it = iter(s)
+        first = [next(it) for _ in range(bs)]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert first == held[:bs].tolist()
+    assert peak < 2_000_000, f"{peak} bytes of Python objects for the first batch"  # old: ~72 MB
+
+
+def test_persistent_workers_follow_each_epochs_order_mirroring_and_resume(tmp_path):
+    """One loader, two workers kept across epochs, equals a fresh single-process loader per
+    epoch: the epoch (mirroring) reaches workers that were started in epoch 0."""
+    root = _insightface_set(tmp_path, per_id=6)
+    ds, reference_ds = MXFaceDataset(root), MXFaceDataset(root)
+    sampler = ResumableDistributedSampler(len(ds), 1, 0, batch_size=3, seed=9)
+    loader = get_dataloader(ds, sampler, num_workers=2, seed=9)
+    pids = None
+    for epoch, start in [(0, 0), (1, 0), (2, 4)]:
+        sampler.set_epoch(epoch, start)
+        ds.set_epoch(epoch, 9)
+        got = list(loader)
+        ref_sampler = ResumableDistributedSampler(len(ds), 1, 0, batch_size=3, seed=9)
+        ref_sampler.set_epoch(epoch, start)
+        reference_ds.set_epoch(epoch, 9)
+        want = list(get_dataloader(reference_ds, ref_sampler, num_workers=0))
+        assert len(got) == len(want) == 6 - start
+        for (x, y), (xr, yr) in zip(got, want):
+            assert torch.equal(x, xr) and torch.equal(y, yr)
+        now = [w.pid for w in loader._iterator._workers]
+        assert pids is None or now == pids  # the same worker processes every epoch
+        pids = now
+    flips = []
+    for epoch in (0, 1):
+        reference_ds.set_epoch(epoch, 9)
+        flips.append([reference_ds.mirror(i) for i in range(len(reference_ds))])
+    assert flips[0] != flips[1]  # the epochs differ in mirroring, so the checks above can fail
+
+
 def test_build_dataset_checks_num_classes(tmp_path):
     root = _insightface_set(tmp_path)
     with pytest.raises(RecordIOError, match="3 classes, config num_classes is 5"):

@@ -1,0 +1,148 @@
+"""At W=8 every rank issues the same collectives (op, shapes, dtypes, peers) in the same order
+through training steps with ZeRO-2 (head, backbone, both optimizers, fp16 scaler, EMA), a
+checkpoint save, a resume into fresh objects and a step after it. A rank that issued one
+collective more, or another shape, would hang NCCL or mix up its buckets.
+
+The real torch.distributed functions are wrapped inside each spawned rank: the collective
+still runs (gloo), the wrapper only writes down what was asked for.
+"""
+import contextlib
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import parallel.collectives as collectives
+from heads import PartialFC, SampledRowsOptimizer
+from losses import CombinedMarginLoss
+from parallel import DynamicLossScaler, ShardedEMA, Zero2Optimizer
+from tests.distributed import run_distributed
+from utils.checkpoint import TrainState, load_checkpoint, save_checkpoint
+
+WORLD = 8
+COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+               "all_gather_single", "reduce_scatter_single", "broadcast", "reduce", "barrier", "all_to_all_single",
+               "gather", "scatter", "all_gather_object", "broadcast_object_list", "send", "recv"]
+POINT_TO_POINT = ["isend", "irecv"]  # matched by (peer, tag): their order may differ by rank
+NUM_CLASSES, D, B = 50, 16, 4          # 50 % 8 != 0: uneven class shards
+
+
+def _describe(value):
+    if torch.is_tensor(value):
+        return ("tensor", tuple(value.shape), str(value.dtype))
+    if isinstance(value, (list, tuple)):
+        return [_describe(v) for v in value]
+    if isinstance(value, dist.ProcessGroup):
+        return ("group", tuple(dist.get_process_group_ranks(value)))
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    return str(value)  # ReduceOp
+
+
+@contextlib.contextmanager
+def recording():
+    """Yield (collective log, point-to-point log) while every torch.distributed collective,
+    and the aliases parallel.collectives took at import, is wrapped."""
+    log, p2p = [], []
+
+    def wrap(target, name, real):
+        @functools.wraps(real)
+        def recorded(*args, **kwargs):
+            kwargs_seen = {k: _describe(v) for k, v in sorted(kwargs.items()) if k != "async_op"}
+            entry = (real.__name__, [_describe(a) for a in args], kwargs_seen)
+            (p2p if real.__name__ in POINT_TO_POINT else log).append(entry)
+            return real(*args, **kwargs)
+        setattr(target, name, recorded)
+
+    patched = [(dist, n, getattr(dist, n)) for n in COLLECTIVES + POINT_TO_POINT if hasattr(dist, n)]
+    patched += [(collectives, n, getattr(collectives, n)) for n in ("_all_gather", "_reduce_scatter")]
+    for target, name, real in patched:
+        wrap(target, name, real)
+    try:
+        yield log, p2p
+    finally:
+        for target, name, real in patched:
+            setattr(target, name, real)
+
+
+def _build(rank, exchange):
+    torch.manual_seed(0)  # the same backbone on every rank
+    backbone = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 40), nn.BatchNorm1d(40), nn.PReLU(40),
+                             nn.Linear(40, D), nn.BatchNorm1d(D))
+    head = PartialFC(CombinedMarginLoss(16.0, 1.0, 0.5, 0.0), D, NUM_CLASSES, sample_rate=0.5, chunk_size=3)
+    # 8 KB buckets: the backbone (35 KB) spans five, two reductions in flight
+    opt = Zero2Optimizer(backbone, torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=5e-4, bucket_cap_mb=0.008,
+                         max_inflight_buckets=2, exchange=exchange)
+    head_opt = SampledRowsOptimizer(head, torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=5e-4)
+    ema = ShardedEMA(backbone, 0.9, 1.0, optimizer=opt)
+    torch.manual_seed(100 + rank)  # each rank its own data and Partial FC sample
+    return dict(backbone=backbone, backbone_opt=opt, head=head, head_opt=head_opt, ema=ema,
+                scaler=DynamicLossScaler(init_scale=2.0 ** 8))
+
+
+def _step(parts):
+    x = torch.randn(B, 3, 8, 8)
+    labels = torch.randint(0, NUM_CLASSES, (B,))
+    opt, head, scaler = parts["backbone_opt"], parts["head"], parts["scaler"]
+    loss = head(parts["backbone"](x), labels)
+    scaler.scale(loss).backward()
+    if scaler.unscale_(opt, extra_params=head.parameters()):
+        opt.clip_grad_norm_(5.0, extra_params=head.parameters())
+        opt.step()
+        parts["head_opt"].step()
+        parts["ema"].update()
+    opt.zero_grad()
+    parts["head_opt"].zero_grad()
+
+
+def _train_save_resume(rank, world_size, output):
+    logs = {}
+    for exchange in ("collective", "p2p"):  # the NCCL default, then gloo's
+        out = f"{output}/{exchange}"
+        with recording() as (log, p2p):
+            parts = _build(rank, exchange)
+            for _ in range(2):
+                _step(parts)
+            save_checkpoint(out, TrainState(step=2), **parts, rank=rank, world_size=world_size)
+            resumed = _build(rank, exchange)
+            state, _ = load_checkpoint(out, **resumed, rank=rank, world_size=world_size)
+            assert state.step == 2
+            _step(resumed)
+        logs[exchange] = (log, p2p)
+    return logs
+
+
+def _p2p_messages(p2p, rank):
+    """(sender, receiver, tag, shape, dtype) of each message, as this rank saw it."""
+    out = []
+    for name, args, kwargs in p2p:
+        peer = kwargs.get("dst", kwargs.get("src"))
+        tensor = args[0]
+        sender, receiver = (rank, peer) if name == "isend" else (peer, rank)
+        out.append((sender, receiver, kwargs.get("tag"), tensor[1], tensor[2]))
+    return out
+
+
+def test_every_rank_issues_the_same_collectives_through_steps_checkpoint_and_resume(tmp_path):
+    results = run_distributed(_train_save_resume, WORLD, str(tmp_path), timeout=170)
+    for exchange in ("collective", "p2p"):
+        logs = [r[exchange][0] for r in results]
+        names = [entry[0] for entry in logs[0]]
+        # the sequence is not trivially short: every part of the step and the checkpoint is in it
+        for expected in ({"all_gather_into_tensor", "all_gather_single"},  # torch >= 2.14 spells them _single
+                         {"reduce_scatter_tensor", "reduce_scatter_single"}, {"all_reduce"}, {"barrier"}):
+            assert expected & set(names), (exchange, expected, sorted(set(names)))
+        assert ("reduce" in names) == (exchange == "collective")
+        for rank in range(1, WORLD):
+            assert len(logs[rank]) == len(logs[0]), (exchange, rank)
+            for i, (mine, first) in enumerate(zip(logs[rank], logs[0])):
+                assert mine == first, f"{exchange}: rank {rank} call {i} is {mine}, rank 0's is {first}"
+    # gloo's point-to-point exchange: every message sent is received, with its shape, in order
+    sent, received = {}, {}
+    for rank, r in enumerate(results):
+        for msg in _p2p_messages(r["p2p"][1], rank):
+            book = sent if msg[0] == rank else received
+            book.setdefault(msg[:2], []).append(msg[2:])
+    assert sent and sent == received
+    assert not any(r["collective"][1] for r in results)  # the NCCL path sends nothing point to point

@@ -1,0 +1,90 @@
+"""Distributed set-up: one process per GPU, the gloo side group connected at start, and
+network mistakes named (GLOO_SOCKET_IFNAME) before any rank waits for the timeout."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel.dist import check_local_rank, cpu_group, gloo_interface_problem, init_distributed, new_gloo_group
+from tests.distributed import run_distributed
+
+
+def test_more_local_processes_than_gpus_is_refused_on_every_local_rank():
+    check_local_rank(7, 8, local_world_size=8)
+    with pytest.raises(RuntimeError, match="LOCAL_RANK 8 but this node has 8 visible GPU"):
+        check_local_rank(8, 8)
+    # rank 0 has a GPU, but its neighbour would share it: rank 0 refuses too
+    with pytest.raises(RuntimeError, match=r"LOCAL_WORLD_SIZE 3 processes on this node but it has 2 visible GPU"):
+        check_local_rank(0, 2, local_world_size=3)
+
+
+def test_gloo_interface_problems_are_named_before_connecting():
+    ifs = ["lo", "eth0", "ib0"]
+    problem = gloo_interface_problem(16, 8, ifname="", host_address="127.0.1.1", interfaces=ifs)
+    assert "GLOO_SOCKET_IFNAME" in problem and "127.0.1.1" in problem and "eth0" in problem
+    assert gloo_interface_problem(8, 8, ifname="", host_address="127.0.1.1", interfaces=ifs) is None  # one node
+    assert gloo_interface_problem(16, 8, ifname="", host_address="10.0.0.5", interfaces=ifs) is None
+    assert gloo_interface_problem(16, 8, ifname="eth0,ib0", interfaces=ifs) is None
+    missing = gloo_interface_problem(16, 8, ifname="eth1", interfaces=ifs)
+    assert missing.startswith("GLOO_SOCKET_IFNAME=eth1: no interface 'eth1'")
+
+
+def _cpu_only():
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before CUDA is initialised: the CPU/gloo path
+
+
+def _init_and_reduce(rank, world_size):
+    _cpu_only()
+    info = init_distributed(timeout_min=1)
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t, group=cpu_group())
+    return info.rank, info.local_rank, info.world_size, str(info.device), dist.is_initialized(), t.item()
+
+
+def test_init_distributed_reads_torchrun_environment_and_cpu_group_reduces():
+    out = run_distributed(_init_and_reduce, 2, init=False, timeout=120)
+    assert out == [(0, 0, 2, "cpu", True, 3.0), (1, 1, 2, "cpu", True, 3.0)]
+
+
+def _forced_single_rank(rank, world_size):
+    _cpu_only()
+    info = init_distributed(timeout_min=1, force_group=True)
+    return info.world_size, dist.is_initialized(), dist.get_world_size()
+
+
+def test_force_group_creates_a_process_group_at_world_size_one():
+    assert run_distributed(_forced_single_rank, 1, init=False, timeout=120) == [(1, True, 1)]
+
+
+def _bad_interface_at_init(rank, world_size):
+    _cpu_only()
+    os.environ["GLOO_SOCKET_IFNAME"] = "nosuchif0"
+    try:
+        init_distributed(timeout_min=1)
+    except RuntimeError as exc:
+        return str(exc), dist.is_initialized()
+    return "no error", dist.is_initialized()
+
+
+def test_missing_gloo_interface_fails_at_start_on_every_rank():
+    for message, initialised in run_distributed(_bad_interface_at_init, 2, init=False, timeout=120):
+        assert message.startswith("GLOO_SOCKET_IFNAME=nosuchif0: no interface 'nosuchif0'") and not initialised
+
+
+def _side_group(rank, world_size):
+    group = new_gloo_group()
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t, group=group)
+    os.environ["GLOO_SOCKET_IFNAME"] = "nosuchif0"  # gloo's own error, past our pre-check
+    try:
+        new_gloo_group()
+    except RuntimeError as exc:
+        return t.item(), str(exc)
+    return t.item(), "no error"
+
+
+def test_gloo_side_group_connects_at_creation_and_its_failure_names_gloo_socket_ifname():
+    for total, message in run_distributed(_side_group, 2, timeout=120):
+        assert total == 3.0
+        assert "the gloo side group could not connect the ranks (GLOO_SOCKET_IFNAME=nosuchif0)" in message
