@@ -3,8 +3,6 @@ of their fixed-size replacements); the head's forward+backward must make none.""
 import pytest
 import torch
 
-from heads import PartialFC
-from losses import CombinedMarginLoss
 from tests.host_sync import HostSyncCounter
 
 SYNCING = [
