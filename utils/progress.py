@@ -1,8 +1,11 @@
-"""A dependency-free progress line with rate and ETA for long jobs."""
+"""Progress lines with rate and ETA: `Progress` for scripts, `ProgressLogger` for training."""
 from __future__ import annotations
 
+import logging
 import sys
 import time
+
+logger = logging.getLogger("shardface")
 
 
 def format_seconds(seconds: float) -> str:
@@ -32,3 +35,32 @@ class Progress:
             self.stream.write(f"{self.label} {self.done}/{self.total} {pct:5.1f}% "
                               f"{rate:8.1f}/s ETA {format_seconds(eta)}   {end}")
             self.stream.flush()
+
+
+class ProgressLogger:
+    """Rank 0's progress line every `frequent` steps: loss, lr, global samples/s, ETA."""
+
+    def __init__(self, total_steps: int, frequent: int, samples_per_step: int, writer=None, first_step: int = 0):
+        self.total, self.frequent, self.samples_per_step = total_steps, frequent, samples_per_step
+        self.writer = writer
+        self.losses: list[float] = []
+        self.mark_time, self.mark_step = time.time(), first_step
+
+    def __call__(self, step: int, epoch: int, loss: float, lr: float, scale: float | None) -> None:
+        self.losses.append(loss)
+        if self.writer is not None:
+            self.writer.add_scalar("train/loss", loss, step)
+            self.writer.add_scalar("train/lr", lr, step)
+        if step % self.frequent and step != self.total:
+            return
+        now = time.time()
+        rate = (step - self.mark_step) * self.samples_per_step / max(now - self.mark_time, 1e-9)
+        eta = (self.total - step) * self.samples_per_step / max(rate, 1e-9)
+        mean_loss = sum(self.losses) / len(self.losses)
+        scale_txt = f"  scale {scale:.0f}" if scale is not None else ""
+        logger.info("step %d/%d  epoch %d  loss %.4f  lr %.5f  %.1f samples/s  ETA %s%s",
+                    step, self.total, epoch, mean_loss, lr, rate, format_seconds(eta), scale_txt)
+        if self.writer is not None:
+            self.writer.add_scalar("train/samples_per_second", rate, step)
+        self.losses.clear()
+        self.mark_time, self.mark_step = now, step
