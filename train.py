@@ -15,7 +15,7 @@ import torch
 
 from builders import build_backbone, build_data_parallel, build_head, build_head_optimizer
 from configs import format_config, get_config, save_config
-from dataset import ResumableDistributedSampler, build_dataset, get_dataloader, normalize_batch
+from dataset import ResumableDistributedSampler, build_dataset, get_dataloader, normalize_images
 from eval.callback import VerificationCallback
 from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
 from parallel.stop import StopSignal
@@ -91,7 +91,7 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
             sampler.set_epoch(state.epoch, state.batch_in_epoch)
             dataset.set_epoch(state.epoch, cfg.seed)  # mirroring fixed by (seed, epoch, index)
             for images, labels in get_dataloader(dataset, sampler, cfg.num_workers, info.device, cfg.seed):
-                images = normalize_batch(images.to(info.device, non_blocking=True))
+                images = normalize_images(images.to(info.device, non_blocking=True))
                 labels = labels.to(info.device, non_blocking=True)
                 micro += 1
                 last_micro = micro % cfg.gradient_acc == 0
