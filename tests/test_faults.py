@@ -12,10 +12,10 @@ from tests.conftest import train_argv
 from utils.checkpoint import resolve_checkpoint
 
 
-def _launch(drawn_faces, output, *extra):
+def _launch(data_dir, output, *extra):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "train.py", *train_argv(data_dir, output, "--max_steps", "100000", "--num_epoch", "1000",
-                             "--checkpoint_interval", "100000", *extra)[0:]]
+                                   "--checkpoint_interval", "100000", *extra)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     console = open(os.path.join(os.path.dirname(output), os.path.basename(output) + ".console"), "w")
     return subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT, env=env, start_new_session=True)
