@@ -144,8 +144,12 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
             writer.close()
 
 
-if __name__ == "__main__":
+def cli() -> None:
     code = main(sys.argv[1:])
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    cli()

@@ -11,7 +11,7 @@ from eval.ijb import evaluate_ijb
 from eval.weights import load_backbone
 
 
-def main(argv=None) -> dict[float, float]:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", help="run output, checkpoint dir, our model.pt or insightface model.pt")
     p.add_argument("--root", required=True, help="IJB directory with meta/ and loose_crop/")
@@ -24,7 +24,6 @@ def main(argv=None) -> dict[float, float]:
     backbone = backbone.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     tars = evaluate_ijb(args.root, backbone, args.target.lower(), args.batch_size, args.roc)
     print(f"{args.target} 1:1 TAR@FAR: " + "  ".join(f"{far:.0e}: {tar:.4f}" for far, tar in tars.items()))
-    return tars
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from eval.verification import load_bin, test
 from eval.weights import load_backbone
 
 
-def main(argv=None) -> list[tuple]:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", help="run output, checkpoint dir, our model.pt or insightface model.pt")
     p.add_argument("--bin", action="append", required=True, help="a .bin file (repeatable)")
@@ -29,7 +29,6 @@ def main(argv=None) -> list[tuple]:
     print(f"{'set':<20} {'acc':>8} {'acc-flip':>9} {'std':>7} {'XNorm':>8}")
     for name, acc, acc_flip, std_flip, xnorm in rows:
         print(f"{name:<20} {acc:8.4f} {acc_flip:9.4f} {std_flip:7.4f} {xnorm:8.3f}")
-    return rows
 
 
 if __name__ == "__main__":
