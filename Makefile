@@ -23,7 +23,7 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q -m "slow or not slow" tests
 
 demo: $(STAMP)
-	$(PY) scripts/demo.py --nproc $(NPROC)
+	$(PY) -m scripts.demo --nproc $(NPROC)
 
 clean-demo:
-	rm -rf data/synthetic work_dirs/synthetic
+	rm -rf data/drawn_faces work_dirs/demo

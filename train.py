@@ -13,15 +13,18 @@ import sys
 
 import torch
 
-from configs import format_config, get_config
-from dataset import ResumableDistributedSampler, build_dataset, get_dataloader, normalize_batch
+from builders import build_backbone, build_data_parallel, build_head, build_head_optimizer
+from configs import format_config, get_config, save_config
+from dataset import ResumableDistributedSampler, build_dataset, get_dataloader, normalize_images
 from eval.callback import VerificationCallback
 from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
-from parallel.dist import barrier
-from utils.checkpoint import TrainState, atomic_save, load_checkpoint, save_checkpoint
+from parallel.stop import StopSignal
+from utils.checkpoint import TrainState
+from utils.checkpointer import Checkpointer
+from utils.divergence import TrainingStopped, check_labels, check_loss
+from utils.progress import ProgressLogger
 from utils.schedule import lr_factor, set_lr
-from utils.training import (ProgressLogger, StopSignal, TrainingStopped, build_backbone, build_head,
-                            build_optimizers, check_labels, check_loss, save_config, seed_everything)
+from utils.seed import seed_everything
 
 
 def main(argv: list[str]) -> int:
@@ -49,7 +52,8 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
     torch.manual_seed(cfg.seed)  # identical initial backbone on every rank
     backbone = build_backbone(cfg).to(info.device)
     head = build_head(cfg).to(info.device)
-    backbone_opt, head_opt = build_optimizers(cfg, backbone, head)
+    model, backbone_opt = build_data_parallel(cfg, backbone)
+    head_opt = build_head_optimizer(cfg, head)
     ema = ShardedEMA(backbone, cfg.ema_decay, cfg.ema_tau, optimizer=backbone_opt if cfg.zero else None) \
         if cfg.ema else None
     scaler = DynamicLossScaler() if cfg.fp16 else None
@@ -67,60 +71,38 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
         total_steps = min(total_steps, cfg.max_steps)
     warmup_steps = cfg.warmup_epoch * steps_per_epoch
 
+    checkpointer = Checkpointer(cfg.output, backbone=backbone, backbone_opt=backbone_opt, head=head,
+                                head_opt=head_opt, ema=ema, scaler=scaler, config=cfg, rank=info.rank,
+                                world_size=info.world_size, keep=cfg.keep_checkpoints)
     state = TrainState()
-    parts = dict(backbone=backbone, backbone_opt=backbone_opt, head=head, head_opt=head_opt, ema=ema, scaler=scaler)
     if cfg.resume:
-        state, _ = load_checkpoint(cfg.output, **parts, rank=info.rank, world_size=info.world_size,
-                                   batch_size=cfg.batch_size)
+        state, _ = checkpointer.load(batch_size=cfg.batch_size)
         logger.info("resumed at step %d (epoch %d, batch %d)", state.step, state.epoch, state.batch_in_epoch)
 
-    saved_at = [-1]
-
-    def save() -> None:
-        if saved_at[0] == state.step:  # e.g. the interval checkpoint was this very step
-            return
-        saved_at[0] = state.step
-        save_checkpoint(cfg.output, state, **parts, config=cfg, rank=info.rank,
-                        world_size=info.world_size, keep=cfg.keep_checkpoints)
-        weights = ema.state_dict() if ema is not None else backbone.state_dict()  # collective with EMA
-        if info.is_main:
-            atomic_save(weights, os.path.join(cfg.output, "model.pt"))
-
-    writer, verifier = None, None
+    writer = None
     if info.is_main:
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(os.path.join(cfg.output, "tensorboard"))
-        verifier = VerificationCallback(cfg.val_targets, cfg.val_dir or cfg.rec, writer)
-    verify_due = lambda step: bool(cfg.val_targets) and cfg.verbose > 0 and step % cfg.verbose == 0  # noqa: E731
-
-    def verify() -> None:
-        ema_model = ema.ema_module() if ema is not None else None  # collective
-        if verifier is not None:
-            verifier(state.step, backbone, ema_model)
-        barrier()
-
-    model = getattr(backbone_opt, "ddp", backbone)  # forward through DDP so it reduces gradients
+    verify = VerificationCallback(cfg.val_targets, cfg.val_dir or cfg.rec, cfg.verbose, backbone, ema, writer,
+                                  is_main=info.is_main)
     progress = ProgressLogger(total_steps, cfg.frequent, cfg.batch_size * info.world_size * cfg.gradient_acc,
                               writer, first_step=state.step)
     micro, first_step = 0, state.step
     try:
         while state.step < total_steps and state.epoch < cfg.num_epoch:
             sampler.set_epoch(state.epoch, state.batch_in_epoch)
-            if hasattr(dataset, "set_epoch"):  # mirroring fixed by (seed, epoch, index)
-                dataset.set_epoch(state.epoch, cfg.seed)
+            dataset.set_epoch(state.epoch, cfg.seed)  # mirroring fixed by (seed, epoch, index)
             for images, labels in get_dataloader(dataset, sampler, cfg.num_workers, info.device, cfg.seed):
                 problem = check_labels(labels, cfg.num_classes)  # on the CPU, where no device waits
                 if problem:
                     logger.error("%s (the head stops every rank)", problem)
-                images = normalize_batch(images.to(info.device, non_blocking=True))
+                images = normalize_images(images.to(info.device, non_blocking=True))
                 labels = labels.to(info.device, non_blocking=True)
                 micro += 1
                 last_micro = micro % cfg.gradient_acc == 0
                 lr = cfg.lr * lr_factor(state.step, total_steps, warmup_steps, cfg.lr_scheduler, cfg.lr_power)
                 set_lr([backbone_opt, head_opt], lr)  # before forward: a fused head steps in backward
-                sync = contextlib.nullcontext() if last_micro or not hasattr(backbone_opt, "no_sync") \
-                    else backbone_opt.no_sync()
-                with sync:
+                with contextlib.nullcontext() if last_micro else backbone_opt.no_sync():
                     loss = head(model(images), labels)
                     scaled = loss / cfg.gradient_acc
                     (scaler.scale(scaled) if scaler else scaled).backward()
@@ -138,31 +120,33 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
                 backbone_opt.zero_grad()
                 head_opt.zero_grad()
                 state.step += 1
-                # the loss stays on the device; the host reads it once per `frequent` steps
+                # the loss stays on the device; the host reads it once per `frequent` steps, and
+                # before a checkpoint (a diverged step is never saved as the last good one)
                 progress.add(loss.detach())
-                if progress.due(state.step):
+                checkpoint_due = state.step % cfg.checkpoint_interval == 0
+                if progress.due(state.step) or checkpoint_due:
                     loss_value = progress.mean_loss()
                     check_loss(loss_value, state.step, scaler)
-                    progress(state.step, state.epoch, loss_value, lr, scaler.scale_value if scaler else None)
+                    if progress.due(state.step):
+                        progress(state.step, state.epoch, loss_value, lr, scaler.scale_value if scaler else None)
 
-                if verify_due(state.step):
-                    verify()
-                if state.step % cfg.checkpoint_interval == 0:
-                    save()
+                if verify.due(state.step):
+                    verify(state.step)
+                if checkpoint_due:
+                    checkpointer.save(state)
                 job_done = cfg.stop_after_steps and state.step - first_step >= cfg.stop_after_steps
                 # every rank polls the stop flag at the same steps (one tiny collective per `frequent`)
                 if job_done or (progress.due(state.step) and stop.requested()):
                     logger.info("%s: saving a checkpoint at step %d and exiting",
                                 "job step limit" if job_done else "stop signal", state.step)
-                    save()
+                    checkpointer.save(state)
                     return 0
                 if state.step >= total_steps:
                     break
             else:
                 state.epoch, state.batch_in_epoch = state.epoch + 1, 0
-        save()
-        if not verify_due(state.step):
-            verify()
+        checkpointer.save(state)
+        verify(state.step)
         logger.info("done: %d steps; weights in %s", state.step, os.path.join(cfg.output, "model.pt"))
         return 0
     except TrainingStopped as exc:
@@ -173,8 +157,12 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
             writer.close()
 
 
-if __name__ == "__main__":
+def cli() -> None:
     code = main(sys.argv[1:])
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    cli()

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from backbones.common import run_layers, trunk_autocast
+from backbones.registry import register_model
 
 
 def conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
@@ -86,3 +87,11 @@ DEPTHS = {
     "r100": (3, 13, 30, 3),
     "r200": (6, 26, 60, 6),
 }
+
+
+def _register(name: str, layers: tuple[int, int, int, int]) -> None:
+    register_model(name)(lambda **kw: IResNet(layers, **kw))
+
+
+for _name, _layers in DEPTHS.items():
+    _register(_name, _layers)

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from backbones.common import run_layers, trunk_autocast
+from backbones.registry import register_model
 
 
 class ConvBlock(nn.Module):
@@ -74,8 +75,11 @@ class GDC(nn.Module):
 
 class MobileFaceNet(nn.Module):
     def __init__(self, num_features: int = 512, blocks=(1, 4, 6, 2), scale: int = 2,
-                 fp16: bool = False, bf16: bool = False, grad_checkpoint: bool = False):
+                 fp16: bool = False, bf16: bool = False, grad_checkpoint: bool = False, dropout: float = 0.0):
         super().__init__()
+        if dropout:
+            raise ValueError(f"dropout {dropout}: MobileFaceNet has no dropout layer (as arcface_torch's); "
+                             f"set dropout 0")
         self.fp16, self.bf16, self.grad_checkpoint = fp16, bf16, grad_checkpoint
         c1, c2 = 64 * scale, 128 * scale
         self.layers = nn.ModuleList([ConvBlock(3, c1, kernel=(3, 3), stride=(2, 2), padding=(1, 1))])
@@ -106,3 +110,13 @@ class MobileFaceNet(nn.Module):
             x = run_layers(nn.Sequential(*self.layers), x, self.grad_checkpoint)
         x = self.conv_sep(x.to(self.conv_sep.layers[0].weight.dtype))
         return self.features(x)
+
+
+@register_model("mbf")
+def mbf(**kw) -> MobileFaceNet:
+    return MobileFaceNet(**kw)
+
+
+@register_model("mbf_large")
+def mbf_large(**kw) -> MobileFaceNet:
+    return MobileFaceNet(blocks=(2, 8, 12, 4), scale=4, **kw)

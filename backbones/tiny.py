@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from backbones.common import run_layers, trunk_autocast
+from backbones.registry import register_model
 
 
 def _stage(cin: int, cout: int) -> nn.Sequential:
@@ -18,6 +19,7 @@ def _stage(cin: int, cout: int) -> nn.Sequential:
     )
 
 
+@register_model("tiny")
 class TinyCNN(nn.Module):
     def __init__(self, num_features: int = 512, widths=(16, 32, 64, 128), dropout: float = 0.0,
                  fp16: bool = False, bf16: bool = False, grad_checkpoint: bool = False):

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from backbones.common import run_layers, trunk_autocast
+from backbones.registry import register_model
 
 
 class Block(nn.Module):
@@ -35,6 +36,7 @@ class VisionTransformer(nn.Module):
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         self.blocks = nn.Sequential(*[Block(embed_dim, num_heads) for _ in range(depth)])
         self.norm = nn.LayerNorm(embed_dim)
+        self.dropout = nn.Dropout(dropout)
         self.feature = nn.Sequential(
             nn.Linear(embed_dim * num_patches, embed_dim, bias=False),
             nn.BatchNorm1d(embed_dim),
@@ -47,7 +49,7 @@ class VisionTransformer(nn.Module):
         with trunk_autocast(x, self.fp16, self.bf16):
             x = self.patch_embed(x).flatten(2).transpose(1, 2) + self.pos_embed
             x = self.norm(run_layers(self.blocks, x, self.grad_checkpoint))
-        return self.feature(x.to(self.pos_embed.dtype).flatten(1))
+        return self.feature(self.dropout(x.to(self.pos_embed.dtype).flatten(1)))
 
 
 VIT_SIZES = {
@@ -55,3 +57,11 @@ VIT_SIZES = {
     "vit_s": dict(embed_dim=512, depth=12, num_heads=8),
     "vit_b": dict(embed_dim=512, depth=24, num_heads=8),
 }
+
+
+def _register(name: str, size: dict) -> None:
+    register_model(name)(lambda **kw: VisionTransformer(**size, **kw))
+
+
+for _name, _size in VIT_SIZES.items():
+    _register(_name, _size)

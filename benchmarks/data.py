@@ -61,12 +61,12 @@ def _rate(dataset, n, workers, batch=64):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--rec", default=os.path.join(ROOT, "data/synthetic"))
+    p.add_argument("--rec", default=os.path.join(ROOT, "data/drawn_faces"))
     p.add_argument("--images", type=int, default=4000)
     args = p.parse_args(argv)
     if not os.path.isfile(os.path.join(args.rec, "train.rec")):
-        subprocess.run([sys.executable, os.path.join(ROOT, "scripts/make_synthetic.py"), "--output", args.rec],
-                       check=True)
+        subprocess.run([sys.executable, "-m", "scripts.make_drawn_faces", "--output", args.rec],
+                       check=True, cwd=ROOT)
     raw = MXFaceDataset(args.rec, train=True, normalize=False)
     floats = MXFaceDataset(args.rec, train=True)
     n = min(args.images, len(raw))

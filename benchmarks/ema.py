@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from backbones import get_model
 from parallel import ShardedEMA, Zero2Optimizer
-from parallel.spawn import run_distributed
+from tests.distributed import run_distributed
 
 
 def _timed_round_robin(fns: dict, iters: int) -> dict:

@@ -26,7 +26,7 @@ from pfc_v2_reference import PFCv2Reference
 from heads import PartialFC, SampledRowsOptimizer
 from heads.sharding import class_shard
 from losses import AdaFace, CombinedMarginLoss, CurricularFace, MagFace, SubCenterArcFace
-from parallel.spawn import run_distributed
+from tests.distributed import run_distributed
 
 B, D = 128, 512
 

@@ -16,7 +16,7 @@ from backbones import get_model
 from common import MB, table
 from parallel import Zero2Optimizer
 from parallel.ddp import DDPOptimizer
-from parallel.spawn import run_distributed
+from tests.distributed import run_distributed
 
 
 OPTIMIZERS = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 import ast
 import difflib
 import importlib.util
+import json
 import os
 from typing import Any, Sequence
 
@@ -103,3 +104,11 @@ def get_config(path: str | None = None, argv: Sequence[str] = ()) -> edict:
 def format_config(cfg: dict) -> str:
     width = max(len(k) for k in cfg)
     return "\n".join(f"{k.ljust(width)} : {cfg[k]!r}" for k in sorted(cfg))
+
+
+def save_config(cfg: dict, output: str) -> str:
+    """Write the resolved config as `output/config.json`; returns its path."""
+    path = os.path.join(output, "config.json")
+    with open(path, "w") as f:
+        json.dump(dict(cfg), f, indent=2, sort_keys=True, default=list)
+    return path

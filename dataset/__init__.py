@@ -1,7 +1,11 @@
-from dataset.faces import FolderFaceDataset, MXFaceDataset, SyntheticFaceDataset, build_dataset, normalize_batch
+from dataset.errors import DataError, DataLayoutError, ImageDecodeError, LabelError, RecordIOError
+from dataset.faces import FolderFaceDataset, MXFaceDataset, SyntheticDataset, build_dataset
+from dataset.folders import list_identity_folders
+from dataset.images import decode_chw, decode_image, normalize_images
 from dataset.loader import ResumableDistributedSampler, get_dataloader
-from dataset.recordio import IndexedRecordReader, IRHeader, RecordIOError, RecordWriter, pack, unpack
+from dataset.recordio import IndexedRecordReader, IRHeader, RecordWriter, pack, unpack
 
-__all__ = ["MXFaceDataset", "normalize_batch", "FolderFaceDataset", "SyntheticFaceDataset", "build_dataset",
-           "ResumableDistributedSampler", "get_dataloader", "IndexedRecordReader", "RecordWriter",
-           "RecordIOError", "IRHeader", "pack", "unpack"]
+__all__ = ["MXFaceDataset", "FolderFaceDataset", "SyntheticDataset", "build_dataset", "list_identity_folders",
+           "normalize_images", "decode_image", "decode_chw", "ResumableDistributedSampler", "get_dataloader",
+           "IndexedRecordReader", "RecordWriter", "IRHeader", "pack", "unpack",
+           "DataError", "RecordIOError", "ImageDecodeError", "LabelError", "DataLayoutError"]

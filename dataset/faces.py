@@ -1,32 +1,20 @@
-"""Face recognition training sets: MXNet RecordIO, image folders and a synthetic stand-in."""
+"""Face recognition training sets: MXNet RecordIO, image folders, and arcface_torch's
+"synthetic" throughput stand-in."""
 from __future__ import annotations
 
-import io
 import logging
 import os
 
 import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import Dataset
-from torchvision.io import ImageReadMode, decode_jpeg
 
+from dataset.errors import DataLayoutError, ImageDecodeError, LabelError
+from dataset.folders import list_identity_folders
+from dataset.images import decode_chw, decode_image, normalize_images
 from dataset.recordio import IndexedRecordReader, RecordIOError, unpack
 
 logger = logging.getLogger("shardface")
-
-
-def to_tensor(chw: torch.Tensor, normalize: bool = True) -> torch.Tensor:
-    """3xHxW uint8 -> float in [-1, 1], or kept as uint8 when the batch is normalised later on
-    the training device (`normalize_batch`), which is cheaper."""
-    return chw.sub(127.5).div_(127.5) if normalize else chw
-
-
-def normalize_batch(images: torch.Tensor) -> torch.Tensor:
-    """uint8 batches from `normalize=False` datasets -> float in [-1, 1]; float batches pass."""
-    if images.dtype == torch.uint8:
-        return images.float().sub_(127.5).div_(127.5)
-    return images
 
 
 def mirror_for(seed: int, epoch: int, index: int) -> bool:
@@ -39,6 +27,8 @@ def mirror_for(seed: int, epoch: int, index: int) -> bool:
 
 
 class _MirrorsInTraining:
+    """Every training set has `set_epoch`: its mirroring is fixed by (seed, epoch, index)."""
+
     train: bool = True
     seed: int = 0
     epoch: int = 0
@@ -52,39 +42,14 @@ class _MirrorsInTraining:
         return self.train and mirror_for(self.seed, self.epoch, index)
 
 
-def decode_image(data: bytes, where: str, mirror: bool = False) -> np.ndarray:
-    """Any image PIL reads -> HxWx3 uint8 (for `transform`s written for arcface_torch)."""
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            if img.mode != "RGB":
-                img = img.convert("RGB")
-            if mirror:
-                img = img.transpose(Image.FLIP_LEFT_RIGHT)
-            return np.array(img)
-    except Exception as exc:  # PIL raises many types for corrupt data
-        raise RecordIOError(f"{where}: cannot decode image ({exc})") from None
-
-
-def decode_chw(data: bytes, where: str, mirror: bool = False) -> torch.Tensor:
-    """-> 3xHxW uint8. JPEGs go through torchvision's libjpeg-turbo decoder (about twice
-    PIL's speed, same pixels, an error on truncated data); anything else through PIL."""
-    if data[:2] == b"\xff\xd8":
-        try:
-            chw = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-        except RuntimeError as exc:
-            raise RecordIOError(f"{where}: cannot decode image ({str(exc).splitlines()[-1]})") from None
-        return chw.flip(2) if mirror else chw
-    return torch.from_numpy(decode_image(data, where, mirror)).permute(2, 0, 1)
-
-
 def read_property(root_dir: str) -> tuple[int, int, int]:
     path = os.path.join(root_dir, "property")
     if not os.path.isfile(path):
-        raise RecordIOError(f"{path}: property file not found (expected 'num_classes,112,112')")
+        raise DataLayoutError(f"{path}: property file not found (expected 'num_classes,112,112')")
     try:
         num_classes, h, w = (int(v) for v in open(path).read().strip().split(","))
     except ValueError:
-        raise RecordIOError(f"{path}: expected 'num_classes,height,width'") from None
+        raise DataLayoutError(f"{path}: expected 'num_classes,height,width'") from None
     return num_classes, h, w
 
 
@@ -97,7 +62,7 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
     items, chosen by (seed, epoch, index) so workers and resumed runs see the same flips.
     `transform`, when given, receives the (mirrored) HxWx3 uint8 array instead and must return
     a tensor. `normalize=False` returns 3x112x112 uint8 instead of floats (see
-    `normalize_batch`): the training loop normalises whole batches on its device.
+    `normalize_images`): the training loop normalises whole batches on its device.
     """
 
     def __init__(self, root_dir: str, transform=None, train: bool = True, num_classes: int | None = None,
@@ -129,7 +94,7 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
         header, payload = unpack(self.reader.read(key), f"{self.reader.rec_path} key {key}")
         label = int(header.label) if header.flag == 0 else int(header.label[0])
         if not 0 <= label < self.num_classes:
-            raise RecordIOError(f"{self.reader.rec_path} key {key}: label {label} outside [0, {self.num_classes}) "
+            raise LabelError(f"{self.reader.rec_path} key {key}: label {label} outside [0, {self.num_classes}) "
                                 f"(num_classes from {os.path.join(self.root_dir, 'property')} or config)")
         decode = decode_image if as_array else decode_chw
         return decode(payload, f"{self.reader.rec_path} key {key}", mirror), label
@@ -140,13 +105,16 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
             try:
                 image, label = self.load((index + attempt) % len(self), flip, as_array=self.transform is not None)
                 break
-            except RecordIOError as exc:
-                if not (self.skip_bad_images and "cannot decode" in str(exc)):
+            except ImageDecodeError as exc:
+                if not self.skip_bad_images:
                     raise
                 self.bad_images += 1
                 logger.warning("skipping undecodable image (%d so far in this worker): %s", self.bad_images, exc)
-        image = self.transform(image) if self.transform is not None else to_tensor(image, self.normalize)
+        image = self.transform(image) if self.transform is not None else self._pixels(image)
         return image, self._label_tensor(label)
+
+    def _pixels(self, chw: torch.Tensor) -> torch.Tensor:
+        return normalize_images(chw) if self.normalize else chw
 
     def _label_tensor(self, label: int) -> torch.Tensor:
         # one shared tensor per label: batches copy them, nobody writes to them
@@ -159,16 +127,10 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
 class FolderFaceDataset(_MirrorsInTraining, Dataset):
     """One sub-folder per identity (sorted names -> labels 0..C-1), as torchvision ImageFolder."""
 
-    EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp")
-
     def __init__(self, root_dir: str, train: bool = True, normalize: bool = True):
         self.train, self.normalize = train, normalize
-        self.classes = sorted(d for d in os.listdir(root_dir) if os.path.isdir(os.path.join(root_dir, d)))
-        if not self.classes:
-            raise RecordIOError(f"{root_dir}: no identity sub-folders and no train.rec")
-        self.samples = [(os.path.join(root_dir, c, f), label) for label, c in enumerate(self.classes)
-                        for f in sorted(os.listdir(os.path.join(root_dir, c)))
-                        if f.lower().endswith(self.EXTENSIONS)]
+        self.classes, groups = list_identity_folders(root_dir)
+        self.samples = [(path, label) for label, paths in enumerate(groups) for path in paths]
         self.num_classes = len(self.classes)
 
     def __len__(self) -> int:
@@ -178,11 +140,12 @@ class FolderFaceDataset(_MirrorsInTraining, Dataset):
         path, label = self.samples[index]
         with open(path, "rb") as f:
             chw = decode_chw(f.read(), path, self.mirror(index))
-        return to_tensor(chw, self.normalize), torch.tensor(label, dtype=torch.long)
+        return (normalize_images(chw) if self.normalize else chw), torch.tensor(label, dtype=torch.long)
 
 
-class SyntheticFaceDataset(Dataset):
-    """arcface_torch's 'synthetic' source: one fixed random image, for throughput tests."""
+class SyntheticDataset(_MirrorsInTraining, Dataset):
+    """arcface_torch's `rec = "synthetic"`: one fixed random image, for throughput tests.
+    (Not the demo's drawn faces: those are a real RecordIO set, see dataset/drawn_faces.py.)"""
 
     def __init__(self, num_classes: int, length: int = 1_000_000):
         g = torch.Generator().manual_seed(0)
@@ -199,18 +162,18 @@ class SyntheticFaceDataset(Dataset):
 def build_dataset(rec: str, num_classes: int, train: bool = True, skip_bad_images: bool = False,
                   normalize: bool = True) -> Dataset:
     """Choose the source from `cfg.rec`: "synthetic", a RecordIO dir, or an image folder.
-    `normalize=False` yields uint8 images for `normalize_batch` on the training device."""
+    `normalize=False` yields uint8 images for `normalize_images` on the training device."""
     if rec == "synthetic":
-        return SyntheticFaceDataset(num_classes)
+        return SyntheticDataset(num_classes)
     if not os.path.isdir(rec):
-        raise RecordIOError(f"{rec}: data directory not found")
+        raise DataLayoutError(f"{rec}: data directory not found")
     if os.path.isfile(os.path.join(rec, "train.rec")):
         dataset = MXFaceDataset(rec, train=train, skip_bad_images=skip_bad_images, normalize=normalize)
         if dataset.num_classes != num_classes:
-            raise RecordIOError(f"{os.path.join(rec, 'property')}: {dataset.num_classes} classes, "
+            raise DataLayoutError(f"{os.path.join(rec, 'property')}: {dataset.num_classes} classes, "
                                 f"config num_classes is {num_classes}")
         return dataset
     dataset = FolderFaceDataset(rec, train=train, normalize=normalize)
     if dataset.num_classes != num_classes:
-        raise RecordIOError(f"{rec}: {dataset.num_classes} identity folders, config num_classes is {num_classes}")
+        raise DataLayoutError(f"{rec}: {dataset.num_classes} identity folders, config num_classes is {num_classes}")
     return dataset

@@ -15,14 +15,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dataset.errors import RecordIOError
+
 MAGIC = 0xCED7230A
 _MAGIC_BYTES = struct.pack("<I", MAGIC)
 _HEADER = struct.Struct("<IfQQ")
 _LENGTH_MASK = (1 << 29) - 1
-
-
-class RecordIOError(ValueError):
-    """A .rec/.idx problem, with the file and the key or offset that is wrong."""
 
 
 class IRHeader(NamedTuple):

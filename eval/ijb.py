@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """IJB-B / IJB-C 1:1 verification (template-based TAR at fixed FAR).
 
 Layout under `root`: meta/<prefix>_face_tid_mid.txt (image, template, media),
@@ -12,17 +11,14 @@ highest true accept rate whose false accept rate does not exceed it.
 """
 from __future__ import annotations
 
-import argparse
 import os
-import sys
-from collections import defaultdict
 
 import numpy as np
 import torch
 from PIL import Image, ImageDraw
 from sklearn.metrics import roc_curve
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from eval.verification import embed_batches
 
 ARCFACE_TEMPLATE = np.array([[38.2946, 51.6963], [73.5318, 51.5014], [56.0252, 71.7366],
                              [41.5493, 92.3655], [70.7299, 92.2041]], dtype=np.float64)
@@ -82,12 +78,8 @@ def load_meta(root: str, prefix: str):
             landmarks, scores, np.array([[int(r[0]), int(r[1])] for r in pairs]), np.array([int(r[2]) for r in pairs]))
 
 
-@torch.no_grad()
-def image_features(root: str, names, landmarks, backbone, batch_size: int = 64) -> np.ndarray:
-    """Embedding of each aligned face plus that of its mirror image."""
-    device = next(backbone.parameters()).device
-    backbone.eval()
-    feats = []
+def _aligned_faces(root: str, names, landmarks, batch_size: int):
+    """Batches of aligned faces, N x 3 x 112 x 112 uint8."""
     for start in range(0, len(names), batch_size):
         batch = []
         for name, marks in zip(names[start:start + batch_size], landmarks[start:start + batch_size]):
@@ -97,9 +89,15 @@ def image_features(root: str, names, landmarks, backbone, batch_size: int = 64) 
             except (FileNotFoundError, OSError) as exc:
                 raise FileNotFoundError(f"{path}: cannot read face image ({exc})") from None
             batch.append(torch.from_numpy(np.asarray(align_face(img, marks)).copy()).permute(2, 0, 1))
-        x = torch.stack(batch).to(device).float().div_(127.5).sub_(1.0)
-        emb = backbone(x) + backbone(torch.flip(x, dims=[3]))
-        feats.append(emb.float().cpu().numpy())
+        yield torch.stack(batch)
+
+
+def image_features(root: str, names, landmarks, backbone, batch_size: int = 64) -> np.ndarray:
+    """Embedding of each aligned face plus that of its mirror image."""
+    feats = []
+    for faces in _aligned_faces(root, names, landmarks, batch_size):
+        both = embed_batches([faces, torch.flip(faces, dims=[3])], backbone)
+        feats.append(both[:len(faces)] + both[len(faces):])
     return np.concatenate(feats)
 
 
@@ -160,22 +158,3 @@ def evaluate_ijb(root: str, backbone, prefix: str = "ijbc", batch_size: int = 64
     if roc_path:
         plot_roc(labels, scores, roc_path, title=prefix.upper())
     return tar_at_far(labels, scores)
-
-
-def main(argv=None) -> None:
-    from backbones.load import load_backbone
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint")
-    p.add_argument("--root", required=True, help="IJB directory with meta/ and loose_crop/")
-    p.add_argument("--target", default="IJBC", choices=["IJBB", "IJBC"])
-    p.add_argument("--network", default=None)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--roc", default=None, help="PNG path for the ROC plot")
-    args = p.parse_args(argv)
-    backbone = load_backbone(args.checkpoint, args.network)
-    tars = evaluate_ijb(args.root, backbone, args.target.lower(), args.batch_size, args.roc)
-    print(f"{args.target} 1:1 TAR@FAR: " + "  ".join(f"{far:.0e}: {tar:.4f}" for far, tar in tars.items()))
-
-
-if __name__ == "__main__":
-    main()

@@ -11,15 +11,20 @@ from __future__ import annotations
 import io
 import os
 import pickle
+from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 import torch
 from PIL import Image
 from sklearn.model_selection import KFold
 
+from dataset.errors import DataError
+from dataset.images import normalize_images
 
-class VerificationDataError(ValueError):
-    pass
+
+class VerificationDataError(DataError):
+    """A .bin verification set that is missing, malformed or inconsistent."""
 
 
 def load_bin(path: str, image_size=(112, 112)):
@@ -116,37 +121,49 @@ def evaluate(embeddings, actual_issame, nrof_folds: int = 10):
     return tpr, fpr, accuracy, val, val_std, far
 
 
-def _l2_normalise(x: np.ndarray) -> np.ndarray:
+def l2_normalize(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
 @torch.no_grad()
-def embed(images: torch.Tensor, backbone: torch.nn.Module, batch_size: int) -> np.ndarray:
-    """Embeddings of uint8 images (normalised to [-1, 1] here), in eval mode, on the
-    backbone's device; the result does not depend on batch_size."""
+def embed_batches(batches: Iterable[torch.Tensor], backbone: torch.nn.Module) -> np.ndarray:
+    """Embeddings of batches of uint8 images (normalised to [-1, 1] here) in eval mode on the
+    backbone's device; the backbone's train/eval mode is restored afterwards."""
     device = next(backbone.parameters()).device
     was_training = backbone.training
     backbone.eval()
-    out = []
-    for start in range(0, images.shape[0], batch_size):
-        batch = images[start:start + batch_size].to(device).float().div_(127.5).sub_(1.0)
-        out.append(backbone(batch).float().cpu())
-    backbone.train(was_training)
+    try:
+        out = [backbone(normalize_images(batch.to(device))).float().cpu() for batch in batches]
+    finally:
+        backbone.train(was_training)
     return torch.cat(out).numpy()
 
 
-def test(data_set, backbone: torch.nn.Module, batch_size: int, nfolds: int = 10):
-    """-> (acc, std, acc_flip, std_flip, xnorm, [embeddings, flipped embeddings]).
+def embed(images: torch.Tensor, backbone: torch.nn.Module, batch_size: int) -> np.ndarray:
+    """Embeddings of a uint8 image tensor; the result does not depend on batch_size."""
+    return embed_batches(images.split(batch_size), backbone)
 
-    acc uses the images alone; acc_flip adds the mirror image's embedding before L2
-    normalisation; xnorm is the mean L2 norm of the raw embeddings.
-    """
-    data_list, issame = data_set
-    embeddings_list = [embed(images, backbone, batch_size) for images in data_list]
-    xnorm = float(np.mean([np.linalg.norm(e, axis=1).mean() for e in embeddings_list]))
-    _, _, acc1, _, _, _ = evaluate(_l2_normalise(embeddings_list[0]), issame, nfolds)
-    _, _, acc2, _, _, _ = evaluate(_l2_normalise(embeddings_list[0] + embeddings_list[1]), issame, nfolds)
-    return float(np.mean(acc1)), float(np.std(acc1)), float(np.mean(acc2)), float(np.std(acc2)), xnorm, embeddings_list
+
+@dataclass(frozen=True)
+class VerificationResult:
+    accuracy: float         # 10-fold accuracy with the images alone
+    std: float
+    accuracy_flip: float    # with each image's mirror embedding added before L2 normalisation
+    std_flip: float
+    xnorm: float            # mean L2 norm of the raw embeddings
+    embeddings: np.ndarray  # N x D of the images
+    embeddings_flip: np.ndarray  # N x D of their mirror images
+
+
+def test(data_set, backbone: torch.nn.Module, batch_size: int, nfolds: int = 10) -> VerificationResult:
+    """arcface_torch's verification test of `data_set` (as `load_bin` returns it)."""
+    (images, mirrored), issame = data_set
+    emb, emb_flip = embed(images, backbone, batch_size), embed(mirrored, backbone, batch_size)
+    xnorm = float(np.mean([np.linalg.norm(e, axis=1).mean() for e in (emb, emb_flip)]))
+    acc = evaluate(l2_normalize(emb), issame, nfolds)[2]
+    acc_flip = evaluate(l2_normalize(emb + emb_flip), issame, nfolds)[2]
+    return VerificationResult(float(np.mean(acc)), float(np.std(acc)), float(np.mean(acc_flip)),
+                              float(np.std(acc_flip)), xnorm, emb, emb_flip)
 
 
 def bin_path(val_dir: str, name: str) -> str:

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""`make demo`: generate the synthetic set (if absent), verify the untrained backbone, train
-configs/synthetic on N gloo ranks, verify the trained model on unseen identities, export ONNX."""
+"""`make demo`: generate the drawn-faces set (if absent), verify the untrained backbone, train
+configs/demo.py on N gloo ranks, verify the trained model on unseen identities, export ONNX.
+`python -m scripts.demo [--nproc 2]` from the repository root."""
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,15 @@ import subprocess
 import sys
 import time
 
+import torch
+
+from backbones import get_model
+from configs import get_config
+from eval.verification import load_bin, test
+from eval.weights import load_backbone
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+CONFIG = "configs/demo.py"
 
 
 def run(cmd: list[str], env=None) -> None:
@@ -25,37 +33,31 @@ def main(argv=None) -> int:
     p.add_argument("--min-accuracy", type=float, default=0.90)
     p.add_argument("--margin", default="", help="train with this margin head instead (see configs/base.py)")
     args = p.parse_args(argv)
-    overrides = ["--margin", args.margin, "--output", f"work_dirs/synthetic_{args.margin}"] if args.margin else []
+    overrides = ["--margin", args.margin, "--output", f"work_dirs/demo_{args.margin}"] if args.margin else []
     start = time.time()
 
-    import torch
-    from backbones import get_model
-    from configs import get_config
-    from eval.verification import load_bin, test
-
-    cfg = get_config(os.path.join(ROOT, "configs/synthetic.py"), overrides)
+    cfg = get_config(os.path.join(ROOT, CONFIG), overrides)
     data = os.path.join(ROOT, cfg.rec)
     if not os.path.isfile(os.path.join(data, "train.rec")):
-        run([sys.executable, "scripts/make_synthetic.py", "--output", cfg.rec])
-    val_bin = os.path.join(data, "synthetic_val.bin")
+        run([sys.executable, "-m", "scripts.make_drawn_faces", "--output", cfg.rec])
+    val_bin = os.path.join(data, f"{cfg.val_targets[0]}.bin")
     val = load_bin(val_bin)
 
     torch.manual_seed(cfg.seed)
     untrained = get_model(cfg.network, num_features=cfg.embedding_size)
-    before = test(val, untrained, 200)[2]
+    before = test(val, untrained, 200).accuracy_flip
     print(f"untrained {cfg.network}: verification accuracy on unseen identities {before:.4f}", flush=True)
 
     shutil.rmtree(os.path.join(ROOT, cfg.output), ignore_errors=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
                 "--standalone"] if args.nproc > 1 else [sys.executable]
-    run(torchrun + ["train.py", "configs/synthetic.py", *overrides], env=env)
-    run([sys.executable, "eval/verify.py", cfg.output, "--bin", val_bin])
+    run(torchrun + ["train.py", CONFIG, *overrides], env=env)
+    run([sys.executable, "-m", "scripts.verify", cfg.output, "--bin", val_bin])
     onnx_path = os.path.join(cfg.output, "model.onnx")
-    run([sys.executable, "scripts/export_onnx.py", cfg.output, onnx_path])
+    run([sys.executable, "-m", "scripts.export_onnx", cfg.output, onnx_path])
 
-    from backbones.load import load_backbone
-    after = test(val, load_backbone(os.path.join(ROOT, cfg.output)), 200)[2]
+    after = test(val, load_backbone(os.path.join(ROOT, cfg.output)), 200).accuracy_flip
     print(f"\ndemo done in {time.time() - start:.0f}s: verification accuracy on unseen identities "
           f"{before:.4f} untrained -> {after:.4f} trained (EMA weights); ONNX model at {onnx_path}")
     if after < args.min_accuracy:

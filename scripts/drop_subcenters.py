@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """After sub-center ArcFace training: keep each class's dominant sub-centre, list noisy images.
 
-    scripts/drop_subcenters.py work_dirs/ms1mv3_r50_subcenter_arcface --out clean/
+    python -m scripts.drop_subcenters work_dirs/ms1mv3_r50_subcenter_arcface --out clean/
 
 Embeds the training set with the run's backbone, finds for every class the sub-centre most
 of its images are nearest to (Deng et al., ECCV 2020), and writes `head_dominant.pt` (the
@@ -19,12 +19,10 @@ import sys
 import torch
 from easydict import EasyDict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from backbones.load import load_backbone  # noqa: E402
-from dataset import build_dataset  # noqa: E402
-from losses.subcenter import dominant_subcenters, drop_subcenters, far_from_dominant  # noqa: E402
-from utils.checkpoint import resolve_checkpoint, safe_load  # noqa: E402
+from eval.weights import load_backbone
+from dataset import build_dataset
+from losses.subcenter import dominant_subcenters, drop_subcenters, far_from_dominant
+from utils.checkpoint import resolve_checkpoint, safe_load
 
 
 def full_head_weight(checkpoint: str) -> tuple[torch.Tensor, int]:

@@ -1,19 +1,16 @@
 #!/usr/bin/env python
 """Export a backbone to ONNX (input `data`: N x 3 x 112 x 112, dynamic batch, fp32) and check
-onnxruntime against torch on batches of 1 and 8."""
+onnxruntime against torch on batches of 1 and 8. `python -m scripts.export_onnx RUN OUT.onnx`."""
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import warnings
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from backbones.load import load_backbone  # noqa: E402
+from eval.weights import load_backbone
 
 
 def export(model: torch.nn.Module, output: str, opset: int = 17) -> None:

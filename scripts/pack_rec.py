@@ -1,27 +1,25 @@
 #!/usr/bin/env python
 """Pack an image folder (one sub-folder per identity) or a list file (`path<TAB>label` per
-line) into train.rec, train.idx and property in the insightface layout."""
+line) into train.rec, train.idx and property in the insightface layout.
+`python -m scripts.pack_rec IMAGE_FOLDER OUT_DIR`."""
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from dataset.pack import write_insightface_rec  # noqa: E402
-from utils.progress import Progress  # noqa: E402
-
-EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp")
+from dataset import DataError, list_identity_folders
+from dataset.pack import write_insightface_rec
+from utils.progress import Progress
 
 
 def collect(source: str) -> list[list[str]]:
     """Image paths grouped by label 0..C-1."""
     if os.path.isdir(source):
-        names = sorted(d for d in os.listdir(source) if os.path.isdir(os.path.join(source, d)))
-        groups = [[os.path.join(source, n, f) for f in sorted(os.listdir(os.path.join(source, n)))
-                   if f.lower().endswith(EXTENSIONS)] for n in names]
+        try:
+            return list_identity_folders(source)[1]
+        except DataError as exc:
+            raise SystemExit(str(exc)) from None
     else:
         by_label = defaultdict(list)
         base = os.path.dirname(source)
@@ -37,11 +35,9 @@ def collect(source: str) -> list[list[str]]:
         labels = sorted(by_label)
         if labels != list(range(len(labels))):
             raise SystemExit(f"{source}: labels must be 0..C-1 without gaps")
-        groups = [by_label[label] for label in labels]
-    empty = [i for i, g in enumerate(groups) if not g]
-    if empty or not groups:
-        raise SystemExit(f"{source}: identity {empty[0] if empty else 0} has no images")
-    return groups
+        if not labels:
+            raise SystemExit(f"{source}: no 'path<TAB>label' lines")
+        return [by_label[label] for label in labels]
 
 
 def read_bytes(paths):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Will this job fit? Per-rank memory and per-step traffic from a config.
 
-    scripts/plan.py configs/glint360k_r100 --gpus 8 --gpu_mem_gb 80 [--key value ...]
+    python -m scripts.plan configs/glint360k_r100 --gpus 8 --gpu_mem_gb 80 [--key value ...]
 
 Prints the bytes each rank holds (backbone, ZeRO-2 shards and bucket scratch, activations at
 the batch size, head weight, gradient, optimizer state and buffers), whether the job fits,
@@ -11,14 +11,11 @@ step. The model is planner.py's; tests hold it against peaks measured on the CPU
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from configs import get_config  # noqa: E402
-from heads.sharding import class_shard  # noqa: E402
-from planner import CUDA_RESERVE, GB, max_classes, pfc_v2_max_classes, plan  # noqa: E402
+from configs import get_config
+from heads.sharding import class_shard
+from planner import CUDA_RESERVE, GB, max_classes, pfc_v2_max_classes, plan
 
 
 def main(argv: list[str] | None = None) -> int:

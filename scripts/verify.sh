@@ -5,4 +5,4 @@ ckpt=${1:?usage: scripts/verify.sh CHECKPOINT BIN [BIN ...]}
 shift
 args=()
 for b in "$@"; do args+=(--bin "$b"); done
-exec python eval/verify.py "$ckpt" "${args[@]}"
+exec python -m scripts.verify "$ckpt" "${args[@]}"

@@ -1,4 +1,89 @@
-"""The multi-rank test helper (see parallel/spawn.py)."""
-from parallel.spawn import free_port, run_distributed
+"""Test machinery: run a function on W local gloo ranks in spawned processes and surface
+their failures. Benchmarks use it too (`from tests.distributed import run_distributed`).
 
-__all__ = ["run_distributed", "free_port"]
+Every distributed test and benchmark uses `run_distributed(fn, world_size, *args)`: `fn(rank, world_size,
+*args)` must be a module-level function; its return values (picklable) come back as a list
+ordered by rank. With `init=False` the ranks get torchrun's environment variables but no
+process group, for functions that set one up themselves. A rank that raises fails the call
+with that rank's traceback, a rank that dies fails it at once, and one that hangs fails it
+after `timeout` seconds.
+"""
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, results, init):
+    try:
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+        if init:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=60))
+        try:
+            # serialised here: shared-memory tensors would die with this process
+            buf = io.BytesIO()
+            torch.save(fn(rank, world_size, *args), buf)
+            results.put((rank, "ok", buf.getvalue()))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, init: bool = True) -> list:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, init),
+                         daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out, errors = {}, []
+    deadline = time.time() + timeout
+    try:
+        while len(out) < world_size and not errors:
+            try:
+                rank, status, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in out and not p.is_alive()]
+                if dead:
+                    time.sleep(1.0)  # a result may still be in flight from a rank that just exited
+                    if results.empty():
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise RuntimeError(f"{fn.__name__} on {world_size} ranks: ranks exited without a "
+                                           f"result (exit codes {codes})") from None
+                if time.time() > deadline:
+                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks: no result after {timeout}s") from None
+                continue
+            if status == "error":
+                errors.append(f"--- rank {rank} ---\n{value}")
+            else:
+                out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError(f"{fn.__name__} failed on {world_size} ranks:\n" + "\n".join(errors))
+    return [out[r] for r in range(world_size)]

@@ -1,7 +1,15 @@
+import json
+import os
+
 import pytest
 import torch
 
 import backbones
+
+# Parameter and buffer names and shapes of insightface arcface_torch's iresnet50, iresnet100
+# and get_mbf (num_features 512), dumped from its backbones/ package: the contract that
+# lets its published model.pt files load into ours.
+ARCFACE_TORCH_STATE_DICTS = os.path.join(os.path.dirname(__file__), "fixtures", "arcface_torch_state_dicts.json")
 
 ARCFACE_TORCH_PARAM_COUNTS = {
     "r18": 24_025_600, "r34": 34_139_328, "r50": 43_590_848,
@@ -56,9 +64,24 @@ def test_gradient_checkpointing_gives_identical_gradients():
             torch.testing.assert_close(a.grad, b.grad, msg=name)
 
 
-def test_arcface_state_dict_names_load_strictly():
-    """A state dict saved from one build loads strictly into another (names and shapes fixed)."""
-    a, b = backbones.get_model("mbf"), backbones.get_model("mbf")
-    b.load_state_dict(a.state_dict(), strict=True)
-    names = set(backbones.get_model("r50").state_dict())
-    assert {"conv1.weight", "layer3.13.conv2.weight", "fc.weight", "features.running_mean"} <= names
+@pytest.mark.parametrize("name", ["r50", "r100", "mbf"])
+def test_state_dict_names_and_shapes_equal_arcface_torch(name):
+    with open(ARCFACE_TORCH_STATE_DICTS) as f:
+        expected = [(k, tuple(shape)) for k, shape in json.load(f)[name]]
+    ours = [(k, tuple(v.shape)) for k, v in backbones.get_model(name).state_dict().items()]
+    assert sorted(ours) == sorted(expected)
+
+
+def test_dropout_is_applied_or_refused():
+    x = torch.randn(4, 3, 112, 112)
+    for name in ("tiny", "r18", "vit_t"):
+        torch.manual_seed(0)
+        model = backbones.get_model(name, num_features=32, dropout=0.5).train()
+        with torch.no_grad():
+            a, b = model(x), model(x)  # two dropout masks
+        assert not torch.allclose(a, b), name
+        model.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), model(x), msg=name)
+    with pytest.raises(ValueError, match="dropout 0.5: MobileFaceNet has no dropout"):
+        backbones.get_model("mbf", dropout=0.5)

@@ -25,7 +25,7 @@ def test_unknown_key_lists_close_matches():
         get_config(None, ["--sample_rat", "0.3"])
 
 
-@pytest.mark.parametrize("job", ["ms1mv3_r50", "glint360k_r100", "wf42m_pfc02_r100", "synthetic"])
+@pytest.mark.parametrize("job", ["ms1mv3_r50", "glint360k_r100", "wf42m_pfc02_r100", "demo"])
 def test_shipped_job_configs_resolve(job):
     cfg = get_config(f"configs/{job}.py")
     assert cfg.num_classes > 0 and cfg.batch_size > 0

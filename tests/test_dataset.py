@@ -4,10 +4,11 @@ import os
 import pytest
 import torch
 
-from dataset import MXFaceDataset, RecordIOError, ResumableDistributedSampler, build_dataset, get_dataloader
+from dataset import (DataLayoutError, ImageDecodeError, LabelError, MXFaceDataset, ResumableDistributedSampler,
+                     build_dataset, get_dataloader, normalize_images)
 from dataset.pack import write_insightface_rec
 from dataset.recordio import IRHeader, RecordWriter, pack
-from tests.test_recordio import jpeg
+from tests.conftest import jpeg
 
 COLORS = [(200, 30, 30), (30, 200, 30), (30, 30, 200)]
 
@@ -31,12 +32,11 @@ def test_insightface_layout_reads_images_and_labels(tmp_path):
 
 
 def test_uint8_images_normalised_on_device_equal_float_images(tmp_path):
-    from dataset import normalize_batch
     root = _insightface_set(tmp_path)
     floats, raw = MXFaceDataset(root), MXFaceDataset(root, normalize=False)
     assert raw[3][0].dtype == torch.uint8
     batch = torch.stack([raw[i][0] for i in range(6)])
-    torch.testing.assert_close(normalize_batch(batch), torch.stack([floats[i][0] for i in range(6)]))
+    torch.testing.assert_close(normalize_images(batch), torch.stack([floats[i][0] for i in range(6)]))
 
 
 def test_fast_jpeg_decoder_matches_pil_and_rejects_truncation():
@@ -45,7 +45,7 @@ def test_fast_jpeg_decoder_matches_pil_and_rejects_truncation():
     import numpy as np
     from PIL import Image
 
-    from dataset.faces import decode_chw, decode_image
+    from dataset.images import decode_chw, decode_image
     rng = np.random.default_rng(0)
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 255, (112, 112, 3), dtype=np.uint8)).save(buf, format="JPEG", quality=90)
@@ -53,7 +53,7 @@ def test_fast_jpeg_decoder_matches_pil_and_rejects_truncation():
     pil = torch.from_numpy(decode_image(data, "x")).permute(2, 0, 1)
     assert torch.equal(decode_chw(data, "x"), pil)
     assert torch.equal(decode_chw(data, "x", mirror=True), torch.flip(pil, dims=[2]))
-    with pytest.raises(RecordIOError, match="cut.jpg: cannot decode image"):
+    with pytest.raises(ImageDecodeError, match="cut.jpg: cannot decode image"):
         decode_chw(data[: len(data) // 2], "cut.jpg")
 
 
@@ -79,14 +79,14 @@ def test_label_beyond_num_classes_names_file_and_key(tmp_path):
     with open(os.path.join(root, "property"), "w") as f:
         f.write("2,112,112\n")
     ds = MXFaceDataset(root)
-    with pytest.raises(RecordIOError, match=r"train\.rec key 9: label 2 outside \[0, 2\)"):
+    with pytest.raises(LabelError, match=r"train\.rec key 9: label 2 outside \[0, 2\)"):
         ds[8]
 
 
 def test_undecodable_image_raises_or_is_skipped_when_configured(tmp_path):
     ids = [[jpeg(COLORS[0]), b"not a jpeg", jpeg(COLORS[0])]]
     write_insightface_rec(str(tmp_path), ids, 3, 1)
-    with pytest.raises(RecordIOError, match=r"train\.rec key 2: cannot decode image"):
+    with pytest.raises(ImageDecodeError, match=r"train\.rec key 2: cannot decode image"):
         MXFaceDataset(str(tmp_path))[1]
     ds = MXFaceDataset(str(tmp_path), skip_bad_images=True)
     img, label = ds[1]
@@ -96,7 +96,7 @@ def test_undecodable_image_raises_or_is_skipped_when_configured(tmp_path):
 def test_missing_property_is_named(tmp_path):
     root = _insightface_set(tmp_path)
     os.remove(os.path.join(root, "property"))
-    with pytest.raises(RecordIOError, match="property file not found"):
+    with pytest.raises(DataLayoutError, match="property file not found"):
         MXFaceDataset(root)
 
 
@@ -209,7 +209,7 @@ def test_persistent_workers_follow_each_epochs_order_mirroring_and_resume(tmp_pa
 
 def test_build_dataset_checks_num_classes(tmp_path):
     root = _insightface_set(tmp_path)
-    with pytest.raises(RecordIOError, match="3 classes, config num_classes is 5"):
+    with pytest.raises(DataLayoutError, match="3 classes, config num_classes is 5"):
         build_dataset(root, 5)
     assert len(build_dataset("synthetic", 10)) > 0
 
@@ -228,10 +228,10 @@ def test_pack_rec_script_packs_an_image_folder(tmp_path):
         for j in range(2):
             (d / f"{j}.jpg").write_bytes(jpeg(color))
     out = tmp_path / "rec"
-    subprocess.run([sys.executable, "scripts/pack_rec.py", str(tmp_path / "faces"), str(out)], check=True,
+    subprocess.run([sys.executable, "-m", "scripts.pack_rec", str(tmp_path / "faces"), str(out)], check=True,
                    capture_output=True)
     ds = MXFaceDataset(str(out), train=False)
     assert len(ds) == 6 and [ds[i][1].item() for i in range(6)] == [0, 0, 1, 1, 2, 2]
-    again = subprocess.run([sys.executable, "scripts/pack_rec.py", str(tmp_path / "faces"), str(out)],
+    again = subprocess.run([sys.executable, "-m", "scripts.pack_rec", str(tmp_path / "faces"), str(out)],
                            capture_output=True, text=True)
     assert again.returncode != 0 and "--overwrite" in again.stderr

@@ -7,7 +7,7 @@ import pytest
 
 @pytest.mark.slow
 def test_demo_learns_to_verify_unseen_identities():
-    out = subprocess.run([sys.executable, "scripts/demo.py", "--nproc", "2", "--min-accuracy", "0.90"],
+    out = subprocess.run([sys.executable, "-m", "scripts.demo", "--nproc", "2", "--min-accuracy", "0.90"],
                          capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "untrained" in out.stdout and "trained (EMA weights)" in out.stdout

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import backbones
-from backbones.load import load_backbone
+from eval.weights import load_backbone
 from utils.checkpoint import CheckpointError
 
 
@@ -16,7 +16,7 @@ def test_export_runs_onnxruntime_within_tolerance(tmp_path, network):
     model = backbones.get_model(network)
     # insightface-style plain state dict, as published model.pt files are
     torch.save(model.state_dict(), tmp_path / "model.pt")
-    out = subprocess.run([sys.executable, "scripts/export_onnx.py", str(tmp_path / "model.pt"),
+    out = subprocess.run([sys.executable, "-m", "scripts.export_onnx", str(tmp_path / "model.pt"),
                           str(tmp_path / "m.onnx"), "--network", network],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

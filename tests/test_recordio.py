@@ -1,11 +1,9 @@
 """RecordIO writer <-> reader round trips and each bad input named in the error."""
-import io
 import os
 import struct
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from dataset.recordio import (MAGIC, IndexedRecordReader, IRHeader, RecordIOError, RecordWriter,
                               encode_record, pack, unpack)
@@ -88,9 +86,3 @@ def test_missing_idx_is_named(tmp_path):
     os.remove(reader.idx_path)
     with pytest.raises(RecordIOError, match=r"t\.idx: index file not found"):
         IndexedRecordReader(reader.idx_path, reader.rec_path)
-
-
-def jpeg(color, size=112):
-    buf = io.BytesIO()
-    Image.new("RGB", (size, size), color).save(buf, format="JPEG", quality=95)
-    return buf.getvalue()

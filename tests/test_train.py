@@ -8,28 +8,10 @@ import pytest
 import torch
 
 import train
-from scripts.make_synthetic import main as make_synthetic
+from tests.conftest import TRAIN_STEPS as STEPS
+from tests.conftest import train_argv as argv
 from tests.distributed import run_distributed
 from utils.checkpoint import CheckpointError, resolve_checkpoint
-
-STEPS = 12  # 8 steps per epoch at W=2, b=8: crosses an epoch boundary
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("data") / "syn")
-    make_synthetic(["--output", root, "--num-ids", "16", "--per-id", "8", "--val-ids", "6",
-                    "--val-per-id", "4", "--val-pairs", "40", "--workers", "1"])
-    return root
-
-
-def argv(data_dir, output, *extra):
-    return ["configs/synthetic.py", "--rec", data_dir, "--num_classes", "16", "--batch_size", "8",
-            "--num_workers", "0", "--frequent", "1", "--verbose", "0", "--val_targets", "[]",
-            "--checkpoint_interval", "4", "--num_epoch", "3", "--warmup_epoch", "0", "--max_steps", str(STEPS),
-            "--chunk_size", "5", "--ema", "true", "--ema_tau", "2", "--lr", "0.05", "--keep_checkpoints", "5",
-            "--output", output, *extra]
-
 
 def _run(rank, world_size, args):
     return train.main(args)
@@ -51,15 +33,15 @@ def checkpoint_tensors(path):
 
 
 @pytest.fixture(scope="module")
-def runs(data_dir, tmp_path_factory):
+def runs(drawn_faces, tmp_path_factory):
     """Uninterrupted ZeRO-2 run, the same run killed at step 5 and resumed, and DDP."""
     base = tmp_path_factory.mktemp("runs")
     full, cut, ddp = str(base / "full"), str(base / "cut"), str(base / "ddp")
-    assert run_distributed(_run, 2, argv(data_dir, full)) == [0, 0]
-    assert run_distributed(_run, 2, argv(data_dir, cut, "--stop_after_steps", "5")) == [0, 0]
+    assert run_distributed(_run, 2, argv(drawn_faces, full)) == [0, 0]
+    assert run_distributed(_run, 2, argv(drawn_faces, cut, "--stop_after_steps", "5")) == [0, 0]
     shutil.copytree(cut, str(base / "cut_at_5"))
-    assert run_distributed(_run, 2, argv(data_dir, cut, "--resume", "true")) == [0, 0]
-    assert run_distributed(_run, 2, argv(data_dir, ddp, "--zero", "false")) == [0, 0]
+    assert run_distributed(_run, 2, argv(drawn_faces, cut, "--resume", "true")) == [0, 0]
+    assert run_distributed(_run, 2, argv(drawn_faces, ddp, "--zero", "false")) == [0, 0]
     return {"full": full, "cut": cut, "ddp": ddp, "cut_at_5": str(base / "cut_at_5")}
 
 
@@ -89,10 +71,10 @@ def test_ddp_and_zero2_train_the_same_model(runs):
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
-def test_checkpoint_resumes_on_another_number_of_ranks(runs, data_dir, tmp_path, world_size):
+def test_checkpoint_resumes_on_another_number_of_ranks(runs, drawn_faces, tmp_path, world_size):
     out = str(tmp_path / "resharded")
     shutil.copytree(runs["cut_at_5"], out)
-    args = argv(data_dir, out, "--resume", "true", "--stop_after_steps", "3")
+    args = argv(drawn_faces, out, "--resume", "true", "--stop_after_steps", "3")
     assert run_distributed(_run, world_size, args) == [0] * world_size
     assert resolve_checkpoint(out).endswith("checkpoint-00000008")
     before, after = checkpoint_tensors(runs["cut_at_5"]), checkpoint_tensors(out)
@@ -103,9 +85,9 @@ def test_checkpoint_resumes_on_another_number_of_ranks(runs, data_dir, tmp_path,
     assert "resumed at step 5" in log
 
 
-def test_diverging_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
+def test_diverging_loss_stops_and_keeps_last_good_checkpoint(drawn_faces, tmp_path):
     out = str(tmp_path / "nan")
-    code = train.main(argv(data_dir, out, "--lr", "1e30", "--max_grad_norm", "0", "--checkpoint_interval", "1",
+    code = train.main(argv(drawn_faces, out, "--lr", "1e30", "--max_grad_norm", "0", "--checkpoint_interval", "1",
                            "--ema", "false"))
     assert code == 3
     log = open(os.path.join(out, "training.log")).read()
@@ -119,11 +101,11 @@ def checkpoint_tensors_plain(path):
     return torch.load(os.path.join(ckpt, "backbone.pt"))
 
 
-def test_corrupt_checkpoint_is_a_clear_error(data_dir, tmp_path, runs):
+def test_corrupt_checkpoint_is_a_clear_error(drawn_faces, tmp_path, runs):
     out = str(tmp_path / "corrupt")
     shutil.copytree(runs["cut_at_5"], out)
     target = os.path.join(resolve_checkpoint(out), "optimizer.pt")
     data = open(target, "rb").read()
     open(target, "wb").write(data[: len(data) // 3])
     with pytest.raises(CheckpointError, match=r"optimizer\.pt: corrupt or unreadable"):
-        train.main(argv(data_dir, out, "--resume", "true", "--zero", "false"))
+        train.main(argv(drawn_faces, out, "--resume", "true", "--zero", "false"))

@@ -9,7 +9,7 @@ import torch
 
 from eval import verification
 from eval.verification import VerificationDataError, embed, evaluate, load_bin, write_bin
-from tests.test_recordio import jpeg
+from tests.conftest import jpeg
 
 
 def _pairs(n_pairs, bad_same):
@@ -98,8 +98,9 @@ def test_flip_test_sums_mirror_embeddings_and_is_batch_size_independent(tmp_path
     model = LeftHalfMean()
     a = verification.test(data, model, batch_size=7, nfolds=10)
     b = verification.test(data, model, batch_size=64, nfolds=10)
-    assert a[:5] == pytest.approx(b[:5])
-    np.testing.assert_allclose(a[5][1], embed(torch.flip(data[0][0], dims=[3]), model, 64), rtol=1e-6)
-    summed = a[5][0] + a[5][1]
+    fields = ("accuracy", "std", "accuracy_flip", "std_flip", "xnorm")
+    assert [getattr(a, f) for f in fields] == pytest.approx([getattr(b, f) for f in fields])
+    np.testing.assert_allclose(a.embeddings_flip, embed(torch.flip(data[0][0], dims=[3]), model, 64), rtol=1e-6)
+    summed = a.embeddings + a.embeddings_flip
     summed /= np.linalg.norm(summed, axis=1, keepdims=True)
-    assert a[2] == pytest.approx(evaluate(summed, data[1])[2].mean())
+    assert a.accuracy_flip == pytest.approx(evaluate(summed, data[1])[2].mean())

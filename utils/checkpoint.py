@@ -167,6 +167,17 @@ def resolve_checkpoint(path: str) -> str:
     return path
 
 
+def read_backbone_weights(path: str, ema: bool = True) -> tuple[dict, dict]:
+    """(backbone state dict, training config) of the checkpoint at `path` (a checkpoint
+    directory or a run output): the EMA weights when the checkpoint has them and `ema`."""
+    ckpt = resolve_checkpoint(path)
+    config = safe_load(os.path.join(ckpt, "meta.pt")).get("config", {})
+    ema_path = os.path.join(ckpt, "ema.pt")
+    if ema and os.path.isfile(ema_path):
+        return safe_load(ema_path)["state"], config
+    return safe_load(os.path.join(ckpt, "backbone.pt")), config
+
+
 def _load_head(ckpt: str, head, head_opt) -> None:
     start, end = head.class_start, head.class_start + head.num_local
     weight = head.weight.detach()

@@ -1,8 +1,13 @@
-"""A dependency-free progress line with rate and ETA for long jobs."""
+"""Progress lines with rate and ETA: `Progress` for scripts, `ProgressLogger` for training."""
 from __future__ import annotations
 
+import logging
 import sys
 import time
+
+import torch
+
+logger = logging.getLogger("shardface")
 
 
 def format_seconds(seconds: float) -> str:
@@ -32,3 +37,47 @@ class Progress:
             self.stream.write(f"{self.label} {self.done}/{self.total} {pct:5.1f}% "
                               f"{rate:8.1f}/s ETA {format_seconds(eta)}   {end}")
             self.stream.flush()
+
+
+class ProgressLogger:
+    """Rank 0's progress line every `frequent` steps: loss, lr, global samples/s, ETA.
+
+    Losses are collected as device tensors (`add`) and read by the host only when the loop
+    asks (`mean_loss`), so the training loop waits on the device once per `frequent` steps."""
+
+    def __init__(self, total_steps: int, frequent: int, samples_per_step: int, writer=None, first_step: int = 0):
+        self.total, self.frequent, self.samples_per_step = total_steps, frequent, samples_per_step
+        self.writer = writer
+        self.pending: list = []
+        self.window: list[float] = []
+        self.mark_time, self.mark_step = time.time(), first_step
+
+    def add(self, loss) -> None:
+        self.pending.append(loss)
+
+    def due(self, step: int) -> bool:
+        return step % self.frequent == 0 or step == self.total
+
+    def mean_loss(self) -> float:
+        """The mean of the losses added since the last read (one read from the device); a
+        non-finite loss anywhere in the window makes it non-finite."""
+        losses = torch.stack(self.pending).float().cpu()
+        self.window += losses.tolist()
+        self.pending.clear()
+        return float(losses.mean())
+
+    def __call__(self, step: int, epoch: int, loss: float, lr: float, scale: float | None) -> None:
+        if self.writer is not None:
+            for i, value in enumerate(self.window):
+                self.writer.add_scalar("train/loss", value, step - len(self.window) + 1 + i)
+            self.writer.add_scalar("train/lr", lr, step)
+        self.window = []
+        now = time.time()
+        rate = (step - self.mark_step) * self.samples_per_step / max(now - self.mark_time, 1e-9)
+        eta = (self.total - step) * self.samples_per_step / max(rate, 1e-9)
+        scale_txt = f"  scale {scale:.0f}" if scale is not None else ""
+        logger.info("step %d/%d  epoch %d  loss %.4f  lr %.5f  %.1f samples/s  ETA %s%s",
+                    step, self.total, epoch, loss, lr, rate, format_seconds(eta), scale_txt)
+        if self.writer is not None:
+            self.writer.add_scalar("train/samples_per_second", rate, step)
+        self.mark_time, self.mark_step = now, step

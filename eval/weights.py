@@ -1,4 +1,5 @@
-"""Build a backbone from a ShardFace checkpoint or a plain (insightface) state dict."""
+"""Trained weights for evaluation and export: a backbone from a ShardFace run, checkpoint,
+`model.pt`, or a plain (insightface) state dict."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 
 from backbones import get_model
-from utils.checkpoint import CheckpointError, resolve_checkpoint, safe_load
+from utils.checkpoint import CheckpointError, read_backbone_weights, safe_load
 
 
 def _embedding_size(state: dict) -> int | None:
@@ -25,12 +26,7 @@ def _sibling_config(path: str) -> dict:
 def load_backbone_state(path: str, ema: bool = True) -> tuple[dict, dict]:
     """(state dict, training config or {}) from a checkpoint dir, a run output or a .pt file."""
     if os.path.isdir(path):
-        ckpt = resolve_checkpoint(path)
-        meta = safe_load(os.path.join(ckpt, "meta.pt"))
-        ema_path = os.path.join(ckpt, "ema.pt")
-        if ema and os.path.isfile(ema_path):
-            return safe_load(ema_path)["state"], meta.get("config", {})
-        return safe_load(os.path.join(ckpt, "backbone.pt")), meta.get("config", {})
+        return read_backbone_weights(path, ema)
     state = safe_load(path)
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]

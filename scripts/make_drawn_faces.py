@@ -1,22 +1,21 @@
 #!/usr/bin/env python
-"""Generate the embedded synthetic face set: train.rec/.idx/property + a verification .bin
-of pairs from identities that are not in the training set."""
+"""Generate the demo's drawn-faces set: train.rec/.idx/property + a verification .bin of
+pairs from identities that are not in the training set. `python -m scripts.make_drawn_faces`."""
 from __future__ import annotations
 
 import argparse
 import os
-import pickle
-import sys
 import time
 from multiprocessing import Pool
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dataset.drawn_faces import identity_images
+from dataset.pack import write_insightface_rec
+from eval.verification import write_bin
+from utils.progress import Progress
 
-from dataset.pack import write_insightface_rec  # noqa: E402
-from dataset.synthetic_faces import identity_images  # noqa: E402
-from utils.progress import Progress  # noqa: E402
+VAL_NAME = "drawn_faces_val"  # the .bin beside the training set; configs/demo.py's val_targets
 
 
 def _images(args):
@@ -40,7 +39,7 @@ def verification_pairs(images: list[list[bytes]], num_pairs: int, seed: int):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--output", default="data/synthetic")
+    p.add_argument("--output", default="data/drawn_faces")
     p.add_argument("--num-ids", type=int, default=400)
     p.add_argument("--per-id", type=int, default=20)
     p.add_argument("--val-ids", type=int, default=100)
@@ -60,8 +59,7 @@ def main(argv=None) -> None:
         # held-out identities: ids after the training ones, never written to train.rec
         val = pool.map(_images, [(args.num_ids + i, args.val_per_id, args.seed) for i in range(args.val_ids)])
     bins, issame = verification_pairs(val, args.val_pairs, args.seed)
-    with open(os.path.join(args.output, "synthetic_val.bin"), "wb") as f:
-        pickle.dump((bins, issame), f, protocol=pickle.HIGHEST_PROTOCOL)
+    write_bin(os.path.join(args.output, f"{VAL_NAME}.bin"), bins, issame)
     print(f"wrote {total} images of {args.num_ids} identities and {args.val_pairs} verification pairs "
           f"of {args.val_ids} unseen identities to {args.output} in {time.time() - start:.1f}s")
 

@@ -1,4 +1,4 @@
-"""The embedded demo: the generated synthetic set, the tiny CNN, 2 CPU ranks, minutes."""
+"""The embedded demo (`make demo`): the drawn-faces set, the tiny CNN, 2 CPU ranks, minutes."""
 from easydict import EasyDict as edict
 
 config = edict()
@@ -13,7 +13,7 @@ config.momentum = 0.9
 config.weight_decay = 5e-4
 config.max_grad_norm = 5.0
 config.batch_size = 64
-config.rec = "data/synthetic"
+config.rec = "data/drawn_faces"      # written by `python -m scripts.make_drawn_faces`
 config.num_classes = 400
 config.num_image = 8000
 config.num_epoch = 8
@@ -22,8 +22,8 @@ config.num_workers = 1
 config.ema = True
 config.ema_decay = 0.999
 config.ema_tau = 100.0
-config.val_targets = ["synthetic_val"]
+config.val_targets = ["drawn_faces_val"]
 config.verbose = 200
 config.frequent = 10
 config.checkpoint_interval = 200
-config.output = "work_dirs/synthetic"
+config.output = "work_dirs/demo"

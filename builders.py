@@ -1,0 +1,60 @@
+"""A run's parts built from its config: the backbone, the margin head, their optimizers and
+the data-parallel module the backbone is called through. train.py composes these."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from backbones import get_model
+from heads import PartialFC, SampledRowsOptimizer
+from losses import build_margin
+from parallel.ddp import DDPOptimizer
+from parallel.zero import Zero2Optimizer
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
+
+
+def build_backbone(cfg) -> nn.Module:
+    return get_model(cfg.network, num_features=cfg.embedding_size, dropout=cfg.dropout,
+                     fp16=cfg.fp16, bf16=cfg.bf16, grad_checkpoint=cfg.grad_checkpoint)
+
+
+def build_head(cfg) -> PartialFC:
+    if cfg.head_fused_optimizer:
+        # the head's rows are stepped inside backward: refuse what that cannot serve exactly
+        refuse = {"gradient_acc > 1 (rows would step every micro-batch)": cfg.gradient_acc > 1,
+                  "fp16 (a step the loss scaler skips would already have moved the head)": cfg.fp16,
+                  "clip_head true with max_grad_norm > 0 (the global norm is not known yet; set "
+                  "clip_head false to clip the backbone only)": cfg.clip_head and cfg.max_grad_norm > 0}
+        bad = [why for why, hit in refuse.items() if hit]
+        if bad:
+            raise ValueError("config head_fused_optimizer true cannot serve: " + "; ".join(bad))
+    return PartialFC(build_margin(cfg), cfg.embedding_size, cfg.num_classes, cfg.sample_rate, cfg.chunk_size or None,
+                     row_block=cfg.row_block, precision=cfg.head_precision,
+                     fused_optimizer=cfg.head_fused_optimizer)
+
+
+def optimizer_class(cfg) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The torch optimizer named by `cfg.optimizer` and its keyword arguments."""
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"config optimizer: unknown optimizer '{cfg.optimizer}' ({', '.join(OPTIMIZERS)})")
+    kw = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    if cfg.optimizer == "sgd":
+        kw["momentum"] = cfg.momentum
+    return OPTIMIZERS[cfg.optimizer], kw
+
+
+def build_data_parallel(cfg, backbone: nn.Module) -> tuple[nn.Module, Zero2Optimizer | DDPOptimizer]:
+    """(the module to call forward on, the backbone optimizer that averages its gradients
+    across ranks): ZeRO-2 hooks the backbone itself; DDP wraps it in a module of its own."""
+    cls, kw = optimizer_class(cfg)
+    if cfg.zero:
+        return backbone, Zero2Optimizer(backbone, cls, **kw)
+    optimizer = DDPOptimizer(backbone, cls, **kw)
+    return optimizer.ddp, optimizer
+
+
+def build_head_optimizer(cfg, head: PartialFC) -> SampledRowsOptimizer:
+    """The head's own optimizer over its class shard (model-parallel: no reduction)."""
+    cls, kw = optimizer_class(cfg)
+    return SampledRowsOptimizer(head, cls, **kw)

@@ -1,0 +1,21 @@
+"""What can be wrong with training data. Every message names the file and the key or value."""
+
+
+class DataError(ValueError):
+    """A training-data problem: a missing or malformed file, image or label."""
+
+
+class RecordIOError(DataError):
+    """A .rec/.idx structure problem, with the file and the key or offset that is wrong."""
+
+
+class ImageDecodeError(DataError):
+    """An image whose bytes cannot be decoded (`skip_bad_images` skips exactly these)."""
+
+
+class LabelError(DataError):
+    """A label outside [0, num_classes)."""
+
+
+class DataLayoutError(DataError):
+    """A data directory, image folder or `property` file that is missing or does not match the config."""

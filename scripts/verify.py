@@ -1,0 +1,35 @@
+#!/usr/bin/env python
+"""Verify a trained backbone on LFW-format .bin sets and print a table of results.
+`python -m scripts.verify RUN_OR_CHECKPOINT --bin lfw.bin [--bin cfp_fp.bin ...]`."""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from eval.verification import load_bin, test
+from eval.weights import load_backbone
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("checkpoint", help="run output, checkpoint dir, our model.pt or insightface model.pt")
+    p.add_argument("--bin", action="append", required=True, help="a .bin file (repeatable)")
+    p.add_argument("--network", default=None, help="backbone name (default: from the training config)")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--no-ema", action="store_true", help="the raw weights, not the EMA")
+    args = p.parse_args(argv)
+    model = load_backbone(args.checkpoint, args.network, ema=not args.no_ema)
+    model = model.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    rows = []
+    for path in args.bin:
+        r = test(load_bin(path), model, args.batch_size)
+        rows.append((os.path.basename(path), r.accuracy, r.accuracy_flip, r.std_flip, r.xnorm))
+    print(f"{'set':<20} {'acc':>8} {'acc-flip':>9} {'std':>7} {'XNorm':>8}")
+    for name, acc, acc_flip, std_flip, xnorm in rows:
+        print(f"{name:<20} {acc:8.4f} {acc_flip:9.4f} {std_flip:7.4f} {xnorm:8.3f}")
+
+
+if __name__ == "__main__":
+    main()

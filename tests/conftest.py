@@ -1,0 +1,37 @@
+"""Shared test helpers and fixtures. Helpers are imported (`from tests.conftest import jpeg`);
+fixtures are found by pytest."""
+from __future__ import annotations
+
+import io
+
+import pytest
+from PIL import Image
+
+from scripts.make_drawn_faces import main as make_drawn_faces
+
+TRAIN_STEPS = 12  # 8 steps per epoch at W=2, b=8 on `drawn_faces`: crosses an epoch boundary
+
+
+def jpeg(color, size: int = 112) -> bytes:
+    """A solid-colour JPEG."""
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), color).save(buf, format="JPEG", quality=95)
+    return buf.getvalue()
+
+
+def train_argv(data_dir: str, output: str, *extra: str) -> list[str]:
+    """train.py arguments for a 12-step run of the demo config on the `drawn_faces` fixture."""
+    return ["configs/demo.py", "--rec", data_dir, "--num_classes", "16", "--batch_size", "8",
+            "--num_workers", "0", "--frequent", "1", "--verbose", "0", "--val_targets", "[]",
+            "--checkpoint_interval", "4", "--num_epoch", "3", "--warmup_epoch", "0",
+            "--max_steps", str(TRAIN_STEPS), "--chunk_size", "5", "--ema", "true", "--ema_tau", "2",
+            "--lr", "0.05", "--keep_checkpoints", "5", "--output", output, *extra]
+
+
+@pytest.fixture(scope="session")
+def drawn_faces(tmp_path_factory) -> str:
+    """A tiny drawn-faces RecordIO set: 16 identities x 8 images, and a verification .bin."""
+    root = str(tmp_path_factory.mktemp("data") / "drawn_faces")
+    make_drawn_faces(["--output", root, "--num-ids", "16", "--per-id", "8", "--val-ids", "6",
+                      "--val-per-id", "4", "--val-pairs", "40", "--workers", "1"])
+    return root

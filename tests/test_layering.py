@@ -1,0 +1,42 @@
+"""The one-way layering README states: a package imports only from packages in layers below it."""
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# lowest first; a module may import its own layer's package and any earlier layer
+LAYERS = [["configs"], ["parallel"], ["utils"], ["backbones", "losses"], ["heads"], ["dataset"], ["eval"],
+          ["builders", "planner", "train"], ["scripts"]]
+OURS = {name for layer in LAYERS for name in layer}
+
+
+def _level(name: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if name in layer)
+
+
+def _imported_tops(path: str) -> set[str]:
+    tree = ast.parse(open(path).read(), path)
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names & OURS
+
+
+def _sources():
+    for top in sorted(OURS):
+        if os.path.isfile(os.path.join(ROOT, f"{top}.py")):
+            yield top, f"{top}.py"
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    yield top, os.path.relpath(os.path.join(dirpath, f), ROOT)
+
+
+@pytest.mark.parametrize("top,path", list(_sources()))
+def test_module_imports_only_from_its_layer_or_below(top, path):
+    upward = sorted(n for n in _imported_tops(os.path.join(ROOT, path)) if _level(n) > _level(top))
+    assert not upward, f"{path} ({top}) imports from a higher layer: {upward}"
