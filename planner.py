@@ -77,17 +77,15 @@ def backbone_counts(network: str, dim: int, batch: int, grad_checkpoint: bool = 
 
 
 def zero_memory(params: int, world: int, optimizer: str = "sgd", momentum: float = 0.9,
-                bucket_cap_mb: float = 16.0, inflight: int = 1) -> dict[str, float]:
-    """Per-rank bytes of ZeRO-2 beyond the parameters: fp32 gradient and state shards, and the
-    bucket scratch of the NCCL exchange (buckets in flight, the one filling, and the one a
-    large parameter's gradient spills into). Gloo's point-to-point exchange also holds the
-    W-1 received copies of each owned part: not modelled (no GPU job uses it)."""
+                param_bytes: int = F32) -> dict[str, float]:
+    """Per-rank bytes of ZeRO-2 beyond the parameters, on the NCCL (collective) exchange: fp32
+    gradient and state shards, and the persistent bucket buffer the parameters' gradients
+    are views of (one model-dtype copy of the gradients, reduce-scattered bucket by bucket).
+    Gloo's point-to-point exchange lends buckets from a pool instead: not modelled."""
     shard = math.ceil(params / world) * F32
     states = STATE_PER_PARAM[optimizer] if (optimizer != "sgd" or momentum > 0) else 0
-    bucket = min(bucket_cap_mb * 2**20, params * F32)
-    scratch = bucket * (inflight + 2)
     return {"zero gradient shard": shard, "zero optimizer state shard": states * shard,
-            "zero bucket scratch": scratch if world > 1 else 0.0}
+            "zero gradient buckets": params * param_bytes if world > 1 else 0.0}
 
 
 def plan(cfg, gpus: int) -> Plan:
