@@ -509,3 +509,49 @@ def test_state_dicts_gathered_to_one_rank_equal_the_all_gathered_ones_on_the_cpu
     for name, value in ema_everywhere.items():
         assert ema_to_one[name].device.type == "cpu"
         torch.testing.assert_close(ema_to_one[name], value, rtol=0, atol=0)
+
+
+# ----- no host synchronisation in the optimizers ------------------------------------------------
+def _host_sync_worker(rank, world_size):
+    from parallel.ddp import DDPOptimizer
+    from tests.host_sync import HostSyncCounter
+    x, y = _data(0)
+    b = GLOBAL_BATCH // world_size
+    x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+    syncs = {}
+    for variant in ("p2p", "collective", "ddp"):
+        model = TwoDtypeNet()
+        if variant == "ddp":
+            opt = DDPOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-2)
+            net = opt.ddp
+        else:
+            opt = Zero2Optimizer(model, torch.optim.SGD, bucket_cap_mb=TINY_BUCKET_MB, exchange=variant,
+                                 lr=0.1, momentum=0.9, weight_decay=1e-2)
+            net = model
+        # (SGD: torch's AdamW reads its step count, a CPU tensor, on the host; no device wait)
+        for step in range(2):  # the second step: momentum exists, an all-gather is pending
+            loss = _loss(net, x, y)
+            if variant == "ddp":  # DDP's reducer is torch's, not ours
+                loss.backward()
+            with HostSyncCounter() as counter:
+                if variant != "ddp":
+                    loss.backward()
+                found_inf = opt.unscale_and_check_(1.0)
+                opt.clip_grad_norm_(0.3)
+                opt.step()
+                opt.zero_grad()
+            syncs[variant] = counter.calls
+        assert found_inf.item() == 0
+        scaler = DynamicLossScaler(init_scale=1.0)
+        _loss(net, x, y).backward()
+        with HostSyncCounter() as counter:
+            scaler.unscale_(opt)
+        syncs[variant + " scaler"] = counter.calls
+    return syncs
+
+
+def test_optimizers_never_make_the_host_wait_and_the_loss_scaler_once():
+    for syncs in run_distributed(_host_sync_worker, 2):
+        for variant in ("p2p", "collective", "ddp"):
+            assert syncs[variant] == [], variant
+            assert syncs[variant + " scaler"] == ["aten::_local_scalar_dense"], variant
