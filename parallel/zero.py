@@ -160,7 +160,8 @@ class Zero2Optimizer(WrappedOptimizer):
         ranks owning its elements, which add the W copies; after `step()` every rank
         broadcasts its shard. Gradient memory is the fp32 shard plus a few buckets
         (`peak_scratch_bytes`), not a full gradient copy.
-    Buckets launch in a fixed order on every rank. `clip_grad_norm_` and `unscale_and_check_`
+    Buckets launch in a fixed order on every rank; `max_inflight_buckets` reductions (default
+    3 on CUDA, where they overlap backward's compute, else 1) stay open while the next fill. `clip_grad_norm_` and `unscale_and_check_`
     all-reduce one scalar; neither reads a value on the host.
 
     Every rank must call `backward`, `step`, `clip_grad_norm_`, `state_dict` and

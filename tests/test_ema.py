@@ -27,10 +27,11 @@ def _plain_ema_run():
     return ema
 
 
-def _sharded_ema_worker(rank, world_size, with_zero):
+def _sharded_ema_worker(rank, world_size, with_zero, exchange="auto"):
     model = TwoDtypeNet()
     if with_zero:
-        opt = Zero2Optimizer(model, torch.optim.SGD, bucket_cap_mb=TINY_BUCKET_MB, lr=0.1, momentum=0.9)
+        opt = Zero2Optimizer(model, torch.optim.SGD, bucket_cap_mb=TINY_BUCKET_MB, exchange=exchange,
+                             lr=0.1, momentum=0.9)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ema = ShardedEMA(model, decay=DECAY, tau=TAU, optimizer=opt if with_zero else None)
@@ -47,10 +48,11 @@ def _sharded_ema_worker(rank, world_size, with_zero):
     return ema.state_dict(), shard_sizes, sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("with_zero", [True, False])
-def test_sharded_ema_matches_full_ema(with_zero):
+@pytest.mark.parametrize("with_zero,exchange", [(True, "p2p"), (True, "collective"), (False, "auto")])
+def test_sharded_ema_matches_full_ema(with_zero, exchange):
+    # collective: the master shard is a piece of every bucket, the fp32 one views of the weights
     ref = _plain_ema_run()
-    for state, shard_sizes, total in run_distributed(_sharded_ema_worker, 3, with_zero):
+    for state, shard_sizes, total in run_distributed(_sharded_ema_worker, 3, with_zero, exchange):
         for name, value in ref.items():
             torch.testing.assert_close(state[name].double(), value, rtol=1e-6, atol=1e-6)
         assert sum(shard_sizes) * 3 < total + 3 * 2 * 16 * 3  # each rank holds ~1/W (plus padding)

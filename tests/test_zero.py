@@ -143,14 +143,17 @@ def test_layout_straddles_shard_borders():
 def _resume_worker(rank, world_size, path, phase):
     model = TwoDtypeNet()
     # the state is chunk-independent: saved from 25-element chunks, loaded whole at W=1
+    # and exchange-independent: saved by the collective exchange, loaded by point-to-point
     chunk_mb = 4.0 if world_size == 1 else TINY_CHUNK_MB
     opt = Zero2Optimizer(model, torch.optim.AdamW, bucket_cap_mb=TINY_BUCKET_MB, step_chunk_mb=chunk_mb,
-                         lr=1e-2, weight_decay=0.1)
+                         exchange="collective" if phase == "save" else "auto", lr=1e-2, weight_decay=0.1)
     if phase == "save":
         _zero_train(rank, world_size, "adamw", 0.3, steps=3, model=model, opt=opt)
-        state = opt.state_dict()
+        state = opt.state_dict(to_rank=0)  # gathered to the rank that writes
+        assert (state is None) == (rank != 0)
+        weights = model.state_dict()
         if rank == 0:
-            torch.save({"model": model.state_dict(), "opt": state}, path)
+            torch.save({"model": weights, "opt": state}, path)
         first = 3
     else:
         saved = torch.load(path, weights_only=True)
@@ -280,3 +283,275 @@ def test_every_backbone_delivers_every_gradient_to_its_bucket(network):
     model(torch.randn(2, 3, 112, 112)).square().mean().backward()
     assert all(b.state in (BucketState.LAUNCHED, BucketState.DONE) for g in opt.groups for b in g.buckets)
     assert all(torch.isfinite(s).all() and s.abs().sum() > 0 for s in opt.grad_shards())
+
+
+# ----- the collective exchange (NCCL's), proven on gloo ---------------------------------------
+class _CallLog:
+    """Wraps torch.distributed functions in a spawned worker: the real collective still runs;
+    each call is recorded, and so is how many reduce-scatters were launched but not waited."""
+
+    def __init__(self):
+        import parallel.collectives as collectives
+        import torch.distributed as dist
+        self.calls, self.open, self.most_open = [], 0, 0
+        for module, name in [(dist, "reduce"), (dist, "isend"), (dist, "broadcast"), (dist, "all_reduce"),
+                             (collectives, "_reduce_scatter"), (collectives, "_all_gather")]:
+            setattr(module, name, self._wrap(name, getattr(module, name)))
+
+    def _wrap(self, name, fn):
+        def wrapper(*args, **kwargs):
+            self.calls.append(name)
+            work = fn(*args, **kwargs)
+            if name != "_reduce_scatter" or work is None:
+                return work
+            self.open += 1
+            self.most_open = max(self.most_open, self.open)
+            return _CountedWork(work, self)
+        return wrapper
+
+
+class _CountedWork:
+    def __init__(self, work, log):
+        self.work, self.log, self.waited = work, log, False
+
+    def wait(self):
+        if not self.waited:
+            self.waited = True
+            self.log.open -= 1
+        return self.work.wait()
+
+
+def _collective_worker(rank, world_size, opt_name, clip):
+    log = _CallLog()
+    model = TwoDtypeNet()
+    cls, kw = OPTIMIZERS[opt_name]
+    opt = Zero2Optimizer(model, cls, bucket_cap_mb=TINY_BUCKET_MB, step_chunk_mb=TINY_CHUNK_MB,
+                         exchange="collective", max_inflight_buckets=3, **kw)
+    buckets = sum(len(g.buckets) for g in opt.groups)
+    params, norms = _zero_train(rank, world_size, opt_name, clip, model=model, opt=opt)
+    x, _ = _data(STEPS)
+    out = model(x)  # the forward pre-hook waits for the last step's all-gather
+    return params, norms, out.detach(), log.calls, log.most_open, buckets
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_collective_exchange_matches_plain_torch_with_buckets_in_flight_and_no_reduce(world_size):
+    for opt_name, clip in (("sgd", 0.3), ("adamw", 0.3)):
+        ref_params, ref_norms = _reference(opt_name, clip)
+        ref_model = TwoDtypeNet()
+        ref_model.load_state_dict(ref_params)
+        ref_out = ref_model(_data(STEPS)[0]).detach()
+        for params, norms, out, calls, most_open, buckets in run_distributed(
+                _collective_worker, world_size, opt_name, clip):
+            assert norms == pytest.approx(ref_norms, rel=1e-5) and min(ref_norms) > clip
+            for name, ref in ref_params.items():
+                torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-5, msg=f"{opt_name} {name}")
+            torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+            assert buckets >= 5 and most_open >= 3  # several reductions overlapped
+            # per step: one reduce-scatter and one all-gather per bucket, one all-reduce of the
+            # norm; never a reduce, a point-to-point send or a broadcast
+            assert calls.count("_reduce_scatter") == calls.count("_all_gather") == STEPS * buckets
+            assert set(calls) == {"_reduce_scatter", "_all_gather", "all_reduce"}
+            assert calls.count("all_reduce") == STEPS
+
+
+def test_segmented_layout_gives_every_rank_its_share_of_every_segment():
+    from parallel.flat import FlatLayout
+    params = [("a", nn.Parameter(torch.randn(50))), ("b", nn.Parameter(torch.randn(7, 11))),
+              ("c", nn.Parameter(torch.randn(3)))]
+    for world_size in (1, 2, 3):
+        for segment in (None, 40, 100):
+            layouts = [FlatLayout(params, world_size, r, segment) for r in range(world_size)]
+            full = torch.arange(layouts[0].numel, dtype=torch.float32)
+            shards = [layout.shard_of(full) for layout in layouts]
+            assert all(s.numel() == layouts[0].numel // world_size for s in shards)
+            assert torch.equal(layouts[0].assemble(torch.cat(shards)), full)
+            covered = torch.zeros(layouts[0].numel)
+            for layout, shard in zip(layouts, shards):
+                for seg, piece in zip(layout.segments, layout.pieces):  # the r-th 1/W of each
+                    assert piece.global_range.start == seg.start + layout.rank * seg.size // world_size
+                for slot in layout.slots:
+                    for part in slot.owned:
+                        whole = slot.global_range.of(full)
+                        assert torch.equal(part.shard_range.of(shard), part.global_range.of(full))
+                        assert torch.equal(part.param_range.of(whole), part.global_range.of(full))
+                        covered[part.global_range.start:part.global_range.end] += 1
+            assert covered.sum() == sum(p.numel() for _, p in params) and covered.max() == 1
+            if segment:
+                assert len(layouts[0].segments) > 1
+
+
+def test_p2p_exchange_is_refused_under_nccl():
+    from parallel.zero import resolve_exchange
+    with pytest.raises(ValueError, match="exchange='p2p' is for gloo"):
+        resolve_exchange("p2p", "nccl", 8)
+    assert resolve_exchange("auto", "nccl", 8) == "collective"
+    assert resolve_exchange("auto", "gloo", 2) == "p2p"
+    with pytest.raises(ValueError, match="'ring'"):
+        resolve_exchange("ring", "gloo", 2)
+
+
+# ----- norms, no_sync, schedulers, state to one rank -------------------------------------------
+def _wide_net() -> nn.Module:
+    """~77k weights: enough for fp32 sums of squares to depend on where the gradient is cut."""
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(7, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 5))
+
+
+def _norm_worker(rank, world_size, batches=20):
+    """The clipping norms of `batches` gradients from every optimizer variant, as Python floats
+    (in fp32 about one batch in ten gives a norm that depends on the variant)."""
+    from parallel.ddp import DDPOptimizer
+    b = GLOBAL_BATCH // world_size
+    norms = {}
+    for variant in ("p2p", "collective", "ddp"):
+        model = _wide_net()
+        if variant == "ddp":
+            opt = DDPOptimizer(model, torch.optim.SGD, lr=0.1)
+            net = opt.ddp
+        else:
+            opt = Zero2Optimizer(model, torch.optim.SGD, bucket_cap_mb=0.05, exchange=variant, lr=0.1)
+            net = model
+        norms[variant] = []
+        for i in range(batches):
+            x, y = _data(i)
+            _loss(net, x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
+            norms[variant].append(opt.clip_grad_norm_(0.3).item())
+            opt.zero_grad()
+    return norms
+
+
+def test_clip_norm_is_bitwise_the_same_for_ddp_and_zero2():
+    # Sums of squares in fp64: how the gradient is cut between ranks no longer shows in the
+    # fp32 norm (summed in fp32, 4-7 of these 20 norms differed), so DDP and ZeRO-2 clip alike
+    # and train the same model (tests/test_train.py). W=2 because there the averaged gradients
+    # agree bit for bit (a sum of two is order-free, halving exact); at W=3 DDP's ring sums
+    # three terms in another order than ZeRO-2, which the norm then reflects.
+    norms = [n for per_rank in run_distributed(_norm_worker, 2) for n in per_rank.values()]
+    assert all(n == norms[0] for n in norms), norms
+
+
+def _no_sync_worker(rank, world_size, exchange):
+    log = _CallLog()
+    model = TwoDtypeNet()
+    opt = Zero2Optimizer(model, torch.optim.SGD, bucket_cap_mb=TINY_BUCKET_MB, exchange=exchange,
+                         lr=0.05, momentum=0.9)
+    b = GLOBAL_BATCH // world_size
+    silent = []
+    for step in range(3):
+        x, y = _data(step)
+        x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+        with opt.no_sync():
+            before = len(log.calls)
+            (_loss(model, x[:b // 2], y[:b // 2]) / 2).backward()
+            silent.append(len(log.calls) == before)
+        (_loss(model, x[b // 2:], y[b // 2:]) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: t.clone() for n, t in model.state_dict().items()}, silent
+
+
+@pytest.mark.parametrize("exchange", ["p2p", "collective"])
+def test_no_sync_micro_batches_equal_the_full_batch_and_communicate_nothing(exchange):
+    ref_model = TwoDtypeNet()
+    opt = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(3):
+        _loss(ref_model, *_data(step)).backward()
+        opt.step(); opt.zero_grad()
+    for params, silent in run_distributed(_no_sync_worker, 2, exchange):
+        assert silent == [True] * 3
+        for name, p in ref_model.named_parameters():
+            torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("make_scheduler", [
+    lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+    lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step)),
+    lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4),
+], ids=["StepLR", "LambdaLR", "CosineAnnealingLR"])
+def test_torch_lr_schedulers_drive_both_optimizers(make_scheduler):
+    from parallel.ddp import DDPOptimizer
+    plain = torch.optim.SGD(TwoDtypeNet().parameters(), lr=0.1, momentum=0.9)
+    ours = [Zero2Optimizer(TwoDtypeNet(), torch.optim.SGD, lr=0.1, momentum=0.9),
+            DDPOptimizer(TwoDtypeNet(), torch.optim.SGD, lr=0.1, momentum=0.9)]
+    schedulers = [make_scheduler(o) for o in [plain] + ours]
+    seen = []
+    for _ in range(5):
+        for opt, scheduler in zip([plain] + ours, schedulers):
+            opt.step()
+            scheduler.step()
+        seen.append(plain.param_groups[0]["lr"])
+        for opt in ours:  # the lr the inner torch optimizer steps with
+            assert opt.optimizer.param_groups[0]["lr"] == seen[-1]
+    assert len(set(seen)) >= 3
+
+
+def _to_rank_worker(rank, world_size):
+    from parallel import ShardedEMA
+    model = TwoDtypeNet()
+    opt = Zero2Optimizer(model, torch.optim.AdamW, bucket_cap_mb=TINY_BUCKET_MB, exchange="collective", lr=1e-2)
+    ema = ShardedEMA(model, decay=0.5, tau=1.0, optimizer=opt)
+    _zero_train(rank, world_size, "adamw", 0.0, steps=2, model=model, opt=opt)
+    ema.update()
+    return opt.state_dict(), opt.state_dict(to_rank=1), ema.state_dict(), ema.state_dict(to_rank=1)
+
+
+def test_state_dicts_gathered_to_one_rank_equal_the_all_gathered_ones_on_the_cpu():
+    results = run_distributed(_to_rank_worker, 3)
+    assert all(r[1] is None and r[3] is None for i, r in enumerate(results) if i != 1)
+    everywhere, to_one, ema_everywhere, ema_to_one = results[1]
+    assert to_one["param_groups"] == everywhere["param_groups"]
+    for name, state in everywhere["state"].items():
+        for key, value in state.items():
+            assert to_one["state"][name][key].device.type == "cpu"
+            torch.testing.assert_close(to_one["state"][name][key], value, rtol=0, atol=0)
+    assert set(to_one["master"]) == {"scale"}  # the fp64 vector; fp32 weights are their own master
+    for name, value in ema_everywhere.items():
+        assert ema_to_one[name].device.type == "cpu"
+        torch.testing.assert_close(ema_to_one[name], value, rtol=0, atol=0)
+
+
+# ----- no host synchronisation in the optimizers ------------------------------------------------
+def _host_sync_worker(rank, world_size):
+    from parallel.ddp import DDPOptimizer
+    from tests.host_sync import HostSyncCounter
+    x, y = _data(0)
+    b = GLOBAL_BATCH // world_size
+    x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+    syncs = {}
+    for variant in ("p2p", "collective", "ddp"):
+        model = TwoDtypeNet()
+        if variant == "ddp":
+            opt = DDPOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-2)
+            net = opt.ddp
+        else:
+            opt = Zero2Optimizer(model, torch.optim.SGD, bucket_cap_mb=TINY_BUCKET_MB, exchange=variant,
+                                 lr=0.1, momentum=0.9, weight_decay=1e-2)
+            net = model
+        # (SGD: torch's AdamW reads its step count, a CPU tensor, on the host; no device wait)
+        for step in range(2):  # the second step: momentum exists, an all-gather is pending
+            loss = _loss(net, x, y)
+            if variant == "ddp":  # DDP's reducer is torch's, not ours
+                loss.backward()
+            with HostSyncCounter() as counter:
+                if variant != "ddp":
+                    loss.backward()
+                found_inf = opt.unscale_and_check_(1.0)
+                opt.clip_grad_norm_(0.3)
+                opt.step()
+                opt.zero_grad()
+            syncs[variant] = counter.calls
+        assert found_inf.item() == 0
+        scaler = DynamicLossScaler(init_scale=1.0)
+        _loss(net, x, y).backward()
+        with HostSyncCounter() as counter:
+            scaler.unscale_(opt)
+        syncs[variant + " scaler"] = counter.calls
+    return syncs
+
+
+def test_optimizers_never_make_the_host_wait_and_the_loss_scaler_once():
+    for syncs in run_distributed(_host_sync_worker, 2):
+        for variant in ("p2p", "collective", "ddp"):
+            assert syncs[variant] == [], variant
+            assert syncs[variant + " scaler"] == ["aten::_local_scalar_dense"], variant
