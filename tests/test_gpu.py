@@ -20,12 +20,12 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from heads import PartialFC
+from heads import PartialFC, SampledRowsOptimizer
 from losses import CombinedMarginLoss
 from tests.collective_log import recording
+from tests.fp64_head import M2, S, head_errors_against_fp64
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.gpu
@@ -216,49 +216,6 @@ def test_nccl_world_size_one_runs_the_multi_rank_paths():
 
 # ----- the head on the GPU ---------------------------------------------------------------------
 
-S, M2 = 64.0, 0.5
-
-
-@contextlib.contextmanager
-def _matmul_precision(tf32: bool):
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if tf32 else "highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
-
-
-def arcface_fp64_reference(emb: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor):
-    """Loss and gradients of the full-softmax ArcFace cross-entropy in float64."""
-    e = emb.detach().double().requires_grad_(True)
-    w = weight.detach().double().requires_grad_(True)
-    cos = F.normalize(e, dim=1) @ F.normalize(w, dim=1).t()
-    target = cos.gather(1, labels[:, None]).squeeze(1)
-    theta = torch.arccos(target.clamp(-1.0, 1.0))
-    assert bool((theta + M2 <= math.pi).all())  # no fallback branch: the plain formula holds
-    logits = (S * cos).scatter(1, labels[:, None], (S * torch.cos(theta + M2))[:, None])
-    loss = F.cross_entropy(logits, labels)
-    loss.backward()
-    return loss.detach(), e.grad, w.grad
-
-
-def head_errors_against_fp64(device, tf32: bool, classes: int = 20000, batch: int = 512, dim: int = 512,
-                             chunk: int | None = 4096) -> dict:
-    """Relative errors of the head's loss and gradients against the fp64 reference."""
-    torch.manual_seed(0)
-    head = PartialFC(CombinedMarginLoss(S, 1.0, M2, 0.0), dim, classes, 1.0, chunk, validate=False).to(device)
-    emb = torch.randn(batch, dim, device=device, requires_grad=True)
-    labels = torch.randint(0, classes, (batch,), device=device)
-    with _matmul_precision(tf32):
-        loss = head(emb, labels)
-        loss.backward()
-    ref_loss, ref_emb, ref_w = arcface_fp64_reference(emb, head.weight, labels)
-    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
-    return {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
-            "grad_emb": rel(emb.grad, ref_emb), "grad_weight": rel(head.weight.grad, ref_w)}
-
-
 @pytest.mark.parametrize("chunk", [None, 4096])
 def test_head_matches_fp64_full_softmax_without_tf32(device, chunk):
     err = head_errors_against_fp64(device, tf32=False, chunk=chunk)
@@ -279,8 +236,9 @@ def test_head_forward_and_backward_never_synchronise_the_host(device, chunk, sam
     head = PartialFC(CombinedMarginLoss(S, 1.0, M2, 0.0), 128, 8000, sample_rate, chunk, validate=False).to(device)
     emb = torch.randn(256, 128, device=device, requires_grad=True)
     labels = torch.randint(0, 8000, (256,), device=device)
+    head_opt = SampledRowsOptimizer(head, torch.optim.SGD, lr=0.1)
     head(emb, labels).backward()  # warm-up: cuBLAS handles and allocator pools exist before the check
-    head.zero_grad()
+    head_opt.zero_grad()  # also forgets the rows sampled in the warm-up
     emb.grad = None
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
