@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-requirements
 NPROC ?= 2
 
-.PHONY: demo test test-all setup clean-demo
+.PHONY: demo test test-all test-gpu setup clean-demo
 
 setup: $(STAMP)
 
@@ -21,6 +21,11 @@ test: $(STAMP)
 # Includes the checks marked slow (several minutes more).
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "slow or not slow" tests
+
+# The GPU kit (tests marked gpu, on one GPU): train smoke runs, NCCL, TF32, host syncs, streams.
+test-gpu: $(STAMP)
+	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: no CUDA device here')"
+	$(PY) -m pytest -q -m gpu -rs tests
 
 demo: $(STAMP)
 	$(PY) -m scripts.demo --nproc $(NPROC)

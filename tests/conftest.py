@@ -1,10 +1,12 @@
 """Shared test helpers and fixtures. Helpers are imported (`from tests.conftest import jpeg`);
-fixtures are found by pytest."""
+fixtures are found by pytest. Tests marked `gpu` need CUDA: without it they are skipped (so
+`make test` needs no GPU); `make test-gpu` selects only them."""
 from __future__ import annotations
 
 import io
 
 import pytest
+import torch
 from PIL import Image
 
 from scripts.make_drawn_faces import main as make_drawn_faces
@@ -35,3 +37,12 @@ def drawn_faces(tmp_path_factory) -> str:
     make_drawn_faces(["--output", root, "--num-ids", "16", "--per-id", "8", "--val-ids", "6",
                       "--val-per-id", "4", "--val-pairs", "40", "--workers", "1"])
     return root
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (make test-gpu on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -6,64 +6,18 @@ collective more, or another shape, would hang NCCL or mix up its buckets.
 The real torch.distributed functions are wrapped inside each spawned rank: the collective
 still runs (gloo), the wrapper only writes down what was asked for.
 """
-import contextlib
-import functools
-
 import torch
-import torch.distributed as dist
 from torch import nn
 
-import parallel.collectives as collectives
 from heads import PartialFC, SampledRowsOptimizer
 from losses import CombinedMarginLoss
 from parallel import DynamicLossScaler, ShardedEMA, Zero2Optimizer
+from tests.collective_log import recording
 from tests.distributed import run_distributed
 from utils.checkpoint import TrainState, load_checkpoint, save_checkpoint
 
 WORLD = 8
-COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-               "all_gather_single", "reduce_scatter_single", "broadcast", "reduce", "barrier", "all_to_all_single",
-               "gather", "scatter", "all_gather_object", "broadcast_object_list", "send", "recv"]
-POINT_TO_POINT = ["isend", "irecv"]  # matched by (peer, tag): their order may differ by rank
-NUM_CLASSES, D, B = 50, 16, 4          # 50 % 8 != 0: uneven class shards
-
-
-def _describe(value):
-    if torch.is_tensor(value):
-        return ("tensor", tuple(value.shape), str(value.dtype))
-    if isinstance(value, (list, tuple)):
-        return [_describe(v) for v in value]
-    if isinstance(value, dist.ProcessGroup):
-        return ("group", tuple(dist.get_process_group_ranks(value)))
-    if isinstance(value, (int, float, str, bool)) or value is None:
-        return value
-    return str(value)  # ReduceOp
-
-
-@contextlib.contextmanager
-def recording():
-    """Yield (collective log, point-to-point log) while every torch.distributed collective,
-    and the aliases parallel.collectives took at import, is wrapped."""
-    log, p2p = [], []
-
-    def wrap(target, name, real):
-        @functools.wraps(real)
-        def recorded(*args, **kwargs):
-            kwargs_seen = {k: _describe(v) for k, v in sorted(kwargs.items()) if k != "async_op"}
-            entry = (real.__name__, [_describe(a) for a in args], kwargs_seen)
-            (p2p if real.__name__ in POINT_TO_POINT else log).append(entry)
-            return real(*args, **kwargs)
-        setattr(target, name, recorded)
-
-    patched = [(dist, n, getattr(dist, n)) for n in COLLECTIVES + POINT_TO_POINT if hasattr(dist, n)]
-    patched += [(collectives, n, getattr(collectives, n)) for n in ("_all_gather", "_reduce_scatter")]
-    for target, name, real in patched:
-        wrap(target, name, real)
-    try:
-        yield log, p2p
-    finally:
-        for target, name, real in patched:
-            setattr(target, name, real)
+NUM_CLASSES, D, B = 50, 16, 4  # 50 % 8 != 0: uneven class shards
 
 
 def _build(rank, exchange):
