@@ -87,55 +87,56 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
                               writer, first_step=state.step)
     micro, first_step = 0, state.step
     try:
-        while state.step < total_steps and state.epoch < cfg.num_epoch:
-            sampler.set_epoch(state.epoch, state.batch_in_epoch)
-            dataset.set_epoch(state.epoch, cfg.seed)  # mirroring fixed by (seed, epoch, index)
-            for images, labels in get_dataloader(dataset, sampler, cfg.num_workers, info.device, cfg.seed):
-                images = normalize_images(images.to(info.device, non_blocking=True))
-                labels = labels.to(info.device, non_blocking=True)
-                micro += 1
-                last_micro = micro % cfg.gradient_acc == 0
-                with contextlib.nullcontext() if last_micro else backbone_opt.no_sync():
-                    loss = head(model(images), labels)
-                    scaled = loss / cfg.gradient_acc
-                    (scaler.scale(scaled) if scaler else scaled).backward()
-                state.batch_in_epoch += 1
-                if not last_micro:
-                    continue
+        with stop.deferred():  # a stop signal waits for the step end from here on
+            while state.step < total_steps and state.epoch < cfg.num_epoch:
+                sampler.set_epoch(state.epoch, state.batch_in_epoch)
+                dataset.set_epoch(state.epoch, cfg.seed)  # mirroring fixed by (seed, epoch, index)
+                for images, labels in get_dataloader(dataset, sampler, cfg.num_workers, info.device, cfg.seed):
+                    images = normalize_images(images.to(info.device, non_blocking=True))
+                    labels = labels.to(info.device, non_blocking=True)
+                    micro += 1
+                    last_micro = micro % cfg.gradient_acc == 0
+                    with contextlib.nullcontext() if last_micro else backbone_opt.no_sync():
+                        loss = head(model(images), labels)
+                        scaled = loss / cfg.gradient_acc
+                        (scaler.scale(scaled) if scaler else scaled).backward()
+                    state.batch_in_epoch += 1
+                    if not last_micro:
+                        continue
 
-                lr = cfg.lr * lr_factor(state.step, total_steps, warmup_steps, cfg.lr_scheduler, cfg.lr_power)
-                set_lr([backbone_opt, head_opt], lr)
-                if scaler is None or scaler.unscale_(backbone_opt, extra_params=head.parameters()):
-                    backbone_opt.clip_grad_norm_(cfg.max_grad_norm, extra_params=head.parameters())
-                    backbone_opt.step()
-                    head_opt.step()
-                    if ema is not None:
-                        ema.update()
-                backbone_opt.zero_grad()
-                head_opt.zero_grad()
-                state.step += 1
-                loss_value = loss.item()
-                check_loss(loss_value, state.step, scaler)
-                progress(state.step, state.epoch, loss_value, lr, scaler.scale_value if scaler else None)
+                    lr = cfg.lr * lr_factor(state.step, total_steps, warmup_steps, cfg.lr_scheduler, cfg.lr_power)
+                    set_lr([backbone_opt, head_opt], lr)
+                    if scaler is None or scaler.unscale_(backbone_opt, extra_params=head.parameters()):
+                        backbone_opt.clip_grad_norm_(cfg.max_grad_norm, extra_params=head.parameters())
+                        backbone_opt.step()
+                        head_opt.step()
+                        if ema is not None:
+                            ema.update()
+                    backbone_opt.zero_grad()
+                    head_opt.zero_grad()
+                    state.step += 1
+                    loss_value = loss.item()
+                    check_loss(loss_value, state.step, scaler)
+                    progress(state.step, state.epoch, loss_value, lr, scaler.scale_value if scaler else None)
 
-                if verify.due(state.step):
-                    verify(state.step)
-                if state.step % cfg.checkpoint_interval == 0:
-                    checkpointer.save(state)
-                job_done = cfg.stop_after_steps and state.step - first_step >= cfg.stop_after_steps
-                if stop.requested() or job_done:
-                    logger.info("%s: saving a checkpoint at step %d and exiting",
-                                "job step limit" if job_done else "stop signal", state.step)
-                    checkpointer.save(state)
-                    return 0
-                if state.step >= total_steps:
-                    break
-            else:
-                state.epoch, state.batch_in_epoch = state.epoch + 1, 0
-        checkpointer.save(state)
-        verify(state.step)
-        logger.info("done: %d steps; weights in %s", state.step, os.path.join(cfg.output, "model.pt"))
-        return 0
+                    if verify.due(state.step):
+                        verify(state.step)
+                    if state.step % cfg.checkpoint_interval == 0:
+                        checkpointer.save(state)
+                    job_done = cfg.stop_after_steps and state.step - first_step >= cfg.stop_after_steps
+                    if stop.requested() or job_done:
+                        logger.info("%s: saving a checkpoint at step %d and exiting",
+                                    "job step limit" if job_done else "stop signal", state.step)
+                        checkpointer.save(state)
+                        return 0
+                    if state.step >= total_steps:
+                        break
+                else:
+                    state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+            checkpointer.save(state)
+            verify(state.step)
+            logger.info("done: %d steps; weights in %s", state.step, os.path.join(cfg.output, "model.pt"))
+            return 0
     except TrainingStopped as exc:
         logger.error("stopped: %s", exc)
         return 3
