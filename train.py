@@ -19,7 +19,6 @@ from dataset import ResumableDistributedSampler, build_dataset, get_dataloader, 
 from eval.callback import VerificationCallback
 from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
 from parallel.stop import StopSignal
-from utils.checkpoint import TrainState
 from utils.checkpointer import Checkpointer
 from utils.divergence import TrainingStopped, check_loss
 from utils.progress import ProgressLogger
@@ -72,9 +71,8 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
     checkpointer = Checkpointer(cfg.output, backbone=backbone, backbone_opt=backbone_opt, head=head,
                                 head_opt=head_opt, ema=ema, scaler=scaler, config=cfg, rank=info.rank,
                                 world_size=info.world_size, keep=cfg.keep_checkpoints)
-    state = TrainState()
-    if cfg.resume:
-        state, _ = checkpointer.load(batch_size=cfg.batch_size)
+    state = checkpointer.start(cfg.resume, cfg.overwrite, batch_size=cfg.batch_size)
+    if checkpointer.resumed_meta is not None:
         logger.info("resumed at step %d (epoch %d, batch %d)", state.step, state.epoch, state.batch_in_epoch)
 
     writer = None
