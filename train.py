@@ -19,7 +19,6 @@ from dataset import ResumableDistributedSampler, build_dataset, get_dataloader, 
 from eval.callback import VerificationCallback
 from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
 from parallel.stop import StopSignal
-from utils.checkpoint import TrainState
 from utils.checkpointer import Checkpointer
 from utils.divergence import TrainingStopped, check_labels, check_loss
 from utils.progress import ProgressLogger
@@ -74,9 +73,8 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
     checkpointer = Checkpointer(cfg.output, backbone=backbone, backbone_opt=backbone_opt, head=head,
                                 head_opt=head_opt, ema=ema, scaler=scaler, config=cfg, rank=info.rank,
                                 world_size=info.world_size, keep=cfg.keep_checkpoints)
-    state = TrainState()
-    if cfg.resume:
-        state, _ = checkpointer.load(batch_size=cfg.batch_size)
+    state = checkpointer.start(cfg.resume, cfg.overwrite, batch_size=cfg.batch_size)
+    if checkpointer.resumed_meta is not None:
         logger.info("resumed at step %d (epoch %d, batch %d)", state.step, state.epoch, state.batch_in_epoch)
 
     writer = None
@@ -89,66 +87,67 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
                               writer, first_step=state.step)
     micro, first_step = 0, state.step
     try:
-        while state.step < total_steps and state.epoch < cfg.num_epoch:
-            sampler.set_epoch(state.epoch, state.batch_in_epoch)
-            dataset.set_epoch(state.epoch, cfg.seed)  # mirroring fixed by (seed, epoch, index)
-            for images, labels in get_dataloader(dataset, sampler, cfg.num_workers, info.device, cfg.seed):
-                problem = check_labels(labels, cfg.num_classes)  # on the CPU, where no device waits
-                if problem:
-                    logger.error("%s (the head stops every rank)", problem)
-                images = normalize_images(images.to(info.device, non_blocking=True))
-                labels = labels.to(info.device, non_blocking=True)
-                micro += 1
-                last_micro = micro % cfg.gradient_acc == 0
-                lr = cfg.lr * lr_factor(state.step, total_steps, warmup_steps, cfg.lr_scheduler, cfg.lr_power)
-                set_lr([backbone_opt, head_opt], lr)  # before forward: a fused head steps in backward
-                with contextlib.nullcontext() if last_micro else backbone_opt.no_sync():
-                    loss = head(model(images), labels)
-                    scaled = loss / cfg.gradient_acc
-                    (scaler.scale(scaled) if scaler else scaled).backward()
-                state.batch_in_epoch += 1
-                if not last_micro:
-                    continue
+        with stop.deferred():  # a stop signal waits for the step end from here on
+            while state.step < total_steps and state.epoch < cfg.num_epoch:
+                sampler.set_epoch(state.epoch, state.batch_in_epoch)
+                dataset.set_epoch(state.epoch, cfg.seed)  # mirroring fixed by (seed, epoch, index)
+                for images, labels in get_dataloader(dataset, sampler, cfg.num_workers, info.device, cfg.seed):
+                    problem = check_labels(labels, cfg.num_classes)  # on the CPU, where no device waits
+                    if problem:
+                        logger.error("%s (the head stops every rank)", problem)
+                    images = normalize_images(images.to(info.device, non_blocking=True))
+                    labels = labels.to(info.device, non_blocking=True)
+                    micro += 1
+                    last_micro = micro % cfg.gradient_acc == 0
+                    lr = cfg.lr * lr_factor(state.step, total_steps, warmup_steps, cfg.lr_scheduler, cfg.lr_power)
+                    set_lr([backbone_opt, head_opt], lr)  # before forward: a fused head steps in backward
+                    with contextlib.nullcontext() if last_micro else backbone_opt.no_sync():
+                        loss = head(model(images), labels)
+                        scaled = loss / cfg.gradient_acc
+                        (scaler.scale(scaled) if scaler else scaled).backward()
+                    state.batch_in_epoch += 1
+                    if not last_micro:
+                        continue
 
-                head_params = list(head.parameters()) if cfg.clip_head else []
-                if scaler is None or scaler.unscale_(backbone_opt, extra_params=head.parameters()):
-                    backbone_opt.clip_grad_norm_(cfg.max_grad_norm, extra_params=head_params)
-                    backbone_opt.step()
-                    head_opt.step()
-                    if ema is not None:
-                        ema.update()
-                backbone_opt.zero_grad()
-                head_opt.zero_grad()
-                state.step += 1
-                # the loss stays on the device; the host reads it once per `frequent` steps, and
-                # before a checkpoint (a diverged step is never saved as the last good one)
-                progress.add(loss.detach())
-                checkpoint_due = state.step % cfg.checkpoint_interval == 0
-                if progress.due(state.step) or checkpoint_due:
-                    loss_value = progress.mean_loss()
-                    check_loss(loss_value, state.step, scaler)
-                    if progress.due(state.step):
-                        progress(state.step, state.epoch, loss_value, lr, scaler.scale_value if scaler else None)
+                    head_params = list(head.parameters()) if cfg.clip_head else []
+                    if scaler is None or scaler.unscale_(backbone_opt, extra_params=head.parameters()):
+                        backbone_opt.clip_grad_norm_(cfg.max_grad_norm, extra_params=head_params)
+                        backbone_opt.step()
+                        head_opt.step()
+                        if ema is not None:
+                            ema.update()
+                    backbone_opt.zero_grad()
+                    head_opt.zero_grad()
+                    state.step += 1
+                    # the loss stays on the device; the host reads it once per `frequent` steps, and
+                    # before a checkpoint (a diverged step is never saved as the last good one)
+                    progress.add(loss.detach())
+                    checkpoint_due = state.step % cfg.checkpoint_interval == 0
+                    if progress.due(state.step) or checkpoint_due:
+                        loss_value = progress.mean_loss()
+                        check_loss(loss_value, state.step, scaler)
+                        if progress.due(state.step):
+                            progress(state.step, state.epoch, loss_value, lr, scaler.scale_value if scaler else None)
 
-                if verify.due(state.step):
-                    verify(state.step)
-                if checkpoint_due:
-                    checkpointer.save(state)
-                job_done = cfg.stop_after_steps and state.step - first_step >= cfg.stop_after_steps
-                # every rank polls the stop flag at the same steps (one tiny collective per `frequent`)
-                if job_done or (progress.due(state.step) and stop.requested()):
-                    logger.info("%s: saving a checkpoint at step %d and exiting",
-                                "job step limit" if job_done else "stop signal", state.step)
-                    checkpointer.save(state)
-                    return 0
-                if state.step >= total_steps:
-                    break
-            else:
-                state.epoch, state.batch_in_epoch = state.epoch + 1, 0
-        checkpointer.save(state)
-        verify(state.step)
-        logger.info("done: %d steps; weights in %s", state.step, os.path.join(cfg.output, "model.pt"))
-        return 0
+                    if verify.due(state.step):
+                        verify(state.step)
+                    if checkpoint_due:
+                        checkpointer.save(state)
+                    job_done = cfg.stop_after_steps and state.step - first_step >= cfg.stop_after_steps
+                    # every rank polls the stop flag at the same steps (one tiny collective per `frequent`)
+                    if job_done or (progress.due(state.step) and stop.requested()):
+                        logger.info("%s: saving a checkpoint at step %d and exiting",
+                                    "job step limit" if job_done else "stop signal", state.step)
+                        checkpointer.save(state)
+                        return 0
+                    if state.step >= total_steps:
+                        break
+                else:
+                    state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+            checkpointer.save(state)
+            verify(state.step)
+            logger.info("done: %d steps; weights in %s", state.step, os.path.join(cfg.output, "model.pt"))
+            return 0
     except TrainingStopped as exc:
         logger.error("stopped: %s", exc)
         return 3

@@ -11,10 +11,10 @@ from typing import Any, Sequence
 from easydict import EasyDict as edict
 
 from configs.base import config as _base
+from configs.errors import ConfigError
+from configs.validate import validate_config
 
-
-class ConfigError(ValueError):
-    pass
+__all__ = ["ConfigError", "get_config", "format_config", "save_config", "parse_value", "validate_config"]
 
 
 def _load_module_config(path: str) -> dict:
@@ -36,8 +36,10 @@ def _unknown(key: str, known: Sequence[str], where: str) -> ConfigError:
     return ConfigError(f"unknown config key '{key}' in {where}{hint}")
 
 
-def parse_value(text: str, default: Any) -> Any:
+def parse_value(text: str, default: Any, key: str = "") -> Any:
     """Parse a command-line string to the type of the key's default."""
+    if key == "resume" and text.lower() == "auto":
+        return "auto"
     if isinstance(default, bool):
         low = text.lower()
         if low in ("1", "true", "yes", "on"):
@@ -95,9 +97,10 @@ def get_config(path: str | None = None, argv: Sequence[str] = ()) -> edict:
         if key not in cfg:
             raise _unknown(key, list(cfg), "command line")
         try:
-            cfg[key] = parse_value(text, _base[key])
+            cfg[key] = parse_value(text, _base[key], key)
         except ValueError as exc:
             raise ConfigError(f"--{key}: {exc}") from None
+    validate_config(cfg)
     return cfg
 
 

@@ -77,8 +77,13 @@ config.verbose = 2000                 # evaluate every N steps
 config.frequent = 10                  # log every N steps
 config.output = "work_dirs/default"
 config.checkpoint_interval = 2000     # steps between checkpoints (and one at the end)
-config.keep_checkpoints = 2
-config.resume = False                 # continue from output/checkpoint-latest
+config.keep_checkpoints = 2           # newest checkpoints of this run kept; 0 keeps every one
+config.resume = False                 # True: continue from output/latest; "auto": continue if the
+                                      # output holds a checkpoint, else start (elastic restarts, requeues)
+config.overwrite = False              # start over in an output holding checkpoints (deletes them);
+                                      # without it, or resume, such an output is refused
+config.reset_ema = False              # resume without the checkpoint's ema.pt: restart the EMA from
+                                      # the loaded weights (otherwise a missing ema.pt is an error)
 config.dist_timeout_min = 10          # a dead rank makes the others fail after this long
 config.max_steps = 0                  # shorten the schedule to N steps (0 = num_epoch epochs)
 config.stop_after_steps = 0           # save and exit after N steps of this job, schedule unchanged

@@ -29,3 +29,38 @@ def test_unknown_key_lists_close_matches():
 def test_shipped_job_configs_resolve(job):
     cfg = get_config(f"configs/{job}.py")
     assert cfg.num_classes > 0 and cfg.batch_size > 0
+
+
+@pytest.mark.parametrize("override,message", [
+    (["--batch_size", "-1"], "batch_size = -1: expected a positive integer"),
+    (["--batch_size", "0"], "batch_size = 0"),
+    (["--num_epoch", "0"], "num_epoch = 0"),
+    (["--gradient_acc", "0"], "gradient_acc = 0"),
+    (["--checkpoint_interval", "0"], "checkpoint_interval = 0"),
+    (["--frequent", "0"], "frequent = 0"),
+    (["--scale", "-32"], "scale = -32.0: expected a number > 0"),
+    (["--chunk_size", "-5"], "chunk_size = -5: expected an integer >= 0"),
+    (["--keep_checkpoints", "-1"], "keep_checkpoints = -1"),
+    (["--margin_list", "1.0,0.5"], r"margin_list = \(1.0, 0.5\): expected three numbers"),
+    (["--lr_scheduler", "step"], "lr_scheduler = 'step': expected one of 'poly', 'cosine'"),
+    (["--optimizer", "lamb"], "optimizer = 'lamb'"),
+    (["--sample_rate", "0"], r"sample_rate = 0.0: expected a number in \(0.0, 1.0\]"),
+    (["--fp16", "true", "--bf16", "true"], "choose one"),
+])
+def test_out_of_range_values_fail_at_start_naming_key_and_value(override, message):
+    with pytest.raises(ConfigError, match=message):
+        get_config("configs/demo.py", override)
+
+
+def test_job_config_values_are_validated_too(tmp_path):
+    job = tmp_path / "job.py"
+    job.write_text("from easydict import EasyDict as edict\nconfig = edict()\nconfig.batch_size = '64'\n")
+    with pytest.raises(ConfigError, match="batch_size = '64': expected a positive integer"):
+        get_config(str(job))
+
+
+def test_resume_accepts_auto():
+    assert get_config(None, ["--resume", "auto"]).resume == "auto"
+    assert get_config(None, ["--resume", "true"]).resume is True
+    with pytest.raises(ConfigError, match="--resume"):
+        get_config(None, ["--resume", "maybe"])

@@ -1,6 +1,7 @@
 """Launched with torchrun like users do: a stop signal on one rank saves and exits cleanly on
 every rank; a rank that dies makes the others exit instead of hanging."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,6 +38,68 @@ def _wait_for_step(output, step, proc, timeout=120):
             raise AssertionError(f"training exited early:\n{console[-3000:]}")
         time.sleep(0.5)
     raise AssertionError("training did not reach step %d" % step)
+
+
+def _finish(proc, timeout, what):
+    """The launcher's exit code; fails (and kills the job) if it runs past `timeout` s."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        pytest.fail(f"{what}: still running after {timeout} s")
+
+
+def _console(output):
+    return open(output + ".console").read()
+
+
+def test_data_error_with_loader_workers_exits_within_seconds(drawn_faces, tmp_path):
+    """A worker's data error must end the job: workers get the default signal mask, so the
+    SIGTERM Python sends them at exit is not ignored."""
+    data = str(tmp_path / "bad_label")
+    shutil.copytree(drawn_faces, data)
+    with open(os.path.join(data, "property"), "w") as f:
+        f.write("15,112,112\n")  # the images of identity 15 now carry a label out of range
+    out = str(tmp_path / "bad_label_run")
+    proc = _launch(data, out, "--num_classes", "15", "--num_workers", "1")
+    code = _finish(proc, 90, "a run with a bad label and loader workers")
+    assert code != 0
+    assert "label 15 outside [0, 15)" in _console(out)
+
+
+def _listening(port):
+    """Whether some process listens on TCP `port` (read from /proc, no connection made)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.isfile(table):
+            for line in open(table).read().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    return True
+    return False
+
+
+def test_sigterm_during_process_group_setup_exits_promptly(drawn_faces, tmp_path):
+    """Rank 0 of two waits in init_process_group for a rank that never comes; torchrun's
+    SIGTERM must end it within seconds, not after the rendezvous timeout."""
+    from tests.distributed import free_port
+    port = free_port()
+    out = str(tmp_path / "setup")
+    env = dict(os.environ, OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    proc = subprocess.Popen([sys.executable, "train.py", *train_argv(drawn_faces, out, "--dist_timeout_min", "5")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not _listening(port):  # rank 0's store is up: it is waiting for rank 1
+            assert proc.poll() is None and time.time() < deadline, "rank 0 never started its store"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        assert _finish(proc, 15, "SIGTERM while waiting for a peer") == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_sigterm_on_one_rank_checkpoints_and_exits_cleanly_on_all(drawn_faces, tmp_path):

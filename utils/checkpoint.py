@@ -17,11 +17,14 @@ The output directory must be shared by all ranks (one machine, or a shared file 
 """
 from __future__ import annotations
 
+import errno
 import glob
+import logging
 import os
 import random
 import re
 import shutil
+import uuid
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -29,9 +32,16 @@ import torch
 
 from parallel.dist import barrier
 
+logger = logging.getLogger("shardface")
+CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+
 
 class CheckpointError(RuntimeError):
     pass
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:16]
 
 
 @dataclass
@@ -39,24 +49,30 @@ class TrainState:
     step: int = 0            # optimizer steps taken
     epoch: int = 0
     batch_in_epoch: int = 0  # micro-batches this rank consumed in `epoch`
+    run_id: str = ""         # names the run across resumes; pruning only deletes its checkpoints
+
+
+def _write_atomically(path: str, mode: str, write) -> None:
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        with_path = f"{path}: cannot write ({os.strerror(exc.errno) if exc.errno else exc})"
+        if exc.errno == errno.ENOSPC:
+            with_path += f"; free space on {os.path.dirname(os.path.abspath(path))} or point output elsewhere"
+        raise CheckpointError(with_path) from exc
 
 
 def atomic_save(obj, path: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _write_atomically(path, "wb", lambda f: torch.save(obj, f))
 
 
 def atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _write_atomically(path, "w", lambda f: f.write(text))
 
 
 def safe_load(path: str):
@@ -151,20 +167,75 @@ def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, h
         os.replace(tmp, final)
         _fsync_dir(output)
         atomic_write_text(os.path.join(output, "latest"), os.path.basename(final) + "\n")
-        for old in sorted(glob.glob(os.path.join(output, "checkpoint-*[0-9]")))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune_checkpoints(output, state.step, state.run_id, keep)
     barrier()
     return final
 
 
-def resolve_checkpoint(path: str) -> str:
-    """A checkpoint directory, or a run output holding `latest`."""
+def list_checkpoints(output: str) -> list[tuple[int, str]]:
+    """(step, directory) of every `checkpoint-<step>` under `output`, oldest first."""
+    if not os.path.isdir(output):
+        return []
+    found = [(int(m.group(1)), os.path.join(output, name))
+             for name in os.listdir(output) if (m := CHECKPOINT_NAME.match(name))]
+    return sorted(found)
+
+
+def _meta_or_none(ckpt: str) -> dict | None:
+    try:
+        meta = torch.load(os.path.join(ckpt, "meta.pt"), map_location="cpu", weights_only=True)
+    except Exception:  # missing, truncated or foreign: not an intact checkpoint
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _intact(ckpt: str) -> bool:
+    return (os.path.isdir(ckpt) and all(os.path.isfile(os.path.join(ckpt, f)) for f in ("backbone.pt", "optimizer.pt"))
+            and _meta_or_none(ckpt) is not None)
+
+
+def prune_checkpoints(output: str, newest_step: int, run_id: str, keep: int) -> list[str]:
+    """Delete checkpoints of run `run_id` older than `newest_step` so that `keep` remain,
+    counting the newest (0 keeps all). Checkpoints of other runs, unreadable ones and newer
+    ones are never touched. Returns the deleted directories."""
+    if keep <= 0 or not run_id:
+        return []
+    older = [path for step, path in list_checkpoints(output)
+             if step < newest_step and (_meta_or_none(path) or {}).get("run_id") == run_id]
+    doomed = older[:max(0, len(older) - (keep - 1))]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def find_checkpoint(path: str) -> str | None:
+    """The checkpoint directory `path` is, or the one a run output's `latest` names; when
+    `latest` is missing, dangling or garbage, the newest intact checkpoint (with a warning).
+    None when there is none."""
+    if os.path.isfile(os.path.join(path, "meta.pt")):
+        return path
     latest = os.path.join(path, "latest")
+    named = None
     if os.path.isfile(latest):
-        path = os.path.join(path, open(latest).read().strip())
-    if not os.path.isfile(os.path.join(path, "meta.pt")):
-        raise CheckpointError(f"{path}: not a checkpoint (no meta.pt) and no 'latest' file names one")
-    return path
+        with open(latest, "rb") as f:
+            named = f.read(256).decode("utf-8", "replace").strip()
+        if CHECKPOINT_NAME.match(named) and _intact(os.path.join(path, named)):
+            return os.path.join(path, named)
+    for _, ckpt in reversed(list_checkpoints(path)):
+        if _intact(ckpt):
+            if named is not None:
+                logger.warning("%s names %r, which is not an intact checkpoint; using the newest intact one, %s",
+                               latest, named[:64], ckpt)
+            return ckpt
+    return None
+
+
+def resolve_checkpoint(path: str) -> str:
+    """Like `find_checkpoint`, but an error when there is no checkpoint."""
+    ckpt = find_checkpoint(path)
+    if ckpt is None:
+        raise CheckpointError(f"{path}: not a checkpoint (no meta.pt), and no intact checkpoint-* directory in it")
+    return ckpt
 
 
 def read_backbone_weights(path: str, ema: bool = True) -> tuple[dict, dict]:
@@ -210,14 +281,23 @@ def _load_head(ckpt: str, head, head_opt) -> None:
 
 
 def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=None, scaler=None,
-                    rank: int = 0, world_size: int = 1, batch_size: int | None = None) -> tuple[TrainState, dict]:
-    """Restore everything saved by `save_checkpoint`, resharding to this world size."""
+                    rank: int = 0, world_size: int = 1, batch_size: int | None = None,
+                    config=None) -> tuple[TrainState, dict]:
+    """Restore everything saved by `save_checkpoint`, resharding to this world size. With
+    `config`, its `optimizer` must be the checkpoint's, and a missing ema.pt of a run that
+    had EMA on is an error unless `config.reset_ema`."""
     ckpt = resolve_checkpoint(path)
     meta = safe_load(os.path.join(ckpt, "meta.pt"))
+    saved_config = meta.get("config") or {}
     if meta["num_classes"] != head.num_classes:
         raise CheckpointError(f"{ckpt}: trained with {meta['num_classes']} classes, this run has {head.num_classes}")
+    if config is not None and saved_config.get("optimizer", config.optimizer) != config.optimizer:
+        raise CheckpointError(f"{ckpt}: trained with optimizer '{saved_config['optimizer']}', this run uses "
+                              f"'{config.optimizer}'; its optimizer state cannot carry over: resume with "
+                              f"--optimizer {saved_config['optimizer']}")
+    weights = safe_load(os.path.join(ckpt, "backbone.pt"))  # a corrupt file is reported as such
     try:
-        backbone.load_state_dict(safe_load(os.path.join(ckpt, "backbone.pt")))
+        backbone.load_state_dict(weights)
     except RuntimeError as exc:
         raise CheckpointError(f"{ckpt}/backbone.pt does not fit this network: {exc}") from None
     backbone_opt.load_state_dict(safe_load(os.path.join(ckpt, "optimizer.pt")))
@@ -226,14 +306,18 @@ def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=No
         if os.path.isfile(ema_path):
             saved = safe_load(ema_path)
             ema.load_state_dict(saved["state"], updates=saved["updates"])
-        else:  # EMA switched on at resume: it starts from the loaded weights
+        elif saved_config.get("ema") and not (config is not None and config.reset_ema):
+            raise CheckpointError(f"{ema_path} is missing, but the checkpoint was trained with ema on: restore "
+                                  f"the file, or pass --reset_ema true to restart the EMA from the loaded weights")
+        else:  # EMA switched on at resume (or reset on request): it starts from the loaded weights
+            logger.warning("EMA starts from the weights of %s", ckpt)
             ema.load_state_dict(backbone.state_dict(), updates=0)
     _load_head(ckpt, head, head_opt)
     if meta.get("margin"):
         head.margin_loss.load_state_dict(meta["margin"])
     if scaler is not None and meta.get("scaler"):
         scaler.load_state_dict(meta["scaler"])
-    state = TrainState(meta["step"], meta["epoch"], meta["batch_in_epoch"])
+    state = TrainState(meta["step"], meta["epoch"], meta["batch_in_epoch"], meta.get("run_id") or new_run_id())
     if meta["world_size"] == world_size:
         set_rng_state(safe_load(os.path.join(ckpt, f"rng-rank{rank}.pt")))
     if batch_size and (meta["world_size"], meta["batch_size"]) != (world_size, batch_size):

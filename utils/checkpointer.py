@@ -1,16 +1,33 @@
-"""The run's checkpoint policy: what to save, where, and not the same step twice."""
+"""The run's checkpoint policy: where a run starts, what is saved, and what is never saved."""
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 
-from utils.checkpoint import TrainState, atomic_save, load_checkpoint, save_checkpoint
+import torch.distributed as dist
+
+from parallel.dist import barrier, cpu_group, get_world_size
+from utils.checkpoint import (CheckpointError, TrainState, atomic_save, find_checkpoint, list_checkpoints,
+                              load_checkpoint, new_run_id, save_checkpoint)
+
+logger = logging.getLogger("shardface")
+
+
+def _same_on_every_rank(value: str) -> str:
+    """Rank 0's value, on every rank."""
+    if get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=cpu_group())
+    return box[0]
 
 
 class Checkpointer:
     """Saves the run's checkpoints (see utils/checkpoint.py) and `model.pt`, the backbone
-    weights for export (EMA weights when EMA is on). `save` is collective: every rank calls
-    it at the same step. It remembers the last step it saved, so the final save right after
-    an interval save of the same step writes nothing."""
+    weights for export (EMA weights when EMA is on). Every method is collective: all ranks
+    call it at the same step. `save` remembers the last step it saved, so the final save
+    right after an interval save of the same step writes nothing."""
 
     def __init__(self, output: str, *, backbone, backbone_opt, head, head_opt, ema=None, scaler=None,
                  config=None, rank: int = 0, world_size: int = 1, keep: int = 2):
@@ -18,13 +35,36 @@ class Checkpointer:
         self.parts = dict(backbone=backbone, backbone_opt=backbone_opt, head=head, head_opt=head_opt,
                           ema=ema, scaler=scaler)
         self.last_saved_step: int | None = None
+        self.resumed_meta: dict | None = None
 
-    def load(self, batch_size: int | None = None) -> tuple[TrainState, dict]:
-        """Restore every part from the run's latest checkpoint, resharded to this world size."""
-        state, meta = load_checkpoint(self.output, **self.parts, rank=self.rank, world_size=self.world_size,
-                                      batch_size=batch_size)
-        self.last_saved_step = state.step
-        return state, meta
+    def start(self, resume, overwrite: bool = False, batch_size: int | None = None) -> TrainState:
+        """Where this run begins. `resume` True: from the output's latest checkpoint (an error
+        if none); "auto": from it if there is one, else fresh; False: fresh, and an output that
+        already holds checkpoints is refused unless `overwrite`, which deletes them first
+        (so a second run can never prune or overwrite the first one's checkpoints)."""
+        existing = find_checkpoint(self.output) if os.path.isdir(self.output) else None
+        barrier()  # every rank has looked before rank 0 may delete anything
+        if resume is True or (resume == "auto" and existing is not None):
+            state, self.resumed_meta = load_checkpoint(self.output, **self.parts, rank=self.rank,
+                                                       world_size=self.world_size, batch_size=batch_size,
+                                                       config=self.config)
+            self.last_saved_step = state.step
+            return state
+        leftovers = list_checkpoints(self.output)
+        if leftovers and resume is False:
+            if not overwrite:
+                raise CheckpointError(
+                    f"{self.output} holds checkpoints of an earlier run (newest {os.path.basename(leftovers[-1][1])}): "
+                    f"pass --resume true (or auto) to continue it, or --overwrite true to delete them and start over")
+            if self.rank == 0:
+                for _, path in leftovers:
+                    shutil.rmtree(path)
+                for name in ("latest", "model.pt"):
+                    if os.path.exists(os.path.join(self.output, name)):
+                        os.remove(os.path.join(self.output, name))
+                logger.warning("overwrite: deleted %d checkpoints of an earlier run in %s", len(leftovers), self.output)
+            barrier()
+        return TrainState(run_id=_same_on_every_rank(new_run_id()))
 
     def save(self, state: TrainState) -> None:
         if self.last_saved_step == state.step:

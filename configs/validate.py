@@ -1,0 +1,70 @@
+"""Every config key checked at start-up, so a bad value fails before training, naming key and value."""
+from __future__ import annotations
+
+import numbers
+
+from configs.errors import ConfigError
+
+CHOICES = {"optimizer": ("sgd", "adamw"), "lr_scheduler": ("poly", "cosine"), "resume": (False, True, "auto")}
+POSITIVE_INT = ("embedding_size", "num_classes", "num_epoch", "batch_size", "gradient_acc", "frequent",
+                "checkpoint_interval")
+NON_NEGATIVE_INT = ("num_image", "warmup_epoch", "num_workers", "verbose", "max_steps", "stop_after_steps",
+                    "chunk_size", "keep_checkpoints", "seed")
+POSITIVE_FLOAT = ("scale", "lr", "ema_tau", "dist_timeout_min")
+NON_NEGATIVE_FLOAT = ("weight_decay", "max_grad_norm", "lr_power")
+BOOL = ("grad_checkpoint", "fp16", "bf16", "zero", "ema", "skip_bad_images", "overwrite", "reset_ema")
+# (low, high, low inclusive, high inclusive)
+INTERVALS = {"dropout": (0.0, 1.0, True, False), "sample_rate": (0.0, 1.0, False, True),
+             "momentum": (0.0, 1.0, True, False), "ema_decay": (0.0, 1.0, False, False),
+             "interclass_filtering_threshold": (0.0, 1.0, True, False)}
+
+
+def _fail(key: str, value, why: str) -> ConfigError:
+    return ConfigError(f"config {key} = {value!r}: {why}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def validate_config(cfg: dict) -> None:
+    """Raise ConfigError for the first key whose value is of the wrong type or out of range."""
+    for key, allowed in CHOICES.items():
+        if not any(type(cfg[key]) is type(a) and cfg[key] == a for a in allowed):
+            raise _fail(key, cfg[key], f"expected one of {', '.join(map(repr, allowed))}")
+    for key in POSITIVE_INT:
+        if not _is_int(cfg[key]) or cfg[key] <= 0:
+            raise _fail(key, cfg[key], "expected a positive integer")
+    for key in NON_NEGATIVE_INT:
+        if not _is_int(cfg[key]) or cfg[key] < 0:
+            raise _fail(key, cfg[key], "expected an integer >= 0")
+    for key in POSITIVE_FLOAT:
+        if not _is_real(cfg[key]) or not cfg[key] > 0:
+            raise _fail(key, cfg[key], "expected a number > 0")
+    for key in NON_NEGATIVE_FLOAT:
+        if not _is_real(cfg[key]) or not cfg[key] >= 0:
+            raise _fail(key, cfg[key], "expected a number >= 0")
+    for key in BOOL:
+        if not isinstance(cfg[key], bool):
+            raise _fail(key, cfg[key], "expected true or false")
+    for key, (lo, hi, lo_in, hi_in) in INTERVALS.items():
+        v = cfg[key]
+        inside = _is_real(v) and (lo <= v if lo_in else lo < v) and (v <= hi if hi_in else v < hi)
+        if not inside:
+            raise _fail(key, v, f"expected a number in {'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}")
+    margins = cfg["margin_list"]
+    if not isinstance(margins, (list, tuple)) or len(margins) != 3 or not all(_is_real(m) for m in margins):
+        raise _fail("margin_list", margins, "expected three numbers (m1, m2, m3) of s*(cos(m1*theta+m2)-m3)")
+    if not margins[0] > 0:
+        raise _fail("margin_list", margins, "m1 must be > 0")
+    if cfg["fp16"] and cfg["bf16"]:
+        raise ConfigError("config fp16 = True and bf16 = True: choose one")
+    for key in ("network", "rec", "output"):
+        if not isinstance(cfg[key], str) or not cfg[key]:
+            raise _fail(key, cfg[key], "expected a non-empty string")
+    if not isinstance(cfg["val_targets"], (list, tuple)) or not all(isinstance(t, str) for t in cfg["val_targets"]):
+        raise _fail("val_targets", cfg["val_targets"], "expected a list of .bin names")

@@ -1,0 +1,116 @@
+"""Checkpoints a real user's mistakes cannot lose: a second run into the same output, elastic
+restarts (`resume auto`), broken `latest`, missing or truncated files, another optimizer."""
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+import train
+from tests.conftest import train_argv
+from utils.checkpoint import CheckpointError, find_checkpoint, list_checkpoints, prune_checkpoints
+
+
+def _fake_checkpoint(output, step, run_id):
+    path = os.path.join(output, f"checkpoint-{step:08d}")
+    os.makedirs(path)
+    torch.save({"step": step, "run_id": run_id}, os.path.join(path, "meta.pt"))
+    for name in ("backbone.pt", "optimizer.pt"):
+        torch.save({}, os.path.join(path, name))
+    return path
+
+
+def _steps(output):
+    return [step for step, _ in list_checkpoints(output)]
+
+
+def test_pruning_removes_only_this_runs_older_checkpoints(tmp_path):
+    out = str(tmp_path)
+    for step, run in [(2, "other"), (4, "me"), (8, "me"), (12, "me"), (16, "me"), (20, "other")]:
+        _fake_checkpoint(out, step, run)
+    assert prune_checkpoints(out, 12, "me", keep=2) == [os.path.join(out, "checkpoint-00000004")]
+    assert _steps(out) == [2, 8, 12, 16, 20]  # other runs and newer checkpoints stay
+    assert prune_checkpoints(out, 12, "me", keep=0) == []  # 0 keeps every one
+    prune_checkpoints(out, 12, "me", keep=1)
+    assert _steps(out) == [2, 12, 16, 20]
+
+
+def test_dangling_or_garbage_latest_falls_back_to_newest_intact_checkpoint(tmp_path, caplog):
+    out = str(tmp_path)
+    _fake_checkpoint(out, 4, "r")
+    newest = _fake_checkpoint(out, 8, "r")
+    broken = _fake_checkpoint(out, 12, "r")
+    os.remove(os.path.join(broken, "meta.pt"))
+    for content in (b"checkpoint-00000099\n", b"\x00\xff garbage", b"checkpoint-00000012\n"):
+        with open(os.path.join(out, "latest"), "wb") as f:
+            f.write(content)
+        with caplog.at_level(logging.WARNING, logger="shardface"):
+            caplog.clear()
+            assert find_checkpoint(out) == newest
+        assert "not an intact checkpoint" in caplog.text
+
+
+def _train(data, out, *extra):
+    return train.main(train_argv(data, out, "--max_steps", "8", "--ema", "true", *extra))
+
+
+@pytest.fixture(scope="module")
+def eight_steps(drawn_faces, tmp_path_factory):
+    """A one-rank run of 8 steps with checkpoints at 4 and 8."""
+    out = str(tmp_path_factory.mktemp("first") / "run")
+    assert _train(drawn_faces, out) == 0
+    return out
+
+
+def _copy(src, tmp_path, name="run"):
+    dst = str(tmp_path / name)
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_second_run_into_the_same_output_is_refused_and_keeps_the_first(drawn_faces, eight_steps, tmp_path):
+    out = _copy(eight_steps, tmp_path)
+    with pytest.raises(CheckpointError, match="holds checkpoints of an earlier run.*--resume true.*--overwrite"):
+        _train(drawn_faces, out, "--max_steps", "4")
+    assert _steps(out) == [4, 8] and find_checkpoint(out).endswith("checkpoint-00000008")
+
+
+def test_overwrite_starts_over_and_its_checkpoints_resume(drawn_faces, eight_steps, tmp_path):
+    out = _copy(eight_steps, tmp_path)
+    assert _train(drawn_faces, out, "--max_steps", "4", "--overwrite", "true") == 0
+    assert _steps(out) == [4] and find_checkpoint(out).endswith("checkpoint-00000004")
+    assert _train(drawn_faces, out, "--max_steps", "8", "--resume", "true") == 0
+    assert _steps(out) == [4, 8]
+
+
+def test_resume_auto_starts_fresh_then_continues(drawn_faces, tmp_path):
+    out = str(tmp_path / "auto")
+    assert _train(drawn_faces, out, "--resume", "auto", "--stop_after_steps", "4") == 0
+    assert _steps(out) == [4]
+    assert _train(drawn_faces, out, "--resume", "auto") == 0
+    assert _steps(out) == [4, 8]
+    assert "resumed at step 4" in open(os.path.join(out, "training.log")).read()
+
+
+def test_missing_ema_file_is_an_error_unless_reset_is_asked_for(drawn_faces, eight_steps, tmp_path):
+    out = _copy(eight_steps, tmp_path)
+    os.remove(os.path.join(find_checkpoint(out), "ema.pt"))
+    with pytest.raises(CheckpointError, match=r"checkpoint-00000008/ema\.pt is missing.*--reset_ema true"):
+        _train(drawn_faces, out, "--max_steps", "10", "--resume", "true")
+    assert _train(drawn_faces, out, "--max_steps", "10", "--resume", "true", "--reset_ema", "true") == 0
+
+
+def test_truncated_backbone_file_is_reported_as_corrupt(drawn_faces, eight_steps, tmp_path):
+    out = _copy(eight_steps, tmp_path)
+    target = os.path.join(find_checkpoint(out), "backbone.pt")
+    data = open(target, "rb").read()
+    open(target, "wb").write(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"backbone\.pt: corrupt or unreadable"):
+        _train(drawn_faces, out, "--max_steps", "10", "--resume", "true")
+
+
+def test_resume_with_another_optimizer_names_both(drawn_faces, eight_steps, tmp_path):
+    out = _copy(eight_steps, tmp_path)
+    with pytest.raises(CheckpointError, match="optimizer 'sgd', this run uses 'adamw'.*--optimizer sgd"):
+        _train(drawn_faces, out, "--max_steps", "10", "--resume", "true", "--optimizer", "adamw")
