@@ -122,7 +122,7 @@ class _DtypeGroup:
                 piece.global_range.of(self.buffer).copy_(piece.shard_range.of(self.master))
 
 
-def resolve_exchange(exchange: str, backend: str, world_size: int) -> str:
+def resolve_exchange(exchange: str, backend: str) -> str:
     """The exchange a Zero2Optimizer uses: 'auto' is 'p2p' under gloo, 'collective' otherwise;
     'local' without a process group (the p2p bookkeeping, no communication)."""
     if exchange not in ("auto", "p2p", "collective"):
@@ -161,8 +161,9 @@ class Zero2Optimizer(WrappedOptimizer):
         broadcasts its shard. Gradient memory is the fp32 shard plus a few buckets
         (`peak_scratch_bytes`), not a full gradient copy.
     Buckets launch in a fixed order on every rank; `max_inflight_buckets` reductions (default
-    3 on CUDA, where they overlap backward's compute, else 1) stay open while the next fill. `clip_grad_norm_` and `unscale_and_check_`
-    all-reduce one scalar; neither reads a value on the host.
+    3 on CUDA, where they overlap backward's compute, else 1) stay open while the next fill.
+    `clip_grad_norm_` and `unscale_and_check_` all-reduce one scalar; neither reads a value on
+    the host.
 
     Every rank must call `backward`, `step`, `clip_grad_norm_`, `state_dict` and
     `load_state_dict` together. Move the module to its device and dtype before building this
@@ -186,7 +187,7 @@ class Zero2Optimizer(WrappedOptimizer):
         self.world_size = get_world_size(process_group)
         self.rank = get_rank(process_group)
         backend = dist.get_backend(process_group) if dist.is_initialized() else "none"
-        self.exchange = resolve_exchange(exchange, backend, self.world_size)
+        self.exchange = resolve_exchange(exchange, backend)
         self._p2p, self._collective = self.exchange in ("p2p", "local"), self.exchange == "collective"
         # NCCL averages in the reduce-scatter itself; gloo has no AVG, so it sums and the
         # shard is scaled as the pieces are added

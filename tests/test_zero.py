@@ -71,7 +71,7 @@ def _zero_train(rank, world_size, opt_name, clip, exchange="auto", steps=STEPS, 
     for step in range(first, first + steps):
         x, y = _data(step)
         _loss(model, x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
-        if opt.exchange == "p2p":  # gradients were copied into buckets and freed
+        if opt.exchange != "collective":  # gradients were copied into buckets and freed
             assert all(p.grad is None for p in model.parameters())
         else:  # views of the bucket buffer, zeroed once reduced
             assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
@@ -384,11 +384,12 @@ def test_segmented_layout_gives_every_rank_its_share_of_every_segment():
 def test_p2p_exchange_is_refused_under_nccl():
     from parallel.zero import resolve_exchange
     with pytest.raises(ValueError, match="exchange='p2p' is for gloo"):
-        resolve_exchange("p2p", "nccl", 8)
-    assert resolve_exchange("auto", "nccl", 8) == "collective"
-    assert resolve_exchange("auto", "gloo", 2) == "p2p"
+        resolve_exchange("p2p", "nccl")
+    assert resolve_exchange("auto", "nccl") == "collective"
+    assert resolve_exchange("auto", "gloo") == "p2p"
+    assert resolve_exchange("collective", "gloo") == "collective"
     with pytest.raises(ValueError, match="'ring'"):
-        resolve_exchange("ring", "gloo", 2)
+        resolve_exchange("ring", "gloo")
 
 
 # ----- norms, no_sync, schedulers, state to one rank -------------------------------------------
