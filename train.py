@@ -120,18 +120,18 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
                     if verify.due(state.step):
                         verify(state.step)
                     if state.step % cfg.checkpoint_interval == 0:
-                        checkpointer.save(state)
+                        checkpointer.save(state, (images, labels))
                     job_done = cfg.stop_after_steps and state.step - first_step >= cfg.stop_after_steps
                     if stop.requested() or job_done:
                         logger.info("%s: saving a checkpoint at step %d and exiting",
                                     "job step limit" if job_done else "stop signal", state.step)
-                        checkpointer.save(state)
+                        checkpointer.save(state, (images, labels))
                         return 0
                     if state.step >= total_steps:
                         break
                 else:
                     state.epoch, state.batch_in_epoch = state.epoch + 1, 0
-            checkpointer.save(state)
+            checkpointer.save(state, (images, labels) if state.step > first_step else None)
             verify(state.step)
             logger.info("done: %d steps; weights in %s", state.step, os.path.join(cfg.output, "model.pt"))
             return 0
