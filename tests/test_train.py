@@ -117,3 +117,19 @@ def test_corrupt_checkpoint_is_a_clear_error(drawn_faces, tmp_path, runs):
     open(target, "wb").write(data[: len(data) // 3])
     with pytest.raises(CheckpointError, match=r"optimizer\.pt: corrupt or unreadable"):
         train.main(argv(drawn_faces, out, "--resume", "true", "--zero", "false"))
+
+
+def test_images_skipped_on_every_rank_are_reported(tmp_path):
+    from dataset.pack import write_insightface_rec
+    from tests.conftest import jpeg
+    data = str(tmp_path / "with_bad")
+    ids = [[jpeg((16 * c, 100, 200 - 8 * c)) for _ in range(8)] for c in range(16)]
+    for c in (2, 7, 11):  # one undecodable image in three identities, never neighbours
+        ids[c][3] = b"not a jpeg"
+    write_insightface_rec(data, ids, 128, 16)
+    out = str(tmp_path / "skips")
+    # 8 steps at W=2, b=8: one epoch, every image read once
+    args = argv(data, out, "--skip_bad_images", "true", "--max_steps", "8", "--frequent", "4")
+    assert run_distributed(_run, 2, args) == [0, 0]
+    log = open(os.path.join(out, "training.log")).read()
+    assert "skipped 3 undecodable images in this job (all ranks)" in log
