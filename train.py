@@ -21,7 +21,7 @@ from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logg
 from parallel.stop import StopSignal
 from utils.checkpointer import Checkpointer
 from utils.divergence import TrainingStopped, check_labels, check_loss
-from utils.progress import ProgressLogger
+from utils.progress import ProgressLogger, SkipReport
 from utils.schedule import lr_factor, set_lr
 from utils.seed import seed_everything
 
@@ -48,6 +48,8 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
         save_config(cfg, cfg.output)
         logger.info("config %s (world size %d, %s)\n%s", config_path, info.world_size, info.device, format_config(cfg))
 
+    if cfg.fp16 and info.device.type == "cpu":
+        logger.warning("fp16 on the CPU is emulated and many times slower than fp32: use bf16 or neither")
     torch.manual_seed(cfg.seed)  # identical initial backbone on every rank
     backbone = build_backbone(cfg).to(info.device)
     head = build_head(cfg).to(info.device)
@@ -76,6 +78,12 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
     state = checkpointer.start(cfg.resume, cfg.overwrite, batch_size=cfg.batch_size)
     if checkpointer.resumed_meta is not None:
         logger.info("resumed at step %d (epoch %d, batch %d)", state.step, state.epoch, state.batch_in_epoch)
+        before = checkpointer.resumed_meta["batch_size"] * checkpointer.resumed_meta["world_size"]
+        now = cfg.batch_size * info.world_size
+        if before != now:
+            logger.warning("global batch %d (checkpoint) -> %d (this run): %d steps per epoch now, so the LR "
+                           "schedule is re-spread over %d steps; lr %g is not rescaled", before, now,
+                           steps_per_epoch, total_steps, cfg.lr)
 
     writer = None
     if info.is_main:
@@ -85,6 +93,7 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
                                   is_main=info.is_main)
     progress = ProgressLogger(total_steps, cfg.frequent, cfg.batch_size * info.world_size * cfg.gradient_acc,
                               writer, first_step=state.step)
+    skips = SkipReport(dataset, cfg.frequent, writer, enabled=cfg.skip_bad_images)
     micro, first_step = 0, state.step
     try:
         with stop.deferred():  # a stop signal waits for the step end from here on
@@ -128,24 +137,29 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
                         check_loss(loss_value, state.step, scaler)
                         if progress.due(state.step):
                             progress(state.step, state.epoch, loss_value, lr, scaler.scale_value if scaler else None)
+                    skips(state.step)
 
                     if verify.due(state.step):
                         verify(state.step)
                     if checkpoint_due:
-                        checkpointer.save(state)
+                        checkpointer.save(state, (images, labels))
                     job_done = cfg.stop_after_steps and state.step - first_step >= cfg.stop_after_steps
-                    # every rank polls the stop flag at the same steps (one tiny collective per `frequent`)
-                    if job_done or (progress.due(state.step) and stop.requested()):
+                    # every rank polls the stop flag at the same steps: each step on the CPU, once per
+                    # `frequent` steps on GPUs (a gloo round trip; their steps are short)
+                    poll = info.device.type == "cpu" or progress.due(state.step)
+                    if job_done or (poll and stop.requested()):
                         logger.info("%s: saving a checkpoint at step %d and exiting",
                                     "job step limit" if job_done else "stop signal", state.step)
-                        checkpointer.save(state)
+                        checkpointer.save(state, (images, labels))
+                        skips(state.step, final=True)
                         return 0
                     if state.step >= total_steps:
                         break
                 else:
                     state.epoch, state.batch_in_epoch = state.epoch + 1, 0
-            checkpointer.save(state)
+            checkpointer.save(state, (images, labels) if state.step > first_step else None)
             verify(state.step)
+            skips(state.step, final=True)
             logger.info("done: %d steps; weights in %s", state.step, os.path.join(cfg.output, "model.pt"))
             return 0
     except TrainingStopped as exc:

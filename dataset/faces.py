@@ -26,8 +26,26 @@ def mirror_for(seed: int, epoch: int, index: int) -> bool:
     return bool((z ^ (z >> 31)) & 1)
 
 
+class SkipCounter:
+    """Images skipped, counted across DataLoader worker processes: a shared-memory tensor
+    with one slot per worker, so no two processes write the same slot."""
+
+    SLOTS = 64
+
+    def __init__(self):
+        self.counts = torch.zeros(self.SLOTS + 1, dtype=torch.int64).share_memory_()
+
+    def add(self) -> None:
+        info = torch.utils.data.get_worker_info()
+        self.counts[self.SLOTS if info is None else info.id % self.SLOTS] += 1
+
+    def total(self) -> int:
+        return int(self.counts.sum())
+
+
 class _MirrorsInTraining:
-    """Every training set has `set_epoch`: its mirroring is fixed by (seed, epoch, index)."""
+    """Every training set has `set_epoch` (its mirroring is fixed by (seed, epoch, index))
+    and `skipped`, the SkipCounter of images it skipped."""
 
     train: bool = True
     seed: int = 0
@@ -72,7 +90,9 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
         self.reader = IndexedRecordReader(os.path.join(root_dir, "train.idx"),
                                           os.path.join(root_dir, "train.rec"))
         self.num_classes = num_classes if num_classes is not None else read_property(root_dir)[0]
-        first = self.reader.keys[0] if self.reader.keys else 0
+        if not self.reader.keys:
+            raise DataLayoutError(f"{self.reader.idx_path}: no records; the data set is empty")
+        first = self.reader.keys[0]
         header, _ = unpack(self.reader.read(first), f"{self.reader.rec_path} key {first}")
         if header.flag > 0:
             self.keys = list(range(1, int(np.asarray(header.label).ravel()[0])))
@@ -82,7 +102,7 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
                                     f"{self.keys[-1]}, but key {missing[0]} is not in the index")
         else:
             self.keys = list(self.reader.keys)
-        self.bad_images = 0
+        self.skipped = SkipCounter()
         self._labels: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
@@ -108,10 +128,15 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
             except ImageDecodeError as exc:
                 if not self.skip_bad_images:
                     raise
-                self.bad_images += 1
-                logger.warning("skipping undecodable image (%d so far in this worker): %s", self.bad_images, exc)
+                self.skipped.add()
+                logger.warning("skipping undecodable image: %s", exc)
         image = self.transform(image) if self.transform is not None else self._pixels(image)
         return image, self._label_tensor(label)
+
+    @property
+    def bad_images(self) -> int:
+        """Images skipped so far by this process and its loader workers."""
+        return self.skipped.total()
 
     def _pixels(self, chw: torch.Tensor) -> torch.Tensor:
         return normalize_images(chw) if self.normalize else chw
@@ -132,6 +157,7 @@ class FolderFaceDataset(_MirrorsInTraining, Dataset):
         self.classes, groups = list_identity_folders(root_dir)
         self.samples = [(path, label) for label, paths in enumerate(groups) for path in paths]
         self.num_classes = len(self.classes)
+        self.skipped = SkipCounter()  # never skips: every unreadable image is an error
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -151,6 +177,7 @@ class SyntheticDataset(_MirrorsInTraining, Dataset):
         g = torch.Generator().manual_seed(0)
         self.image = torch.rand(3, 112, 112, generator=g).mul_(2).sub_(1)
         self.num_classes, self.length = num_classes, length
+        self.skipped = SkipCounter()  # one valid image: nothing to skip
 
     def __len__(self) -> int:
         return self.length

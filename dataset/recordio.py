@@ -100,7 +100,8 @@ class RecordWriter:
 def read_index(idx_path: str, rec_size: int | None = None) -> dict[int, int]:
     if not os.path.isfile(idx_path):
         raise RecordIOError(f"{idx_path}: index file not found")
-    index = {}
+    index: dict[int, int] = {}
+    seen: dict[int, int] = {}  # offset -> key
     with open(idx_path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -113,7 +114,12 @@ def read_index(idx_path: str, rec_size: int | None = None) -> dict[int, int]:
             if rec_size is not None and not 0 <= offset <= rec_size - 8:
                 raise RecordIOError(f"{idx_path}: key {key} points at offset {offset}, "
                                     f"past the end of the .rec ({rec_size} bytes)")
+            if key in index or offset in seen:
+                what = f"key {key} appears twice" if key in index else \
+                    f"keys {seen[offset]} and {key} point at the same offset {offset}"
+                raise RecordIOError(f"{idx_path}:{lineno}: {what}: the same image would be trained twice")
             index[key] = offset
+            seen[offset] = key
     return index
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 
-from eval.verification import bin_path, load_bin, test
+from eval.verification import NFOLDS, bin_path, load_bin, test
 from parallel.dist import barrier
 
 logger = logging.getLogger("shardface")
@@ -26,7 +26,7 @@ class VerificationCallback:
             path = bin_path(val_dir, name)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"val_targets names '{name}' but {path} does not exist")
-            self.sets[name] = load_bin(path)
+            self.sets[name] = load_bin(path, min_pairs=NFOLDS)
         self.best: dict[str, float] = {}
         self.last: dict[str, float] = {}
         self.last_step: int | None = None

@@ -27,29 +27,67 @@ class VerificationDataError(DataError):
     """A .bin verification set that is missing, malformed or inconsistent."""
 
 
-def load_bin(path: str, image_size=(112, 112)):
-    """Returns ([images N x 3 x H x W uint8, their mirror images], issame_list)."""
+NFOLDS = 10  # the protocol's cross-validation folds
+
+
+class _BinUnpickler(pickle.Unpickler):
+    """Unpickles only what a .bin holds (lists, tuples, bytes, bools, numpy arrays): any
+    other global a crafted file names, the way to run code, is refused."""
+
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+               ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load global '{module}.{name}'")
+        return super().find_class(module, name)
+
+
+def _unpickle_bin(path: str):
+    with open(path, "rb") as f:
+        try:
+            return _BinUnpickler(f).load()
+        except UnicodeDecodeError:  # written by python 2
+            f.seek(0)
+            return _BinUnpickler(f, encoding="bytes").load()
+
+
+def load_bin(path: str, image_size=(112, 112), min_pairs: int = 0):
+    """Returns ([images N x 3 x H x W uint8, their mirror images], issame_list). Loading
+    executes nothing from the file; a wrong structure, or fewer than `min_pairs` pairs (pass
+    NFOLDS before evaluating), is a VerificationDataError naming the file."""
     try:
-        with open(path, "rb") as f:
-            try:
-                bins, issame = pickle.load(f)
-            except UnicodeDecodeError:  # written by python 2
-                f.seek(0)
-                bins, issame = pickle.load(f, encoding="bytes")
+        data = _unpickle_bin(path)
     except FileNotFoundError:
         raise VerificationDataError(f"{path}: verification file not found") from None
-    except (pickle.UnpicklingError, ValueError, EOFError) as exc:
+    except (pickle.UnpicklingError, ValueError, EOFError, TypeError, AttributeError, IndexError) as exc:
         raise VerificationDataError(f"{path}: not a (bins, issame_list) pickle ({exc})") from None
+    if not isinstance(data, (tuple, list)) or len(data) != 2:
+        raise VerificationDataError(f"{path}: expected a pickled (bins, issame_list) pair, got {type(data).__name__}")
+    bins, issame = data
+    if not isinstance(bins, (list, tuple, np.ndarray)) or not isinstance(issame, (list, tuple, np.ndarray)):
+        raise VerificationDataError(f"{path}: expected (list of encoded images, list of bools), got "
+                                    f"({type(bins).__name__}, {type(issame).__name__})")
+    bad = next((i for i, b in enumerate(bins) if not isinstance(b, (bytes, bytearray, np.ndarray))), None)
+    if bad is not None:
+        raise VerificationDataError(f"{path}: image {bad} is a {type(bins[bad]).__name__}, not encoded image bytes")
+    bad = next((i for i, v in enumerate(issame) if not isinstance(v, (bool, np.bool_))), None)
+    if bad is not None:
+        raise VerificationDataError(f"{path}: issame entry {bad} is {issame[bad]!r}, not a bool")
     if len(bins) % 2:
         raise VerificationDataError(f"{path}: odd number of images ({len(bins)}); pairs need an even count")
     if len(bins) != 2 * len(issame):
         raise VerificationDataError(f"{path}: {len(bins)} images but {len(issame)} issame entries "
                                     f"(expected {len(bins) // 2})")
+    if len(issame) < min_pairs:
+        raise VerificationDataError(f"{path}: {len(issame)} pairs, fewer than the {min_pairs} folds of the protocol")
     h, w = image_size
     images = torch.empty((len(bins), 3, h, w), dtype=torch.uint8)
     for i, data in enumerate(bins):
         try:
-            img = Image.open(io.BytesIO(bytes(data))).convert("RGB")
+            img = Image.open(io.BytesIO(np.asarray(data, dtype=np.uint8).tobytes()
+                                        if isinstance(data, np.ndarray) else bytes(data))).convert("RGB")
         except Exception as exc:
             raise VerificationDataError(f"{path}: image {i} cannot be decoded ({exc})") from None
         if img.size != (w, h):
@@ -155,7 +193,7 @@ class VerificationResult:
     embeddings_flip: np.ndarray  # N x D of their mirror images
 
 
-def test(data_set, backbone: torch.nn.Module, batch_size: int, nfolds: int = 10) -> VerificationResult:
+def test(data_set, backbone: torch.nn.Module, batch_size: int, nfolds: int = NFOLDS) -> VerificationResult:
     """arcface_torch's verification test of `data_set` (as `load_bin` returns it)."""
     (images, mirrored), issame = data_set
     emb, emb_flip = embed(images, backbone, batch_size), embed(mirrored, backbone, batch_size)

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from eval.verification import load_bin, test
+from eval.verification import NFOLDS, load_bin, test
 from eval.weights import load_backbone
 
 
@@ -24,7 +24,7 @@ def main(argv=None) -> None:
     model = model.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     rows = []
     for path in args.bin:
-        r = test(load_bin(path), model, args.batch_size)
+        r = test(load_bin(path, min_pairs=NFOLDS), model, args.batch_size)
         rows.append((os.path.basename(path), r.accuracy, r.accuracy_flip, r.std_flip, r.xnorm))
     print(f"{'set':<20} {'acc':>8} {'acc-flip':>9} {'std':>7} {'XNorm':>8}")
     for name, acc, acc_flip, std_flip, xnorm in rows:

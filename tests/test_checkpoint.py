@@ -114,3 +114,17 @@ def test_resume_with_another_optimizer_names_both(drawn_faces, eight_steps, tmp_
     out = _copy(eight_steps, tmp_path)
     with pytest.raises(CheckpointError, match="optimizer 'sgd', this run uses 'adamw'.*--optimizer sgd"):
         _train(drawn_faces, out, "--max_steps", "10", "--resume", "true", "--optimizer", "adamw")
+
+
+def test_full_disk_names_the_path(tmp_path, monkeypatch):
+    import errno
+
+    from utils import checkpoint
+
+    def no_space(obj, f):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", no_space)
+    target = str(tmp_path / "backbone.pt")
+    with pytest.raises(CheckpointError, match=rf"{target}: cannot write \(No space left on device\); free space"):
+        checkpoint.atomic_save({}, target)

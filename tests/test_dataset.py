@@ -235,3 +235,29 @@ def test_pack_rec_script_packs_an_image_folder(tmp_path):
     again = subprocess.run([sys.executable, "-m", "scripts.pack_rec", str(tmp_path / "faces"), str(out)],
                            capture_output=True, text=True)
     assert again.returncode != 0 and "--overwrite" in again.stderr
+
+
+def test_empty_record_file_is_named(tmp_path):
+    with RecordWriter(str(tmp_path / "train.idx"), str(tmp_path / "train.rec")):
+        pass
+    with pytest.raises(DataLayoutError, match=r"train\.idx: no records; the data set is empty"):
+        MXFaceDataset(str(tmp_path), num_classes=2)
+
+
+def test_identity_folder_without_images_is_an_error(tmp_path):
+    for name, count in [("a", 2), ("b", 0), ("c", 1)]:
+        (tmp_path / name).mkdir()
+        for j in range(count):
+            (tmp_path / name / f"{j}.jpg").write_bytes(jpeg(COLORS[0]))
+    with pytest.raises(DataLayoutError, match=r"/b: identity folder without images"):
+        build_dataset(str(tmp_path), 3)
+
+
+def test_skipped_images_are_counted_across_loader_workers(tmp_path):
+    images = [jpeg(COLORS[i % 3]) for i in range(12)]
+    images[1] = images[6] = b"not a jpeg"
+    write_insightface_rec(str(tmp_path), [images[:4], images[4:8], images[8:]], 12, 3)
+    ds = MXFaceDataset(str(tmp_path), skip_bad_images=True)
+    sampler = ResumableDistributedSampler(len(ds), 1, 0, batch_size=4, seed=0)
+    assert sum(len(y) for _, y in get_dataloader(ds, sampler, num_workers=2)) == 12
+    assert ds.bad_images == 2  # each bad index read once, its neighbour taken instead

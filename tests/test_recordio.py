@@ -86,3 +86,11 @@ def test_missing_idx_is_named(tmp_path):
     os.remove(reader.idx_path)
     with pytest.raises(RecordIOError, match=r"t\.idx: index file not found"):
         IndexedRecordReader(reader.idx_path, reader.rec_path)
+
+
+def test_idx_with_two_keys_at_one_offset_is_rejected(tmp_path):
+    reader = _write(tmp_path, {0: b"aaaa", 1: b"bbbb"})
+    with open(reader.idx_path, "a") as f:
+        f.write(f"2\t{reader.index[1]}\n")
+    with pytest.raises(RecordIOError, match=r"t\.idx:3: keys 1 and 2 point at the same offset"):
+        IndexedRecordReader(reader.idx_path, reader.rec_path)

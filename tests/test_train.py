@@ -1,5 +1,6 @@
 """train.py end to end on a tiny generated set: learning, exact resume, resharded resume,
 DDP = ZeRO-2, stop signals, divergence and corrupt checkpoints."""
+import math
 import os
 import re
 import shutil
@@ -85,15 +86,25 @@ def test_checkpoint_resumes_on_another_number_of_ranks(runs, drawn_faces, tmp_pa
     assert "resumed at step 5" in log
 
 
-def test_diverging_loss_stops_and_keeps_last_good_checkpoint(drawn_faces, tmp_path):
+def test_diverging_run_never_saves_poisoned_weights_and_its_last_checkpoint_resumes(drawn_faces, tmp_path):
+    """With lr 1e30 an update makes the weights huge before the loss (of the step before)
+    turns non-finite: those weights must not become a checkpoint, so resuming from the last
+    one with a sane lr trains on."""
     out = str(tmp_path / "nan")
-    code = train.main(argv(drawn_faces, out, "--lr", "1e30", "--max_grad_norm", "0", "--checkpoint_interval", "1",
-                           "--ema", "false"))
+    sane = ("--ema", "false", "--checkpoint_interval", "1", "--stop_after_steps", "2")
+    assert train.main(argv(drawn_faces, out, *sane)) == 0
+    code = train.main(argv(drawn_faces, out, "--resume", "true", "--lr", "1e30", "--max_grad_norm", "0",
+                           "--checkpoint_interval", "1", "--ema", "false"))
     assert code == 3
     log = open(os.path.join(out, "training.log")).read()
     assert "training diverged" in log
+    assert resolve_checkpoint(out).endswith("checkpoint-00000002")
     last = checkpoint_tensors_plain(out)
     assert all(torch.isfinite(v).all() for v in last.values() if v.is_floating_point())
+    resumed = train.main(argv(drawn_faces, out, "--resume", "true", *sane))
+    assert resumed == 0
+    after = losses_in_log(out)[-2:]
+    assert all(math.isfinite(v) for v in after), after
 
 
 def checkpoint_tensors_plain(path):
@@ -109,3 +120,19 @@ def test_corrupt_checkpoint_is_a_clear_error(drawn_faces, tmp_path, runs):
     open(target, "wb").write(data[: len(data) // 3])
     with pytest.raises(CheckpointError, match=r"optimizer\.pt: corrupt or unreadable"):
         train.main(argv(drawn_faces, out, "--resume", "true", "--zero", "false"))
+
+
+def test_images_skipped_on_every_rank_are_reported(tmp_path):
+    from dataset.pack import write_insightface_rec
+    from tests.conftest import jpeg
+    data = str(tmp_path / "with_bad")
+    ids = [[jpeg((16 * c, 100, 200 - 8 * c)) for _ in range(8)] for c in range(16)]
+    for c in (2, 7, 11):  # one undecodable image in three identities, never neighbours
+        ids[c][3] = b"not a jpeg"
+    write_insightface_rec(data, ids, 128, 16)
+    out = str(tmp_path / "skips")
+    # 8 steps at W=2, b=8: one epoch, every image read once
+    args = argv(data, out, "--skip_bad_images", "true", "--max_steps", "8", "--frequent", "4")
+    assert run_distributed(_run, 2, args) == [0, 0]
+    log = open(os.path.join(out, "training.log")).read()
+    assert "skipped 3 undecodable images in this job (all ranks)" in log

@@ -104,3 +104,43 @@ def test_flip_test_sums_mirror_embeddings_and_is_batch_size_independent(tmp_path
     summed = a.embeddings + a.embeddings_flip
     summed /= np.linalg.norm(summed, axis=1, keepdims=True)
     assert a.accuracy_flip == pytest.approx(evaluate(summed, data[1])[2].mean())
+
+
+class _RunsCode:
+    """Unpickling this calls os.system: what a crafted .bin does."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_crafted_bin_cannot_run_code(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "evil.bin"
+    path.write_bytes(pickle.dumps(([_RunsCode(marker)], [True])))
+    with pytest.raises(VerificationDataError, match=r"evil\.bin: .*refusing to load global '(posix|os)\.system'"):
+        load_bin(str(path))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("content,message", [
+    (7, "expected a pickled \\(bins, issame_list\\) pair, got int"),
+    ({"bins": [], "issame": []}, "got dict"),
+    (([b"x", 3], [True]), "image 1 is a int"),
+    (([b"x", b"y"], ["yes"]), "issame entry 0 is 'yes', not a bool"),
+])
+def test_wrong_bin_structures_are_named(tmp_path, content, message):
+    path = tmp_path / "wrong.bin"
+    path.write_bytes(pickle.dumps(content))
+    with pytest.raises(VerificationDataError, match=r"wrong\.bin: " + message):
+        load_bin(str(path))
+
+
+def test_fewer_pairs_than_folds_is_named(tmp_path):
+    path = tmp_path / "small.bin"
+    write_bin(str(path), [jpeg((0, 0, 0))] * 8, [True, False, True, False])
+    with pytest.raises(VerificationDataError, match=r"small\.bin: 4 pairs, fewer than the 10 folds"):
+        load_bin(str(path), min_pairs=verification.NFOLDS)

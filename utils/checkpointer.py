@@ -10,6 +10,7 @@ import torch.distributed as dist
 from parallel.dist import barrier, cpu_group, get_world_size
 from utils.checkpoint import (CheckpointError, TrainState, atomic_save, find_checkpoint, list_checkpoints,
                               load_checkpoint, new_run_id, save_checkpoint)
+from utils.divergence import check_weights
 
 logger = logging.getLogger("shardface")
 
@@ -66,9 +67,13 @@ class Checkpointer:
             barrier()
         return TrainState(run_id=_same_on_every_rank(new_run_id()))
 
-    def save(self, state: TrainState) -> None:
+    def save(self, state: TrainState, batch=None) -> None:
+        """Write a checkpoint of `state` and `model.pt`, unless this step was saved already.
+        Raises TrainingStopped instead when the weights are not finite or give a non-finite
+        loss on `batch` (the step's last images and labels): no poisoned checkpoint is written."""
         if self.last_saved_step == state.step:
             return
+        check_weights(state.step, self.parts["backbone"], self.parts["head"], batch)
         self.last_saved_step = state.step
         save_checkpoint(self.output, state, **self.parts, config=self.config, rank=self.rank,
                         world_size=self.world_size, keep=self.keep)

@@ -6,6 +6,9 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
+
+from parallel.dist import cpu_group, get_world_size
 
 logger = logging.getLogger("shardface")
 
@@ -81,3 +84,31 @@ class ProgressLogger:
         if self.writer is not None:
             self.writer.add_scalar("train/samples_per_second", rate, step)
         self.mark_time, self.mark_step = now, step
+
+
+class SkipReport:
+    """Images the data sets of all ranks skipped (`skip_bad_images`): summed over ranks every
+    `frequent` steps (one tiny all-reduce, only when skipping is on), logged by rank 0 when
+    the count grew, written to tensorboard, and reported at the end."""
+
+    def __init__(self, dataset, frequent: int, writer=None, enabled: bool = True):
+        self.counter = dataset.skipped if enabled else None
+        self.frequent, self.writer, self.reported = frequent, writer, 0
+
+    def __call__(self, step: int, final: bool = False) -> int:
+        if self.counter is None or (step % self.frequent and not final):
+            return self.reported
+        total = self.counter.total()
+        if get_world_size() > 1:
+            t = torch.tensor([float(total)])
+            dist.all_reduce(t, group=cpu_group())
+            total = int(t.item())
+        if total > self.reported:
+            logger.warning("skipped %d undecodable images so far (all ranks), %d since the last report",
+                           total, total - self.reported)
+        if final:
+            logger.info("skipped %d undecodable images in this job (all ranks)", total)
+        if self.writer is not None:
+            self.writer.add_scalar("data/skipped_images", total, step)
+        self.reported = total
+        return total
