@@ -45,7 +45,6 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
     os.makedirs(cfg.output, exist_ok=True)
     logger = setup_logging(info.rank, os.path.join(cfg.output, "training.log"))
     if info.is_main:
-        save_config(cfg, cfg.output)
         logger.info("config %s (world size %d, %s)\n%s", config_path, info.world_size, info.device, format_config(cfg))
 
     if cfg.fp16 and info.device.type == "cpu":
@@ -76,6 +75,8 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
                                 head_opt=head_opt, ema=ema, scaler=scaler, config=cfg, rank=info.rank,
                                 world_size=info.world_size, keep=cfg.keep_checkpoints)
     state = checkpointer.start(cfg.resume, cfg.overwrite, batch_size=cfg.batch_size)
+    if info.is_main:  # only now: a refused run must not replace the config of the run it met
+        save_config(cfg, cfg.output)
     if checkpointer.resumed_meta is not None:
         logger.info("resumed at step %d (epoch %d, batch %d)", state.step, state.epoch, state.batch_in_epoch)
         before = checkpointer.resumed_meta["batch_size"] * checkpointer.resumed_meta["world_size"]

@@ -1,6 +1,7 @@
 """Launched with torchrun like users do: a stop signal on one rank saves and exits cleanly on
 every rank; a rank that dies makes the others exit instead of hanging."""
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -54,18 +55,33 @@ def _console(output):
     return open(output + ".console").read()
 
 
-def test_data_error_with_loader_workers_exits_within_seconds(drawn_faces, tmp_path):
-    """A worker's data error must end the job: workers get the default signal mask, so the
-    SIGTERM Python sends them at exit is not ignored."""
-    data = str(tmp_path / "bad_label")
-    shutil.copytree(drawn_faces, data)
+def _bad_label(data):
     with open(os.path.join(data, "property"), "w") as f:
         f.write("15,112,112\n")  # the images of identity 15 now carry a label out of range
-    out = str(tmp_path / "bad_label_run")
-    proc = _launch(data, out, "--num_classes", "15", "--num_workers", "1")
-    code = _finish(proc, 90, "a run with a bad label and loader workers")
+    return ("--num_classes", "15"), "label 15 outside [0, 15)"
+
+
+def _corrupt_record(data):
+    from dataset.recordio import read_index
+    offset = read_index(os.path.join(data, "train.idx"))[40]
+    with open(os.path.join(data, "train.rec"), "r+b") as f:
+        f.seek(offset)
+        f.write(b"\0\0\0\0")  # the record's magic word
+    return ("--num_classes", "16"), "bad magic"
+
+
+@pytest.mark.parametrize("spoil", [_bad_label, _corrupt_record], ids=["bad_label", "corrupt_record"])
+def test_data_error_with_loader_workers_exits_within_seconds(drawn_faces, tmp_path, spoil):
+    """A worker's data error must end the job: workers get the default signal mask, so the
+    SIGTERM Python sends them at exit is not ignored."""
+    data = str(tmp_path / "spoilt")
+    shutil.copytree(drawn_faces, data)
+    extra, message = spoil(data)
+    out = str(tmp_path / "run")
+    proc = _launch(data, out, *extra, "--num_workers", "1")
+    code = _finish(proc, 90, f"a run with a {spoil.__name__[1:]} and loader workers")
     assert code != 0
-    assert "label 15 outside [0, 15)" in _console(out)
+    assert message in _console(out)
 
 
 def _listening(port):
@@ -102,9 +118,10 @@ def test_sigterm_during_process_group_setup_exits_promptly(drawn_faces, tmp_path
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_sigterm_on_one_rank_checkpoints_and_exits_cleanly_on_all(drawn_faces, tmp_path):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_sigterm_on_one_rank_checkpoints_and_exits_cleanly_on_all(drawn_faces, tmp_path, workers):
     out = str(tmp_path / "sigterm")
-    proc = _launch(drawn_faces, out)
+    proc = _launch(drawn_faces, out, "--num_workers", str(workers))
     try:
         _wait_for_step(out, 3, proc)
         workers = _workers(proc.pid)
@@ -134,3 +151,51 @@ def test_dead_rank_makes_the_job_exit_instead_of_hanging(drawn_faces, tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _assert_resumable(data_dir, out):
+    """The newest intact checkpoint loads and training continues from it (one process)."""
+    import train
+    step = int(resolve_checkpoint(out).rsplit("-", 1)[1])
+    assert train.main(train_argv(data_dir, out, "--resume", "auto", "--max_steps", str(step + 1))) == 0
+    assert int(resolve_checkpoint(out).rsplit("-", 1)[1]) == step + 1
+
+
+@pytest.mark.slow
+def test_repeated_kills_during_checkpoint_writes_leave_an_intact_checkpoint(drawn_faces, tmp_path):
+    out = str(tmp_path / "kills")
+    for round, delay in enumerate((0.3, 0.7, 1.1)):
+        # a checkpoint every step: the kill lands in or near a write
+        proc = _launch(drawn_faces, out, "--resume", "auto", "--checkpoint_interval", "1", "--num_workers", "1")
+        try:
+            _wait_for_step(out, 3 + 3 * round, proc)
+            time.sleep(delay)
+            os.kill(_workers(proc.pid)[0], signal.SIGKILL)
+            assert _finish(proc, 60, "the job after a rank was killed") != 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        assert resolve_checkpoint(out)
+    _assert_resumable(drawn_faces, out)
+
+
+@pytest.mark.slow
+def test_elastic_restart_with_resume_auto_continues_from_the_last_checkpoint(drawn_faces, tmp_path):
+    out = str(tmp_path / "elastic")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts",
+           "1", "train.py", *train_argv(drawn_faces, out, "--resume", "auto", "--max_steps", "40", "--num_epoch",
+                                        "10", "--checkpoint_interval", "5", "--num_workers", "1")]
+    console = open(out + ".console", "w")
+    proc = subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            start_new_session=True)
+    try:
+        _wait_for_step(out, 12, proc)
+        os.kill(_workers(proc.pid)[1], signal.SIGKILL)  # torchrun restarts both ranks
+        assert _finish(proc, 240, "the elastic job") == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = open(os.path.join(out, "training.log")).read()
+    resumed = re.findall(r"resumed at step (\d+) ", log)
+    assert resumed and int(resumed[0]) >= 10, log[-2000:]  # a checkpoint every 5 steps, killed after 12
+    assert resolve_checkpoint(out).endswith("checkpoint-00000040")
