@@ -163,7 +163,10 @@ class PartialFC(nn.Module):
             index, local = self.sample(local)
             self.sampled.add(rows_of_classes(index, self.subcenters))
         margin = self.margin_loss
-        loss = ShardedMarginCE.apply(emb_n, norms if margin.uses_norms else norms.detach(), self.weight, local,
+        weight = self.weight
+        if not torch.is_grad_enabled():  # evaluation: statistics only (autograd would still flag the inputs)
+            emb_n, norms, weight = emb_n.detach(), norms.detach(), weight.detach()
+        loss = ShardedMarginCE.apply(emb_n, norms if margin.uses_norms else norms.detach(), weight, local,
                                      index, margin, self.plan, self.group, self.step_rows)
         reg = margin.regularizer(norms)
         if reg is not None:  # identical on every rank: its gradient must count once in the sum over ranks

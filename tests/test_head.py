@@ -392,3 +392,25 @@ def test_head_forward_and_backward_never_wait_on_the_device(chunk, sample_rate, 
         head(emb, labels).backward()
     assert c.calls == []
     del opt
+
+
+def test_head_under_no_grad_forms_only_the_logits():
+    """Evaluation pays for the logits GEMMs alone: no dE / dW products under torch.no_grad()."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountGEMMs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func._schema.name in ("aten::mm", "aten::addmm", "aten::addmm_")
+            return func(*args, **(kwargs or {}))
+
+    head = PartialFC(ArcFace(s=16.0, margin=0.5), D, 40, chunk_size=10, row_block=16)
+    emb, labels = torch.randn(6, D, requires_grad=True), torch.randint(0, 40, (6,))
+    with CountGEMMs() as with_grad:
+        head(emb, labels)
+    with torch.no_grad(), CountGEMMs() as without:
+        head(emb, labels)
+    assert without.n == 4 and with_grad.n == 12  # 4 tiles: logits; + dE and dW per tile
