@@ -57,6 +57,31 @@ def test_fast_jpeg_decoder_matches_pil_and_rejects_truncation():
         decode_chw(data[: len(data) // 2], "cut.jpg")
 
 
+def test_damaged_jpeg_body_is_reported_with_its_key(caplog, capfd):
+    """libjpeg decodes a JPEG whose scan data holds stray markers and says only "Corrupt JPEG
+    data" on stderr: the warning must name the image, and the bare line must not appear."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from dataset.images import decode_chw
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (112, 112, 3), dtype=np.uint8)).save(buf, format="JPEG", quality=90)
+    data = bytearray(buf.getvalue())
+    middle = len(data) // 2
+    data[middle:middle + 40] = b"\xff\xd3" * 20
+    capfd.readouterr()
+    with caplog.at_level("WARNING", logger="shardface"):
+        assert decode_chw(bytes(buf.getvalue()), "good.rec key 1").shape == (3, 112, 112)
+        assert not caplog.records
+        assert decode_chw(bytes(data), "train.rec key 7").shape == (3, 112, 112)
+    assert [r.getMessage() for r in caplog.records] == [
+        "train.rec key 7: damaged JPEG data, decoded anyway (Corrupt JPEG data: premature end of data segment)"]
+    assert "Corrupt JPEG" not in capfd.readouterr().err
+
+
 def test_im2rec_layout_uses_every_key(tmp_path):
     with RecordWriter(str(tmp_path / "train.idx"), str(tmp_path / "train.rec")) as w:
         for key in range(5):
