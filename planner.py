@@ -53,9 +53,12 @@ def head_memory(num_classes: int, world: int, batch: int, dim: int, *, subcenter
         parts["head tile buffers"] = 4 * B * tile * F32 + 2 * tile * dim * F32
     else:
         parts["head weight gradient"] = rows
-        r = min(row_block, B)
+        # the first min(B, dim) rows' cosines live in the weight gradient (sampling: no first
+        # block there); the rest in row_block x shard
+        first = min(B, dim) if sample_rate >= 1 else 0
+        r = min(row_block, B - first)
         parts["head kept cosines"] = r * n_used * subcenters * F32
-        parts["head tile buffers"] = 4 * r * tile * F32 + (2 * tile * dim * F32 if sample_rate < 1 else 0)
+        parts["head tile buffers"] = 4 * max(first, r) * tile * F32 + (2 * tile * dim * F32 if sample_rate < 1 else 0)
     parts["head embeddings"] = 4 * B * dim * F32  # gathered, normalised, their gradient, target rows
     return parts
 

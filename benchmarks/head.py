@@ -46,7 +46,8 @@ class BareGEMMs(torch.nn.Module):
             self.weight.grad = logits.t() @ emb
 
 
-MARGINS = {"arcface": lambda: CombinedMarginLoss(64.0, 1.0, 0.5, 0.0), "adaface": lambda: AdaFace(),
+MARGINS = {"arcface": lambda: CombinedMarginLoss(64.0, 1.0, 0.5, 0.0),
+           "cosface": lambda: CombinedMarginLoss(64.0, 1.0, 0.0, 0.4), "adaface": lambda: AdaFace(),
            "magface": lambda: MagFace(), "curricularface": lambda: CurricularFace(),
            "subcenter_arcface": lambda: SubCenterArcFace(k=3)}
 

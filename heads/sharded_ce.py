@@ -3,12 +3,18 @@
 Each rank holds the weight rows of its class shard and the normalised embeddings of the
 whole global batch. The batch is processed in blocks of rows; for each block:
 
-1. cosines of the block against the shard, tile by tile (K classes at a time), kept in one
-   block buffer (rows x shard), and the block's local row statistics (max, sum of exp);
+1. cosines of the block against the shard, tile by tile (K classes at a time), kept, and the
+   block's local row statistics (log-sum-exp);
 2. one all-gather of those statistics, from which every rank forms log Z of each row
    (logits are never concatenated or exchanged);
 3. the softmax gradient from the kept cosines, tile by tile, straight into the gradient of
    the embeddings and of the weight (the three GEMMs any exact head needs: logits, dE, dW).
+
+Where the cosines are kept: the first block (up to D rows) in the weight gradient's own
+buffer, which nothing else uses before that block's gradient is written (tile j's cosines,
+rows x K_j floats, fit in the K_j x D rows of the gradient that tile j then writes; each is
+read before it is overwritten); later blocks of `row_block` rows in one block buffer. So a
+global batch of at most D rows costs no memory beyond the weight gradient.
 
 So the loss and both gradients are ready when forward returns; backward only scales them
 by the incoming gradient. Under `torch.no_grad()` only the statistics are formed. The
@@ -23,6 +29,7 @@ unchanged value back.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,14 +40,19 @@ from parallel.collectives import all_gather_flat
 from parallel.dist import get_world_size
 
 EPS = 1e-12
+# Where a margin's other logits are s * cos (`MarginLoss.linear_scale`), the head keeps
+# exp(s cos) itself, unshifted, while s + log C stays under this: fp32's normal range is
+# e^-87.3 .. e^88.7, so every kept value (|cos| <= 1), every row sum (<= C e^s) and exp(-log Z)
+# stay normal, and one exp per element serves both the statistics and the gradient.
+EXP_RANGE = 85.0
 PRECISIONS = ("fp32", "tf32", "bf16")
 
 
 @dataclass(frozen=True)
 class HeadPlan:
     """How the head walks its work: `tile` classes per GEMM tile, `row_block` rows of the
-    global batch per block (the kept block buffer is row_block x shard cosines), and the
-    precision of the logits GEMM (row statistics and gradients stay fp32).
+    global batch per block after the first (the first has up to D rows and is kept in the weight
+    gradient's buffer; later ones in a buffer of row_block x shard cosines), and the precision of the logits GEMM (row statistics and gradients stay fp32).
 
     `fused`: no weight gradient is ever held. Forward forms only the statistics; backward
     recomputes each tile's cosines for the whole batch (a fourth GEMM), and as soon as a
@@ -209,7 +221,18 @@ class _Walk:
         self.k = shard.k
         self.K = max(1, min(plan.tile, shard.classes))
         self.tiles = [(c0, min(c0 + self.K, shard.classes)) for c0 in range(0, shard.classes, self.K)]
-        self.R = B if not grads else max(1, min(plan.row_block, B))
+        # the first block is kept inside the weight gradient (see the module docstring): only
+        # where that buffer is laid out like the tiles (no sampling)
+        in_grad = grads and shard.index is None
+        first = min(B, D) if in_grad else B if not grads else max(1, min(plan.row_block, B))
+        rest = max(1, min(plan.row_block, B))
+        self.blocks = [(0, first)] + [(r0, min(r0 + rest, B)) for r0 in range(first, B, rest)]
+        self.first_in_grad = in_grad
+        s = margin.linear_scale()
+        self.exp_scale = s if (in_grad and self.k == 1 and s is not None
+                               and s + math.log(shard.classes * get_world_size(group)) < EXP_RANGE) else None
+        if self.exp_scale is not None:
+            self.exp_t = torch.exp(t_logit)
         self.world = get_world_size(group)
         self.step_rows = None
         if grads:
@@ -221,7 +244,15 @@ class _Walk:
                 self.grad_weight = torch.zeros(shard.weight.shape, dtype=torch.float32, device=emb_n.device)
             self.radial = torch.zeros(n_rows, dtype=torch.float32, device=emb_n.device)
             self.d_target = torch.zeros(B, dtype=torch.float32, device=emb_n.device)
-            self.cos_buf = torch.empty(self.R * n_rows, dtype=torch.float32, device=emb_n.device)
+            later = max((r1 - r0 for r0, r1 in self.blocks[1 if in_grad else 0:]), default=0)
+            self.cos_buf = torch.empty(later * n_rows, dtype=torch.float32, device=emb_n.device)
+
+    def _kept(self, r0: int, pos: int, width: int, n: int) -> torch.Tensor:
+        """Where the cosines (or, with `exp_scale`, exp(logit)) of rows [r0, r0 + n) x shard
+        rows [pos, pos + width) are kept."""
+        if r0 == 0 and self.first_in_grad:
+            return self.grad_weight[pos:pos + width].view(-1)[:n * width].view(n, width)
+        return self.cos_buf[pos * n:(pos + width) * n].view(n, width)
 
     def _gemm_in(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(torch.bfloat16) if self.plan.precision == "bf16" else x
@@ -233,21 +264,23 @@ class _Walk:
         vals, arg = cos_sub.view(cos_sub.shape[0], -1, self.k).max(2)
         return vals, arg
 
+    def _targets(self, r0: int, r1: int, c0: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(column of each row's target in the tile starting at class c0, whether it is there)."""
+        pos = self.labels[r0:r1] - c0
+        return pos, self.has[r0:r1] & (pos >= 0) & (pos < width)
+
     def _logits(self, cos: torch.Tensor, r0: int, r1: int, c0: int, rows) -> torch.Tensor:
         logits = self.margin.other_logits(cos, rows)
         if logits.data_ptr() == cos.data_ptr():
             logits = logits.clone()
-        pos = self.labels[r0:r1] - c0
-        has = self.has[r0:r1] & (pos >= 0) & (pos < cos.shape[1])
-        _put(logits, pos, has, self.t_logit[r0:r1])
+        _put(logits, *self._targets(r0, r1, c0, cos.shape[1]), self.t_logit[r0:r1])
         return logits
 
     def run(self) -> torch.Tensor:
         B = self.emb_n.shape[0]
         log_z = torch.empty(B, dtype=torch.float32, device=self.emb_n.device)
         with _tf32(self.plan.precision == "tf32"):
-            for r0 in range(0, B, self.R):
-                r1 = min(r0 + self.R, B)
+            for r0, r1 in self.blocks:
                 rows = _slice_rows(self.rows, r0, r1)
                 log_z[r0:r1] = self._exchange(self._statistics(r0, r1, rows))
                 if self.grads:
@@ -258,22 +291,28 @@ class _Walk:
         e = self._gemm_in(self.emb_n[r0:r1])
         n = r1 - r0
         lse = torch.full((n,), float("-inf"), device=e.device)  # log-sum-exp of the shard's logits
+        total = torch.zeros(n, device=e.device)  # or, with exp_scale, the sum of exp(logit)
         pos = 0
         for c0, c1 in self.tiles:
             w, inv, _ = self.shard.tile(c0, c1)
             width = (c1 - c0) * self.k
             if self.grads:
-                cos_sub = self.cos_buf[pos * n:(pos + width) * n].view(n, width)
+                cos_sub = self._kept(r0, pos, width, n)
                 torch.mm(e, self._gemm_in(w).t(), out=cos_sub) if e.dtype == torch.float32 else \
                     cos_sub.copy_(e @ self._gemm_in(w).t())
             else:
                 cos_sub = (e @ self._gemm_in(w).t()).float()
             pos += width
+            if self.exp_scale is not None:  # kept: exp(s cos), the target column exp(t)
+                cos_sub.mul_(inv * self.exp_scale).exp_()
+                _put(cos_sub, *self._targets(r0, r1, c0, width), self.exp_t[r0:r1])
+                total.add_(cos_sub.sum(1))
+                continue
             cos_sub.mul_(inv)  # |cos| <= 1 up to rounding; the target's cosine is clamped by the margin
             cos, _ = self._class_cos(cos_sub)
             logits = self._logits(cos, r0, r1, c0, rows)
             lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=1))
-        return lse
+        return total.log_() if self.exp_scale is not None else lse
 
     def _exchange(self, local: torch.Tensor) -> torch.Tensor:
         """log Z per row from every rank's log-sum-exp: one all-gather, exact and overflow-free."""
@@ -308,28 +347,34 @@ class _Walk:
         dcos_y = d_t * self.d_t_dcos[r0:r1]
         first = r0 == 0
         grad_e = self.grad_emb[r0:r1]
+        if self.exp_scale is not None:  # kept exp(logit) -> coef * softmax * s = d loss / d cos
+            row_scale = torch.exp(-log_z).mul_(coef * self.exp_scale)[:, None]
         pos = 0
         for c0, c1 in self.tiles:
             w, inv, shard_rows = self.shard.tile(c0, c1)
             width = (c1 - c0) * self.k
             if fused:  # recomputed: nothing of the forward's tiles was kept
                 cos_sub = (self._gemm_in(e) @ self._gemm_in(w).t()).float().mul_(inv)
+            else:  # (in the first block, a view of the gradient rows this tile writes below)
+                cos_sub = self._kept(r0, pos, width, n)
+            if self.exp_scale is not None:
+                dcos, arg = torch.mul(cos_sub, row_scale), None  # (a new tensor: cos_sub may alias g)
             else:
-                cos_sub = self.cos_buf[pos * n:(pos + width) * n].view(n, width)
-            cos, arg = self._class_cos(cos_sub)
-            logits = self._logits(cos, r0, r1, c0, rows)
-            grad = self.margin.other_grad(cos, rows)
-            dl = logits.sub_(log_z[:, None]).exp_()  # softmax; times coef = d loss / d logit
-            # d loss / d cos (the target column is put below)
-            dcos = dl.mul_(coef * grad) if isinstance(grad, float) else dl.mul_(coef).mul_(grad)
-            tpos = self.labels[r0:r1] - c0
-            _put(dcos, tpos, has & (tpos >= 0) & (tpos < c1 - c0), dcos_y)
+                cos, arg = self._class_cos(cos_sub)
+                logits = self._logits(cos, r0, r1, c0, rows)
+                grad = self.margin.other_grad(cos, rows)
+                dl = logits.sub_(log_z[:, None]).exp_()  # softmax; times coef = d loss / d logit
+                # d loss / d cos (the target column is put below)
+                dcos = dl.mul_(coef * grad) if isinstance(grad, float) else dl.mul_(coef).mul_(grad)
+            _put(dcos, *self._targets(r0, r1, c0, c1 - c0), dcos_y)
             if arg is not None:
                 dsub = torch.zeros_like(cos_sub).view(n, -1, self.k)
                 dsub.scatter_(2, arg[..., None], dcos[..., None])
                 dcos = dsub.view(n, width)
-            radial = (dcos * cos_sub).sum(0)  # sum_i dcos_ij cos_ij, for the weight's normalisation
-            dcos.mul_(inv)                    # now d loss / d (e . w_j)
+            # sum_i dcos_ij cos_ij, for the weight's normalisation (with exp_scale: from the
+            # finished gradient rows instead, below, as no cosine is kept)
+            radial = None if self.exp_scale is not None else (dcos * cos_sub).sum(0)
+            dcos.mul_(inv)  # now d loss / d (e . w_j)
             if c0 == 0:
                 torch.mm(dcos, w, out=grad_e)
             else:
@@ -341,12 +386,15 @@ class _Walk:
                 self.step_rows(rr if shard_rows is None else shard_rows, g)
                 pos += width
                 continue
-            self.radial[rr] += radial
+            if radial is not None:
+                self.radial[rr] += radial
             if shard_rows is None:
                 g = self.grad_weight[rr]
                 torch.mm(dcos.t(), e, out=g) if first else g.addmm_(dcos.t(), e)
                 if last:  # d cos_ij / d w_j = inv_j e_i - cos_ij inv_j^2 w_j
-                    g.addcmul_(w, (self.radial[rr] * inv * inv).neg_()[:, None])
+                    # sum_i dcos_ij cos_ij = <g_j, w_j>, as g_j = inv_j sum_i dcos_ij e_i
+                    radial = torch.linalg.vecdot(g, w) if self.exp_scale is not None else self.radial[rr]
+                    g.addcmul_(w, (radial * inv * inv).neg_()[:, None])
             else:
                 g = dcos.t() @ e
                 if last:

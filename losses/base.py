@@ -59,6 +59,12 @@ class MarginLoss(nn.Module):
             return torch.where(cos > thr, 0.0, self.s)
         return self.s
 
+    def linear_scale(self) -> float | None:
+        """s where `other_logits` is exactly s * cos (derivative s) and no target logit exceeds
+        s; None otherwise. The head then keeps exp(logit) instead of cosines (one exp per
+        element, not two); subclasses whose other logits are anything else return None."""
+        return self.s if self.interclass_filtering_threshold <= 0 else None
+
     def regularizer(self, norms: torch.Tensor) -> torch.Tensor | None:
         """A term added to the loss from the global batch's norms (MagFace), or None."""
         return None

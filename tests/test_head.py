@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from heads import PartialFC, SampledRowsOptimizer, class_shard
-from losses import ArcFace, CombinedMarginLoss, CosFace, MarginLoss
+from losses import ArcFace, CombinedMarginLoss, CosFace, CurricularFace, MarginLoss
 from tests.distributed import run_distributed
 
 C, D, B_LOCAL = 13, 8, 4
@@ -414,3 +414,69 @@ def test_head_under_no_grad_forms_only_the_logits():
     with torch.no_grad(), CountGEMMs() as without:
         head(emb, labels)
     assert without.n == 4 and with_grad.n == 12  # 4 tiles: logits; + dE and dW per tile
+
+
+def _storages_allocated(head, emb, labels):
+    """Byte sizes of every storage the head's forward creates (views report their base's)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Storages(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(t, torch.Tensor):
+                    self.sizes.add(t.untyped_storage().nbytes())
+            return out
+
+    with Storages() as seen:
+        head(emb, labels)
+    return seen.sizes
+
+
+def test_first_row_block_is_kept_inside_the_weight_gradient():
+    """Up to D rows of the global batch cost no kept-cosine buffer: their cosines live in the
+    weight gradient's rows until each tile's gradient overwrites them. More rows than D add
+    one buffer of row_block x shard cosines, whatever the batch."""
+    n, dim, tile, row_block = 40, 16, 10, 3
+    head = PartialFC(ArcFace(s=16.0, margin=0.5), dim, n, chunk_size=tile, row_block=row_block)
+    grad_bytes = n * dim * 4
+    small = _storages_allocated(head, torch.randn(dim // 2, dim, requires_grad=True), torch.randint(0, n, (dim // 2,)))
+    assert grad_bytes in small
+    assert row_block * n * 4 not in small and max(s for s in small if s != grad_bytes) < (dim // 2) * n * 4
+    large = _storages_allocated(head, torch.randn(3 * dim // 2, dim, requires_grad=True),
+                                torch.randint(0, n, (3 * dim // 2,)))
+    assert row_block * n * 4 in large
+
+
+def _exp_elements(head, emb, labels):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountExp(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func._schema.name in ("aten::exp", "aten::exp_", "aten::logsumexp"):
+                self.n += args[0].numel()
+            return out
+
+    with CountExp() as count:
+        head(emb, labels).backward()
+    return count.n
+
+
+@pytest.mark.parametrize("margin,passes", [(ArcFace(s=64.0, margin=0.5), 1), (CosFace(s=64.0, m=0.35), 1),
+                                           (CurricularFace(s=64.0, m=0.5), 2)])
+def test_linear_margins_take_one_exp_per_logit(margin, passes):
+    """Where other logits are s * cos, the head keeps exp(logit) from the statistics for the
+    gradient: one exponential per logit instead of two (and no separate log-sum-exp)."""
+    n, dim, batch = 60, 16, 24
+    head = PartialFC(margin, dim, n, chunk_size=7, row_block=5)
+    count = _exp_elements(head, torch.randn(batch, dim, requires_grad=True), torch.randint(0, n, (batch,)))
+    assert passes * batch * n <= count < passes * batch * n + 8 * batch
