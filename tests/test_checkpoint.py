@@ -128,3 +128,17 @@ def test_full_disk_names_the_path(tmp_path, monkeypatch):
     target = str(tmp_path / "backbone.pt")
     with pytest.raises(CheckpointError, match=rf"{target}: cannot write \(No space left on device\); free space"):
         checkpoint.atomic_save({}, target)
+
+
+def test_resume_with_another_global_batch_says_what_it_does_to_the_schedule(drawn_faces, eight_steps, tmp_path):
+    out = _copy(eight_steps, tmp_path)
+    assert _train(drawn_faces, out, "--max_steps", "10", "--resume", "true", "--batch_size", "4") == 0
+    log = open(os.path.join(out, "training.log")).read()
+    assert "global batch 8 (checkpoint) -> 4 (this run): 32 steps per epoch now" in log
+    assert "lr 0.05 is not rescaled" in log
+
+
+def test_fp16_on_the_cpu_is_warned_about(drawn_faces, tmp_path):
+    out = str(tmp_path / "fp16")
+    assert _train(drawn_faces, out, "--max_steps", "1", "--fp16", "true", "--ema", "false") == 0
+    assert "fp16 on the CPU is emulated and many times slower" in open(os.path.join(out, "training.log")).read()
