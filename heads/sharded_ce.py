@@ -10,11 +10,14 @@ whole global batch. The batch is processed in blocks of rows; for each block:
 3. the softmax gradient from the kept cosines, tile by tile, straight into the gradient of
    the embeddings and of the weight (the three GEMMs any exact head needs: logits, dE, dW).
 
-Where the cosines are kept: the first block (up to D rows) in the weight gradient's own
-buffer, which nothing else uses before that block's gradient is written (tile j's cosines,
-rows x K_j floats, fit in the K_j x D rows of the gradient that tile j then writes; each is
-read before it is overwritten); later blocks of `row_block` rows in one block buffer. So a
-global batch of at most D rows costs no memory beyond the weight gradient.
+What is kept between 1 and 3 is one fp32 value per (row, shard row): the cosine, or, where
+the margin's other logits are s * cos (`MarginLoss.linear_scale`), exp(logit) itself, so that
+one exponential per logit serves both the statistics and the gradient (see EXP_RANGE). Where:
+the first block (up to D rows) in the weight gradient's own buffer, which nothing else uses
+before that block's gradient is written (tile j's values, rows x K_j floats, fit in the
+K_j x D rows of the gradient that tile j then writes, and are read before they are
+overwritten); later blocks of `row_block` rows in one block buffer. So a global batch of at
+most D rows costs no memory beyond the weight gradient.
 
 So the loss and both gradients are ready when forward returns; backward only scales them
 by the incoming gradient. Under `torch.no_grad()` only the statistics are formed. The
@@ -51,8 +54,9 @@ PRECISIONS = ("fp32", "tf32", "bf16")
 @dataclass(frozen=True)
 class HeadPlan:
     """How the head walks its work: `tile` classes per GEMM tile, `row_block` rows of the
-    global batch per block after the first (the first has up to D rows and is kept in the weight
-    gradient's buffer; later ones in a buffer of row_block x shard cosines), and the precision of the logits GEMM (row statistics and gradients stay fp32).
+    global batch per block after the first (the first has up to D rows and is kept in the
+    weight gradient's buffer; later ones in a buffer of row_block x shard values), and the
+    precision of the logits GEMM (row statistics and gradients stay fp32).
 
     `fused`: no weight gradient is ever held. Forward forms only the statistics; backward
     recomputes each tile's cosines for the whole batch (a fourth GEMM), and as soon as a
@@ -228,12 +232,12 @@ class _Walk:
         rest = max(1, min(plan.row_block, B))
         self.blocks = [(0, first)] + [(r0, min(r0 + rest, B)) for r0 in range(first, B, rest)]
         self.first_in_grad = in_grad
+        self.world = get_world_size(group)
         s = margin.linear_scale()
         self.exp_scale = s if (in_grad and self.k == 1 and s is not None
-                               and s + math.log(shard.classes * get_world_size(group)) < EXP_RANGE) else None
+                               and s + math.log(shard.classes * self.world) < EXP_RANGE) else None
         if self.exp_scale is not None:
             self.exp_t = torch.exp(t_logit)
-        self.world = get_world_size(group)
         self.step_rows = None
         if grads:
             n_rows = shard.classes * self.k

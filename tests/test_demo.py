@@ -16,6 +16,6 @@ def test_demo_learns_to_verify_unseen_identities():
 @pytest.mark.slow
 @pytest.mark.parametrize("margin", ["adaface", "magface", "curricularface", "subcenter_arcface"])
 def test_demo_learns_with_each_margin_head(margin):
-    out = subprocess.run([sys.executable, "scripts/demo.py", "--nproc", "2", "--min-accuracy", "0.90",
+    out = subprocess.run([sys.executable, "-m", "scripts.demo", "--nproc", "2", "--min-accuracy", "0.90",
                           "--margin", margin], capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
