@@ -49,7 +49,8 @@ class PartialFC(nn.Module):
     the global batch (plus the margin's regulariser), identical on every rank. Must be called
     on every rank of the group. The loss and both gradients are formed in one pass (see
     heads/sharded_ce.py): `chunk_size` classes per GEMM tile, `row_block` rows of the global
-    batch at a time (its cosines against the shard are what the head keeps), `precision`
+    batch at a time beyond the first D rows (which are kept in the weight gradient's buffer;
+    later blocks in a row_block x shard buffer), `precision`
     of the logits GEMM ("fp32", "tf32" on GPUs, or "bf16"). `fused_optimizer`: the head's
     optimizer steps each tile of rows during backward and no weight gradient is held (see
     HeadPlan); one extra GEMM per step buys the memory of the gradient.
