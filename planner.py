@@ -50,7 +50,8 @@ def head_memory(num_classes: int, world: int, batch: int, dim: int, *, subcenter
     states = STATE_PER_PARAM[optimizer] if (optimizer != "sgd" or momentum > 0) else 0
     parts = {"head weight": rows, "head optimizer state": states * rows}
     if fused:  # backward recomputes a B x tile block per tile and steps it; no gradient, no kept cosines
-        parts["head tile buffers"] = 4 * B * tile * F32 + 2 * tile * dim * F32
+        # (a tile's rows are stepped in place; sampled rows are gathered with their state)
+        parts["head tile buffers"] = 4 * B * tile * F32 + (2 * tile * dim * F32 if sample_rate < 1 else 0)
     else:
         parts["head weight gradient"] = rows
         # the first min(B, dim) rows' cosines live in the weight gradient (sampling: no first

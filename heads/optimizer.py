@@ -68,10 +68,13 @@ class SampledRowsOptimizer(WrappedOptimizer):
             self._scalars = {k: v.clone() if torch.is_tensor(v) else v
                              for k, v in full_state.items() if not _per_row(v, weight)}
             self._row_keys = [k for k, v in full_state.items() if _per_row(v, weight)]
-        part = nn.Parameter(weight[rows].clone())
+        # contiguous rows (a fused head's tile) are stepped in place through views; sampled
+        # rows are gathered, stepped and written back
+        view = isinstance(rows, slice)
+        part = nn.Parameter(weight[rows] if view else weight[rows].clone())
         part.grad = grad.to(weight.dtype)
         state = {k: v.clone() if torch.is_tensor(v) else v for k, v in self._scalars.items()}
-        state.update({k: full_state[k][rows].clone() for k in self._row_keys})
+        state.update({k: full_state[k][rows] if view else full_state[k][rows].clone() for k in self._row_keys})
         self.optimizer.state[part] = state
         group = self.optimizer.param_groups[0]
         group["params"] = [part]
@@ -79,14 +82,21 @@ class SampledRowsOptimizer(WrappedOptimizer):
             self.optimizer.step()
         finally:
             group["params"] = [weight]
-        weight[rows] = part
+        if not _same(part, weight[rows]):
+            weight[rows] = part
         for k, v in self.optimizer.state.pop(part).items():
             if _per_row(v, part):
                 if k not in full_state:
                     full_state[k] = torch.zeros_like(weight, dtype=v.dtype)
-                full_state[k][rows] = v
+                if not _same(v, full_state[k][rows]):
+                    full_state[k][rows] = v
             else:
                 full_state[k] = v
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a is b's memory (an in-place step of a view): nothing to write back."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape
 
 
 def _per_row(value, like: torch.Tensor) -> bool:
