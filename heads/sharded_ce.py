@@ -233,9 +233,11 @@ class _Walk:
         self.blocks = [(0, first)] + [(r0, min(r0 + rest, B)) for r0 in range(first, B, rest)]
         self.first_in_grad = in_grad
         self.world = get_world_size(group)
+        # linear margins: exp(s cos) formed once per logit (see EXP_RANGE); kept for the gradient
+        # except by Partial FC's unfused blocks, whose weight normalisation needs the cosines
         s = margin.linear_scale()
-        self.exp_scale = s if (in_grad and self.k == 1 and s is not None
-                               and s + math.log(shard.classes * self.world) < EXP_RANGE) else None
+        linear = self.k == 1 and s is not None and s + math.log(shard.classes * self.world) < EXP_RANGE
+        self.exp_scale = s if linear and not (grads and shard.index is not None) else None
         if self.exp_scale is not None:
             self.exp_t = torch.exp(t_logit)
         self.step_rows = None
@@ -307,7 +309,7 @@ class _Walk:
             else:
                 cos_sub = (e @ self._gemm_in(w).t()).float()
             pos += width
-            if self.exp_scale is not None:  # kept: exp(s cos), the target column exp(t)
+            if self.exp_scale is not None:  # exp(s cos) (what is kept), the target column exp(t)
                 cos_sub.mul_(inv * self.exp_scale).exp_()
                 _put(cos_sub, *self._targets(r0, r1, c0, width), self.exp_t[r0:r1])
                 total.add_(cos_sub.sum(1))
@@ -358,11 +360,15 @@ class _Walk:
             w, inv, shard_rows = self.shard.tile(c0, c1)
             width = (c1 - c0) * self.k
             if fused:  # recomputed: nothing of the forward's tiles was kept
-                cos_sub = (self._gemm_in(e) @ self._gemm_in(w).t()).float().mul_(inv)
+                cos_sub = (self._gemm_in(e) @ self._gemm_in(w).t()).float()
+                if self.exp_scale is not None:
+                    cos_sub.mul_(inv * self.exp_scale).exp_()
+                else:
+                    cos_sub.mul_(inv)
             else:  # (in the first block, a view of the gradient rows this tile writes below)
                 cos_sub = self._kept(r0, pos, width, n)
-            if self.exp_scale is not None:
-                dcos, arg = torch.mul(cos_sub, row_scale), None  # (a new tensor: cos_sub may alias g)
+            if self.exp_scale is not None:  # (kept: a new tensor, as cos_sub may alias g)
+                dcos, arg = cos_sub.mul_(row_scale) if fused else torch.mul(cos_sub, row_scale), None
             else:
                 cos, arg = self._class_cos(cos_sub)
                 logits = self._logits(cos, r0, r1, c0, rows)
@@ -386,6 +392,8 @@ class _Walk:
             rr = slice(pos, pos + width)
             if fused:  # the tile's gradient is complete: step its rows now and drop it
                 g = dcos.t() @ e
+                if radial is None:
+                    radial = torch.linalg.vecdot(g, w)
                 g.addcmul_(w, (radial * inv * inv).neg_()[:, None])
                 self.step_rows(rr if shard_rows is None else shard_rows, g)
                 pos += width

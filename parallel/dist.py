@@ -53,10 +53,34 @@ def init_distributed(timeout_min: float = 10.0, force_group: bool = False) -> Di
             raise RuntimeError(problem)
         # device_id binds NCCL to this rank's GPU at once (no lazy, guessed device)
         extra = {"device_id": device} if device.type == "cuda" else {}
+        store = attempt_store(world_size, timeout)
+        if store is not None:
+            extra.update(store=store)
         with _naming_gloo_interface(backend == "gloo", "the gloo process group"):
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **extra)
         create_cpu_group(timeout=timeout)
     return DistInfo(rank, local_rank, world_size, device)
+
+
+def attempt_store(world_size: int, timeout: datetime.timedelta, env=None):
+    """The store for this attempt's process group, or None for torch's own (env://).
+
+    torchrun's agent shares its rendezvous store with the workers, and that store outlives a
+    restart (`--max-restarts`); torch no longer keys it per attempt, so restarted ranks read
+    the dead ranks' entries: gloo connects to closed ports, NCCL takes the old unique id
+    (pytorch#135712, #167288). On one node the restart count is the agent's own, the same for
+    every rank: each attempt gets its own key prefix. Across nodes the counts can differ, so a
+    shared store with restarts is refused (clearly, at start) in favour of torch's fix,
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per rendezvous round)."""
+    env = os.environ if env is None else env
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0:
+        return None
+    if int(env.get("GROUP_WORLD_SIZE", "1")) > 1:
+        raise RuntimeError("torchrun --max-restarts across several nodes needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                           "in torchrun's environment (scripts/train_multinode.sh sets it): with the shared store a "
+                           "restarted job would connect to the previous attempt's ranks (pytorch#135712)")
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/shardface/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def check_local_rank(local_rank: int, gpus: int, local_world_size: int | None = None) -> None:

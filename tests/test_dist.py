@@ -1,12 +1,13 @@
 """Distributed set-up: one process per GPU, the gloo side group connected at start, and
 network mistakes named (GLOO_SOCKET_IFNAME) before any rank waits for the timeout."""
+import datetime
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from parallel.dist import check_local_rank, cpu_group, gloo_interface_problem, init_distributed, new_gloo_group
+from parallel.dist import attempt_store, check_local_rank, cpu_group, gloo_interface_problem, init_distributed, new_gloo_group
 from tests.distributed import run_distributed
 
 
@@ -88,3 +89,21 @@ def test_gloo_side_group_connects_at_creation_and_its_failure_names_gloo_socket_
     for total, message in run_distributed(_side_group, 2, timeout=120):
         assert total == 3.0
         assert "the gloo side group could not connect the ranks (GLOO_SOCKET_IFNAME=nosuchif0)" in message
+
+
+def test_each_torchrun_attempt_gets_its_own_store_keys_on_one_node():
+    """torchrun's shared store outlives a restart: a restarted rank must not see the previous
+    attempt's entries (gloo would connect to dead ranks' ports)."""
+    timeout = datetime.timedelta(seconds=10)
+    server = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timeout, wait_for_workers=False)
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3", "GROUP_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port)}
+    first = attempt_store(2, timeout, dict(env, TORCHELASTIC_RESTART_COUNT="0"))
+    first.set("rank_0", "old address")
+    again = attempt_store(2, timeout, dict(env, TORCHELASTIC_RESTART_COUNT="0"))
+    restarted = attempt_store(2, timeout, dict(env, TORCHELASTIC_RESTART_COUNT="1"))
+    assert again.check(["rank_0"]) and not restarted.check(["rank_0"])
+    assert attempt_store(2, timeout, dict(env, TORCHELASTIC_MAX_RESTARTS="0")) is None  # nothing to restart
+    assert attempt_store(2, timeout, {}) is None  # not under torchrun's agent store: torch's env://
+    with pytest.raises(RuntimeError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        attempt_store(2, timeout, dict(env, GROUP_WORLD_SIZE="2"))

@@ -28,11 +28,17 @@ def _workers(launcher_pid):
     return [int(p) for p in out]
 
 
-def _wait_for_step(output, step, proc, timeout=120):
+def _log_size(output):
+    log = os.path.join(output, "training.log")
+    return os.path.getsize(log) if os.path.isfile(log) else 0
+
+
+def _wait_for_step(output, step, proc, timeout=120, after=0):
+    """Until training.log shows `step` or later past its first `after` bytes (an earlier run's lines)."""
     log = os.path.join(output, "training.log")
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if os.path.isfile(log) and f"step {step}/" in open(log).read():
+        if os.path.isfile(log) and any(int(n) >= step for n in re.findall(r"step (\d+)/", open(log).read()[after:])):
             return
         if proc.poll() is not None:
             console = open(output + ".console").read()
@@ -166,9 +172,10 @@ def test_repeated_kills_during_checkpoint_writes_leave_an_intact_checkpoint(draw
     out = str(tmp_path / "kills")
     for round, delay in enumerate((0.3, 0.7, 1.1)):
         # a checkpoint every step: the kill lands in or near a write
+        before = _log_size(out)
         proc = _launch(drawn_faces, out, "--resume", "auto", "--checkpoint_interval", "1", "--num_workers", "1")
         try:
-            _wait_for_step(out, 3 + 3 * round, proc)
+            _wait_for_step(out, 3 + 3 * round, proc, after=before)
             time.sleep(delay)
             os.kill(_workers(proc.pid)[0], signal.SIGKILL)
             assert _finish(proc, 60, "the job after a rank was killed") != 0
