@@ -233,11 +233,10 @@ class _Walk:
         self.blocks = [(0, first)] + [(r0, min(r0 + rest, B)) for r0 in range(first, B, rest)]
         self.first_in_grad = in_grad
         self.world = get_world_size(group)
-        # linear margins: exp(s cos) formed once per logit (see EXP_RANGE); kept for the gradient
-        # except by Partial FC's unfused blocks, whose weight normalisation needs the cosines
+        # linear margins: exp(s cos) formed once per logit and kept for the gradient (EXP_RANGE)
         s = margin.linear_scale()
         linear = self.k == 1 and s is not None and s + math.log(shard.classes * self.world) < EXP_RANGE
-        self.exp_scale = s if linear and not (grads and shard.index is not None) else None
+        self.exp_scale = s if linear else None
         if self.exp_scale is not None:
             self.exp_t = torch.exp(t_logit)
         self.step_rows = None
@@ -367,8 +366,9 @@ class _Walk:
                     cos_sub.mul_(inv)
             else:  # (in the first block, a view of the gradient rows this tile writes below)
                 cos_sub = self._kept(r0, pos, width, n)
-            if self.exp_scale is not None:  # (kept: a new tensor, as cos_sub may alias g)
-                dcos, arg = cos_sub.mul_(row_scale) if fused else torch.mul(cos_sub, row_scale), None
+            if self.exp_scale is not None:  # in place, unless cos_sub is a view of the rows of g
+                aliases_g = r0 == 0 and self.first_in_grad and not fused
+                dcos, arg = torch.mul(cos_sub, row_scale) if aliases_g else cos_sub.mul_(row_scale), None
             else:
                 cos, arg = self._class_cos(cos_sub)
                 logits = self._logits(cos, r0, r1, c0, rows)
@@ -410,6 +410,10 @@ class _Walk:
             else:
                 g = dcos.t() @ e
                 if last:
-                    g.addcmul_(w, (self.radial[rr] * inv * inv).neg_()[:, None])
+                    if self.exp_scale is None:
+                        radial = self.radial[rr]
+                    else:  # <complete gradient rows, w>: earlier blocks' sums are in grad_weight
+                        radial = torch.linalg.vecdot(g if first else g + self.grad_weight[shard_rows], w)
+                    g.addcmul_(w, (radial * inv * inv).neg_()[:, None])
                 self.grad_weight.index_add_(0, shard_rows, g)
             pos += width
