@@ -11,7 +11,7 @@ whole global batch. The batch is processed in blocks of rows; for each block:
    the embeddings and of the weight (the three GEMMs any exact head needs: logits, dE, dW).
 
 What is kept between 1 and 3 is one fp32 value per (row, shard row): the cosine, or, where
-the margin's other logits are s * cos (`MarginLoss.linear_scale`), exp(logit) itself, so that
+the margin's other logits are s * cos (`MarginLoss.linear_other_logits`), exp(logit) itself, so that
 one exponential per logit serves both the statistics and the gradient (see EXP_RANGE). Where:
 the first block (up to D rows) in the weight gradient's own buffer, which nothing else uses
 before that block's gradient is written (tile j's values, rows x K_j floats, fit in the
@@ -43,7 +43,7 @@ from parallel.collectives import all_gather_flat
 from parallel.dist import get_world_size
 
 EPS = 1e-12
-# Where a margin's other logits are s * cos (`MarginLoss.linear_scale`), the head keeps
+# Where a margin's other logits are s * cos (`MarginLoss.linear_other_logits`), the head keeps
 # exp(s cos) itself, unshifted, while s + log C stays under this: fp32's normal range is
 # e^-87.3 .. e^88.7, so every kept value (|cos| <= 1), every row sum (<= C e^s) and exp(-log Z)
 # stay normal, and one exp per element serves both the statistics and the gradient.
@@ -234,9 +234,13 @@ class _Walk:
         self.first_in_grad = in_grad
         self.world = get_world_size(group)
         # linear margins: exp(s cos) formed once per logit and kept for the gradient (EXP_RANGE)
-        s = margin.linear_scale()
-        linear = self.k == 1 and s is not None and s + math.log(shard.classes * self.world) < EXP_RANGE
-        self.exp_scale = s if linear else None
+        lin = margin.linear_other_logits()
+        linear = self.k == 1 and lin is not None and lin[0] + math.log(shard.classes * self.world) < EXP_RANGE
+        self.exp_scale = lin[0] if linear else None
+        self.clamp = None  # logits clamped to (lo, hi) carry no gradient: told apart by their exp,
+        if linear and (math.isfinite(lin[1]) or math.isfinite(lin[2])):  # 4 ulps inside the bounds
+            self.clamp = (lin[0] * lin[1], lin[0] * lin[2])
+            self.exp_clamp = (math.exp(self.clamp[0]) * (1 + 5e-7), math.exp(self.clamp[1]) * (1 - 5e-7))
         if self.exp_scale is not None:
             self.exp_t = torch.exp(t_logit)
         self.step_rows = None
@@ -268,6 +272,13 @@ class _Walk:
             return cos_sub, None
         vals, arg = cos_sub.view(cos_sub.shape[0], -1, self.k).max(2)
         return vals, arg
+
+    def _exp_logits(self, raw: torch.Tensor, inv: torch.Tensor) -> None:
+        """e . w_j (a tile) -> exp(other logit) in place, for margins with linear other logits."""
+        raw.mul_(inv * self.exp_scale)
+        if self.clamp is not None:
+            raw.clamp_(*self.clamp)
+        raw.exp_()
 
     def _targets(self, r0: int, r1: int, c0: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(column of each row's target in the tile starting at class c0, whether it is there)."""
@@ -309,7 +320,7 @@ class _Walk:
                 cos_sub = (e @ self._gemm_in(w).t()).float()
             pos += width
             if self.exp_scale is not None:  # exp(s cos) (what is kept), the target column exp(t)
-                cos_sub.mul_(inv * self.exp_scale).exp_()
+                self._exp_logits(cos_sub, inv)
                 _put(cos_sub, *self._targets(r0, r1, c0, width), self.exp_t[r0:r1])
                 total.add_(cos_sub.sum(1))
                 continue
@@ -361,14 +372,18 @@ class _Walk:
             if fused:  # recomputed: nothing of the forward's tiles was kept
                 cos_sub = (self._gemm_in(e) @ self._gemm_in(w).t()).float()
                 if self.exp_scale is not None:
-                    cos_sub.mul_(inv * self.exp_scale).exp_()
+                    self._exp_logits(cos_sub, inv)
                 else:
                     cos_sub.mul_(inv)
             else:  # (in the first block, a view of the gradient rows this tile writes below)
                 cos_sub = self._kept(r0, pos, width, n)
             if self.exp_scale is not None:  # in place, unless cos_sub is a view of the rows of g
                 aliases_g = r0 == 0 and self.first_in_grad and not fused
+                clamped = None if self.clamp is None else \
+                    (cos_sub <= self.exp_clamp[0]).logical_or_(cos_sub >= self.exp_clamp[1])
                 dcos, arg = torch.mul(cos_sub, row_scale) if aliases_g else cos_sub.mul_(row_scale), None
+                if clamped is not None:
+                    dcos.masked_fill_(clamped, 0.0)
             else:
                 cos, arg = self._class_cos(cos_sub)
                 logits = self._logits(cos, r0, r1, c0, rows)

@@ -40,8 +40,8 @@ class AdaFace(MarginLoss):
         theta_m = (theta - self.m * q).clamp(self.eps, math.pi - self.eps)
         return self.s * (torch.cos(theta_m) - (self.m + self.m * q))
 
-    def linear_scale(self) -> None:
-        return None  # other logits are not s * cos
+    def linear_other_logits(self) -> tuple[float, float, float]:
+        return self.s, -1 + self.eps, 1 - self.eps
 
     def other_logits(self, cos: torch.Tensor, rows: dict[str, torch.Tensor]) -> torch.Tensor:
         return cos.clamp(-1 + self.eps, 1 - self.eps) * self.s

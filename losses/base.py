@@ -17,6 +17,8 @@ updated in `begin_step` while training, so they are checkpointed with the head.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -59,11 +61,14 @@ class MarginLoss(nn.Module):
             return torch.where(cos > thr, 0.0, self.s)
         return self.s
 
-    def linear_scale(self) -> float | None:
-        """s where `other_logits` is exactly s * cos (derivative s) and no target logit exceeds
-        s; None otherwise. The head then keeps exp(logit) instead of cosines (one exp per
-        element, not two); subclasses whose other logits are anything else return None."""
-        return self.s if self.interclass_filtering_threshold <= 0 else None
+    def linear_other_logits(self) -> tuple[float, float, float] | None:
+        """(s, lo, hi) where `other_logits` is exactly s * clamp(cos, lo, hi), with derivative s
+        strictly between lo and hi and 0 outside, and no target logit exceeds s; None where
+        other logits are anything else. The head then keeps exp(logit) instead of cosines
+        (one exponential per logit, not two)."""
+        if self.interclass_filtering_threshold > 0:
+            return None
+        return self.s, -math.inf, math.inf
 
     def regularizer(self, norms: torch.Tensor) -> torch.Tensor | None:
         """A term added to the loss from the global batch's norms (MagFace), or None."""

@@ -34,8 +34,8 @@ class CurricularFace(MarginLoss):
         target = torch.where(cos > math.cos(math.pi - self.m), with_margin, cos - math.sin(math.pi - self.m) * self.m)
         return self.s * target
 
-    def linear_scale(self) -> None:
-        return None  # other logits are not s * cos
+    def linear_other_logits(self) -> None:
+        return None  # hard negatives' logits are s * cos * (t + cos)
 
     def other_logits(self, cos: torch.Tensor, rows: dict[str, torch.Tensor]) -> torch.Tensor:
         hard = cos > rows["hard_above"][:, None]

@@ -202,3 +202,36 @@ def test_margin_state_and_subcentre_rows_resume_on_another_world_size(tmp_path, 
     for weight, t, expected in run_distributed(_checkpoint_worker, load_world, str(tmp_path), False):
         torch.testing.assert_close(weight, expected)
         assert t == 0.25
+
+
+@pytest.mark.parametrize("chunk,rate", [(None, 1.0), (4, 1.0), (4, 0.5)])
+def test_adaface_non_target_cosines_past_its_clamp_carry_no_gradient(chunk, rate):
+    """AdaFace clamps every cosine to [-1 + eps, 1 - eps]: embeddings pointing along (or against)
+    a non-target class give that logit no gradient, in the head as in the paper's formulation."""
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(C, D, generator=g)
+    labels = torch.arange(6) % C
+    emb = torch.randn(6, D, generator=g) * 10
+    # rows 0, 1: cos 0.9995 with class 5, -0.9995 with class 7 (past the clamp, not at +-1,
+    # where the normalisation's own derivative would vanish anyway)
+    for row, cls, cos in ((0, 5, 0.9995), (1, 7, -0.9995)):
+        u = weight[cls] / weight[cls].norm()
+        v = torch.randn(D, generator=g)
+        v = (v - (v @ u) * u) / (v - (v @ u) * u).norm()
+        emb[row] = (cos * u + (1 - cos * cos) ** 0.5 * v) * (row + 5) * 4
+    assert labels[0] != 5 and labels[1] != 7
+    head = PartialFC(AdaFace(s=S), D, C, chunk_size=chunk, row_block=4, sample_rate=rate)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+    e = emb.clone().requires_grad_(True)
+    loss = head(e, labels)
+    loss.backward()
+    index = head.sampled.index()
+    w = weight.clone().requires_grad_(True)
+    ref_e = emb.clone().requires_grad_(True)
+    expected, _ = ref.adaface_loss(ref_e, w, labels, copy.deepcopy(ref.INITIAL_STATE["adaface"]), s=S,
+                                   classes=None if index is None else index)
+    expected.backward()
+    torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(head.weight.grad, w.grad, rtol=1e-5, atol=1e-5 * w.grad.abs().max().item())
+    torch.testing.assert_close(e.grad, ref_e.grad, rtol=1e-5, atol=1e-5 * ref_e.grad.abs().max().item())
