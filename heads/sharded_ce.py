@@ -237,8 +237,10 @@ class _Walk:
         lin = margin.linear_other_logits()
         linear = self.k == 1 and lin is not None and lin[0] + math.log(shard.classes * self.world) < EXP_RANGE
         self.exp_scale = lin[0] if linear else None
-        self.clamp = None  # logits clamped to (lo, hi) carry no gradient: told apart by their exp,
-        if linear and (math.isfinite(lin[1]) or math.isfinite(lin[2])):  # 4 ulps inside the bounds
+        # logits clamped to s * (lo, hi) carry no gradient; the gradient pass tells them apart by
+        # their kept exponential, compared with thresholds 4 ulps inside exp(s * lo), exp(s * hi)
+        self.clamp = None
+        if linear and (math.isfinite(lin[1]) or math.isfinite(lin[2])):
             self.clamp = (lin[0] * lin[1], lin[0] * lin[2])
             self.exp_clamp = (math.exp(self.clamp[0]) * (1 + 5e-7), math.exp(self.clamp[1]) * (1 - 5e-7))
         if self.exp_scale is not None:
