@@ -15,7 +15,9 @@ against PFC v2, and the head's accuracy with TF32 against an fp64 full softmax.
 3. accuracy: relative errors of the head's loss and gradients against float64, TF32 off/on.
 
 Run from the repository root: `.venv/bin/python benchmarks/gpu.py`. On a machine without
-CUDA it says so and exits with status 0.
+CUDA it says so and exits with status 0. `--smoke` runs every part at toy sizes on whatever
+device there is (the CPU too; `make test` does so, so the script cannot rot unrun): its
+figures mean nothing.
 """
 from __future__ import annotations
 
@@ -23,14 +25,14 @@ import argparse
 import os
 import statistics
 import sys
+import time
+from dataclasses import dataclass
 
 import common  # noqa: F401,I001  (puts the repository root on sys.path)
 import torch
 
 from common import MB, table
 
-BATCH = 128          # images per GPU
-GPUS = 8             # the job whose per-rank shapes the head is measured at
 D = 512
 HEAD_CASES = {       # name: (classes in the data set, sample_rate)
     "Glint360K": (360_232, 1.0),
@@ -38,10 +40,32 @@ HEAD_CASES = {       # name: (classes in the data set, sample_rate)
 }
 
 
-def _timed(step, warmup: int, iters: int) -> tuple[list[float], int]:
-    """Per-iteration milliseconds (CUDA events) and the peak allocated bytes while timed."""
+@dataclass(frozen=True)
+class Sizes:
+    batch: int = 128        # images per GPU
+    gpus: int = 8           # the job whose per-rank shapes the head is measured at
+    backbones: tuple = ("r50", "r100")
+    class_divisor: int = 1  # the head's classes are HEAD_CASES' / this
+    accuracy: dict | None = None  # head_errors_against_fp64's sizes (None: its defaults)
+
+
+FULL = Sizes()
+SMOKE = Sizes(batch=4, gpus=2, backbones=("tiny",), class_divisor=500,
+              accuracy={"classes": 2000, "batch": 64, "dim": 64})
+
+
+def _timed(step, device: torch.device, warmup: int, iters: int) -> tuple[list[float], int | None]:
+    """Per-iteration milliseconds (CUDA events on a GPU, the wall clock elsewhere) and the
+    peak allocated bytes while timed (None off the GPU)."""
     for _ in range(warmup):
         step()
+    if device.type != "cuda":
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - start) * 1e3)
+        return times, None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     events = []
@@ -55,14 +79,19 @@ def _timed(step, warmup: int, iters: int) -> tuple[list[float], int]:
     return [s.elapsed_time(e) for s, e in events], torch.cuda.max_memory_allocated()
 
 
-def backbone_throughput(name: str, device: torch.device, warmup: int, iters: int) -> dict:
+def _mb(peak: int | None) -> str:
+    return "n/a" if peak is None else f"{peak / MB:.0f}"
+
+
+def backbone_throughput(name: str, device: torch.device, sizes: Sizes, warmup: int, iters: int) -> dict:
     from backbones import get_model
     from parallel import DynamicLossScaler, Zero2Optimizer
+    batch = sizes.batch
     torch.manual_seed(0)
-    model = get_model(name, num_features=D, fp16=True).to(device)
+    model = get_model(name, num_features=D, fp16=device.type == "cuda").to(device)
     opt = Zero2Optimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=5e-4)
     scaler = DynamicLossScaler()
-    images = torch.randn(BATCH, 3, 112, 112, device=device)
+    images = torch.randn(batch, 3, 112, 112, device=device)
 
     def step():
         scaler.scale(model(images).float().square().mean()).backward()
@@ -70,10 +99,10 @@ def backbone_throughput(name: str, device: torch.device, warmup: int, iters: int
             opt.step()
         opt.zero_grad()
 
-    times, peak = _timed(step, warmup, iters)
+    times, peak = _timed(step, device, warmup, iters)
     del model, opt
-    return {"backbone": name, "batch": BATCH, "samples/s": f"{BATCH * 1e3 * len(times) / sum(times):.0f}",
-            "ms/step": f"{statistics.median(times):.1f}", "peak MB": f"{peak / MB:.0f}"}
+    return {"backbone": name, "batch": batch, "samples/s": f"{batch * 1e3 * len(times) / sum(times):.0f}",
+            "ms/step": f"{statistics.median(times):.1f}", "peak MB": _mb(peak)}
 
 
 def _head(method: str, classes_per_rank: int, sample_rate: float, device: torch.device):
@@ -88,14 +117,17 @@ def _head(method: str, classes_per_rank: int, sample_rate: float, device: torch.
     return head, SampledRowsOptimizer(head, torch.optim.SGD, lr=0.0)
 
 
-def head_step(case: str, method: str, tf32: bool, device: torch.device, warmup: int, iters: int) -> dict:
+def head_step(case: str, method: str, tf32: bool, device: torch.device, sizes: Sizes, warmup: int,
+              iters: int) -> dict:
     from tests.fp64_head import matmul_precision
     classes, sample_rate = HEAD_CASES[case]
-    per_rank = classes // GPUS + (classes % GPUS > 0)
+    classes //= sizes.class_divisor
+    gpus, batch = sizes.gpus, sizes.batch
+    per_rank = classes // gpus + (classes % gpus > 0)
     torch.manual_seed(0)
     head, head_opt = _head(method, per_rank, sample_rate, device)
-    emb = torch.randn(GPUS * BATCH, D, device=device, requires_grad=True)
-    labels = torch.randint(0, head.weight.shape[0], (GPUS * BATCH,), device=device)
+    emb = torch.randn(gpus * batch, D, device=device, requires_grad=True)
+    labels = torch.randint(0, head.weight.shape[0], (gpus * batch,), device=device)
 
     def step():
         head.weight.grad, emb.grad = None, None
@@ -104,19 +136,20 @@ def head_step(case: str, method: str, tf32: bool, device: torch.device, warmup: 
         head(emb, labels).backward()
 
     with matmul_precision(tf32):
-        times, peak = _timed(step, warmup, iters)
+        times, peak = _timed(step, device, warmup, iters)
     weight_mb = head.weight.numel() * head.weight.element_size() / MB
     del head, head_opt, emb
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return {"data set": case, "classes/rank": f"{per_rank:,}", "sample_rate": sample_rate, "head": method,
             "TF32": "on" if tf32 else "off", "ms": f"{statistics.median(times):.2f}",
-            "peak MB": f"{peak / MB:.0f}", "weight MB": f"{weight_mb:.0f}"}
+            "peak MB": _mb(peak), "weight MB": f"{weight_mb:.0f}"}
 
 
 def _process_group() -> None:
-    """A world-size-1 NCCL group: the PFC v2 reference all-reduces unconditionally."""
+    """A world-size-1 group (NCCL on a GPU): the PFC v2 reference all-reduces unconditionally."""
     from parallel.dist import init_distributed
-    from parallel.spawn import free_port
+    from tests.distributed import free_port
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                            LOCAL_RANK="0", LOCAL_WORLD_SIZE="1").items():
         os.environ.setdefault(key, value)
@@ -129,37 +162,50 @@ def main(argv=None) -> int:
                    default=["backbone", "head", "accuracy"])
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--smoke", action="store_true", help="toy sizes on any device (figures mean nothing)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
+    sizes = SMOKE if args.smoke else FULL
+    if args.smoke:
+        args.warmup, args.iters = 1, 2
+    if not torch.cuda.is_available() and not args.smoke:
         print("benchmarks/gpu.py: no CUDA device on this machine; nothing measured "
               "(run it on a GPU machine; the CPU figures are in benchmarks/README.md)")
         return 0
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    torch.backends.cudnn.benchmark = True  # fixed 112x112 input, as train.py sets it
-    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True  # fixed 112x112 input, as train.py sets it
+        print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    else:
+        device = torch.device("cpu")
+        print(f"CPU, torch {torch.__version__} (--smoke: toy sizes, the figures mean nothing)")
 
     if "backbone" in args.only:
-        rows = [backbone_throughput(name, device, args.warmup, args.iters) for name in ("r50", "r100")]
-        print(f"\nbackbone step (fp16, ZeRO-2 SGD at W=1, no head), batch {BATCH}/GPU")
+        rows = [backbone_throughput(name, device, sizes, args.warmup, args.iters) for name in sizes.backbones]
+        print(f"\nbackbone step ({'fp16, ' if device.type == 'cuda' else ''}ZeRO-2 SGD at W=1, no head), "
+              f"batch {sizes.batch}/GPU")
         print(table(rows, list(rows[0])))
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     if "head" in args.only:
         _process_group()
-        rows = [head_step(case, method, tf32, device, args.warmup, args.iters)
+        rows = [head_step(case, method, tf32, device, sizes, args.warmup, args.iters)
                 for case in HEAD_CASES for tf32 in (False, True) for method in ("ours", "pfc_v2")]
-        print(f"\nhead forward+backward at one rank's shapes of a {GPUS}-GPU job "
-              f"({GPUS * BATCH} embeddings x D={D}, fp32; ours chunk_size 8192)")
+        print(f"\nhead forward+backward at one rank's shapes of a {sizes.gpus}-GPU job "
+              f"({sizes.gpus * sizes.batch} embeddings x D={D}, fp32; ours chunk_size 8192)")
         print(table(rows, list(rows[0])))
 
     if "accuracy" in args.only:
         from tests.fp64_head import head_errors_against_fp64
         rows = []
-        for tf32 in (False, True):
-            err = head_errors_against_fp64(device, tf32)
-            rows.append({"TF32": "on" if tf32 else "off", **{k: f"{v:.2e}" for k, v in err.items()}})
-        print("\nhead vs fp64 full softmax (ArcFace s=64 m=0.5, 20k classes, 512 x 512): relative errors")
+        for tf32, precision in ((False, "fp32"), (True, "fp32"), (False, "tf32"), (False, "bf16")):
+            err = head_errors_against_fp64(device, tf32, precision=precision, **(sizes.accuracy or {}))
+            rows.append({"torch TF32": "on" if tf32 else "off", "head_precision": precision,
+                         **{k: f"{v:.2e}" for k, v in err.items()}})
+        shape = sizes.accuracy or {"classes": 20000, "batch": 512, "dim": 512}
+        print(f"\nhead vs fp64 full softmax (ArcFace s=64 m=0.5, {shape['classes']} classes, "
+              f"{shape['batch']} x {shape['dim']}): relative errors")
         print(table(rows, list(rows[0])))
     return 0
 

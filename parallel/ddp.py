@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -23,6 +24,7 @@ class DDPOptimizer(WrappedOptimizer):
         self.world_size = get_world_size(process_group)
         self.module = module
         if self.world_size > 1:
+            _refuse_crashing_debug_mode(process_group)
             self.ddp = DistributedDataParallel(module, process_group=process_group,
                                                broadcast_buffers=False, gradient_as_bucket_view=True)
         else:
@@ -73,3 +75,12 @@ class DDPOptimizer(WrappedOptimizer):
             if name in state_dict["state"]:
                 self.optimizer.state[p] = {k: (v.clone().to(p.device) if torch.is_tensor(v) and v.dim() else v)
                                            for k, v in state_dict["state"][name].items()}
+
+
+def _refuse_crashing_debug_mode(group) -> None:
+    """torch 2.15's DDP constructor dies with SIGSEGV (in its construction-time logger) on a
+    gloo group made under TORCH_DISTRIBUTED_DEBUG=DETAIL: say so instead of crashing."""
+    if dist.get_debug_level() == dist.DebugLevel.DETAIL and dist.get_backend(group) == "gloo":
+        raise RuntimeError("TORCH_DISTRIBUTED_DEBUG=DETAIL crashes torch's DistributedDataParallel on gloo "
+                           "(SIGSEGV while it is built): unset it or use INFO, or train with ZeRO-2 "
+                           "(--zero true), which does not use DDP")

@@ -42,11 +42,13 @@ def arcface_fp64_reference(emb: torch.Tensor, weight: torch.Tensor, labels: torc
 
 
 def head_errors_against_fp64(device: torch.device, tf32: bool, classes: int = 20000, batch: int = 512,
-                             dim: int = 512, chunk: int | None = 4096) -> dict[str, float]:
+                             dim: int = 512, chunk: int | None = 4096, precision: str = "fp32") -> dict[str, float]:
     """Relative errors of PartialFC's loss and gradients (norm of the difference over the
-    reference's norm) against the fp64 reference, with fp32 matmuls in TF32 or not."""
+    reference's norm) against the fp64 reference, with every fp32 matmul in TF32 or not
+    (`tf32`, torch's global setting) and the head's own `precision` of its logits GEMM."""
     torch.manual_seed(0)
-    head = PartialFC(CombinedMarginLoss(S, 1.0, M2, 0.0), dim, classes, 1.0, chunk, validate=False).to(device)
+    head = PartialFC(CombinedMarginLoss(S, 1.0, M2, 0.0), dim, classes, 1.0, chunk, validate=False,
+                     precision=precision).to(device)
     emb = torch.randn(batch, dim, device=device, requires_grad=True)
     labels = torch.randint(0, classes, (batch,), device=device)
     with matmul_precision(tf32):

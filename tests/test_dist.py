@@ -107,3 +107,23 @@ def test_each_torchrun_attempt_gets_its_own_store_keys_on_one_node():
     assert attempt_store(2, timeout, {}) is None  # not under torchrun's agent store: torch's env://
     with pytest.raises(RuntimeError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
         attempt_store(2, timeout, dict(env, GROUP_WORLD_SIZE="2"))
+
+
+def _ddp_under_detail(rank, world_size):
+    from torch import nn
+
+    from parallel.ddp import DDPOptimizer
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    dist.set_debug_level_from_env()
+    init_distributed(timeout_min=1)
+    try:
+        DDPOptimizer(nn.Linear(4, 4), torch.optim.SGD, lr=0.1)
+    except RuntimeError as exc:
+        return str(exc)
+    return "built"
+
+
+def test_ddp_under_detail_debugging_on_gloo_is_refused_not_a_segfault():
+    # torch 2.15's DDP constructor dies with SIGSEGV there (its logger): every rank says why instead
+    for message in run_distributed(_ddp_under_detail, 2, init=False, timeout=120):
+        assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in message and "--zero true" in message, message
