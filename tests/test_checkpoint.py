@@ -63,6 +63,15 @@ def eight_steps(drawn_faces, tmp_path_factory):
     return out
 
 
+def test_saved_weights_are_compact_cpu_tensors(eight_steps):
+    # ZeRO-2's parameters are views of one flat buffer (on the GPU, a CUDA one): saved as they
+    # are, each tensor would carry the whole buffer, and a CPU-only host could not open the file
+    for path in (os.path.join(find_checkpoint(eight_steps), "backbone.pt"), os.path.join(eight_steps, "model.pt")):
+        for name, t in torch.load(path, weights_only=True).items():
+            assert t.device.type == "cpu", (path, name)
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), (path, name)
+
+
 def _copy(src, tmp_path, name="run"):
     dst = str(tmp_path / name)
     shutil.copytree(src, dst)

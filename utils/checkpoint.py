@@ -133,23 +133,33 @@ def _head_payload(head, head_opt) -> dict:
             "state": {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in state.items()}}
 
 
+def cpu_tensors(state: dict) -> dict:
+    """A state dict whose tensors are compact CPU copies: a CPU-only host opens the file
+    without `map_location`, and each tensor holds its own bytes, not the whole flat buffer a
+    ZeRO-2 parameter is a view of."""
+    return {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in state.items()}
+
+
 def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, head, head_opt,
                     ema=None, scaler=None, config=None, rank: int = 0, world_size: int = 1,
-                    keep: int = 2) -> str:
-    """Collective: every rank calls it. Returns the checkpoint directory."""
+                    keep: int = 2, export_to: str | None = None) -> str:
+    """Collective: every rank calls it. Returns the checkpoint directory. The sharded states
+    (optimizer, EMA) are gathered to rank 0 alone, which writes them; with `export_to`, rank 0
+    also writes the weights for export there (the EMA's when EMA is on), from the same gather."""
     final = os.path.join(output, f"checkpoint-{state.step:08d}")
     tmp = f"{final}.tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     barrier()
-    opt_state = backbone_opt.state_dict()            # collectives: every rank takes part
-    ema_state = ema.state_dict() if ema is not None else None
+    opt_state = backbone_opt.state_dict(to_rank=0)   # collectives: every rank takes part
+    ema_state = ema.state_dict(to_rank=0) if ema is not None else None
     end = head.class_start + head.num_local
     atomic_save(_head_payload(head, head_opt), os.path.join(tmp, f"head-{head.class_start:010d}-{end:010d}.pt"))
     atomic_save(rng_state(), os.path.join(tmp, f"rng-rank{rank}.pt"))
     if rank == 0:
-        atomic_save(backbone.state_dict(), os.path.join(tmp, "backbone.pt"))
+        weights = cpu_tensors(backbone.state_dict())
+        atomic_save(weights, os.path.join(tmp, "backbone.pt"))
         atomic_save(opt_state, os.path.join(tmp, "optimizer.pt"))
         if ema_state is not None:
             atomic_save({"state": ema_state, "updates": ema.updates}, os.path.join(tmp, "ema.pt"))
@@ -168,6 +178,8 @@ def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, h
         _fsync_dir(output)
         atomic_write_text(os.path.join(output, "latest"), os.path.basename(final) + "\n")
         prune_checkpoints(output, state.step, state.run_id, keep)
+        if export_to:
+            atomic_save(ema_state if ema_state is not None else weights, export_to)
     barrier()
     return final
 

@@ -8,8 +8,8 @@ import shutil
 import torch.distributed as dist
 
 from parallel.dist import barrier, cpu_group, get_world_size
-from utils.checkpoint import (CheckpointError, TrainState, atomic_save, find_checkpoint, list_checkpoints,
-                              load_checkpoint, new_run_id, save_checkpoint)
+from utils.checkpoint import (CheckpointError, TrainState, find_checkpoint, list_checkpoints, load_checkpoint,
+                              new_run_id, save_checkpoint)
 from utils.divergence import check_weights
 
 logger = logging.getLogger("shardface")
@@ -73,11 +73,10 @@ class Checkpointer:
         loss on `batch` (the step's last images and labels): no poisoned checkpoint is written."""
         if self.last_saved_step == state.step:
             return
-        check_weights(state.step, self.parts["backbone"], self.parts["head"], batch)
+        backbone, backbone_opt = self.parts["backbone"], self.parts["backbone_opt"]
+        if hasattr(backbone_opt, "wait_params"):  # ZeRO-2's parameter all-gather may still be writing them
+            backbone_opt.wait_params()
+        check_weights(state.step, backbone, self.parts["head"], batch)
         self.last_saved_step = state.step
         save_checkpoint(self.output, state, **self.parts, config=self.config, rank=self.rank,
-                        world_size=self.world_size, keep=self.keep)
-        ema, backbone = self.parts["ema"], self.parts["backbone"]
-        weights = ema.state_dict() if ema is not None else backbone.state_dict()  # collective with EMA
-        if self.rank == 0:
-            atomic_save(weights, os.path.join(self.output, "model.pt"))
+                        world_size=self.world_size, keep=self.keep, export_to=os.path.join(self.output, "model.pt"))
