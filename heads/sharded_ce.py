@@ -35,6 +35,7 @@ import contextlib
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -238,11 +239,14 @@ class _Walk:
         linear = self.k == 1 and lin is not None and lin[0] + math.log(shard.classes * self.world) < EXP_RANGE
         self.exp_scale = lin[0] if linear else None
         # logits clamped to s * (lo, hi) carry no gradient; the gradient pass tells them apart by
-        # their kept exponential, compared with thresholds 4 ulps inside exp(s * lo), exp(s * hi)
+        # their kept exponential. A clamped value is exp of the bound rounded to fp32 (at s = 60
+        # that rounding alone moves exp by up to ~60 ulps), to within the exp kernel's few ulps:
+        # the thresholds sit 1e-6 (~8 ulps) inside exp(fp32 bound), computed on the host
         self.clamp = None
         if linear and (math.isfinite(lin[1]) or math.isfinite(lin[2])):
             self.clamp = (lin[0] * lin[1], lin[0] * lin[2])
-            self.exp_clamp = (math.exp(self.clamp[0]) * (1 + 5e-7), math.exp(self.clamp[1]) * (1 - 5e-7))
+            lo, hi = (float(np.float32(b)) for b in self.clamp)
+            self.exp_clamp = (math.exp(lo) * (1 + 1e-6), math.exp(hi) * (1 - 1e-6))
         if self.exp_scale is not None:
             self.exp_t = torch.exp(t_logit)
         self.step_rows = None

@@ -204,8 +204,10 @@ def test_margin_state_and_subcentre_rows_resume_on_another_world_size(tmp_path, 
         assert t == 0.25
 
 
+# scales whose s * (1 - eps) is far from its fp32 rounding (30, 60) as well as exact ones
+@pytest.mark.parametrize("s", [S, 30.0, 60.0, 64.0])
 @pytest.mark.parametrize("chunk,rate", [(None, 1.0), (4, 1.0), (4, 0.5)])
-def test_adaface_non_target_cosines_past_its_clamp_carry_no_gradient(chunk, rate):
+def test_adaface_non_target_cosines_past_its_clamp_carry_no_gradient(chunk, rate, s):
     """AdaFace clamps every cosine to [-1 + eps, 1 - eps]: embeddings pointing along (or against)
     a non-target class give that logit no gradient, in the head as in the paper's formulation."""
     g = torch.Generator().manual_seed(5)
@@ -220,7 +222,7 @@ def test_adaface_non_target_cosines_past_its_clamp_carry_no_gradient(chunk, rate
         v = (v - (v @ u) * u) / (v - (v @ u) * u).norm()
         emb[row] = (cos * u + (1 - cos * cos) ** 0.5 * v) * (row + 5) * 4
     assert labels[0] != 5 and labels[1] != 7
-    head = PartialFC(AdaFace(s=S), D, C, chunk_size=chunk, row_block=4, sample_rate=rate)
+    head = PartialFC(AdaFace(s=s), D, C, chunk_size=chunk, row_block=4, sample_rate=rate)
     with torch.no_grad():
         head.weight.copy_(weight)
     e = emb.clone().requires_grad_(True)
@@ -229,7 +231,7 @@ def test_adaface_non_target_cosines_past_its_clamp_carry_no_gradient(chunk, rate
     index = head.sampled.index()
     w = weight.clone().requires_grad_(True)
     ref_e = emb.clone().requires_grad_(True)
-    expected, _ = ref.adaface_loss(ref_e, w, labels, copy.deepcopy(ref.INITIAL_STATE["adaface"]), s=S,
+    expected, _ = ref.adaface_loss(ref_e, w, labels, copy.deepcopy(ref.INITIAL_STATE["adaface"]), s=s,
                                    classes=None if index is None else index)
     expected.backward()
     torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-5, atol=1e-5)
