@@ -96,12 +96,14 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
                               writer, first_step=state.step)
     skips = SkipReport(dataset, cfg.frequent, writer, enabled=cfg.skip_bad_images)
     micro, first_step = 0, state.step
+    # built once: its persistent workers (and their open record files) serve every epoch
+    loader = get_dataloader(dataset, sampler, cfg.num_workers, info.device, cfg.seed)
     try:
         with stop.deferred():  # a stop signal waits for the step end from here on
             while state.step < total_steps and state.epoch < cfg.num_epoch:
                 sampler.set_epoch(state.epoch, state.batch_in_epoch)
                 dataset.set_epoch(state.epoch, cfg.seed)  # mirroring fixed by (seed, epoch, index)
-                for images, labels in get_dataloader(dataset, sampler, cfg.num_workers, info.device, cfg.seed):
+                for images, labels in loader:
                     problem = check_labels(labels, cfg.num_classes)  # on the CPU, where no device waits
                     if problem:
                         logger.error("%s (the head stops every rank)", problem)
@@ -135,7 +137,7 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
                     checkpoint_due = state.step % cfg.checkpoint_interval == 0
                     if progress.due(state.step) or checkpoint_due:
                         loss_value = progress.mean_loss()
-                        check_loss(loss_value, state.step, scaler)
+                        check_loss(loss_value, state.step, scaler, label_errors=head.take_label_errors())
                         if progress.due(state.step):
                             progress(state.step, state.epoch, loss_value, lr, scaler.scale_value if scaler else None)
                     skips(state.step)

@@ -69,8 +69,11 @@ class PartialFC(nn.Module):
 
     Labels are checked on the all-gathered batch, which every rank holds, so a bad label
     raises the same ValueError on every rank without communication when labels are on the
-    CPU; on a GPU the loss becomes NaN instead of waiting on the device (train.py checks
-    labels on the CPU before moving them).
+    CPU. On a GPU, where raising would wait on the device, the loss becomes NaN and the
+    forward is counted: `take_label_errors()` reads the count where the loop reads its loss
+    (every rank gets the same count, so all stop together; a NaN loss alone would not stop
+    an fp16 run, whose loss scaler allows NaN losses). `raise_on_bad_labels` overrides the
+    choice (None: raise when the labels are on the CPU).
     """
 
     def __init__(self, margin_loss: MarginLoss, embedding_size: int, num_classes: int,
@@ -96,6 +99,8 @@ class PartialFC(nn.Module):
         self.num_sample = self.num_local if sample_rate >= 1.0 else int(sample_rate * self.num_local)
         self.weight = nn.Parameter(torch.normal(0, 0.01, (self.num_local * self.subcenters, embedding_size)))
         self.validate = validate
+        self.raise_on_bad_labels: bool | None = None
+        self._label_errors: torch.Tensor | None = None  # device count of forwards with a bad label
         self.sampled = SampledRows()
         self._shapes_checked = False
 
@@ -151,7 +156,8 @@ class PartialFC(nn.Module):
             self._check_shapes(local_embeddings, local_labels)
         embeddings = all_gather_rows(local_embeddings, self.group, grad_scale=float(self.world_size))
         labels = all_gather_no_grad(local_labels, self.group)
-        if self.validate and labels.device.type == "cpu":
+        on_host = labels.device.type == "cpu" if self.raise_on_bad_labels is None else self.raise_on_bad_labels
+        if self.validate and on_host:
             self._check_labels(labels)
 
         emb = embeddings.float()
@@ -173,7 +179,16 @@ class PartialFC(nn.Module):
         if reg is not None:  # identical on every rank: its gradient must count once in the sum over ranks
             share = 1.0 / self.world_size
             loss = loss + (reg * share + reg.detach() * (1.0 - share))
-        if self.validate and labels.device.type != "cpu":
-            loss = torch.where(((labels >= 0) & (labels < self.num_classes)).all(), loss, float("nan"))
+        if self.validate and not on_host:
+            valid = ((labels >= 0) & (labels < self.num_classes)).all()
+            bad = valid.logical_not().int()
+            self._label_errors = bad if self._label_errors is None else self._label_errors + bad
+            loss = torch.where(valid, loss, float("nan"))
         return loss
+
+    def take_label_errors(self) -> int:
+        """How many forwards since the last call met a label outside [0, num_classes) that was
+        not raised at once (labels on a device). Reads the device: call where the loop waits."""
+        count, self._label_errors = self._label_errors, None
+        return 0 if count is None else int(count.item())
 

@@ -1,4 +1,6 @@
 """The sharded head equals single-process cross-entropy over the concatenated logits."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -201,6 +203,35 @@ def test_bad_input_raises_on_every_rank_without_hanging(kind, message):
     errors = run_distributed(_bad_input_worker, 2, kind, timeout=60)
     assert all(e != "no error" for e in errors)
     assert any(message in e for e in errors)
+
+
+def _device_label_worker(rank, world_size):
+    """The path labels on a GPU take (no raise: that would wait on the device), on the CPU."""
+    from parallel import DynamicLossScaler
+    from utils.divergence import TrainingStopped, check_loss
+    head = PartialFC(CosFace(), D, C)
+    head.raise_on_bad_labels = False
+    emb = torch.randn(B_LOCAL, D, requires_grad=True)
+    labels = torch.zeros(B_LOCAL, dtype=torch.long)
+    counts = []
+    for step in range(3):
+        labels[2] = C if (rank == 1 and step == 1) else 1
+        loss = head(emb, labels)
+        loss.backward()
+        assert torch.isfinite(emb.grad).all() and torch.isfinite(head.weight.grad).all()
+        assert math.isnan(loss.item()) == (step == 1)
+        counts.append(head.take_label_errors())
+    try:  # the check the loop makes where it reads the loss, with an fp16 scaler that tolerates a NaN loss
+        check_loss(1.0, 3, DynamicLossScaler(), label_errors=sum(counts))
+    except TrainingStopped as exc:
+        return counts, str(exc)
+    return counts, "no error"
+
+
+def test_bad_label_on_a_device_stops_every_rank_at_the_next_check_even_under_fp16():
+    for counts, message in run_distributed(_device_label_worker, 2, timeout=60):
+        assert counts == [0, 1, 0], counts  # every rank counts the batch that rank 1 read
+        assert "label outside the classes" in message, message
 
 
 class _NormMargin(MarginLoss):

@@ -136,3 +136,19 @@ def test_images_skipped_on_every_rank_are_reported(tmp_path):
     assert run_distributed(_run, 2, args) == [0, 0]
     log = open(os.path.join(out, "training.log")).read()
     assert "skipped 3 undecodable images in this job (all ranks)" in log
+
+
+def test_one_loader_and_its_workers_serve_every_epoch(drawn_faces, tmp_path, monkeypatch):
+    built = []
+
+    def counting(*args, **kwargs):
+        built.append(train_get_dataloader(*args, **kwargs))
+        return built[-1]
+
+    train_get_dataloader = train.get_dataloader
+    monkeypatch.setattr(train, "get_dataloader", counting)
+    out = str(tmp_path / "run")
+    # one rank, batch 32 of 128 images: 4 steps an epoch, so 12 steps cross two epoch boundaries
+    assert train.main(argv(drawn_faces, out, "--batch_size", "32", "--num_workers", "1")) == 0
+    assert len(losses_in_log(out)) == STEPS  # every epoch's batches came through
+    assert len(built) == 1 and built[0].persistent_workers

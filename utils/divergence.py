@@ -13,9 +13,14 @@ class TrainingStopped(RuntimeError):
     """The run cannot continue (diverged); the last checkpoint on disk is the last good one."""
 
 
-def check_loss(loss_value: float, step: int, scaler, max_skipped: int = 20) -> None:
-    """Stop on a non-finite loss (fp32/bf16) or a loss scaler that keeps skipping (fp16).
-    The loss is the global mean, identical on every rank, so all ranks stop together."""
+def check_loss(loss_value: float, step: int, scaler, max_skipped: int = 20, label_errors: int = 0) -> None:
+    """Stop on a label outside the classes (`label_errors`: batches the head met with one,
+    `PartialFC.take_label_errors()`), a non-finite loss (fp32/bf16) or a loss scaler that
+    keeps skipping (fp16). Every input is identical on every rank, so all ranks stop together."""
+    if label_errors:
+        raise TrainingStopped(f"{label_errors} batch(es) up to step {step} held a label outside the classes "
+                              f"(the rank that read it logged the label and its position above): fix the data "
+                              f"or num_classes; the last checkpoint was written before it")
     if scaler is None:
         if not math.isfinite(loss_value):
             raise TrainingStopped(f"loss is {loss_value} at step {step}: training diverged (or a label "
