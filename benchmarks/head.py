@@ -108,6 +108,9 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=2048)  # CPU caches; the GPU config default is 8192
     p.add_argument("--row-block", type=int, default=128)
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="limit, ours and fused are measured in turn this many times; each ratio is the median "
+                        "of the rounds' ratios (a shared machine drifts between processes)")
     p.add_argument("--skip-pfc", action="store_true", help="leave out the (slow) PFC v2 baseline")
     p.add_argument("--skip-w1", action="store_true", help="leave out the W=1 comparison")
     p.add_argument("--margins", action="store_true",
@@ -116,26 +119,37 @@ def main(argv=None):
     if args.margins:
         return compare_margins(args)
     rows = []
-    methods = ["limit", "ours", "fused"] + ([] if args.skip_pfc else ["pfc_v2"])
     for c in args.classes:
-        got = {m: measure(m, c, args.chunk, args.row_block, args.iters) for m in methods}
-        limit_t, _, floor = got["limit"]
+        # limit, ours and fused in turn, `rounds` times; PFC v2 (slow) once, against the median limit
+        rounds = [{m: measure(m, c, args.chunk, args.row_block, args.iters) for m in ("limit", "ours", "fused")}
+                  for _ in range(args.rounds)]
+        floor = rounds[0]["limit"][2]
+        limit_t = statistics.median(r["limit"][0] for r in rounds)
         row = {"C": f"{c:,}", "floor MB": f"{floor / MB:.0f}", "limit ms": f"{limit_t * 1e3:.0f}"}
-        for m in methods[1:]:
-            t, peak, _ = got[m]
-            row[f"{m} ms"] = f"{t * 1e3:.0f}"
-            row[f"{m}/limit"] = f"{t / limit_t:.2f}"
-            row[f"{m} MB/floor"] = f"{peak / floor:.2f}"
+        for m in ("ours", "fused"):
+            ratios = sorted(r[m][0] / r["limit"][0] for r in rounds)
+            row[f"{m} ms"] = f"{statistics.median(r[m][0] for r in rounds) * 1e3:.0f}"
+            row[f"{m}/limit"] = f"{statistics.median(ratios):.2f}"
+            row[f"{m}/limit range"] = f"{ratios[0]:.2f}-{ratios[-1]:.2f}"
+            row[f"{m} MB/floor"] = f"{statistics.median(r[m][1] for r in rounds) / floor:.2f}"
+        if not args.skip_pfc:
+            t, peak, _ = measure("pfc_v2", c, args.chunk, args.row_block, args.iters)
+            row.update({"pfc_v2 ms": f"{t * 1e3:.0f}", "pfc_v2/limit": f"{t / limit_t:.2f}",
+                        "pfc_v2 MB/floor": f"{peak / floor:.2f}"})
         rows.append(row)
     print(f"W=2 gloo ranks, 1 thread each, b={B}/rank, D={D}, fp32, chunk_size={args.chunk}, "
-          f"row_block={args.row_block}, default allocator")
+          f"row_block={args.row_block}, default allocator, {args.rounds} rounds (median; range of the rounds' ratios)")
     print(table(rows, list(rows[0])))
     if not args.skip_w1:
         c = args.classes[0]
-        ours = measure("ours", c, args.chunk, args.row_block, args.iters, world=1, batch=2 * B)
-        ref = measure("linear_ce", c, args.chunk, args.row_block, args.iters, world=1, batch=2 * B)
-        print(f"\nW=1, B={2 * B}, C={c:,}: ours {ours[0] * 1e3:.0f} ms, F.linear_cross_entropy "
-              f"(batch_chunk_size=64, no margin) {ref[0] * 1e3:.0f} ms: ours/theirs {ours[0] / ref[0]:.2f}")
+        pairs = [(measure("ours", c, args.chunk, args.row_block, args.iters, world=1, batch=2 * B)[0],
+                  measure("linear_ce", c, args.chunk, args.row_block, args.iters, world=1, batch=2 * B)[0])
+                 for _ in range(args.rounds)]
+        ratios = sorted(o / r for o, r in pairs)
+        print(f"\nW=1, B={2 * B}, C={c:,}: ours {statistics.median(o for o, _ in pairs) * 1e3:.0f} ms, "
+              f"F.linear_cross_entropy (batch_chunk_size=64, no margin) "
+              f"{statistics.median(r for _, r in pairs) * 1e3:.0f} ms: ours/theirs {statistics.median(ratios):.2f} "
+              f"(rounds {ratios[0]:.2f}-{ratios[-1]:.2f})")
 
 
 def compare_margins(args) -> None:
