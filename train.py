@@ -93,7 +93,8 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
     verify = VerificationCallback(cfg.val_targets, cfg.val_dir or cfg.rec, cfg.verbose, backbone, ema, writer,
                                   is_main=info.is_main)
     progress = ProgressLogger(total_steps, cfg.frequent, cfg.batch_size * info.world_size * cfg.gradient_acc,
-                              writer, first_step=state.step)
+                              writer, first_step=state.step,
+                              poll_limit_s=stop.grace_s if info.device.type != "cpu" else None)
     skips = SkipReport(dataset, cfg.frequent, writer, enabled=cfg.skip_bad_images)
     micro, first_step = 0, state.step
     # built once: its persistent workers (and their open record files) serve every epoch

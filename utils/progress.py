@@ -48,9 +48,13 @@ class ProgressLogger:
     Losses are collected as device tensors (`add`) and read by the host only when the loop
     asks (`mean_loss`), so the training loop waits on the device once per `frequent` steps."""
 
-    def __init__(self, total_steps: int, frequent: int, samples_per_step: int, writer=None, first_step: int = 0):
+    def __init__(self, total_steps: int, frequent: int, samples_per_step: int, writer=None, first_step: int = 0,
+                 poll_limit_s: float | None = None):
         self.total, self.frequent, self.samples_per_step = total_steps, frequent, samples_per_step
         self.writer = writer
+        # the loop polls for stop requests once per `frequent` steps: warn (once) when that
+        # takes longer than a stop request waits for a step end
+        self.poll_limit_s = poll_limit_s
         self.pending: list = []
         self.window: list[float] = []
         self.mark_time, self.mark_step = time.time(), first_step
@@ -83,6 +87,13 @@ class ProgressLogger:
                     step, self.total, epoch, loss, lr, rate, format_seconds(eta), scale_txt)
         if self.writer is not None:
             self.writer.add_scalar("train/samples_per_second", rate, step)
+        window_s = self.frequent * self.samples_per_step / max(rate, 1e-9)
+        if self.poll_limit_s is not None and window_s > self.poll_limit_s and step - self.mark_step == self.frequent:
+            logger.warning("%d steps take %.0f s here, but a stop request (SIGTERM) waits %.0f s for the step end "
+                           "that polls it: lower --frequent (to %d or less) so a pre-emption still saves",
+                           self.frequent, window_s, self.poll_limit_s,
+                           max(1, int(self.frequent * self.poll_limit_s / window_s / 2)))
+            self.poll_limit_s = None
         self.mark_time, self.mark_step = now, step
 
 
