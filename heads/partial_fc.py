@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from heads.sharded_ce import HeadPlan, ShardedMarginCE, rows_of_classes
-from heads.sharding import class_shard
+from heads.sharding import class_shard, initial_class_rows
 from losses.base import MarginLoss
 from parallel.collectives import all_gather_no_grad, all_gather_rows
 from parallel.dist import get_rank, get_world_size
@@ -55,6 +55,11 @@ class PartialFC(nn.Module):
     optimizer steps each tile of rows during backward and no weight gradient is held (see
     HeadPlan); one extra GEMM per step buys the memory of the gradient.
 
+    Initial weight: N(0, 0.01) rows drawn per class from `torch.initial_seed()` (the seed of
+    the last `torch.manual_seed`; `heads.sharding.initial_class_rows`), so a job starts from
+    the same head at any world size and no two shards start alike (arcface_torch draws each
+    shard from the same generator state, repeating its rows in every shard).
+
     Gradient scale: the loss is the global-batch mean, and the gradient each rank receives
     for its own embeddings is multiplied by W. A backbone whose gradients are then averaged
     across ranks (DDP, Zero2Optimizer) gets exactly the gradient of one process with batch
@@ -97,7 +102,8 @@ class PartialFC(nn.Module):
         self.class_start, self.num_local = shard.start, shard.size
         self.subcenters = margin_loss.subcenters
         self.num_sample = self.num_local if sample_rate >= 1.0 else int(sample_rate * self.num_local)
-        self.weight = nn.Parameter(torch.normal(0, 0.01, (self.num_local * self.subcenters, embedding_size)))
+        # N(0, 0.01) rows drawn per class from torch's seed: the same head at any world size
+        self.weight = nn.Parameter(initial_class_rows(shard, self.subcenters, embedding_size, torch.initial_seed()))
         self.validate = validate
         self.raise_on_bad_labels: bool | None = None
         self._label_errors: torch.Tensor | None = None  # device count of forwards with a bad label

@@ -1,6 +1,8 @@
 """Which classes each rank owns: the insightface convention, so weights move between the two."""
 from __future__ import annotations
 
+import torch
+
 from parallel.flat import Range
 
 
@@ -12,3 +14,21 @@ def class_shard(num_classes: int, world_size: int, rank: int) -> Range:
     base, extra = divmod(num_classes, world_size)
     start = base * rank + min(rank, extra)
     return Range(start, start + base + int(rank < extra))
+
+
+INIT_BLOCK = 4096  # classes drawn from one generator seed
+
+
+def initial_class_rows(classes: Range, k: int, dim: int, seed: int, std: float = 0.01) -> torch.Tensor:
+    """N(0, std) weight rows of the given classes, k rows each (class-major): each class's rows
+    depend on (seed, class) alone. Every world size starts from the same head, and no two
+    shards start alike (one seed for every rank would repeat the same rows in each shard)."""
+    out = torch.empty(classes.size * k, dim)
+    first, last = classes.start // INIT_BLOCK, (classes.end - 1) // INIT_BLOCK
+    for block in range(first, last + 1) if classes.size else ():
+        lo, hi = max(classes.start, block * INIT_BLOCK), min(classes.end, (block + 1) * INIT_BLOCK)
+        g = torch.Generator().manual_seed((seed * 1_000_003 + block) % 2**63)
+        rows = torch.normal(0.0, std, (INIT_BLOCK * k, dim), generator=g)  # whole blocks: the same draw
+        out[(lo - classes.start) * k:(hi - classes.start) * k] = \
+            rows[(lo - block * INIT_BLOCK) * k:(hi - block * INIT_BLOCK) * k]
+    return out

@@ -222,10 +222,11 @@ class Zero2Optimizer(WrappedOptimizer):
         # module hooks hold the optimizer weakly: deepcopy(module) (the EMA model) then
         # copies a plain function, not this optimizer
         ref = weakref.ref(self)
-        self._hooks.append(module.register_forward_pre_hook(lambda m, args: _call(ref, "wait_params")))
-        self._hooks.append(module.register_state_dict_pre_hook(lambda m, prefix, keep: _call(ref, "wait_params")))
-        self._hooks.append(module.register_load_state_dict_pre_hook(lambda m, *args: _call(ref, "wait_params")))
-        self._hooks.append(module.register_load_state_dict_post_hook(lambda m, keys: _call(ref, "refresh_master")))
+        # (a deep copy keeps these hooks too: each acts only on the module it was built for)
+        self._hooks.append(module.register_forward_pre_hook(lambda m, args: _call(ref, "wait_params", m)))
+        self._hooks.append(module.register_state_dict_pre_hook(lambda m, prefix, keep: _call(ref, "wait_params", m)))
+        self._hooks.append(module.register_load_state_dict_pre_hook(lambda m, *args: _call(ref, "wait_params", m)))
+        self._hooks.append(module.register_load_state_dict_post_hook(lambda m, keys: _call(ref, "refresh_master", m)))
 
     # ----- the fp32 master shards ----------------------------------------------------------
     def master_shards(self) -> list[MasterShard]:
@@ -541,8 +542,10 @@ class Zero2Optimizer(WrappedOptimizer):
                     self.refresh_master()
 
 
-def _call(ref: weakref.ref, method: str) -> None:
-    """Call a method of a weakly held optimizer, if it still exists."""
+def _call(ref: weakref.ref, method: str, module: nn.Module) -> None:
+    """Call a method of a weakly held optimizer, if it still exists and `module` is the one it
+    steps: a copy of the module (the EMA model) must not refresh the live optimizer's masters
+    from its own weights."""
     obj = ref()
-    if obj is not None:
+    if obj is not None and obj.module is module:
         getattr(obj, method)()

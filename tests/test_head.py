@@ -205,6 +205,26 @@ def test_bad_input_raises_on_every_rank_without_hanging(kind, message):
     assert any(message in e for e in errors)
 
 
+def _initial_weight_worker(rank, world_size, num_classes=9001):
+    torch.manual_seed(7)  # train.py's seed, the same on every rank
+    return PartialFC(CosFace(), D, num_classes, chunk_size=512).weight.detach()
+
+
+def test_initial_head_is_the_same_at_any_world_size_and_no_two_shards_start_alike():
+    from heads.sharding import INIT_BLOCK, initial_class_rows
+    C_INIT = 9001  # uneven over 3 ranks; shards start inside and across the generator's blocks
+    assert C_INIT > 2 * INIT_BLOCK
+    whole = _initial_weight_worker(0, 1, C_INIT)  # one process, no group
+    shards = run_distributed(_initial_weight_worker, 3, C_INIT)
+    torch.testing.assert_close(torch.cat(shards), whole, rtol=0, atol=0)
+    assert not torch.equal(shards[0][:100], shards[1][:100]) and not torch.equal(shards[1][:100], shards[2][:100])
+    assert abs(whole.std().item() - 0.01) < 2e-4 and abs(whole.mean().item()) < 2e-4
+    # sub-centres: k rows per class, class-major, the same for any split of the classes
+    k3 = initial_class_rows(class_shard(C_INIT, 1, 0), 3, D, seed=7)
+    part = class_shard(C_INIT, 4, 2)
+    torch.testing.assert_close(initial_class_rows(part, 3, D, seed=7), k3[part.start * 3:part.end * 3], rtol=0, atol=0)
+
+
 def _device_label_worker(rank, world_size):
     """The path labels on a GPU take (no raise: that would wait on the device), on the CPU."""
     from parallel import DynamicLossScaler

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from backbones import get_model
-from parallel import DynamicLossScaler, Zero2Optimizer
+from parallel import DynamicLossScaler, ShardedEMA, Zero2Optimizer
 from parallel.scratch import ScratchPool
 from parallel.zero import BucketState
 from tests.distributed import run_distributed
@@ -193,6 +193,11 @@ def _bf16_worker(rank, world_size):
     # bf16 parameters are the rounded fp32 master: updates smaller than bf16 precision survive
     assert torch.equal(weights, shard.bfloat16())
     assert not torch.equal(shard, shard.bfloat16().float())
+    # the EMA's evaluation copy of the module carries the optimizer's hooks: loading it must
+    # leave the live fp32 master alone (not refresh it from the bf16 weights)
+    before = shard.clone()
+    ShardedEMA(model, 0.9, 1.0, optimizer=opt).ema_module()
+    assert torch.equal(shard, before)
     return losses
 
 
