@@ -121,6 +121,21 @@ def _small_model(device) -> nn.Module:
                          nn.Linear(256, 32)).to(device)
 
 
+def _plain_sgd_model(device, x) -> nn.Module:
+    """The small model after two steps of the plain torch optimizer: what ZeRO-2 and DDP must equal."""
+    model = _small_model(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def _max_diff(params, reference: nn.Module) -> float:
+    return max((a - b).abs().max().item() for a, b in zip(params, reference.parameters()))
+
+
 def _zero2_steps(device, x, side_stream: bool):
     """Two ZeRO-2 steps (collective exchange, small buckets, two in flight), forward/backward
     on the current or a side stream: gradient shards after each backward and the weights."""
@@ -150,7 +165,6 @@ def _zero2_steps(device, x, side_stream: bool):
 
 def _world_one(rank, world_size):
     from parallel.collectives import _AllGatherRows
-    from parallel.ddp import DDPOptimizer
     from parallel.dist import cpu_group, init_distributed
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     dist.set_debug_level_from_env()  # torch read the variable at import, before this worker set it
@@ -179,21 +193,13 @@ def _world_one(rank, world_size):
     report["max_exact"] = bool(torch.equal(reduced, row_max))
 
     # ZeRO-2 (collective exchange) equals the plain optimizer
-    reference = _small_model(device)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
-    for _ in range(2):
-        reference(x).square().mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    report["zero_vs_plain"] = max((a - b).abs().max().item() for a, b in zip(params, reference.parameters()))
+    report["zero_vs_plain"] = _max_diff(params, _plain_sgd_model(device, x))
 
     if device.type == "cuda":  # forward/backward on a side stream: the same values, bit for bit
         side_grads, side_params = _zero2_steps(device, x, side_stream=True)
         report["side_stream_bitwise"] = all(torch.equal(a, b) for ga, gb in zip(grads, side_grads)
                                             for a, b in zip(ga, gb)) \
             and all(torch.equal(a, b) for a, b in zip(params, side_params))
-
-    if device.type == "cuda":
         torch.cuda.synchronize()
     return report
 
@@ -206,28 +212,24 @@ def _ddp_world_one(rank, world_size):
     from parallel.dist import init_distributed
     device = init_distributed(timeout_min=2, force_group=True).device
     x = torch.randn(48, 64, device=device)
-    reference = _small_model(device)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
     model = _small_model(device)
     ddp_opt = DDPOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=5e-4)
     ddp_opt.ddp = nn.parallel.DistributedDataParallel(  # DDPOptimizer skips the wrapper at W=1
         model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
         gradient_as_bucket_view=True)
     for _ in range(2):
-        for net, opt in ((ddp_opt.ddp, ddp_opt), (reference, ref_opt)):
-            net(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-    return {"backend": dist.get_backend(),
-            "ddp_vs_plain": max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))}
+        ddp_opt.ddp(x).square().mean().backward()
+        ddp_opt.step()
+        ddp_opt.zero_grad()
+    return {"backend": dist.get_backend(), "ddp_vs_plain": _max_diff(model.parameters(), _plain_sgd_model(device, x))}
 
 
 @pytest.mark.parametrize("kind", [CUDA, "cpu"])
-def test_world_size_one_group_runs_the_multi_rank_paths(kind):
-    env = {"CUDA_VISIBLE_DEVICES": ""} if kind == "cpu" else {}
-    with _environ(env):  # spawned ranks inherit it
-        (r,) = run_distributed(_world_one, 1, init=False, timeout=300)
-        (ddp,) = run_distributed(_ddp_world_one, 1, init=False, timeout=300)
+def test_world_size_one_group_runs_the_multi_rank_paths(kind, monkeypatch):
+    if kind == "cpu":
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # spawned ranks inherit it
+    (r,) = run_distributed(_world_one, 1, init=False, timeout=300)
+    (ddp,) = run_distributed(_ddp_world_one, 1, init=False, timeout=300)
     assert r["backend"] == ("nccl" if kind == "cuda" else "gloo") and r["device"].startswith(kind), r
     assert r["debug"].endswith("DETAIL") and r["side_backend"] == "gloo" and r["side_sum"] == 1.0, r
     # the collectives the multi-rank code issues did run through the group
@@ -239,20 +241,6 @@ def test_world_size_one_group_runs_the_multi_rank_paths(kind):
     assert r["zero_vs_plain"] < 1e-6, r
     assert ddp["backend"] == r["backend"] and ddp["ddp_vs_plain"] < 1e-6, ddp
     assert r.get("side_stream_bitwise", kind == "cpu"), r
-
-
-@contextlib.contextmanager
-def _environ(values: dict):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 # ----- the head on the device --------------------------------------------------------------------

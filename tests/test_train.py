@@ -139,13 +139,12 @@ def test_images_skipped_on_every_rank_are_reported(tmp_path):
 
 
 def test_one_loader_and_its_workers_serve_every_epoch(drawn_faces, tmp_path, monkeypatch):
-    built = []
+    built, real = [], train.get_dataloader
 
     def counting(*args, **kwargs):
-        built.append(train_get_dataloader(*args, **kwargs))
+        built.append(real(*args, **kwargs))
         return built[-1]
 
-    train_get_dataloader = train.get_dataloader
     monkeypatch.setattr(train, "get_dataloader", counting)
     out = str(tmp_path / "run")
     # one rank, batch 32 of 128 images: 4 steps an epoch, so 12 steps cross two epoch boundaries

@@ -87,7 +87,7 @@ class ProgressLogger:
                     step, self.total, epoch, loss, lr, rate, format_seconds(eta), scale_txt)
         if self.writer is not None:
             self.writer.add_scalar("train/samples_per_second", rate, step)
-        window_s = self.frequent * self.samples_per_step / max(rate, 1e-9)
+        window_s = self.frequent * (now - self.mark_time) / max(step - self.mark_step, 1)
         if self.poll_limit_s is not None and window_s > self.poll_limit_s and step - self.mark_step == self.frequent:
             logger.warning("%d steps take %.0f s here, but a stop request (SIGTERM) waits %.0f s for the step end "
                            "that polls it: lower --frequent (to %d or less) so a pre-emption still saves",
