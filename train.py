@@ -15,10 +15,12 @@ import torch
 
 from builders import build_backbone, build_data_parallel, build_head, build_head_optimizer
 from configs import format_config, get_config, save_config
+from configs.validate import warmup_problem
 from dataset import ResumableDistributedSampler, build_dataset, get_dataloader, normalize_images
 from eval.callback import VerificationCallback
 from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
 from parallel.stop import StopSignal
+from parallel.user_errors import exits_on_user_error
 from utils.checkpointer import Checkpointer
 from utils.divergence import TrainingStopped, check_labels, check_loss
 from utils.progress import ProgressLogger, SkipReport
@@ -44,8 +46,6 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
         torch.backends.cudnn.benchmark = True
     os.makedirs(cfg.output, exist_ok=True)
     logger = setup_logging(info.rank, os.path.join(cfg.output, "training.log"))
-    if info.is_main:
-        logger.info("config %s (world size %d, %s)\n%s", config_path, info.world_size, info.device, format_config(cfg))
 
     if cfg.fp16 and info.device.type == "cpu":
         logger.warning("fp16 on the CPU is emulated and many times slower than fp32: use bf16 or neither")
@@ -70,6 +70,8 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
     if cfg.max_steps:
         total_steps = min(total_steps, cfg.max_steps)
     warmup_steps = cfg.warmup_epoch * steps_per_epoch
+    if problem := warmup_problem(total_steps, warmup_steps):
+        logger.warning(problem)
 
     checkpointer = Checkpointer(cfg.output, backbone=backbone, backbone_opt=backbone_opt, head=head,
                                 head_opt=head_opt, ema=ema, scaler=scaler, config=cfg, rank=info.rank,
@@ -92,6 +94,8 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
         writer = SummaryWriter(os.path.join(cfg.output, "tensorboard"))
     verify = VerificationCallback(cfg.val_targets, cfg.val_dir or cfg.rec, cfg.verbose, backbone, ema, writer,
                                   is_main=info.is_main)
+    if info.is_main:  # only once the data, the output and the val sets are accepted
+        logger.info("config %s (world size %d, %s)\n%s", config_path, info.world_size, info.device, format_config(cfg))
     progress = ProgressLogger(total_steps, cfg.frequent, cfg.batch_size * info.world_size * cfg.gradient_acc,
                               writer, first_step=state.step,
                               poll_limit_s=stop.grace_s if info.device.type != "cpu" else None)
@@ -175,7 +179,7 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
 
 
 def cli() -> None:
-    code = main(sys.argv[1:])
+    code = exits_on_user_error(main)(sys.argv[1:])  # a config, data or checkpoint error: one line, exit 2
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     sys.exit(code)

@@ -67,8 +67,19 @@ def validate_config(cfg: dict) -> None:
         raise _fail("margin_list", margins, "m1 must be > 0")
     if cfg["fp16"] and cfg["bf16"]:
         raise ConfigError("config fp16 = True and bf16 = True: choose one")
+    if cfg["batch_size"] == 1:
+        raise _fail("batch_size", 1, "BatchNorm needs more than one sample per rank in training: use 2 or more")
     for key in ("network", "rec", "output"):
         if not isinstance(cfg[key], str) or not cfg[key]:
             raise _fail(key, cfg[key], "expected a non-empty string")
     if not isinstance(cfg["val_targets"], (list, tuple)) or not all(isinstance(t, str) for t in cfg["val_targets"]):
         raise _fail("val_targets", cfg["val_targets"], "expected a list of .bin names")
+
+
+def warmup_problem(total_steps: int, warmup_steps: int) -> str | None:
+    """Why this schedule's warmup is a mistake, or None: a run that ends inside its warmup never
+    reaches the configured lr (train.py warns; the schedule is left as configured)."""
+    if 0 < total_steps < warmup_steps:
+        return (f"the run ends at step {total_steps}, inside its {warmup_steps}-step warmup: the LR never reaches "
+                f"lr; lower warmup_epoch (or raise max_steps / num_epoch)")
+    return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 
-from eval.verification import NFOLDS, bin_path, load_bin, test
+from eval.verification import NFOLDS, VerificationDataError, bin_path, load_bin, test
 from parallel.dist import barrier
 
 logger = logging.getLogger("shardface")
@@ -25,7 +25,9 @@ class VerificationCallback:
         for name in (val_targets if is_main else []):
             path = bin_path(val_dir, name)
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"val_targets names '{name}' but {path} does not exist")
+                raise VerificationDataError(f"val_targets names '{name}' but {path} does not exist: put it there, "
+                                            f"pass --val_dir DIR where the .bin files are, or --val_targets '[]' "
+                                            f"to train without verification")
             self.sets[name] = load_bin(path, min_pairs=NFOLDS)
         self.best: dict[str, float] = {}
         self.last: dict[str, float] = {}

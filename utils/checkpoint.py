@@ -30,14 +30,15 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from configs.errors import UserError
 from parallel.dist import barrier
 
 logger = logging.getLogger("shardface")
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that is missing, unreadable or does not fit this run (the message names it)."""
 
 
 def new_run_id() -> str:

@@ -45,6 +45,9 @@ class Checkpointer:
         (so a second run can never prune or overwrite the first one's checkpoints)."""
         existing = find_checkpoint(self.output) if os.path.isdir(self.output) else None
         barrier()  # every rank has looked before rank 0 may delete anything
+        if resume is True and existing is None:
+            raise CheckpointError(f"--resume true but {self.output} holds no checkpoint to continue: pass --resume auto "
+                                  f"to continue when there is one and start fresh otherwise, or check --output")
         if resume is True or (resume == "auto" and existing is not None):
             state, self.resumed_meta = load_checkpoint(self.output, **self.parts, rank=self.rank,
                                                        world_size=self.world_size, batch_size=batch_size,

@@ -1,0 +1,94 @@
+"""User errors on the console: one line, `error: <message>`, printed once per job, exit code 2.
+
+A `configs.errors.UserError` (ConfigError, DataError, CheckpointError) is bad input the user
+can fix, and its traceback says nothing the message does not; `SHARDFACE_DEBUG=1` shows it
+anyway. Under torchrun most such errors are found by every rank alike (the same config, the
+same missing file), a few by one rank only (a record one rank read). Rank 0 prints at once
+and leaves a mark in torchrun's rendezvous store; any other rank waits up to
+`PEER_WAIT_S` for that mark and prints only when it does not come (its error was its own).
+Rank 0 prints before any rank exits, so torchrun, which stops the job at the first exit,
+cannot cut its message off.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import re
+import sys
+from typing import Callable, TypeVar
+
+from configs.errors import UserError
+
+EXIT_USER_ERROR = 2
+DEBUG_ENV = "SHARDFACE_DEBUG"
+PEER_WAIT_S = 10.0
+_WORKER_PREFIX = re.compile(r"^[\w.]+: ")
+
+F = TypeVar("F", bound=Callable)
+
+
+def one_line(exc: BaseException) -> str:
+    """The message on one line; for an error a DataLoader worker raised (torch wraps it with
+    the worker's traceback), the original message."""
+    text = str(exc)
+    if "Original Traceback" in text:
+        text = _WORKER_PREFIX.sub("", text.strip().splitlines()[-1])
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _mark_key(env) -> str:
+    return f"shardface/user_error/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _store(env, timeout_s: float):
+    import torch.distributed as dist
+    return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def _rank0_reported(env, wait_s: float) -> bool:
+    """Whether rank 0 marks within `wait_s` that it printed an error. A store that cannot be
+    reached or goes away counts as a mark: it was rank 0's (or torchrun's, which ends when the
+    job does), so rank 0 has exited, and it prints before it exits."""
+    try:
+        store = _store(env, wait_s)
+    except Exception:
+        return True
+    try:
+        store.wait([_mark_key(env)], datetime.timedelta(seconds=wait_s))
+        return True
+    except Exception as exc:
+        return "timeout" not in str(exc).lower()
+
+
+def report_user_error(exc: BaseException, env=None, stream=None, wait_s: float = PEER_WAIT_S) -> bool:
+    """Print `error: <message>` on `stream` (stderr) unless rank 0 of this job reports one;
+    returns whether this process printed."""
+    env = os.environ if env is None else env
+    stream = sys.stderr if stream is None else stream
+    rank, world_size = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+    if world_size > 1 and rank != 0 and _rank0_reported(env, wait_s):
+        return False
+    print(f"error: {one_line(exc)}", file=stream, flush=True)
+    if world_size > 1 and rank == 0 and "MASTER_ADDR" in env:
+        try:
+            _store(env, 5.0).set(_mark_key(env), "1")
+        except Exception:  # no store: the other ranks find none either and stay silent
+            pass
+    return True
+
+
+def exits_on_user_error(main: F) -> F:
+    """Wrap a command-line entry point: a UserError is printed as one line (see the module
+    docstring) and the entry point returns 2; with SHARDFACE_DEBUG=1 it propagates."""
+    @functools.wraps(main)
+    def entry(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except UserError as exc:
+            if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+                raise
+            report_user_error(exc)
+            return EXIT_USER_ERROR
+    return entry
