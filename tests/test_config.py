@@ -64,3 +64,14 @@ def test_resume_accepts_auto():
     assert get_config(None, ["--resume", "true"]).resume is True
     with pytest.raises(ConfigError, match="--resume"):
         get_config(None, ["--resume", "maybe"])
+
+
+def test_batch_size_1_is_refused_for_batchnorm():
+    with pytest.raises(ConfigError, match="batch_size = 1.*BatchNorm"):
+        get_config(None, ["--batch_size", "1"])
+
+
+def test_a_run_ending_inside_its_warmup_is_named_and_a_longer_one_is_not():
+    from configs.validate import warmup_problem
+    assert "step 100, inside its 500-step warmup" in warmup_problem(100, 500)
+    assert warmup_problem(500, 500) is None and warmup_problem(1000, 0) is None
