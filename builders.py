@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from backbones import get_model
+from configs.errors import ConfigError
 from heads import PartialFC, SampledRowsOptimizer
 from losses import build_margin
 from parallel.ddp import DDPOptimizer
@@ -28,8 +29,9 @@ def build_head(cfg) -> PartialFC:
                   "clip_head false to clip the backbone only)": cfg.clip_head and cfg.max_grad_norm > 0}
         bad = [why for why, hit in refuse.items() if hit]
         if bad:
-            raise ValueError("config head_fused_optimizer true cannot serve: " + "; ".join(bad))
-    return PartialFC(build_margin(cfg), cfg.embedding_size, cfg.num_classes, cfg.sample_rate, cfg.chunk_size or None,
+            raise ConfigError("config head_fused_optimizer true cannot serve: " + "; ".join(bad))
+    return PartialFC(build_margin(cfg), cfg.embedding_size, cfg.num_classes, cfg.sample_rate,
+                     chunk_size=cfg.chunk_size or None,
                      row_block=cfg.row_block, precision=cfg.head_precision,
                      fused_optimizer=cfg.head_fused_optimizer)
 

@@ -14,21 +14,22 @@ class VerificationCallback:
     """Evaluates `val_targets` (names of `<name>.bin` in `val_dir`) when called: accuracy
     (with flip), std and XNorm to the log and tensorboard, and the best so far; the EMA model
     as well when there is one. Every rank constructs and calls it at the same steps
-    (gathering the EMA model is collective); only rank 0 (`is_main`) loads the sets and
-    evaluates, the others wait for it."""
+    (gathering the EMA model is collective); every rank checks that the sets exist, only rank 0
+    (`is_main`) loads them and evaluates, the others wait for it."""
 
     def __init__(self, val_targets, val_dir: str, every: int, backbone, ema=None, summary_writer=None,
                  is_main: bool = True, batch_size: int = 128):
         self.enabled, self.every = bool(val_targets), every
         self.backbone, self.ema, self.writer, self.batch_size = backbone, ema, summary_writer, batch_size
         self.sets = {}
-        for name in (val_targets if is_main else []):
+        for name in val_targets:  # every rank checks, so every rank stops alike on a missing set
             path = bin_path(val_dir, name)
             if not os.path.isfile(path):
                 raise VerificationDataError(f"val_targets names '{name}' but {path} does not exist: put it there, "
                                             f"pass --val_dir DIR where the .bin files are, or --val_targets '[]' "
                                             f"to train without verification")
-            self.sets[name] = load_bin(path, min_pairs=NFOLDS)
+            if is_main:
+                self.sets[name] = load_bin(path, min_pairs=NFOLDS)
         self.best: dict[str, float] = {}
         self.last: dict[str, float] = {}
         self.last_step: int | None = None

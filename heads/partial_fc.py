@@ -79,15 +79,24 @@ class PartialFC(nn.Module):
     (every rank gets the same count, so all stop together; a NaN loss alone would not stop
     an fp16 run, whose loss scaler allows NaN losses). `raise_on_bad_labels` overrides the
     choice (None: raise when the labels are on the CPU).
+
+    Arguments: the positional ones are arcface_torch's `PartialFC_V2(margin_loss,
+    embedding_size, num_classes, sample_rate=1.0, fp16=False)`, so its calls build this head
+    unchanged; `fp16=True` (its logits GEMM under fp16 autocast) selects `precision="bf16"`
+    here. Everything ShardFace adds is keyword-only.
     """
 
     def __init__(self, margin_loss: MarginLoss, embedding_size: int, num_classes: int,
-                 sample_rate: float = 1.0, chunk_size: int | None = None, process_group=None,
-                 validate: bool = True, row_block: int = 128, precision: str = "fp32",
+                 sample_rate: float = 1.0, fp16: bool = False, *, chunk_size: int | None = None,
+                 process_group=None, validate: bool = True, row_block: int = 128, precision: str | None = None,
                  fused_optimizer: bool = False):
         super().__init__()
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+        if precision is None:  # PartialFC_V2's fp16: its logits GEMM at 16 bits; ours has bf16 for that
+            precision = "bf16" if fp16 else "fp32"
+        elif fp16 and precision != "bf16":
+            raise ValueError(f"fp16=True asks for 16-bit logits but precision={precision!r}: pass one of them")
         self.margin_loss = margin_loss
         self.embedding_size = embedding_size
         self.num_classes = num_classes

@@ -18,7 +18,8 @@ def build_margin(cfg) -> MarginLoss:
         if len(cfg.margin_list) != 3:
             raise ValueError(f"margin_list must be (m1, m2, m3), got {cfg.margin_list!r}")
         m1, m2, m3 = cfg.margin_list
-        return CombinedMarginLoss(cfg.scale, m1, m2, m3, cfg.interclass_filtering_threshold, cfg.straight_through)
+        return CombinedMarginLoss(cfg.scale, m1, m2, m3, cfg.interclass_filtering_threshold,
+                                  straight_through=cfg.straight_through)
     if name == "arcface":
         return CombinedMarginLoss(cfg.scale, 1.0, cfg.arcface_m, 0.0, cfg.interclass_filtering_threshold,
                                   cfg.straight_through)

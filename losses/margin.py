@@ -22,7 +22,7 @@ class CombinedMarginLoss(MarginLoss):
     """
 
     def __init__(self, s: float = 64.0, m1: float = 1.0, m2: float = 0.5, m3: float = 0.0,
-                 interclass_filtering_threshold: float = 0.0, straight_through: bool = False):
+                 interclass_filtering_threshold: float = 0.0, *, straight_through: bool = False):
         super().__init__(s, interclass_filtering_threshold)
         self.straight_through = bool(straight_through)
         if m1 < 1.0 or m2 < 0 or m3 < 0:

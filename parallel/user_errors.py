@@ -4,10 +4,11 @@ A `configs.errors.UserError` (ConfigError, DataError, CheckpointError) is bad in
 can fix, and its traceback says nothing the message does not; `SHARDFACE_DEBUG=1` shows it
 anyway. Under torchrun most such errors are found by every rank alike (the same config, the
 same missing file), a few by one rank only (a record one rank read). Rank 0 prints at once
-and leaves a mark in torchrun's rendezvous store; any other rank waits up to
-`PEER_WAIT_S` for that mark and prints only when it does not come (its error was its own).
+and leaves a mark in torchrun's rendezvous store; any other rank waits up to `PEER_WAIT_S`
+for a mark and prints only when none comes (its error was its own), marking it in turn.
 Rank 0 prints before any rank exits, so torchrun, which stops the job at the first exit,
-cannot cut its message off.
+cannot cut its message off; a rank whose collective then loses its peer sees the mark and
+exits quietly instead of adding a traceback.
 """
 from __future__ import annotations
 
@@ -47,12 +48,12 @@ def _store(env, timeout_s: float):
                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-def _rank0_reported(env, wait_s: float) -> bool:
-    """Whether rank 0 marks within `wait_s` that it printed an error. A store that cannot be
-    reached or goes away counts as a mark: it was rank 0's (or torchrun's, which ends when the
+def _reported(env, wait_s: float) -> bool:
+    """Whether some rank marks within `wait_s` that it printed a user error. A store that cannot
+    be reached or goes away counts as a mark: it was rank 0's (or torchrun's, which ends when the
     job does), so rank 0 has exited, and it prints before it exits."""
     try:
-        store = _store(env, wait_s)
+        store = _store(env, max(wait_s, 1.0))
     except Exception:
         return True
     try:
@@ -62,18 +63,29 @@ def _rank0_reported(env, wait_s: float) -> bool:
         return "timeout" not in str(exc).lower()
 
 
+def _peer_reported(env) -> bool:
+    """Whether another rank of this job already printed a user error (then this rank's own
+    failure, a collective whose peer left, is only its echo)."""
+    if int(env.get("WORLD_SIZE", "1")) < 2 or "MASTER_ADDR" not in env:
+        return False
+    try:
+        return _store(env, 2.0).check([_mark_key(env)])
+    except Exception:
+        return False
+
+
 def report_user_error(exc: BaseException, env=None, stream=None, wait_s: float = PEER_WAIT_S) -> bool:
     """Print `error: <message>` on `stream` (stderr) unless rank 0 of this job reports one;
     returns whether this process printed."""
     env = os.environ if env is None else env
     stream = sys.stderr if stream is None else stream
     rank, world_size = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
-    if world_size > 1 and rank != 0 and _rank0_reported(env, wait_s):
+    if world_size > 1 and rank != 0 and _reported(env, wait_s):
         return False
     print(f"error: {one_line(exc)}", file=stream, flush=True)
-    if world_size > 1 and rank == 0 and "MASTER_ADDR" in env:
+    if world_size > 1 and "MASTER_ADDR" in env:
         try:
-            _store(env, 5.0).set(_mark_key(env), "1")
+            _store(env, 5.0).set(_mark_key(env), str(rank))
         except Exception:  # no store: the other ranks find none either and stay silent
             pass
     return True
@@ -81,14 +93,21 @@ def report_user_error(exc: BaseException, env=None, stream=None, wait_s: float =
 
 def exits_on_user_error(main: F) -> F:
     """Wrap a command-line entry point: a UserError is printed as one line (see the module
-    docstring) and the entry point returns 2; with SHARDFACE_DEBUG=1 it propagates."""
+    docstring) and the entry point returns 2; with SHARDFACE_DEBUG=1 it propagates. Under
+    torchrun, a rank that fails in any other way after a peer printed a user error (its
+    collective lost the peer) exits with 2 as well, silently."""
     @functools.wraps(main)
     def entry(*args, **kwargs):
+        debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
         try:
             return main(*args, **kwargs)
         except UserError as exc:
-            if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            if debug:
                 raise
             report_user_error(exc)
             return EXIT_USER_ERROR
+        except Exception:
+            if not debug and _peer_reported(os.environ):
+                return EXIT_USER_ERROR
+            raise
     return entry

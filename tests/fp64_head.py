@@ -47,7 +47,7 @@ def head_errors_against_fp64(device: torch.device, tf32: bool, classes: int = 20
     reference's norm) against the fp64 reference, with every fp32 matmul in TF32 or not
     (`tf32`, torch's global setting) and the head's own `precision` of its logits GEMM."""
     torch.manual_seed(0)
-    head = PartialFC(CombinedMarginLoss(S, 1.0, M2, 0.0), dim, classes, 1.0, chunk, validate=False,
+    head = PartialFC(CombinedMarginLoss(S, 1.0, M2, 0.0), dim, classes, 1.0, chunk_size=chunk, validate=False,
                      precision=precision).to(device)
     emb = torch.randn(batch, dim, device=device, requires_grad=True)
     labels = torch.randint(0, classes, (batch,), device=device)

@@ -281,7 +281,7 @@ def test_head_with_bf16_logits_stays_close_to_fp64_full_softmax(kind):
 def test_head_forward_and_backward_never_synchronise_the_host(chunk, sample_rate, fused):
     device = _device("cuda")
     torch.manual_seed(0)
-    head = PartialFC(CombinedMarginLoss(S, 1.0, M2, 0.0), 128, 8000, sample_rate, chunk, validate=False,
+    head = PartialFC(CombinedMarginLoss(S, 1.0, M2, 0.0), 128, 8000, sample_rate, chunk_size=chunk, validate=False,
                      fused_optimizer=fused).to(device)
     emb = torch.randn(256, 128, device=device, requires_grad=True)
     labels = torch.randint(0, 8000, (256,), device=device)

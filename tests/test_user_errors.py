@@ -124,3 +124,20 @@ def test_a_rank_prints_the_error_rank_0_did_not_report(job_store):
     rank1 = io.StringIO()
     assert report_user_error(DataError("/d/train.rec: bad magic"), dict(env, RANK="1"), rank1, wait_s=0.5)
     assert rank1.getvalue() == "error: /d/train.rec: bad magic\n"
+
+
+def test_a_rank_failing_after_a_peer_reported_a_user_error_exits_2_quietly(job_store, monkeypatch, capsys):
+    from parallel.user_errors import exits_on_user_error
+    _, env = job_store
+    for key, value in dict(env, RANK="1").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("SHARDFACE_DEBUG", raising=False)
+
+    def lost_peer():
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(RuntimeError):  # nobody reported: a real failure keeps its traceback
+        exits_on_user_error(lost_peer)()
+    assert report_user_error(ConfigError("config x = 1: bad"), dict(env, RANK="0"), io.StringIO())
+    assert exits_on_user_error(lost_peer)() == EXIT_USER_ERROR
+    assert capsys.readouterr().err == ""
