@@ -4,7 +4,6 @@ configs/demo.py on N gloo ranks, verify the trained model on unseen identities, 
 `python -m scripts.demo [--nproc 2]` from the repository root."""
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
@@ -17,6 +16,8 @@ from backbones import get_model
 from configs import get_config
 from eval.verification import load_bin, test
 from eval.weights import load_backbone
+from parallel.user_errors import exits_on_user_error
+from scripts.cli import ArgumentParser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/demo.py"
@@ -27,10 +28,12 @@ def run(cmd: list[str], env=None) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT, env=env)
 
 
+@exits_on_user_error
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--min-accuracy", type=float, default=0.90)
+    p = ArgumentParser(description=__doc__)
+    p.add_argument("--nproc", type=int, default=2, help="gloo ranks to train on (default 2)")
+    p.add_argument("--min_accuracy", type=float, default=0.90,
+                   help="fail when the trained verification accuracy is below this (default 0.90)")
     p.add_argument("--margin", default="", help="train with this margin head instead (see configs/base.py)")
     args = p.parse_args(argv)
     overrides = ["--margin", args.margin, "--output", f"work_dirs/demo_{args.margin}"] if args.margin else []

@@ -22,24 +22,28 @@ from easydict import EasyDict
 from eval.weights import load_backbone
 from dataset import build_dataset
 from losses.subcenter import dominant_subcenters, drop_subcenters, far_from_dominant
-from utils.checkpoint import resolve_checkpoint, safe_load
+from parallel.user_errors import exits_on_user_error
+from scripts.cli import ArgumentParser
+from utils.checkpoint import CheckpointError, resolve_checkpoint, safe_load
 
 
 def full_head_weight(checkpoint: str) -> tuple[torch.Tensor, int]:
     """The whole C*k x D head weight from a checkpoint's per-rank files, and k."""
     parts = [safe_load(p) for p in sorted(glob.glob(os.path.join(checkpoint, "head-*.pt")))]
     if not parts:
-        raise FileNotFoundError(f"{checkpoint}: no head-*.pt files")
+        raise CheckpointError(f"{checkpoint}: no head-*.pt files")
     return torch.cat([p["weight"] for p in parts]), parts[0].get("subcenters", 1)
 
 
+@exits_on_user_error
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", help="a training output directory (config.json and checkpoints)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--max_degrees", type=float, default=75.0)
-    p.add_argument("--batch_size", type=int, default=256)
+    p.add_argument("--out", required=True, help="directory for head_dominant.pt and noisy_images.txt")
+    p.add_argument("--max_degrees", type=float, default=75.0,
+                   help="list images farther than this angle from their dominant centre (default 75)")
+    p.add_argument("--batch_size", type=int, default=256, help="images per forward pass (default 256)")
     args = p.parse_args(argv)
     with open(os.path.join(args.run, "config.json")) as f:
         cfg = EasyDict(json.load(f))

@@ -1,16 +1,19 @@
 #!/usr/bin/env python
 """Export a backbone to ONNX (input `data`: N x 3 x 112 x 112, dynamic batch, fp32) and check
-onnxruntime against torch on batches of 1 and 8. `python -m scripts.export_onnx RUN OUT.onnx`."""
+onnxruntime against torch on batches of 1 and 8. `python -m scripts.export_onnx RUN [OUT]`: OUT is
+the .onnx file or a directory for `model.onnx`, by default the run's own directory."""
 from __future__ import annotations
 
-import argparse
 import os
+import sys
 import warnings
 
 import numpy as np
 import torch
 
 from eval.weights import load_backbone
+from parallel.user_errors import exits_on_user_error
+from scripts.cli import ArgumentParser
 
 
 def export(model: torch.nn.Module, output: str, opset: int = 17) -> None:
@@ -48,19 +51,35 @@ def check_parity(model: torch.nn.Module, onnx_path: str, batches=(1, 8), seed: i
     return worst
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+def output_path(checkpoint: str, output: str | None) -> str:
+    """Where the model goes: `output` itself, `output/model.onnx` when it is a directory (or
+    ends in a separator), or `model.onnx` beside what was exported (in a run or checkpoint
+    directory, or beside a model.pt)."""
+    if output is None:
+        folder = checkpoint if os.path.isdir(checkpoint) else os.path.dirname(os.path.abspath(checkpoint))
+        return os.path.join(folder, "model.onnx")
+    if os.path.isdir(output) or output.endswith(("/", os.sep)):
+        return os.path.join(output, "model.onnx")
+    return output
+
+
+@exits_on_user_error
+def main(argv=None) -> int:
+    p = ArgumentParser(description=__doc__)
     p.add_argument("checkpoint", help="run output, checkpoint dir, our model.pt or insightface model.pt")
-    p.add_argument("output", help="path of the .onnx file")
+    p.add_argument("output", nargs="?", default=None,
+                   help="the .onnx file, or a directory for model.onnx (default: model.onnx in the run's directory)")
     p.add_argument("--network", default=None, help="backbone name (default: from the training config)")
-    p.add_argument("--no-ema", action="store_true", help="export the raw weights, not the EMA")
-    p.add_argument("--opset", type=int, default=17)
+    p.add_argument("--no_ema", action="store_true", help="export the raw weights, not the EMA")
+    p.add_argument("--opset", type=int, default=17, help="ONNX opset version (default 17)")
     args = p.parse_args(argv)
     model = load_backbone(args.checkpoint, args.network, ema=not args.no_ema)
-    export(model, args.output, args.opset)
-    check_parity(model, args.output)
-    print(f"exported {args.output}")
+    output = output_path(args.checkpoint, args.output)
+    export(model, output, args.opset)
+    check_parity(model, output)
+    print(f"exported {output}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,8 +3,8 @@
 pairs from identities that are not in the training set. `python -m scripts.make_drawn_faces`."""
 from __future__ import annotations
 
-import argparse
 import os
+import sys
 import time
 from multiprocessing import Pool
 
@@ -13,6 +13,8 @@ import numpy as np
 from dataset.drawn_faces import identity_images
 from dataset.pack import write_insightface_rec
 from eval.verification import write_bin
+from parallel.user_errors import exits_on_user_error
+from scripts.cli import ArgumentParser
 from utils.progress import Progress
 
 VAL_NAME = "drawn_faces_val"  # the .bin beside the training set; configs/demo.py's val_targets
@@ -37,17 +39,18 @@ def verification_pairs(images: list[list[bytes]], num_pairs: int, seed: int):
     return bins, issame
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--output", default="data/drawn_faces")
-    p.add_argument("--num-ids", type=int, default=400)
-    p.add_argument("--per-id", type=int, default=20)
-    p.add_argument("--val-ids", type=int, default=100)
-    p.add_argument("--val-per-id", type=int, default=10)
-    p.add_argument("--val-pairs", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--overwrite", action="store_true")
+@exits_on_user_error
+def main(argv=None) -> int:
+    p = ArgumentParser(description=__doc__)
+    p.add_argument("--output", default="data/drawn_faces", help="directory to write (default data/drawn_faces)")
+    p.add_argument("--num_ids", type=int, default=400, help="training identities (default 400)")
+    p.add_argument("--per_id", type=int, default=20, help="training images per identity (default 20)")
+    p.add_argument("--val_ids", type=int, default=100, help="held-out identities for the verification pairs (default 100)")
+    p.add_argument("--val_per_id", type=int, default=10, help="images per held-out identity (default 10)")
+    p.add_argument("--val_pairs", type=int, default=1000, help="verification pairs, half of them same-identity (default 1000)")
+    p.add_argument("--seed", type=int, default=0, help="drawing seed (default 0)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="drawing processes (default: one per CPU)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing set at --output")
     args = p.parse_args(argv)
 
     start = time.time()
@@ -62,7 +65,8 @@ def main(argv=None) -> None:
     write_bin(os.path.join(args.output, f"{VAL_NAME}.bin"), bins, issame)
     print(f"wrote {total} images of {args.num_ids} identities and {args.val_pairs} verification pairs "
           f"of {args.val_ids} unseen identities to {args.output} in {time.time() - start:.1f}s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

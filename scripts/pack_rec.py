@@ -4,22 +4,21 @@ line) into train.rec, train.idx and property in the insightface layout.
 `python -m scripts.pack_rec IMAGE_FOLDER OUT_DIR`."""
 from __future__ import annotations
 
-import argparse
 import os
+import sys
 from collections import defaultdict
 
 from dataset import DataError, list_identity_folders
 from dataset.pack import write_insightface_rec
+from parallel.user_errors import exits_on_user_error
+from scripts.cli import ArgumentParser
 from utils.progress import Progress
 
 
 def collect(source: str) -> list[list[str]]:
     """Image paths grouped by label 0..C-1."""
     if os.path.isdir(source):
-        try:
-            return list_identity_folders(source)[1]
-        except DataError as exc:
-            raise SystemExit(str(exc)) from None
+        return list_identity_folders(source)[1]
     else:
         by_label = defaultdict(list)
         base = os.path.dirname(source)
@@ -31,12 +30,12 @@ def collect(source: str) -> list[list[str]]:
                     path, label = line.rstrip("\n").split("\t")[:2]
                     by_label[int(label)].append(os.path.join(base, path))
                 except ValueError:
-                    raise SystemExit(f"{source}:{lineno}: expected 'path<TAB>label'") from None
+                    raise DataError(f"{source}:{lineno}: expected 'path<TAB>label'") from None
         labels = sorted(by_label)
         if labels != list(range(len(labels))):
-            raise SystemExit(f"{source}: labels must be 0..C-1 without gaps")
+            raise DataError(f"{source}: labels must be 0..C-1 without gaps")
         if not labels:
-            raise SystemExit(f"{source}: no 'path<TAB>label' lines")
+            raise DataError(f"{source}: no 'path<TAB>label' lines")
         return [by_label[label] for label in labels]
 
 
@@ -46,8 +45,9 @@ def read_bytes(paths):
             yield f.read()
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+@exits_on_user_error
+def main(argv=None) -> int:
+    p = ArgumentParser(description=__doc__)
     p.add_argument("source", help="image folder or list file")
     p.add_argument("output", help="directory for train.rec, train.idx, property")
     p.add_argument("--overwrite", action="store_true", help="replace an existing set")
@@ -61,7 +61,8 @@ def main(argv=None) -> None:
     except FileExistsError as exc:
         raise SystemExit(str(exc)) from None
     print(f"packed {total} images of {len(groups)} identities into {args.output}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,14 +15,17 @@ import sys
 
 from configs import get_config
 from heads.sharding import class_shard
+from parallel.user_errors import exits_on_user_error
 from planner import CUDA_RESERVE, GB, max_classes, pfc_v2_max_classes, plan
+from scripts.cli import ArgumentParser
 
 
+@exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config")
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="a job config (configs/x or configs/x.py); --key value overrides follow")
     p.add_argument("--gpus", type=int, required=True, help="world size (ranks)")
-    p.add_argument("--gpu_mem_gb", type=float, default=80.0, help="memory of one GPU")
+    p.add_argument("--gpu_mem_gb", type=float, default=80.0, help="memory of one GPU in GB (default 80)")
     p.add_argument("--table", action="store_true",
                    help="print README's capacity table (r50, r100; 8 and 64 GPUs; ours vs PFC v2)")
     args, overrides = p.parse_known_args(argv)

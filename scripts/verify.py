@@ -3,22 +3,25 @@
 `python -m scripts.verify RUN_OR_CHECKPOINT --bin lfw.bin [--bin cfp_fp.bin ...]`."""
 from __future__ import annotations
 
-import argparse
 import os
+import sys
 
 import torch
 
 from eval.verification import NFOLDS, load_bin, test
 from eval.weights import load_backbone
+from parallel.user_errors import exits_on_user_error
+from scripts.cli import ArgumentParser
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+@exits_on_user_error
+def main(argv=None) -> int:
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", help="run output, checkpoint dir, our model.pt or insightface model.pt")
     p.add_argument("--bin", action="append", required=True, help="a .bin file (repeatable)")
     p.add_argument("--network", default=None, help="backbone name (default: from the training config)")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--no-ema", action="store_true", help="the raw weights, not the EMA")
+    p.add_argument("--batch_size", type=int, default=128, help="pairs per forward pass (default 128)")
+    p.add_argument("--no_ema", action="store_true", help="the raw weights, not the EMA")
     args = p.parse_args(argv)
     model = load_backbone(args.checkpoint, args.network, ema=not args.no_ema)
     model = model.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -29,7 +32,8 @@ def main(argv=None) -> None:
     print(f"{'set':<20} {'acc':>8} {'acc-flip':>9} {'std':>7} {'XNorm':>8}")
     for name, acc, acc_flip, std_flip, xnorm in rows:
         print(f"{name:<20} {acc:8.4f} {acc_flip:9.4f} {std_flip:7.4f} {xnorm:8.3f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

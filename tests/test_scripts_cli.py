@@ -1,0 +1,92 @@
+"""The command-line tools: both option spellings everywhere, a help text for every argument,
+user errors as one line, and export_onnx's optional output."""
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import backbones
+from scripts.cli import ArgumentParser, underscored
+
+TOOLS = ["demo", "drop_subcenters", "export_onnx", "ijb", "make_drawn_faces", "pack_rec", "plan", "verify"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _Parsed(Exception):
+    def __init__(self, parser):
+        self.parser = parser
+
+
+def _parser_of(tool: str, monkeypatch) -> ArgumentParser:
+    """The parser the tool's main builds (stopped where it would parse)."""
+    def stop(parser, args=None, namespace=None):
+        raise _Parsed(parser)
+    monkeypatch.setattr(ArgumentParser, "parse_known_args", stop)
+    with pytest.raises(_Parsed) as parsed:
+        importlib.import_module(f"scripts.{tool}").main([])
+    return parsed.value.parser
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_every_tool_uses_the_shared_parser_with_help_for_every_argument(tool, monkeypatch):
+    parser = _parser_of(tool, monkeypatch)
+    for action in parser._actions:
+        assert action.help, f"scripts.{tool}: {action.option_strings or action.dest} has no help text"
+        for option in action.option_strings:
+            assert option == underscored(option), f"scripts.{tool}: {option} is not the underscore spelling"
+
+
+def test_dash_and_underscore_spellings_are_the_same_option():
+    p = ArgumentParser()
+    p.add_argument("path", help="a positional is left alone")
+    p.add_argument("--batch_size", type=int, default=1, help="h")
+    p.add_argument("--no-ema", action="store_true", help="h")
+    for argv in (["x-y", "--batch-size", "3", "--no_ema"], ["x-y", "--batch_size=3", "--no-ema"]):
+        args = p.parse_args(argv)
+        assert (args.path, args.batch_size, args.no_ema) == ("x-y", 3, True)
+    assert p.parse_args(["--", "--a-b"]).path == "--a-b"  # after `--`, nothing is an option
+    with pytest.raises(TypeError, match="help"):
+        p.add_argument("--seed", type=int)
+
+
+def test_tool_user_error_is_one_line_with_exit_code_2(tmp_path, capsys):
+    from scripts.pack_rec import main
+    (tmp_path / "list.txt").write_text("a.jpg 3\n")
+    assert main([str(tmp_path / "list.txt"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'list.txt'}:1: expected 'path<TAB>label'\n"
+
+
+def test_export_output_defaults_to_the_run_and_accepts_a_directory(tmp_path):
+    from scripts.export_onnx import output_path
+    run = tmp_path / "run"
+    run.mkdir()
+    assert output_path(str(run), None) == str(run / "model.onnx")
+    assert output_path(str(run / "model.pt"), None) == str(run / "model.onnx")
+    assert output_path(str(run), str(tmp_path)) == str(tmp_path / "model.onnx")
+    assert output_path(str(run), "new_dir/") == os.path.join("new_dir", "model.onnx")
+    assert output_path(str(run), str(tmp_path / "x.onnx")) == str(tmp_path / "x.onnx")
+
+
+def test_export_into_a_directory_writes_model_onnx_there(tmp_path):
+    from scripts.export_onnx import main
+    torch.manual_seed(0)
+    torch.save(backbones.get_model("tiny").state_dict(), tmp_path / "model.pt")
+    out = tmp_path / "exported"
+    out.mkdir()
+    assert main([str(tmp_path / "model.pt"), str(out), "--network", "tiny"]) == 0
+    assert (out / "model.onnx").is_file()
+
+
+@pytest.mark.slow
+def test_train_sh_without_nproc_runs_one_process_on_a_cpu(drawn_faces, tmp_path):
+    from tests.conftest import train_argv
+    from tests.distributed import free_port
+    out = str(tmp_path / "run")
+    argv = train_argv(drawn_faces, out, "--max_steps", "2")
+    proc = subprocess.run(["scripts/train.sh", *argv], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port())))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "world size 1" in open(os.path.join(out, "training.log")).read()
