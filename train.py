@@ -91,7 +91,8 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
     writer = None
     if info.is_main:
         from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(os.path.join(cfg.output, "tensorboard"))
+        # events past the step this run starts from (a resume's re-done steps) are dropped
+        writer = SummaryWriter(os.path.join(cfg.output, "tensorboard"), purge_step=state.step + 1)
     verify = VerificationCallback(cfg.val_targets, cfg.val_dir or cfg.rec, cfg.verbose, backbone, ema, writer,
                                   is_main=info.is_main)
     if info.is_main:  # only once the data, the output and the val sets are accepted

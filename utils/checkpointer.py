@@ -15,6 +15,17 @@ from utils.divergence import check_weights
 logger = logging.getLogger("shardface")
 
 
+def start_logs_over(output: str) -> None:
+    """A start-over's logs show only the new run: the earlier run's TensorBoard events are
+    deleted (before this run's writer exists) and training.log is emptied. Logging's file
+    handler appends (O_APPEND), so it goes on writing at the new end; this run's lines logged
+    before the start-over go too."""
+    shutil.rmtree(os.path.join(output, "tensorboard"), ignore_errors=True)
+    log = os.path.join(output, "training.log")
+    if os.path.isfile(log):
+        os.truncate(log, 0)
+
+
 def _same_on_every_rank(value: str) -> str:
     """Rank 0's value, on every rank."""
     if get_world_size() == 1:
@@ -42,7 +53,8 @@ class Checkpointer:
         """Where this run begins. `resume` True: from the output's latest checkpoint (an error
         if none); "auto": from it if there is one, else fresh; False: fresh, and an output that
         already holds checkpoints is refused unless `overwrite`, which deletes them first
-        (so a second run can never prune or overwrite the first one's checkpoints)."""
+        (so a second run can never prune or overwrite the first one's checkpoints) and starts
+        its logs over (`start_logs_over`)."""
         existing = find_checkpoint(self.output) if os.path.isdir(self.output) else None
         barrier()  # every rank has looked before rank 0 may delete anything
         if resume is True and existing is None:
@@ -66,6 +78,7 @@ class Checkpointer:
                 for name in ("latest", "model.pt"):
                     if os.path.exists(os.path.join(self.output, name)):
                         os.remove(os.path.join(self.output, name))
+                start_logs_over(self.output)
                 logger.warning("overwrite: deleted %d checkpoints of an earlier run in %s", len(leftovers), self.output)
             barrier()
         return TrainState(run_id=_same_on_every_rank(new_run_id()))
