@@ -149,9 +149,11 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
                     skips(state.step)
 
                     if verify.due(state.step):
-                        verify(state.step)
+                        with progress.paused():  # out of samples/s and the ETA
+                            verify(state.step)
                     if checkpoint_due:
-                        checkpointer.save(state, (images, labels))
+                        with progress.paused():
+                            checkpointer.save(state, (images, labels))
                     job_done = cfg.stop_after_steps and state.step - first_step >= cfg.stop_after_steps
                     # every rank polls the stop flag at the same steps: each step on the CPU, once per
                     # `frequent` steps on GPUs (a gloo round trip; their steps are short)

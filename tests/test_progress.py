@@ -44,3 +44,35 @@ def test_polling_within_the_stop_grace_is_not_warned_about():
 
 def test_eta_format():
     assert format_seconds(59) == "0:59" and format_seconds(3600 + 61) == "1:01:01" and format_seconds(-3) == "0:00"
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _rates_and_etas(pause_s):
+    """(samples/s, ETA) logged at steps 10 and 20 of 100, 1 s per step, with an evaluation
+    of `pause_s` inside `paused()` after step 10."""
+    logger, records = logging.getLogger("shardface"), _Records()
+    logger.addHandler(records)
+    level, logger.level = logger.level, logging.INFO
+    clock = _Clock()
+    try:
+        progress = ProgressLogger(total_steps=100, frequent=10, samples_per_step=64, clock=clock)
+        for step in (10, 20):
+            clock.now += 10.0
+            progress(step, 0, 1.0, 0.1, None)
+            with progress.paused():
+                clock.now += pause_s
+    finally:
+        logger.removeHandler(records)
+        logger.level = level
+    return [(line.split("samples/s")[0].split()[-1], line.split("ETA ")[1]) for line in records.lines]
+
+
+def test_evaluation_time_is_out_of_samples_per_second_and_eta():
+    assert _rates_and_etas(pause_s=300.0) == _rates_and_etas(pause_s=0.0) == [("64.0", "1:30"), ("64.0", "1:20")]

@@ -1,6 +1,7 @@
 """Progress lines with rate and ETA: `Progress` for scripts, `ProgressLogger` for training."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -46,10 +47,12 @@ class ProgressLogger:
     """Rank 0's progress line every `frequent` steps: loss, lr, global samples/s, ETA.
 
     Losses are collected as device tensors (`add`) and read by the host only when the loop
-    asks (`mean_loss`), so the training loop waits on the device once per `frequent` steps."""
+    asks (`mean_loss`), so the training loop waits on the device once per `frequent` steps.
+    Time spent inside `paused()` (evaluation, checkpoints) counts in neither samples/s nor the
+    ETA, so both stay steady across an evaluation."""
 
     def __init__(self, total_steps: int, frequent: int, samples_per_step: int, writer=None, first_step: int = 0,
-                 poll_limit_s: float | None = None):
+                 poll_limit_s: float | None = None, clock=time.monotonic):
         self.total, self.frequent, self.samples_per_step = total_steps, frequent, samples_per_step
         self.writer = writer
         # the loop polls for stop requests once per `frequent` steps: warn (once) when that
@@ -57,7 +60,18 @@ class ProgressLogger:
         self.poll_limit_s = poll_limit_s
         self.pending: list = []
         self.window: list[float] = []
-        self.mark_time, self.mark_step = time.time(), first_step
+        self.clock = clock
+        self.mark_time, self.mark_step = clock(), first_step
+        self.paused_s = 0.0  # time inside `paused()` since the mark
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave what runs inside out of samples/s and the ETA."""
+        start = self.clock()
+        try:
+            yield
+        finally:
+            self.paused_s += self.clock() - start
 
     def add(self, loss) -> None:
         self.pending.append(loss)
@@ -79,22 +93,23 @@ class ProgressLogger:
                 self.writer.add_scalar("train/loss", value, step - len(self.window) + 1 + i)
             self.writer.add_scalar("train/lr", lr, step)
         self.window = []
-        now = time.time()
-        rate = (step - self.mark_step) * self.samples_per_step / max(now - self.mark_time, 1e-9)
+        now = self.clock()
+        training_s = now - self.mark_time - self.paused_s
+        rate = (step - self.mark_step) * self.samples_per_step / max(training_s, 1e-9)
         eta = (self.total - step) * self.samples_per_step / max(rate, 1e-9)
         scale_txt = f"  scale {scale:.0f}" if scale is not None else ""
         logger.info("step %d/%d  epoch %d  loss %.4f  lr %.5f  %.1f samples/s  ETA %s%s",
                     step, self.total, epoch, loss, lr, rate, format_seconds(eta), scale_txt)
         if self.writer is not None:
             self.writer.add_scalar("train/samples_per_second", rate, step)
-        window_s = self.frequent * (now - self.mark_time) / max(step - self.mark_step, 1)
+        window_s = self.frequent * training_s / max(step - self.mark_step, 1)
         if self.poll_limit_s is not None and window_s > self.poll_limit_s and step - self.mark_step == self.frequent:
             logger.warning("%d steps take %.0f s here, but a stop request (SIGTERM) waits %.0f s for the step end "
                            "that polls it: lower --frequent (to %d or less) so a pre-emption still saves",
                            self.frequent, window_s, self.poll_limit_s,
                            max(1, int(self.frequent * self.poll_limit_s / window_s / 2)))
             self.poll_limit_s = None
-        self.mark_time, self.mark_step = now, step
+        self.mark_time, self.mark_step, self.paused_s = now, step, 0.0
 
 
 class SkipReport:
