@@ -1,0 +1,99 @@
+"""README's commands work as typed: in a fresh copy of the tree, `make demo`, then every
+command of README's bash blocks that a CPU can run, each in a shell that did
+`source .venv/bin/activate` as README says. Every command README shows is listed in
+`COMMANDS`, with the reason when it is not run here; a new command fails the test until it
+is listed. (Commands quoted inline in the prose are not walked.)"""
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = None  # run as typed
+NEEDS_GPU = "needs GPUs"
+NEEDS_DATA = "needs a data set or run this machine does not have"
+COMMANDS = {
+    "make demo": RUN,
+    "make test": "the test suite itself, of which this test is a part",
+    "python3 -m venv .venv && .venv/bin/pip install torch torchvision --index-url "
+    "https://download.pytorch.org/whl/cpu": "installs torch from the network",
+    "python -m scripts.verify work_dirs/demo --bin data/drawn_faces/drawn_faces_val.bin": RUN,
+    "python -m scripts.export_onnx work_dirs/demo": RUN,
+    "python -m scripts.plan configs/demo.py --gpus 2": RUN,
+    "python train.py configs/demo.py --output work_dirs/demo_1rank --max_steps 20 --warmup_epoch 0": RUN,
+    "torchrun --nproc_per_node 8 train.py configs/ms1mv3_r50 --rec /data/ms1m-retinaface-t1": NEEDS_GPU,
+    "scripts/train.sh configs/glint360k_r100 8 --batch_size 128": NEEDS_GPU,
+    "NNODES=2 NPROC=8 RDZV_HOST=node0 scripts/train_multinode.sh configs/wf42m_pfc02_r100": NEEDS_GPU,
+    "torchrun --nproc_per_node 4 train.py configs/ms1mv3_r50 --resume true": NEEDS_GPU,
+    "torchrun --nproc_per_node 8 --max-restarts 3 train.py configs/ms1mv3_r50 --resume auto": NEEDS_GPU,
+    "MAX_RESTARTS=3 NNODES=2 NPROC=8 RDZV_HOST=node0 scripts/train_multinode.sh configs/wf42m_pfc02_r100 "
+    "--resume auto": NEEDS_GPU,
+    "srun torchrun --nproc_per_node 8 train.py configs/ms1mv3_r50 --resume auto --stop_after_steps 20000": NEEDS_GPU,
+    "make test-gpu": NEEDS_GPU,
+    "python benchmarks/gpu.py": RUN,  # on a CPU it says so and exits 0
+    "python benchmarks/gpu.py --smoke": RUN,
+    "python -m scripts.verify work_dirs/ms1mv3_r50 --bin /data/lfw.bin --bin /data/cfp_fp.bin": NEEDS_DATA,
+    "python -m scripts.ijb work_dirs/ms1mv3_r50 --root /data/IJB_release/IJBC --target IJBC --roc roc.png": NEEDS_DATA,
+    "python -m scripts.export_onnx work_dirs/ms1mv3_r50": NEEDS_DATA,
+    "python -m scripts.export_onnx insightface_r100/model.pt r100.onnx --network r100": NEEDS_DATA,
+}
+
+
+def readme_commands(text: str) -> list[str]:
+    """The commands of the ```bash blocks, in order: comments dropped, continued lines joined."""
+    commands = []
+    for block in re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M):
+        pending = ""
+        for line in block.splitlines():
+            line = re.sub(r"(^|\s+)#.*$", "", line).rstrip()
+            if line.endswith("\\"):
+                pending += line[:-1].strip() + " "
+                continue
+            line = (pending + line.strip()).strip()
+            pending = ""
+            if line:
+                commands.append(line)
+    return commands
+
+
+def test_every_readme_command_is_listed():
+    commands = readme_commands(open(os.path.join(ROOT, "README.md")).read())
+    unlisted = [c for c in commands if c not in COMMANDS]
+    assert not unlisted, f"README commands not in tests/test_readme.py's COMMANDS (run, or why not): {unlisted}"
+    assert "make demo" in commands and len(commands) >= 10
+
+
+def _fresh_copy(dst: str) -> None:
+    """The tree as a clone has it (tracked and new files, nothing git ignores), with a .venv
+    made of links to this one's parts and a fresh install stamp, so make installs nothing."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split("\0")
+    for name in filter(None, files):
+        if os.path.isfile(os.path.join(ROOT, name)):
+            os.makedirs(os.path.dirname(os.path.join(dst, name)) or dst, exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, name), os.path.join(dst, name))
+    venv = os.path.realpath(os.path.join(ROOT, ".venv"))
+    os.makedirs(os.path.join(dst, ".venv"))
+    for entry in os.listdir(venv):
+        if not entry.startswith("."):
+            os.symlink(os.path.join(venv, entry), os.path.join(dst, ".venv", entry))
+    open(os.path.join(dst, ".venv", ".installed-requirements"), "w").close()
+
+
+@pytest.mark.slow
+def test_readme_commands_run_as_typed_after_make_demo(tmp_path):
+    clone = str(tmp_path / "shardface")
+    _fresh_copy(clone)
+    env = {k: v for k, v in os.environ.items() if k not in ("SHARDFACE_DEBUG", "PYTHONPATH", "VIRTUAL_ENV")}
+    failures = []
+    for command in readme_commands(open(os.path.join(clone, "README.md")).read()):
+        if COMMANDS.get(command, RUN) is not RUN:
+            continue
+        shell = command if command.startswith("make ") else f"source .venv/bin/activate && {command}"
+        proc = subprocess.run(["bash", "-c", shell], cwd=clone, env=env, capture_output=True, text=True,
+                              timeout=3600 if command == "make demo" else 900)
+        if proc.returncode != 0:
+            failures.append(f"$ {command}  -> exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-1500:]}")
+    assert not failures, "\n\n".join(failures)
