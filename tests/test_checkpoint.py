@@ -93,6 +93,30 @@ def test_overwrite_starts_over_and_its_checkpoints_resume(drawn_faces, eight_ste
     assert _steps(out) == [4, 8]
 
 
+def _logged_steps(output, tag="train/loss"):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(os.path.join(output, "tensorboard"))
+    events.Reload()
+    return [e.step for e in events.Scalars(tag)]
+
+
+def test_overwrite_starts_tensorboard_and_training_log_over(drawn_faces, eight_steps, tmp_path):
+    out = _copy(eight_steps, tmp_path)
+    assert _logged_steps(out) == list(range(1, 9)) and "step 8/8" in open(os.path.join(out, "training.log")).read()
+    assert _train(drawn_faces, out, "--max_steps", "3", "--overwrite", "true") == 0
+    assert _logged_steps(out) == [1, 2, 3]
+    log = open(os.path.join(out, "training.log")).read()
+    assert "step 3/3" in log and "step 8/8" not in log and log.count("network ") == 1  # one config dump
+
+
+def test_resume_drops_the_events_logged_after_its_checkpoint(drawn_faces, eight_steps, tmp_path):
+    out = _copy(eight_steps, tmp_path)
+    shutil.rmtree(os.path.join(out, "checkpoint-00000008"))  # as if killed after step 8's events, before its save
+    os.remove(os.path.join(out, "latest"))
+    assert _train(drawn_faces, out, "--max_steps", "8", "--resume", "true") == 0  # from step 4: 5..8 again
+    assert _logged_steps(out) == list(range(1, 9))
+
+
 def test_resume_auto_starts_fresh_then_continues(drawn_faces, tmp_path):
     out = str(tmp_path / "auto")
     assert _train(drawn_faces, out, "--resume", "auto", "--stop_after_steps", "4") == 0
@@ -152,26 +176,3 @@ def test_fp16_on_the_cpu_is_warned_about(drawn_faces, tmp_path):
     assert _train(drawn_faces, out, "--max_steps", "1", "--fp16", "true", "--ema", "false") == 0
     assert "fp16 on the CPU is emulated and many times slower" in open(os.path.join(out, "training.log")).read()
 
-
-def _logged_steps(output, tag="train/loss"):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    events = EventAccumulator(os.path.join(output, "tensorboard"))
-    events.Reload()
-    return [e.step for e in events.Scalars(tag)]
-
-
-def test_overwrite_starts_tensorboard_and_training_log_over(drawn_faces, eight_steps, tmp_path):
-    out = _copy(eight_steps, tmp_path)
-    assert _logged_steps(out) == list(range(1, 9)) and "step 8/8" in open(os.path.join(out, "training.log")).read()
-    assert _train(drawn_faces, out, "--max_steps", "3", "--overwrite", "true") == 0
-    assert _logged_steps(out) == [1, 2, 3]
-    log = open(os.path.join(out, "training.log")).read()
-    assert "step 3/3" in log and "step 8/8" not in log and log.count("network ") == 1  # one config dump
-
-
-def test_resume_drops_the_events_logged_after_its_checkpoint(drawn_faces, eight_steps, tmp_path):
-    out = _copy(eight_steps, tmp_path)
-    shutil.rmtree(os.path.join(out, "checkpoint-00000008"))  # as if killed after step 8's events, before its save
-    os.remove(os.path.join(out, "latest"))
-    assert _train(drawn_faces, out, "--max_steps", "8", "--resume", "true") == 0  # from step 4: 5..8 again
-    assert _logged_steps(out) == list(range(1, 9))
