@@ -175,4 +175,3 @@ def test_fp16_on_the_cpu_is_warned_about(drawn_faces, tmp_path):
     out = str(tmp_path / "fp16")
     assert _train(drawn_faces, out, "--max_steps", "1", "--fp16", "true", "--ema", "false") == 0
     assert "fp16 on the CPU is emulated and many times slower" in open(os.path.join(out, "training.log")).read()
-
