@@ -11,8 +11,10 @@ import torch
 import backbones
 from scripts.cli import ArgumentParser, underscored
 
-TOOLS = ["demo", "drop_subcenters", "export_onnx", "ijb", "make_drawn_faces", "pack_rec", "plan", "verify"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# every module of scripts/ with a `main`: a new tool is held to the same rules
+TOOLS = sorted(name[:-3] for name in os.listdir(os.path.join(ROOT, "scripts"))
+               if name.endswith(".py") and "\ndef main(" in open(os.path.join(ROOT, "scripts", name)).read())
 
 
 class _Parsed(Exception):
@@ -32,6 +34,9 @@ def _parser_of(tool: str, monkeypatch) -> ArgumentParser:
 
 @pytest.mark.parametrize("tool", TOOLS)
 def test_every_tool_uses_the_shared_parser_with_help_for_every_argument(tool, monkeypatch):
+    from parallel.user_errors import exits_on_user_error
+    main = importlib.import_module(f"scripts.{tool}").main
+    assert main.__code__ is exits_on_user_error(main).__code__, f"scripts.{tool}.main: not @exits_on_user_error"
     parser = _parser_of(tool, monkeypatch)
     for action in parser._actions:
         assert action.help, f"scripts.{tool}: {action.option_strings or action.dest} has no help text"
