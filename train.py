@@ -60,7 +60,7 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
     seed_everything(cfg.seed + info.rank)  # per-rank randomness (Partial FC sampling) from here
 
     dataset = build_dataset(cfg.rec, cfg.num_classes, train=True, skip_bad_images=cfg.skip_bad_images,
-                            normalize=False)  # uint8 from the workers, normalised on the device
+                            normalize=False, resize=cfg.resize)  # uint8 from the workers, normalised on the device
     if cfg.num_image and cfg.num_image != len(dataset) and cfg.rec != "synthetic":
         logger.warning("config num_image is %d but %s holds %d images; using the latter",
                        cfg.num_image, cfg.rec, len(dataset))

@@ -68,6 +68,8 @@ config.num_epoch = 20
 config.batch_size = 128               # per rank
 config.num_workers = 2
 config.skip_bad_images = False        # count and skip undecodable images instead of failing
+config.resize = False                 # resize images that are not 112x112 (bilinear) instead of refusing
+                                      # them; models expect aligned crops, and resizing is not alignment
 config.seed = 2048
 
 # evaluation and logging
