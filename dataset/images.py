@@ -95,6 +95,19 @@ def resize_face(img: Image.Image, size: tuple[int, int] = FACE_SIZE) -> Image.Im
     return img if img.size == (w, h) else img.resize((w, h), Image.BILINEAR)
 
 
+def stored_bytes(path: str, resize: bool = False) -> bytes:
+    """The bytes a packed set or a .bin keeps of an image file: the file's own, or with `resize`
+    a 112x112 PNG of an image of another size (lossless: no second compression)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if resize and image_size(data, path) != FACE_SIZE:
+        with Image.open(io.BytesIO(data)) as img:
+            buf = io.BytesIO()
+            resize_face(to_rgb(img)).save(buf, format="PNG")
+            data = buf.getvalue()
+    return data
+
+
 def decode_image(data: bytes, where: str, mirror: bool = False,
                  resize: tuple[int, int] | None = None) -> np.ndarray:
     """Any image PIL reads -> HxWx3 uint8 (for `transform`s written for arcface_torch), converted

@@ -9,15 +9,12 @@ file's bytes; with --resize an image of another size is stored resized, as PNG."
 from __future__ import annotations
 
 import argparse
-import io
 import os
 from collections import defaultdict
 
-from PIL import Image
-
 from dataset import DataError, list_identity_folders
 from dataset.geometry import check_files
-from dataset.images import FACE_SIZE, image_size, resize_face, to_rgb
+from dataset.images import stored_bytes
 from dataset.pack import write_insightface_rec
 from utils.progress import Progress
 
@@ -49,20 +46,6 @@ def collect(source: str) -> list[list[str]]:
         return [by_label[label] for label in labels]
 
 
-def read_bytes(paths: list[str], resize: bool):
-    """The bytes to store for each path: the file's, or with `resize` a 112x112 PNG of an image
-    of another size."""
-    for path in paths:
-        with open(path, "rb") as f:
-            data = f.read()
-        if resize and image_size(data, path) != FACE_SIZE:
-            with Image.open(io.BytesIO(data)) as img:
-                buf = io.BytesIO()
-                resize_face(to_rgb(img)).save(buf, format="PNG")
-                data = buf.getvalue()
-        yield data
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("source", help="image folder or list file")
@@ -84,7 +67,7 @@ def main(argv=None) -> None:
         raise SystemExit(str(exc)) from None
     progress = Progress(total, "packing")
     try:
-        write_insightface_rec(args.output, (list(read_bytes(g, args.resize)) for g in groups), total,
+        write_insightface_rec(args.output, ([stored_bytes(p, args.resize) for p in g] for g in groups), total,
                               len(groups), progress, overwrite=args.overwrite)
     except (FileExistsError, DataError) as exc:
         raise SystemExit(str(exc)) from None

@@ -6,22 +6,20 @@ from __future__ import annotations
 import argparse
 import os
 
-import torch
-
+from eval.embedder import load_model
 from eval.verification import NFOLDS, load_bin, test
-from eval.weights import load_backbone
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint", help="run output, checkpoint dir, our model.pt or insightface model.pt")
+    p.add_argument("checkpoint", help="run output, checkpoint dir, our model.pt, insightface model.pt "
+                                          "or an exported .onnx (run by onnxruntime)")
     p.add_argument("--bin", action="append", required=True, help="a .bin file (repeatable)")
     p.add_argument("--network", default=None, help="backbone name (default: from the training config)")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--no-ema", action="store_true", help="the raw weights, not the EMA")
     args = p.parse_args(argv)
-    model = load_backbone(args.checkpoint, args.network, ema=not args.no_ema)
-    model = model.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    model = load_model(args.checkpoint, args.network, ema=not args.no_ema)
     rows = []
     for path in args.bin:
         r = test(load_bin(path, min_pairs=NFOLDS), model, args.batch_size)
