@@ -228,3 +228,121 @@ def test_make_bin_refusals_name_the_problem_and_write_nothing(tmp_path):
     assert not os.path.exists(out) and sorted(os.listdir(tmp_path)) == ["held", "odd"]
     make_bin([odd, out, "--pairs", "10", "--resize"])
     assert load_bin(out)[0][0].shape == (20, 3, 112, 112)
+
+
+def _identities(root, ids, per_id, seed=5):
+    """Drawn faces, one folder per identity; every third image re-saved as a 16-bit PGM or an
+    RGBA PNG (the formats the decoder must take)."""
+    from dataset.drawn_faces import identity_images
+    for i in ids:
+        folder = os.path.join(root, f"person{i:02d}")
+        os.makedirs(folder)
+        for j, data in enumerate(identity_images(i, per_id, seed)):
+            img = Image.open(io.BytesIO(data))
+            if j % 3 == 1:
+                words = (np.asarray(img.convert("L"), dtype=np.uint16) * 257)
+                Image.fromarray(words).save(os.path.join(folder, f"{j}.png"))
+            elif j % 3 == 2:
+                img.convert("RGBA").save(os.path.join(folder, f"{j}.webp"), lossless=True)
+            else:
+                open(os.path.join(folder, f"{j}.jpg"), "wb").write(data)
+    return str(root)
+
+
+@pytest.mark.slow  # ~25 s of CPU: a training run, an export and three embedding passes
+def test_own_photos_end_to_end_pack_train_make_bin_verify_embed_compare(tmp_path, capsys):
+    """folder -> pack_rec -> train (tiny, val_targets on the own .bin) -> verify (run and ONNX)
+    -> embed with the run, model.pt and ONNX: the same embeddings to 1e-4."""
+    import train
+    from scripts.compare import main as compare
+    from scripts.embed import main as embed
+    from scripts.export_onnx import main as export_onnx
+    from scripts.verify import main as verify
+    photos = _identities(tmp_path / "photos", range(8), 8)
+    held = _identities(tmp_path / "held_out", range(8, 12), 5)
+    rec = str(tmp_path / "rec")
+    pack_rec([photos, rec])
+    make_bin([held, os.path.join(rec, "own_val.bin"), "--pairs", "20"])
+    run = str(tmp_path / "run")
+    assert train.main(["configs/demo.py", "--rec", rec, "--num_classes", "8", "--num_image", "64",
+                       "--batch_size", "8", "--num_workers", "0", "--max_steps", "4", "--warmup_epoch", "0",
+                       "--val_targets", "['own_val']", "--verbose", "4", "--frequent", "2",
+                       "--checkpoint_interval", "4", "--output", run]) == 0
+    assert "[own_val][4]" in open(os.path.join(run, "training.log")).read()
+    onnx_path = str(tmp_path / "model.onnx")
+    export_onnx([run, onnx_path])
+    capsys.readouterr()
+    for model in (run, onnx_path):
+        verify([model, "--bin", os.path.join(rec, "own_val.bin")])
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].split()[1:] == table[3].split()[1:]  # same accuracies, std, XNorm
+
+    outs = {}
+    for name, model in (("run", run), ("pt", os.path.join(run, "model.pt")), ("onnx", onnx_path)):
+        outs[name] = str(tmp_path / f"{name}.npy")
+        embed([model, held, "--out", outs[name], "--batch-size", "7"])
+    files = open(str(tmp_path / "run.txt")).read().splitlines()
+    assert len(files) == 20 and files == sorted(files) and files[0].endswith("person08/0.jpg")
+    emb = {k: np.load(v) for k, v in outs.items()}
+    assert emb["run"].shape == (20, 128) and np.allclose(np.linalg.norm(emb["run"], axis=1), 1, atol=1e-5)
+    assert np.abs(emb["run"] - emb["pt"]).max() == 0
+    assert np.abs(emb["run"] - emb["onnx"]).max() < 1e-4
+
+    capsys.readouterr()
+    compare([onnx_path, files[0], files[1], "--threshold", "-1"])
+    out = capsys.readouterr().out
+    cosine = float(out.split("cosine similarity ")[1].split()[0])
+    assert abs(cosine - float(emb["run"][0] @ emb["run"][1])) < 1e-4 and "same person (threshold -1.0000)" in out
+    compare([run, files[0], files[1], "--threshold-from", os.path.join(rec, "own_val.bin")])
+    assert "accuracy" in capsys.readouterr().out
+
+
+def test_model_pt_and_its_onnx_export_embed_alike_and_verify_takes_onnx(tmp_path, capsys):
+    """The fast variant of the end-to-end test: an untrained tiny backbone as model.pt (config
+    beside it) and as .onnx gives the same embeddings, and verify reads the .onnx."""
+    import json
+
+    from backbones import get_model
+    from eval.embedder import embed_files, image_files, load_model
+    from scripts.export_onnx import export
+    from scripts.verify import main as verify
+    torch.manual_seed(0)
+    model = get_model("tiny", num_features=64).eval()
+    with torch.no_grad():  # BatchNorm statistics that are not the identity
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d | torch.nn.BatchNorm1d):
+                m.running_mean.uniform_(-0.1, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+    pt, onnx_path = str(tmp_path / "model.pt"), str(tmp_path / "model.onnx")
+    torch.save(model.state_dict(), pt)
+    json.dump({"network": "tiny"}, open(tmp_path / "config.json", "w"))
+    export(model, onnx_path)
+    held = _identities(tmp_path / "held", range(3), 5)
+    files = image_files([held])
+    a = embed_files(files, load_model(pt), batch_size=4)
+    b = embed_files(files, load_model(onnx_path), batch_size=6)
+    assert a.shape == (15, 64) and np.abs(a - b).max() < 1e-4
+    val = str(tmp_path / "v.bin")
+    make_bin([held, val, "--pairs", "10"])
+    capsys.readouterr()
+    verify([onnx_path, "--bin", val])  # equal embeddings above: equal results (the slow test compares)
+    row = capsys.readouterr().out.splitlines()[1].split()
+    assert row[0] == "v.bin" and 0 <= float(row[2]) <= 1 and float(row[4]) > 0
+
+
+def test_unreadable_onnx_and_missing_inputs_are_one_line_errors(tmp_path):
+    from eval.embedder import load_model
+    from scripts.embed import main as embed
+    from utils.checkpoint import CheckpointError
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a model")
+    with pytest.raises(CheckpointError, match=r"bad.onnx: not a readable ONNX model"):
+        load_model(str(bad))
+    with pytest.raises(CheckpointError, match=r"gone.onnx: ONNX model not found"):
+        load_model(str(tmp_path / "gone.onnx"))
+    out = str(tmp_path / "e.npy")
+    with pytest.raises(SystemExit, match=r"nowhere.jpg: no such image file or folder"):
+        embed([str(bad), str(tmp_path / "nowhere.jpg"), "--out", out])
+    with pytest.raises(SystemExit, match=r"output directory not found"):
+        embed([str(bad), str(bad), "--out", str(tmp_path / "no" / "e.npy")])
+    assert sorted(os.listdir(tmp_path)) == ["bad.onnx"]
