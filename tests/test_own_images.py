@@ -346,3 +346,16 @@ def test_unreadable_onnx_and_missing_inputs_are_one_line_errors(tmp_path):
     with pytest.raises(SystemExit, match=r"output directory not found"):
         embed([str(bad), str(bad), "--out", str(tmp_path / "no" / "e.npy")])
     assert sorted(os.listdir(tmp_path)) == ["bad.onnx"]
+
+
+def test_training_on_wrong_size_images_is_refused_before_any_step(tmp_path):
+    import train
+    root = _folder(tmp_path / "f", [[(112, 92)] * 4, [(112, 112)] * 4])
+    out = str(tmp_path / "run")
+    with pytest.raises(ImageSizeError, match=r"4 images are not 112x112 .*id0/0.png \(92x112\)"):
+        train.main(["configs/demo.py", "--rec", root, "--num_classes", "2", "--batch_size", "2",
+                    "--num_workers", "0", "--val_targets", "[]", "--output", out])
+    # train.py opens its log before reading data (issue 22 moves that after validation):
+    # no checkpoint, no model.pt, no step logged
+    assert not [f for f in os.listdir(out) if f != "training.log"]
+    assert "loss" not in open(os.path.join(out, "training.log")).read()
