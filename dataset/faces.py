@@ -60,12 +60,25 @@ class _MirrorsInTraining:
     def mirror(self, index: int) -> bool:
         return self.train and mirror_for(self.seed, self.epoch, index)
 
+    resize: bool = False  # resize images that are not 112x112 instead of refusing them
+    skip_bad_images: bool = False
+
     @property
     def bad_images(self) -> int:
         """Images skipped so far by this process and its loader workers."""
         return self.skipped.total()
 
-    resize: bool = False  # resize images that are not 112x112 instead of refusing them
+    def _first_readable(self, index: int, load):
+        """`load(index)`, or with `skip_bad_images` the next index that decodes (counted)."""
+        for attempt in range(len(self)):
+            try:
+                return load((index + attempt) % len(self))
+            except ImageDecodeError as exc:
+                if not self.skip_bad_images:
+                    raise
+                self.skipped.add()
+                logger.warning("skipping undecodable image: %s", exc)
+        raise ImageDecodeError("no image of the data set decodes")
 
     def _decoded(self, decode, data: bytes, where: str, mirror: bool):
         """Decoded at 112x112: resized when asked, else another size is an ImageSizeError
@@ -147,19 +160,11 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
 
         def payload(key: int) -> bytes:
             return unpack(self.reader.read(key), f"{self.reader.rec_path} key {key}")[1]
-        check_records(payload, self.keys, path, hw, self.resize)
+        check_records(payload, self.keys, self.reader.rec_path, path, hw, self.resize, self.skip_bad_images)
 
     def __getitem__(self, index: int):
         flip = self.mirror(index)
-        for attempt in range(len(self)):
-            try:
-                image, label = self.load((index + attempt) % len(self), flip, as_array=self.transform is not None)
-                break
-            except ImageDecodeError as exc:
-                if not self.skip_bad_images:
-                    raise
-                self.skipped.add()
-                logger.warning("skipping undecodable image: %s", exc)
+        image, label = self._first_readable(index, lambda i: self.load(i, flip, as_array=self.transform is not None))
         image = self.transform(image) if self.transform is not None else self._pixels(image)
         return image, self._label_tensor(label)
 
@@ -204,17 +209,8 @@ class FolderFaceDataset(_MirrorsInTraining, Dataset):
 
     def __getitem__(self, index: int):
         flip = self.mirror(index)
-        for attempt in range(len(self)):
-            try:
-                chw, label = self.load((index + attempt) % len(self), flip)
-                break
-            except ImageDecodeError as exc:
-                if not self.skip_bad_images:
-                    raise
-                self.skipped.add()
-                logger.warning("skipping undecodable image: %s", exc)
+        chw, label = self._first_readable(index, lambda i: self.load(i, flip))
         return (normalize_images(chw) if self.normalize else chw), torch.tensor(label, dtype=torch.long)
-
 
 
 class SyntheticDataset(_MirrorsInTraining, Dataset):

@@ -62,10 +62,11 @@ def sample_keys(keys: list[int], n_random: int = 10, seed: int = 0) -> list[int]
     return list(dict.fromkeys(ends + sorted(picked)))
 
 
-def check_records(read_payload: Callable[[int], bytes], keys: list[int], property_path: str,
-                  property_hw: tuple[int, int], resize: bool) -> None:
+def check_records(read_payload: Callable[[int], bytes], keys: list[int], rec_path: str, property_path: str,
+                  property_hw: tuple[int, int], resize: bool, skip_bad_images: bool = False) -> None:
     """`property`'s height and width, and a sample of records' headers, must say 112x112
-    (unless `resize`); records must agree with `property` either way."""
+    (unless `resize`); records must agree with `property` either way. A sampled record that
+    cannot be read is an ImageDecodeError, or left out of the sample with `skip_bad_images`."""
     if tuple(property_hw) != FACE_SIZE and not resize:
         h, w = property_hw
         raise ImageSizeError(f"{property_path}: images are {w}x{h}, not {FACE_SIZE[1]}x{FACE_SIZE[0]}; "
@@ -74,7 +75,12 @@ def check_records(read_payload: Callable[[int], bytes], keys: list[int], propert
     bad = []
     for key in sample:
         where = f"key {key}"
-        size = image_size(read_payload(key), where)
+        try:
+            size = image_size(read_payload(key), f"{rec_path} {where}")
+        except ImageDecodeError:
+            if skip_bad_images:
+                continue
+            raise
         if size != tuple(property_hw):
             bad.append((where, size))
     if bad:

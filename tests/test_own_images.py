@@ -359,3 +359,12 @@ def test_training_on_wrong_size_images_is_refused_before_any_step(tmp_path):
     # no checkpoint, no model.pt, no step logged
     assert not [f for f in os.listdir(out) if f != "training.log"]
     assert "loss" not in open(os.path.join(out, "training.log")).read()
+
+
+def test_undecodable_sampled_record_fails_at_start_unless_skipped(tmp_path):
+    good = encoded(Image.fromarray(RGB), "PNG")
+    out = str(tmp_path / "rec")
+    write_insightface_rec(out, [[b"not an image", good, good]], 3, 1)
+    with pytest.raises(ImageDecodeError, match=r"train.rec key 1: cannot read image"):
+        build_dataset(out, 1)
+    assert len(build_dataset(out, 1, skip_bad_images=True)) == 3
