@@ -19,17 +19,23 @@ from dataset.images import stored_bytes
 from eval.verification import NFOLDS, write_bin
 
 
-def draw_pairs(groups: list[list[str]], pairs: int, seed: int) -> tuple[list[tuple[str, str]], list[bool]]:
-    """`pairs` pairs of paths (same and different alternating, same first) and their issame."""
-    n_same, n_diff = (pairs + 1) // 2, pairs // 2
+DEFAULT_PAIRS = 3000
+
+
+def draw_pairs(groups: list[list[str]], pairs: int | None, seed: int) -> tuple[list[tuple[str, str]], list[bool]]:
+    """`pairs` pairs of paths (same and different alternating, same first) and their issame;
+    `pairs=None` takes DEFAULT_PAIRS or as many balanced pairs as the images allow."""
     rng = random.Random(seed)
     same_pool = [pair for g in groups for pair in itertools.combinations(g, 2)]
+    labelled = [(path, label) for label, g in enumerate(groups) for path in g]
+    n_possible = (len(labelled) ** 2 - sum(len(g) ** 2 for g in groups)) // 2
+    if pairs is None:
+        pairs = min(DEFAULT_PAIRS, 2 * len(same_pool), 2 * n_possible)
+    n_same, n_diff = (pairs + 1) // 2, pairs // 2
     if len(same_pool) < n_same:
         raise ValueError(f"{len(same_pool)} same-identity pairs exist (identities with 2 or more images), "
                          f"{n_same} needed: pass --pairs {2 * len(same_pool)} or fewer, or add images")
     same = rng.sample(same_pool, n_same)
-    labelled = [(path, label) for label, g in enumerate(groups) for path in g]
-    n_possible = (len(labelled) ** 2 - sum(len(g) ** 2 for g in groups)) // 2
     if n_possible < n_diff:
         raise ValueError(f"{n_possible} different-identity pairs exist, {n_diff} needed: "
                          f"pass --pairs {2 * n_possible} or fewer, or add identities")
@@ -50,15 +56,16 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("folder", help="image folder, one sub-folder per held-out identity")
     p.add_argument("output", help="the .bin file to write")
-    p.add_argument("--pairs", type=int, default=3000, help="number of pairs, half same, half different "
-                                                          "(default 3000, as LFW has 6000)")
+    p.add_argument("--pairs", type=int, default=None,
+                   help=f"number of pairs, half same, half different (default {DEFAULT_PAIRS}, or as many as "
+                        "the images allow; LFW has 6000)")
     p.add_argument("--seed", type=int, default=0, help="fixes which pairs are drawn")
     p.add_argument("--resize", action="store_true",
                    help="resize images that are not 112x112 instead of refusing them (resizing is not "
                         "alignment; see README 'Your own images')")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT.bin")
     args = p.parse_args(argv)
-    if args.pairs < NFOLDS:
+    if args.pairs is not None and args.pairs < NFOLDS:
         raise SystemExit(f"--pairs {args.pairs}: verification needs at least {NFOLDS} pairs (its folds)")
     if os.path.exists(args.output) and not args.overwrite:
         raise SystemExit(f"{args.output} exists; pass --overwrite to replace it")
@@ -68,6 +75,9 @@ def main(argv=None) -> None:
     try:
         _, groups = list_identity_folders(args.folder)
         pairs, issame = draw_pairs(groups, args.pairs, args.seed)
+        if len(issame) < NFOLDS:
+            raise ValueError(f"only {len(issame)} balanced pairs can be drawn, fewer than the {NFOLDS} folds "
+                             "of verification: add people or images")
         used = sorted({path for pair in pairs for path in pair})
         check_files(used, args.resize)
     except DataError as exc:

@@ -62,7 +62,8 @@ def main(argv=None) -> None:
     if not args.overwrite and os.path.exists(os.path.join(args.output, "train.rec")):
         raise SystemExit(f"{os.path.join(args.output, 'train.rec')} exists; pass --overwrite to replace it")
     try:
-        check_files((path for g in groups for path in g), args.resize)
+        checking = Progress(total, "checking image headers")
+        check_files((path for g in groups for path in g), args.resize, progress=checking.update)
     except DataError as exc:
         raise SystemExit(str(exc)) from None
     progress = Progress(total, "packing")

@@ -228,6 +228,13 @@ def test_make_bin_refusals_name_the_problem_and_write_nothing(tmp_path):
     assert not os.path.exists(out) and sorted(os.listdir(tmp_path)) == ["held", "odd"]
     make_bin([odd, out, "--pairs", "10", "--resize"])
     assert load_bin(out)[0][0].shape == (20, 3, 112, 112)
+    three = _folder(tmp_path / "three", [[(112, 112)] * 3] * 3)
+    make_bin([three, out, "--overwrite"])  # default: as many balanced pairs as 3 people of 3 allow
+    assert load_bin(out)[1] == [True, False] * 9
+    one = _folder(tmp_path / "one", [[(112, 112)] * 2] * 2)
+    with pytest.raises(SystemExit, match=r"only 4 balanced pairs can be drawn, fewer than the 10 folds"):
+        make_bin([one, str(tmp_path / "w.bin")])
+    assert not os.path.exists(tmp_path / "w.bin")
 
 
 def _identities(root, ids, per_id, seed=5):
