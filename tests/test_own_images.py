@@ -329,6 +329,11 @@ def test_model_pt_and_its_onnx_export_embed_alike_and_verify_takes_onnx(tmp_path
     a = embed_files(files, load_model(pt), batch_size=4)
     b = embed_files(files, load_model(onnx_path), batch_size=6)
     assert a.shape == (15, 64) and np.abs(a - b).max() < 1e-4
+    bare = tmp_path / "arcface_torch"  # an arcface_torch model.pt: "module." keys, no config, --network
+    bare.mkdir()
+    torch.save({f"module.{k}": v for k, v in model.state_dict().items()}, bare / "model.pt")
+    c = embed_files(files, load_model(str(bare / "model.pt"), "tiny"), batch_size=15)
+    assert np.abs(a - c).max() < 1e-5
     val = str(tmp_path / "v.bin")
     make_bin([held, val, "--pairs", "10"])
     capsys.readouterr()
@@ -375,3 +380,15 @@ def test_undecodable_sampled_record_fails_at_start_unless_skipped(tmp_path):
     with pytest.raises(ImageDecodeError, match=r"train.rec key 1: cannot read image"):
         build_dataset(out, 1)
     assert len(build_dataset(out, 1, skip_bad_images=True)) == 3
+
+
+def test_ijb_takes_an_onnx_model_and_finds_the_constructed_tar(tmp_path, capsys):
+    from scripts.export_onnx import export
+    from scripts.ijb import main as ijb
+    from tests.test_ijb import MeanColour, _make_fixture
+    _make_fixture(tmp_path)
+    onnx_path = str(tmp_path / "mean_colour.onnx")
+    export(MeanColour(), onnx_path)
+    ijb([onnx_path, "--root", str(tmp_path), "--target", "IJBC", "--batch-size", "16"])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "1e-06: 0.7000" in line and "1e-01: 0.8000" in line
