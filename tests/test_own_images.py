@@ -138,6 +138,13 @@ def test_property_disagreeing_with_records_or_not_112_is_refused_at_start(tmp_pa
         f.write("2,250,250\n")
     with pytest.raises(ImageSizeError, match=r"property: images are 250x250, not 112x112"):
         build_dataset(out, 2)
+    big = str(tmp_path / "big")  # a 250x250 set whose property says so: taken with resize
+    write_insightface_rec(big, [[encoded(Image.fromarray(np.zeros((250, 250, 3), np.uint8)), "PNG")] * 2], 2, 1)
+    with open(os.path.join(big, "property"), "w") as f:
+        f.write("1,250,250\n")
+    with pytest.raises(ImageSizeError, match=r"250x250"):
+        build_dataset(big, 1)
+    assert build_dataset(big, 1, resize=True)[0][0].shape == (3, 112, 112)
 
 
 def test_a_wrong_size_record_missed_by_the_sample_is_named_when_read(tmp_path):
