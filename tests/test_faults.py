@@ -143,6 +143,32 @@ def test_sigterm_on_one_rank_checkpoints_and_exits_cleanly_on_all(drawn_faces, t
     assert step >= 3 and os.path.isfile(os.path.join(out, "model.pt"))
 
 
+@pytest.mark.parametrize("how", ["job", "torchrun"])
+def test_preemption_of_a_torchrun_job_with_loader_workers_saves_and_exits(drawn_faces, tmp_path, how):
+    """A pre-emption as clusters send it: SLURM signals every process of the job step
+    (torchrun, ranks and their loader workers: "job"); `kill -TERM <torchrun pid>` makes
+    torchrun signal each rank's process group, workers included ("torchrun"). Workers must
+    outlive the signal so that every rank finishes its step and saves."""
+    out = str(tmp_path / how)
+    proc = _launch(drawn_faces, out, "--num_workers", "2")
+    try:
+        _wait_for_step(out, 3, proc)
+        if how == "job":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        _finish(proc, 90, f"a job pre-empted through {how}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = open(os.path.join(out, "training.log")).read()
+    saved = re.findall(r"stop signal: saving a checkpoint at step (\d+)", log)
+    assert saved, _console(out)[-3000:]
+    assert "is killed by signal" not in _console(out)
+    assert resolve_checkpoint(out).endswith(f"checkpoint-{int(saved[0]):08d}")
+    assert int(saved[0]) >= 3 and os.path.isfile(os.path.join(out, "model.pt"))
+
+
 def test_dead_rank_makes_the_job_exit_instead_of_hanging(drawn_faces, tmp_path):
     out = str(tmp_path / "dead")
     proc = _launch(drawn_faces, out, "--dist_timeout_min", "1")
