@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dataset.errors import DataLayoutError, ImageDecodeError, LabelError
+from dataset.fingerprint import folder_fingerprint, recordio_fingerprint, synthetic_fingerprint
 from dataset.folders import list_identity_folders
 from dataset.images import decode_chw, decode_image, normalize_images
 from dataset.layout import image_keys
@@ -101,6 +102,10 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
     def __len__(self) -> int:
         return len(self.keys)
 
+    def fingerprint(self) -> str:
+        """Which samples the indices name (dataset/fingerprint.py): checkpoints record it."""
+        return recordio_fingerprint(self.reader, self.keys)
+
     def load(self, index: int, mirror: bool = False, as_array: bool = False):
         """(image, label): 3xHxW uint8 tensor, or HxWx3 array when `as_array`."""
         key = self.keys[index]
@@ -155,6 +160,9 @@ class FolderFaceDataset(_MirrorsInTraining, Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def fingerprint(self) -> str:
+        return folder_fingerprint([path for path, _ in self.samples])
+
     def __getitem__(self, index: int):
         path, label = self.samples[index]
         with open(path, "rb") as f:
@@ -174,6 +182,9 @@ class SyntheticDataset(_MirrorsInTraining, Dataset):
 
     def __len__(self) -> int:
         return self.length
+
+    def fingerprint(self) -> str:
+        return synthetic_fingerprint(self.length, self.num_classes)
 
     def __getitem__(self, index: int):
         return self.image, torch.tensor(index % self.num_classes, dtype=torch.long)
