@@ -62,9 +62,15 @@ def _console(output):
 
 
 def _bad_label(data):
-    with open(os.path.join(data, "property"), "w") as f:
-        f.write("15,112,112\n")  # the images of identity 15 now carry a label out of range
-    return ("--num_classes", "15"), "label 15 outside [0, 15)"
+    import struct
+
+    from dataset.recordio import read_index
+    index = read_index(os.path.join(data, "train.idx"))
+    with open(os.path.join(data, "train.rec"), "r+b") as f:
+        for key in range(121, 129):  # the images of identity 15 now carry label 16, out of range
+            f.seek(index[key] + 8 + 4)  # past the record's magic and length, the header's flag
+            f.write(struct.pack("<f", 16.0))
+    return ("--num_classes", "16"), "label 16 outside [0, 16)"
 
 
 def _corrupt_record(data):
