@@ -20,6 +20,7 @@ from eval.callback import VerificationCallback
 from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
 from parallel.stop import StopSignal
 from utils.checkpointer import Checkpointer
+from utils.data_position import follow_data
 from utils.divergence import TrainingStopped, check_labels, check_loss
 from utils.progress import ProgressLogger, SkipReport
 from utils.schedule import lr_factor, set_lr
@@ -75,6 +76,8 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
                                 head_opt=head_opt, ema=ema, scaler=scaler, config=cfg, rank=info.rank,
                                 world_size=info.world_size, keep=cfg.keep_checkpoints)
     state = checkpointer.start(cfg.resume, cfg.overwrite, batch_size=cfg.batch_size)
+    follow_data(state, checkpointer.resumed_meta, len(dataset), dataset.fingerprint(), cfg.rec,
+                sampler.batches_per_epoch)  # another data set than the checkpoint's: the epoch restarts
     if info.is_main:  # only now: a refused run must not replace the config of the run it met
         save_config(cfg, cfg.output)
     if checkpointer.resumed_meta is not None:

@@ -10,10 +10,12 @@ import torch
 from torch.utils.data import Dataset
 
 from dataset.errors import DataLayoutError, ImageDecodeError, ImageSizeError, LabelError
+from dataset.fingerprint import folder_fingerprint, recordio_fingerprint, synthetic_fingerprint
 from dataset.folders import list_identity_folders
 from dataset.geometry import check_files, check_records
 from dataset.images import FACE_SIZE, decode_chw, decode_image, normalize_images
-from dataset.recordio import IndexedRecordReader, RecordIOError, unpack
+from dataset.layout import image_keys
+from dataset.recordio import IndexedRecordReader, unpack
 
 logger = logging.getLogger("shardface")
 
@@ -106,8 +108,8 @@ def read_property(root_dir: str) -> tuple[int, int, int]:
 class MXFaceDataset(_MirrorsInTraining, Dataset):
     """`root_dir/train.rec` + `train.idx` (+ `property`), as insightface arcface_torch.
 
-    insightface layout: record 0's header has flag > 0 and its labels give the key range of
-    images, keys 1 .. label[0]-1. im2rec layout (record 0 flag 0): every key is an image.
+    insightface layout: record 0 is a header whose labels give the key range of images, keys
+    1 .. label[0]-1; im2rec layout: every key is an image (dataset/layout.py tells them apart).
     Items are `(3x112x112 float tensor in [-1, 1], int64 label)`; training mirrors half the
     items, chosen by (seed, epoch, index) so workers and resumed runs see the same flips.
     `transform`, when given, receives the (mirrored) HxWx3 uint8 array instead and must return
@@ -125,21 +127,18 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
         self.num_classes = num_classes if num_classes is not None else read_property(root_dir)[0]
         if not self.reader.keys:
             raise DataLayoutError(f"{self.reader.idx_path}: no records; the data set is empty")
-        first = self.reader.keys[0]
-        header, _ = unpack(self.reader.read(first), f"{self.reader.rec_path} key {first}")
-        if header.flag > 0:
-            self.keys = list(range(1, int(np.asarray(header.label).ravel()[0])))
-            missing = [k for k in (self.keys[:1] + self.keys[-1:]) if k not in self.reader.index]
-            if missing:
-                raise RecordIOError(f"{self.reader.idx_path}: header record announces images up to key "
-                                    f"{self.keys[-1]}, but key {missing[0]} is not in the index")
-        else:
-            self.keys = list(self.reader.keys)
+        prop = os.path.join(root_dir, "property")
+        declared = read_property(root_dir)[0] if num_classes is None or os.path.isfile(prop) else None
+        self.keys = image_keys(self.reader, prop, declared)
         self.skipped = SkipCounter()
         self._labels: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    def fingerprint(self) -> str:
+        """Which samples the indices name (dataset/fingerprint.py): checkpoints record it."""
+        return recordio_fingerprint(self.reader, self.keys)
 
     def load(self, index: int, mirror: bool = False, as_array: bool = False):
         """(image, label): 3xHxW uint8 tensor, or HxWx3 array when `as_array`."""
@@ -198,6 +197,9 @@ class FolderFaceDataset(_MirrorsInTraining, Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def fingerprint(self) -> str:
+        return folder_fingerprint([path for path, _ in self.samples])
+
     def load(self, index: int, mirror: bool = False):
         path, label = self.samples[index]
         try:
@@ -225,6 +227,9 @@ class SyntheticDataset(_MirrorsInTraining, Dataset):
 
     def __len__(self) -> int:
         return self.length
+
+    def fingerprint(self) -> str:
+        return synthetic_fingerprint(self.length, self.num_classes)
 
     def __getitem__(self, index: int):
         return self.image, torch.tensor(index % self.num_classes, dtype=torch.long)

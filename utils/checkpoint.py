@@ -50,6 +50,8 @@ class TrainState:
     epoch: int = 0
     batch_in_epoch: int = 0  # micro-batches this rank consumed in `epoch`
     run_id: str = ""         # names the run across resumes; pruning only deletes its checkpoints
+    data_size: int = 0       # the data set `batch_in_epoch` counts in (utils/data_position.py); 0: not recorded
+    data_fingerprint: str = ""
 
 
 def _write_atomically(path: str, mode: str, write) -> None:
