@@ -13,8 +13,8 @@ logger = logging.getLogger("shardface")
 
 SHOWN = 3  # offending files named in a message
 RESIZE_HINT = ("align them to insightface's 112x112 five-point template (README 'Your own images'), "
-               "or pass --resize to resize them (pack_rec, make_bin, embed, compare; `--resize true` to train "
-               "on an image folder): resizing is not alignment")
+               "or pass --resize to resize them (pack_rec, make_bin, embed, compare; `--resize true` to "
+               "train.py): resizing is not alignment")
 
 
 def size_refusal(bad: list[tuple[str, tuple[int, int]]], count: int, checked: str) -> ImageSizeError:
