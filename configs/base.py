@@ -19,7 +19,8 @@ config.margin = "combined"            # combined | arcface | cosface | adaface |
                                       # curricularface | subcenter_arcface
 config.margin_list = (1.0, 0.5, 0.0)  # combined: (m1, m2, m3): s*(cos(m1*theta+m2)-m3)
 config.scale = 64.0                   # s, every margin
-config.straight_through = False       # combined/arcface: margin's derivative taken as 1 (arcface_torch's gradient)
+config.straight_through = True        # combined/arcface: margin's derivative taken as 1, arcface_torch's
+                                      # gradient; False: the true derivative of the loss
 config.arcface_m = 0.5                # arcface, subcenter_arcface: additive angular margin
 config.cosface_m = 0.4                # cosface: additive cosine margin
 config.adaface_m = 0.4                # adaface (Kim et al. 2022): margin
@@ -41,8 +42,8 @@ config.row_block = 128                # rows per block beyond the first embeddin
 config.head_precision = "fp32"        # logits GEMM: fp32 | tf32 (GPU) | bf16; statistics stay fp32
 config.head_fused_optimizer = False   # step the head's rows inside backward: no weight gradient held
                                       # (needs gradient_acc 1, no fp16, clip_head False)
-config.clip_head = True               # head inside the global-norm clip; False = backbone only
-                                      # (arcface_torch's behaviour)
+config.clip_head = False              # False: the backbone alone is clipped (arcface_torch); True: the
+                                      # head joins the global norm
 
 # optimisation
 config.optimizer = "sgd"              # sgd | adamw
@@ -50,8 +51,9 @@ config.lr = 0.1                       # for the global batch below; not rescaled
 config.momentum = 0.9
 config.weight_decay = 5e-4
 config.max_grad_norm = 5.0            # global gradient-norm clip (see clip_head); 0 disables
-config.lr_scheduler = "poly"          # poly | cosine
-config.lr_power = 2.0                 # exponent of the polynomial decay
+config.lr_scheduler = "poly_warmup"   # poly_warmup (arcface_torch's PolynomialLRWarmup: steps counted
+                                      # as num_image // global batch, first step at full lr) | poly | cosine
+config.lr_power = 1.0                 # exponent of the polynomial decay
 config.warmup_epoch = 0
 config.gradient_acc = 1               # micro-batches per optimizer step
 config.zero = True                    # ZeRO-2 for the backbone; False = DDP
@@ -86,5 +88,8 @@ config.reset_ema = False              # resume without the checkpoint's ema.pt: 
                                       # the loaded weights (otherwise a missing ema.pt is an error)
 config.dist_timeout_min = 10          # a dead rank makes the others fail after this long
 config.max_steps = 0                  # shorten the schedule to N steps (0 = num_epoch epochs)
+config.init_backbone = ""             # new run from these backbone weights, fresh head (fine-tuning):
+                                      # a model.pt, arcface_torch checkpoint_gpu_<r>.pt, checkpoint or run
+                                      # dir; ignored (with a log line) when resuming a checkpoint
 config.stop_after_steps = 0           # save and exit after N steps of this job, schedule unchanged
                                       # (time-limited cluster jobs; resume continues exactly)
