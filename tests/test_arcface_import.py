@@ -22,9 +22,12 @@ from parallel.zero import Zero2Optimizer
 from scripts import import_arcface_torch
 from tests.distributed import run_distributed
 from utils.checkpoint import CheckpointError, resolve_checkpoint
+from utils.schedule import lr_factor
 
 BASE_LR, IMAGES, CLASSES, DIM = 0.05, 128, 16, 128
-STEPS, CUT = 16, 8  # 2 epochs of 8 global batches of 16; the arcface_torch run saved after epoch 1
+# the schedule spans 2 epochs of 8 global batches of 16; the arcface_torch run saved after epoch 1
+# (step 8), and the runs compared stop after step 10 (stop_after_steps: the schedule unchanged)
+SCHEDULE, CUT, STEPS = 16, 8, 10
 
 
 def arcface_config(path, drawn_faces, batch_size):
@@ -100,7 +103,7 @@ def write_arcface_run(ckpt, run_dir, world_size, step=CUT, epoch=1):
                     "state_dict_softmax_fc": {"weight": shard.detach().clone()},
                     "state_optimizer": opt.state_dict(),
                     "state_lr_scheduler": {"last_epoch": step, "base_lrs": [BASE_LR, BASE_LR], "_step_count": step + 1,
-                                           "warmup_iters": 8, "total_iters": 16, "power": 1.0,
+                                           "warmup_iters": CUT, "total_iters": SCHEDULE, "power": 1.0,
                                            "_last_lr": [BASE_LR, BASE_LR]}},
                    os.path.join(run_dir, f"checkpoint_gpu_{rank}.pt"))
     torch.save(model.state_dict(), os.path.join(run_dir, "model.pt"))
@@ -129,7 +132,7 @@ def assert_same_continuation(continued, uninterrupted):
 
 @pytest.fixture(scope="module")
 def one_rank(drawn_faces, tmp_path_factory):
-    """An uninterrupted 16-step run on one rank of an arcface_torch-keys config, with the learning
+    """An uninterrupted run of 10 steps on one rank of an arcface_torch-keys config, with the learning
     rate of every step and the clip's parameters recorded."""
     base = tmp_path_factory.mktemp("arcface")
     config = arcface_config(base / "af_tiny.py", drawn_faces, 16)
@@ -142,7 +145,7 @@ def one_rank(drawn_faces, tmp_path_factory):
                lambda self, norm, extra_params=(): (clipped.append((norm, len(list(extra_params)))),
                                                     real_clip(self, norm, extra_params))[1])
     try:
-        assert train.main(run_argv(config, out)) == 0
+        assert train.main(run_argv(config, out, "--stop_after_steps", str(STEPS))) == 0
     finally:
         mp.undo()
     return {"config": config, "full": out, "lrs": lrs, "clipped": clipped, "base": base}
@@ -150,9 +153,17 @@ def one_rank(drawn_faces, tmp_path_factory):
 
 def test_arcface_keys_alone_get_polynomial_lr_warmup_power_1_from_num_image_over_global_batch(one_rank):
     warmup, total = IMAGES // 16 * 1, IMAGES // 16 * 2
+    assert (warmup, total) == (CUT, SCHEDULE)
     assert len(one_rank["lrs"]) == STEPS
     for n, lr in enumerate(one_rank["lrs"]):
         assert lr == pytest.approx(polynomial_lr_warmup(n, warmup, total), rel=1e-12, abs=1e-15), n
+
+
+@pytest.mark.parametrize("warmup,power", [(0, 1.0), (3, 1.0), (3, 2.0)])
+def test_poly_warmup_schedule_is_polynomial_lr_warmup_at_every_step(warmup, power):
+    for n in range(13):  # past the end (10) the rate stays 0
+        expected = polynomial_lr_warmup(min(n, 10), warmup, 10, base=1.0, power=power)
+        assert lr_factor(n, 10, warmup, "poly_warmup", power) == pytest.approx(expected, abs=1e-15), n
 
 
 def test_arcface_keys_alone_clip_the_backbone_alone_at_norm_5(one_rank):
@@ -181,7 +192,8 @@ def test_imported_run_continues_as_the_uninterrupted_run_on_one_rank(one_rank, t
     mp = pytest.MonkeyPatch()
     mp.setattr(train, "set_lr", lambda opts, lr: (lrs.append(lr), real_set_lr(opts, lr)))
     try:
-        assert train.main(run_argv(one_rank["config"], out, "--resume", "true")) == 0
+        assert train.main(run_argv(one_rank["config"], out, "--resume", "true",
+                                   "--stop_after_steps", str(STEPS - CUT))) == 0
     finally:
         mp.undo()
     assert lrs == one_rank["lrs"][CUT:]
@@ -196,10 +208,11 @@ def _train(rank, world_size, argv):
 def test_imported_run_continues_as_the_uninterrupted_run_on_two_ranks(drawn_faces, tmp_path):
     config = arcface_config(tmp_path / "af_tiny_w2.py", drawn_faces, 8)
     full, out = str(tmp_path / "full"), str(tmp_path / "imported")
-    assert run_distributed(_train, 2, run_argv(config, full)) == [0, 0]
+    assert run_distributed(_train, 2, run_argv(config, full, "--stop_after_steps", str(STEPS))) == [0, 0]
     run = write_arcface_run(os.path.join(full, f"checkpoint-{CUT:08d}"), str(tmp_path / "af_run"), world_size=2)
     assert import_arcface_torch.main([config, run, out]) == 0
-    assert run_distributed(_train, 2, run_argv(config, out, "--resume", "true")) == [0, 0]
+    resume = run_argv(config, out, "--resume", "true", "--stop_after_steps", str(STEPS - CUT))
+    assert run_distributed(_train, 2, resume) == [0, 0]
     assert_same_continuation(out, full)
 
 
@@ -235,20 +248,29 @@ def test_bad_arcface_run_is_one_line_naming_file_and_key(one_rank, tmp_path, cap
     assert re.search(message, _import_error(one_rank, tmp_path, capsys, change, *overrides))
 
 
+class _Seen(Exception):
+    pass
+
+
 def first_forward_of(argv):
-    """(input, output) of the backbone's first forward in a run of `argv`."""
+    """(input, output) of the backbone's first forward in a run of `argv` (which ends there)."""
     seen = []
     real = train.build_backbone
 
+    def record(module, args, out):
+        seen.append((args[0].detach().clone(), out.detach().clone()))
+        raise _Seen
+
     def spied(cfg):
         model = real(cfg)
-        model.register_forward_hook(lambda m, args, out: seen.append((args[0].detach().clone(), out.detach().clone())))
+        model.register_forward_hook(record)
         return model
 
     mp = pytest.MonkeyPatch()
     mp.setattr(train, "build_backbone", spied)
     try:
-        assert train.main(argv) == 0
+        with pytest.raises(_Seen):
+            train.main(argv)
     finally:
         mp.undo()
     return seen[0]
@@ -260,8 +282,7 @@ def test_fine_tune_run_starts_from_the_pretrained_backbone(one_rank, tmp_path, f
     path = {"arcface model.pt": os.path.join(run, "model.pt"),
             "arcface checkpoint_gpu_0.pt": os.path.join(run, "checkpoint_gpu_0.pt"),
             "shardface run": one_rank["full"]}[form]
-    images, out = first_forward_of(run_argv(one_rank["config"], str(tmp_path / "ft"), "--init_backbone", path,
-                                            "--max_steps", "1"))
+    images, out = first_forward_of(run_argv(one_rank["config"], str(tmp_path / "ft"), "--init_backbone", path))
     pretrained = get_model("tiny", num_features=DIM)
     pretrained.load_state_dict(load_backbone_state(path)[0])
     torch.testing.assert_close(out, pretrained.train()(images), rtol=0, atol=0)
@@ -278,5 +299,6 @@ def test_fine_tune_weights_that_do_not_fit_the_network_are_refused_naming_the_ke
 def test_resume_ignores_init_backbone_with_a_log_line(one_rank, tmp_path):
     out = str(tmp_path / "again")
     shutil.copytree(one_rank["full"], out)
-    assert train.main(run_argv(one_rank["config"], out, "--resume", "true", "--init_backbone", "/no/such.pt")) == 0
+    assert train.main(run_argv(one_rank["config"], out, "--resume", "true", "--init_backbone", "/no/such.pt",
+                                 "--max_steps", str(STEPS))) == 0
     assert "init_backbone /no/such.pt ignored" in open(os.path.join(out, "training.log")).read()
