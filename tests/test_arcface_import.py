@@ -77,8 +77,14 @@ def polynomial_lr_warmup(n, warmup, total, base=BASE_LR, power=1.0):
     return base * (1 - (n - warmup) / (total - warmup)) ** power
 
 
-def write_arcface_run(ckpt, run_dir, world_size, step=CUT, epoch=1):
-    """The arcface_torch files of a run on `world_size` ranks holding ShardFace checkpoint `ckpt`."""
+def adamw_moments(weight):
+    """Stand-in AdamW moments of a parameter (distinct per element, so misplaced rows show)."""
+    return {"step": torch.tensor(float(CUT)), "exp_avg": weight * 0.01, "exp_avg_sq": weight ** 2 * 1e-3}
+
+
+def write_arcface_run(ckpt, run_dir, world_size, step=CUT, epoch=1, optimizer="sgd"):
+    """The arcface_torch files of a run on `world_size` ranks holding ShardFace checkpoint `ckpt`
+    (with `optimizer` "adamw", its weights and `adamw_moments` of them)."""
     os.makedirs(run_dir, exist_ok=True)
     backbone = torch.load(os.path.join(ckpt, "backbone.pt"))
     saved_opt = torch.load(os.path.join(ckpt, "optimizer.pt"))["state"]
@@ -92,11 +98,16 @@ def write_arcface_run(ckpt, run_dir, world_size, step=CUT, epoch=1):
         start, n = base * rank + min(rank, extra), base + int(rank < extra)
         shard = torch.nn.Parameter(rows[start:start + n].clone())
         # torch's own SGD state_dict over [backbone params, head shard], as train_v2 builds it
-        opt = torch.optim.SGD([{"params": list(model.parameters())}, {"params": [shard]}], lr=BASE_LR,
-                              momentum=0.9, weight_decay=5e-4)
-        for name, p in model.named_parameters():
-            opt.state[p] = {"momentum_buffer": saved_opt[name]["momentum_buffer"].clone()}
-        opt.state[shard] = {"momentum_buffer": momentum[start:start + n].clone()}
+        groups = [{"params": list(model.parameters())}, {"params": [shard]}]
+        if optimizer == "sgd":
+            opt = torch.optim.SGD(groups, lr=BASE_LR, momentum=0.9, weight_decay=5e-4)
+            for name, p in model.named_parameters():
+                opt.state[p] = {"momentum_buffer": saved_opt[name]["momentum_buffer"].clone()}
+            opt.state[shard] = {"momentum_buffer": momentum[start:start + n].clone()}
+        else:
+            opt = torch.optim.AdamW(groups, lr=BASE_LR, weight_decay=5e-4)
+            for p in [*model.parameters(), shard]:
+                opt.state[p] = adamw_moments(p.detach())
         for group in opt.param_groups:
             group["initial_lr"] = BASE_LR  # a torch scheduler adds it
         torch.save({"epoch": epoch, "global_step": step, "state_dict_backbone": model.state_dict(),
@@ -214,6 +225,32 @@ def test_imported_run_continues_as_the_uninterrupted_run_on_two_ranks(drawn_face
     resume = run_argv(config, out, "--resume", "true", "--stop_after_steps", str(STEPS - CUT))
     assert run_distributed(_train, 2, resume) == [0, 0]
     assert_same_continuation(out, full)
+
+
+def test_adamw_run_imports_its_moments_per_parameter_and_head_rows_in_class_order(one_rank, tmp_path):
+    ckpt = os.path.join(one_rank["full"], f"checkpoint-{CUT:08d}")
+    run = write_arcface_run(ckpt, str(tmp_path / "af"), world_size=3, optimizer="adamw")
+    out = str(tmp_path / "imported")
+    assert import_arcface_torch.main([one_rank["config"], run, out, "--optimizer", "adamw"]) == 0
+    imported = resolve_checkpoint(out)
+    backbone = torch.load(os.path.join(imported, "backbone.pt"))
+    state = torch.load(os.path.join(imported, "optimizer.pt"))["state"]
+    for name, p in get_model("tiny", num_features=DIM).named_parameters():
+        expected = adamw_moments(backbone[name])
+        assert state[name].keys() == expected.keys(), name
+        for key, value in expected.items():
+            torch.testing.assert_close(state[name][key], value, rtol=0, atol=0, msg=f"{name} {key}")
+    heads = [torch.load(os.path.join(imported, f)) for f in sorted(os.listdir(imported)) if f.startswith("head-")]
+    assert len(heads) == 1
+    rows = torch.cat([h["weight"] for h in (torch.load(os.path.join(ckpt, f)) for f in sorted(os.listdir(ckpt))
+                                             if f.startswith("head-"))])
+    torch.testing.assert_close(heads[0]["weight"], rows, rtol=0, atol=0)
+    for key, value in adamw_moments(rows).items():
+        torch.testing.assert_close(heads[0]["state"][key], value, rtol=0, atol=0, msg=key)
+    # and it continues: AdamW resumes on this state
+    assert train.main(run_argv(one_rank["config"], out, "--optimizer", "adamw", "--resume", "true",
+                               "--stop_after_steps", "1")) == 0
+    assert resolve_checkpoint(out).endswith(f"checkpoint-{CUT + 1:08d}")
 
 
 def _import_error(one_rank, tmp_path, capsys, change, *overrides):
