@@ -13,6 +13,9 @@ config.dropout = 0.0
 config.grad_checkpoint = False        # recompute backbone activations in backward
 config.fp16 = False                   # fp16 autocast + dynamic loss scaling
 config.bf16 = False                   # bf16 autocast, no loss scaling
+config.init_backbone = ""             # new run from these backbone weights, fresh head (fine-tuning):
+                                      # a model.pt, arcface_torch checkpoint_gpu_<r>.pt, checkpoint or run
+                                      # dir (its EMA weights if any); ignored (logged) when resuming
 
 # margin head (heads.PartialFC); losses.build_margin reads these
 config.margin = "combined"            # combined | arcface | cosface | adaface | magface |
@@ -88,8 +91,5 @@ config.reset_ema = False              # resume without the checkpoint's ema.pt: 
                                       # the loaded weights (otherwise a missing ema.pt is an error)
 config.dist_timeout_min = 10          # a dead rank makes the others fail after this long
 config.max_steps = 0                  # shorten the schedule to N steps (0 = num_epoch epochs)
-config.init_backbone = ""             # new run from these backbone weights, fresh head (fine-tuning):
-                                      # a model.pt, arcface_torch checkpoint_gpu_<r>.pt, checkpoint or run
-                                      # dir; ignored (with a log line) when resuming a checkpoint
 config.stop_after_steps = 0           # save and exit after N steps of this job, schedule unchanged
                                       # (time-limited cluster jobs; resume continues exactly)

@@ -322,9 +322,12 @@ def test_fine_tune_run_starts_from_the_pretrained_backbone(one_rank, tmp_path, f
     images, out = first_forward_of(run_argv(one_rank["config"], str(tmp_path / "ft"), "--init_backbone", path))
     pretrained = get_model("tiny", num_features=DIM)
     pretrained.load_state_dict(load_backbone_state(path)[0])
-    torch.testing.assert_close(out, pretrained.train()(images), rtol=0, atol=0)
-    fresh = get_model("tiny", num_features=DIM).train()
-    assert not torch.allclose(out, fresh(images))
+    exact = images.device.type == "cpu"  # GPU kernels may be chosen differently per call
+    with torch.no_grad():
+        expected = pretrained.to(images.device).train()(images)
+        fresh = get_model("tiny", num_features=DIM).to(images.device).train()(images)
+    torch.testing.assert_close(out, expected, rtol=0 if exact else 1e-4, atol=0 if exact else 1e-5)
+    assert not torch.allclose(out, fresh, atol=1e-2)
 
 
 def test_fine_tune_weights_that_do_not_fit_the_network_are_refused_naming_the_key(one_rank, tmp_path):
