@@ -14,7 +14,6 @@ the head rows in class order, the optimizer state of both, and the schedule posi
 """
 from __future__ import annotations
 
-import glob
 import os
 import re
 import sys
@@ -160,9 +159,9 @@ def import_run(cfg, run_dir: str, out_dir: str) -> str:
     cfg.output = out_dir
     state = TrainState(step=int(first["global_step"]), epoch=int(first["epoch"]), batch_in_epoch=0,
                        run_id=new_run_id())
-    return save_checkpoint(out_dir, state, backbone=backbone,
-                           backbone_opt=_SavedOptimizerState({"state": opt_state, "param_groups": [group], "master": {}}),
-                           head=head, head_opt=head_opt, config=cfg, rank=0, world_size=world_size, keep=0,
+    backbone_opt = _SavedOptimizerState({"state": opt_state, "param_groups": [group], "master": {}})
+    return save_checkpoint(out_dir, state, backbone=backbone, backbone_opt=backbone_opt, head=head, head_opt=head_opt,
+                           config=cfg, rank=0, world_size=world_size, keep=0,
                            export_to=os.path.join(out_dir, "model.pt"),
                            extra_meta={"imported_from": os.path.abspath(run_dir)})
 
