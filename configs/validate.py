@@ -5,7 +5,7 @@ import numbers
 
 from configs.errors import ConfigError
 
-CHOICES = {"optimizer": ("sgd", "adamw"), "lr_scheduler": ("poly", "cosine"), "resume": (False, True, "auto"),
+CHOICES = {"optimizer": ("sgd", "adamw"), "lr_scheduler": ("poly", "cosine", "poly_warmup"), "resume": (False, True, "auto"),
            "head_precision": ("fp32", "tf32", "bf16"),
            "margin": ("combined", "arcface", "cosface", "adaface", "magface", "curricularface", "subcenter_arcface")}
 POSITIVE_INT = ("embedding_size", "num_classes", "num_epoch", "batch_size", "gradient_acc", "frequent",
