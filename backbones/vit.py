@@ -66,8 +66,9 @@ class Attention(nn.Module):
         n, length, dim = x.shape
         q, k, v = self.qkv(x).view(n, length, 3, self.num_heads, dim // self.num_heads).permute(2, 0, 3, 1, 4)
         # scores and softmax in fp32 even under autocast, as arcface_torch
+        wide = torch.promote_types(q.dtype, torch.float32)  # fp16/bf16 up, fp64 stays
         with _no_autocast(x.device.type):
-            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+            out = F.scaled_dot_product_attention(q.to(wide), k.to(wide), v.to(wide))
         return self.proj(out.transpose(1, 2).reshape(n, length, dim))
 
 
@@ -150,7 +151,7 @@ class VisionTransformer(nn.Module):
                     x = checkpoint(block, x, use_reentrant=False)
                 else:
                     x = block(x)
-        x = self.norm(x.float())
+        x = self.norm(x.to(self.norm.weight.dtype))
         if masking:
             full = self.mask_token.to(x.dtype).expand(x.shape[0], self.num_patches, -1)
             x = full.scatter(1, positions.unsqueeze(-1).expand(-1, -1, x.shape[-1]), x)
