@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import backbones
-from backbones.iresnet import IResNet
+from backbones import iresnet
+from backbones.common import run_segments
 
 # Parameter and buffer names and shapes, in state-dict order, of every network name of
 # insightface arcface_torch's backbones.get_model (num_features 512), dumped once from its
@@ -27,9 +28,10 @@ ARCFACE_TORCH_PARAM_COUNTS = {
     "vit_s_dp005_mask_0": 76_023_296, "vit_b": 113_833_472, "vit_b_dp005_mask_005": 113_833_472,
     "vit_l_dp005_mask_005": 255_684_352, "vit_h": 756_393_984,
 }
-# too large to allocate in the default suite: checked on the meta device (tests/test_vit.py
-# checks the ViT's function at small sizes)
-LARGE = {"r2060", "vit_h", "vit_l_dp005_mask_005", "vit_b", "vit_b_dp005_mask_005", "vit_s", "vit_s_dp005_mask_0"}
+# too large to allocate in the default suite, or a variant of a smaller name's class: checked on
+# the meta device (tests/test_vit.py checks the ViT's function at small sizes)
+LARGE = {"r2060", "vit_h", "vit_l_dp005_mask_005", "vit_b", "vit_b_dp005_mask_005", "vit_s", "vit_s_dp005_mask_0",
+         "vit_t_dp005_mask0"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,39 +108,54 @@ def test_state_dict_names_shapes_and_order_equal_arcface_torch(name):
     assert ours == ARCFACE_TORCH[name]
 
 
-def test_arcface_torch_state_dict_loads_strictly():
+def test_arcface_torch_state_dict_loads_strictly(name="vit_t"):
     """A state dict made from the fixture alone (as a published model.pt) loads with strict=True."""
-    model = backbones.get_model("vit_t")
-    published = {k: torch.full(shape, 0.5) for k, shape in ARCFACE_TORCH["vit_t"]}
-    published = {k: (v.long() if k.endswith("num_batches_tracked") else v) for k, v in published.items()}
-    model.load_state_dict(published, strict=True)
-    assert all((v == 0.5).all() for k, v in model.state_dict().items() if not k.endswith("tracked"))
+    published = {k: torch.full(shape, 3, dtype=torch.long if k.endswith("num_batches_tracked") else torch.float32)
+                 for k, shape in ARCFACE_TORCH[name]}
+    with torch.device("meta"):
+        model = backbones.get_model(name)
+    model.load_state_dict(published, strict=True, assign=True)
+    assert all(v.device.type == "cpu" and (v == 3).all() for v in model.state_dict().values())
+    with pytest.raises(RuntimeError, match="mask_token"):
+        model.load_state_dict({k: v for k, v in published.items() if k != "mask_token"}, strict=True, assign=True)
 
 
-def test_r2060_stages_checkpoint_in_segments_with_identical_gradients():
-    """r2060 at reduced depth: its segment checkpointing (always on in training) keeps fewer
-    activations and gives the gradients of the plain network."""
+def test_segments_checkpoint_with_identical_gradients_and_fewer_saved_tensors():
     torch.manual_seed(0)
-    plain = IResNet((1, 4, 4, 1), num_features=16).double()
-    segmented = IResNet((1, 4, 4, 1), num_features=16, segments=(0, 2, 2, 0)).double()
-    segmented.load_state_dict(plain.state_dict())
-    x = torch.randn(2, 3, 112, 112, dtype=torch.float64)
-    saved = {}
-    for name, model in (("plain", plain), ("segmented", segmented)):
+    layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16),
+                                                       torch.nn.PReLU(16)) for _ in range(8)]).double()
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    results = []
+    for segments in (0, 4):
+        layers.zero_grad()
         count = [0]
 
         def pack(t, count=count):
-            count[0] += t.numel()
+            count[0] += 1
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = model(x).square().sum()
-        loss.backward()
-        saved[name] = count[0]
-    assert saved["segmented"] < 0.8 * saved["plain"]
-    for (name, a), b in zip(plain.named_parameters(), segmented.parameters()):
-        if a.requires_grad:
-            torch.testing.assert_close(a.grad, b.grad, msg=name)
+            out = run_segments(layers, x, segments) if segments else layers(x)
+        out.square().sum().backward()
+        results.append((out.detach(), [p.grad.clone() for p in layers.parameters()], count[0]))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    for a, b in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(a, b)
+    assert results[1][2] < results[0][2] / 2
+
+
+def test_r2060_trains_its_deep_stages_in_arcface_torch_segments(monkeypatch):
+    """r2060 checkpoints stages 2 and 3 in 20 and 100 segments in training, whatever
+    grad_checkpoint says, and runs them plainly in eval (shown at reduced depth on the meta device)."""
     assert _meta_model("r2060").segments == (0, 20, 100, 0)
+    calls = []
+    monkeypatch.setattr(iresnet, "run_segments", lambda layers, x, n: calls.append((len(layers), n)) or layers(x))
+    with torch.device("meta"):
+        model = iresnet.IResNet((1, 4, 6, 1), num_features=8, segments=(0, 2, 3, 0))
+    x = torch.empty(2, 3, 112, 112, device="meta")
+    model.eval()(x)
+    assert calls == []
+    model.train()(x)
+    assert calls == [(4, 2), (6, 3)]
 
 
 def test_dropout_is_applied_or_refused():
