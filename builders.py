@@ -2,15 +2,19 @@
 the data-parallel module the backbone is called through. train.py composes these."""
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from backbones import get_model
 from configs.errors import ConfigError
+from eval.weights import init_backbone_from
 from heads import PartialFC, SampledRowsOptimizer
 from losses import build_margin
 from parallel.ddp import DDPOptimizer
 from parallel.zero import Zero2Optimizer
+from utils.checkpoint import find_checkpoint
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
 
@@ -18,6 +22,19 @@ OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
 def build_backbone(cfg) -> nn.Module:
     return get_model(cfg.network, num_features=cfg.embedding_size, dropout=cfg.dropout,
                      fp16=cfg.fp16, bf16=cfg.bf16, grad_checkpoint=cfg.grad_checkpoint)
+
+
+def init_backbone(cfg, backbone: nn.Module) -> None:
+    """Fine-tuning: load `cfg.init_backbone`'s weights into a new run's backbone (before the
+    data-parallel wrapper copies them). A run that resumes a checkpoint keeps the checkpoint's."""
+    if not cfg.init_backbone:
+        return
+    log = logging.getLogger("shardface")
+    if cfg.resume is True or (cfg.resume == "auto" and find_checkpoint(cfg.output) is not None):
+        log.info("init_backbone %s ignored: this run resumes the checkpoint in %s", cfg.init_backbone, cfg.output)
+        return
+    init_backbone_from(backbone, cfg.init_backbone, cfg.network)
+    log.info("backbone initialised from %s; the head starts fresh", cfg.init_backbone)
 
 
 def build_head(cfg) -> PartialFC:

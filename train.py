@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from builders import build_backbone, build_data_parallel, build_head, build_head_optimizer
+from builders import build_backbone, build_data_parallel, build_head, build_head_optimizer, init_backbone
 from configs import format_config, get_config, save_config
 from configs.validate import warmup_problem
 from dataset import ResumableDistributedSampler, build_dataset, get_dataloader, normalize_images
@@ -22,9 +22,10 @@ from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logg
 from parallel.stop import StopSignal
 from parallel.user_errors import exits_on_user_error
 from utils.checkpointer import Checkpointer
+from utils.data_position import follow_data
 from utils.divergence import TrainingStopped, check_labels, check_loss
 from utils.progress import ProgressLogger, SkipReport
-from utils.schedule import lr_factor, set_lr
+from utils.schedule import lr_factor, schedule_steps, set_lr
 from utils.seed import seed_everything
 
 
@@ -51,6 +52,7 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
         logger.warning("fp16 on the CPU is emulated and many times slower than fp32: use bf16 or neither")
     torch.manual_seed(cfg.seed)  # identical initial backbone on every rank
     backbone = build_backbone(cfg).to(info.device)
+    init_backbone(cfg, backbone)  # fine-tuning from pretrained weights (not when resuming)
     head = build_head(cfg).to(info.device)
     model, backbone_opt = build_data_parallel(cfg, backbone)
     head_opt = build_head_optimizer(cfg, head)
@@ -60,7 +62,7 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
     seed_everything(cfg.seed + info.rank)  # per-rank randomness (Partial FC sampling) from here
 
     dataset = build_dataset(cfg.rec, cfg.num_classes, train=True, skip_bad_images=cfg.skip_bad_images,
-                            normalize=False)  # uint8 from the workers, normalised on the device
+                            normalize=False, resize=cfg.resize)  # uint8 from the workers, normalised on the device
     if cfg.num_image and cfg.num_image != len(dataset) and cfg.rec != "synthetic":
         logger.warning("config num_image is %d but %s holds %d images; using the latter",
                        cfg.num_image, cfg.rec, len(dataset))
@@ -69,7 +71,10 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
     total_steps = cfg.num_epoch * steps_per_epoch
     if cfg.max_steps:
         total_steps = min(total_steps, cfg.max_steps)
-    warmup_steps = cfg.warmup_epoch * steps_per_epoch
+    warmup_steps, schedule_steps_total = schedule_steps(cfg.lr_scheduler, len(dataset), cfg.batch_size * info.world_size
+                                                        * cfg.gradient_acc, cfg.warmup_epoch, cfg.num_epoch,
+                                                        steps_per_epoch)
+    schedule_steps_total = min(schedule_steps_total, total_steps)
     if problem := warmup_problem(total_steps, warmup_steps):
         logger.warning(problem)
 
@@ -77,6 +82,8 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
                                 head_opt=head_opt, ema=ema, scaler=scaler, config=cfg, rank=info.rank,
                                 world_size=info.world_size, keep=cfg.keep_checkpoints)
     state = checkpointer.start(cfg.resume, cfg.overwrite, batch_size=cfg.batch_size)
+    follow_data(state, checkpointer.resumed_meta, len(dataset), dataset.fingerprint(), cfg.rec,
+                sampler.batches_per_epoch)  # another data set than the checkpoint's: the epoch restarts
     if info.is_main:  # only now: a refused run must not replace the config of the run it met
         save_config(cfg, cfg.output)
     if checkpointer.resumed_meta is not None:
@@ -117,7 +124,8 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
                     labels = labels.to(info.device, non_blocking=True)
                     micro += 1
                     last_micro = micro % cfg.gradient_acc == 0
-                    lr = cfg.lr * lr_factor(state.step, total_steps, warmup_steps, cfg.lr_scheduler, cfg.lr_power)
+                    lr = cfg.lr * lr_factor(state.step, schedule_steps_total, warmup_steps, cfg.lr_scheduler,
+                                             cfg.lr_power)
                     set_lr([backbone_opt, head_opt], lr)  # before forward: a fused head steps in backward
                     with contextlib.nullcontext() if last_micro else backbone_opt.no_sync():
                         loss = head(model(images), labels)

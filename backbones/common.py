@@ -5,7 +5,7 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 
 def trunk_autocast(x: torch.Tensor, fp16: bool, bf16: bool):
@@ -23,3 +23,11 @@ def run_layers(layers: nn.Module, x: torch.Tensor, grad_checkpoint: bool) -> tor
     for layer in layers:
         x = checkpoint(layer, x, use_reentrant=False)
     return x
+
+
+def run_segments(layers: nn.Sequential, x: torch.Tensor, segments: int) -> torch.Tensor:
+    """Run a Sequential keeping only the inputs of `segments` runs of children for backward
+    (each run recomputed in its own backward): for stages too deep to keep every block's input."""
+    if not torch.is_grad_enabled():
+        return layers(x)
+    return checkpoint_sequential(layers, segments, x, use_reentrant=False)

@@ -1,11 +1,11 @@
-"""IResNet (r18 … r200). Parameter names and shapes equal insightface arcface_torch's,
-so its published checkpoints load with `load_state_dict(strict=True)`."""
+"""IResNet (r18 … r200, r2060). Parameter names, shapes and order equal insightface
+arcface_torch's, so its published checkpoints load with `load_state_dict(strict=True)`."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from backbones.common import run_layers, trunk_autocast
+from backbones.common import run_layers, run_segments, trunk_autocast
 from backbones.registry import register_model
 
 
@@ -36,9 +36,12 @@ class IResNet(nn.Module):
     fc_scale = 7 * 7
 
     def __init__(self, layers, dropout: float = 0.0, num_features: int = 512,
-                 fp16: bool = False, bf16: bool = False, grad_checkpoint: bool = False):
+                 fp16: bool = False, bf16: bool = False, grad_checkpoint: bool = False,
+                 segments: tuple[int, int, int, int] | None = None):
         super().__init__()
         self.fp16, self.bf16, self.grad_checkpoint = fp16, bf16, grad_checkpoint
+        # per stage: checkpoint in this many segments in training whatever grad_checkpoint says
+        self.segments = segments or (0, 0, 0, 0)
         self.inplanes = 64
         self.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(64, eps=1e-05)
@@ -73,8 +76,11 @@ class IResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with trunk_autocast(x, self.fp16, self.bf16):
             x = self.prelu(self.bn1(self.conv1(x)))
-            for layer in (self.layer1, self.layer2, self.layer3, self.layer4):
-                x = run_layers(layer, x, self.grad_checkpoint)
+            for layer, segments in zip((self.layer1, self.layer2, self.layer3, self.layer4), self.segments):
+                if segments and self.training:
+                    x = run_segments(layer, x, segments)
+                else:
+                    x = run_layers(layer, x, self.grad_checkpoint)
             x = torch.flatten(self.bn2(x), 1)
             x = self.dropout(x)
         return self.features(self.fc(x.to(self.fc.weight.dtype)))
@@ -95,3 +101,10 @@ def _register(name: str, layers: tuple[int, int, int, int]) -> None:
 
 for _name, _layers in DEPTHS.items():
     _register(_name, _layers)
+
+
+@register_model("r2060")
+def r2060(**kw) -> IResNet:
+    """arcface_torch's 2060-layer IResNet; like there, its two deep stages always train
+    checkpointed in segments (20 of stage 2's 128 blocks, 100 of stage 3's 896)."""
+    return IResNet((3, 128, 896, 3), segments=(0, 20, 100, 0), **kw)

@@ -13,13 +13,17 @@ config.dropout = 0.0
 config.grad_checkpoint = False        # recompute backbone activations in backward
 config.fp16 = False                   # fp16 autocast + dynamic loss scaling
 config.bf16 = False                   # bf16 autocast, no loss scaling
+config.init_backbone = ""             # new run from these backbone weights, fresh head (fine-tuning):
+                                      # a model.pt, arcface_torch checkpoint_gpu_<r>.pt, checkpoint or run
+                                      # dir (its EMA weights if any); ignored (logged) when resuming
 
 # margin head (heads.PartialFC); losses.build_margin reads these
 config.margin = "combined"            # combined | arcface | cosface | adaface | magface |
                                       # curricularface | subcenter_arcface
 config.margin_list = (1.0, 0.5, 0.0)  # combined: (m1, m2, m3): s*(cos(m1*theta+m2)-m3)
 config.scale = 64.0                   # s, every margin
-config.straight_through = False       # combined/arcface: margin's derivative taken as 1 (arcface_torch's gradient)
+config.straight_through = True        # combined/arcface: margin's derivative taken as 1, arcface_torch's
+                                      # gradient; False: the true derivative of the loss
 config.arcface_m = 0.5                # arcface, subcenter_arcface: additive angular margin
 config.cosface_m = 0.4                # cosface: additive cosine margin
 config.adaface_m = 0.4                # adaface (Kim et al. 2022): margin
@@ -41,8 +45,8 @@ config.row_block = 128                # rows per block beyond the first embeddin
 config.head_precision = "fp32"        # logits GEMM: fp32 | tf32 (GPU) | bf16; statistics stay fp32
 config.head_fused_optimizer = False   # step the head's rows inside backward: no weight gradient held
                                       # (needs gradient_acc 1, no fp16, clip_head False)
-config.clip_head = True               # head inside the global-norm clip; False = backbone only
-                                      # (arcface_torch's behaviour)
+config.clip_head = False              # False: the backbone alone is clipped (arcface_torch); True: the
+                                      # head joins the global norm
 
 # optimisation
 config.optimizer = "sgd"              # sgd | adamw
@@ -50,8 +54,9 @@ config.lr = 0.1                       # for the global batch below; not rescaled
 config.momentum = 0.9
 config.weight_decay = 5e-4
 config.max_grad_norm = 5.0            # global gradient-norm clip (see clip_head); 0 disables
-config.lr_scheduler = "poly"          # poly | cosine
-config.lr_power = 2.0                 # exponent of the polynomial decay
+config.lr_scheduler = "poly_warmup"   # poly_warmup (arcface_torch's PolynomialLRWarmup: steps counted
+                                      # as num_image // global batch, first step at full lr) | poly | cosine
+config.lr_power = 1.0                 # exponent of the polynomial decay
 config.warmup_epoch = 0
 config.gradient_acc = 1               # micro-batches per optimizer step
 config.zero = True                    # ZeRO-2 for the backbone; False = DDP
@@ -68,6 +73,8 @@ config.num_epoch = 20
 config.batch_size = 128               # per rank
 config.num_workers = 2
 config.skip_bad_images = False        # count and skip undecodable images instead of failing
+config.resize = False                 # resize images that are not 112x112 (bilinear) instead of refusing
+                                      # them; models expect aligned crops, and resizing is not alignment
 config.seed = 2048
 
 # evaluation and logging

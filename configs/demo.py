@@ -18,6 +18,11 @@ config.num_classes = 400
 config.num_image = 8000
 config.num_epoch = 8
 config.warmup_epoch = 1
+# ShardFace's own schedule, clip and margin gradient (arcface_torch's are the defaults)
+config.lr_scheduler = "poly"
+config.lr_power = 2.0
+config.clip_head = True
+config.straight_through = False
 config.num_workers = 1
 config.ema = True
 config.ema_decay = 0.999

@@ -5,7 +5,7 @@ import numbers
 
 from configs.errors import ConfigError
 
-CHOICES = {"optimizer": ("sgd", "adamw"), "lr_scheduler": ("poly", "cosine"), "resume": (False, True, "auto"),
+CHOICES = {"optimizer": ("sgd", "adamw"), "lr_scheduler": ("poly", "cosine", "poly_warmup"), "resume": (False, True, "auto"),
            "head_precision": ("fp32", "tf32", "bf16"),
            "margin": ("combined", "arcface", "cosface", "adaface", "magface", "curricularface", "subcenter_arcface")}
 POSITIVE_INT = ("embedding_size", "num_classes", "num_epoch", "batch_size", "gradient_acc", "frequent",
@@ -15,7 +15,7 @@ NON_NEGATIVE_INT = ("num_image", "warmup_epoch", "num_workers", "verbose", "max_
 POSITIVE_FLOAT = ("scale", "lr", "ema_tau", "dist_timeout_min", "magface_l_a", "magface_u_a")
 NON_NEGATIVE_FLOAT = ("weight_decay", "max_grad_norm", "lr_power", "arcface_m", "cosface_m", "adaface_m",
                       "adaface_h", "magface_l_m", "magface_u_m", "magface_lambda_g", "curricularface_m")
-BOOL = ("grad_checkpoint", "fp16", "bf16", "zero", "ema", "skip_bad_images", "overwrite", "reset_ema",
+BOOL = ("grad_checkpoint", "fp16", "bf16", "zero", "ema", "skip_bad_images", "resize", "overwrite", "reset_ema",
         "head_fused_optimizer", "clip_head", "straight_through", "magface_easy_margin")
 # (low, high, low inclusive, high inclusive)
 INTERVALS = {"dropout": (0.0, 1.0, True, False), "sample_rate": (0.0, 1.0, False, True),

@@ -1,4 +1,5 @@
-from dataset.errors import DataError, DataLayoutError, ImageDecodeError, LabelError, RecordIOError
+from dataset.errors import (DataError, DataLayoutError, ImageDecodeError, ImageSizeError, LabelError,
+                            RecordIOError)
 from dataset.faces import FolderFaceDataset, MXFaceDataset, SyntheticDataset, build_dataset
 from dataset.folders import list_identity_folders
 from dataset.images import decode_chw, decode_image, normalize_images
@@ -8,4 +9,5 @@ from dataset.recordio import IndexedRecordReader, IRHeader, RecordWriter, pack, 
 __all__ = ["MXFaceDataset", "FolderFaceDataset", "SyntheticDataset", "build_dataset", "list_identity_folders",
            "normalize_images", "decode_image", "decode_chw", "ResumableDistributedSampler", "get_dataloader",
            "IndexedRecordReader", "RecordWriter", "IRHeader", "pack", "unpack",
-           "DataError", "RecordIOError", "ImageDecodeError", "LabelError", "DataLayoutError"]
+           "DataError", "RecordIOError", "ImageDecodeError", "LabelError", "DataLayoutError",
+           "ImageSizeError"]

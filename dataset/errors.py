@@ -20,3 +20,7 @@ class LabelError(DataError):
 
 class DataLayoutError(DataError):
     """A data directory, image folder or `property` file that is missing or does not match the config."""
+
+
+class ImageSizeError(DataError):
+    """Images that are not the size the backbones take (112x112), found before training or packing."""

@@ -9,10 +9,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dataset.errors import DataLayoutError, ImageDecodeError, LabelError
+from dataset.errors import DataLayoutError, ImageDecodeError, ImageSizeError, LabelError
+from dataset.fingerprint import folder_fingerprint, recordio_fingerprint, synthetic_fingerprint
 from dataset.folders import list_identity_folders
-from dataset.images import decode_chw, decode_image, normalize_images
-from dataset.recordio import IndexedRecordReader, RecordIOError, unpack
+from dataset.geometry import check_files, check_records
+from dataset.images import FACE_SIZE, decode_chw, decode_image, normalize_images
+from dataset.layout import image_keys
+from dataset.recordio import IndexedRecordReader, unpack
 
 logger = logging.getLogger("shardface")
 
@@ -59,6 +62,37 @@ class _MirrorsInTraining:
     def mirror(self, index: int) -> bool:
         return self.train and mirror_for(self.seed, self.epoch, index)
 
+    resize: bool = False  # resize images that are not 112x112 instead of refusing them
+    skip_bad_images: bool = False
+
+    @property
+    def bad_images(self) -> int:
+        """Images skipped so far by this process and its loader workers."""
+        return self.skipped.total()
+
+    def _first_readable(self, index: int, load):
+        """`load(index)`, or with `skip_bad_images` the next index that decodes (counted)."""
+        for attempt in range(len(self)):
+            try:
+                return load((index + attempt) % len(self))
+            except ImageDecodeError as exc:
+                if not self.skip_bad_images:
+                    raise
+                self.skipped.add()
+                logger.warning("skipping undecodable image: %s", exc)
+        raise ImageDecodeError("no image of the data set decodes")
+
+    def _decoded(self, decode, data: bytes, where: str, mirror: bool):
+        """Decoded at 112x112: resized when asked, else another size is an ImageSizeError
+        naming `where` (a record the check at start did not sample)."""
+        image = decode(data, where, mirror, FACE_SIZE if self.resize else None)
+        hw = tuple(image.shape[:2] if isinstance(image, np.ndarray) else image.shape[1:])
+        if hw != FACE_SIZE:
+            raise ImageSizeError(f"{where}: image is {hw[1]}x{hw[0]}, not {FACE_SIZE[1]}x{FACE_SIZE[0]}; "
+                                 "repack with `python -m scripts.pack_rec SRC OUT --resize` or train with "
+                                 "`--resize true`")
+        return image
+
 
 def read_property(root_dir: str) -> tuple[int, int, int]:
     path = os.path.join(root_dir, "property")
@@ -74,8 +108,8 @@ def read_property(root_dir: str) -> tuple[int, int, int]:
 class MXFaceDataset(_MirrorsInTraining, Dataset):
     """`root_dir/train.rec` + `train.idx` (+ `property`), as insightface arcface_torch.
 
-    insightface layout: record 0's header has flag > 0 and its labels give the key range of
-    images, keys 1 .. label[0]-1. im2rec layout (record 0 flag 0): every key is an image.
+    insightface layout: record 0 is a header whose labels give the key range of images, keys
+    1 .. label[0]-1; im2rec layout: every key is an image (dataset/layout.py tells them apart).
     Items are `(3x112x112 float tensor in [-1, 1], int64 label)`; training mirrors half the
     items, chosen by (seed, epoch, index) so workers and resumed runs see the same flips.
     `transform`, when given, receives the (mirrored) HxWx3 uint8 array instead and must return
@@ -84,29 +118,27 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
     """
 
     def __init__(self, root_dir: str, transform=None, train: bool = True, num_classes: int | None = None,
-                 skip_bad_images: bool = False, normalize: bool = True):
+                 skip_bad_images: bool = False, normalize: bool = True, resize: bool = False):
         self.root_dir, self.transform, self.train, self.normalize = root_dir, transform, train, normalize
+        self.resize = resize
         self.skip_bad_images = skip_bad_images
         self.reader = IndexedRecordReader(os.path.join(root_dir, "train.idx"),
                                           os.path.join(root_dir, "train.rec"))
         self.num_classes = num_classes if num_classes is not None else read_property(root_dir)[0]
         if not self.reader.keys:
             raise DataLayoutError(f"{self.reader.idx_path}: no records; the data set is empty")
-        first = self.reader.keys[0]
-        header, _ = unpack(self.reader.read(first), f"{self.reader.rec_path} key {first}")
-        if header.flag > 0:
-            self.keys = list(range(1, int(np.asarray(header.label).ravel()[0])))
-            missing = [k for k in (self.keys[:1] + self.keys[-1:]) if k not in self.reader.index]
-            if missing:
-                raise RecordIOError(f"{self.reader.idx_path}: header record announces images up to key "
-                                    f"{self.keys[-1]}, but key {missing[0]} is not in the index")
-        else:
-            self.keys = list(self.reader.keys)
+        prop = os.path.join(root_dir, "property")
+        declared = read_property(root_dir)[0] if num_classes is None or os.path.isfile(prop) else None
+        self.keys = image_keys(self.reader, prop, declared)
         self.skipped = SkipCounter()
         self._labels: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    def fingerprint(self) -> str:
+        """Which samples the indices name (dataset/fingerprint.py): checkpoints record it."""
+        return recordio_fingerprint(self.reader, self.keys)
 
     def load(self, index: int, mirror: bool = False, as_array: bool = False):
         """(image, label): 3xHxW uint8 tensor, or HxWx3 array when `as_array`."""
@@ -117,26 +149,23 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
             raise LabelError(f"{self.reader.rec_path} key {key}: label {label} outside [0, {self.num_classes}) "
                                 f"(num_classes from {os.path.join(self.root_dir, 'property')} or config)")
         decode = decode_image if as_array else decode_chw
-        return decode(payload, f"{self.reader.rec_path} key {key}", mirror), label
+        return self._decoded(decode, payload, f"{self.reader.rec_path} key {key}", mirror), label
+
+    def check_geometry(self) -> None:
+        """At start: `property`'s height and width and a sample of records are 112x112 (see
+        dataset.geometry.check_records)."""
+        path = os.path.join(self.root_dir, "property")
+        hw = read_property(self.root_dir)[1:] if os.path.isfile(path) else FACE_SIZE
+
+        def payload(key: int) -> bytes:
+            return unpack(self.reader.read(key), f"{self.reader.rec_path} key {key}")[1]
+        check_records(payload, self.keys, self.reader.rec_path, path, hw, self.resize, self.skip_bad_images)
 
     def __getitem__(self, index: int):
         flip = self.mirror(index)
-        for attempt in range(len(self)):
-            try:
-                image, label = self.load((index + attempt) % len(self), flip, as_array=self.transform is not None)
-                break
-            except ImageDecodeError as exc:
-                if not self.skip_bad_images:
-                    raise
-                self.skipped.add()
-                logger.warning("skipping undecodable image: %s", exc)
+        image, label = self._first_readable(index, lambda i: self.load(i, flip, as_array=self.transform is not None))
         image = self.transform(image) if self.transform is not None else self._pixels(image)
         return image, self._label_tensor(label)
-
-    @property
-    def bad_images(self) -> int:
-        """Images skipped so far by this process and its loader workers."""
-        return self.skipped.total()
 
     def _pixels(self, chw: torch.Tensor) -> torch.Tensor:
         return normalize_images(chw) if self.normalize else chw
@@ -150,22 +179,39 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
 
 
 class FolderFaceDataset(_MirrorsInTraining, Dataset):
-    """One sub-folder per identity (sorted names -> labels 0..C-1), as torchvision ImageFolder."""
+    """One sub-folder per identity (sorted names -> labels 0..C-1), as torchvision ImageFolder.
+    At start every file's header is read: unreadable files are errors (left out with
+    `skip_bad_images`), and images that are not 112x112 are refused unless `resize`."""
 
-    def __init__(self, root_dir: str, train: bool = True, normalize: bool = True):
-        self.train, self.normalize = train, normalize
+    def __init__(self, root_dir: str, train: bool = True, normalize: bool = True,
+                 skip_bad_images: bool = False, resize: bool = False):
+        self.train, self.normalize, self.skip_bad_images, self.resize = train, normalize, skip_bad_images, resize
         self.classes, groups = list_identity_folders(root_dir)
-        self.samples = [(path, label) for label, paths in enumerate(groups) for path in paths]
+        usable = set(check_files((p for g in groups for p in g), resize, skip_bad_images))
+        self.samples = [(path, label) for label, paths in enumerate(groups) for path in paths if path in usable]
+        if not self.samples:
+            raise DataLayoutError(f"{root_dir}: no readable images")
         self.num_classes = len(self.classes)
-        self.skipped = SkipCounter()  # never skips: every unreadable image is an error
+        self.skipped = SkipCounter()
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int):
+    def fingerprint(self) -> str:
+        return folder_fingerprint([path for path, _ in self.samples])
+
+    def load(self, index: int, mirror: bool = False):
         path, label = self.samples[index]
-        with open(path, "rb") as f:
-            chw = decode_chw(f.read(), path, self.mirror(index))
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise ImageDecodeError(f"{path}: cannot read image ({exc.strerror})") from None
+        return self._decoded(decode_chw, data, path, mirror), label
+
+    def __getitem__(self, index: int):
+        flip = self.mirror(index)
+        chw, label = self._first_readable(index, lambda i: self.load(i, flip))
         return (normalize_images(chw) if self.normalize else chw), torch.tensor(label, dtype=torch.long)
 
 
@@ -182,25 +228,32 @@ class SyntheticDataset(_MirrorsInTraining, Dataset):
     def __len__(self) -> int:
         return self.length
 
+    def fingerprint(self) -> str:
+        return synthetic_fingerprint(self.length, self.num_classes)
+
     def __getitem__(self, index: int):
         return self.image, torch.tensor(index % self.num_classes, dtype=torch.long)
 
 
 def build_dataset(rec: str, num_classes: int, train: bool = True, skip_bad_images: bool = False,
-                  normalize: bool = True) -> Dataset:
+                  normalize: bool = True, resize: bool = False) -> Dataset:
     """Choose the source from `cfg.rec`: "synthetic", a RecordIO dir, or an image folder.
-    `normalize=False` yields uint8 images for `normalize_images` on the training device."""
+    `normalize=False` yields uint8 images for `normalize_images` on the training device.
+    Images that are not 112x112 are refused here, before training, unless `resize`."""
     if rec == "synthetic":
         return SyntheticDataset(num_classes)
     if not os.path.isdir(rec):
         raise DataLayoutError(f"{rec}: data directory not found")
     if os.path.isfile(os.path.join(rec, "train.rec")):
-        dataset = MXFaceDataset(rec, train=train, skip_bad_images=skip_bad_images, normalize=normalize)
+        dataset = MXFaceDataset(rec, train=train, skip_bad_images=skip_bad_images, normalize=normalize,
+                                resize=resize)
         if dataset.num_classes != num_classes:
             raise DataLayoutError(f"{os.path.join(rec, 'property')}: {dataset.num_classes} classes, "
                                 f"config num_classes is {num_classes}")
+        dataset.check_geometry()
         return dataset
-    dataset = FolderFaceDataset(rec, train=train, normalize=normalize)
+    dataset = FolderFaceDataset(rec, train=train, normalize=normalize, skip_bad_images=skip_bad_images,
+                                resize=resize)
     if dataset.num_classes != num_classes:
         raise DataLayoutError(f"{rec}: {dataset.num_classes} identity folders, config num_classes is {num_classes}")
     return dataset

@@ -14,7 +14,10 @@ from torchvision.io import ImageReadMode, decode_jpeg
 
 from dataset.errors import ImageDecodeError
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp")
+# every format Pillow reads that people keep photos in; the file's bytes decide the decoder
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".pgm", ".ppm", ".pbm", ".pnm", ".tif", ".tiff",
+                    ".webp", ".gif")
+FACE_SIZE = (112, 112)  # (height, width) every backbone takes: insightface's aligned crops
 logger = logging.getLogger("shardface")
 
 
@@ -59,12 +62,61 @@ def normalize_images(images: torch.Tensor) -> torch.Tensor:
     return images
 
 
-def decode_image(data: bytes, where: str, mirror: bool = False) -> np.ndarray:
-    """Any image PIL reads -> HxWx3 uint8 (for `transform`s written for arcface_torch)."""
+def to_rgb(img: Image.Image) -> Image.Image:
+    """The one conversion of every Pillow mode to 8-bit RGB (the first frame of a multi-frame
+    file):
+    - 16-bit grayscale (I;16, I;16B, I;16L, and I, which is read as 0..65535 and clipped there)
+      is scaled to 8 bits by round(v / 257), so 65535 -> 255; Pillow's own convert saturates it
+      to white;
+    - float F is clipped to [0, 255] and rounded;
+    - transparency (RGBA, LA, PA, P or L with a transparent colour) is composited on black:
+      transparent pixels become what alignment's warp puts outside a photo (zeros);
+    - 1-bit, L, P, CMYK, YCbCr, LAB, HSV: Pillow's convert("RGB") (CMYK without ICC profile).
+    """
+    if img.mode == "RGB":
+        return img
+    if img.mode.startswith("I") or img.mode == "F":
+        values = np.asarray(img, dtype=np.float64)
+        if img.mode == "F":
+            gray = np.clip(values, 0, 255)
+        else:
+            gray = np.clip(values, 0, 65535) / 257.0
+        return Image.fromarray(np.rint(gray).astype(np.uint8), "L").convert("RGB")
+    if img.mode in ("RGBA", "LA", "PA", "La", "RGBa") or "transparency" in img.info:
+        rgba = np.asarray(img.convert("RGBA"), dtype=np.float64)
+        rgb = rgba[..., :3] * (rgba[..., 3:] / 255.0)
+        return Image.fromarray(np.rint(rgb).astype(np.uint8), "RGB")
+    return img.convert("RGB")
+
+
+def resize_face(img: Image.Image, size: tuple[int, int] = FACE_SIZE) -> Image.Image:
+    """Bilinear resize to (height, width) `size`: the one resize of `--resize`/`resize`."""
+    h, w = size
+    return img if img.size == (w, h) else img.resize((w, h), Image.BILINEAR)
+
+
+def stored_bytes(path: str, resize: bool = False) -> bytes:
+    """The bytes a packed set or a .bin keeps of an image file: the file's own, or with `resize`
+    a 112x112 PNG of an image of another size (lossless: no second compression)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if resize and image_size(data, path) != FACE_SIZE:
+        with Image.open(io.BytesIO(data)) as img:
+            buf = io.BytesIO()
+            resize_face(to_rgb(img)).save(buf, format="PNG")
+            data = buf.getvalue()
+    return data
+
+
+def decode_image(data: bytes, where: str, mirror: bool = False,
+                 resize: tuple[int, int] | None = None) -> np.ndarray:
+    """Any image PIL reads -> HxWx3 uint8 (for `transform`s written for arcface_torch), converted
+    by `to_rgb`; resized to (height, width) `resize` when given."""
     try:
         with Image.open(io.BytesIO(data)) as img:
-            if img.mode != "RGB":
-                img = img.convert("RGB")
+            img = to_rgb(img)
+            if resize is not None:
+                img = resize_face(img, resize)
             if mirror:
                 img = img.transpose(Image.FLIP_LEFT_RIGHT)
             return np.array(img)
@@ -72,11 +124,25 @@ def decode_image(data: bytes, where: str, mirror: bool = False) -> np.ndarray:
         raise ImageDecodeError(f"{where}: cannot decode image ({exc})") from None
 
 
-def decode_chw(data: bytes, where: str, mirror: bool = False) -> torch.Tensor:
+def image_size(data_or_path, where: str) -> tuple[int, int]:
+    """(height, width) from the image's header alone (nothing decoded: fast on many files)."""
+    try:
+        src = io.BytesIO(data_or_path) if isinstance(data_or_path, (bytes, bytearray)) else data_or_path
+        with Image.open(src) as img:
+            return img.height, img.width
+    except FileNotFoundError:
+        raise ImageDecodeError(f"{where}: image file not found") from None
+    except Exception as exc:  # unknown format, truncated header, unreadable file
+        raise ImageDecodeError(f"{where}: cannot read image ({exc})") from None
+
+
+def decode_chw(data: bytes, where: str, mirror: bool = False,
+               resize: tuple[int, int] | None = None) -> torch.Tensor:
     """-> 3xHxW uint8. JPEGs go through torchvision's libjpeg-turbo decoder (faster than
     PIL, same pixels, an error on truncated data); anything else through PIL. A JPEG whose body
     is damaged but decodable (libjpeg's "Corrupt JPEG data") is used, as every JPEG reader
-    does, with a warning naming `where`."""
+    does, with a warning naming `where`. With `resize`, an image of another size goes through
+    PIL's `resize_face` (one resize, whichever decoder)."""
     if data[:2] == b"\xff\xd8":
         try:
             chw, said = _Stderr.run(decode_jpeg, torch.frombuffer(bytearray(data), dtype=torch.uint8),
@@ -85,8 +151,9 @@ def decode_chw(data: bytes, where: str, mirror: bool = False) -> torch.Tensor:
             raise ImageDecodeError(f"{where}: cannot decode image ({str(exc).splitlines()[-1]})") from None
         if said:
             _report(said.decode(errors="replace"), where)
-        return chw.flip(2) if mirror else chw
-    return torch.from_numpy(decode_image(data, where, mirror)).permute(2, 0, 1)
+        if resize is None or tuple(chw.shape[1:]) == tuple(resize):
+            return chw.flip(2) if mirror else chw
+    return torch.from_numpy(decode_image(data, where, mirror, resize)).permute(2, 0, 1)
 
 
 def _report(said: str, where: str) -> None:

@@ -18,6 +18,7 @@ import torch
 from PIL import Image, ImageDraw
 from sklearn.metrics import roc_curve
 
+from dataset.images import to_rgb
 from eval.verification import embed_batches
 
 ARCFACE_TEMPLATE = np.array([[38.2946, 51.6963], [73.5318, 51.5014], [56.0252, 71.7366],
@@ -47,7 +48,7 @@ def similarity_transform(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
 def align_face(img: Image.Image, landmarks: np.ndarray, size: int = 112) -> Image.Image:
     """Warp so the 5 landmarks land on the ArcFace template."""
     to_image = similarity_transform(ARCFACE_TEMPLATE * (size / 112.0), landmarks)  # output -> input
-    return img.convert("RGB").transform((size, size), Image.AFFINE, to_image.ravel().tolist(), Image.BILINEAR)
+    return to_rgb(img).transform((size, size), Image.AFFINE, to_image.ravel().tolist(), Image.BILINEAR)
 
 
 def _read_rows(path: str, min_fields: int) -> list[list[str]]:

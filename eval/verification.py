@@ -20,7 +20,7 @@ from PIL import Image
 from sklearn.model_selection import KFold
 
 from dataset.errors import DataError
-from dataset.images import normalize_images
+from dataset.images import normalize_images, to_rgb
 
 
 class VerificationDataError(DataError):
@@ -86,8 +86,8 @@ def load_bin(path: str, image_size=(112, 112), min_pairs: int = 0):
     images = torch.empty((len(bins), 3, h, w), dtype=torch.uint8)
     for i, data in enumerate(bins):
         try:
-            img = Image.open(io.BytesIO(np.asarray(data, dtype=np.uint8).tobytes()
-                                        if isinstance(data, np.ndarray) else bytes(data))).convert("RGB")
+            img = to_rgb(Image.open(io.BytesIO(np.asarray(data, dtype=np.uint8).tobytes()
+                                               if isinstance(data, np.ndarray) else bytes(data))))
         except Exception as exc:
             raise VerificationDataError(f"{path}: image {i} cannot be decoded ({exc})") from None
         if img.size != (w, h):

@@ -1,5 +1,6 @@
-"""Trained weights for evaluation and export: a backbone from a ShardFace run, checkpoint,
-`model.pt`, or a plain (insightface) state dict."""
+"""Trained weights for evaluation, export and fine-tuning: a backbone from a ShardFace run,
+checkpoint, `model.pt`, a plain (insightface) state dict, or an arcface_torch
+`checkpoint_gpu_<rank>.pt`."""
 from __future__ import annotations
 
 import json
@@ -28,8 +29,9 @@ def load_backbone_state(path: str, ema: bool = True) -> tuple[dict, dict]:
     if os.path.isdir(path):
         return read_backbone_weights(path, ema)
     state = safe_load(path)
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
+    for key in ("state_dict", "state_dict_backbone"):  # a wrapped state dict; arcface_torch's checkpoint_gpu_<r>.pt
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
     if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
         raise CheckpointError(f"{path}: not a backbone state dict")
     return {k.removeprefix("module."): v for k, v in state.items()}, _sibling_config(path)
@@ -43,16 +45,33 @@ def load_backbone(path: str, network: str | None = None, ema: bool = True) -> nn
     if not network:
         raise CheckpointError(f"{path}: no training config beside it names the network; pass --network")
     model = get_model(network, num_features=_embedding_size(state) or config.get("embedding_size", 512))
-    expected = model.state_dict()
+    problem = state_mismatch(state, model.state_dict())
+    if problem:
+        raise CheckpointError(f"{path} is not a '{network}' checkpoint: {problem}")
+    model.load_state_dict(state, strict=True)
+    return model.float().eval()
+
+
+def state_mismatch(state: dict, expected: dict) -> str | None:
+    """What keeps `state` from loading strictly where `expected` (a model's state dict) is:
+    missing and unexpected keys, else the first key of another shape; None when it fits."""
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
-        raise CheckpointError(f"{path} is not a '{network}' checkpoint: {len(missing)} missing keys "
-                              f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})")
+        return (f"{len(missing)} missing keys (e.g. {missing[:2]}), {len(unexpected)} unexpected "
+                f"(e.g. {unexpected[:2]})")
     mismatched = [k for k, v in expected.items() if state[k].shape != v.shape]
     if mismatched:
         k = mismatched[0]
-        raise CheckpointError(f"{path} is not a '{network}' checkpoint: '{k}' has shape "
-                              f"{tuple(state[k].shape)}, expected {tuple(expected[k].shape)}")
-    model.load_state_dict(state, strict=True)
-    return model.float().eval()
+        return f"'{k}' has shape {tuple(state[k].shape)}, expected {tuple(expected[k].shape)}"
+    return None
+
+
+def init_backbone_from(backbone: nn.Module, path: str, network: str) -> None:
+    """Load pretrained weights at `path` (any form `load_backbone_state` reads) into `backbone`,
+    strictly: a CheckpointError names the first key that does not fit `network`."""
+    state, _ = load_backbone_state(path)
+    problem = state_mismatch(state, backbone.state_dict())
+    if problem:
+        raise CheckpointError(f"init_backbone {path}: these weights do not fit network '{network}': {problem}")
+    backbone.load_state_dict(state, strict=True)

@@ -23,9 +23,20 @@ def _after_fork_in_child() -> None:
         _ACTIVE._release_in_child()
 
 
-# A forked child (a DataLoader worker) must die of the SIGTERM that Python's exit handler and
-# torchrun send it: with the blocked mask it would inherit, the job hangs at exit.
+# A forked child is a DataLoader worker: see StopSignal._release_in_child.
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _worker_signal_waiter(parent: int, signals: set[int]) -> None:
+    """A loader worker's stop signals: the ones its own rank sends (torch's and Python's exit
+    handlers terminate leftover workers) end it at once; the ones sent to the whole process
+    group or job (torchrun's `killpg`, SLURM, coreutils `timeout`, Ctrl-C) are left to the
+    rank, which finishes its step, saves and then shuts its workers down. A worker whose rank
+    died exits through the DataLoader's own watchdog within seconds."""
+    while True:
+        info = signal.sigwaitinfo(signals)
+        if info.si_pid == parent:
+            os._exit(128 + info.si_signo)
 
 
 class StopSignal:
@@ -34,7 +45,8 @@ class StopSignal:
     Create it first thing, before any thread exists: it blocks the signals in the calling
     thread, so every thread started later (gloo's, the data loader's) inherits the block and
     no blocking call in them is interrupted mid-collective; one waiter thread receives them.
-    Forked children (loader workers) get the previous handlers and mask back.
+    Forked children (loader workers) ignore a stop signal sent to the whole job and die of
+    one their rank sends them (see `_worker_signal_waiter`).
 
     Inside `with stop.deferred():` (the training loop) a signal sets a flag, and
     `requested()`, called at every step end, agrees on it across ranks (one tiny all-reduce
@@ -79,11 +91,15 @@ class StopSignal:
         self.flag = True
 
     def _release_in_child(self) -> None:
+        """In a forked loader worker: the signals stay blocked (the worker keeps serving the
+        batches its rank needs to reach the step end and save), and a thread of its own
+        decides by sender (see `_worker_signal_waiter`)."""
         global _ACTIVE
         _ACTIVE = None
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, self.previous_mask)
+        threading.Thread(target=_worker_signal_waiter, args=(os.getppid(), self.SIGNALS),
+                         name="worker-stop-signal", daemon=True).start()
 
     @contextlib.contextmanager
     def deferred(self):

@@ -1,7 +1,11 @@
 #!/usr/bin/env python
 """Pack an image folder (one sub-folder per identity) or a list file (`path<TAB>label` per
 line) into train.rec, train.idx and property in the insightface layout.
-`python -m scripts.pack_rec IMAGE_FOLDER OUT_DIR`."""
+`python -m scripts.pack_rec IMAGE_FOLDER OUT_DIR [--resize]`.
+
+Every image is checked first (its header): a missing or unreadable file, or images that are not
+112x112 without --resize, stop the pack before anything is written. An image is stored as its
+file's bytes; with --resize an image of another size is stored resized, as PNG."""
 from __future__ import annotations
 
 import os
@@ -9,6 +13,8 @@ import sys
 from collections import defaultdict
 
 from dataset import DataError, list_identity_folders
+from dataset.geometry import check_files
+from dataset.images import stored_bytes
 from dataset.pack import write_insightface_rec
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
@@ -39,25 +45,28 @@ def collect(source: str) -> list[list[str]]:
         return [by_label[label] for label in labels]
 
 
-def read_bytes(paths):
-    for path in paths:
-        with open(path, "rb") as f:
-            yield f.read()
-
-
 @exits_on_user_error
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__)
     p.add_argument("source", help="image folder or list file")
     p.add_argument("output", help="directory for train.rec, train.idx, property")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing set")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing set (the old one stays until the new one is complete)")
+    p.add_argument("--resize", action="store_true",
+                   help="resize images that are not 112x112 (bilinear) instead of refusing them. Models "
+                        "expect aligned crops (insightface's five-point template): resizing is not "
+                        "alignment, so align first where you can (README 'Your own images')")
     args = p.parse_args(argv)
     groups = collect(args.source)
     total = sum(len(g) for g in groups)
+    if not args.overwrite and os.path.exists(os.path.join(args.output, "train.rec")):
+        raise SystemExit(f"{os.path.join(args.output, 'train.rec')} exists; pass --overwrite to replace it")
+    checking = Progress(total, "checking image headers")  # a DataError: one line (exits_on_user_error)
+    check_files((path for g in groups for path in g), args.resize, progress=checking.update)
     progress = Progress(total, "packing")
     try:
-        write_insightface_rec(args.output, (list(read_bytes(g)) for g in groups), total, len(groups),
-                              progress, overwrite=args.overwrite)
+        write_insightface_rec(args.output, ([stored_bytes(p, args.resize) for p in g] for g in groups), total,
+                              len(groups), progress, overwrite=args.overwrite)
     except FileExistsError as exc:
         raise SystemExit(str(exc)) from None
     print(f"packed {total} images of {len(groups)} identities into {args.output}")

@@ -6,10 +6,8 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
-
+from eval.embedder import load_model
 from eval.verification import NFOLDS, load_bin, test
-from eval.weights import load_backbone
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 
@@ -17,14 +15,14 @@ from scripts.cli import ArgumentParser
 @exits_on_user_error
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint", help="run output, checkpoint dir, our model.pt or insightface model.pt")
+    p.add_argument("checkpoint", help="run output, checkpoint dir, our model.pt, insightface model.pt "
+                                          "or an exported .onnx (run by onnxruntime)")
     p.add_argument("--bin", action="append", required=True, help="a .bin file (repeatable)")
     p.add_argument("--network", default=None, help="backbone name (default: from the training config)")
     p.add_argument("--batch_size", type=int, default=128, help="pairs per forward pass (default 128)")
     p.add_argument("--no_ema", action="store_true", help="the raw weights, not the EMA")
     args = p.parse_args(argv)
-    model = load_backbone(args.checkpoint, args.network, ema=not args.no_ema)
-    model = model.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    model = load_model(args.checkpoint, args.network, ema=not args.no_ema)
     rows = []
     for path in args.bin:
         r = test(load_bin(path, min_pairs=NFOLDS), model, args.batch_size)

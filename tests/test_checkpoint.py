@@ -9,7 +9,9 @@ import torch
 
 import train
 from tests.conftest import train_argv
-from utils.checkpoint import CheckpointError, find_checkpoint, list_checkpoints, prune_checkpoints
+from dataset.pack import write_insightface_rec
+from utils.checkpoint import (CheckpointError, find_checkpoint, list_checkpoints, prune_checkpoints,
+                              read_backbone_weights, safe_load)
 
 
 def _fake_checkpoint(output, step, run_id):
@@ -175,3 +177,44 @@ def test_fp16_on_the_cpu_is_warned_about(drawn_faces, tmp_path):
     out = str(tmp_path / "fp16")
     assert _train(drawn_faces, out, "--max_steps", "1", "--fp16", "true", "--ema", "false") == 0
     assert "fp16 on the CPU is emulated and many times slower" in open(os.path.join(out, "training.log")).read()
+
+
+def _repacked(drawn_faces, out, per_id):
+    """The drawn faces re-packed with `per_id` images per identity (their own 8, then repeats)."""
+    from dataset import MXFaceDataset, unpack
+    source = MXFaceDataset(drawn_faces)
+    groups = [[unpack(source.reader.read(1 + 8 * c + i % 8))[1] for i in range(per_id)] for c in range(16)]
+    write_insightface_rec(out, groups, 16 * per_id, 16)
+    return out
+
+
+@pytest.mark.parametrize("per_id,change", [(10, "128 -> 160 samples"), (3, "128 -> 48 samples")],
+                         ids=["grown", "shrunk"])
+def test_resume_on_a_changed_data_set_restarts_the_epoch_and_says_so(drawn_faces, eight_steps, tmp_path, per_id,
+                                                                      change):
+    # stopped at step 8, batch 8 of the 16 in epoch 0; the data set is then replaced (the
+    # shrunk one has 6 batches per epoch: the saved batch 8 would lie past its end)
+    out, data = _copy(eight_steps, tmp_path), _repacked(drawn_faces, str(tmp_path / "data"), per_id)
+    before = safe_load(os.path.join(out, "checkpoint-00000008", "backbone.pt"))
+    assert _train(data, out, "--max_steps", "9", "--resume", "true") == 0
+    log = open(os.path.join(out, "training.log")).read()
+    assert (f"{data} changed since the checkpoint of step 8 ({change}): its position (epoch 0, batch 8) is one in "
+            f"the old data's order, so epoch 0 restarts from its first batch") in log
+    assert "resumed at step 8 (epoch 0, batch 0)" in log
+    meta = safe_load(os.path.join(out, "checkpoint-00000009", "meta.pt"))
+    assert (meta["epoch"], meta["batch_in_epoch"], meta["data_size"]) == (0, 1, 16 * per_id)
+    assert _steps(out) == [4, 8, 9]  # the earlier checkpoints are kept, and still load
+    for step in (4, 8):
+        read_backbone_weights(os.path.join(out, f"checkpoint-{step:08d}"))
+    for name, t in read_backbone_weights(os.path.join(out, "checkpoint-00000008"), ema=False)[0].items():
+        assert torch.equal(t, before[name]), name
+
+
+def test_resume_on_the_same_data_moved_elsewhere_keeps_its_position(drawn_faces, eight_steps, tmp_path):
+    out, data = _copy(eight_steps, tmp_path), str(tmp_path / "moved")
+    shutil.copytree(drawn_faces, data)
+    meta = safe_load(os.path.join(out, "checkpoint-00000008", "meta.pt"))
+    assert meta["data_size"] == 128 and len(meta["data_fingerprint"]) == 16
+    assert _train(data, out, "--resume", "true") == 0  # 8 of 8 steps done: it only starts and checks
+    log = open(os.path.join(out, "training.log")).read()
+    assert "resumed at step 8 (epoch 0, batch 8)" in log and "changed since the checkpoint" not in log

@@ -62,9 +62,15 @@ def _console(output):
 
 
 def _bad_label(data):
-    with open(os.path.join(data, "property"), "w") as f:
-        f.write("15,112,112\n")  # the images of identity 15 now carry a label out of range
-    return ("--num_classes", "15"), "label 15 outside [0, 15)"
+    import struct
+
+    from dataset.recordio import read_index
+    index = read_index(os.path.join(data, "train.idx"))
+    with open(os.path.join(data, "train.rec"), "r+b") as f:
+        for key in range(121, 129):  # the images of identity 15 now carry label 16, out of range
+            f.seek(index[key] + 8 + 4)  # past the record's magic and length, the header's flag
+            f.write(struct.pack("<f", 16.0))
+    return ("--num_classes", "16"), "label 16 outside [0, 16)"
 
 
 def _corrupt_record(data):
@@ -141,6 +147,32 @@ def test_sigterm_on_one_rank_checkpoints_and_exits_cleanly_on_all(drawn_faces, t
     assert "stop signal: saving a checkpoint" in text
     step = int(resolve_checkpoint(out).rsplit("-", 1)[1])
     assert step >= 3 and os.path.isfile(os.path.join(out, "model.pt"))
+
+
+@pytest.mark.parametrize("how", ["job", "torchrun"])
+def test_preemption_of_a_torchrun_job_with_loader_workers_saves_and_exits(drawn_faces, tmp_path, how):
+    """A pre-emption as clusters send it: SLURM signals every process of the job step
+    (torchrun, ranks and their loader workers: "job"); `kill -TERM <torchrun pid>` makes
+    torchrun signal each rank's process group, workers included ("torchrun"). Workers must
+    outlive the signal so that every rank finishes its step and saves."""
+    out = str(tmp_path / how)
+    proc = _launch(drawn_faces, out, "--num_workers", "2")
+    try:
+        _wait_for_step(out, 3, proc)
+        if how == "job":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        _finish(proc, 90, f"a job pre-empted through {how}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = open(os.path.join(out, "training.log")).read()
+    saved = re.findall(r"stop signal: saving a checkpoint at step (\d+)", log)
+    assert saved, _console(out)[-3000:]
+    assert "is killed by signal" not in _console(out)
+    assert resolve_checkpoint(out).endswith(f"checkpoint-{int(saved[0]):08d}")
+    assert int(saved[0]) >= 3 and os.path.isfile(os.path.join(out, "model.pt"))
 
 
 def test_dead_rank_makes_the_job_exit_instead_of_hanging(drawn_faces, tmp_path):

@@ -38,6 +38,17 @@ COMMANDS = {
     "python -m scripts.ijb work_dirs/ms1mv3_r50 --root /data/IJB_release/IJBC --target IJBC --roc roc.png": NEEDS_DATA,
     "python -m scripts.export_onnx work_dirs/ms1mv3_r50": NEEDS_DATA,
     "python -m scripts.export_onnx insightface_r100/model.pt r100.onnx --network r100": NEEDS_DATA,
+    "python -m scripts.pack_rec photos/train data/mine": NEEDS_DATA,
+    "python -m scripts.make_bin photos/held_out data/mine/mine_val.bin --seed 0": NEEDS_DATA,
+    "python train.py configs/demo.py --rec data/mine --num_classes 34 --val_targets \"['mine_val']\" "
+    "--output work_dirs/mine": NEEDS_DATA,
+    "python -m scripts.verify work_dirs/mine --bin data/mine/mine_val.bin": NEEDS_DATA,
+    "python -m scripts.export_onnx work_dirs/mine work_dirs/mine/model.onnx": NEEDS_DATA,
+    "python -m scripts.embed work_dirs/mine/model.onnx photos/held_out --out emb.npy": NEEDS_DATA,
+    "python -m scripts.compare work_dirs/mine a.jpg b.jpg --threshold-from data/mine/mine_val.bin": NEEDS_DATA,
+    "python -m scripts.import_arcface_torch configs/ms1mv3_r50 old_run/ work_dirs/ms1mv3_r50": NEEDS_DATA,
+    "torchrun --nproc_per_node 8 train.py configs/ms1mv3_r50 --output work_dirs/ms1mv3_r50 --resume true": NEEDS_GPU,
+    "torchrun --nproc_per_node 8 train.py configs/my_faces --init_backbone ms1mv3_r50/model.pt": NEEDS_GPU,
 }
 
 

@@ -12,9 +12,12 @@ import backbones
 from scripts.cli import ArgumentParser, underscored
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# every module of scripts/ with a `main`: a new tool is held to the same rules
-TOOLS = sorted(name[:-3] for name in os.listdir(os.path.join(ROOT, "scripts"))
-               if name.endswith(".py") and "\ndef main(" in open(os.path.join(ROOT, "scripts", name)).read())
+# every module of scripts/ with a `main`, and those of them that parse options: a new tool is
+# held to the same rules
+_SOURCES = {name[:-3]: open(os.path.join(ROOT, "scripts", name)).read()
+            for name in os.listdir(os.path.join(ROOT, "scripts")) if name.endswith(".py")}
+TOOLS = sorted(name for name, text in _SOURCES.items() if "\ndef main(" in text)
+PARSING_TOOLS = [name for name in TOOLS if "ArgumentParser" in _SOURCES[name]]
 
 
 class _Parsed(Exception):
@@ -33,10 +36,14 @@ def _parser_of(tool: str, monkeypatch) -> ArgumentParser:
 
 
 @pytest.mark.parametrize("tool", TOOLS)
-def test_every_tool_uses_the_shared_parser_with_help_for_every_argument(tool, monkeypatch):
+def test_every_tool_reports_user_errors_in_one_line(tool):
     from parallel.user_errors import exits_on_user_error
     main = importlib.import_module(f"scripts.{tool}").main
     assert main.__code__ is exits_on_user_error(main).__code__, f"scripts.{tool}.main: not @exits_on_user_error"
+
+
+@pytest.mark.parametrize("tool", PARSING_TOOLS)
+def test_every_tool_uses_the_shared_parser_with_help_for_every_argument(tool, monkeypatch):
     parser = _parser_of(tool, monkeypatch)
     for action in parser._actions:
         assert action.help, f"scripts.{tool}: {action.option_strings or action.dest} has no help text"

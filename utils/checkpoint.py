@@ -51,6 +51,8 @@ class TrainState:
     epoch: int = 0
     batch_in_epoch: int = 0  # micro-batches this rank consumed in `epoch`
     run_id: str = ""         # names the run across resumes; pruning only deletes its checkpoints
+    data_size: int = 0       # the data set `batch_in_epoch` counts in (utils/data_position.py); 0: not recorded
+    data_fingerprint: str = ""
 
 
 def _write_atomically(path: str, mode: str, write) -> None:
@@ -143,10 +145,11 @@ def cpu_tensors(state: dict) -> dict:
 
 def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, head, head_opt,
                     ema=None, scaler=None, config=None, rank: int = 0, world_size: int = 1,
-                    keep: int = 2, export_to: str | None = None) -> str:
+                    keep: int = 2, export_to: str | None = None, extra_meta: dict | None = None) -> str:
     """Collective: every rank calls it. Returns the checkpoint directory. The sharded states
     (optimizer, EMA) are gathered to rank 0 alone, which writes them; with `export_to`, rank 0
-    also writes the weights for export there (the EMA's when EMA is on), from the same gather."""
+    also writes the weights for export there (the EMA's when EMA is on), from the same gather.
+    `extra_meta` joins meta.pt (`imported_from`: a checkpoint without RNG states to restore)."""
     final = os.path.join(output, f"checkpoint-{state.step:08d}")
     tmp = f"{final}.tmp"
     if rank == 0:
@@ -169,7 +172,7 @@ def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, h
                 "scaler": scaler.state_dict() if scaler is not None else None,
                 # running statistics of the margin (identical on every rank)
                 "margin": {k: v.cpu() for k, v in head.margin_loss.state_dict().items()},
-                "config": _plain(dict(config)) if config else {}}
+                "config": _plain(dict(config)) if config else {}, **(extra_meta or {})}
         atomic_save(meta, os.path.join(tmp, "meta.pt"))
     barrier()
     if rank == 0:
@@ -331,7 +334,7 @@ def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=No
     if scaler is not None and meta.get("scaler"):
         scaler.load_state_dict(meta["scaler"])
     state = TrainState(meta["step"], meta["epoch"], meta["batch_in_epoch"], meta.get("run_id") or new_run_id())
-    if meta["world_size"] == world_size:
+    if meta["world_size"] == world_size and not meta.get("imported_from"):
         set_rng_state(safe_load(os.path.join(ckpt, f"rng-rank{rank}.pt")))
     if batch_size and (meta["world_size"], meta["batch_size"]) != (world_size, batch_size):
         # the samples already seen this epoch, in this run's batches (rounded down)

@@ -3,9 +3,22 @@ from __future__ import annotations
 
 import math
 
+KINDS = ("poly", "cosine", "poly_warmup")
+
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int = 0, kind: str = "poly", power: float = 2.0) -> float:
-    """Multiplier of the base LR at `step`: linear warmup, then polynomial or cosine decay to 0."""
+    """Multiplier of the base LR for optimizer step `step` (0-based: the steps taken before it).
+
+    `poly_warmup` is arcface_torch's PolynomialLRWarmup as its train_v2 drives it: step 0
+    runs at the base LR, steps 1..warmup at step/warmup, then (1 - (step-warmup)/(total-warmup))
+    ** power, and 0 past `total_steps`. `poly` and `cosine` warm up linearly to the base LR at
+    step warmup-1, then decay to 0 polynomially or as a half cosine."""
+    if kind == "poly_warmup":
+        if step == 0:
+            return 1.0
+        if step <= warmup_steps:
+            return step / warmup_steps
+        return max(0.0, 1.0 - (step - warmup_steps) / max(1, total_steps - warmup_steps)) ** power
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
     span = max(1, total_steps - warmup_steps)
@@ -14,7 +27,17 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int = 0, kind: str = "p
         return (1.0 - progress) ** power
     if kind == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ValueError(f"unknown lr_scheduler '{kind}' (poly, cosine)")
+    raise ValueError(f"unknown lr_scheduler '{kind}' ({', '.join(KINDS)})")
+
+
+def schedule_steps(kind: str, num_images: int, global_batch: int, warmup_epoch: int, num_epoch: int,
+                   steps_per_epoch: int) -> tuple[int, int]:
+    """(warmup steps, schedule length in steps). `poly_warmup` counts as arcface_torch does,
+    `num_images // global_batch` per epoch; the others count the loader's optimizer steps."""
+    if kind == "poly_warmup":
+        per_epoch = num_images // global_batch
+        return per_epoch * warmup_epoch, per_epoch * num_epoch
+    return steps_per_epoch * warmup_epoch, steps_per_epoch * num_epoch
 
 
 def set_lr(optimizers, lr: float) -> None:

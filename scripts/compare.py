@@ -1,0 +1,56 @@
+#!/usr/bin/env python
+"""Cosine similarity of two face images under a trained model, and same/different at a threshold.
+`python -m scripts.compare MODEL a.jpg b.jpg [--threshold T | --threshold-from val.bin]`.
+
+Embeddings as scripts.embed makes them (flip test, L2-normalised). --threshold-from runs the
+verification set (a .bin, e.g. from scripts.make_bin) and takes the cosine threshold that
+separates its pairs best, printing it and its accuracy there."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from dataset import DataError
+from eval.embedder import best_threshold, embed_files, load_model
+from eval.verification import load_bin
+from parallel.user_errors import exits_on_user_error
+from scripts.cli import ArgumentParser
+from utils.checkpoint import CheckpointError
+
+
+@exits_on_user_error
+def main(argv=None) -> int:
+    p = ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("model", help="run output, checkpoint dir, model.pt (ShardFace or arcface_torch) or .onnx")
+    p.add_argument("image_a", help="the first face image (112x112, aligned)")
+    p.add_argument("image_b", help="the second face image")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--threshold", type=float, default=None,
+                     help="cosine similarity at or above which the two are the same person")
+    how.add_argument("--threshold_from", default=None, metavar="BIN",
+                     help="a verification .bin: use the threshold that separates its pairs best")
+    p.add_argument("--network", default=None, help="backbone name for an arcface_torch model.pt")
+    p.add_argument("--no_ema", action="store_true", help="the raw weights, not the EMA")
+    p.add_argument("--resize", action="store_true", help="resize images that are not 112x112 (not alignment)")
+    args = p.parse_args(argv)
+    try:
+        model = load_model(args.model, args.network, ema=not args.no_ema)
+        a, b = embed_files([args.image_a, args.image_b], model, resize=args.resize)
+        threshold = args.threshold
+        if args.threshold_from:
+            threshold, accuracy = best_threshold(load_bin(args.threshold_from), model)
+            print(f"threshold {threshold:.4f} from {args.threshold_from} (accuracy {accuracy:.4f} there)")
+    except (DataError, CheckpointError) as exc:
+        raise SystemExit(str(exc)) from None
+    cosine = float(np.dot(a.astype(np.float64), b.astype(np.float64)))
+    print(f"cosine similarity {cosine:.4f}")
+    if threshold is None:
+        print("pass --threshold T or --threshold-from VAL.bin to decide same or different")
+    else:
+        print(f"{'same' if cosine >= threshold else 'different'} person (threshold {threshold:.4f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+#!/usr/bin/env python
+"""Write a verification set in insightface's .bin format (a pickle of (encoded images, issame),
+pair i being images 2i and 2i+1) from an image folder of identities held out of training.
+`python -m scripts.make_bin HELD_OUT_FOLDER OUT.bin [--pairs N] [--seed S]`.
+
+Half the pairs are two images of one identity, half images of two identities, drawn without
+repeats and fixed by --seed; same and different pairs alternate, so every fold of the 10-fold
+protocol holds both kinds. scripts.verify and training's val_targets read the file as lfw.bin."""
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import sys
+
+from dataset import DataError, list_identity_folders
+from dataset.geometry import check_files
+from dataset.images import stored_bytes
+from eval.verification import NFOLDS, write_bin
+from parallel.user_errors import exits_on_user_error
+from scripts.cli import ArgumentParser
+
+
+DEFAULT_PAIRS = 3000
+
+
+def draw_pairs(groups: list[list[str]], pairs: int | None, seed: int) -> tuple[list[tuple[str, str]], list[bool]]:
+    """`pairs` pairs of paths (same and different alternating, same first) and their issame;
+    `pairs=None` takes DEFAULT_PAIRS or as many balanced pairs as the images allow."""
+    rng = random.Random(seed)
+    same_pool = [pair for g in groups for pair in itertools.combinations(g, 2)]
+    labelled = [(path, label) for label, g in enumerate(groups) for path in g]
+    n_possible = (len(labelled) ** 2 - sum(len(g) ** 2 for g in groups)) // 2
+    if pairs is None:
+        pairs = min(DEFAULT_PAIRS, 2 * len(same_pool), 2 * n_possible)
+    n_same, n_diff = (pairs + 1) // 2, pairs // 2
+    if len(same_pool) < n_same:
+        raise ValueError(f"{len(same_pool)} same-identity pairs exist (identities with 2 or more images), "
+                         f"{n_same} needed: pass --pairs {2 * len(same_pool)} or fewer, or add images")
+    same = rng.sample(same_pool, n_same)
+    if n_possible < n_diff:
+        raise ValueError(f"{n_possible} different-identity pairs exist, {n_diff} needed: "
+                         f"pass --pairs {2 * n_possible} or fewer, or add identities")
+    diff: list[tuple[str, str]] = []
+    seen: set[frozenset] = set()
+    while len(diff) < n_diff:
+        (a, la), (b, lb) = rng.sample(labelled, 2)
+        if la != lb and frozenset((a, b)) not in seen:
+            seen.add(frozenset((a, b)))
+            diff.append((a, b))
+    order = [p for pair in itertools.zip_longest(same, diff) for p in pair if p is not None]
+    issame = [bool(v) for pair in itertools.zip_longest([True] * n_same, [False] * n_diff)
+              for v in pair if v is not None]
+    return order, issame
+
+
+@exits_on_user_error
+def main(argv=None) -> int:
+    p = ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("folder", help="image folder, one sub-folder per held-out identity")
+    p.add_argument("output", help="the .bin file to write")
+    p.add_argument("--pairs", type=int, default=None,
+                   help=f"number of pairs, half same, half different (default {DEFAULT_PAIRS}, or as many as "
+                        "the images allow; LFW has 6000)")
+    p.add_argument("--seed", type=int, default=0, help="fixes which pairs are drawn")
+    p.add_argument("--resize", action="store_true",
+                   help="resize images that are not 112x112 instead of refusing them (resizing is not "
+                        "alignment; see README 'Your own images')")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT.bin")
+    args = p.parse_args(argv)
+    if args.pairs is not None and args.pairs < NFOLDS:
+        raise SystemExit(f"--pairs {args.pairs}: verification needs at least {NFOLDS} pairs (its folds)")
+    if os.path.exists(args.output) and not args.overwrite:
+        raise SystemExit(f"{args.output} exists; pass --overwrite to replace it")
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir):
+        raise SystemExit(f"{out_dir}: output directory not found")
+    try:
+        _, groups = list_identity_folders(args.folder)
+        pairs, issame = draw_pairs(groups, args.pairs, args.seed)
+        if len(issame) < NFOLDS:
+            raise ValueError(f"only {len(issame)} balanced pairs can be drawn, fewer than the {NFOLDS} folds "
+                             "of verification: add people or images")
+        used = sorted({path for pair in pairs for path in pair})
+        check_files(used, args.resize)
+    except DataError as exc:
+        raise SystemExit(str(exc)) from None
+    except ValueError as exc:  # too few pairs
+        raise SystemExit(f"{args.folder}: {exc}") from None
+    encoded = {path: stored_bytes(path, args.resize) for path in used}
+    tmp = f"{args.output}.partial-{os.getpid()}"
+    try:
+        write_bin(tmp, [encoded[path] for pair in pairs for path in pair], issame)
+        os.replace(tmp, args.output)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    print(f"wrote {args.output}: {len(issame)} pairs ({sum(issame)} same, {len(issame) - sum(issame)} "
+          f"different) of {len(groups)} identities, {len(used)} images")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
