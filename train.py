@@ -22,6 +22,7 @@ from parallel.stop import StopSignal
 from utils.checkpointer import Checkpointer
 from utils.divergence import TrainingStopped, check_labels, check_loss
 from utils.progress import ProgressLogger, SkipReport
+from utils.run_lock import RunLock
 from utils.schedule import lr_factor, set_lr
 from utils.seed import seed_everything
 
@@ -32,23 +33,19 @@ def main(argv: list[str]) -> int:
         return 2
     cfg = get_config(argv[0], argv[1:])
     stop = StopSignal()  # before any thread starts (see its docstring)
+    lock = RunLock()  # taken once the config and data are accepted; released on every way out
     try:
-        return train(cfg, argv[0], stop)
+        return train(cfg, argv[0], stop, lock)
     finally:
+        lock.release()
         stop.restore()
 
 
-def train(cfg, config_path: str, stop: StopSignal) -> int:
+def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     info = init_distributed(cfg.dist_timeout_min)
     if info.device.type == "cuda":  # fixed 112x112 inputs: let cuDNN pick its fastest kernels once
         torch.backends.cudnn.benchmark = True
-    os.makedirs(cfg.output, exist_ok=True)
-    logger = setup_logging(info.rank, os.path.join(cfg.output, "training.log"))
-    if info.is_main:
-        logger.info("config %s (world size %d, %s)\n%s", config_path, info.world_size, info.device, format_config(cfg))
-
-    if cfg.fp16 and info.device.type == "cpu":
-        logger.warning("fp16 on the CPU is emulated and many times slower than fp32: use bf16 or neither")
+    logger = setup_logging(info.rank)  # the console only: nothing is written before the run is accepted
     torch.manual_seed(cfg.seed)  # identical initial backbone on every rank
     backbone = build_backbone(cfg).to(info.device)
     head = build_head(cfg).to(info.device)
@@ -71,6 +68,12 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
         total_steps = min(total_steps, cfg.max_steps)
     warmup_steps = cfg.warmup_epoch * steps_per_epoch
 
+    lock.acquire(cfg.output, info.rank)  # one live run per output: a second one is refused here
+    setup_logging(info.rank, os.path.join(cfg.output, "training.log"))
+    if info.is_main:
+        logger.info("config %s (world size %d, %s)\n%s", config_path, info.world_size, info.device, format_config(cfg))
+    if cfg.fp16 and info.device.type == "cpu":
+        logger.warning("fp16 on the CPU is emulated and many times slower than fp32: use bf16 or neither")
     checkpointer = Checkpointer(cfg.output, backbone=backbone, backbone_opt=backbone_opt, head=head,
                                 head_opt=head_opt, ema=ema, scaler=scaler, config=cfg, rank=info.rank,
                                 world_size=info.world_size, keep=cfg.keep_checkpoints)

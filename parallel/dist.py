@@ -159,6 +159,15 @@ def barrier(group=None) -> None:
         dist.barrier(group)
 
 
+def from_rank0(value):
+    """Rank 0's `value` (any picklable object), on every rank: collective over the CPU group."""
+    if get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=cpu_group())
+    return box[0]
+
+
 _CPU_GROUPS: dict = {}  # id(group) (None: the default group) -> its gloo side group
 
 

@@ -2,6 +2,7 @@
 restarts (`resume auto`), broken `latest`, missing or truncated files, another optimizer."""
 import logging
 import os
+import re
 import shutil
 
 import pytest
@@ -9,14 +10,16 @@ import torch
 
 import train
 from tests.conftest import train_argv
-from utils.checkpoint import CheckpointError, find_checkpoint, list_checkpoints, prune_checkpoints
+from utils.checkpoint import (CheckpointError, find_checkpoint, list_checkpoints, prune_checkpoints,
+                              resolve_checkpoint)
 
 
 def _fake_checkpoint(output, step, run_id):
     path = os.path.join(output, f"checkpoint-{step:08d}")
     os.makedirs(path)
-    torch.save({"step": step, "run_id": run_id}, os.path.join(path, "meta.pt"))
-    for name in ("backbone.pt", "optimizer.pt"):
+    torch.save({"step": step, "run_id": run_id, "num_classes": 4, "world_size": 2}, os.path.join(path, "meta.pt"))
+    for name in ("backbone.pt", "optimizer.pt", "head-0000000000-0000000002.pt", "head-0000000002-0000000004.pt",
+                 "rng-rank0.pt", "rng-rank1.pt"):
         torch.save({}, os.path.join(path, name))
     return path
 
@@ -49,6 +52,24 @@ def test_dangling_or_garbage_latest_falls_back_to_newest_intact_checkpoint(tmp_p
             caplog.clear()
             assert find_checkpoint(out) == newest
         assert "not an intact checkpoint" in caplog.text
+
+
+@pytest.mark.parametrize("lost,named", [("head-0000000002-0000000004.pt", "head files for classes [2, 4)"),
+                                        ("rng-rank1.pt", "rng-rank1.pt")])
+def test_checkpoint_missing_a_head_or_rng_file_is_not_intact(tmp_path, caplog, lost, named):
+    """A save interrupted (or raced) after some ranks wrote their files: not a checkpoint to resume."""
+    out = str(tmp_path)
+    whole = _fake_checkpoint(out, 4, "r")
+    partial = _fake_checkpoint(out, 8, "r")
+    os.remove(os.path.join(partial, lost))
+    with open(os.path.join(out, "latest"), "w") as f:
+        f.write("checkpoint-00000008\n")
+    with caplog.at_level(logging.WARNING, logger="shardface"):
+        assert find_checkpoint(out) == whole
+    assert f"(it lacks {named})" in caplog.text
+    shutil.rmtree(whole)
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint-00000008, lacks {named})")):
+        resolve_checkpoint(out)
 
 
 def _train(data, out, *extra):
@@ -104,10 +125,12 @@ def test_resume_auto_starts_fresh_then_continues(drawn_faces, tmp_path):
 
 def test_missing_ema_file_is_an_error_unless_reset_is_asked_for(drawn_faces, eight_steps, tmp_path):
     out = _copy(eight_steps, tmp_path)
-    os.remove(os.path.join(find_checkpoint(out), "ema.pt"))
-    with pytest.raises(CheckpointError, match=r"checkpoint-00000008/ema\.pt is missing.*--reset_ema true"):
+    for _, ckpt in list_checkpoints(out):
+        os.remove(os.path.join(ckpt, "ema.pt"))
+    with pytest.raises(CheckpointError, match=r"checkpoint-00000008, lacks ema\.pt.*--reset_ema true"):
         _train(drawn_faces, out, "--max_steps", "10", "--resume", "true")
     assert _train(drawn_faces, out, "--max_steps", "10", "--resume", "true", "--reset_ema", "true") == 0
+    assert find_checkpoint(out).endswith("checkpoint-00000010")
 
 
 def test_truncated_backbone_file_is_reported_as_corrupt(drawn_faces, eight_steps, tmp_path):

@@ -18,7 +18,6 @@ The output directory must be shared by all ranks (one machine, or a shared file 
 from __future__ import annotations
 
 import errno
-import glob
 import logging
 import os
 import random
@@ -201,9 +200,38 @@ def _meta_or_none(ckpt: str) -> dict | None:
     return meta if isinstance(meta, dict) else None
 
 
-def _intact(ckpt: str) -> bool:
-    return (os.path.isdir(ckpt) and all(os.path.isfile(os.path.join(ckpt, f)) for f in ("backbone.pt", "optimizer.pt"))
-            and _meta_or_none(ckpt) is not None)
+HEAD_FILE = re.compile(r"^head-(\d+)-(\d+)\.pt$")
+
+
+def missing_files(ckpt: str, ema_optional: bool = False) -> list[str]:
+    """What checkpoint directory `ckpt` lacks to be complete (empty when intact): meta.pt
+    readable, backbone.pt, optimizer.pt, head files covering every class of meta's
+    num_classes, an rng file per rank of the saved world size, and ema.pt when EMA was on
+    (unless `ema_optional`: a resume that restarts the EMA)."""
+    if not os.path.isdir(ckpt):
+        return [ckpt]
+    meta = _meta_or_none(ckpt)
+    if meta is None:
+        return ["meta.pt"]
+    names = set(os.listdir(ckpt))
+    missing = [f for f in ("backbone.pt", "optimizer.pt") if f not in names]
+    if (meta.get("config") or {}).get("ema") and "ema.pt" not in names and not ema_optional:
+        missing.append("ema.pt")
+    missing += [f"rng-rank{r}.pt" for r in range(int(meta.get("world_size", 1))) if f"rng-rank{r}.pt" not in names]
+    spans = sorted((int(m.group(1)), int(m.group(2))) for m in map(HEAD_FILE.match, names) if m)
+    covered = 0  # the head files must tile [0, num_classes) without a gap
+    for a, b in spans:
+        if a > covered:
+            break
+        covered = max(covered, b)
+    num_classes = int(meta.get("num_classes", 0))
+    if covered < num_classes:
+        missing.append(f"head files for classes [{covered}, {num_classes})")
+    return missing
+
+
+def _intact(ckpt: str, ema_optional: bool = False) -> bool:
+    return not missing_files(ckpt, ema_optional)
 
 
 def prune_checkpoints(output: str, newest_step: int, run_id: str, keep: int) -> list[str]:
@@ -220,7 +248,7 @@ def prune_checkpoints(output: str, newest_step: int, run_id: str, keep: int) -> 
     return doomed
 
 
-def find_checkpoint(path: str) -> str | None:
+def find_checkpoint(path: str, ema_optional: bool = False) -> str | None:
     """The checkpoint directory `path` is, or the one a run output's `latest` names; when
     `latest` is missing, dangling or garbage, the newest intact checkpoint (with a warning).
     None when there is none."""
@@ -231,22 +259,29 @@ def find_checkpoint(path: str) -> str | None:
     if os.path.isfile(latest):
         with open(latest, "rb") as f:
             named = f.read(256).decode("utf-8", "replace").strip()
-        if CHECKPOINT_NAME.match(named) and _intact(os.path.join(path, named)):
+        if CHECKPOINT_NAME.match(named) and _intact(os.path.join(path, named), ema_optional):
             return os.path.join(path, named)
     for _, ckpt in reversed(list_checkpoints(path)):
-        if _intact(ckpt):
+        if _intact(ckpt, ema_optional):
             if named is not None:
-                logger.warning("%s names %r, which is not an intact checkpoint; using the newest intact one, %s",
-                               latest, named[:64], ckpt)
+                lacks = missing_files(os.path.join(path, named), ema_optional) if CHECKPOINT_NAME.match(named) else []
+                logger.warning("%s names %r, which is not an intact checkpoint%s; using the newest intact one, %s",
+                               latest, named[:64], f" (it lacks {', '.join(lacks)})" if lacks else "", ckpt)
             return ckpt
     return None
 
 
-def resolve_checkpoint(path: str) -> str:
+def resolve_checkpoint(path: str, ema_optional: bool = False) -> str:
     """Like `find_checkpoint`, but an error when there is no checkpoint."""
-    ckpt = find_checkpoint(path)
+    ckpt = find_checkpoint(path, ema_optional)
     if ckpt is None:
-        raise CheckpointError(f"{path}: not a checkpoint (no meta.pt), and no intact checkpoint-* directory in it")
+        found = list_checkpoints(path)
+        lacks = missing_files(found[-1][1], ema_optional) if found else []
+        newest = f" (the newest, {found[-1][1]}, lacks {', '.join(lacks)})" if lacks else ""
+        if "ema.pt" in lacks:
+            newest += "; --reset_ema true resumes without it, restarting the EMA from the loaded weights"
+        raise CheckpointError(f"{path}: not a checkpoint (no meta.pt), and no intact checkpoint-* directory in it"
+                              f"{newest}")
     return ckpt
 
 
@@ -266,8 +301,9 @@ def _load_head(ckpt: str, head, head_opt) -> None:
     weight = head.weight.detach()
     new_state: dict = {}
     covered = 0
-    for path in sorted(glob.glob(os.path.join(ckpt, "head-*.pt"))):
-        a, b = (int(v) for v in re.findall(r"head-(\d+)-(\d+)\.pt$", path)[0])
+    for name in sorted(n for n in os.listdir(ckpt) if HEAD_FILE.match(n)):
+        path = os.path.join(ckpt, name)
+        a, b = (int(v) for v in HEAD_FILE.match(name).groups())
         lo, hi = max(a, start), min(b, end)
         if lo >= hi:
             continue
@@ -298,7 +334,7 @@ def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=No
     """Restore everything saved by `save_checkpoint`, resharding to this world size. With
     `config`, its `optimizer` must be the checkpoint's, and a missing ema.pt of a run that
     had EMA on is an error unless `config.reset_ema`."""
-    ckpt = resolve_checkpoint(path)
+    ckpt = resolve_checkpoint(path, ema_optional=bool(config is not None and config.reset_ema))
     meta = safe_load(os.path.join(ckpt, "meta.pt"))
     saved_config = meta.get("config") or {}
     if meta["num_classes"] != head.num_classes:
