@@ -19,6 +19,7 @@ from dataset import ResumableDistributedSampler, build_dataset, get_dataloader, 
 from eval.callback import VerificationCallback
 from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
 from parallel.stop import StopSignal
+from utils.checkpoint import atomic_write_text
 from utils.checkpointer import Checkpointer
 from utils.divergence import TrainingStopped, check_labels, check_loss
 from utils.progress import ProgressLogger, SkipReport
@@ -79,7 +80,7 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
                                 world_size=info.world_size, keep=cfg.keep_checkpoints)
     state = checkpointer.start(cfg.resume, cfg.overwrite, batch_size=cfg.batch_size)
     if info.is_main:  # only now: a refused run must not replace the config of the run it met
-        save_config(cfg, cfg.output)
+        save_config(cfg, cfg.output, atomic_write_text)
     if checkpointer.resumed_meta is not None:
         logger.info("resumed at step %d (epoch %d, batch %d)", state.step, state.epoch, state.batch_in_epoch)
         before = checkpointer.resumed_meta["batch_size"] * checkpointer.resumed_meta["world_size"]

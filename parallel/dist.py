@@ -168,6 +168,16 @@ def from_rank0(value):
     return box[0]
 
 
+def from_every_rank(value) -> list:
+    """Every rank's `value` (picklable), in rank order, on every rank: collective over the CPU
+    group. It doubles as a barrier that tells each rank how the others fared."""
+    if get_world_size() == 1:
+        return [value]
+    out = [None] * get_world_size()
+    dist.all_gather_object(out, value, group=cpu_group())
+    return out
+
+
 _CPU_GROUPS: dict = {}  # id(group) (None: the default group) -> its gloo side group
 
 

@@ -17,6 +17,7 @@ The output directory must be shared by all ranks (one machine, or a shared file 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -29,7 +30,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from parallel.dist import barrier
+from parallel.dist import from_every_rank, get_rank
 
 logger = logging.getLogger("shardface")
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -37,6 +38,10 @@ CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class NoSpaceError(CheckpointError):
+    """A write failed for want of disk space."""
 
 
 def new_run_id() -> str:
@@ -59,11 +64,29 @@ def _write_atomically(path: str, mode: str, write) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as exc:
-        with_path = f"{path}: cannot write ({os.strerror(exc.errno) if exc.errno else exc})"
-        if exc.errno == errno.ENOSPC:
-            with_path += f"; free space on {os.path.dirname(os.path.abspath(path))} or point output elsewhere"
-        raise CheckpointError(with_path) from exc
+    except (OSError, RuntimeError) as exc:
+        # torch.save reports a failed write as RuntimeError("[enforce fail at inline_container.cc ...")
+        if isinstance(exc, RuntimeError) and "inline_container" not in str(exc):
+            raise
+        with contextlib.suppress(OSError):
+            os.remove(tmp)  # a partial file would keep the disk full
+        cause = exc if isinstance(exc, OSError) else exc.__context__ if isinstance(exc.__context__, OSError) else None
+        code = cause.errno if cause is not None else None
+        folder = os.path.dirname(os.path.abspath(path))
+        if code is None and _free_bytes(folder) < 1 << 20:  # torch's own writer fails without an errno
+            code = errno.ENOSPC
+        reason = os.strerror(code) if code else str(exc).splitlines()[0]
+        if code == errno.ENOSPC:
+            raise NoSpaceError(f"{path}: cannot write ({reason}); free space on {folder} or point output "
+                               f"elsewhere") from exc
+        raise CheckpointError(f"{path}: cannot write ({reason})") from exc
+
+
+def _free_bytes(folder: str) -> int:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return 1 << 62
 
 
 def atomic_save(obj, path: str) -> None:
@@ -147,30 +170,39 @@ def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, h
     also writes the weights for export there (the EMA's when EMA is on), from the same gather."""
     final = os.path.join(output, f"checkpoint-{state.step:08d}")
     tmp = f"{final}.tmp"
+    problem = None
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    barrier()
+        problem = _attempt(lambda: os.makedirs(tmp))
+    _agree(problem, tmp, output, 0)
     opt_state = backbone_opt.state_dict(to_rank=0)   # collectives: every rank takes part
     ema_state = ema.state_dict(to_rank=0) if ema is not None else None
     end = head.class_start + head.num_local
-    atomic_save(_head_payload(head, head_opt), os.path.join(tmp, f"head-{head.class_start:010d}-{end:010d}.pt"))
-    atomic_save(rng_state(), os.path.join(tmp, f"rng-rank{rank}.pt"))
-    if rank == 0:
-        weights = cpu_tensors(backbone.state_dict())
-        atomic_save(weights, os.path.join(tmp, "backbone.pt"))
-        atomic_save(opt_state, os.path.join(tmp, "optimizer.pt"))
-        if ema_state is not None:
-            atomic_save({"state": ema_state, "updates": ema.updates}, os.path.join(tmp, "ema.pt"))
-        meta = {**asdict(state), "world_size": world_size, "num_classes": head.num_classes,
-                "batch_size": int(config.batch_size) if config else 0,
-                "scaler": scaler.state_dict() if scaler is not None else None,
-                # running statistics of the margin (identical on every rank)
-                "margin": {k: v.cpu() for k, v in head.margin_loss.state_dict().items()},
-                "config": _plain(dict(config)) if config else {}}
-        atomic_save(meta, os.path.join(tmp, "meta.pt"))
-    barrier()
-    if rank == 0:
+    head_payload = _head_payload(head, head_opt)
+    weights = cpu_tensors(backbone.state_dict()) if rank == 0 else None
+
+    def write_parts():
+        atomic_save(head_payload, os.path.join(tmp, f"head-{head.class_start:010d}-{end:010d}.pt"))
+        atomic_save(rng_state(), os.path.join(tmp, f"rng-rank{rank}.pt"))
+        if rank == 0:
+            atomic_save(weights, os.path.join(tmp, "backbone.pt"))
+            atomic_save(opt_state, os.path.join(tmp, "optimizer.pt"))
+            if ema_state is not None:
+                atomic_save({"state": ema_state, "updates": ema.updates}, os.path.join(tmp, "ema.pt"))
+            meta = {**asdict(state), "world_size": world_size, "num_classes": head.num_classes,
+                    "batch_size": int(config.batch_size) if config else 0,
+                    "scaler": scaler.state_dict() if scaler is not None else None,
+                    # running statistics of the margin (identical on every rank)
+                    "margin": {k: v.cpu() for k, v in head.margin_loss.state_dict().items()},
+                    "config": _plain(dict(config)) if config else {}}
+            atomic_save(meta, os.path.join(tmp, "meta.pt"))
+
+    # what a checkpoint takes on disk: the previous one's size, else this rank's share times W
+    needed = _previous_size(output) or _tensor_bytes([weights, opt_state, ema_state]) + \
+        _tensor_bytes(head_payload) * world_size
+    _agree(_attempt(write_parts), tmp, output, needed)
+
+    def publish():
         _fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -179,8 +211,53 @@ def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, h
         prune_checkpoints(output, state.step, state.run_id, keep)
         if export_to:
             atomic_save(ema_state if ema_state is not None else weights, export_to)
-    barrier()
+    _agree(_attempt(publish) if rank == 0 else None, tmp, output, needed)
     return final
+
+
+def _attempt(write) -> tuple[str, bool] | None:
+    """None when `write()` succeeds, else (its CheckpointError's message, whether for want of space)."""
+    try:
+        write()
+    except CheckpointError as exc:
+        return str(exc), isinstance(exc, NoSpaceError)
+    except OSError as exc:
+        return f"{exc.filename or 'checkpoint'}: cannot write ({exc.strerror or exc})", exc.errno == errno.ENOSPC
+    return None
+
+
+def _agree(problem: tuple[str, bool] | None, tmp: str, output: str, needed: int) -> None:
+    """Collective: every rank learns whether any rank's write failed (no rank waits forever at
+    a barrier for one that gave up); then all raise alike, and the partial save is removed."""
+    problems = [p for p in from_every_rank(problem) if p is not None]
+    if not problems:
+        return
+    if get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    message, no_space = problems[0]
+    if no_space:
+        raise NoSpaceError(f"{message} (a checkpoint needs about {needed / 2**20:.0f} MiB; "
+                           f"{_free_bytes(output) / 2**20:.0f} MiB free); the partial save was removed")
+    raise CheckpointError(message)
+
+
+def _tensor_bytes(obj) -> int:
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _previous_size(output: str) -> int:
+    found = list_checkpoints(output)
+    if not found:
+        return 0
+    newest = found[-1][1]
+    return sum(os.path.getsize(os.path.join(newest, f)) for f in os.listdir(newest)
+               if os.path.isfile(os.path.join(newest, f)))
 
 
 def list_checkpoints(output: str) -> list[tuple[int, str]]:
@@ -244,7 +321,9 @@ def prune_checkpoints(output: str, newest_step: int, run_id: str, keep: int) -> 
              if step < newest_step and (_meta_or_none(path) or {}).get("run_id") == run_id]
     doomed = older[:max(0, len(older) - (keep - 1))]
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path, onerror=lambda _, where, exc: logger.warning(
+            "could not delete %s while pruning old checkpoints (%s): it takes disk space; delete it by hand",
+            where, exc[1]))
     return doomed
 
 
