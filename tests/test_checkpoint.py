@@ -174,3 +174,15 @@ def test_fp16_on_the_cpu_is_warned_about(drawn_faces, tmp_path):
     out = str(tmp_path / "fp16")
     assert _train(drawn_faces, out, "--max_steps", "1", "--fp16", "true", "--ema", "false") == 0
     assert "fp16 on the CPU is emulated and many times slower" in open(os.path.join(out, "training.log")).read()
+
+
+@pytest.mark.parametrize("resume", ["false", "auto"])
+def test_output_with_only_model_and_config_is_an_earlier_run(drawn_faces, eight_steps, tmp_path, resume):
+    out = _copy(eight_steps, tmp_path)
+    for _, ckpt in list_checkpoints(out):  # deleted to save space: the weights are what is left
+        shutil.rmtree(ckpt)
+    os.remove(os.path.join(out, "latest"))
+    kept = {name: open(os.path.join(out, name), "rb").read() for name in ("model.pt", "config.json")}
+    with pytest.raises(CheckpointError, match=r"holds model\.pt of an earlier run .*--overwrite true"):
+        _train(drawn_faces, out, "--resume", resume)
+    assert all(open(os.path.join(out, name), "rb").read() == data for name, data in kept.items())

@@ -133,3 +133,27 @@ def test_output_that_cannot_be_written_is_refused_before_any_step(drawn_faces, t
     with pytest.raises(CheckpointError, match=f"{in_place}: cannot create the output directory"):
         train.main(train_argv(drawn_faces, str(in_place)))
     assert in_place.read_text() == "not a directory"
+
+
+def test_read_only_output_is_refused_before_any_step(drawn_faces, tmp_path):
+    out = tmp_path / "read_only"
+    out.mkdir()
+    out.chmod(0o555)
+    try:
+        if os.access(out, os.W_OK):
+            pytest.skip("running as root: chmod does not deny root's writes (the file-in-its-place test covers it)")
+        with pytest.raises(CheckpointError, match=rf"{out}: cannot write into the output directory \(Permission"):
+            train.main(train_argv(drawn_faces, str(out)))
+        assert os.listdir(out) == []
+    finally:
+        out.chmod(0o755)
+
+
+def test_failed_start_leaves_nothing_behind(drawn_faces, tmp_path, monkeypatch):
+    """A start refused for its data writes no output directory (no stray work_dirs/ in the cwd)."""
+    monkeypatch.chdir(tmp_path)
+    argv = train_argv(str(tmp_path / "no_such_data"), "work_dirs/demo")
+    argv[0] = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.py")
+    with pytest.raises(Exception, match="no_such_data"):
+        train.main(argv)
+    assert os.listdir(tmp_path) == []

@@ -42,6 +42,11 @@ class Checkpointer:
             self.last_saved_step = state.step
             return state
         leftovers = list_checkpoints(self.output)
+        if not leftovers and not overwrite and os.path.isfile(os.path.join(self.output, "model.pt")):
+            # its checkpoints deleted to save space, the trained weights are all that is left of it
+            raise CheckpointError(
+                f"{self.output} holds model.pt of an earlier run (and no checkpoint to resume): pass --overwrite "
+                f"true to replace it, or choose another --output")
         if leftovers and resume is False:
             if not overwrite:
                 raise CheckpointError(
