@@ -15,7 +15,7 @@ NON_NEGATIVE_INT = ("num_image", "warmup_epoch", "num_workers", "verbose", "max_
 POSITIVE_FLOAT = ("scale", "lr", "ema_tau", "dist_timeout_min", "magface_l_a", "magface_u_a")
 NON_NEGATIVE_FLOAT = ("weight_decay", "max_grad_norm", "lr_power", "arcface_m", "cosface_m", "adaface_m",
                       "adaface_h", "magface_l_m", "magface_u_m", "magface_lambda_g", "curricularface_m")
-BOOL = ("grad_checkpoint", "fp16", "bf16", "zero", "ema", "skip_bad_images", "overwrite", "reset_ema",
+BOOL = ("grad_checkpoint", "fp16", "bf16", "zero", "ema", "skip_bad_images", "overwrite", "reset_ema", "reset_margin",
         "head_fused_optimizer", "clip_head", "straight_through", "magface_easy_margin")
 # (low, high, low inclusive, high inclusive)
 INTERVALS = {"dropout": (0.0, 1.0, True, False), "sample_rate": (0.0, 1.0, False, True),

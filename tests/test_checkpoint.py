@@ -186,3 +186,26 @@ def test_output_with_only_model_and_config_is_an_earlier_run(drawn_faces, eight_
     with pytest.raises(CheckpointError, match=r"holds model\.pt of an earlier run .*--overwrite true"):
         _train(drawn_faces, out, "--resume", resume)
     assert all(open(os.path.join(out, name), "rb").read() == data for name, data in kept.items())
+
+
+def test_resume_with_a_margin_that_keeps_statistics_is_refused_naming_the_change(drawn_faces, eight_steps, tmp_path):
+    out = _copy(eight_steps, tmp_path)
+    before = {name: os.path.getmtime(os.path.join(out, name)) for name in ("model.pt", "latest")}
+    for margin in ("adaface", "curricularface"):
+        with pytest.raises(CheckpointError, match=rf"trained with margin 'combined', this run uses '{margin}'.*"
+                                                  r"--margin combined, or pass --reset_margin true"):
+            _train(drawn_faces, out, "--max_steps", "10", "--resume", "true", "--margin", margin)
+    assert {name: os.path.getmtime(os.path.join(out, name)) for name in before} == before
+    assert find_checkpoint(out).endswith("checkpoint-00000008")
+
+
+def test_resume_with_stateless_margin_acc_or_ema_off_continues_saying_what_changes(drawn_faces, eight_steps, tmp_path):
+    out = _copy(eight_steps, tmp_path)
+    assert _train(drawn_faces, out, "--max_steps", "9", "--resume", "true", "--margin", "arcface",
+                  "--gradient_acc", "2", "--ema", "false") == 0
+    log = open(os.path.join(out, "training.log")).read()
+    assert "margin 'combined' (checkpoint) -> 'arcface' (this run): the head's weights carry over" in log
+    assert "gradient_acc 1 (checkpoint) -> 2 (this run): an optimizer step now takes 2 batches" in log
+    assert "ema turned off: the checkpoint's EMA is dropped, ema.pt is no longer written" in log
+    assert not os.path.exists(os.path.join(find_checkpoint(out), "ema.pt"))
+    assert find_checkpoint(out).endswith("checkpoint-00000009")

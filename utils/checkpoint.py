@@ -407,6 +407,37 @@ def _load_head(ckpt: str, head, head_opt) -> None:
         head_opt.state[head.weight] = new_state
 
 
+def resume_changes(ckpt: str, saved: dict, saved_margin: dict, margin_loss, config) -> bool:
+    """The rule for config changes at resume (README, Checkpoints), one line each. Returns whether
+    the checkpoint's margin statistics are loaded.
+    - another margin type: refused when either margin keeps running statistics (adaface,
+      curricularface), unless `reset_margin` (they start afresh); between state-less margins
+      it continues with a warning;
+    - another `gradient_acc`: continues, warning that the optimizer step now takes another number
+      of batches (steps per epoch and the effective batch change; lr is not rescaled);
+    - `ema` turned off: continues, warning that the EMA is dropped and ema.pt no longer written."""
+    if config is None:
+        return True
+    before, now = saved.get("margin", config.margin), config.margin
+    if before != now:
+        stateful = bool(saved_margin) or bool(margin_loss.state_dict())
+        if stateful and not config.reset_margin:
+            raise CheckpointError(f"{ckpt}: trained with margin '{before}', this run uses '{now}', and their running "
+                                  f"statistics cannot carry over: resume with --margin {before}, or pass "
+                                  f"--reset_margin true to start '{now}'s statistics afresh")
+        logger.warning("margin '%s' (checkpoint) -> '%s' (this run): the head's weights carry over%s", before, now,
+                       "; the margin's running statistics start afresh" if stateful else "")
+    acc_before = saved.get("gradient_acc", config.gradient_acc)
+    if acc_before != config.gradient_acc:
+        logger.warning("gradient_acc %d (checkpoint) -> %d (this run): an optimizer step now takes %d batches per rank, "
+                       "so steps per epoch and the effective batch change; lr %g is not rescaled", acc_before,
+                       config.gradient_acc, config.gradient_acc, config.lr)
+    if saved.get("ema") and not config.ema:
+        logger.warning("ema turned off: the checkpoint's EMA is dropped, ema.pt is no longer written, and model.pt "
+                       "now holds the trained (not averaged) weights")
+    return before == now
+
+
 def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=None, scaler=None,
                     rank: int = 0, world_size: int = 1, batch_size: int | None = None,
                     config=None) -> tuple[TrainState, dict]:
@@ -422,6 +453,7 @@ def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=No
         raise CheckpointError(f"{ckpt}: trained with optimizer '{saved_config['optimizer']}', this run uses "
                               f"'{config.optimizer}'; its optimizer state cannot carry over: resume with "
                               f"--optimizer {saved_config['optimizer']}")
+    keep_margin = resume_changes(ckpt, saved_config, meta.get("margin") or {}, head.margin_loss, config)
     weights = safe_load(os.path.join(ckpt, "backbone.pt"))  # a corrupt file is reported as such
     try:
         backbone.load_state_dict(weights)
@@ -440,7 +472,7 @@ def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=No
             logger.warning("EMA starts from the weights of %s", ckpt)
             ema.load_state_dict(backbone.state_dict(), updates=0)
     _load_head(ckpt, head, head_opt)
-    if meta.get("margin"):
+    if meta.get("margin") and keep_margin:
         head.margin_loss.load_state_dict(meta["margin"])
     if scaler is not None and meta.get("scaler"):
         scaler.load_state_dict(meta["scaler"])
