@@ -100,7 +100,7 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
                               writer, first_step=state.step,
                               poll_limit_s=stop.grace_s if info.device.type != "cpu" else None)
     skips = SkipReport(dataset, cfg.frequent, writer, enabled=cfg.skip_bad_images)
-    micro, first_step = 0, state.step
+    first_step = state.step
     # built once: its persistent workers (and their open record files) serve every epoch
     loader = get_dataloader(dataset, sampler, cfg.num_workers, info.device, cfg.seed)
     try:
@@ -109,13 +109,16 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
                 sampler.set_epoch(state.epoch, state.batch_in_epoch)
                 dataset.set_epoch(state.epoch, cfg.seed)  # mirroring fixed by (seed, epoch, index)
                 for images, labels in loader:
+                    if state.batch_in_epoch >= steps_per_epoch * cfg.gradient_acc:
+                        continue  # too few batches left for a whole step (see last_micro)
                     problem = check_labels(labels, cfg.num_classes)  # on the CPU, where no device waits
                     if problem:
                         logger.error("%s (the head stops every rank)", problem)
                     images = normalize_images(images.to(info.device, non_blocking=True))
                     labels = labels.to(info.device, non_blocking=True)
-                    micro += 1
-                    last_micro = micro % cfg.gradient_acc == 0
+                    # a step's micro-batches never span two epochs (nor a resume): the epoch's last
+                    # batches_per_epoch % gradient_acc batches are skipped, so every epoch has steps_per_epoch
+                    last_micro = (state.batch_in_epoch + 1) % cfg.gradient_acc == 0
                     lr = cfg.lr * lr_factor(state.step, total_steps, warmup_steps, cfg.lr_scheduler, cfg.lr_power)
                     set_lr([backbone_opt, head_opt], lr)  # before forward: a fused head steps in backward
                     with contextlib.nullcontext() if last_micro else backbone_opt.no_sync():

@@ -209,3 +209,26 @@ def test_resume_with_stateless_margin_acc_or_ema_off_continues_saying_what_chang
     assert "ema turned off: the checkpoint's EMA is dropped, ema.pt is no longer written" in log
     assert not os.path.exists(os.path.join(find_checkpoint(out), "ema.pt"))
     assert find_checkpoint(out).endswith("checkpoint-00000009")
+
+
+def test_fallback_from_a_broken_latest_is_said_once_on_resume(drawn_faces, eight_steps, tmp_path):
+    out = _copy(eight_steps, tmp_path)
+    os.remove(os.path.join(find_checkpoint(out), "backbone.pt"))
+    assert _train(drawn_faces, out, "--max_steps", "9", "--resume", "true") == 0
+    log = open(os.path.join(out, "training.log")).read()
+    assert log.count("which is not an intact checkpoint (it lacks backbone.pt)") == 1
+    assert "resumed at step 4 " in log
+
+
+def test_epochs_hold_whole_steps_when_batches_are_not_a_multiple_of_gradient_acc(drawn_faces, tmp_path):
+    """16 batches per epoch (128 images, batch 8), gradient_acc 3: 5 steps per epoch, the 16th
+    batch skipped; no step's micro-batches span two epochs, so each checkpoint's position is
+    epoch * 5 steps plus whole steps into the epoch."""
+    out = str(tmp_path / "acc")
+    assert _train(drawn_faces, out, "--gradient_acc", "3", "--max_steps", "8", "--checkpoint_interval", "2",
+                  "--num_epoch", "2", "--ema", "false") == 0
+    for step, path in list_checkpoints(out):
+        meta = torch.load(os.path.join(path, "meta.pt"), weights_only=True)
+        assert meta["batch_in_epoch"] % 3 == 0, (step, meta["batch_in_epoch"])
+        assert step == meta["epoch"] * 5 + meta["batch_in_epoch"] // 3, (step, meta["epoch"], meta["batch_in_epoch"])
+    assert [s for s, _ in list_checkpoints(out)] == [2, 4, 6, 8]

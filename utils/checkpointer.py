@@ -36,7 +36,8 @@ class Checkpointer:
         existing = find_checkpoint(self.output, ema_optional) if os.path.isdir(self.output) else None
         barrier()  # every rank has looked before rank 0 may delete anything
         if resume is True or (resume == "auto" and existing is not None):
-            state, self.resumed_meta = load_checkpoint(self.output, **self.parts, rank=self.rank,
+            # the checkpoint found above: resolving the output again would repeat its fallback warning
+            state, self.resumed_meta = load_checkpoint(existing or self.output, **self.parts, rank=self.rank,
                                                        world_size=self.world_size, batch_size=batch_size,
                                                        config=self.config)
             self.last_saved_step = state.step
