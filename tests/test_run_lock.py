@@ -157,3 +157,18 @@ def test_failed_start_leaves_nothing_behind(drawn_faces, tmp_path, monkeypatch):
     with pytest.raises(Exception, match="no_such_data"):
         train.main(argv)
     assert os.listdir(tmp_path) == []
+
+
+def test_empty_lock_left_by_a_start_killed_mid_write_is_stale(tmp_path):
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    path = os.path.join(out, LOCK_NAME)
+    open(path, "w").close()
+    with pytest.raises(CheckpointError, match="in use by a live run"):  # a racer may be writing it right now
+        RunLock().acquire(out)
+    old = time.time() - 10
+    os.utime(path, (old, old))
+    lock = RunLock()
+    lock.acquire(out)
+    lock.release()
+    assert not os.path.exists(path)

@@ -141,6 +141,8 @@ class RunLock:
     def _stale(self, path: str, holder: dict, age: float) -> str | None:
         """Why the lock of `holder`, refreshed `age` s ago, is stale; None when its run lives."""
         pid = holder.get("pid")
+        if not holder and age > 5:  # its creator died between creating and writing it
+            return "an empty or torn lock file"
         if holder.get("host") == self.me["host"] and isinstance(pid, int):
             if pid == os.getpid() and os.path.abspath(path) not in RunLock._held_here:
                 return "left by an earlier run of this process"
