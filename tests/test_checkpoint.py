@@ -232,3 +232,16 @@ def test_epochs_hold_whole_steps_when_batches_are_not_a_multiple_of_gradient_acc
         assert meta["batch_in_epoch"] % 3 == 0, (step, meta["batch_in_epoch"])
         assert step == meta["epoch"] * 5 + meta["batch_in_epoch"] // 3, (step, meta["epoch"], meta["batch_in_epoch"])
     assert [s for s, _ in list_checkpoints(out)] == [2, 4, 6, 8]
+
+
+def test_a_failed_prune_is_logged_not_silent(tmp_path, monkeypatch, caplog):
+    out = str(tmp_path)
+    for step in (4, 8, 12):
+        _fake_checkpoint(out, step, "me")
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", path)
+    monkeypatch.setattr(os, "rmdir", refuse)  # the old checkpoint's directory cannot go
+    with caplog.at_level(logging.WARNING, logger="shardface"):
+        prune_checkpoints(out, 12, "me", keep=2)
+    assert "while pruning old checkpoints" in caplog.text and "checkpoint-00000004" in caplog.text
