@@ -6,7 +6,7 @@ import difflib
 import importlib.util
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from easydict import EasyDict as edict
 
@@ -109,9 +109,10 @@ def format_config(cfg: dict) -> str:
     return "\n".join(f"{k.ljust(width)} : {cfg[k]!r}" for k in sorted(cfg))
 
 
-def save_config(cfg: dict, output: str) -> str:
-    """Write the resolved config as `output/config.json`; returns its path."""
+def save_config(cfg: dict, output: str, write_text: Callable[[str, str], None]) -> str:
+    """Write the resolved config as `output/config.json` with `write_text(path, text)`, an
+    atomic writer (utils.checkpoint.atomic_write_text; utils sits above configs), so a crash
+    mid-write never leaves a torn config.json beside model.pt. Returns its path."""
     path = os.path.join(output, "config.json")
-    with open(path, "w") as f:
-        json.dump(dict(cfg), f, indent=2, sort_keys=True, default=list)
+    write_text(path, json.dumps(dict(cfg), indent=2, sort_keys=True, default=list))
     return path

@@ -91,6 +91,8 @@ config.overwrite = False              # start over in an output holding checkpoi
                                       # without it, or resume, such an output is refused
 config.reset_ema = False              # resume without the checkpoint's ema.pt: restart the EMA from
                                       # the loaded weights (otherwise a missing ema.pt is an error)
+config.reset_margin = False           # resume with another margin type whose running statistics
+                                      # cannot carry over: they start afresh (otherwise refused)
 config.dist_timeout_min = 10          # a dead rank makes the others fail after this long
 config.max_steps = 0                  # shorten the schedule to N steps (0 = num_epoch epochs)
 config.stop_after_steps = 0           # save and exit after N steps of this job, schedule unchanged

@@ -16,7 +16,7 @@ POSITIVE_FLOAT = ("scale", "lr", "ema_tau", "dist_timeout_min", "magface_l_a", "
 NON_NEGATIVE_FLOAT = ("weight_decay", "max_grad_norm", "lr_power", "arcface_m", "cosface_m", "adaface_m",
                       "adaface_h", "magface_l_m", "magface_u_m", "magface_lambda_g", "curricularface_m")
 BOOL = ("grad_checkpoint", "fp16", "bf16", "zero", "ema", "skip_bad_images", "resize", "overwrite", "reset_ema",
-        "head_fused_optimizer", "clip_head", "straight_through", "magface_easy_margin")
+        "reset_margin", "head_fused_optimizer", "clip_head", "straight_through", "magface_easy_margin")
 # (low, high, low inclusive, high inclusive)
 INTERVALS = {"dropout": (0.0, 1.0, True, False), "sample_rate": (0.0, 1.0, False, True),
              "momentum": (0.0, 1.0, True, False), "ema_decay": (0.0, 1.0, False, False),

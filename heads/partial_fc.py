@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from heads.sharded_ce import HeadPlan, ShardedMarginCE, rows_of_classes
-from heads.sharding import class_shard, initial_class_rows
+from heads.sharding import check_world_fits, class_shard, initial_class_rows
 from losses.base import MarginLoss
 from parallel.collectives import all_gather_no_grad, all_gather_rows
 from parallel.dist import get_rank, get_world_size
@@ -98,6 +98,7 @@ class PartialFC(nn.Module):
         self.step_rows = None  # set by SampledRowsOptimizer on a fused head
         self.group = process_group
         self.world_size = get_world_size(process_group)
+        check_world_fits(num_classes, self.world_size)
         shard = class_shard(num_classes, self.world_size, get_rank(process_group))
         self.class_start, self.num_local = shard.start, shard.size
         self.subcenters = margin_loss.subcenters

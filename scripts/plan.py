@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", action="store_true",
                    help="print README's capacity table (r50, r100; 8 and 64 GPUs; ours vs PFC v2)")
     args, overrides = p.parse_known_args(argv)
+    if args.gpus < 1:
+        p.error(f"--gpus {args.gpus}: a job needs at least one rank")
     cfg = get_config(args.config, overrides)
     budget = args.gpu_mem_gb * GB - CUDA_RESERVE
     if args.table:
