@@ -50,7 +50,7 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     logger = setup_logging(info.rank)  # the console only: nothing is written before the run is accepted
     torch.manual_seed(cfg.seed)  # identical initial backbone on every rank
     backbone = build_backbone(cfg).to(info.device)
-    init_backbone(cfg, backbone)  # fine-tuning from pretrained weights (not when resuming)
+    initialised = init_backbone(cfg, backbone)  # fine-tuning from pretrained weights (not when resuming)
     head = build_head(cfg).to(info.device)
     model, backbone_opt = build_data_parallel(cfg, backbone)
     head_opt = build_head_optimizer(cfg, head)
@@ -78,6 +78,8 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     setup_logging(info.rank, os.path.join(cfg.output, "training.log"))
     if info.is_main:
         logger.info("config %s (world size %d, %s)\n%s", config_path, info.world_size, info.device, format_config(cfg))
+    if initialised:
+        logger.info(initialised)
     if cfg.fp16 and info.device.type == "cpu":
         logger.warning("fp16 on the CPU is emulated and many times slower than fp32: use bf16 or neither")
     checkpointer = Checkpointer(cfg.output, backbone=backbone, backbone_opt=backbone_opt, head=head,

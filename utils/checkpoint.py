@@ -286,8 +286,8 @@ HEAD_FILE = re.compile(r"^head-(\d+)-(\d+)\.pt$")
 def missing_files(ckpt: str, ema_optional: bool = False) -> list[str]:
     """What checkpoint directory `ckpt` lacks to be complete (empty when intact): meta.pt
     readable, backbone.pt, optimizer.pt, head files covering every class of meta's
-    num_classes, an rng file per rank of the saved world size, and ema.pt when EMA was on
-    (unless `ema_optional`: a resume that restarts the EMA)."""
+    num_classes, an rng file per rank of the saved world size (not for an imported run), and
+    ema.pt when EMA was on (unless `ema_optional`: a resume that restarts the EMA)."""
     if not os.path.isdir(ckpt):
         return [ckpt]
     meta = _meta_or_none(ckpt)
@@ -297,7 +297,9 @@ def missing_files(ckpt: str, ema_optional: bool = False) -> list[str]:
     missing = [f for f in ("backbone.pt", "optimizer.pt") if f not in names]
     if (meta.get("config") or {}).get("ema") and "ema.pt" not in names and not ema_optional:
         missing.append("ema.pt")
-    missing += [f"rng-rank{r}.pt" for r in range(int(meta.get("world_size", 1))) if f"rng-rank{r}.pt" not in names]
+    if not meta.get("imported_from"):  # an imported run has no RNG states to restore
+        missing += [f"rng-rank{r}.pt" for r in range(int(meta.get("world_size", 1)))
+                    if f"rng-rank{r}.pt" not in names]
     spans = sorted((int(m.group(1)), int(m.group(2))) for m in map(HEAD_FILE.match, names) if m)
     covered = 0  # the head files must tile [0, num_classes) without a gap
     for a, b in spans:
