@@ -73,3 +73,20 @@ def test_wandb_offline_run_logs_config_loss_lr_rate_and_verification(drawn_faces
     assert config["num_classes"] == 16 and config["suffix_run_name"] == "trial"
     assert len(artifacts) == 1 and artifacts[0].type == "model"
     assert artifacts[0].name.endswith("_GPU0_trial_Final")
+
+
+def test_wandb_runs_on_rank_0_or_every_rank_with_wandb_log_all(monkeypatch):
+    from configs import get_config
+    from utils.wandb_logging import start_wandb, tee_writer
+
+    started = []
+    monkeypatch.setattr(wandb, "init", lambda **kw: started.append(kw) or "run")
+    cfg = get_config("configs/demo", ["--using_wandb", "true", "--suffix_run_name", "x", "--wandb_resume", "true"])
+    assert start_wandb(cfg, 1) is None and started == []
+    assert start_wandb(cfg, 0) == "run"
+    assert started[0]["name"].endswith("_GPU0_x") and started[0]["resume"] is True
+    assert started[0]["config"]["num_classes"] == cfg.num_classes
+    cfg.wandb_log_all = True
+    assert start_wandb(cfg, 1) == "run" and started[1]["name"].endswith("_GPU1_x")
+    assert start_wandb(get_config("configs/demo"), 0) is None and len(started) == 2
+    assert tee_writer("tb", None) == "tb"
