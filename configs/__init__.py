@@ -42,14 +42,17 @@ def _load_module_config(path: str) -> dict:
     return dict(module.config)
 
 
-def _unknown(keys: Sequence[str], known: Sequence[str], where: str) -> ConfigError:
-    """One error naming every unknown key; a hint only for keys that are near a known one."""
+def _unknown(unknown: dict[str, list[str]], known: Sequence[str]) -> ConfigError:
+    """One error naming every unknown key of every source; a hint only for keys near a known one."""
     parts = []
-    for key in keys:
-        close = difflib.get_close_matches(key, known, n=3, cutoff=0.75)
-        parts.append(f"'{key}'" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
-    plural = "s" if len(keys) > 1 else ""
-    return ConfigError(f"unknown config key{plural} {', '.join(parts)} in {where}; "
+    for where, keys in unknown.items():
+        named = []
+        for key in keys:
+            close = difflib.get_close_matches(key, known, n=3, cutoff=0.75)
+            named.append(f"'{key}'" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+        parts.append(f"{', '.join(named)} in {where}")
+    count = sum(len(keys) for keys in unknown.values())
+    return ConfigError(f"unknown config key{'s' if count > 1 else ''} {'; '.join(parts)}; "
                        f"`python train.py --help` lists every key")
 
 
@@ -105,19 +108,19 @@ def parse_overrides(argv: Sequence[str]) -> list[tuple[str, str]]:
 def get_config(path: str | None = None, argv: Sequence[str] = ()) -> edict:
     """Resolve base defaults, the job config at `path`, then `--key value` overrides."""
     cfg = edict(dict(_base))
+    unknown: dict[str, list[str]] = {}
     if path:
         path = resolve_config_path(path)
         job = _load_module_config(path)
-        unknown = [key for key in job if key not in cfg]
-        if unknown:
-            raise _unknown(unknown, list(cfg), path)
-        cfg.update(job)
+        unknown[path] = [key for key in job if key not in cfg]
+        cfg.update({key: value for key, value in job.items() if key in cfg})
         if cfg.output is None:  # arcface_torch's meaning: work_dirs/<config file name>
             cfg.output = os.path.join("work_dirs", os.path.splitext(os.path.basename(path))[0])
     overrides = parse_overrides(argv)
-    unknown = [key for key, _ in overrides if key not in cfg]
+    unknown["command line"] = [key for key, _ in overrides if key not in cfg]
+    unknown = {where: keys for where, keys in unknown.items() if keys}
     if unknown:
-        raise _unknown(unknown, list(cfg), "command line")
+        raise _unknown(unknown, list(_base))
     for key, text in overrides:
         try:
             cfg[key] = parse_value(text, _base[key], key)

@@ -103,9 +103,9 @@ def test_unknown_keys_all_named_at_once_hint_only_when_close(tmp_path):
     job.write_text("from easydict import EasyDict as edict\nconfig = edict()\n"
                    "config.sample_rat = 0.3\nconfig.zzz_unrelated = 1\nconfig.lr_schedular = 'poly'\n")
     with pytest.raises(ConfigError) as err:
-        get_config(str(job))
+        get_config(str(job), ["--colour", "red"])
     msg = str(err.value)
-    assert "\n" not in msg and str(job) in msg
+    assert "\n" not in msg and str(job) in msg and "'colour' in command line" in msg
     assert "'sample_rat' (did you mean sample_rate?)" in msg
     assert "'lr_schedular' (did you mean lr_scheduler?)" in msg
     assert "'zzz_unrelated'," in msg and "zzz_unrelated' (" not in msg

@@ -60,12 +60,13 @@ def test_wandb_offline_run_logs_config_loss_lr_rate_and_verification(drawn_faces
     out = str(tmp_path / "run")
     args = train_argv(drawn_faces, out, "--using_wandb", "true", "--suffix_run_name", "trial",
                       "--save_artifacts", "true", "--val_targets", "['drawn_faces_val']", "--verbose", "6",
-                      "--max_steps", "6", "--ema", "false")
+                      "--max_steps", "6", "--ema", "false", "--dali", "true")
     assert train.main(args) == 0
     rows, config, artifacts = _read_offline_run(str(tmp_path))
     logged_loss = [r["train/loss"] for r in rows if "train/loss" in r]
     log = open(os.path.join(out, "training.log")).read()
     assert len(logged_loss) == 6
+    assert log.count("ShardFace runs its own loader") == 1  # dali: said once
     assert [round(v, 4) for v in logged_loss] == [float(v) for v in re.findall(r"loss ([0-9.]+)", log)]
     assert [r["_step"] for r in rows if "train/lr" in r] == list(range(1, 7))
     assert all(r["train/samples_per_second"] > 0 for r in rows if "train/samples_per_second" in r)
