@@ -191,7 +191,7 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
         if writer is not None:
             writer.close()
         model_path = os.path.join(cfg.output, "model.pt")
-        finish_wandb(wandb_run, model_path if os.path.isfile(model_path) else None, cfg.save_artifacts)
+        finish_wandb(wandb_run, model_path if os.path.isfile(model_path) else None, cfg.save_artifacts and info.is_main)
 
 
 def cli() -> None:

@@ -1,4 +1,4 @@
-"""arcface_torch's `3millions` job config, same keys and values (output None: work_dirs/3millions)."""
+"""arcface_torch's job config of this name, with its keys and values (output None: work_dirs/<file name>)."""
 from easydict import EasyDict as edict
 
 config = edict()

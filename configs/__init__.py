@@ -14,7 +14,8 @@ from configs.base import config as _base
 from configs.errors import ConfigError
 from configs.validate import validate_config
 
-__all__ = ["ConfigError", "get_config", "resolve_config_path", "format_config", "save_config", "parse_value", "validate_config"]
+__all__ = ["ConfigError", "get_config", "resolve_config_path", "format_config", "save_config", "parse_value",
+           "validate_config"]
 
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""arcface_torch's `ms1mv2_mbf` job config, same keys and values (output None: work_dirs/ms1mv2_mbf)."""
+"""arcface_torch's job config of this name, with its keys and values (output None: work_dirs/<file name>)."""
 from easydict import EasyDict as edict
 
 config = edict()

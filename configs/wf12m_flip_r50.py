@@ -1,4 +1,4 @@
-"""arcface_torch's `wf12m_flip_r50` job config, same keys and values (output None: work_dirs/wf12m_flip_r50)."""
+"""arcface_torch's job config of this name, with its keys and values (output None: work_dirs/<file name>)."""
 from easydict import EasyDict as edict
 
 config = edict()
