@@ -15,6 +15,8 @@ import torch
 
 from builders import build_backbone, build_data_parallel, build_head, build_head_optimizer, init_backbone
 from configs import format_config, get_config, save_config
+from configs.compat import compat_notes
+from configs.describe import describe_keys
 from dataset import ResumableDistributedSampler, build_dataset, get_dataloader, normalize_images
 from eval.callback import VerificationCallback
 from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
@@ -27,9 +29,13 @@ from utils.progress import ProgressLogger, SkipReport
 from utils.run_lock import RunLock
 from utils.schedule import lr_factor, schedule_steps, set_lr
 from utils.seed import seed_everything
+from utils.wandb_logging import finish_wandb, start_wandb, tee_writer
 
 
 def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__ + "\nConfig keys (defaults from configs/base.py):" + describe_keys())
+        return 0
     if not argv or argv[0].startswith("--"):
         print(__doc__)
         return 2
@@ -78,6 +84,8 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     setup_logging(info.rank, os.path.join(cfg.output, "training.log"))
     if info.is_main:
         logger.info("config %s (world size %d, %s)\n%s", config_path, info.world_size, info.device, format_config(cfg))
+        for note in compat_notes(cfg):
+            logger.warning(note)
     if initialised:
         logger.info(initialised)
     if cfg.fp16 and info.device.type == "cpu":
@@ -103,6 +111,8 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     if info.is_main:
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(os.path.join(cfg.output, "tensorboard"))
+    wandb_run = start_wandb(cfg, info.rank)  # None unless using_wandb (rank 0, or all with wandb_log_all)
+    writer = tee_writer(writer, wandb_run)
     verify = VerificationCallback(cfg.val_targets, cfg.val_dir or cfg.rec, cfg.verbose, backbone, ema, writer,
                                   is_main=info.is_main)
     progress = ProgressLogger(total_steps, cfg.frequent, cfg.batch_size * info.world_size * cfg.gradient_acc,
@@ -189,6 +199,8 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     finally:
         if writer is not None:
             writer.close()
+        model_path = os.path.join(cfg.output, "model.pt")
+        finish_wandb(wandb_run, model_path if os.path.isfile(model_path) else None, cfg.save_artifacts and info.is_main)
 
 
 def cli() -> None:

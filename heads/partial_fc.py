@@ -86,8 +86,8 @@ class PartialFC(nn.Module):
                  validate: bool = True, row_block: int = 128, precision: str = "fp32",
                  fused_optimizer: bool = False):
         super().__init__()
-        if not 0.0 < sample_rate <= 1.0:
-            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+        if not 0.0 <= sample_rate <= 1.0:  # 0: only the batch's classes (arcface_torch allows it)
+            raise ValueError(f"sample_rate must be in [0, 1], got {sample_rate}")
         self.margin_loss = margin_loss
         self.embedding_size = embedding_size
         self.num_classes = num_classes

@@ -3,6 +3,11 @@
 onnxruntime against torch on batches of 1 and 8. `python -m scripts.export_onnx RUN OUT.onnx`."""
 from __future__ import annotations
 
+if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
+    import os
+    import sys
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import argparse
 import os
 import warnings

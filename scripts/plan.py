@@ -10,6 +10,11 @@ step. The model is planner.py's; tests hold it against peaks measured on the CPU
 """
 from __future__ import annotations
 
+if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
+    import os
+    import sys
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import argparse
 import sys
 
