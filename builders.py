@@ -24,17 +24,16 @@ def build_backbone(cfg) -> nn.Module:
                      fp16=cfg.fp16, bf16=cfg.bf16, grad_checkpoint=cfg.grad_checkpoint)
 
 
-def init_backbone(cfg, backbone: nn.Module) -> None:
+def init_backbone(cfg, backbone: nn.Module) -> str | None:
     """Fine-tuning: load `cfg.init_backbone`'s weights into a new run's backbone (before the
-    data-parallel wrapper copies them). A run that resumes a checkpoint keeps the checkpoint's."""
+    data-parallel wrapper copies them). A run that resumes a checkpoint keeps the checkpoint's.
+    Returns what was done, for the run's log (which opens only once the run is accepted)."""
     if not cfg.init_backbone:
-        return
-    log = logging.getLogger("shardface")
+        return None
     if cfg.resume is True or (cfg.resume == "auto" and find_checkpoint(cfg.output) is not None):
-        log.info("init_backbone %s ignored: this run resumes the checkpoint in %s", cfg.init_backbone, cfg.output)
-        return
+        return f"init_backbone {cfg.init_backbone} ignored: this run resumes the checkpoint in {cfg.output}"
     init_backbone_from(backbone, cfg.init_backbone, cfg.network)
-    log.info("backbone initialised from %s; the head starts fresh", cfg.init_backbone)
+    return f"backbone initialised from {cfg.init_backbone}; the head starts fresh"
 
 
 def build_head(cfg) -> PartialFC:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from heads.sharding import class_shard
+from heads.sharding import check_world_fits, class_shard
 
 F32 = 4
 GB = 1e9
@@ -94,6 +94,7 @@ def zero_memory(params: int, world: int, optimizer: str = "sgd", momentum: float
 
 def plan(cfg, gpus: int) -> Plan:
     """The whole job per rank: backbone (ZeRO-2 or DDP), activations, head; and traffic."""
+    check_world_fits(cfg.num_classes, gpus)  # what train.py would refuse does not fit
     params, saved = backbone_counts(cfg.network, cfg.embedding_size, cfg.batch_size, cfg.grad_checkpoint)
     half = 0.5 if (cfg.fp16 or cfg.bf16) else 1.0  # autocast: activations mostly in 16 bits
     p = Plan()

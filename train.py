@@ -16,43 +16,49 @@ import torch
 from builders import build_backbone, build_data_parallel, build_head, build_head_optimizer, init_backbone
 from configs import format_config, get_config, save_config
 from configs.validate import warmup_problem
+from configs.compat import compat_notes
+from configs.describe import describe_keys
 from dataset import ResumableDistributedSampler, build_dataset, get_dataloader, normalize_images
 from eval.callback import VerificationCallback
 from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
 from parallel.stop import StopSignal
 from parallel.user_errors import exits_on_user_error
+from utils.checkpoint import atomic_write_text
 from utils.checkpointer import Checkpointer
 from utils.data_position import follow_data
 from utils.divergence import TrainingStopped, check_labels, check_loss
 from utils.progress import ProgressLogger, SkipReport
+from utils.run_lock import RunLock
 from utils.schedule import lr_factor, schedule_steps, set_lr
 from utils.seed import seed_everything
+from utils.wandb_logging import finish_wandb, start_wandb, tee_writer
 
 
 def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__ + "\nConfig keys (defaults from configs/base.py):" + describe_keys())
+        return 0
     if not argv or argv[0].startswith("--"):
         print(__doc__)
         return 2
     cfg = get_config(argv[0], argv[1:])
     stop = StopSignal()  # before any thread starts (see its docstring)
+    lock = RunLock()  # taken once the config and data are accepted; released on every way out
     try:
-        return train(cfg, argv[0], stop)
+        return train(cfg, argv[0], stop, lock)
     finally:
+        lock.release()
         stop.restore()
 
 
-def train(cfg, config_path: str, stop: StopSignal) -> int:
+def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     info = init_distributed(cfg.dist_timeout_min)
     if info.device.type == "cuda":  # fixed 112x112 inputs: let cuDNN pick its fastest kernels once
         torch.backends.cudnn.benchmark = True
-    os.makedirs(cfg.output, exist_ok=True)
-    logger = setup_logging(info.rank, os.path.join(cfg.output, "training.log"))
-
-    if cfg.fp16 and info.device.type == "cpu":
-        logger.warning("fp16 on the CPU is emulated and many times slower than fp32: use bf16 or neither")
+    logger = setup_logging(info.rank)  # the console only: nothing is written before the run is accepted
     torch.manual_seed(cfg.seed)  # identical initial backbone on every rank
     backbone = build_backbone(cfg).to(info.device)
-    init_backbone(cfg, backbone)  # fine-tuning from pretrained weights (not when resuming)
+    initialised = init_backbone(cfg, backbone)  # fine-tuning from pretrained weights (not when resuming)
     head = build_head(cfg).to(info.device)
     model, backbone_opt = build_data_parallel(cfg, backbone)
     head_opt = build_head_optimizer(cfg, head)
@@ -78,6 +84,15 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
     if problem := warmup_problem(total_steps, warmup_steps):
         logger.warning(problem)
 
+    lock.acquire(cfg.output, info.rank)  # one live run per output: a second one is refused here
+    setup_logging(info.rank, os.path.join(cfg.output, "training.log"))
+    if info.is_main:
+        for note in compat_notes(cfg):
+            logger.warning(note)
+    if initialised:
+        logger.info(initialised)
+    if cfg.fp16 and info.device.type == "cpu":
+        logger.warning("fp16 on the CPU is emulated and many times slower than fp32: use bf16 or neither")
     checkpointer = Checkpointer(cfg.output, backbone=backbone, backbone_opt=backbone_opt, head=head,
                                 head_opt=head_opt, ema=ema, scaler=scaler, config=cfg, rank=info.rank,
                                 world_size=info.world_size, keep=cfg.keep_checkpoints)
@@ -85,7 +100,7 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
     follow_data(state, checkpointer.resumed_meta, len(dataset), dataset.fingerprint(), cfg.rec,
                 sampler.batches_per_epoch)  # another data set than the checkpoint's: the epoch restarts
     if info.is_main:  # only now: a refused run must not replace the config of the run it met
-        save_config(cfg, cfg.output)
+        save_config(cfg, cfg.output, atomic_write_text)
     if checkpointer.resumed_meta is not None:
         logger.info("resumed at step %d (epoch %d, batch %d)", state.step, state.epoch, state.batch_in_epoch)
         before = checkpointer.resumed_meta["batch_size"] * checkpointer.resumed_meta["world_size"]
@@ -100,6 +115,8 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
         from torch.utils.tensorboard import SummaryWriter
         # events past the step this run starts from (a resume's re-done steps) are dropped
         writer = SummaryWriter(os.path.join(cfg.output, "tensorboard"), purge_step=state.step + 1)
+    wandb_run = start_wandb(cfg, info.rank)  # None unless using_wandb (rank 0, or all with wandb_log_all)
+    writer = tee_writer(writer, wandb_run)
     verify = VerificationCallback(cfg.val_targets, cfg.val_dir or cfg.rec, cfg.verbose, backbone, ema, writer,
                                   is_main=info.is_main)
     if info.is_main:  # only once the data, the output and the val sets are accepted
@@ -108,7 +125,7 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
                               writer, first_step=state.step,
                               poll_limit_s=stop.grace_s if info.device.type != "cpu" else None)
     skips = SkipReport(dataset, cfg.frequent, writer, enabled=cfg.skip_bad_images)
-    micro, first_step = 0, state.step
+    first_step = state.step
     # built once: its persistent workers (and their open record files) serve every epoch
     loader = get_dataloader(dataset, sampler, cfg.num_workers, info.device, cfg.seed)
     try:
@@ -117,13 +134,16 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
                 sampler.set_epoch(state.epoch, state.batch_in_epoch)
                 dataset.set_epoch(state.epoch, cfg.seed)  # mirroring fixed by (seed, epoch, index)
                 for images, labels in loader:
+                    if state.batch_in_epoch >= steps_per_epoch * cfg.gradient_acc:
+                        continue  # too few batches left for a whole step (see last_micro)
                     problem = check_labels(labels, cfg.num_classes)  # on the CPU, where no device waits
                     if problem:
                         logger.error("%s (the head stops every rank)", problem)
                     images = normalize_images(images.to(info.device, non_blocking=True))
                     labels = labels.to(info.device, non_blocking=True)
-                    micro += 1
-                    last_micro = micro % cfg.gradient_acc == 0
+                    # a step's micro-batches never span two epochs (nor a resume): the epoch's last
+                    # batches_per_epoch % gradient_acc batches are skipped, so every epoch has steps_per_epoch
+                    last_micro = (state.batch_in_epoch + 1) % cfg.gradient_acc == 0
                     lr = cfg.lr * lr_factor(state.step, schedule_steps_total, warmup_steps, cfg.lr_scheduler,
                                              cfg.lr_power)
                     set_lr([backbone_opt, head_opt], lr)  # before forward: a fused head steps in backward
@@ -187,6 +207,8 @@ def train(cfg, config_path: str, stop: StopSignal) -> int:
     finally:
         if writer is not None:
             writer.close()
+        model_path = os.path.join(cfg.output, "model.pt")
+        finish_wandb(wandb_run, model_path if os.path.isfile(model_path) else None, cfg.save_artifacts and info.is_main)
 
 
 def cli() -> None:

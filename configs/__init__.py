@@ -6,7 +6,7 @@ import difflib
 import importlib.util
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from easydict import EasyDict as edict
 
@@ -14,14 +14,27 @@ from configs.base import config as _base
 from configs.errors import ConfigError
 from configs.validate import validate_config
 
-__all__ = ["ConfigError", "get_config", "format_config", "save_config", "parse_value", "validate_config"]
+__all__ = ["ConfigError", "get_config", "resolve_config_path", "format_config", "save_config", "parse_value",
+           "validate_config"]
+
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def resolve_config_path(path: str) -> str:
+    """The config file `path` names: as given (cwd), else a shipped config by the same name
+    (`configs/ms1mv3_r50`, `ms1mv3_r50`), so installed or checked-out configs work from anywhere."""
+    candidates = [path, os.path.join(_PACKAGE_ROOT, path),
+                  os.path.join(_PACKAGE_ROOT, "configs", os.path.basename(path))]
+    for candidate in candidates:
+        for name in (candidate, candidate + ".py"):
+            if name.endswith(".py") and os.path.isfile(name):
+                return name
+    raise ConfigError(f"config file not found: {path} (nor a shipped config of that name in "
+                      f"{os.path.join(_PACKAGE_ROOT, 'configs')})")
 
 
 def _load_module_config(path: str) -> dict:
-    if not path.endswith(".py"):
-        path = path + ".py"
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file not found: {path}")
     spec = importlib.util.spec_from_file_location("shardface_job_config", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -30,10 +43,18 @@ def _load_module_config(path: str) -> dict:
     return dict(module.config)
 
 
-def _unknown(key: str, known: Sequence[str], where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
-    hint = f"; did you mean {', '.join(close)}?" if close else ""
-    return ConfigError(f"unknown config key '{key}' in {where}{hint}")
+def _unknown(unknown: dict[str, list[str]], known: Sequence[str]) -> ConfigError:
+    """One error naming every unknown key of every source; a hint only for keys near a known one."""
+    parts = []
+    for where, keys in unknown.items():
+        named = []
+        for key in keys:
+            close = difflib.get_close_matches(key, known, n=3, cutoff=0.75)
+            named.append(f"'{key}'" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+        parts.append(f"{', '.join(named)} in {where}")
+    count = sum(len(keys) for keys in unknown.values())
+    return ConfigError(f"unknown config key{'s' if count > 1 else ''} {'; '.join(parts)}; "
+                       f"`python train.py --help` lists every key")
 
 
 def parse_value(text: str, default: Any, key: str = "") -> Any:
@@ -88,14 +109,20 @@ def parse_overrides(argv: Sequence[str]) -> list[tuple[str, str]]:
 def get_config(path: str | None = None, argv: Sequence[str] = ()) -> edict:
     """Resolve base defaults, the job config at `path`, then `--key value` overrides."""
     cfg = edict(dict(_base))
+    unknown: dict[str, list[str]] = {}
     if path:
-        for key, value in _load_module_config(path).items():
-            if key not in cfg:
-                raise _unknown(key, list(cfg), path)
-            cfg[key] = value
-    for key, text in parse_overrides(argv):
-        if key not in cfg:
-            raise _unknown(key, list(cfg), "command line")
+        path = resolve_config_path(path)
+        job = _load_module_config(path)
+        unknown[path] = [key for key in job if key not in cfg]
+        cfg.update({key: value for key, value in job.items() if key in cfg})
+        if cfg.output is None:  # arcface_torch's meaning: work_dirs/<config file name>
+            cfg.output = os.path.join("work_dirs", os.path.splitext(os.path.basename(path))[0])
+    overrides = parse_overrides(argv)
+    unknown["command line"] = [key for key, _ in overrides if key not in cfg]
+    unknown = {where: keys for where, keys in unknown.items() if keys}
+    if unknown:
+        raise _unknown(unknown, list(_base))
+    for key, text in overrides:
         try:
             cfg[key] = parse_value(text, _base[key], key)
         except ValueError as exc:
@@ -109,9 +136,10 @@ def format_config(cfg: dict) -> str:
     return "\n".join(f"{k.ljust(width)} : {cfg[k]!r}" for k in sorted(cfg))
 
 
-def save_config(cfg: dict, output: str) -> str:
-    """Write the resolved config as `output/config.json`; returns its path."""
+def save_config(cfg: dict, output: str, write_text: Callable[[str, str], None]) -> str:
+    """Write the resolved config as `output/config.json` with `write_text(path, text)`, an
+    atomic writer (utils.checkpoint.atomic_write_text; utils sits above configs), so a crash
+    mid-write never leaves a torn config.json beside model.pt. Returns its path."""
     path = os.path.join(output, "config.json")
-    with open(path, "w") as f:
-        json.dump(dict(cfg), f, indent=2, sort_keys=True, default=list)
+    write_text(path, json.dumps(dict(cfg), indent=2, sort_keys=True, default=list))
     return path

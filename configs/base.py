@@ -91,7 +91,22 @@ config.overwrite = False              # start over in an output holding checkpoi
                                       # without it, or resume, such an output is refused
 config.reset_ema = False              # resume without the checkpoint's ema.pt: restart the EMA from
                                       # the loaded weights (otherwise a missing ema.pt is an error)
+config.reset_margin = False           # resume with another margin type whose running statistics
+                                      # cannot carry over: they start afresh (otherwise refused)
 config.dist_timeout_min = 10          # a dead rank makes the others fail after this long
 config.max_steps = 0                  # shorten the schedule to N steps (0 = num_epoch epochs)
 config.stop_after_steps = 0           # save and exit after N steps of this job, schedule unchanged
                                       # (time-limited cluster jobs; resume continues exactly)
+
+# arcface_torch keys, accepted with their meaning there (its job configs load unchanged)
+config.dali = False                   # NVIDIA DALI loader there; here ShardFace's own loader runs (warned)
+config.dali_aug = False               # DALI's augmentation there; ShardFace's loader mirrors images (warned)
+config.save_all_states = True         # ShardFace always saves every state (optimizers, head, RNG)
+config.using_wandb = False            # log to Weights & Biases (pip install wandb)
+config.wandb_key = ""                 # API key for wandb.login; empty: the key wandb already knows
+config.wandb_entity = None            # wandb team or user; None: wandb's default
+config.wandb_project = "shardface"
+config.wandb_log_all = False          # every rank logs its own run; False: rank 0 only
+config.wandb_resume = False           # resume the wandb run (as wandb.init's resume)
+config.suffix_run_name = None         # appended to the run name <yymmdd_HHMM>_GPU<rank>
+config.save_artifacts = False         # log model.pt as a wandb artifact at the end

@@ -1,6 +1,7 @@
 """Every config key checked at start-up, so a bad value fails before training, naming key and value."""
 from __future__ import annotations
 
+import importlib.util
 import numbers
 
 from configs.errors import ConfigError
@@ -10,15 +11,19 @@ CHOICES = {"optimizer": ("sgd", "adamw"), "lr_scheduler": ("poly", "cosine", "po
            "margin": ("combined", "arcface", "cosface", "adaface", "magface", "curricularface", "subcenter_arcface")}
 POSITIVE_INT = ("embedding_size", "num_classes", "num_epoch", "batch_size", "gradient_acc", "frequent",
                 "checkpoint_interval", "row_block", "subcenter_k")
-NON_NEGATIVE_INT = ("num_image", "warmup_epoch", "num_workers", "verbose", "max_steps", "stop_after_steps",
+NON_NEGATIVE_INT = ("num_image", "num_workers", "verbose", "max_steps", "stop_after_steps",
                     "chunk_size", "keep_checkpoints", "seed")
+INT = ("warmup_epoch",)  # arcface_torch's 3millions sets -1 (its PolynomialLRWarmup takes it)
 POSITIVE_FLOAT = ("scale", "lr", "ema_tau", "dist_timeout_min", "magface_l_a", "magface_u_a")
 NON_NEGATIVE_FLOAT = ("weight_decay", "max_grad_norm", "lr_power", "arcface_m", "cosface_m", "adaface_m",
                       "adaface_h", "magface_l_m", "magface_u_m", "magface_lambda_g", "curricularface_m")
 BOOL = ("grad_checkpoint", "fp16", "bf16", "zero", "ema", "skip_bad_images", "resize", "overwrite", "reset_ema",
-        "head_fused_optimizer", "clip_head", "straight_through", "magface_easy_margin")
-# (low, high, low inclusive, high inclusive)
-INTERVALS = {"dropout": (0.0, 1.0, True, False), "sample_rate": (0.0, 1.0, False, True),
+        "reset_margin", "head_fused_optimizer", "clip_head", "straight_through", "magface_easy_margin",
+        "dali", "dali_aug", "save_all_states", "using_wandb", "wandb_log_all", "save_artifacts")
+OPTIONAL_STR = ("wandb_key", "wandb_entity", "wandb_project", "suffix_run_name")  # None or a string
+# (low, high, low inclusive, high inclusive); sample_rate 0 keeps only the batch's classes
+# (min(B, shard)), arcface_torch's wf42m_pfc0008_32gpu_r100 sets it
+INTERVALS = {"dropout": (0.0, 1.0, True, False), "sample_rate": (0.0, 1.0, True, True),
              "momentum": (0.0, 1.0, True, False), "ema_decay": (0.0, 1.0, False, False),
              "interclass_filtering_threshold": (0.0, 1.0, True, False), "adaface_t_alpha": (0.0, 1.0, False, True)}
 
@@ -46,6 +51,9 @@ def validate_config(cfg: dict) -> None:
     for key in NON_NEGATIVE_INT:
         if not _is_int(cfg[key]) or cfg[key] < 0:
             raise _fail(key, cfg[key], "expected an integer >= 0")
+    for key in INT:
+        if not _is_int(cfg[key]):
+            raise _fail(key, cfg[key], "expected an integer")
     for key in POSITIVE_FLOAT:
         if not _is_real(cfg[key]) or not cfg[key] > 0:
             raise _fail(key, cfg[key], "expected a number > 0")
@@ -74,6 +82,14 @@ def validate_config(cfg: dict) -> None:
             raise _fail(key, cfg[key], "expected a non-empty string")
     if not isinstance(cfg["val_targets"], (list, tuple)) or not all(isinstance(t, str) for t in cfg["val_targets"]):
         raise _fail("val_targets", cfg["val_targets"], "expected a list of .bin names")
+    for key in OPTIONAL_STR:
+        if cfg[key] is not None and not isinstance(cfg[key], str):
+            raise _fail(key, cfg[key], "expected a string or None")
+    if not isinstance(cfg["wandb_resume"], (bool, str)):
+        raise _fail("wandb_resume", cfg["wandb_resume"], "expected true, false or a wandb resume mode")
+    if cfg["using_wandb"] and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("config using_wandb = True but wandb is not installed: pip install wandb "
+                          "(or set using_wandb False)")
 
 
 def warmup_problem(total_steps: int, warmup_steps: int) -> str | None:

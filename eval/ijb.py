@@ -151,8 +151,25 @@ def plot_roc(labels, scores, path: str, title: str = "ROC") -> None:
     img.save(path)
 
 
+def check_roc_path(path: str | None) -> None:
+    """Refuse an ROC path that cannot be written, before any image is embedded."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--roc {path}: the directory {folder} does not exist; create it first")
+    if os.path.isdir(path) or not os.access(folder, os.W_OK):
+        raise ValueError(f"--roc {path}: cannot write a PNG there")
+
+
 def evaluate_ijb(root: str, backbone, prefix: str = "ijbc", batch_size: int = 64, roc_path: str | None = None):
+    check_roc_path(roc_path)
     names, templates, medias, landmarks, det_scores, pairs, labels = load_meta(root, prefix)
+    kinds = {1: "genuine (label 1)", 0: "impostor (label 0)"}
+    lacking = [kind for value, kind in kinds.items() if not (labels == value).any()]
+    if lacking:  # TAR at a FAR needs both kinds of pair
+        raise ValueError(f"{os.path.join(root, 'meta', f'{prefix}_template_pair_label.txt')}: no "
+                         f"{' and no '.join(lacking)} pairs, so TAR@FAR is undefined; the third column must hold both")
     feats = image_features(root, names, landmarks, backbone, batch_size) * det_scores[:, None]
     ids, tfeats = template_features(feats, templates, medias)
     scores = pair_scores(ids, tfeats, pairs)

@@ -4,6 +4,7 @@ checkpoint, `model.pt`, a plain (insightface) state dict, or an arcface_torch
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import torch
@@ -11,6 +12,8 @@ from torch import nn
 
 from backbones import get_model
 from utils.checkpoint import CheckpointError, read_backbone_weights, safe_load
+
+logger = logging.getLogger("shardface")
 
 
 def _embedding_size(state: dict) -> int | None:
@@ -20,8 +23,18 @@ def _embedding_size(state: dict) -> int | None:
 
 
 def _sibling_config(path: str) -> dict:
+    """The training config saved beside a weights file, or {} when it is missing or unreadable
+    (with a warning naming it: `--network` does without it)."""
     cfg = os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")
-    return json.load(open(cfg)) if os.path.isfile(cfg) else {}
+    if not os.path.isfile(cfg):
+        return {}
+    try:
+        with open(cfg) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        logger.warning("%s is unreadable (%s: %s), so it is ignored: pass --network to name the backbone", cfg, type(exc).__name__, exc)
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def load_backbone_state(path: str, ema: bool = True) -> tuple[dict, dict]:

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from heads.sharded_ce import HeadPlan, ShardedMarginCE, rows_of_classes
-from heads.sharding import class_shard, initial_class_rows
+from heads.sharding import check_world_fits, class_shard, initial_class_rows
 from losses.base import MarginLoss
 from parallel.collectives import all_gather_no_grad, all_gather_rows
 from parallel.dist import get_rank, get_world_size
@@ -91,8 +91,8 @@ class PartialFC(nn.Module):
                  process_group=None, validate: bool = True, row_block: int = 128, precision: str | None = None,
                  fused_optimizer: bool = False):
         super().__init__()
-        if not 0.0 < sample_rate <= 1.0:
-            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+        if not 0.0 <= sample_rate <= 1.0:  # 0: only the batch's classes (arcface_torch allows it)
+            raise ValueError(f"sample_rate must be in [0, 1], got {sample_rate}")
         if precision is None:  # PartialFC_V2's fp16: its logits GEMM at 16 bits; ours has bf16 for that
             precision = "bf16" if fp16 else "fp32"
         elif fp16 and precision != "bf16":
@@ -107,6 +107,7 @@ class PartialFC(nn.Module):
         self.step_rows = None  # set by SampledRowsOptimizer on a fused head
         self.group = process_group
         self.world_size = get_world_size(process_group)
+        check_world_fits(num_classes, self.world_size)
         shard = class_shard(num_classes, self.world_size, get_rank(process_group))
         self.class_start, self.num_local = shard.start, shard.size
         self.subcenters = margin_loss.subcenters

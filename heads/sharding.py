@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from configs.errors import ConfigError
 from parallel.flat import Range
 
 
@@ -14,6 +15,16 @@ def class_shard(num_classes: int, world_size: int, rank: int) -> Range:
     base, extra = divmod(num_classes, world_size)
     start = base * rank + min(rank, extra)
     return Range(start, start + base + int(rank < extra))
+
+
+def check_world_fits(num_classes: int, world_size: int) -> None:
+    """Every rank must own at least one class: a rank with an empty head shard has no row to
+    take its statistics from. The trainer and the planner refuse such a job alike."""
+    if world_size < 1:
+        raise ConfigError(f"world size {world_size}: a job needs at least one rank")
+    if num_classes < world_size:
+        raise ConfigError(f"config num_classes = {num_classes} is fewer than the world size {world_size}: every rank "
+                          f"needs at least one class of the head; run at most {num_classes} ranks")
 
 
 INIT_BLOCK = 4096  # classes drawn from one generator seed

@@ -35,6 +35,9 @@ def init_distributed(timeout_min: float = 10.0, force_group: bool = False) -> Di
     here, so a network set-up gloo cannot use fails now, naming GLOO_SOCKET_IFNAME, instead
     of at the first step. A rank that dies makes the others fail after `timeout_min`.
     """
+    launch_problem = check_launch_variables(os.environ)
+    if launch_problem:  # before any wait: a wrong launch would hang for `timeout_min`, then blame the network
+        raise RuntimeError(launch_problem)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -60,6 +63,32 @@ def init_distributed(timeout_min: float = 10.0, force_group: bool = False) -> Di
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **extra)
         create_cpu_group(timeout=timeout)
     return DistInfo(rank, local_rank, world_size, device)
+
+
+def check_launch_variables(env) -> str | None:
+    """What is wrong with torchrun's variables in `env`, naming them; None when they fit:
+    none set (one process), or WORLD_SIZE, RANK, MASTER_ADDR and MASTER_PORT consistent."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        if name in env and not env[name].strip().lstrip("-").isdigit():
+            return f"{name}={env[name]} is not an integer"
+    if "WORLD_SIZE" not in env:  # one process; a non-zero rank would write as if rank 0 existed elsewhere
+        stray = " ".join(f"{n}={env[n]}" for n in ("RANK", "LOCAL_RANK") if int(env.get(n, "0")) != 0)
+        if stray:
+            return (f"{stray} is set but WORLD_SIZE is not: a leftover from another job's environment? unset it "
+                    f"for one process, or launch with torchrun --nproc_per_node N")
+        return None
+    world_size, rank = int(env["WORLD_SIZE"]), int(env.get("RANK", "0"))
+    if world_size < 1 or not 0 <= rank < world_size:
+        return f"RANK={env.get('RANK', '0')} with WORLD_SIZE={world_size}: a rank must lie in [0, WORLD_SIZE)"
+    if world_size > 1:
+        if "RANK" not in env:
+            return f"WORLD_SIZE={world_size} but RANK is not set: launch with torchrun --nproc_per_node {world_size}"
+        missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not env.get(n)]
+        if missing:
+            return (f"WORLD_SIZE={world_size} but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+                    f"set, so the ranks cannot meet: launch with torchrun --nproc_per_node {world_size} (or unset "
+                    f"WORLD_SIZE for one process)")
+    return None
 
 
 def attempt_store(world_size: int, timeout: datetime.timedelta, env=None):
@@ -157,6 +186,25 @@ def get_world_size(group=None) -> int:
 def barrier(group=None) -> None:
     if get_world_size(group) > 1:
         dist.barrier(group)
+
+
+def from_rank0(value):
+    """Rank 0's `value` (any picklable object), on every rank: collective over the CPU group."""
+    if get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=cpu_group())
+    return box[0]
+
+
+def from_every_rank(value) -> list:
+    """Every rank's `value` (picklable), in rank order, on every rank: collective over the CPU
+    group. It doubles as a barrier that tells each rank how the others fared."""
+    if get_world_size() == 1:
+        return [value]
+    out = [None] * get_world_size()
+    dist.all_gather_object(out, value, group=cpu_group())
+    return out
 
 
 _CPU_GROUPS: dict = {}  # id(group) (None: the default group) -> its gloo side group

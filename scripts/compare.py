@@ -7,6 +7,11 @@ verification set (a .bin, e.g. from scripts.make_bin) and takes the cosine thres
 separates its pairs best, printing it and its accuracy there."""
 from __future__ import annotations
 
+if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
+    import os
+    import sys
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import sys
 
 import numpy as np

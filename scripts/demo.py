@@ -4,6 +4,11 @@ configs/demo.py on N gloo ranks, verify the trained model on unseen identities, 
 `python -m scripts.demo [--nproc 2]` from the repository root."""
 from __future__ import annotations
 
+if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
+    import os
+    import sys
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import os
 import shutil
 import subprocess

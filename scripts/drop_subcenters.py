@@ -10,6 +10,11 @@ C x D weight of those centres) and `noisy_images.txt` (dataset indices of images
 """
 from __future__ import annotations
 
+if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
+    import os
+    import sys
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import argparse
 import glob
 import json
@@ -35,6 +40,19 @@ def full_head_weight(checkpoint: str) -> tuple[torch.Tensor, int]:
     return torch.cat([p["weight"] for p in parts]), parts[0].get("subcenters", 1)
 
 
+def _training_config(run: str, checkpoint: str) -> dict:
+    """The run's config.json, or (a checkpoint directory given) the config its meta.pt holds."""
+    path = os.path.join(run, "config.json")
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except ValueError as exc:
+            raise SystemExit(f"{path}: unreadable ({exc}); the config in {checkpoint}/meta.pt is used if you pass "
+                             f"the checkpoint directory instead") from None
+    return safe_load(os.path.join(checkpoint, "meta.pt")).get("config") or {}
+
+
 @exits_on_user_error
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> int:
@@ -45,13 +63,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="list images farther than this angle from their dominant centre (default 75)")
     p.add_argument("--batch_size", type=int, default=256, help="images per forward pass (default 256)")
     args = p.parse_args(argv)
-    with open(os.path.join(args.run, "config.json")) as f:
-        cfg = EasyDict(json.load(f))
-    weight, k = full_head_weight(resolve_checkpoint(args.run))
+    if os.path.exists(args.out) and not os.path.isdir(args.out):  # found now, not after the whole pass
+        raise SystemExit(f"--out {args.out}: a file is in its place; give a directory (it receives "
+                         f"head_dominant.pt and noisy_images.txt)")
+    checkpoint = resolve_checkpoint(args.run)
+    cfg = EasyDict(_training_config(args.run, checkpoint))
+    weight, k = full_head_weight(checkpoint)
     if k < 2:
         raise SystemExit(f"{args.run}: the head has one centre per class; nothing to drop")
     model = load_backbone(args.run).eval()
     dataset = build_dataset(cfg.rec, cfg.num_classes, train=False)
+    os.makedirs(args.out, exist_ok=True)  # an unwritable --out fails here, before the pass
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=cfg.num_workers)
     embeddings, labels = [], []
     for i, (images, y) in enumerate(loader):
@@ -61,7 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     embeddings, labels = torch.cat(embeddings), torch.cat(labels)
     dominant = dominant_subcenters(weight, embeddings, labels, k)
     noisy = far_from_dominant(weight, dominant, embeddings, labels, k, args.max_degrees)
-    os.makedirs(args.out, exist_ok=True)
     torch.save(drop_subcenters(weight, dominant, k), os.path.join(args.out, "head_dominant.pt"))
     with open(os.path.join(args.out, "noisy_images.txt"), "w") as f:
         f.writelines(f"{i}\n" for i in noisy.tolist())

@@ -8,6 +8,11 @@ array (emb.txt for emb.npy). MODEL: a run directory, a checkpoint directory, a m
 (ShardFace's, or arcface_torch's with --network) or an exported .onnx (onnxruntime)."""
 from __future__ import annotations
 
+if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
+    import os
+    import sys
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import os
 import sys
 

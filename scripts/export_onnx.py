@@ -4,6 +4,11 @@ onnxruntime against torch on batches of 1 and 8. `python -m scripts.export_onnx 
 the .onnx file or a directory for `model.onnx`, by default the run's own directory."""
 from __future__ import annotations
 
+if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
+    import os
+    import sys
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import os
 import sys
 import warnings

@@ -11,6 +11,11 @@ run on the meta device, so no memory is allocated and even r2060 takes seconds.
 """
 from __future__ import annotations
 
+if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
+    import os
+    import sys
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import argparse
 import sys
 

@@ -3,6 +3,11 @@
 `python -m scripts.ijb RUN_OR_CHECKPOINT --root /data/IJB_release/IJBC --target IJBC`."""
 from __future__ import annotations
 
+if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
+    import os
+    import sys
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import sys
 
 from eval.embedder import load_model

@@ -14,6 +14,11 @@ the head rows in class order, the optimizer state of both, and the schedule posi
 """
 from __future__ import annotations
 
+if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
+    import os
+    import sys
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import os
 import re
 import sys

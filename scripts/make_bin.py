@@ -8,6 +8,11 @@ repeats and fixed by --seed; same and different pairs alternate, so every fold o
 protocol holds both kinds. scripts.verify and training's val_targets read the file as lfw.bin."""
 from __future__ import annotations
 
+if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
+    import os
+    import sys
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import itertools
 import os
 import random

@@ -3,6 +3,11 @@
 pairs from identities that are not in the training set. `python -m scripts.make_drawn_faces`."""
 from __future__ import annotations
 
+if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
+    import os
+    import sys
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import os
 import sys
 import time

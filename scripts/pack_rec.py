@@ -8,6 +8,11 @@ Every image is checked first (its header): a missing or unreadable file, or imag
 file's bytes; with --resize an image of another size is stored resized, as PNG."""
 from __future__ import annotations
 
+if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
+    import os
+    import sys
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import os
 import sys
 from collections import defaultdict

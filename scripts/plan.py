@@ -10,6 +10,11 @@ step. The model is planner.py's; tests hold it against peaks measured on the CPU
 """
 from __future__ import annotations
 
+if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
+    import os
+    import sys
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import argparse
 import sys
 
@@ -29,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", action="store_true",
                    help="print README's capacity table (r50, r100; 8 and 64 GPUs; ours vs PFC v2)")
     args, overrides = p.parse_known_args(argv)
+    if args.gpus < 1:
+        p.error(f"--gpus {args.gpus}: a job needs at least one rank")
     cfg = get_config(args.config, overrides)
     budget = args.gpu_mem_gb * GB - CUDA_RESERVE
     if args.table:

@@ -3,6 +3,11 @@
 `python -m scripts.verify RUN_OR_CHECKPOINT --bin lfw.bin [--bin cfp_fp.bin ...]`."""
 from __future__ import annotations
 
+if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
+    import os
+    import sys
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import os
 import sys
 

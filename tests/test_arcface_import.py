@@ -177,6 +177,27 @@ def test_poly_warmup_schedule_is_polynomial_lr_warmup_at_every_step(warmup, powe
         assert lr_factor(n, 10, warmup, "poly_warmup", power) == pytest.approx(expected, abs=1e-15), n
 
 
+def chained_polynomial_lr_warmup(n, warmup, total, power):
+    """PolynomialLRWarmup stepped n times as torch schedulers step: the rate is multiplied by one
+    factor per step after the warmup (and kept past the total), so any warmup < 1 never warms up."""
+    lr = 1.0
+    for step in range(1, n + 1):
+        if step > total:
+            continue
+        if step <= warmup:
+            lr = step / warmup
+        else:
+            lr *= ((1 - (step - warmup) / (total - warmup)) / (1 - (step - 1 - warmup) / (total - warmup))) ** power
+    return lr
+
+
+@pytest.mark.parametrize("warmup,power", [(-4, 1.0), (-1, 2.0)])
+def test_negative_warmup_as_in_3millions_is_polynomial_lr_warmup_stepped(warmup, power):
+    for n in range(10):
+        expected = chained_polynomial_lr_warmup(n, warmup, 10, power)
+        assert lr_factor(n, 10, warmup, "poly_warmup", power) == pytest.approx(expected, abs=1e-12), n
+
+
 def test_arcface_keys_alone_clip_the_backbone_alone_at_norm_5(one_rank):
     assert one_rank["clipped"] == [(5.0, 0)] * STEPS
 

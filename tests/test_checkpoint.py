@@ -2,6 +2,7 @@
 restarts (`resume auto`), broken `latest`, missing or truncated files, another optimizer."""
 import logging
 import os
+import re
 import shutil
 
 import pytest
@@ -11,14 +12,15 @@ import train
 from tests.conftest import train_argv
 from dataset.pack import write_insightface_rec
 from utils.checkpoint import (CheckpointError, find_checkpoint, list_checkpoints, prune_checkpoints,
-                              read_backbone_weights, safe_load)
+                              read_backbone_weights, resolve_checkpoint, safe_load)
 
 
 def _fake_checkpoint(output, step, run_id):
     path = os.path.join(output, f"checkpoint-{step:08d}")
     os.makedirs(path)
-    torch.save({"step": step, "run_id": run_id}, os.path.join(path, "meta.pt"))
-    for name in ("backbone.pt", "optimizer.pt"):
+    torch.save({"step": step, "run_id": run_id, "num_classes": 4, "world_size": 2}, os.path.join(path, "meta.pt"))
+    for name in ("backbone.pt", "optimizer.pt", "head-0000000000-0000000002.pt", "head-0000000002-0000000004.pt",
+                 "rng-rank0.pt", "rng-rank1.pt"):
         torch.save({}, os.path.join(path, name))
     return path
 
@@ -51,6 +53,24 @@ def test_dangling_or_garbage_latest_falls_back_to_newest_intact_checkpoint(tmp_p
             caplog.clear()
             assert find_checkpoint(out) == newest
         assert "not an intact checkpoint" in caplog.text
+
+
+@pytest.mark.parametrize("lost,named", [("head-0000000002-0000000004.pt", "head files for classes [2, 4)"),
+                                        ("rng-rank1.pt", "rng-rank1.pt")])
+def test_checkpoint_missing_a_head_or_rng_file_is_not_intact(tmp_path, caplog, lost, named):
+    """A save interrupted (or raced) after some ranks wrote their files: not a checkpoint to resume."""
+    out = str(tmp_path)
+    whole = _fake_checkpoint(out, 4, "r")
+    partial = _fake_checkpoint(out, 8, "r")
+    os.remove(os.path.join(partial, lost))
+    with open(os.path.join(out, "latest"), "w") as f:
+        f.write("checkpoint-00000008\n")
+    with caplog.at_level(logging.WARNING, logger="shardface"):
+        assert find_checkpoint(out) == whole
+    assert f"(it lacks {named})" in caplog.text
+    shutil.rmtree(whole)
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint-00000008, lacks {named})")):
+        resolve_checkpoint(out)
 
 
 def _train(data, out, *extra):
@@ -130,10 +150,12 @@ def test_resume_auto_starts_fresh_then_continues(drawn_faces, tmp_path):
 
 def test_missing_ema_file_is_an_error_unless_reset_is_asked_for(drawn_faces, eight_steps, tmp_path):
     out = _copy(eight_steps, tmp_path)
-    os.remove(os.path.join(find_checkpoint(out), "ema.pt"))
-    with pytest.raises(CheckpointError, match=r"checkpoint-00000008/ema\.pt is missing.*--reset_ema true"):
+    for _, ckpt in list_checkpoints(out):
+        os.remove(os.path.join(ckpt, "ema.pt"))
+    with pytest.raises(CheckpointError, match=r"checkpoint-00000008, lacks ema\.pt.*--reset_ema true"):
         _train(drawn_faces, out, "--max_steps", "10", "--resume", "true")
     assert _train(drawn_faces, out, "--max_steps", "10", "--resume", "true", "--reset_ema", "true") == 0
+    assert find_checkpoint(out).endswith("checkpoint-00000010")
 
 
 def test_truncated_backbone_file_is_reported_as_corrupt(drawn_faces, eight_steps, tmp_path):
@@ -218,3 +240,74 @@ def test_resume_on_the_same_data_moved_elsewhere_keeps_its_position(drawn_faces,
     assert _train(data, out, "--resume", "true") == 0  # 8 of 8 steps done: it only starts and checks
     log = open(os.path.join(out, "training.log")).read()
     assert "resumed at step 8 (epoch 0, batch 8)" in log and "changed since the checkpoint" not in log
+
+
+@pytest.mark.parametrize("resume", ["false", "auto"])
+def test_output_with_only_model_and_config_is_an_earlier_run(drawn_faces, eight_steps, tmp_path, resume):
+    out = _copy(eight_steps, tmp_path)
+    for _, ckpt in list_checkpoints(out):  # deleted to save space: the weights are what is left
+        shutil.rmtree(ckpt)
+    os.remove(os.path.join(out, "latest"))
+    kept = {name: open(os.path.join(out, name), "rb").read() for name in ("model.pt", "config.json")}
+    with pytest.raises(CheckpointError, match=r"holds model\.pt of an earlier run .*--overwrite true"):
+        _train(drawn_faces, out, "--resume", resume)
+    assert all(open(os.path.join(out, name), "rb").read() == data for name, data in kept.items())
+
+
+def test_resume_with_a_margin_that_keeps_statistics_is_refused_naming_the_change(drawn_faces, eight_steps, tmp_path):
+    out = _copy(eight_steps, tmp_path)
+    before = {name: os.path.getmtime(os.path.join(out, name)) for name in ("model.pt", "latest")}
+    for margin in ("adaface", "curricularface"):
+        with pytest.raises(CheckpointError, match=rf"trained with margin 'combined', this run uses '{margin}'.*"
+                                                  r"--margin combined, or pass --reset_margin true"):
+            _train(drawn_faces, out, "--max_steps", "10", "--resume", "true", "--margin", margin)
+    assert {name: os.path.getmtime(os.path.join(out, name)) for name in before} == before
+    assert find_checkpoint(out).endswith("checkpoint-00000008")
+
+
+def test_resume_with_stateless_margin_acc_or_ema_off_continues_saying_what_changes(drawn_faces, eight_steps, tmp_path):
+    out = _copy(eight_steps, tmp_path)
+    assert _train(drawn_faces, out, "--max_steps", "9", "--resume", "true", "--margin", "arcface",
+                  "--gradient_acc", "2", "--ema", "false") == 0
+    log = open(os.path.join(out, "training.log")).read()
+    assert "margin 'combined' (checkpoint) -> 'arcface' (this run): the head's weights carry over" in log
+    assert "gradient_acc 1 (checkpoint) -> 2 (this run): an optimizer step now takes 2 batches" in log
+    assert "ema turned off: the checkpoint's EMA is dropped, ema.pt is no longer written" in log
+    assert not os.path.exists(os.path.join(find_checkpoint(out), "ema.pt"))
+    assert find_checkpoint(out).endswith("checkpoint-00000009")
+
+
+def test_fallback_from_a_broken_latest_is_said_once_on_resume(drawn_faces, eight_steps, tmp_path):
+    out = _copy(eight_steps, tmp_path)
+    os.remove(os.path.join(find_checkpoint(out), "backbone.pt"))
+    assert _train(drawn_faces, out, "--max_steps", "9", "--resume", "true") == 0
+    log = open(os.path.join(out, "training.log")).read()
+    assert log.count("which is not an intact checkpoint (it lacks backbone.pt)") == 1
+    assert "resumed at step 4 " in log
+
+
+def test_epochs_hold_whole_steps_when_batches_are_not_a_multiple_of_gradient_acc(drawn_faces, tmp_path):
+    """16 batches per epoch (128 images, batch 8), gradient_acc 3: 5 steps per epoch, the 16th
+    batch skipped; no step's micro-batches span two epochs, so each checkpoint's position is
+    epoch * 5 steps plus whole steps into the epoch."""
+    out = str(tmp_path / "acc")
+    assert _train(drawn_faces, out, "--gradient_acc", "3", "--max_steps", "8", "--checkpoint_interval", "2",
+                  "--num_epoch", "2", "--ema", "false") == 0
+    for step, path in list_checkpoints(out):
+        meta = torch.load(os.path.join(path, "meta.pt"), weights_only=True)
+        assert meta["batch_in_epoch"] % 3 == 0, (step, meta["batch_in_epoch"])
+        assert step == meta["epoch"] * 5 + meta["batch_in_epoch"] // 3, (step, meta["epoch"], meta["batch_in_epoch"])
+    assert [s for s, _ in list_checkpoints(out)] == [2, 4, 6, 8]
+
+
+def test_a_failed_prune_is_logged_not_silent(tmp_path, monkeypatch, caplog):
+    out = str(tmp_path)
+    for step in (4, 8, 12):
+        _fake_checkpoint(out, step, "me")
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", path)
+    monkeypatch.setattr(os, "rmdir", refuse)  # the old checkpoint's directory cannot go
+    with caplog.at_level(logging.WARNING, logger="shardface"):
+        prune_checkpoints(out, 12, "me", keep=2)
+    assert "while pruning old checkpoints" in caplog.text and "checkpoint-00000004" in caplog.text

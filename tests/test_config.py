@@ -44,7 +44,7 @@ def test_shipped_job_configs_resolve(job):
     (["--margin_list", "1.0,0.5"], r"margin_list = \(1.0, 0.5\): expected three numbers"),
     (["--lr_scheduler", "step"], "lr_scheduler = 'step': expected one of 'poly', 'cosine'"),
     (["--optimizer", "lamb"], "optimizer = 'lamb'"),
-    (["--sample_rate", "0"], r"sample_rate = 0.0: expected a number in \(0.0, 1.0\]"),
+    (["--sample_rate", "-0.1"], r"sample_rate = -0.1: expected a number in \[0.0, 1.0\]"),
     (["--fp16", "true", "--bf16", "true"], "choose one"),
 ])
 def test_out_of_range_values_fail_at_start_naming_key_and_value(override, message):

@@ -127,3 +127,30 @@ def test_ddp_under_detail_debugging_on_gloo_is_refused_not_a_segfault():
     # torch 2.15's DDP constructor dies with SIGSEGV there (its logger): every rank says why instead
     for message in run_distributed(_ddp_under_detail, 2, init=False, timeout=120):
         assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in message and "--zero true" in message, message
+
+
+@pytest.mark.parametrize("env,named", [
+    ({"RANK": "1"}, "RANK=1 is set but WORLD_SIZE is not"),
+    ({"RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "x"}, "RANK=1 LOCAL_RANK=1 is set but WORLD_SIZE is not"),
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 but RANK is not set"),
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "WORLD_SIZE=2 but MASTER_ADDR and MASTER_PORT are not set"),
+    ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1"}, "WORLD_SIZE=2 but MASTER_PORT is not set"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK=2 with WORLD_SIZE=2"),
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE=two is not an integer"),
+])
+def test_wrong_launch_variables_are_named_at_once_before_any_wait(monkeypatch, env, named):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RuntimeError, match=named.replace("(", r"\(")) as refused:
+        init_distributed(timeout_min=10)
+    assert "GLOO_SOCKET_IFNAME" not in str(refused.value) and not dist.is_initialized()
+
+
+def test_one_process_with_harmless_leftovers_runs_alone(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "somewhere")
+    assert init_distributed().world_size == 1 and not dist.is_initialized()

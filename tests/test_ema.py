@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from parallel import ShardedEMA, Zero2Optimizer
 from tests.distributed import run_distributed
-from tests.test_zero import GLOBAL_BATCH, TINY_BUCKET_MB, TwoDtypeNet, _data, _loss
+from tests.tiny_net import GLOBAL_BATCH, TINY_BUCKET_MB, TwoDtypeNet, mse_loss, step_batch
 
 DECAY, TAU, STEPS = 0.9, 3.0, 5
 
@@ -18,8 +18,8 @@ def _plain_ema_run():
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ema = {n: p.detach().clone().double() for n, p in model.named_parameters()}
     for step in range(STEPS):
-        x, y = _data(step)
-        _loss(model, x, y).backward()
+        x, y = step_batch(step)
+        mse_loss(model, x, y).backward()
         opt.step(); opt.zero_grad()
         d = DECAY * (1 - math.exp(-(step + 1) / TAU))
         for n, p in model.named_parameters():
@@ -37,8 +37,8 @@ def _sharded_ema_worker(rank, world_size, with_zero, exchange="auto"):
     ema = ShardedEMA(model, decay=DECAY, tau=TAU, optimizer=opt if with_zero else None)
     b = GLOBAL_BATCH // world_size
     for step in range(STEPS):
-        x, y = _data(step)
-        _loss(model, x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
+        x, y = step_batch(step)
+        mse_loss(model, x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
         if not with_zero and world_size > 1:  # what DDP does
             for p in model.parameters():
                 dist.all_reduce(p.grad); p.grad /= world_size

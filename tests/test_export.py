@@ -1,4 +1,5 @@
 """ONNX export parity (r18, mbf) and clear errors for checkpoints of another network."""
+import os
 import subprocess
 import sys
 
@@ -39,3 +40,30 @@ def test_truncated_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "model.pt").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=r"model\.pt: corrupt or unreadable"):
         load_backbone(str(tmp_path / "model.pt"), "tiny")
+
+
+def test_corrupt_config_json_beside_model_is_named_and_network_gets_around_it(tmp_path, caplog):
+    torch.save(backbones.get_model("tiny").state_dict(), tmp_path / "model.pt")
+    (tmp_path / "config.json").write_text('{"network": "ti')  # torn by a crash mid-write
+    with caplog.at_level("WARNING", logger="shardface"):
+        with pytest.raises(CheckpointError, match="pass --network"):
+            load_backbone(str(tmp_path / "model.pt"))
+    assert f"{tmp_path / 'config.json'} is unreadable (JSONDecodeError" in caplog.text
+    assert load_backbone(str(tmp_path / "model.pt"), "tiny") is not None
+
+
+def test_config_json_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    from configs import get_config, save_config
+    from utils.checkpoint import atomic_write_text
+    cfg = get_config("configs/demo.py", [])
+    save_config(cfg, str(tmp_path), atomic_write_text)
+    before = (tmp_path / "config.json").read_text()
+    cfg.lr = 0.5
+
+    def no_space(*args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "replace", no_space)  # the new text is written, never put in place
+    with pytest.raises(CheckpointError, match="config.json: cannot write"):
+        save_config(cfg, str(tmp_path), atomic_write_text)
+    monkeypatch.undo()
+    assert (tmp_path / "config.json").read_text() == before

@@ -1,9 +1,11 @@
 """Launched with torchrun like users do: a stop signal on one rank saves and exits cleanly on
 every rank; a rank that dies makes the others exit instead of hanging."""
+import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,12 +16,12 @@ from tests.conftest import train_argv
 from utils.checkpoint import resolve_checkpoint
 
 
-def _launch(data_dir, output, *extra):
+def _launch(data_dir, output, *extra, console=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "train.py", *train_argv(data_dir, output, "--max_steps", "100000", "--num_epoch", "1000",
                                    "--checkpoint_interval", "100000", *extra)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    console = open(os.path.join(os.path.dirname(output), os.path.basename(output) + ".console"), "w")
+    console = open(console or output + ".console", "w")
     return subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
@@ -173,6 +175,35 @@ def test_preemption_of_a_torchrun_job_with_loader_workers_saves_and_exits(drawn_
     assert "is killed by signal" not in _console(out)
     assert resolve_checkpoint(out).endswith(f"checkpoint-{int(saved[0]):08d}")
     assert int(saved[0]) >= 3 and os.path.isfile(os.path.join(out, "model.pt"))
+
+
+@pytest.mark.slow
+def test_second_job_on_a_live_jobs_output_is_refused_at_once_and_the_first_saves(drawn_faces, tmp_path):
+    """A SLURM requeue or a double submission while the first job runs: the second job's
+    ranks all stop at start, naming the live run; the first one goes on and saves."""
+    out = str(tmp_path / "twice")
+    first = _launch(drawn_faces, out, "--checkpoint_interval", "2")
+    second = None
+    try:
+        _wait_for_step(out, 3, first)
+        holder = json.load(open(os.path.join(out, "run.lock")))
+        assert holder["pid"] in _workers(first.pid)
+        second = _launch(drawn_faces, out, "--resume", "auto", console=out + ".second")
+        assert _finish(second, 90, "the second job") != 0
+        console = open(out + ".second").read()
+        assert (f"in use by a live run (host {socket.gethostname()}, pid {holder['pid']}, user {holder['user']}"
+                in console)
+        log = open(os.path.join(out, "training.log")).read()
+        assert log.count("config configs/demo.py") == 1 and "resumed at step" not in log  # it wrote nothing
+        assert first.poll() is None  # the first job is unharmed and still training
+        os.kill(_workers(first.pid)[1], signal.SIGTERM)
+        assert first.wait(timeout=120) == 0
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert not os.path.exists(os.path.join(out, "run.lock"))
+    _assert_resumable(drawn_faces, out)
 
 
 def test_dead_rank_makes_the_job_exit_instead_of_hanging(drawn_faces, tmp_path):

@@ -87,3 +87,20 @@ def test_alignment_moves_landmarks_onto_template():
 def test_missing_meta_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="ijbc_face_tid_mid.txt"):
         evaluate_ijb(str(tmp_path), MeanColour())
+
+
+def test_roc_path_in_a_missing_directory_is_refused_before_embedding(tmp_path):
+    _make_fixture(tmp_path)
+    class NeverCalled(MeanColour):
+        def forward(self, x):
+            raise AssertionError("embedded images before checking the output")
+    with pytest.raises(ValueError, match=r"--roc .*missing/roc.png: the directory .*missing does not exist"):
+        evaluate_ijb(str(tmp_path), NeverCalled(), "ijbc", roc_path=str(tmp_path / "missing" / "roc.png"))
+
+
+def test_pairs_without_impostors_are_named_not_a_zero_size_error(tmp_path):
+    _make_fixture(tmp_path)
+    pairs = tmp_path / "meta" / "ijbc_template_pair_label.txt"
+    pairs.write_text("".join(line.rsplit(" ", 1)[0] + " 1\n" for line in pairs.read_text().splitlines()))
+    with pytest.raises(ValueError, match=r"ijbc_template_pair_label.txt: no impostor \(label 0\) pairs"):
+        evaluate_ijb(str(tmp_path), MeanColour(), "ijbc")

@@ -237,3 +237,30 @@ def test_adaface_non_target_cosines_past_its_clamp_carry_no_gradient(chunk, rate
     torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(head.weight.grad, w.grad, rtol=1e-5, atol=1e-5 * w.grad.abs().max().item())
     torch.testing.assert_close(e.grad, ref_e.grad, rtol=1e-5, atol=1e-5 * ref_e.grad.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def subcenter_run(drawn_faces, tmp_path_factory):
+    import train
+    from tests.conftest import train_argv
+    out = str(tmp_path_factory.mktemp("subcenter") / "run")
+    assert train.main(train_argv(drawn_faces, out, "--max_steps", "2", "--margin", "subcenter_arcface",
+                                 "--subcenter_k", "2", "--ema", "false")) == 0
+    return out
+
+
+def test_drop_subcenters_checks_its_output_before_the_pass(subcenter_run, tmp_path, monkeypatch):
+    from scripts import drop_subcenters
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    monkeypatch.setattr(drop_subcenters, "build_dataset", lambda *a, **k: pytest.fail("embedded before checking"))
+    with pytest.raises(SystemExit, match=f"--out {taken}: a file is in its place"):
+        drop_subcenters.main([subcenter_run, "--out", str(taken)])
+    assert taken.read_text() == "a file"
+
+
+def test_drop_subcenters_on_a_checkpoint_directory_reads_meta_config(subcenter_run, tmp_path):
+    from scripts import drop_subcenters
+    from utils.checkpoint import find_checkpoint
+    assert drop_subcenters.main([find_checkpoint(subcenter_run), "--out", str(tmp_path / "clean")]) == 0
+    assert torch.load(tmp_path / "clean" / "head_dominant.pt").shape == (16, 128)  # one centre per class

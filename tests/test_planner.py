@@ -74,3 +74,27 @@ def test_planner_zero2_shards_and_gradient_buckets_match_the_optimizer(optimizer
         assert abs(planned["zero optimizer state shard"] - state) < 0.10 * state
         assert abs(planned["zero gradient shard"] - grad) < 0.10 * grad
         assert abs(planned["zero gradient buckets"] - scratch) < 0.10 * scratch, (planned, scratch)
+
+
+def _empty_shard_rank(rank, world_size):
+    from configs import ConfigError
+    try:
+        PartialFC(CosFace(), 8, world_size - 1)
+    except ConfigError as exc:
+        return str(exc)
+    return "built"
+
+
+def test_more_ranks_than_classes_is_refused_at_start_on_every_rank_and_by_the_plan():
+    import subprocess
+    import sys
+    messages = run_distributed(_empty_shard_rank, 2, timeout=120)
+    assert messages == ["config num_classes = 1 is fewer than the world size 2: every rank needs at least one "
+                        "class of the head; run at most 1 ranks"] * 2
+    plan = subprocess.run([sys.executable, "-m", "scripts.plan", "configs/demo.py", "--gpus", "3", "--num_classes",
+                           "2"], capture_output=True, text=True)
+    assert plan.returncode != 0 and "num_classes = 2 is fewer than the world size 3" in plan.stderr
+    zero = subprocess.run([sys.executable, "-m", "scripts.plan", "configs/demo.py", "--gpus", "0"],
+                          capture_output=True, text=True)
+    assert zero.returncode == 2 and "--gpus 0: a job needs at least one rank" in zero.stderr
+    assert "ZeroDivisionError" not in zero.stderr

@@ -8,34 +8,10 @@ from parallel import DynamicLossScaler, ShardedEMA, Zero2Optimizer
 from parallel.scratch import ScratchPool
 from parallel.zero import BucketState
 from tests.distributed import run_distributed
+from tests.tiny_net import GLOBAL_BATCH, TINY_BUCKET_MB, TwoDtypeNet, mse_loss, step_batch
 
-GLOBAL_BATCH, STEPS = 12, 6
-TINY_BUCKET_MB = 40 * 4 / 2**20  # ~40 fp32 elements: many buckets, shards straddle params
+STEPS = 6
 TINY_CHUNK_MB = 25 * 4 / 2**20   # the optimizer steps each shard in chunks of 25 elements
-
-
-class TwoDtypeNet(nn.Module):
-    """7*13+13+13+13*5+5 = 187 fp32 elements (not divisible by 2 or 3) plus an fp64 vector."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin1 = nn.Linear(7, 13)
-        self.act = nn.PReLU(13)
-        self.lin2 = nn.Linear(13, 5)
-        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 5, dtype=torch.float64))
-
-    def forward(self, x):
-        return self.lin2(self.act(self.lin1(x))) * self.scale.float()
-
-
-def _data(step):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(GLOBAL_BATCH, 7, generator=g), torch.randn(GLOBAL_BATCH, 5, generator=g)
-
-
-def _loss(model, x, y):
-    return (model(x) - y).square().mean()
 
 
 OPTIMIZERS = {
@@ -50,8 +26,8 @@ def _reference(opt_name, clip, steps=STEPS):
     opt = cls(model.parameters(), **kw)
     norms = []
     for step in range(steps):
-        x, y = _data(step)
-        _loss(model, x, y).backward()
+        x, y = step_batch(step)
+        mse_loss(model, x, y).backward()
         if clip:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
@@ -69,8 +45,8 @@ def _zero_train(rank, world_size, opt_name, clip, exchange="auto", steps=STEPS, 
     b = GLOBAL_BATCH // world_size
     norms = []
     for step in range(first, first + steps):
-        x, y = _data(step)
-        _loss(model, x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
+        x, y = step_batch(step)
+        mse_loss(model, x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
         if opt.exchange != "collective":  # gradients were copied into buckets and freed
             assert all(p.grad is None for p in model.parameters())
         else:  # views of the bucket buffer, zeroed once reduced
@@ -110,10 +86,10 @@ def _accumulation_worker(rank, world_size):
     opt = Zero2Optimizer(model, torch.optim.SGD, bucket_cap_mb=TINY_BUCKET_MB, lr=0.05, momentum=0.9)
     b = GLOBAL_BATCH // world_size
     for step in range(3):
-        x, y = _data(step)
+        x, y = step_batch(step)
         x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
         for half in (slice(0, b // 2), slice(b // 2, b)):
-            (_loss(model, x[half], y[half]) / 2).backward()
+            (mse_loss(model, x[half], y[half]) / 2).backward()
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -123,8 +99,8 @@ def test_gradient_accumulation_over_micro_batches_equals_the_full_batch():
     ref_model = TwoDtypeNet()
     opt = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
     for step in range(3):
-        x, y = _data(step)
-        _loss(ref_model, x, y).backward()
+        x, y = step_batch(step)
+        mse_loss(ref_model, x, y).backward()
         opt.step(); opt.zero_grad()
     for params in run_distributed(_accumulation_worker, 2):
         for name, p in ref_model.named_parameters():
@@ -182,8 +158,8 @@ def _bf16_worker(rank, world_size):
     b = GLOBAL_BATCH // world_size
     losses = []
     for step in range(8):
-        x, y = _data(0)
-        loss = _loss(model, x[rank * b:(rank + 1) * b].bfloat16(), y[rank * b:(rank + 1) * b].bfloat16())
+        x, y = step_batch(0)
+        loss = mse_loss(model, x[rank * b:(rank + 1) * b].bfloat16(), y[rank * b:(rank + 1) * b].bfloat16())
         loss.backward()
         opt.step(); opt.zero_grad()
         losses.append(float(loss))
@@ -215,7 +191,7 @@ def _fp16_skip_worker(rank, world_size):
     b = GLOBAL_BATCH // world_size
     record = []
     for step in range(3):
-        x, y = _data(step)
+        x, y = step_batch(step)
         x = x[rank * b:(rank + 1) * b]
         if step == 1 and rank == 1:
             x = x.clone(); x[0, 0] = float("inf")  # an overflow on one rank only
@@ -276,9 +252,9 @@ def test_a_parameter_without_gradient_is_named_instead_of_reducing_garbage():
     model = TwoDtypeNet()
     model.unused = nn.Linear(3, 3)
     opt = Zero2Optimizer(model, torch.optim.SGD, lr=0.1)
-    x, y = _data(0)
+    x, y = step_batch(0)
     with pytest.raises(RuntimeError, match=r"parameter 'unused\.(weight|bias)' \(2 in all\) got no gradient"):
-        _loss(model, x, y).backward()
+        mse_loss(model, x, y).backward()
 
 
 @pytest.mark.parametrize("network", ["r18", "mbf", "vit_t"])
@@ -334,7 +310,7 @@ def _collective_worker(rank, world_size, opt_name, clip):
                          exchange="collective", max_inflight_buckets=3, **kw)
     buckets = sum(len(g.buckets) for g in opt.groups)
     params, norms = _zero_train(rank, world_size, opt_name, clip, model=model, opt=opt)
-    x, _ = _data(STEPS)
+    x, _ = step_batch(STEPS)
     out = model(x)  # the forward pre-hook waits for the last step's all-gather
     return params, norms, out.detach(), log.calls, log.most_open, buckets
 
@@ -345,7 +321,7 @@ def test_collective_exchange_matches_plain_torch_with_buckets_in_flight_and_no_r
         ref_params, ref_norms = _reference(opt_name, clip)
         ref_model = TwoDtypeNet()
         ref_model.load_state_dict(ref_params)
-        ref_out = ref_model(_data(STEPS)[0]).detach()
+        ref_out = ref_model(step_batch(STEPS)[0]).detach()
         for params, norms, out, calls, most_open, buckets in run_distributed(
                 _collective_worker, world_size, opt_name, clip):
             assert norms == pytest.approx(ref_norms, rel=1e-5) and min(ref_norms) > clip
@@ -420,8 +396,8 @@ def _norm_worker(rank, world_size, batches=20):
             net = model
         norms[variant] = []
         for i in range(batches):
-            x, y = _data(i)
-            _loss(net, x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
+            x, y = step_batch(i)
+            mse_loss(net, x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
             norms[variant].append(opt.clip_grad_norm_(0.3).item())
             opt.zero_grad()
     return norms
@@ -445,13 +421,13 @@ def _no_sync_worker(rank, world_size, exchange):
     b = GLOBAL_BATCH // world_size
     silent = []
     for step in range(3):
-        x, y = _data(step)
+        x, y = step_batch(step)
         x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
         with opt.no_sync():
             before = len(log.calls)
-            (_loss(model, x[:b // 2], y[:b // 2]) / 2).backward()
+            (mse_loss(model, x[:b // 2], y[:b // 2]) / 2).backward()
             silent.append(len(log.calls) == before)
-        (_loss(model, x[b // 2:], y[b // 2:]) / 2).backward()
+        (mse_loss(model, x[b // 2:], y[b // 2:]) / 2).backward()
         opt.step()
         opt.zero_grad()
     return {n: t.clone() for n, t in model.state_dict().items()}, silent
@@ -462,7 +438,7 @@ def test_no_sync_micro_batches_equal_the_full_batch_and_communicate_nothing(exch
     ref_model = TwoDtypeNet()
     opt = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
     for step in range(3):
-        _loss(ref_model, *_data(step)).backward()
+        mse_loss(ref_model, *step_batch(step)).backward()
         opt.step(); opt.zero_grad()
     for params, silent in run_distributed(_no_sync_worker, 2, exchange):
         assert silent == [True] * 3
@@ -521,7 +497,7 @@ def test_state_dicts_gathered_to_one_rank_equal_the_all_gathered_ones_on_the_cpu
 def _host_sync_worker(rank, world_size):
     from parallel.ddp import DDPOptimizer
     from tests.host_sync import HostSyncCounter
-    x, y = _data(0)
+    x, y = step_batch(0)
     b = GLOBAL_BATCH // world_size
     x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
     syncs = {}
@@ -536,7 +512,7 @@ def _host_sync_worker(rank, world_size):
             net = model
         # (SGD: torch's AdamW reads its step count, a CPU tensor, on the host; no device wait)
         for step in range(2):  # the second step: momentum exists, an all-gather is pending
-            loss = _loss(net, x, y)
+            loss = mse_loss(net, x, y)
             if variant == "ddp":  # DDP's reducer is torch's, not ours
                 loss.backward()
             with HostSyncCounter() as counter:
@@ -549,7 +525,7 @@ def _host_sync_worker(rank, world_size):
             syncs[variant] = counter.calls
         assert found_inf.item() == 0
         scaler = DynamicLossScaler(init_scale=1.0)
-        _loss(net, x, y).backward()
+        mse_loss(net, x, y).backward()
         with HostSyncCounter() as counter:
             scaler.unscale_(opt)
         syncs[variant + " scaler"] = counter.calls

@@ -17,8 +17,8 @@ The output directory must be shared by all ranks (one machine, or a shared file 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
-import glob
 import logging
 import os
 import random
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from configs.errors import UserError
-from parallel.dist import barrier
+from parallel.dist import from_every_rank, get_rank
 
 logger = logging.getLogger("shardface")
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -39,6 +39,10 @@ CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
 
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint that is missing, unreadable or does not fit this run (the message names it)."""
+
+
+class NoSpaceError(CheckpointError):
+    """A write failed for want of disk space."""
 
 
 def new_run_id() -> str:
@@ -63,11 +67,29 @@ def _write_atomically(path: str, mode: str, write) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as exc:
-        with_path = f"{path}: cannot write ({os.strerror(exc.errno) if exc.errno else exc})"
-        if exc.errno == errno.ENOSPC:
-            with_path += f"; free space on {os.path.dirname(os.path.abspath(path))} or point output elsewhere"
-        raise CheckpointError(with_path) from exc
+    except (OSError, RuntimeError) as exc:
+        # torch.save reports a failed write as RuntimeError("[enforce fail at inline_container.cc ...")
+        if isinstance(exc, RuntimeError) and "inline_container" not in str(exc):
+            raise
+        with contextlib.suppress(OSError):
+            os.remove(tmp)  # a partial file would keep the disk full
+        cause = exc if isinstance(exc, OSError) else exc.__context__ if isinstance(exc.__context__, OSError) else None
+        code = cause.errno if cause is not None else None
+        folder = os.path.dirname(os.path.abspath(path))
+        if code is None and _free_bytes(folder) < 1 << 20:  # torch's own writer fails without an errno
+            code = errno.ENOSPC
+        reason = os.strerror(code) if code else str(exc).splitlines()[0]
+        if code == errno.ENOSPC:
+            raise NoSpaceError(f"{path}: cannot write ({reason}); free space on {folder} or point output "
+                               f"elsewhere") from exc
+        raise CheckpointError(f"{path}: cannot write ({reason})") from exc
+
+
+def _free_bytes(folder: str) -> int:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return 1 << 62
 
 
 def atomic_save(obj, path: str) -> None:
@@ -152,30 +174,39 @@ def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, h
     `extra_meta` joins meta.pt (`imported_from`: a checkpoint without RNG states to restore)."""
     final = os.path.join(output, f"checkpoint-{state.step:08d}")
     tmp = f"{final}.tmp"
+    problem = None
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    barrier()
+        problem = _attempt(lambda: os.makedirs(tmp))
+    _agree(problem, tmp, output, 0)
     opt_state = backbone_opt.state_dict(to_rank=0)   # collectives: every rank takes part
     ema_state = ema.state_dict(to_rank=0) if ema is not None else None
     end = head.class_start + head.num_local
-    atomic_save(_head_payload(head, head_opt), os.path.join(tmp, f"head-{head.class_start:010d}-{end:010d}.pt"))
-    atomic_save(rng_state(), os.path.join(tmp, f"rng-rank{rank}.pt"))
-    if rank == 0:
-        weights = cpu_tensors(backbone.state_dict())
-        atomic_save(weights, os.path.join(tmp, "backbone.pt"))
-        atomic_save(opt_state, os.path.join(tmp, "optimizer.pt"))
-        if ema_state is not None:
-            atomic_save({"state": ema_state, "updates": ema.updates}, os.path.join(tmp, "ema.pt"))
-        meta = {**asdict(state), "world_size": world_size, "num_classes": head.num_classes,
-                "batch_size": int(config.batch_size) if config else 0,
-                "scaler": scaler.state_dict() if scaler is not None else None,
-                # running statistics of the margin (identical on every rank)
-                "margin": {k: v.cpu() for k, v in head.margin_loss.state_dict().items()},
-                "config": _plain(dict(config)) if config else {}, **(extra_meta or {})}
-        atomic_save(meta, os.path.join(tmp, "meta.pt"))
-    barrier()
-    if rank == 0:
+    head_payload = _head_payload(head, head_opt)
+    weights = cpu_tensors(backbone.state_dict()) if rank == 0 else None
+
+    def write_parts():
+        atomic_save(head_payload, os.path.join(tmp, f"head-{head.class_start:010d}-{end:010d}.pt"))
+        atomic_save(rng_state(), os.path.join(tmp, f"rng-rank{rank}.pt"))
+        if rank == 0:
+            atomic_save(weights, os.path.join(tmp, "backbone.pt"))
+            atomic_save(opt_state, os.path.join(tmp, "optimizer.pt"))
+            if ema_state is not None:
+                atomic_save({"state": ema_state, "updates": ema.updates}, os.path.join(tmp, "ema.pt"))
+            meta = {**asdict(state), "world_size": world_size, "num_classes": head.num_classes,
+                    "batch_size": int(config.batch_size) if config else 0,
+                    "scaler": scaler.state_dict() if scaler is not None else None,
+                    # running statistics of the margin (identical on every rank)
+                    "margin": {k: v.cpu() for k, v in head.margin_loss.state_dict().items()},
+                    "config": _plain(dict(config)) if config else {}, **(extra_meta or {})}
+            atomic_save(meta, os.path.join(tmp, "meta.pt"))
+
+    # what a checkpoint takes on disk: the previous one's size, else this rank's share times W
+    needed = _previous_size(output) or _tensor_bytes([weights, opt_state, ema_state]) + \
+        _tensor_bytes(head_payload) * world_size
+    _agree(_attempt(write_parts), tmp, output, needed)
+
+    def publish():
         _fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -184,8 +215,53 @@ def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, h
         prune_checkpoints(output, state.step, state.run_id, keep)
         if export_to:
             atomic_save(ema_state if ema_state is not None else weights, export_to)
-    barrier()
+    _agree(_attempt(publish) if rank == 0 else None, tmp, output, needed)
     return final
+
+
+def _attempt(write) -> tuple[str, bool] | None:
+    """None when `write()` succeeds, else (its CheckpointError's message, whether for want of space)."""
+    try:
+        write()
+    except CheckpointError as exc:
+        return str(exc), isinstance(exc, NoSpaceError)
+    except OSError as exc:
+        return f"{exc.filename or 'checkpoint'}: cannot write ({exc.strerror or exc})", exc.errno == errno.ENOSPC
+    return None
+
+
+def _agree(problem: tuple[str, bool] | None, tmp: str, output: str, needed: int) -> None:
+    """Collective: every rank learns whether any rank's write failed (no rank waits forever at
+    a barrier for one that gave up); then all raise alike, and the partial save is removed."""
+    problems = [p for p in from_every_rank(problem) if p is not None]
+    if not problems:
+        return
+    if get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    message, no_space = problems[0]
+    if no_space:
+        raise NoSpaceError(f"{message} (a checkpoint needs about {needed / 2**20:.0f} MiB; "
+                           f"{_free_bytes(output) / 2**20:.0f} MiB free); the partial save was removed")
+    raise CheckpointError(message)
+
+
+def _tensor_bytes(obj) -> int:
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _previous_size(output: str) -> int:
+    found = list_checkpoints(output)
+    if not found:
+        return 0
+    newest = found[-1][1]
+    return sum(os.path.getsize(os.path.join(newest, f)) for f in os.listdir(newest)
+               if os.path.isfile(os.path.join(newest, f)))
 
 
 def list_checkpoints(output: str) -> list[tuple[int, str]]:
@@ -205,9 +281,40 @@ def _meta_or_none(ckpt: str) -> dict | None:
     return meta if isinstance(meta, dict) else None
 
 
-def _intact(ckpt: str) -> bool:
-    return (os.path.isdir(ckpt) and all(os.path.isfile(os.path.join(ckpt, f)) for f in ("backbone.pt", "optimizer.pt"))
-            and _meta_or_none(ckpt) is not None)
+HEAD_FILE = re.compile(r"^head-(\d+)-(\d+)\.pt$")
+
+
+def missing_files(ckpt: str, ema_optional: bool = False) -> list[str]:
+    """What checkpoint directory `ckpt` lacks to be complete (empty when intact): meta.pt
+    readable, backbone.pt, optimizer.pt, head files covering every class of meta's
+    num_classes, an rng file per rank of the saved world size (not for an imported run), and
+    ema.pt when EMA was on (unless `ema_optional`: a resume that restarts the EMA)."""
+    if not os.path.isdir(ckpt):
+        return [ckpt]
+    meta = _meta_or_none(ckpt)
+    if meta is None:
+        return ["meta.pt"]
+    names = set(os.listdir(ckpt))
+    missing = [f for f in ("backbone.pt", "optimizer.pt") if f not in names]
+    if (meta.get("config") or {}).get("ema") and "ema.pt" not in names and not ema_optional:
+        missing.append("ema.pt")
+    if not meta.get("imported_from"):  # an imported run has no RNG states to restore
+        missing += [f"rng-rank{r}.pt" for r in range(int(meta.get("world_size", 1)))
+                    if f"rng-rank{r}.pt" not in names]
+    spans = sorted((int(m.group(1)), int(m.group(2))) for m in map(HEAD_FILE.match, names) if m)
+    covered = 0  # the head files must tile [0, num_classes) without a gap
+    for a, b in spans:
+        if a > covered:
+            break
+        covered = max(covered, b)
+    num_classes = int(meta.get("num_classes", 0))
+    if covered < num_classes:
+        missing.append(f"head files for classes [{covered}, {num_classes})")
+    return missing
+
+
+def _intact(ckpt: str, ema_optional: bool = False) -> bool:
+    return not missing_files(ckpt, ema_optional)
 
 
 def prune_checkpoints(output: str, newest_step: int, run_id: str, keep: int) -> list[str]:
@@ -220,11 +327,13 @@ def prune_checkpoints(output: str, newest_step: int, run_id: str, keep: int) -> 
              if step < newest_step and (_meta_or_none(path) or {}).get("run_id") == run_id]
     doomed = older[:max(0, len(older) - (keep - 1))]
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path, onerror=lambda _, where, exc: logger.warning(
+            "could not delete %s while pruning old checkpoints (%s): it takes disk space; delete it by hand",
+            where, exc[1]))
     return doomed
 
 
-def find_checkpoint(path: str) -> str | None:
+def find_checkpoint(path: str, ema_optional: bool = False) -> str | None:
     """The checkpoint directory `path` is, or the one a run output's `latest` names; when
     `latest` is missing, dangling or garbage, the newest intact checkpoint (with a warning).
     None when there is none."""
@@ -235,22 +344,29 @@ def find_checkpoint(path: str) -> str | None:
     if os.path.isfile(latest):
         with open(latest, "rb") as f:
             named = f.read(256).decode("utf-8", "replace").strip()
-        if CHECKPOINT_NAME.match(named) and _intact(os.path.join(path, named)):
+        if CHECKPOINT_NAME.match(named) and _intact(os.path.join(path, named), ema_optional):
             return os.path.join(path, named)
     for _, ckpt in reversed(list_checkpoints(path)):
-        if _intact(ckpt):
+        if _intact(ckpt, ema_optional):
             if named is not None:
-                logger.warning("%s names %r, which is not an intact checkpoint; using the newest intact one, %s",
-                               latest, named[:64], ckpt)
+                lacks = missing_files(os.path.join(path, named), ema_optional) if CHECKPOINT_NAME.match(named) else []
+                logger.warning("%s names %r, which is not an intact checkpoint%s; using the newest intact one, %s",
+                               latest, named[:64], f" (it lacks {', '.join(lacks)})" if lacks else "", ckpt)
             return ckpt
     return None
 
 
-def resolve_checkpoint(path: str) -> str:
+def resolve_checkpoint(path: str, ema_optional: bool = False) -> str:
     """Like `find_checkpoint`, but an error when there is no checkpoint."""
-    ckpt = find_checkpoint(path)
+    ckpt = find_checkpoint(path, ema_optional)
     if ckpt is None:
-        raise CheckpointError(f"{path}: not a checkpoint (no meta.pt), and no intact checkpoint-* directory in it")
+        found = list_checkpoints(path)
+        lacks = missing_files(found[-1][1], ema_optional) if found else []
+        newest = f" (the newest, {found[-1][1]}, lacks {', '.join(lacks)})" if lacks else ""
+        if "ema.pt" in lacks:
+            newest += "; --reset_ema true resumes without it, restarting the EMA from the loaded weights"
+        raise CheckpointError(f"{path}: not a checkpoint (no meta.pt), and no intact checkpoint-* directory in it"
+                              f"{newest}")
     return ckpt
 
 
@@ -270,8 +386,9 @@ def _load_head(ckpt: str, head, head_opt) -> None:
     weight = head.weight.detach()
     new_state: dict = {}
     covered = 0
-    for path in sorted(glob.glob(os.path.join(ckpt, "head-*.pt"))):
-        a, b = (int(v) for v in re.findall(r"head-(\d+)-(\d+)\.pt$", path)[0])
+    for name in sorted(n for n in os.listdir(ckpt) if HEAD_FILE.match(n)):
+        path = os.path.join(ckpt, name)
+        a, b = (int(v) for v in HEAD_FILE.match(name).groups())
         lo, hi = max(a, start), min(b, end)
         if lo >= hi:
             continue
@@ -296,13 +413,44 @@ def _load_head(ckpt: str, head, head_opt) -> None:
         head_opt.state[head.weight] = new_state
 
 
+def resume_changes(ckpt: str, saved: dict, saved_margin: dict, margin_loss, config) -> bool:
+    """The rule for config changes at resume (README, Checkpoints), one line each. Returns whether
+    the checkpoint's margin statistics are loaded.
+    - another margin type: refused when either margin keeps running statistics (adaface,
+      curricularface), unless `reset_margin` (they start afresh); between state-less margins
+      it continues with a warning;
+    - another `gradient_acc`: continues, warning that the optimizer step now takes another number
+      of batches (steps per epoch and the effective batch change; lr is not rescaled);
+    - `ema` turned off: continues, warning that the EMA is dropped and ema.pt no longer written."""
+    if config is None:
+        return True
+    before, now = saved.get("margin", config.margin), config.margin
+    if before != now:
+        stateful = bool(saved_margin) or bool(margin_loss.state_dict())
+        if stateful and not config.reset_margin:
+            raise CheckpointError(f"{ckpt}: trained with margin '{before}', this run uses '{now}', and their running "
+                                  f"statistics cannot carry over: resume with --margin {before}, or pass "
+                                  f"--reset_margin true to start '{now}'s statistics afresh")
+        logger.warning("margin '%s' (checkpoint) -> '%s' (this run): the head's weights carry over%s", before, now,
+                       "; the margin's running statistics start afresh" if stateful else "")
+    acc_before = saved.get("gradient_acc", config.gradient_acc)
+    if acc_before != config.gradient_acc:
+        logger.warning("gradient_acc %d (checkpoint) -> %d (this run): an optimizer step now takes %d batches per rank, "
+                       "so steps per epoch and the effective batch change; lr %g is not rescaled", acc_before,
+                       config.gradient_acc, config.gradient_acc, config.lr)
+    if saved.get("ema") and not config.ema:
+        logger.warning("ema turned off: the checkpoint's EMA is dropped, ema.pt is no longer written, and model.pt "
+                       "now holds the trained (not averaged) weights")
+    return before == now
+
+
 def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=None, scaler=None,
                     rank: int = 0, world_size: int = 1, batch_size: int | None = None,
                     config=None) -> tuple[TrainState, dict]:
     """Restore everything saved by `save_checkpoint`, resharding to this world size. With
     `config`, its `optimizer` must be the checkpoint's, and a missing ema.pt of a run that
     had EMA on is an error unless `config.reset_ema`."""
-    ckpt = resolve_checkpoint(path)
+    ckpt = resolve_checkpoint(path, ema_optional=bool(config is not None and config.reset_ema))
     meta = safe_load(os.path.join(ckpt, "meta.pt"))
     saved_config = meta.get("config") or {}
     if meta["num_classes"] != head.num_classes:
@@ -311,6 +459,7 @@ def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=No
         raise CheckpointError(f"{ckpt}: trained with optimizer '{saved_config['optimizer']}', this run uses "
                               f"'{config.optimizer}'; its optimizer state cannot carry over: resume with "
                               f"--optimizer {saved_config['optimizer']}")
+    keep_margin = resume_changes(ckpt, saved_config, meta.get("margin") or {}, head.margin_loss, config)
     weights = safe_load(os.path.join(ckpt, "backbone.pt"))  # a corrupt file is reported as such
     try:
         backbone.load_state_dict(weights)
@@ -329,7 +478,7 @@ def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=No
             logger.warning("EMA starts from the weights of %s", ckpt)
             ema.load_state_dict(backbone.state_dict(), updates=0)
     _load_head(ckpt, head, head_opt)
-    if meta.get("margin"):
+    if meta.get("margin") and keep_margin:
         head.margin_loss.load_state_dict(meta["margin"])
     if scaler is not None and meta.get("scaler"):
         scaler.load_state_dict(meta["scaler"])

@@ -5,9 +5,7 @@ import logging
 import os
 import shutil
 
-import torch.distributed as dist
-
-from parallel.dist import barrier, cpu_group, get_world_size
+from parallel.dist import barrier, from_rank0
 from utils.checkpoint import (CheckpointError, TrainState, find_checkpoint, list_checkpoints, load_checkpoint,
                               new_run_id, save_checkpoint)
 from utils.divergence import check_weights
@@ -24,15 +22,6 @@ def start_logs_over(output: str) -> None:
     log = os.path.join(output, "training.log")
     if os.path.isfile(log):
         os.truncate(log, 0)
-
-
-def _same_on_every_rank(value: str) -> str:
-    """Rank 0's value, on every rank."""
-    if get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=cpu_group())
-    return box[0]
 
 
 class Checkpointer:
@@ -55,18 +44,25 @@ class Checkpointer:
         already holds checkpoints is refused unless `overwrite`, which deletes them first
         (so a second run can never prune or overwrite the first one's checkpoints) and starts
         its logs over (`start_logs_over`)."""
-        existing = find_checkpoint(self.output) if os.path.isdir(self.output) else None
+        ema_optional = bool(self.config is not None and self.config.reset_ema)
+        existing = find_checkpoint(self.output, ema_optional) if os.path.isdir(self.output) else None
         barrier()  # every rank has looked before rank 0 may delete anything
         if resume is True and existing is None:
             raise CheckpointError(f"--resume true but {self.output} holds no checkpoint to continue: pass --resume auto "
                                   f"to continue when there is one and start fresh otherwise, or check --output")
         if resume is True or (resume == "auto" and existing is not None):
-            state, self.resumed_meta = load_checkpoint(self.output, **self.parts, rank=self.rank,
+            # the checkpoint found above: resolving the output again would repeat its fallback warning
+            state, self.resumed_meta = load_checkpoint(existing or self.output, **self.parts, rank=self.rank,
                                                        world_size=self.world_size, batch_size=batch_size,
                                                        config=self.config)
             self.last_saved_step = state.step
             return state
         leftovers = list_checkpoints(self.output)
+        if not leftovers and not overwrite and os.path.isfile(os.path.join(self.output, "model.pt")):
+            # its checkpoints deleted to save space, the trained weights are all that is left of it
+            raise CheckpointError(
+                f"{self.output} holds model.pt of an earlier run (and no checkpoint to resume): pass --overwrite "
+                f"true to replace it, or choose another --output")
         if leftovers and resume is False:
             if not overwrite:
                 raise CheckpointError(
@@ -81,7 +77,7 @@ class Checkpointer:
                 start_logs_over(self.output)
                 logger.warning("overwrite: deleted %d checkpoints of an earlier run in %s", len(leftovers), self.output)
             barrier()
-        return TrainState(run_id=_same_on_every_rank(new_run_id()))
+        return TrainState(run_id=from_rank0(new_run_id()))
 
     def save(self, state: TrainState, batch=None) -> None:
         """Write a checkpoint of `state` and `model.pt`, unless this step was saved already.

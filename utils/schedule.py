@@ -14,6 +14,9 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int = 0, kind: str = "p
     ** power, and 0 past `total_steps`. `poly` and `cosine` warm up linearly to the base LR at
     step warmup-1, then decay to 0 polynomially or as a half cosine."""
     if kind == "poly_warmup":
+        # a negative warmup (arcface_torch's 3millions: warmup_epoch -1) never warms up, and its
+        # per-step decay factors then multiply out to exactly those of warmup 0
+        warmup_steps = max(0, warmup_steps)
         if step == 0:
             return 1.0
         if step <= warmup_steps:

@@ -1,0 +1,23 @@
+"""arcface_torch's job config of this name, with its keys and values (output None: work_dirs/<file name>)."""
+from easydict import EasyDict as edict
+
+config = edict()
+config.margin_list = (1.0, 0.0, 0.4)
+config.network = "r50"
+config.resume = False
+config.output = None
+config.embedding_size = 512
+config.sample_rate = 0.2
+config.fp16 = True
+config.momentum = 0.9
+config.weight_decay = 0.0005
+config.batch_size = 128
+config.lr = 0.4
+config.verbose = 10000
+config.dali = False
+config.rec = "/train_tmp/WebFace42M"
+config.num_classes = 2059906
+config.num_image = 42474557
+config.num_epoch = 20
+config.warmup_epoch = 2
+config.val_targets = ["lfw", "cfp_fp", "agedb_30"]

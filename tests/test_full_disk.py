@@ -1,0 +1,92 @@
+"""A disk that fills up during a checkpoint: torch.save's own failure is reported as no space,
+naming the file and the space a checkpoint needs; the partial save is removed; every rank
+stops alike (none waits at a barrier); the earlier checkpoints still load."""
+import errno
+import os
+
+import pytest
+
+import train
+from tests.conftest import train_argv
+from tests.distributed import run_distributed
+from utils import checkpoint
+from utils.checkpoint import NoSpaceError, find_checkpoint, list_checkpoints, read_backbone_weights
+
+
+class _FillingFile:
+    """A real file whose writes fail with ENOSPC once `room` bytes are in it, as on a full disk."""
+
+    def __init__(self, f, room):
+        self.f, self.room = f, room
+
+    def write(self, data):
+        if len(data) > self.room:
+            self.f.write(bytes(data[:self.room]))  # what fitted stays on disk, as the kernel leaves it
+            self.room = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def fill_disk_at(monkeypatch, fragment: str, room: int = 1000) -> None:
+    """Writes to files whose path contains `fragment` run out of space after `room` bytes."""
+    def opening(path, mode="r", *args, **kw):
+        f = open(path, mode, *args, **kw)
+        return _FillingFile(f, room) if fragment in path and "w" in mode else f
+    monkeypatch.setattr(checkpoint, "open", opening, raising=False)
+
+
+def test_full_disk_during_a_checkpoint_names_file_and_space_and_removes_the_partial_save(
+        drawn_faces, tmp_path, monkeypatch):
+    out = str(tmp_path / "run")
+    fill_disk_at(monkeypatch, os.path.join("checkpoint-00000004.tmp", "backbone.pt"))
+    with pytest.raises(NoSpaceError) as full:
+        train.main(train_argv(drawn_faces, out, "--max_steps", "4", "--checkpoint_interval", "2"))
+    message = str(full.value)
+    assert "\n" not in message
+    assert f"{out}/checkpoint-00000004.tmp/backbone.pt: cannot write (No space left on device)" in message
+    assert "a checkpoint needs about" in message and "the partial save was removed" in message
+    assert [os.path.basename(p) for _, p in list_checkpoints(out)] == ["checkpoint-00000002"]
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+    assert find_checkpoint(out).endswith("checkpoint-00000002")
+    read_backbone_weights(out)  # the earlier checkpoint loads
+    assert not os.path.exists(os.path.join(out, "run.lock"))
+
+
+def _save_with_rank1_disk_full(rank, world_size, output):
+    import pytest as _pytest
+
+    from tests.test_collective_order import _build, _step
+    from utils.checkpoint import TrainState, save_checkpoint
+    parts = _build(rank, "collective")
+    _step(parts)
+    save_checkpoint(output, TrainState(step=1, run_id="r"), **parts, rank=rank, world_size=world_size)
+    _step(parts)
+    with _pytest.MonkeyPatch.context() as mp:
+        if rank == 1:  # only rank 1's file system share is full: rank 0 must not wait for it
+            fill_disk_at(mp, "rng-rank1.pt", room=10)
+        try:
+            save_checkpoint(output, TrainState(step=2, run_id="r"), **parts, rank=rank, world_size=world_size)
+        except NoSpaceError as exc:
+            return str(exc)
+    return "saved"
+
+
+@pytest.mark.slow  # two spawned ranks: ~20 s on a loaded machine
+def test_full_disk_on_one_rank_stops_every_rank_alike(tmp_path):
+    out = str(tmp_path / "run")
+    messages = run_distributed(_save_with_rank1_disk_full, 2, out, timeout=120)
+    assert messages[0] == messages[1] and "rng-rank1.pt: cannot write (No space left on device)" in messages[0]
+    assert "a checkpoint needs about" in messages[0]
+    assert [step for step, _ in list_checkpoints(out)] == [1]
+    assert not os.path.exists(os.path.join(out, "checkpoint-00000002.tmp"))
+    assert find_checkpoint(out).endswith("checkpoint-00000001")

@@ -1,0 +1,60 @@
+"""Weights & Biases logging with arcface_torch's keys (`using_wandb` ...): optional, imported only when asked.
+
+Rank 0 logs (every rank with `wandb_log_all`, each its own run `<yymmdd_HHMM>_GPU<rank>[_<suffix_run_name>]`).
+Every scalar written to TensorBoard (loss, lr, samples/s, verification) goes to wandb too, through
+`ScalarTee`, so the loop and callbacks need no wandb code."""
+from __future__ import annotations
+
+import datetime
+
+
+def start_wandb(cfg: dict, rank: int):
+    """The wandb run of this rank, or None (not asked, or not this rank); the config is logged."""
+    if not cfg["using_wandb"] or not (rank == 0 or cfg["wandb_log_all"]):
+        return None
+    import wandb  # validate_config checked it is installed
+
+    if cfg["wandb_key"]:
+        wandb.login(key=cfg["wandb_key"])
+    name = datetime.datetime.now().strftime("%y%m%d_%H%M") + f"_GPU{rank}"
+    if cfg["suffix_run_name"]:
+        name += f"_{cfg['suffix_run_name']}"
+    return wandb.init(entity=cfg["wandb_entity"], project=cfg["wandb_project"], name=name,
+                      resume=cfg["wandb_resume"] or None, config=dict(cfg))
+
+
+class ScalarTee:
+    """Writes each `add_scalar` to the TensorBoard writer (if any) and to the wandb run."""
+
+    def __init__(self, writer, run):
+        self.writer, self.run = writer, run
+
+    def add_scalar(self, tag: str, value, step: int) -> None:
+        if self.writer is not None:
+            self.writer.add_scalar(tag, value, step)
+        self.run.log({tag: float(value)}, step=step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+    def __getattr__(self, name):  # any other SummaryWriter call goes to TensorBoard alone
+        return getattr(self.writer, name)
+
+
+def tee_writer(writer, run):
+    """`writer` itself without a wandb run; else a writer that also logs to the run."""
+    return writer if run is None else ScalarTee(writer, run)
+
+
+def finish_wandb(run, model_path: str | None, save_artifacts: bool) -> None:
+    """Log `model_path` as a model artifact (`save_artifacts`) and close the run."""
+    if run is None:
+        return
+    if save_artifacts and model_path:
+        import wandb
+
+        artifact = wandb.Artifact(f"{run.name}_Final", type="model")
+        artifact.add_file(model_path)
+        run.log_artifact(artifact)
+    run.finish()
