@@ -22,7 +22,7 @@ def build_margin(cfg) -> MarginLoss:
                                   straight_through=cfg.straight_through)
     if name == "arcface":
         return CombinedMarginLoss(cfg.scale, 1.0, cfg.arcface_m, 0.0, cfg.interclass_filtering_threshold,
-                                  cfg.straight_through)
+                                  straight_through=cfg.straight_through)
     if name == "cosface":
         return CombinedMarginLoss(cfg.scale, 1.0, 0.0, cfg.cosface_m, cfg.interclass_filtering_threshold)
     if name == "adaface":

@@ -47,7 +47,7 @@ class Checkpointer:
         ema_optional = bool(self.config is not None and self.config.reset_ema)
         existing = find_checkpoint(self.output, ema_optional) if os.path.isdir(self.output) else None
         barrier()  # every rank has looked before rank 0 may delete anything
-        if resume is True and existing is None:
+        if resume is True and existing is None and not list_checkpoints(self.output):  # (a broken one: its own error)
             raise CheckpointError(f"--resume true but {self.output} holds no checkpoint to continue: pass --resume auto "
                                   f"to continue when there is one and start fresh otherwise, or check --output")
         if resume is True or (resume == "auto" and existing is not None):
