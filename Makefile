@@ -9,10 +9,10 @@ NPROC ?= 2
 
 setup: $(STAMP)
 
-# Re-installs only when requirements.txt changes, so a second `make test` starts at once.
-$(STAMP): requirements.txt
+# Re-installs only when the requirements change, so a second `make test` starts at once.
+$(STAMP): requirements.txt requirements-dev.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
 	@touch $(STAMP)
 
 test: $(STAMP)

@@ -286,6 +286,7 @@ def test_fallback_from_a_broken_latest_is_said_once_on_resume(drawn_faces, eight
     assert "resumed at step 4 " in log
 
 
+@pytest.mark.slow
 def test_epochs_hold_whole_steps_when_batches_are_not_a_multiple_of_gradient_acc(drawn_faces, tmp_path):
     """16 batches per epoch (128 images, batch 8), gradient_acc 3: 5 steps per epoch, the 16th
     batch skipped; no step's micro-batches span two epochs, so each checkpoint's position is

@@ -151,7 +151,7 @@ def test_sigterm_on_one_rank_checkpoints_and_exits_cleanly_on_all(drawn_faces, t
     assert step >= 3 and os.path.isfile(os.path.join(out, "model.pt"))
 
 
-@pytest.mark.parametrize("how", ["job", "torchrun"])
+@pytest.mark.parametrize("how", ["job", pytest.param("torchrun", marks=pytest.mark.slow)])
 def test_preemption_of_a_torchrun_job_with_loader_workers_saves_and_exits(drawn_faces, tmp_path, how):
     """A pre-emption as clusters send it: SLURM signals every process of the job step
     (torchrun, ranks and their loader workers: "job"); `kill -TERM <torchrun pid>` makes

@@ -85,6 +85,7 @@ def _empty_shard_rank(rank, world_size):
     return "built"
 
 
+@pytest.mark.slow
 def test_more_ranks_than_classes_is_refused_at_start_on_every_rank_and_by_the_plan():
     import subprocess
     import sys
