@@ -15,9 +15,9 @@ import torch
 
 from builders import build_backbone, build_data_parallel, build_head, build_head_optimizer, init_backbone
 from configs import format_config, get_config, save_config
-from configs.validate import warmup_problem
 from configs.compat import compat_notes
 from configs.describe import describe_keys
+from configs.validate import warmup_problem
 from dataset import ResumableDistributedSampler, build_dataset, get_dataloader, normalize_images
 from eval.callback import VerificationCallback
 from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
