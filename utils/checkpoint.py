@@ -177,8 +177,8 @@ def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, h
     problem = None
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        problem = _attempt(lambda: os.makedirs(tmp))
-    _agree(problem, tmp, output, 0)
+        problem = _attempt(lambda: os.makedirs(tmp), output, 0)
+    _agree(problem, tmp)
     opt_state = backbone_opt.state_dict(to_rank=0)   # collectives: every rank takes part
     ema_state = ema.state_dict(to_rank=0) if ema is not None else None
     end = head.class_start + head.num_local
@@ -204,7 +204,7 @@ def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, h
     # what a checkpoint takes on disk: the previous one's size, else this rank's share times W
     needed = _previous_size(output) or _tensor_bytes([weights, opt_state, ema_state]) + \
         _tensor_bytes(head_payload) * world_size
-    _agree(_attempt(write_parts), tmp, output, needed)
+    _agree(_attempt(write_parts, output, needed), tmp)
 
     def publish():
         _fsync_dir(tmp)
@@ -215,34 +215,38 @@ def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, h
         prune_checkpoints(output, state.step, state.run_id, keep)
         if export_to:
             atomic_save(ema_state if ema_state is not None else weights, export_to)
-    _agree(_attempt(publish) if rank == 0 else None, tmp, output, needed)
+    _agree(_attempt(publish, output, needed) if rank == 0 else None, tmp)
     return final
 
 
-def _attempt(write) -> tuple[str, bool] | None:
-    """None when `write()` succeeds, else (its CheckpointError's message, whether for want of space)."""
+def _attempt(write, output: str, needed: int) -> tuple[str, str] | None:
+    """None when `write()` succeeds, else the message to raise on every rank; for want of space
+    it names what a checkpoint needs and what was free when this rank failed."""
     try:
         write()
+        return None
     except CheckpointError as exc:
-        return str(exc), isinstance(exc, NoSpaceError)
+        message, no_space = str(exc), isinstance(exc, NoSpaceError)
     except OSError as exc:
-        return f"{exc.filename or 'checkpoint'}: cannot write ({exc.strerror or exc})", exc.errno == errno.ENOSPC
-    return None
+        message, no_space = f"{exc.filename or 'checkpoint'}: cannot write ({exc.strerror or exc})", \
+            exc.errno == errno.ENOSPC
+    if no_space:
+        need = f"a checkpoint needs about {needed / 2**20:.0f} MiB; " if needed else ""
+        message += f" ({need}{_free_bytes(output) / 2**20:.0f} MiB free); the partial save was removed"
+    return ("no space", message) if no_space else ("error", message)
 
 
-def _agree(problem: tuple[str, bool] | None, tmp: str, output: str, needed: int) -> None:
+def _agree(problem: tuple[str, str] | None, tmp: str) -> None:
     """Collective: every rank learns whether any rank's write failed (no rank waits forever at
-    a barrier for one that gave up); then all raise alike, and the partial save is removed."""
+    a barrier for one that gave up); then all raise the first failing rank's error alike, and
+    the partial save is removed."""
     problems = [p for p in from_every_rank(problem) if p is not None]
     if not problems:
         return
     if get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    message, no_space = problems[0]
-    if no_space:
-        raise NoSpaceError(f"{message} (a checkpoint needs about {needed / 2**20:.0f} MiB; "
-                           f"{_free_bytes(output) / 2**20:.0f} MiB free); the partial save was removed")
-    raise CheckpointError(message)
+    kind, message = problems[0]
+    raise NoSpaceError(message) if kind == "no space" else CheckpointError(message)
 
 
 def _tensor_bytes(obj) -> int:
