@@ -18,37 +18,10 @@ import torch
 from PIL import Image, ImageDraw
 from sklearn.metrics import roc_curve
 
-from dataset.images import to_rgb
 from eval.verification import embed_batches
+from faces.align import ARCFACE_112, align
 
-ARCFACE_TEMPLATE = np.array([[38.2946, 51.6963], [73.5318, 51.5014], [56.0252, 71.7366],
-                             [41.5493, 92.3655], [70.7299, 92.2041]], dtype=np.float64)
 FAR_LEVELS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
-
-
-def similarity_transform(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-    """2x3 matrix of the least-squares similarity (rotation, scale, shift) mapping src -> dst
-    (Umeyama's closed form)."""
-    src, dst = np.asarray(src, np.float64), np.asarray(dst, np.float64)
-    mu_s, mu_d = src.mean(0), dst.mean(0)
-    s, d = src - mu_s, dst - mu_d
-    cov = d.T @ s / len(src)
-    u, sig, vt = np.linalg.svd(cov)
-    sign = np.eye(2)
-    if np.linalg.det(u) * np.linalg.det(vt) < 0:
-        sign[1, 1] = -1
-    rot = u @ sign @ vt
-    scale = np.trace(np.diag(sig) @ sign) / s.var(0).sum()
-    m = np.zeros((2, 3))
-    m[:, :2] = scale * rot
-    m[:, 2] = mu_d - scale * rot @ mu_s
-    return m
-
-
-def align_face(img: Image.Image, landmarks: np.ndarray, size: int = 112) -> Image.Image:
-    """Warp so the 5 landmarks land on the ArcFace template."""
-    to_image = similarity_transform(ARCFACE_TEMPLATE * (size / 112.0), landmarks)  # output -> input
-    return to_rgb(img).transform((size, size), Image.AFFINE, to_image.ravel().tolist(), Image.BILINEAR)
 
 
 def _read_rows(path: str, min_fields: int) -> list[list[str]]:
@@ -89,7 +62,7 @@ def _aligned_faces(root: str, names, landmarks, batch_size: int):
                 img = Image.open(path)
             except (FileNotFoundError, OSError) as exc:
                 raise FileNotFoundError(f"{path}: cannot read face image ({exc})") from None
-            batch.append(torch.from_numpy(np.asarray(align_face(img, marks)).copy()).permute(2, 0, 1))
+            batch.append(torch.from_numpy(np.asarray(align(img, marks, ARCFACE_112)).copy()).permute(2, 0, 1))
         yield torch.stack(batch)
 
 

@@ -6,7 +6,10 @@ import pytest
 import torch
 from PIL import Image
 
-from eval.ijb import ARCFACE_TEMPLATE, align_face, evaluate_ijb, similarity_transform
+from eval.ijb import evaluate_ijb
+from faces.align import ARCFACE_112, align, similarity_transform
+
+ARCFACE_TEMPLATE = ARCFACE_112.points
 
 
 class MeanColour(torch.nn.Module):
@@ -76,7 +79,7 @@ def test_alignment_moves_landmarks_onto_template():
     d = ImageDraw.Draw(img)
     x, y = marks[0]
     d.ellipse([x - 3, y - 3, x + 3, y + 3], fill="white")
-    out = np.asarray(align_face(img, marks)).mean(2)
+    out = np.asarray(align(img, marks)).mean(2)
     w = out / out.sum()
     ys, xs = np.mgrid[:112, :112]
     # within PIL's half-pixel drawing convention of the dot itself

@@ -1,0 +1,1 @@
+"""Faces in photos: detection, five landmarks, and alignment onto a network's crop template."""

@@ -1,0 +1,57 @@
+"""The one alignment function: a least-squares similarity transform that maps five landmarks
+(left eye, right eye, nose tip, left mouth corner, right mouth corner, in image pixels) onto a
+template's five points, and the crop it warps out of the photo."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from dataset.images import to_rgb
+
+
+@dataclass(frozen=True)
+class Template:
+    """Where a network wants the five landmarks in its input crop of `size` (height, width)."""
+    name: str
+    size: tuple[int, int]
+    points: np.ndarray  # 5 x 2, (x, y) in crop pixels
+
+    def scaled(self, side: int) -> "Template":
+        """The same template on a square crop of `side` pixels."""
+        factor = side / self.size[1]
+        return Template(self.name, (round(self.size[0] * factor), side), self.points * factor)
+
+
+# insightface's 112x112 ArcFace template (the crops of MS1M, Glint360K, WebFace and the .bin sets).
+ARCFACE_112 = Template("arcface-112", (112, 112), np.array(
+    [[38.2946, 51.6963], [73.5318, 51.5014], [56.0252, 71.7366], [41.5493, 92.3655], [70.7299, 92.2041]],
+    dtype=np.float64))
+
+
+def similarity_transform(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """2x3 matrix of the least-squares similarity (rotation, scale, shift) mapping src -> dst
+    (Umeyama's closed form)."""
+    src, dst = np.asarray(src, np.float64), np.asarray(dst, np.float64)
+    mu_s, mu_d = src.mean(0), dst.mean(0)
+    s, d = src - mu_s, dst - mu_d
+    cov = d.T @ s / len(src)
+    u, sig, vt = np.linalg.svd(cov)
+    sign = np.eye(2)
+    if np.linalg.det(u) * np.linalg.det(vt) < 0:
+        sign[1, 1] = -1
+    rot = u @ sign @ vt
+    scale = np.trace(np.diag(sig) @ sign) / s.var(0).sum()
+    m = np.zeros((2, 3))
+    m[:, :2] = scale * rot
+    m[:, 2] = mu_d - scale * rot @ mu_s
+    return m
+
+
+def align(img: Image.Image, landmarks: np.ndarray, template: Template = ARCFACE_112) -> Image.Image:
+    """The RGB crop of `template.size` in which the five landmarks land on the template's points
+    (bilinear; outside the photo is black)."""
+    to_image = similarity_transform(template.points, landmarks)  # crop pixel -> photo pixel
+    height, width = template.size
+    return to_rgb(img).transform((width, height), Image.AFFINE, to_image.ravel().tolist(), Image.BILINEAR)
