@@ -1,9 +1,18 @@
-"""An embedding function from any form of a trained model: a run or checkpoint directory, a
-`model.pt` (ShardFace or arcface_torch, with `network`), or an exported `.onnx`; and the
-embeddings of image files with verification's flip test, L2-normalised."""
+"""The one MODEL loader: an Embedder from any form of a trained model (a run or checkpoint
+directory, a `model.pt` of ShardFace or arcface_torch with `network`, an exported `.onnx`), which
+carries the crop geometry its network wants; and the embeddings of image files with
+verification's flip test, L2-normalised.
+
+Every Embedder's module takes N x 3 x h x w float RGB in [-1, 1] ((x - 127.5) / 127.5, as
+arcface_torch), h x w being its template's size: a network that wants other pixel scaling
+converts inside its module, so training's evaluation, ONNX export and a distillation teacher
+all feed it alike. Crops made for another template (the 112x112 `.bin` sets, a student's batch)
+are re-framed onto the Embedder's template by `Embedder.from_crops`."""
 from __future__ import annotations
 
+import hashlib
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -13,6 +22,7 @@ from dataset.geometry import check_files
 from dataset.images import FACE_SIZE, IMAGE_EXTENSIONS, decode_chw
 from eval.verification import embed, l2_normalize
 from eval.weights import load_backbone
+from faces.align import ARCFACE_112, Template, similarity_transform
 from utils.checkpoint import CheckpointError
 from utils.progress import Progress
 
@@ -52,6 +62,64 @@ def load_model(path: str, network: str | None = None, ema: bool = True) -> nn.Mo
         return OnnxBackbone(path).eval()
     model = load_backbone(path, network, ema=ema)
     return model.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+@dataclass
+class Embedder:
+    """A frozen embedding network and the crop it wants."""
+    module: nn.Module       # eval mode; N x 3 x h x w float in [-1, 1] -> N x D
+    template: Template      # the crop geometry (size and five-point positions) it was trained on
+    name: str               # what was loaded, for messages and derived files
+    fingerprint: str        # a hash of its weights (or ONNX file): derived files record it
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    def from_crops(self, images: torch.Tensor, made_for: Template = ARCFACE_112) -> torch.Tensor:
+        """uint8 (or [-1, 1] float) N x 3 x H x W crops aligned to `made_for` -> float in [-1, 1]
+        on this Embedder's template and device (a similarity warp between the two templates;
+        the identity when they are the same)."""
+        images = images.to(self.device)
+        x = images.float().sub(127.5).div(127.5) if images.dtype == torch.uint8 else images.float()
+        if made_for.size == self.template.size and np.allclose(made_for.points, self.template.points):
+            return x
+        # output pixel -> input pixel, in the normalised [-1, 1] grid coordinates of affine_grid
+        m = similarity_transform(self.template.points, made_for.points)
+        (h_out, w_out), (h_in, w_in) = self.template.size, made_for.size
+        to_px = np.array([[w_out / 2, 0, w_out / 2 - 0.5], [0, h_out / 2, h_out / 2 - 0.5], [0, 0, 1]])
+        to_grid = np.array([[2 / w_in, 0, 1 / w_in - 1], [0, 2 / h_in, 1 / h_in - 1], [0, 0, 1]])
+        theta = (to_grid @ np.vstack([m, [0, 0, 1]]) @ to_px)[:2]
+        grid = torch.nn.functional.affine_grid(
+            torch.as_tensor(theta, dtype=x.dtype, device=x.device).expand(len(x), 2, 3),
+            [len(x), 3, h_out, w_out], align_corners=False)
+        # outside the crop is black, as alignment leaves it: -1 in [-1, 1]
+        return torch.nn.functional.grid_sample(x + 1, grid, mode="bilinear", padding_mode="zeros",
+                                               align_corners=False) - 1
+
+
+def fingerprint_module(module: nn.Module) -> str:
+    """A short hash of every parameter and buffer (names, shapes, values)."""
+    digest = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        digest.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def fingerprint_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def load_embedder(path: str, network: str | None = None, ema: bool = True) -> Embedder:
+    """The Embedder of a MODEL argument (see the module docstring)."""
+    module = load_model(path, network, ema)
+    fingerprint = fingerprint_file(path) if isinstance(module, OnnxBackbone) else fingerprint_module(module)
+    return Embedder(module, ARCFACE_112, path, fingerprint)
 
 
 def image_files(inputs: list[str]) -> list[str]:

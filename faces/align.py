@@ -53,5 +53,8 @@ def align(img: Image.Image, landmarks: np.ndarray, template: Template = ARCFACE_
     """The RGB crop of `template.size` in which the five landmarks land on the template's points
     (bilinear; outside the photo is black)."""
     to_image = similarity_transform(template.points, landmarks)  # crop pixel -> photo pixel
+    # Coordinates name pixel centres (as detectors, insightface and OpenCV do); Pillow's
+    # transform works in continuous coordinates, where pixel i's centre is at i + 0.5.
+    to_image[:, 2] += 0.5 - to_image[:, :2].sum(1) * 0.5
     height, width = template.size
     return to_rgb(img).transform((width, height), Image.AFFINE, to_image.ravel().tolist(), Image.BILINEAR)
