@@ -1,0 +1,86 @@
+"""Gallery search: every engine equals a brute-force sort (ties to the lower id, k beyond the
+gallery padded with -inf / -1), whatever the block sizes and storage."""
+import numpy as np
+import pytest
+import torch
+
+from eval.search import ExactIndex, FaissIndex, make_index
+
+
+def brute_force(gallery: np.ndarray, queries: np.ndarray, k: int):
+    """Every score, then sort by (score descending, id ascending) with Python's sort."""
+    scores = queries.astype(np.float64) @ gallery.astype(np.float64).T
+    out_s = np.full((len(queries), k), -np.inf)
+    out_i = np.full((len(queries), k), -1)
+    for q, row in enumerate(scores):
+        ranked = sorted(range(len(row)), key=lambda j: (-row[j], j))[:k]
+        out_s[q, :len(ranked)], out_i[q, :len(ranked)] = row[ranked], ranked
+    return out_s, out_i
+
+
+def tied_gallery(rng, n: int, dim: int) -> np.ndarray:
+    """Small-integer vectors: dot products are exact in float32 and many are equal."""
+    return rng.integers(-2, 3, size=(n, dim)).astype(np.float32)
+
+
+ENGINES = {
+    "exact": lambda d: ExactIndex(d, gallery_block=7, query_block=3),
+    "exact-fp16": lambda d: ExactIndex(d, torch.float16, gallery_block=16, query_block=5),
+    "exact-one-block": lambda d: ExactIndex(d),
+    "faiss": lambda d: FaissIndex(d),
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("n,k", [(40, 1), (40, 5), (40, 40), (23, 30), (1, 3)])
+def test_search_equals_brute_force_with_ties_and_k_beyond_the_gallery(engine, n, k):
+    rng = np.random.default_rng(n * 100 + k)
+    gallery, queries = tied_gallery(rng, n, 4), tied_gallery(rng, 11, 4)
+    index = ENGINES[engine](4)
+    index.add(gallery[: n // 2])  # added in two calls: ids continue
+    index.add(gallery[n // 2:])
+    scores, ids = index.search(queries, k)
+    want_s, want_i = brute_force(gallery, queries, k)
+    assert index.ntotal == n and scores.dtype == np.float32 and ids.dtype == np.int64
+    np.testing.assert_array_equal(ids, want_i)
+    np.testing.assert_array_equal(scores, want_s)
+
+
+@pytest.mark.parametrize("engine", ["exact", "faiss"])
+def test_search_of_random_unit_vectors_equals_brute_force(engine):
+    rng = np.random.default_rng(1)
+    gallery = rng.normal(size=(300, 32)).astype(np.float32)
+    gallery /= np.linalg.norm(gallery, axis=1, keepdims=True)
+    queries = gallery[rng.integers(0, 300, 20)] + 0.1 * rng.normal(size=(20, 32)).astype(np.float32)
+    index = make_index(32, engine)
+    index.add(gallery)
+    scores, ids = index.search(queries, 10)
+    want_s, want_i = brute_force(gallery, queries, 10)
+    np.testing.assert_array_equal(ids, want_i)
+    np.testing.assert_allclose(scores, want_s, atol=1e-5)
+
+
+def test_engines_agree_and_fp16_storage_changes_scores_only_by_its_rounding():
+    rng = np.random.default_rng(2)
+    gallery = rng.normal(size=(500, 64)).astype(np.float32)
+    gallery /= np.linalg.norm(gallery, axis=1, keepdims=True)
+    queries = gallery[:50] + 0.2 * rng.normal(size=(50, 64)).astype(np.float32)
+    results = {}
+    for name, index in {"exact": make_index(64), "faiss": make_index(64, "faiss"),
+                        "fp16": make_index(64, fp16=True)}.items():
+        index.add(gallery)
+        results[name] = index.search(queries, 5)
+    np.testing.assert_array_equal(results["exact"][1], results["faiss"][1])
+    np.testing.assert_allclose(results["exact"][0], results["faiss"][0], atol=1e-5)
+    np.testing.assert_array_equal(results["exact"][1][:, 0], results["fp16"][1][:, 0])
+    np.testing.assert_allclose(results["exact"][0], results["fp16"][0], atol=2e-3)
+
+
+def test_wrong_shapes_and_k_are_refused_by_name():
+    index = make_index(8)
+    with pytest.raises(ValueError, match="expected N x 8"):
+        index.add(np.zeros((3, 7), np.float32))
+    with pytest.raises(ValueError, match="k must be at least 1"):
+        index.search(np.zeros((1, 8), np.float32), 0)
+    with pytest.raises(ValueError, match="unknown search engine"):
+        make_index(8, "annoy")
