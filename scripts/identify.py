@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""Who is this? 1:N search of query photos against a gallery folder of people.
+`python -m scripts.identify MODEL --gallery DIR [--align] [--top K] [--threshold T | --threshold-from VAL.bin] QUERY...`
+
+The gallery is one folder per person; each person is scored by the mean template of their
+images (eval/gallery.py). The enrolment is cached in DIR/.shardface_gallery.npz and updated
+when images are added, changed or removed; a gallery file of another MODEL is refused
+(--rebuild replaces it). One line per face of each query: the file, the face (index and box),
+the best person and their cosine score, or `unknown` when the score is below the threshold."""
+from __future__ import annotations
+
+if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
+    import os
+    import sys
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import json
+import sys
+
+import numpy as np
+import torch
+
+from eval.embedder import best_threshold, image_files, load_embedder
+from eval.gallery import GalleryError, check_image, enrol, identify, photo_faces
+from eval.search import ENGINES
+from eval.verification import load_bin
+from faces.align import ARCFACE_112
+from parallel.user_errors import exits_on_user_error
+from scripts.cli import ArgumentParser
+
+
+class Reframed(torch.nn.Module):
+    """An Embedder as a module of 112x112 ArcFace crops (the .bin sets), for best_threshold."""
+
+    def __init__(self, embedder):
+        super().__init__()
+        self.embedder, self.module = embedder, embedder.module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(self.embedder.from_crops(x, ARCFACE_112))
+
+
+def add_model_args(p: ArgumentParser) -> None:
+    p.add_argument("model", help="run output, checkpoint dir, model.pt (ShardFace or arcface_torch), .onnx or dlib")
+    p.add_argument("--network", default=None, help="backbone name for an arcface_torch model.pt")
+    p.add_argument("--no_ema", action="store_true", help="the raw weights, not the EMA")
+    p.add_argument("--align", action="store_true",
+                   help="find and align the faces in photos (default: images are aligned face crops)")
+    p.add_argument("--detector", default="hog", choices=["hog", "mmod"], help="face detector with --align")
+    p.add_argument("--batch_size", type=int, default=64, help="face crops per forward pass")
+
+
+def query_files(inputs: list[str], template, align: bool) -> list[str]:
+    """The query images (folders searched recursively), each header read: a file that is not an
+    image is refused by name before the gallery is enrolled."""
+    try:
+        paths = image_files(inputs)
+    except FileNotFoundError as exc:
+        raise GalleryError(str(exc)) from None
+    for path in paths:
+        check_image(path, template, align)
+    return paths
+
+
+def result_rows(faces, gallery, scores, ids, threshold):
+    rows = []
+    for face, s, i in zip(faces, scores, ids):
+        candidates = [{"name": gallery.names[j], "score": round(float(v), 6)} for v, j in zip(s, i) if j >= 0]
+        known = threshold is None or candidates[0]["score"] >= threshold
+        rows.append({"file": face.path, "face": face.index, "box": list(face.box),
+                     "name": candidates[0]["name"] if known else "unknown", "score": candidates[0]["score"],
+                     "candidates": candidates})
+    return rows
+
+
+def format_row(row: dict, threshold, top: int) -> str:
+    where = f"{row['file']}  face {row['face']} [{','.join(map(str, row['box']))}]"
+    best = row["candidates"][0]
+    if row["name"] == "unknown":
+        text = f"{where}  unknown (best {best['name']} {best['score']:.4f} < threshold {threshold:.4f})"
+    else:
+        text = f"{where}  {row['name']} {row['score']:.4f}"
+    if top > 1:
+        text += "  top: " + ", ".join(f"{c['name']} {c['score']:.4f}" for c in row["candidates"])
+    return text
+
+
+@exits_on_user_error
+def main(argv=None) -> int:
+    p = ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(p)
+    p.add_argument("queries", nargs="+", help="query photos or folders of them")
+    p.add_argument("--gallery", required=True, help="folder with one folder of images per person")
+    p.add_argument("--top", type=int, default=1, help="candidates to list per face (default 1)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--threshold", type=float, default=None, help="cosine score below which a face is `unknown`")
+    how.add_argument("--threshold_from", default=None, metavar="BIN",
+                     help="a verification .bin: use the threshold that separates its pairs best")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of lines")
+    p.add_argument("--cache", default=None, help="the gallery file (default GALLERY/.shardface_gallery.npz)")
+    p.add_argument("--rebuild", action="store_true", help="enrol every image again, replacing the gallery file")
+    p.add_argument("--engine", default="exact", choices=ENGINES, help="search engine (both are exact)")
+    args = p.parse_args(argv)
+    if args.top < 1:
+        p.error(f"--top must be at least 1, got {args.top}")
+    embedder = load_embedder(args.model, args.network, ema=not args.no_ema)
+    queries = query_files(args.queries, embedder.template, args.align)
+    threshold, note = args.threshold, None
+    if args.threshold_from:
+        threshold, accuracy = best_threshold(load_bin(args.threshold_from), Reframed(embedder), args.batch_size)
+        note = f"threshold {threshold:.4f} from {args.threshold_from} (accuracy {accuracy:.4f} there)"
+    gallery = enrol(args.gallery, embedder, args.align, args.cache, args.rebuild, args.detector,
+                    batch_size=args.batch_size, show_progress=not args.json)
+    faces = photo_faces(queries, embedder, args.align, args.detector, args.batch_size)
+    if faces:
+        scores, ids = identify(gallery, np.stack([f.embedding for f in faces]), args.top, args.engine)
+    else:
+        scores = ids = []
+    rows = result_rows(faces, gallery, scores, ids, threshold)
+    without = [q for q in queries if q not in {f.path for f in faces}]
+    if args.json:
+        print(json.dumps({"model": embedder.name, "gallery": args.gallery, "people": len(gallery.names),
+                          "threshold": threshold, "faces": rows, "no_face": without}, indent=1))
+        return 0
+    if note:
+        print(note)
+    for path in queries:  # in the order given
+        lines = [format_row(row, threshold, args.top) for row in rows if row["file"] == path]
+        print("\n".join(lines) if lines else f"{path}  no face found")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
