@@ -159,3 +159,23 @@ def test_bad_input_is_one_error_line_naming_it(tmp_path, capsys, case, named):
     code, out, err = _run(capsys, model, "--gallery", str(g), query)
     assert code == 2 and out == "" and err.startswith("error: ") and err.count("\n") == 1
     assert where in err and named in err
+
+
+def test_identify_eval_split_and_rank1_equal_a_direct_computation(tmp_path, capsys):
+    from scripts.identify_eval import main as identify_eval
+    from scripts.identify_eval import split
+    model = _model(tmp_path / "m", 0)
+    root = _gallery(tmp_path / "g", (3, 3, 2, 1, 3))
+    png = str(tmp_path / "curves.png")
+    assert identify_eval([model, root, "--gallery_per_id", "2", "--unknown_ids", "1", "--json", "--plot", png]) == 0
+    result = json.loads(capsys.readouterr().out)
+    people = [(f"person{p}", sorted(f"person{p}/{i}.png" for i in range(n))) for p, n in enumerate((3, 3, 2, 1, 3))]
+    enrolled, mated, nonmated = split(people, 2, 1, 0)
+    assert len(enrolled) == 4 and len(nonmated) in (1, 2, 3) and all(len(f) <= 2 for _, f in enrolled)
+    emb = lambda fs: embed_files([os.path.join(root, f) for f in fs], load_model(model), show_progress=False)  # noqa
+    templates = np.stack([e / np.linalg.norm(e) for e in (emb(fs).mean(0) for _, fs in enrolled)])
+    best = np.argmax(emb([f for _, f in mated]) @ templates.T, axis=1)
+    want = np.mean([enrolled[b][0] == name for b, (name, _) in zip(best, mated)])
+    assert result["rank1"] == pytest.approx(want)
+    assert result["mated_probes"] == len(mated) and result["nonmated_probes"] == len(nonmated)
+    assert set(result["tpir_at_fpir"]) == {"0.1", "0.01"} and Image.open(png).size == (1280, 480)
