@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""IJB-B / IJB-C 1:1 verification of a trained backbone (TAR at fixed FAR, optional ROC plot).
-`python -m scripts.ijb RUN_OR_CHECKPOINT --root /data/IJB_release/IJBC --target IJBC`."""
+"""IJB-B / IJB-C evaluation of a trained backbone: 1:1 verification (TAR at fixed FAR, optional ROC
+plot) or, with --protocol 1:N, identification (rank-1/5 and TPIR@FPIR per gallery, eval/ijb_1n.py).
+`python -m scripts.ijb RUN_OR_CHECKPOINT --root /data/IJB_release/IJBC --target IJBC [--protocol 1:N]`."""
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
@@ -12,6 +13,7 @@ import sys
 
 from eval.embedder import load_model
 from eval.ijb import evaluate_ijb
+from eval.ijb_1n import evaluate_ijb_1n
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 
@@ -25,9 +27,19 @@ def main(argv=None) -> int:
     p.add_argument("--target", default="IJBC", choices=["IJBB", "IJBC"], help="which benchmark ROOT holds (default IJBC)")
     p.add_argument("--network", default=None, help="backbone name (default: from the training config)")
     p.add_argument("--batch_size", type=int, default=64, help="face crops per forward pass (default 64)")
-    p.add_argument("--roc", default=None, help="PNG path for the ROC plot")
+    p.add_argument("--roc", default=None, help="PNG path for the ROC plot (1:1)")
+    p.add_argument("--protocol", default="1:1", choices=["1:1", "1:N"],
+                   help="1:1 verification (default) or 1:N identification with the mixed probes")
     args = p.parse_args(argv)
+    if args.protocol == "1:N" and args.roc:
+        p.error("--roc draws the 1:1 ROC; it has no meaning with --protocol 1:N")
     backbone = load_model(args.checkpoint, args.network)
+    if args.protocol == "1:N":
+        for gallery, m in evaluate_ijb_1n(args.root, backbone, args.target.lower(), args.batch_size).items():
+            tpir = "  ".join(f"TPIR@FPIR {f:.0e}: {t:.4f}" for f, t in m.get("tpir", {}).items())
+            print(f"{args.target} 1:N {gallery}: rank-1 {m['rank1']:.4f}  rank-5 {m['rank5']:.4f}  {tpir}  "
+                  f"({m['mated']} mated, {m['nonmated']} non-mated probes)")
+        return 0
     tars = evaluate_ijb(args.root, backbone, args.target.lower(), args.batch_size, args.roc)
     print(f"{args.target} 1:1 TAR@FAR: " + "  ".join(f"{far:.0e}: {tar:.4f}" for far, tar in tars.items()))
     return 0
