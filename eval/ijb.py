@@ -20,6 +20,7 @@ from sklearn.metrics import roc_curve
 
 from dataset.images import to_rgb
 from eval.verification import embed_batches
+from utils.atomic import publishing
 
 ARCFACE_TEMPLATE = np.array([[38.2946, 51.6963], [73.5318, 51.5014], [56.0252, 71.7366],
                              [41.5493, 92.3655], [70.7299, 92.2041]], dtype=np.float64)
@@ -148,7 +149,8 @@ def plot_roc(labels, scores, path: str, title: str = "ROC") -> None:
         d.text((10, y - 6), f"{t:.1f}", fill="black")
     d.line([to_xy(f, t) for f, t in zip(fpr, tpr)], fill="blue", width=2)
     d.text((pad, 20), f"{title} (x: FAR, log scale; y: TAR)", fill="black")
-    img.save(path)
+    with publishing(path) as tmp:  # atomically, like every tool output
+        img.save(tmp, format="PNG")
 
 
 def check_roc_path(path: str | None) -> None:

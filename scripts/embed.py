@@ -15,6 +15,7 @@ if not __package__:  # run as a file (python scripts/x.py): import as `python -m
     import sys
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+import os
 import sys
 
 import numpy as np
@@ -23,7 +24,7 @@ from dataset import DataError
 from eval.embedder import embed_files, image_files, load_model, model_files
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from utils.atomic import check_output_file, publishing_set, refuse_inputs
+from utils.atomic import OutputError, check_output_file, publishing_set, refuse_inputs
 
 
 @exits_on_user_error
@@ -41,6 +42,8 @@ def main(argv=None) -> int:
                    help="resize images that are not 112x112 instead of refusing them (resizing is not "
                         "alignment; see README 'Your own images')")
     args = p.parse_args(argv)
+    if os.path.isdir(args.out):
+        raise OutputError(f"--out {args.out} is a directory; name a file")
     out = args.out if args.out.endswith(".npy") else args.out + ".npy"
     listing = out[:-len(".npy")] + ".txt"
     for path in (out, listing):
