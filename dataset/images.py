@@ -150,7 +150,8 @@ def decode_chw(data: bytes, where: str, mirror: bool = False,
             chw, said = _Stderr.run(decode_jpeg, torch.frombuffer(bytearray(data), dtype=torch.uint8),
                                     ImageReadMode.RGB)
         except RuntimeError as exc:
-            raise ImageDecodeError(f"{where}: cannot decode image ({str(exc).splitlines()[-1]})") from None
+            said = str(exc).splitlines()[-1]  # "decode_jpeg, <source file>:<line>, <reason>": the reason
+            raise ImageDecodeError(f"{where}: cannot decode image ({said.rsplit(', ', 1)[-1]})") from None
         if said:
             _report(said.decode(errors="replace"), where)
         if resize is None or tuple(chw.shape[1:]) == tuple(resize):

@@ -352,7 +352,7 @@ def test_model_pt_and_its_onnx_export_embed_alike_and_verify_takes_onnx(tmp_path
     assert row[0] == "v.bin" and 0 <= float(row[2]) <= 1 and float(row[4]) > 0
 
 
-def test_unreadable_onnx_and_missing_inputs_are_one_line_errors(tmp_path):
+def test_unreadable_onnx_and_missing_inputs_are_one_line_errors(tmp_path, capsys):
     from eval.embedder import load_model
     from scripts.embed import main as embed
     from utils.checkpoint import CheckpointError
@@ -363,10 +363,10 @@ def test_unreadable_onnx_and_missing_inputs_are_one_line_errors(tmp_path):
     with pytest.raises(CheckpointError, match=r"gone.onnx: ONNX model not found"):
         load_model(str(tmp_path / "gone.onnx"))
     out = str(tmp_path / "e.npy")
-    with pytest.raises(SystemExit, match=r"nowhere.jpg: no such image file or folder"):
-        embed([str(bad), str(tmp_path / "nowhere.jpg"), "--out", out])
-    with pytest.raises(SystemExit, match=r"output directory not found"):
-        embed([str(bad), str(bad), "--out", str(tmp_path / "no" / "e.npy")])
+    assert embed([str(bad), str(tmp_path / "nowhere.jpg"), "--out", out]) == 2
+    assert re.match(r"error: .*nowhere.jpg: no such image file or folder\n$", capsys.readouterr().err)
+    assert embed([str(bad), str(bad), "--out", str(tmp_path / "no" / "e.npy")]) == 2
+    assert re.match(r"error: --out .*e.npy: the directory .*no does not exist", capsys.readouterr().err)
     assert sorted(os.listdir(tmp_path)) == ["bad.onnx"]
 
 
