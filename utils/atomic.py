@@ -155,13 +155,20 @@ def check_output_dir(path: str, what: str = "output") -> None:
 
 
 def refuse_inputs(outputs: Iterable[str], inputs: Iterable[str]) -> None:
-    """An output that is one of the inputs (the same file, by any path) is refused: writing it
-    would destroy what the run reads."""
-    existing = [p for p in outputs if os.path.exists(p)]
+    """An output that is one of the inputs (the same file, by any path or link) is refused:
+    writing it would destroy what the run reads. Each path is looked at once (stat)."""
+    existing = {}
+    for out in outputs:
+        with contextlib.suppress(OSError):
+            st = os.stat(out)
+            existing[(st.st_dev, st.st_ino)] = out
     if not existing:
         return
     for src in inputs:
-        for out in existing:
-            with contextlib.suppress(OSError):
-                if os.path.samefile(src, out):
-                    raise OutputError(f"output {out} is also an input ({src}); write it elsewhere")
+        try:
+            st = os.stat(src)
+        except OSError:
+            continue
+        out = existing.get((st.st_dev, st.st_ino))
+        if out is not None:
+            raise OutputError(f"output {out} is also an input ({src}); write it elsewhere")
