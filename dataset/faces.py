@@ -245,6 +245,10 @@ def build_dataset(rec: str, num_classes: int, train: bool = True, skip_bad_image
     if not os.path.isdir(rec):
         raise DataLayoutError(f"{rec}: data directory not found")
     if os.path.isfile(os.path.join(rec, "train.rec")):
+        idx = os.path.join(rec, "train.idx")
+        if not os.path.exists(idx):  # pack_rec publishes train.idx last (utils.atomic.publishing_set)
+            raise DataLayoutError(f"{idx}: missing beside train.rec, so the set is incomplete (a pack_rec stopped "
+                                  f"while replacing the set leaves it so): pack the set again")
         dataset = MXFaceDataset(rec, train=train, skip_bad_images=skip_bad_images, normalize=normalize,
                                 resize=resize)
         if dataset.num_classes != num_classes:

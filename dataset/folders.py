@@ -2,9 +2,29 @@
 from __future__ import annotations
 
 import os
+import stat
 
 from dataset.errors import DataLayoutError
 from dataset.images import IMAGE_EXTENSIONS
+
+
+def regular_file(path: str) -> bool:
+    """Whether `path` is a regular file (or a link to one). Only those are opened: a FIFO or a
+    device named like an image would block the reader or never end."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def not_regular(paths: list[str]) -> DataLayoutError | None:
+    """The error naming the first of `paths` that exists and is not a regular file, or None."""
+    odd = [p for p in paths if os.path.exists(p) and not regular_file(p)]  # a missing one: 'not found' later
+    if not odd:
+        return None
+    more = f" ({len(odd)} such entries)" if len(odd) > 1 else ""
+    return DataLayoutError(f"{odd[0]}: not a regular file (a folder, FIFO, socket or device named like an "
+                           f"image){more}; only image files are read: move it out")
 
 
 def list_identity_folders(root: str) -> tuple[list[str], list[list[str]]]:
@@ -17,6 +37,9 @@ def list_identity_folders(root: str) -> tuple[list[str], list[list[str]]]:
         raise DataLayoutError(f"{root}: no identity sub-folders")
     groups = [[os.path.join(root, n, f) for f in sorted(os.listdir(os.path.join(root, n)))
                if f.lower().endswith(IMAGE_EXTENSIONS)] for n in names]
+    odd = not_regular([p for g in groups for p in g])
+    if odd is not None:
+        raise odd
     empty = [n for n, g in zip(names, groups) if not g]
     if empty:
         raise DataLayoutError(f"{os.path.join(root, empty[0])}: identity folder without images "

@@ -3,10 +3,12 @@ a sample of records. A set of another size is refused, naming files, unless the 
 from __future__ import annotations
 
 import logging
+import os
 import random
 from typing import Callable, Iterable
 
 from dataset.errors import ImageDecodeError, ImageSizeError
+from dataset.folders import regular_file
 from dataset.images import FACE_SIZE, image_size
 
 logger = logging.getLogger("shardface")
@@ -27,13 +29,16 @@ def size_refusal(bad: list[tuple[str, tuple[int, int]]], count: int, checked: st
 
 def check_files(paths: Iterable[str], resize: bool, skip_bad_images: bool = False,
                 progress: Callable[[], None] | None = None) -> list[str]:
-    """-> the paths to use. Reads every file's header: an unreadable or missing file is an
+    """-> the paths to use. Reads every file's header: an unreadable, missing or not regular file is an
     ImageDecodeError naming it (with `skip_bad_images`, it is left out with a warning); images
     that are not 112x112 are refused together unless `resize`."""
     paths = list(paths)
     usable, bad, unreadable = [], [], []
     for path in paths:
         try:
+            if os.path.exists(path) and not regular_file(path):  # a FIFO would block the read forever
+                raise ImageDecodeError(f"{path}: not a regular file (a folder, FIFO, socket or device); "
+                                       f"only image files are read")
             size = image_size(path, path)
         except ImageDecodeError as exc:
             if not skip_bad_images:

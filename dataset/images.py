@@ -97,14 +97,16 @@ def resize_face(img: Image.Image, size: tuple[int, int] = FACE_SIZE) -> Image.Im
 
 def stored_bytes(path: str, resize: bool = False) -> bytes:
     """The bytes a packed set or a .bin keeps of an image file: the file's own, or with `resize`
-    a 112x112 PNG of an image of another size (lossless: no second compression)."""
+    a 112x112 PNG of an image of another size (lossless: no second compression). The image is
+    decoded here, whole: one that does not decode (a truncated JPEG passes a header check) is
+    an ImageDecodeError naming the file, not a record that fails later in training."""
     with open(path, "rb") as f:
         data = f.read()
-    if resize and image_size(data, path) != FACE_SIZE:
-        with Image.open(io.BytesIO(data)) as img:
-            buf = io.BytesIO()
-            resize_face(to_rgb(img)).save(buf, format="PNG")
-            data = buf.getvalue()
+    chw = decode_chw(data, path)
+    if resize and tuple(chw.shape[1:]) != FACE_SIZE:
+        buf = io.BytesIO()
+        resize_face(Image.fromarray(chw.permute(1, 2, 0).numpy(), "RGB")).save(buf, format="PNG")
+        data = buf.getvalue()
     return data
 
 
@@ -148,7 +150,8 @@ def decode_chw(data: bytes, where: str, mirror: bool = False,
             chw, said = _Stderr.run(decode_jpeg, torch.frombuffer(bytearray(data), dtype=torch.uint8),
                                     ImageReadMode.RGB)
         except RuntimeError as exc:
-            raise ImageDecodeError(f"{where}: cannot decode image ({str(exc).splitlines()[-1]})") from None
+            said = str(exc).splitlines()[-1]  # "decode_jpeg, <source file>:<line>, <reason>": the reason
+            raise ImageDecodeError(f"{where}: cannot decode image ({said.rsplit(', ', 1)[-1]})") from None
         if said:
             _report(said.decode(errors="replace"), where)
         if resize is None or tuple(chw.shape[1:]) == tuple(resize):

@@ -5,6 +5,7 @@ import os
 from typing import Iterable
 
 from dataset.recordio import IRHeader, RecordWriter, pack
+from utils.atomic import OutputError, publishing_set
 
 
 def write_insightface_rec(out_dir: str, identities: Iterable[list[bytes]], num_images: int,
@@ -16,27 +17,18 @@ def write_insightface_rec(out_dir: str, identities: Iterable[list[bytes]], num_i
     their class as label; keys N+1 .. N+C are per-identity records whose labels give the
     identity's image key range; `property` holds `num_classes,112,112`.
 
-    The files are written under temporary names beside the final ones and renamed only once
-    all are complete: a pack that fails partway (an unreadable image, a full disk) leaves an
-    earlier set in `out_dir` as it was.
+    The three files are published as one set by `utils.atomic.publishing_set`, train.idx
+    (what every reader opens first) last: a pack that fails or is killed before the swap leaves
+    an earlier set in `out_dir` as it was, and one killed during the swap leaves no train.idx,
+    so no reader takes a mixed set for a good one.
     """
-    paths = [os.path.join(out_dir, n) for n in ("train.rec", "train.idx", "property")]
+    paths = [os.path.join(out_dir, n) for n in ("property", "train.rec", "train.idx")]
     existing = [p for p in paths if os.path.exists(p)]
     if existing and not overwrite:
-        raise FileExistsError(f"{existing[0]} exists; pass --overwrite to replace it")
+        raise OutputError(f"{existing[0]} exists; pass --overwrite to replace it")
     os.makedirs(out_dir, exist_ok=True)
-    temps = [os.path.join(out_dir, f".{os.path.basename(p)}.partial-{os.getpid()}") for p in paths]
-    try:
-        _write(temps, identities, num_images, num_classes, progress)
-        for tmp in temps:
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-        for tmp, path in zip(temps, paths):
-            os.replace(tmp, path)
-    finally:
-        for tmp in temps:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+    with publishing_set(paths) as (prop, rec, idx):
+        _write([rec, idx, prop], identities, num_images, num_classes, progress)
 
 
 def _write(paths: list[str], identities, num_images: int, num_classes: int, progress) -> None:

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from dataset.errors import DataLayoutError
+from dataset.folders import not_regular, regular_file
 from dataset.geometry import check_files
 from dataset.images import FACE_SIZE, IMAGE_EXTENSIONS, decode_chw
 from eval.verification import embed, l2_normalize
@@ -30,7 +32,9 @@ from utils.progress import Progress
 class OnnxBackbone(nn.Module):
     """An exported model (scripts/export_onnx.py: input `data`, N x 3 x 112 x 112 float32 RGB
     in [-1, 1]) run by onnxruntime behind the module interface the evaluation code takes.
-    It holds no weights of its own; an empty parameter tells callers which device to feed."""
+    It holds no weights of its own; an empty parameter tells callers which device to feed.
+    Refused at load, naming what is wrong: weights that are not finite, an output that is not
+    N x D. A model exported with a fixed batch size is fed batches of that size."""
 
     def __init__(self, path: str):
         super().__init__()
@@ -43,25 +47,79 @@ class OnnxBackbone(nn.Module):
             self.session = ort.InferenceSession(path, providers=providers)
         except Exception as exc:  # onnxruntime raises its own types for every bad file
             raise CheckpointError(f"{path}: not a readable ONNX model ({str(exc).splitlines()[0]})") from None
-        inputs = self.session.get_inputs()
+        inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
         if len(inputs) != 1 or list(inputs[0].shape[1:]) != [3, *FACE_SIZE]:
             raise CheckpointError(f"{path}: expected one input of shape N x 3 x 112 x 112 (as scripts.export_onnx "
                                   f"writes), got {[(i.name, i.shape) for i in inputs]}")
+        if len(outputs[0].shape) != 2:
+            raise CheckpointError(f"{path}: its output '{outputs[0].name}' has shape {outputs[0].shape}, not "
+                                  f"N x D (one embedding per image); export the embedding, not a feature map")
+        _refuse_non_finite_onnx(path)
         self.input_name = inputs[0].name
+        batch = inputs[0].shape[0]
+        self.fixed_batch = batch if isinstance(batch, int) and batch > 0 else None
+        self.path = path
         self.anchor = nn.Parameter(torch.zeros(0), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.session.run(None, {self.input_name: x.detach().float().cpu().numpy()})[0]
-        return torch.from_numpy(out).to(x.device)
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.detach().float().cpu().numpy()
+        n = len(x)
+        step = self.fixed_batch or max(n, 1)
+        parts = []
+        for start in range(0, n, step):
+            chunk = x[start:start + step]
+            if len(chunk) < step:  # a fixed batch size: pad the last chunk, keep its rows only
+                chunk = np.concatenate([chunk, np.zeros((step - len(chunk), *chunk.shape[1:]), chunk.dtype)])
+            parts.append(self.session.run(None, {self.input_name: chunk})[0][:min(step, n - start)])
+        out = np.concatenate(parts) if parts else np.zeros((0, 0), np.float32)
+        if out.ndim != 2 or out.shape[0] != n:
+            raise CheckpointError(f"{self.path}: output of shape {out.shape} for {n} images; expected {n} x D")
+        return torch.from_numpy(out).to(images.device)
+
+
+def _refuse_non_finite_onnx(path: str) -> None:
+    import onnx
+    from onnx import numpy_helper
+    try:
+        graph = onnx.load(path).graph
+    except Exception as exc:
+        raise CheckpointError(f"{path}: not a readable ONNX model ({str(exc).splitlines()[0]})") from None
+    for init in graph.initializer:
+        w = numpy_helper.to_array(init)
+        if np.issubdtype(w.dtype, np.floating) and not np.isfinite(w).all():
+            raise CheckpointError(f"{path}: weight '{init.name}' has {int((~np.isfinite(w)).sum())} non-finite "
+                                  f"(NaN or inf) values of {w.size}; the model is unusable")
+
+
+def refuse_non_finite_embeddings(emb: np.ndarray, where: str) -> np.ndarray:
+    """`emb`, or a CheckpointError naming the model and the first row that is NaN or inf (a
+    cosine of NaN compares as neither same nor different)."""
+    bad = ~np.isfinite(emb).all(axis=1) if emb.ndim == 2 else ~np.isfinite(emb)
+    if bad.any():
+        raise CheckpointError(f"{where}: {int(bad.sum())} of {len(bad)} embeddings are not finite (NaN or inf), "
+                              f"the first row {int(np.argmax(bad))}; the model's output is unusable")
+    return emb
 
 
 def load_model(path: str, network: str | None = None, ema: bool = True) -> nn.Module:
     """An eval-mode model whose forward takes N x 3 x 112 x 112 floats in [-1, 1]: an `.onnx`
     through onnxruntime, anything else through eval.weights.load_backbone."""
     if path.lower().endswith(".onnx"):
-        return OnnxBackbone(path).eval()
-    model = load_backbone(path, network, ema=ema)
-    return model.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        model = OnnxBackbone(path).eval()
+    else:
+        model = load_backbone(path, network, ema=ema)  # weights that are not finite are refused there
+        model = model.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    model.source_path = path  # named when its embeddings are not finite
+    return model
+
+
+def model_files(path: str) -> list[str]:
+    """The files loading the model at `path` reads (an output must never be one of them)."""
+    if not os.path.isdir(path):
+        return [path]
+    from utils.checkpoint import find_checkpoint
+    ckpt = find_checkpoint(path) or path
+    return [os.path.join(ckpt, f) for f in os.listdir(ckpt)] if os.path.isdir(ckpt) else []
 
 
 @dataclass
@@ -130,12 +188,17 @@ def image_files(inputs: list[str]) -> list[str]:
             found = sorted(os.path.join(d, f) for d, _, names in os.walk(item) for f in names
                            if f.lower().endswith(IMAGE_EXTENSIONS))
             if not found:
-                raise FileNotFoundError(f"{item}: no images ({', '.join(IMAGE_EXTENSIONS)})")
+                raise DataLayoutError(f"{item}: no images ({', '.join(IMAGE_EXTENSIONS)})")
+            odd = not_regular(found)  # a FIFO named like an image would block the read forever
+            if odd is not None:
+                raise odd
             files.extend(found)
-        elif os.path.isfile(item):
+        elif regular_file(item):
             files.append(item)
+        elif os.path.exists(item):
+            raise DataLayoutError(f"{item}: not a regular file (a FIFO, socket or device); only image files are read")
         else:
-            raise FileNotFoundError(f"{item}: no such image file or folder")
+            raise DataLayoutError(f"{item}: no such image file or folder")
     return files
 
 
@@ -143,6 +206,7 @@ def embed_uint8(images: torch.Tensor, model: nn.Module, batch_size: int = 64) ->
     """N x 3 x 112 x 112 uint8 -> N x D float32: the embedding plus its mirror image's, then
     L2-normalised (verification's flip test)."""
     both = embed(images, model, batch_size) + embed(torch.flip(images, dims=[3]), model, batch_size)
+    refuse_non_finite_embeddings(both, getattr(model, "source_path", "the model"))
     return l2_normalize(both).astype(np.float32)
 
 

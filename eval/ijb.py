@@ -20,6 +20,7 @@ from sklearn.metrics import roc_curve
 
 from eval.verification import embed_batches
 from faces.align import ARCFACE_112, align
+from utils.atomic import publishing
 
 FAR_LEVELS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
 
@@ -121,7 +122,8 @@ def plot_roc(labels, scores, path: str, title: str = "ROC") -> None:
         d.text((10, y - 6), f"{t:.1f}", fill="black")
     d.line([to_xy(f, t) for f, t in zip(fpr, tpr)], fill="blue", width=2)
     d.text((pad, 20), f"{title} (x: FAR, log scale; y: TAR)", fill="black")
-    img.save(path)
+    with publishing(path) as tmp:  # atomically, like every tool output
+        img.save(tmp, format="PNG")
 
 
 def check_roc_path(path: str | None) -> None:

@@ -21,6 +21,7 @@ from sklearn.model_selection import KFold
 
 from dataset.errors import DataError
 from dataset.images import normalize_images, to_rgb
+from utils.atomic import publishing
 
 
 class VerificationDataError(DataError):
@@ -85,19 +86,21 @@ def load_bin(path: str, image_size=(112, 112), min_pairs: int = 0):
     h, w = image_size
     images = torch.empty((len(bins), 3, h, w), dtype=torch.uint8)
     for i, data in enumerate(bins):
-        try:
+        try:  # Pillow decodes lazily: the pixels are read here, inside the error handling
             img = to_rgb(Image.open(io.BytesIO(np.asarray(data, dtype=np.uint8).tobytes()
                                                if isinstance(data, np.ndarray) else bytes(data))))
+            if img.size != (w, h):
+                img = img.resize((w, h), Image.BILINEAR)
+            pixels = np.asarray(img).copy()
         except Exception as exc:
-            raise VerificationDataError(f"{path}: image {i} cannot be decoded ({exc})") from None
-        if img.size != (w, h):
-            img = img.resize((w, h), Image.BILINEAR)
-        images[i] = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)
+            raise VerificationDataError(f"{path}: image {i} (pair {i // 2}) cannot be decoded ({exc})") from None
+        images[i] = torch.from_numpy(pixels).permute(2, 0, 1)
     return [images, torch.flip(images, dims=[3])], [bool(s) for s in issame]
 
 
 def write_bin(path: str, encoded_images: list[bytes], issame: list[bool]) -> None:
-    with open(path, "wb") as f:
+    """Published atomically (utils.atomic): `path` holds its earlier file or the whole new one."""
+    with publishing(path) as tmp, open(tmp, "wb") as f:
         pickle.dump((encoded_images, issame), f, protocol=pickle.HIGHEST_PROTOCOL)
 
 

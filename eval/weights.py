@@ -61,8 +61,19 @@ def load_backbone(path: str, network: str | None = None, ema: bool = True) -> nn
     problem = state_mismatch(state, model.state_dict())
     if problem:
         raise CheckpointError(f"{path} is not a '{network}' checkpoint: {problem}")
+    refuse_non_finite(state, path)
     model.load_state_dict(state, strict=True)
     return model.float().eval()
+
+
+def refuse_non_finite(state: dict, path: str) -> None:
+    """A CheckpointError naming the first tensor of `state` with a NaN or infinite value: such
+    weights give NaN embeddings, which compare as nothing and verify as chance."""
+    for key, value in state.items():
+        if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            raise CheckpointError(f"{path}: weight '{key}' has {bad} non-finite (NaN or inf) values of "
+                                  f"{value.numel()}; the model is unusable (was training diverging?)")
 
 
 def state_mismatch(state: dict, expected: dict) -> str | None:

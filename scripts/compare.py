@@ -16,12 +16,10 @@ import sys
 
 import numpy as np
 
-from dataset import DataError
 from eval.embedder import best_threshold, embed_files, load_model
 from eval.verification import load_bin
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from utils.checkpoint import CheckpointError
 
 
 @exits_on_user_error
@@ -39,15 +37,12 @@ def main(argv=None) -> int:
     p.add_argument("--no_ema", action="store_true", help="the raw weights, not the EMA")
     p.add_argument("--resize", action="store_true", help="resize images that are not 112x112 (not alignment)")
     args = p.parse_args(argv)
-    try:
-        model = load_model(args.model, args.network, ema=not args.no_ema)
-        a, b = embed_files([args.image_a, args.image_b], model, resize=args.resize)
-        threshold = args.threshold
-        if args.threshold_from:
-            threshold, accuracy = best_threshold(load_bin(args.threshold_from), model)
-            print(f"threshold {threshold:.4f} from {args.threshold_from} (accuracy {accuracy:.4f} there)")
-    except (DataError, CheckpointError) as exc:
-        raise SystemExit(str(exc)) from None
+    model = load_model(args.model, args.network, ema=not args.no_ema)
+    a, b = embed_files([args.image_a, args.image_b], model, resize=args.resize)
+    threshold = args.threshold
+    if args.threshold_from:
+        threshold, accuracy = best_threshold(load_bin(args.threshold_from), model)
+        print(f"threshold {threshold:.4f} from {args.threshold_from} (accuracy {accuracy:.4f} there)")
     cosine = float(np.dot(a.astype(np.float64), b.astype(np.float64)))
     print(f"cosine similarity {cosine:.4f}")
     if threshold is None:

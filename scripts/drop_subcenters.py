@@ -29,6 +29,7 @@ from dataset import build_dataset
 from losses.subcenter import dominant_subcenters, drop_subcenters, far_from_dominant
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
+from utils.atomic import OutputError, publishing_set
 from utils.checkpoint import CheckpointError, resolve_checkpoint, safe_load
 
 
@@ -48,8 +49,8 @@ def _training_config(run: str, checkpoint: str) -> dict:
             with open(path) as f:
                 return json.load(f)
         except ValueError as exc:
-            raise SystemExit(f"{path}: unreadable ({exc}); the config in {checkpoint}/meta.pt is used if you pass "
-                             f"the checkpoint directory instead") from None
+            raise CheckpointError(f"{path}: unreadable ({exc}); the config in {checkpoint}/meta.pt is used if you "
+                                  f"pass the checkpoint directory instead") from None
     return safe_load(os.path.join(checkpoint, "meta.pt")).get("config") or {}
 
 
@@ -64,13 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch_size", type=int, default=256, help="images per forward pass (default 256)")
     args = p.parse_args(argv)
     if os.path.exists(args.out) and not os.path.isdir(args.out):  # found now, not after the whole pass
-        raise SystemExit(f"--out {args.out}: a file is in its place; give a directory (it receives "
-                         f"head_dominant.pt and noisy_images.txt)")
+        raise OutputError(f"--out {args.out}: a file is in its place; give a directory (it receives "
+                          f"head_dominant.pt and noisy_images.txt)")
     checkpoint = resolve_checkpoint(args.run)
     cfg = EasyDict(_training_config(args.run, checkpoint))
     weight, k = full_head_weight(checkpoint)
     if k < 2:
-        raise SystemExit(f"{args.run}: the head has one centre per class; nothing to drop")
+        raise CheckpointError(f"{args.run}: the head has one centre per class; nothing to drop")
     model = load_backbone(args.run).eval()
     dataset = build_dataset(cfg.rec, cfg.num_classes, train=False)
     os.makedirs(args.out, exist_ok=True)  # an unwritable --out fails here, before the pass
@@ -83,9 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     embeddings, labels = torch.cat(embeddings), torch.cat(labels)
     dominant = dominant_subcenters(weight, embeddings, labels, k)
     noisy = far_from_dominant(weight, dominant, embeddings, labels, k, args.max_degrees)
-    torch.save(drop_subcenters(weight, dominant, k), os.path.join(args.out, "head_dominant.pt"))
-    with open(os.path.join(args.out, "noisy_images.txt"), "w") as f:
-        f.writelines(f"{i}\n" for i in noisy.tolist())
+    # one set (utils.atomic), the list last: a head_dominant.pt without its noisy_images.txt is an interrupted run
+    outputs = [os.path.join(args.out, "head_dominant.pt"), os.path.join(args.out, "noisy_images.txt")]
+    with publishing_set(outputs) as (head_tmp, noisy_tmp):
+        torch.save(drop_subcenters(weight, dominant, k), head_tmp)
+        with open(noisy_tmp, "w") as f:
+            f.writelines(f"{i}\n" for i in noisy.tolist())
     print(f"\n{len(dominant)} classes kept one centre each; {len(noisy)} of {len(labels)} images are more "
           f"than {args.max_degrees:g} degrees from it (listed in noisy_images.txt)")
     return 0

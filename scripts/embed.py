@@ -4,8 +4,10 @@
 
 Each row is the embedding of an image plus that of its mirror image, L2-normalised (the flip
 test of verification), float32; row i belongs to line i of the file list written beside the
-array (emb.txt for emb.npy). MODEL: a run directory, a checkpoint directory, a model.pt
-(ShardFace's, or arcface_torch's with --network) or an exported .onnx (onnxruntime)."""
+array (emb.txt for emb.npy, UTF-8), which is published after the array: an emb.npy without its
+emb.txt is an interrupted run. An existing pair is replaced only with --overwrite. MODEL: a run
+directory, a checkpoint directory, a model.pt (ShardFace's, or arcface_torch's with --network)
+or an exported .onnx (onnxruntime)."""
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
@@ -19,10 +21,10 @@ import sys
 import numpy as np
 
 from dataset import DataError
-from eval.embedder import embed_files, image_files, load_model
+from eval.embedder import embed_files, image_files, load_model, model_files
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from utils.checkpoint import CheckpointError
+from utils.atomic import OutputError, check_output_file, publishing_set, refuse_inputs
 
 
 @exits_on_user_error
@@ -33,26 +35,33 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="the .npy file to write; the file list goes beside it (.txt)")
     p.add_argument("--network", default=None, help="backbone name for an arcface_torch model.pt "
                                                    "(default: from the training config)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT.npy and its .txt")
     p.add_argument("--batch_size", type=int, default=64, help="images per forward pass")
     p.add_argument("--no_ema", action="store_true", help="the raw weights, not the EMA")
     p.add_argument("--resize", action="store_true",
                    help="resize images that are not 112x112 instead of refusing them (resizing is not "
                         "alignment; see README 'Your own images')")
     args = p.parse_args(argv)
+    if os.path.isdir(args.out):
+        raise OutputError(f"--out {args.out} is a directory; name a file")
     out = args.out if args.out.endswith(".npy") else args.out + ".npy"
     listing = out[:-len(".npy")] + ".txt"
-    out_dir = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(out_dir):
-        raise SystemExit(f"{out_dir}: output directory not found")
-    try:
-        paths = image_files(args.inputs)
-        model = load_model(args.model, args.network, ema=not args.no_ema)
-        embeddings = embed_files(paths, model, args.batch_size, args.resize)
-    except (DataError, CheckpointError, FileNotFoundError) as exc:
-        raise SystemExit(str(exc)) from None
-    np.save(out, embeddings)
-    with open(listing, "w") as f:
-        f.writelines(f"{path}\n" for path in paths)
+    for path in (out, listing):
+        check_output_file(path, overwrite=args.overwrite, what="--out")
+    paths = image_files(args.inputs)
+    broken = next((p for p in paths if "\n" in p or "\r" in p), None)
+    if broken is not None:  # it would break the one-path-per-line listing
+        raise DataError(f"{broken!r}: a file name with a line break cannot be listed one per line in "
+                        f"{listing}; rename it")
+    refuse_inputs([out, listing], [*paths, *model_files(args.model)])
+    model = load_model(args.model, args.network, ema=not args.no_ema)
+    embeddings = embed_files(paths, model, args.batch_size, args.resize)
+    # one set, the listing published last: an emb.npy without its emb.txt is an interrupted run
+    with publishing_set([out, listing]) as (tmp_out, tmp_listing):
+        with open(tmp_out, "wb") as f:
+            np.save(f, embeddings)
+        with open(tmp_listing, "w", encoding="utf-8", errors="surrogateescape") as f:
+            f.writelines(f"{path}\n" for path in paths)
     print(f"wrote {out} ({embeddings.shape[0]} x {embeddings.shape[1]}) and {listing}")
     return 0
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Export a backbone to ONNX (input `data`: N x 3 x 112 x 112, dynamic batch, fp32) and check
-onnxruntime against torch on batches of 1 and 8. `python -m scripts.export_onnx RUN [OUT]`: OUT is
-the .onnx file or a directory for `model.onnx`, by default the run's own directory."""
+onnxruntime against torch on batches of 1 and 8 before the file replaces anything (it is
+published atomically; an output that is an input is refused).
+`python -m scripts.export_onnx RUN [OUT]`: OUT is the .onnx file or a directory for
+`model.onnx`, by default the run's own directory."""
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
@@ -16,26 +18,36 @@ import warnings
 import numpy as np
 import torch
 
+from eval.embedder import model_files
 from eval.weights import load_backbone
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
+from utils.atomic import check_output_file, publishing, refuse_inputs
+from utils.checkpoint import CheckpointError
 
 
-def export(model: torch.nn.Module, output: str, opset: int = 17) -> None:
+def export(model: torch.nn.Module, output: str, opset: int = 17, parity: bool = False) -> None:
+    """Write `model` to `output`, published atomically (utils.atomic): with `parity`, the file
+    is checked against torch (`check_parity`) before it replaces anything."""
     model = model.float().eval()
     dummy = torch.zeros(1, 3, 112, 112)
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     # the TorchScript exporter: the dynamo one needs onnxscript, not among our dependencies
     warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export")
-    torch.onnx.export(model, dummy, output, input_names=["data"], output_names=["embedding"],
-                      dynamic_axes={"data": {0: "batch"}, "embedding": {0: "batch"}},
-                      opset_version=opset, dynamo=False)
+    with publishing(output) as tmp:
+        torch.onnx.export(model, dummy, tmp, input_names=["data"], output_names=["embedding"],
+                          dynamic_axes={"data": {0: "batch"}, "embedding": {0: "batch"}},
+                          opset_version=opset, dynamo=False)
+        if parity:
+            check_parity(model, tmp, name=output)
 
 
-def check_parity(model: torch.nn.Module, onnx_path: str, batches=(1, 8), seed: int = 0) -> float:
-    """max |onnx - torch| relative to max(1, max |torch|); raises when it exceeds 1e-4."""
+def check_parity(model: torch.nn.Module, onnx_path: str, batches=(1, 8), seed: int = 0,
+                 name: str | None = None) -> float:
+    """max |onnx - torch| relative to max(1, max |torch|); raises when it exceeds 1e-4, and
+    when either output is not finite (NaN compares as no difference at all)."""
     import onnx
     import onnxruntime as ort
+    name = name or onnx_path
     onnx.checker.check_model(onnx.load(onnx_path))
     session = ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"])
     g = torch.Generator().manual_seed(seed)
@@ -47,12 +59,16 @@ def check_parity(model: torch.nn.Module, onnx_path: str, batches=(1, 8), seed: i
         out = session.run(None, {"data": x.numpy()})[0]
         if out.shape != ref.shape:
             raise RuntimeError(f"onnx output shape {out.shape} != torch {ref.shape} at batch {n}")
+        for what, values in (("torch", ref), ("onnxruntime", out)):
+            if not np.isfinite(values).all():
+                raise CheckpointError(f"{name}: {what}'s output is not finite (NaN or inf) at batch {n}; "
+                                      f"the model is unusable, nothing was exported")
         rel = float(np.abs(out - ref).max() / max(1.0, float(np.abs(ref).max())))
         print(f"batch {n}: max |onnx - torch| = {np.abs(out - ref).max():.3e} "
               f"(relative to max(1, max|torch|) = {rel:.3e})")
         worst = max(worst, rel)
     if worst > 1e-4:
-        raise RuntimeError(f"{onnx_path}: onnxruntime differs from torch by {worst:.3e} > 1e-4")
+        raise RuntimeError(f"{name}: onnxruntime differs from torch by {worst:.3e} > 1e-4")
     return worst
 
 
@@ -78,10 +94,12 @@ def main(argv=None) -> int:
     p.add_argument("--no_ema", action="store_true", help="export the raw weights, not the EMA")
     p.add_argument("--opset", type=int, default=17, help="ONNX opset version (default 17)")
     args = p.parse_args(argv)
-    model = load_backbone(args.checkpoint, args.network, ema=not args.no_ema)
     output = output_path(args.checkpoint, args.output)
-    export(model, output, args.opset)
-    check_parity(model, output)
+    refuse_inputs([output], model_files(args.checkpoint))
+    model = load_backbone(args.checkpoint, args.network, ema=not args.no_ema)
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    check_output_file(output)
+    export(model, output, args.opset, parity=True)
     print(f"exported {output}")
     return 0
 

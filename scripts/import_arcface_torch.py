@@ -30,6 +30,7 @@ from configs import ConfigError, get_config
 from eval.weights import state_mismatch
 from heads.sharding import class_shard
 from parallel.user_errors import exits_on_user_error
+from utils.atomic import check_output_dir
 from utils.checkpoint import CheckpointError, TrainState, list_checkpoints, new_run_id, safe_load, save_checkpoint
 
 RANK_FILE = re.compile(r"^checkpoint_gpu_(\d+)\.pt$")
@@ -101,6 +102,7 @@ def import_run(cfg, run_dir: str, out_dir: str) -> str:
     if cfg.gradient_acc != 1:
         raise ConfigError(f"config gradient_acc = {cfg.gradient_acc}: only runs with gradient_acc 1 import "
                           f"(arcface_torch counts its steps in micro-batches)")
+    check_output_dir(out_dir)
     if list_checkpoints(out_dir):
         raise CheckpointError(f"{out_dir} holds checkpoints already: import into a new directory")
     files = rank_files(run_dir)

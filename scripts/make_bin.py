@@ -14,7 +14,6 @@ if not __package__:  # run as a file (python scripts/x.py): import as `python -m
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import itertools
-import os
 import random
 import sys
 
@@ -24,6 +23,7 @@ from dataset.images import stored_bytes
 from eval.verification import NFOLDS, write_bin
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
+from utils.atomic import check_output_file, refuse_inputs
 
 
 DEFAULT_PAIRS = 3000
@@ -74,32 +74,21 @@ def main(argv=None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT.bin")
     args = p.parse_args(argv)
     if args.pairs is not None and args.pairs < NFOLDS:
-        raise SystemExit(f"--pairs {args.pairs}: verification needs at least {NFOLDS} pairs (its folds)")
-    if os.path.exists(args.output) and not args.overwrite:
-        raise SystemExit(f"{args.output} exists; pass --overwrite to replace it")
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(out_dir):
-        raise SystemExit(f"{out_dir}: output directory not found")
+        raise DataError(f"--pairs {args.pairs}: verification needs at least {NFOLDS} pairs (its folds)")
+    check_output_file(args.output, overwrite=args.overwrite)
+    _, groups = list_identity_folders(args.folder)
     try:
-        _, groups = list_identity_folders(args.folder)
         pairs, issame = draw_pairs(groups, args.pairs, args.seed)
-        if len(issame) < NFOLDS:
-            raise ValueError(f"only {len(issame)} balanced pairs can be drawn, fewer than the {NFOLDS} folds "
-                             "of verification: add people or images")
-        used = sorted({path for pair in pairs for path in pair})
-        check_files(used, args.resize)
-    except DataError as exc:
-        raise SystemExit(str(exc)) from None
     except ValueError as exc:  # too few pairs
-        raise SystemExit(f"{args.folder}: {exc}") from None
-    encoded = {path: stored_bytes(path, args.resize) for path in used}
-    tmp = f"{args.output}.partial-{os.getpid()}"
-    try:
-        write_bin(tmp, [encoded[path] for pair in pairs for path in pair], issame)
-        os.replace(tmp, args.output)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        raise DataError(f"{args.folder}: {exc}") from None
+    if len(issame) < NFOLDS:
+        raise DataError(f"{args.folder}: only {len(issame)} balanced pairs can be drawn, fewer than the {NFOLDS} "
+                        "folds of verification: add people or images")
+    used = sorted({path for pair in pairs for path in pair})
+    refuse_inputs([args.output], used)
+    check_files(used, args.resize)
+    encoded = {path: stored_bytes(path, args.resize) for path in used}  # decodes each: a truncated one is named
+    write_bin(args.output, [encoded[path] for pair in pairs for path in pair], issame)
     print(f"wrote {args.output}: {len(issame)} pairs ({sum(issame)} same, {len(issame) - sum(issame)} "
           f"different) of {len(groups)} identities, {len(used)} images")
     return 0

@@ -4,8 +4,10 @@ line) into train.rec, train.idx and property in the insightface layout.
 `python -m scripts.pack_rec IMAGE_FOLDER OUT_DIR [--resize]`.
 
 Every image is checked first (its header): a missing or unreadable file, or images that are not
-112x112 without --resize, stop the pack before anything is written. An image is stored as its
-file's bytes; with --resize an image of another size is stored resized, as PNG."""
+112x112 without --resize, stop the pack before anything is written. Every image is decoded as it
+is packed: one that does not decode (a truncated JPEG) stops the pack, naming it, and an earlier
+set stays as it was. An image is stored as its file's bytes; with --resize an image of another
+size is stored resized, as PNG."""
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
@@ -17,12 +19,14 @@ import os
 import sys
 from collections import defaultdict
 
-from dataset import DataError, list_identity_folders
+from dataset import DataError, DataLayoutError, list_identity_folders
+from dataset.folders import regular_file
 from dataset.geometry import check_files
 from dataset.images import stored_bytes
 from dataset.pack import write_insightface_rec
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
+from utils.atomic import check_output_dir, check_output_file, refuse_inputs
 from utils.progress import Progress
 
 
@@ -30,24 +34,26 @@ def collect(source: str) -> list[list[str]]:
     """Image paths grouped by label 0..C-1."""
     if os.path.isdir(source):
         return list_identity_folders(source)[1]
-    else:
-        by_label = defaultdict(list)
-        base = os.path.dirname(source)
-        with open(source) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    path, label = line.rstrip("\n").split("\t")[:2]
-                    by_label[int(label)].append(os.path.join(base, path))
-                except ValueError:
-                    raise DataError(f"{source}:{lineno}: expected 'path<TAB>label'") from None
-        labels = sorted(by_label)
-        if labels != list(range(len(labels))):
-            raise DataError(f"{source}: labels must be 0..C-1 without gaps")
-        if not labels:
-            raise DataError(f"{source}: no 'path<TAB>label' lines")
-        return [by_label[label] for label in labels]
+    if not regular_file(source):
+        raise DataLayoutError(f"{source}: not an image folder or a list file"
+                              f"{'' if not os.path.exists(source) else ' (not a regular file)'}")
+    by_label = defaultdict(list)
+    base = os.path.dirname(source)
+    with open(source) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                path, label = line.rstrip("\n").split("\t")[:2]
+                by_label[int(label)].append(os.path.join(base, path))
+            except ValueError:
+                raise DataError(f"{source}:{lineno}: expected 'path<TAB>label'") from None
+    labels = sorted(by_label)
+    if labels != list(range(len(labels))):
+        raise DataError(f"{source}: labels must be 0..C-1 without gaps")
+    if not labels:
+        raise DataError(f"{source}: no 'path<TAB>label' lines")
+    return [by_label[label] for label in labels]
 
 
 @exits_on_user_error
@@ -62,18 +68,20 @@ def main(argv=None) -> int:
                         "expect aligned crops (insightface's five-point template): resizing is not "
                         "alignment, so align first where you can (README 'Your own images')")
     args = p.parse_args(argv)
+    outputs = [os.path.join(args.output, n) for n in ("train.rec", "train.idx", "property")]
+    check_output_dir(args.output)
+    if os.path.isdir(args.output):
+        for path in outputs:
+            check_output_file(path, overwrite=args.overwrite)
     groups = collect(args.source)
     total = sum(len(g) for g in groups)
-    if not args.overwrite and os.path.exists(os.path.join(args.output, "train.rec")):
-        raise SystemExit(f"{os.path.join(args.output, 'train.rec')} exists; pass --overwrite to replace it")
+    refuse_inputs(outputs, [args.source, *(path for g in groups for path in g)])
     checking = Progress(total, "checking image headers")  # a DataError: one line (exits_on_user_error)
     check_files((path for g in groups for path in g), args.resize, progress=checking.update)
     progress = Progress(total, "packing")
-    try:
-        write_insightface_rec(args.output, ([stored_bytes(p, args.resize) for p in g] for g in groups), total,
-                              len(groups), progress, overwrite=args.overwrite)
-    except FileExistsError as exc:
-        raise SystemExit(str(exc)) from None
+    # every image is decoded as it is packed (stored_bytes): a truncated one stops the pack, naming it
+    write_insightface_rec(args.output, ([stored_bytes(p, args.resize) for p in g] for g in groups), total,
+                          len(groups), progress, overwrite=args.overwrite)
     print(f"packed {total} images of {len(groups)} identities into {args.output}")
     return 0
 

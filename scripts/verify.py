@@ -11,7 +11,7 @@ if not __package__:  # run as a file (python scripts/x.py): import as `python -m
 import os
 import sys
 
-from eval.embedder import load_model
+from eval.embedder import load_model, refuse_non_finite_embeddings
 from eval.verification import NFOLDS, load_bin, test
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
@@ -31,6 +31,8 @@ def main(argv=None) -> int:
     rows = []
     for path in args.bin:
         r = test(load_bin(path, min_pairs=NFOLDS), model, args.batch_size)
+        for emb in (r.embeddings, r.embeddings_flip):  # NaN distances would verify as chance
+            refuse_non_finite_embeddings(emb, f"{args.checkpoint} on {path}")
         rows.append((os.path.basename(path), r.accuracy, r.accuracy_flip, r.std_flip, r.xnorm))
     print(f"{'set':<20} {'acc':>8} {'acc-flip':>9} {'std':>7} {'XNorm':>8}")
     for name, acc, acc_flip, std_flip, xnorm in rows:

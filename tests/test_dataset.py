@@ -8,6 +8,7 @@ from dataset import (DataLayoutError, ImageDecodeError, LabelError, MXFaceDatase
                      build_dataset, get_dataloader, normalize_images)
 from dataset.pack import write_insightface_rec
 from dataset.recordio import IRHeader, RecordWriter, pack
+from utils.atomic import OutputError
 from tests.conftest import jpeg
 
 COLORS = [(200, 30, 30), (30, 200, 30), (30, 30, 200)]
@@ -239,7 +240,7 @@ def test_build_dataset_checks_num_classes(tmp_path):
 
 def test_pack_rec_refuses_to_overwrite(tmp_path):
     root = _insightface_set(tmp_path)
-    with pytest.raises(FileExistsError, match="--overwrite"):
+    with pytest.raises(OutputError, match="--overwrite"):
         _insightface_set(root)
 
 

@@ -48,7 +48,7 @@ def fill_disk_at(monkeypatch, fragment: str, room: int = 1000) -> None:
 def test_full_disk_during_a_checkpoint_names_file_and_space_and_removes_the_partial_save(
         drawn_faces, tmp_path, monkeypatch):
     out = str(tmp_path / "run")
-    fill_disk_at(monkeypatch, os.path.join("checkpoint-00000004.tmp", "backbone.pt"))
+    fill_disk_at(monkeypatch, os.path.join("checkpoint-00000004.tmp", ".backbone.pt.partial-"))
     with pytest.raises(NoSpaceError) as full:
         train.main(train_argv(drawn_faces, out, "--max_steps", "4", "--checkpoint_interval", "2"))
     message = str(full.value)

@@ -249,13 +249,13 @@ def subcenter_run(drawn_faces, tmp_path_factory):
     return out
 
 
-def test_drop_subcenters_checks_its_output_before_the_pass(subcenter_run, tmp_path, monkeypatch):
+def test_drop_subcenters_checks_its_output_before_the_pass(subcenter_run, tmp_path, monkeypatch, capsys):
     from scripts import drop_subcenters
     taken = tmp_path / "taken"
     taken.write_text("a file")
     monkeypatch.setattr(drop_subcenters, "build_dataset", lambda *a, **k: pytest.fail("embedded before checking"))
-    with pytest.raises(SystemExit, match=f"--out {taken}: a file is in its place"):
-        drop_subcenters.main([subcenter_run, "--out", str(taken)])
+    assert drop_subcenters.main([subcenter_run, "--out", str(taken)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --out {taken}: a file is in its place")
     assert taken.read_text() == "a file"
 
 

@@ -226,14 +226,14 @@ def test_make_bin_is_balanced_alternating_deterministic_and_reads_like_lfw(tmp_p
     assert images.shape == (40, 3, 112, 112) and read_issame == issame
 
 
-def test_make_bin_refusals_name_the_problem_and_write_nothing(tmp_path):
+def test_make_bin_refusals_name_the_problem_and_write_nothing(tmp_path, capsys):
     root = _folder(tmp_path / "held", [[(112, 112)] * 2] * 3)
     out = str(tmp_path / "v.bin")
-    with pytest.raises(SystemExit, match=r"3 same-identity pairs exist .* 10 needed: pass --pairs 6 or fewer"):
-        make_bin([root, out, "--pairs", "20"])
+    assert make_bin([root, out, "--pairs", "20"]) == 2
+    assert re.match(r"error: .*3 same-identity pairs exist .* 10 needed: pass --pairs 6 or fewer", capsys.readouterr().err)
     odd = _folder(tmp_path / "odd", [[(112, 92)] * 6] * 3)
-    with pytest.raises(SystemExit, match=r"not 112x112 .*--resize"):
-        make_bin([odd, out, "--pairs", "10"])
+    assert make_bin([odd, out, "--pairs", "10"]) == 2
+    assert re.match(r"error: .*not 112x112 .*--resize", capsys.readouterr().err)
     assert not os.path.exists(out) and sorted(os.listdir(tmp_path)) == ["held", "odd"]
     make_bin([odd, out, "--pairs", "10", "--resize"])
     assert load_bin(out)[0][0].shape == (20, 3, 112, 112)
@@ -241,8 +241,9 @@ def test_make_bin_refusals_name_the_problem_and_write_nothing(tmp_path):
     make_bin([three, out, "--overwrite"])  # default: as many balanced pairs as 3 people of 3 allow
     assert load_bin(out)[1] == [True, False] * 9
     one = _folder(tmp_path / "one", [[(112, 112)] * 2] * 2)
-    with pytest.raises(SystemExit, match=r"only 4 balanced pairs can be drawn, fewer than the 10 folds"):
-        make_bin([one, str(tmp_path / "w.bin")])
+    capsys.readouterr()
+    assert make_bin([one, str(tmp_path / "w.bin")]) == 2
+    assert re.match(r"error: .*only 4 balanced pairs can be drawn, fewer than the 10 folds", capsys.readouterr().err)
     assert not os.path.exists(tmp_path / "w.bin")
 
 
@@ -351,7 +352,7 @@ def test_model_pt_and_its_onnx_export_embed_alike_and_verify_takes_onnx(tmp_path
     assert row[0] == "v.bin" and 0 <= float(row[2]) <= 1 and float(row[4]) > 0
 
 
-def test_unreadable_onnx_and_missing_inputs_are_one_line_errors(tmp_path):
+def test_unreadable_onnx_and_missing_inputs_are_one_line_errors(tmp_path, capsys):
     from eval.embedder import load_model
     from scripts.embed import main as embed
     from utils.checkpoint import CheckpointError
@@ -362,10 +363,10 @@ def test_unreadable_onnx_and_missing_inputs_are_one_line_errors(tmp_path):
     with pytest.raises(CheckpointError, match=r"gone.onnx: ONNX model not found"):
         load_model(str(tmp_path / "gone.onnx"))
     out = str(tmp_path / "e.npy")
-    with pytest.raises(SystemExit, match=r"nowhere.jpg: no such image file or folder"):
-        embed([str(bad), str(tmp_path / "nowhere.jpg"), "--out", out])
-    with pytest.raises(SystemExit, match=r"output directory not found"):
-        embed([str(bad), str(bad), "--out", str(tmp_path / "no" / "e.npy")])
+    assert embed([str(bad), str(tmp_path / "nowhere.jpg"), "--out", out]) == 2
+    assert re.match(r"error: .*nowhere.jpg: no such image file or folder\n$", capsys.readouterr().err)
+    assert embed([str(bad), str(bad), "--out", str(tmp_path / "no" / "e.npy")]) == 2
+    assert re.match(r"error: --out .*e.npy: the directory .*no does not exist", capsys.readouterr().err)
     assert sorted(os.listdir(tmp_path)) == ["bad.onnx"]
 
 

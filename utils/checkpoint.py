@@ -17,7 +17,6 @@ The output directory must be shared by all ranks (one machine, or a shared file 
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -32,6 +31,7 @@ import torch
 
 from configs.errors import UserError
 from parallel.dist import from_every_rank, get_rank
+from utils.atomic import fsync_dir, publishing
 
 logger = logging.getLogger("shardface")
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -60,19 +60,13 @@ class TrainState:
 
 
 def _write_atomically(path: str, mode: str, write) -> None:
-    tmp = f"{path}.tmp"
     try:
-        with open(tmp, mode) as f:
+        with publishing(path) as tmp, open(tmp, mode) as f:  # a partial file is removed: it would keep the disk full
             write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
     except (OSError, RuntimeError) as exc:
         # torch.save reports a failed write as RuntimeError("[enforce fail at inline_container.cc ...")
         if isinstance(exc, RuntimeError) and "inline_container" not in str(exc):
             raise
-        with contextlib.suppress(OSError):
-            os.remove(tmp)  # a partial file would keep the disk full
         cause = exc if isinstance(exc, OSError) else exc.__context__ if isinstance(exc.__context__, OSError) else None
         code = cause.errno if cause is not None else None
         folder = os.path.dirname(os.path.abspath(path))
@@ -107,14 +101,6 @@ def safe_load(path: str):
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
         raise CheckpointError(f"{path}: corrupt or unreadable checkpoint file ({type(exc).__name__}: {exc})") from None
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def rng_state() -> dict:
@@ -207,10 +193,10 @@ def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, h
     _agree(_attempt(write_parts, output, needed), tmp)
 
     def publish():
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _fsync_dir(output)
+        fsync_dir(output)
         atomic_write_text(os.path.join(output, "latest"), os.path.basename(final) + "\n")
         prune_checkpoints(output, state.step, state.run_id, keep)
         if export_to:

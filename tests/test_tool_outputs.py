@@ -1,0 +1,175 @@
+"""Tool outputs are published atomically (utils/atomic.py): a run that fails or is killed leaves
+the earlier output whole, a set of files is never left mixed in a form a reader takes for good,
+staging files of killed runs are cleaned, an output that is an input is refused, and outputs
+of the wrong kind are refused before the work."""
+import os
+import signal
+import socket
+
+import numpy as np
+import pytest
+
+from dataset import DataLayoutError, build_dataset
+from scripts.embed import main as embed
+from scripts.export_onnx import main as export_onnx
+from scripts.make_bin import main as make_bin
+from scripts.pack_rec import main as pack_rec
+from tests.tool_files import dead_pid, photos, tiny_model
+
+def _contents(path) -> dict | bytes:
+    """A file's bytes, or a folder's files and their bytes."""
+    if os.path.isfile(path):
+        return open(path, "rb").read()
+    return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path))}
+
+
+def _fail_on_call(n: int, real=os.replace):
+    calls = []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == n:
+            raise KeyboardInterrupt(f"stopped at rename {n}")
+        return real(src, dst)
+    return replace
+
+
+def test_export_onto_its_own_model_pt_is_refused_and_the_weights_stay(tmp_path, capsys):
+    pt = tiny_model(tmp_path)
+    before = open(pt, "rb").read()
+    assert export_onnx([pt, pt]) == 2
+    assert capsys.readouterr().err == f"error: output {pt} is also an input ({pt}); write it elsewhere\n"
+    assert open(pt, "rb").read() == before
+
+
+def test_export_stopped_while_writing_keeps_the_previous_onnx_whole(tmp_path, monkeypatch):
+    import torch
+    pt = tiny_model(tmp_path)
+    onnx_path = str(tmp_path / "model.onnx")
+    (tmp_path / "model.onnx").write_bytes(b"the previous export")
+
+    def killed_midway(model, args, path, **kw):
+        with open(path, "wb") as f:
+            f.write(b"\x08\x07partial onnx")
+        raise KeyboardInterrupt("killed")
+    monkeypatch.setattr(torch.onnx, "export", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        export_onnx([pt, onnx_path])
+    assert open(onnx_path, "rb").read() == b"the previous export"
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.onnx", "model.pt"]
+
+
+def _pack_killed_at(src: str, out: str, name: str, n: int) -> None:
+    """pack_rec SRC OUT --overwrite in a forked process SIGKILLed at its n-th call of os.<name>
+    (no `finally` runs, as in a real kill)."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            real, calls = getattr(os, name), []
+
+            def hook(*a, **kw):
+                calls.append(a)
+                if len(calls) == n:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real(*a, **kw)
+            setattr(os, name, hook)
+            pack_rec([src, out, "--overwrite"])
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+
+
+def test_pack_killed_between_renames_leaves_no_set_that_reads_as_good(tmp_path):
+    out = str(tmp_path / "rec")
+    assert pack_rec([photos(tmp_path / "old", ids=2, per_id=2), out]) == 0
+    new = photos(tmp_path / "new", ids=3, per_id=4, first_seed=50)
+    _pack_killed_at(new, out, "replace", 2)  # one file of the new set is in place, the others not
+    with pytest.raises(DataLayoutError, match=r"train.idx: missing beside train.rec"):
+        build_dataset(out, 3)
+    assert pack_rec([new, out, "--overwrite"]) == 0  # the next run completes the set and cleans up
+    assert sorted(os.listdir(out)) == ["property", "train.idx", "train.rec"]
+    assert len(build_dataset(out, 3)) == 12
+
+
+def test_pack_killed_before_the_swap_keeps_the_earlier_set_and_its_litter_is_cleaned(tmp_path):
+    out = str(tmp_path / "rec")
+    assert pack_rec([photos(tmp_path / "old", ids=2, per_id=2), out]) == 0
+    before = _contents(out)
+    new = photos(tmp_path / "new", ids=3, per_id=4, first_seed=50)
+    _pack_killed_at(new, out, "fsync", 1)  # the new files are written, none is published yet
+    assert {n: b for n, b in _contents(out).items() if not n.startswith(".")} == before
+    assert len(build_dataset(out, 2)) == 4
+    assert any(".partial-" in n for n in os.listdir(out))  # what the killed run left
+    assert pack_rec([new, out, "--overwrite"]) == 0
+    assert sorted(os.listdir(out)) == ["property", "train.idx", "train.rec"]
+
+
+def test_pack_list_file_that_is_also_an_output_is_refused(tmp_path, capsys):
+    out = tmp_path / "rec"
+    assert pack_rec([photos(tmp_path / "p", ids=2, per_id=2), str(out)]) == 0
+    listing = out / "train.idx"
+    listing.write_text("../p/id0/0.jpg\t0\n../p/id1/0.jpg\t1\n")
+    assert pack_rec([str(listing), str(out), "--overwrite"]) == 2
+    assert "is also an input" in capsys.readouterr().err
+    assert listing.read_text() == "../p/id0/0.jpg\t0\n../p/id1/0.jpg\t1\n"
+
+
+def test_embed_replaces_its_pair_only_with_overwrite_and_publishes_the_listing_last(tmp_path, monkeypatch, capsys):
+    pt = tiny_model(tmp_path / "m")
+    faces = photos(tmp_path / "faces", ids=2, per_id=2)
+    out = str(tmp_path / "emb.npy")
+    assert embed([pt, faces, "--out", out]) == 0
+    pair = _contents(tmp_path / "emb.npy"), _contents(tmp_path / "emb.txt")
+    assert embed([pt, os.path.join(faces, "id0"), "--out", out]) == 2
+    assert capsys.readouterr().err == f"error: --out {out} exists; pass --overwrite to replace it\n"
+    assert (_contents(tmp_path / "emb.npy"), _contents(tmp_path / "emb.txt")) == pair
+    monkeypatch.setattr(os, "replace", _fail_on_call(2))  # killed after emb.npy, before emb.txt
+    with pytest.raises(KeyboardInterrupt):
+        embed([pt, os.path.join(faces, "id0"), "--out", out, "--overwrite"])
+    monkeypatch.undo()
+    # the old listing is gone with the old array: the new array has no listing to be paired with
+    assert not os.path.exists(tmp_path / "emb.txt") and np.load(out).shape == (2, 64)
+    assert [n for n in os.listdir(tmp_path) if ".partial-" in n] == []
+
+
+def test_outputs_of_the_wrong_kind_are_refused_before_the_work(tmp_path, capsys):
+    pt = tiny_model(tmp_path / "m")
+    faces = photos(tmp_path / "faces", ids=3, per_id=4)
+    (tmp_path / "e.npy").mkdir()
+    assert embed([pt, faces, "--out", str(tmp_path / "e.npy")]) == 2
+    assert capsys.readouterr().err == f"error: --out {tmp_path / 'e.npy'} is a directory; name a file\n"
+    (tmp_path / "v.bin").mkdir()
+    assert make_bin([faces, str(tmp_path / "v.bin"), "--overwrite", "--pairs", "10"]) == 2
+    assert capsys.readouterr().err == f"error: output {tmp_path / 'v.bin'} is a directory; name a file\n"
+    assert os.listdir(tmp_path / "v.bin") == [] and os.listdir(tmp_path / "e.npy") == []
+    from scripts.import_arcface_torch import main as import_arcface_torch
+    (tmp_path / "run").mkdir()
+    (tmp_path / "out").write_text("a file")
+    assert import_arcface_torch(["configs/demo.py", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        f"error: output {tmp_path / 'out'} is a file, not a directory; name a directory"
+
+
+def test_staging_files_of_dead_runs_on_this_host_are_removed_and_others_kept(tmp_path):
+    faces = photos(tmp_path / "faces", ids=3, per_id=4)
+    pid, host = dead_pid(), socket.gethostname()
+    dead = [f".v.bin.partial-{host}-{pid}", f"v.bin.partial-{pid}"]  # the second: the old naming
+    kept = [f".v.bin.partial-{host}-{os.getppid()}",  # a live process
+            f".v.bin.partial-another-host-{pid}",  # its pid means nothing here
+            f".w.bin.partial-{host}-{pid}"]  # another output's: its own publish cleans it
+    for name in dead + kept:
+        (tmp_path / name).write_bytes(b"litter")
+    assert make_bin([faces, str(tmp_path / "v.bin"), "--pairs", "10"]) == 0
+    assert sorted(n for n in os.listdir(tmp_path) if "partial" in n) == sorted(kept)
+
+
+def test_publishing_a_file_that_fails_leaves_the_earlier_file_and_no_staging_file(tmp_path):
+    from utils import atomic
+    path = tmp_path / "out.txt"
+    path.write_text("earlier")
+    with pytest.raises(RuntimeError):
+        with atomic.publishing(str(path)) as tmp:
+            open(tmp, "w").write("half")
+            raise RuntimeError("the work failed")
+    assert os.listdir(tmp_path) == ["out.txt"] and path.read_text() == "earlier"

@@ -1,0 +1,174 @@
+"""Publishing outputs atomically: the one way every tool (and checkpoints) writes a file.
+
+A file is written under a staging name beside its final one, `.<name>.partial-<host>-<pid>`,
+flushed to disk, and renamed onto the final name (`os.replace`), so the final name holds the
+earlier file or the complete new one, never a part. A set of files that belong together
+(train.rec, train.idx, property; emb.npy, emb.txt) has a key, the file a reader needs
+first (the index, the file list): the key is removed before the others are replaced and
+published after them, so while the set is being swapped it has no key, and nothing can read
+a mixed set as a good one. A run killed before the swap leaves the earlier set whole.
+
+Staging files of runs that were killed are removed by the next publish of the same name on
+the same host, once their process is gone. An output that is also an input is refused, and
+every output is checked (its kind, its directory, `--overwrite`) before the work starts.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import stat
+from typing import Iterable, Iterator
+
+from configs.errors import UserError
+
+_STAGED = re.compile(r"^\.?(?P<name>.+)\.partial-(?:(?P<host>.+)-)?(?P<pid>\d+)$")
+
+
+class OutputError(UserError, ValueError):
+    """An output that cannot be written where asked, exists without --overwrite, or is an input."""
+
+
+def _host() -> str:
+    return socket.gethostname().replace(os.sep, "_") or "localhost"
+
+
+def staging_path(path: str) -> str:
+    """Where `path` is written before it is published: a hidden name in the same directory
+    (the same file system, so the rename is atomic), unique to this host and process."""
+    folder, name = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, f".{name}.partial-{_host()}-{os.getpid()}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale(path: str) -> list[str]:
+    """Remove staging files of `path` left by killed runs on this host (their process is gone);
+    a live run's, and another host's (its pids mean nothing here), are left alone. Returns
+    what was removed."""
+    folder, name = os.path.split(os.path.abspath(path))
+    removed = []
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _STAGED.match(entry)
+        if not m or m.group("name") != name or m.group("host") not in (None, _host()):
+            continue
+        pid = int(m.group("pid"))
+        if pid == os.getpid() or _alive(pid):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, entry))
+            removed.append(os.path.join(folder, entry))
+    return removed
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def publishing(path: str) -> Iterator[str]:
+    """`with publishing(out) as tmp:` write `tmp`; when the block ends normally `tmp` is
+    flushed and renamed onto `out`; when it raises, `tmp` is removed and `out` is untouched."""
+    remove_stale(path)
+    tmp = staging_path(path)
+    try:
+        yield tmp
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+@contextlib.contextmanager
+def publishing_set(paths: list[str]) -> Iterator[list[str]]:
+    """`with publishing_set([a, b, key]) as (ta, tb, tkey):` write the staging files; when the
+    block ends normally the set is published with its key (the last path) removed first and
+    published last (see the module docstring); when it raises, nothing is published."""
+    for path in paths:
+        remove_stale(path)
+    temps = [staging_path(p) for p in paths]
+    try:
+        yield temps
+        for tmp in temps:
+            _fsync_file(tmp)
+        *others, key = paths
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(key)
+        for tmp, path in zip(temps, others):
+            os.replace(tmp, path)
+        os.replace(temps[-1], key)
+    finally:
+        for tmp in temps:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+    for folder in dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in paths):
+        fsync_dir(folder)
+
+
+def check_output_file(path: str, overwrite: bool | None = None, what: str = "output") -> None:
+    """Before any work: `path` can be published as a file. Its directory must exist; a
+    directory or anything but a regular file in its place is refused; an existing file is
+    refused unless `overwrite` (None: replacing is the tool's normal behaviour)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise OutputError(f"{what} {path}: the directory {folder} does not exist; create it first")
+    if os.path.lexists(path):
+        mode = os.stat(path).st_mode if os.path.exists(path) else 0
+        if stat.S_ISDIR(mode):
+            raise OutputError(f"{what} {path} is a directory; name a file")
+        if not stat.S_ISREG(mode):
+            raise OutputError(f"{what} {path} exists and is not a regular file; name another file")
+        if overwrite is False:
+            raise OutputError(f"{what} {path} exists; pass --overwrite to replace it")
+    if not os.access(folder, os.W_OK):
+        raise OutputError(f"{what} {path}: cannot write in {folder}")
+
+
+def check_output_dir(path: str, what: str = "output") -> None:
+    """Before any work: `path` is a directory, or nothing yet (it will be created)."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise OutputError(f"{what} {path} is a file, not a directory; name a directory")
+
+
+def refuse_inputs(outputs: Iterable[str], inputs: Iterable[str]) -> None:
+    """An output that is one of the inputs (the same file, by any path or link) is refused:
+    writing it would destroy what the run reads. Each path is looked at once (stat)."""
+    existing = {}
+    for out in outputs:
+        with contextlib.suppress(OSError):
+            st = os.stat(out)
+            existing[(st.st_dev, st.st_ino)] = out
+    if not existing:
+        return
+    for src in inputs:
+        try:
+            st = os.stat(src)
+        except OSError:
+            continue
+        out = existing.get((st.st_dev, st.st_ino))
+        if out is not None:
+            raise OutputError(f"output {out} is also an input ({src}); write it elsewhere")
