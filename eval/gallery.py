@@ -33,9 +33,11 @@ import numpy as np
 import torch
 
 from dataset import DataError
+from dataset.folders import not_regular
 from dataset.images import IMAGE_EXTENSIONS, decode_chw, image_size
 from eval.search import make_index
 from faces.align import ARCFACE_112, Template
+from utils.atomic import publishing
 from utils.progress import Progress
 
 CACHE_NAME = ".shardface_gallery.npz"
@@ -87,6 +89,9 @@ def list_gallery(folder: str) -> list[tuple[str, list[str]]]:
                            f"({len(loose)} such); the gallery is one folder per person, named for them")
     if not people:
         raise GalleryError(f"{folder}: empty gallery; it needs one folder per person, each with their images")
+    odd = not_regular([os.path.join(folder, f) for _, found in people for f in found])
+    if odd is not None:
+        raise odd
     return people
 
 
@@ -195,16 +200,12 @@ def _read_entries(path: str) -> tuple[dict, dict]:
 def _write_entries(path: str, header: dict, keys: list, embeddings: list) -> None:
     """Atomically: header, per-file (path, size, mtime, has_face) and the embeddings of faces."""
     rows = [e for e in embeddings if e is not None]
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
+    with publishing(path) as tmp, open(tmp, "wb") as f:
         np.savez(f, header=np.array(json.dumps(header, sort_keys=True)),
                  files=np.array([k[0] for k in keys], dtype=str), sizes=np.array([k[1] for k in keys], np.int64),
                  mtimes=np.array([k[2] for k in keys], np.int64),
                  has_face=np.array([e is not None for e in embeddings], bool),
                  embeddings=np.stack(rows).astype(np.float32) if rows else np.zeros((0, 0), np.float32))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _describe(header: dict) -> str:

@@ -16,10 +16,11 @@ name; see its docstring."""
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 from PIL import Image, ImageDraw
+
+from utils.atomic import publishing
 
 FPIR_LEVELS = (1e-1, 1e-2)
 
@@ -131,6 +132,5 @@ def plot_cmc_det(cmc_curve: np.ndarray, fpir: np.ndarray, fnir: np.ndarray | Non
     if fnir is not None and len(fpir):
         d.line([(to_x(f), h - pad - v * (h - 2 * pad)) for f, v in zip(fpir, fnir)] * (1 if len(fpir) > 1 else 2),
                fill="red", width=2)
-    tmp = f"{path}.tmp"
-    img.save(tmp, format="PNG")
-    os.replace(tmp, path)
+    with publishing(path) as tmp:
+        img.save(tmp, format="PNG")
