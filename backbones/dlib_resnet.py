@@ -27,8 +27,8 @@ PIXEL_MEAN = (122.782, 117.001, 104.298)
 # insightface 112x112 crop onto dlib's 150x150 chip: faces.dlib_chip.DLIB_150 against
 # faces.align.ARCFACE_112, written here because backbones sit below faces (tests/test_dlib.py
 # checks it equals eval.embedder.Embedder.from_crops's warp between those two templates).
-FRONT_112_TO_150 = ((1.0835826, 0.0015047, -0.0035298),
-                    (-0.0015047, 1.0835826, -0.0540436))
+FRONT_112_TO_150 = ((0.9201470421, 0.0051075324, 0.0153296223),
+                    (-0.0051075324, 0.9201470421, 0.2847230046))
 
 
 class Affine(nn.Module):

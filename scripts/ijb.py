@@ -10,7 +10,8 @@ if not __package__:  # run as a file (python scripts/x.py): import as `python -m
 
 import sys
 
-from eval.embedder import load_model
+from eval.embedder import load_embedder
+from faces.align import ARCFACE_112
 from eval.ijb import evaluate_ijb
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
@@ -20,14 +21,14 @@ from scripts.cli import ArgumentParser
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", help="run output, checkpoint dir, our model.pt, insightface model.pt "
-                                          "or an exported .onnx (run by onnxruntime)")
+                                          "an exported .onnx (run by onnxruntime) or dlib")
     p.add_argument("--root", required=True, help="IJB directory with meta/ and loose_crop/")
     p.add_argument("--target", default="IJBC", choices=["IJBB", "IJBC"], help="which benchmark ROOT holds (default IJBC)")
     p.add_argument("--network", default=None, help="backbone name (default: from the training config)")
     p.add_argument("--batch_size", type=int, default=64, help="face crops per forward pass (default 64)")
     p.add_argument("--roc", default=None, help="PNG path for the ROC plot")
     args = p.parse_args(argv)
-    backbone = load_model(args.checkpoint, args.network)
+    backbone = load_embedder(args.checkpoint, args.network).for_crops(ARCFACE_112)  # IJB crops are aligned to it
     tars = evaluate_ijb(args.root, backbone, args.target.lower(), args.batch_size, args.roc)
     print(f"{args.target} 1:1 TAR@FAR: " + "  ".join(f"{far:.0e}: {tar:.4f}" for far, tar in tars.items()))
     return 0
