@@ -75,6 +75,32 @@ def test_chip_of_the_insightface_points_template_is_close_to_dlibs(astronaut):
     assert cosine(by_shape, astronaut["descriptor"]) >= 0.995
 
 
+def test_reframed_112_crop_costs_dlib_little_against_its_own_chip(astronaut):
+    """What verify does with a .bin set's insightface 112x112 crop: re-frame it onto dlib's chip
+    (forehead and chin fall outside it: black). The crop here is cut with the chip's own
+    geometry, so only the framing is measured: 0.995 cosine, 0.14 in dlib's distance units
+    (its same-person threshold is 0.6) on this photo."""
+    embedder = load_embedder("dlib")
+    photo = Image.fromarray(astronaut["img"])
+    to_photo = chip_transform(astronaut["points"])
+    crop = align(photo, DLIB_150.points @ to_photo[:, :2].T + to_photo[:, 2], ARCFACE_112)
+    x = torch.from_numpy(np.asarray(crop).copy()).permute(2, 0, 1)[None]
+    with torch.no_grad():
+        reframed = embedder.for_crops(ARCFACE_112)(x.float().sub(127.5).div(127.5)).cpu().numpy()[0]
+    assert cosine(reframed, astronaut["descriptor"]) >= 0.99
+    assert np.linalg.norm(reframed - astronaut["descriptor"]) < 0.2
+
+
+@pytest.mark.slow
+def test_verify_runs_dlib_on_a_bin_set_reframing_its_112_crops(drawn_faces, capsys):
+    from scripts.make_drawn_faces import VAL_NAME
+    from scripts.verify import main as verify
+    assert verify(["dlib", "--bin", os.path.join(drawn_faces, f"{VAL_NAME}.bin")]) == 0
+    out = capsys.readouterr().out
+    assert "dlib takes dlib-150 crops: the sets' arcface-112 crops are re-framed onto it" in out
+    assert f"{VAL_NAME}.bin" in out
+
+
 def test_embed_no_flip_of_a_dlib_chip_is_dlibs_descriptor(astronaut, tmp_path):
     from scripts.embed import main as embed
     chip = tmp_path / "chip.png"
