@@ -100,8 +100,10 @@ class DlibResNet(nn.Module):
     def chip(self, x: torch.Tensor) -> torch.Tensor:
         """[-1, 1] input -> dlib's scaled 150x150 chip (re-framed when the input is a 112 crop)."""
         if self.input_size != CHIP_SIZE:
-            theta = torch.tensor(FRONT_112_TO_150, dtype=x.dtype, device=x.device).expand(len(x), 2, 3)
-            grid = F.affine_grid(theta, [len(x), 3, CHIP_SIZE, CHIP_SIZE], align_corners=False)
+            # one grid for every image: x.shape[0], not len(x), so an ONNX trace keeps the batch dynamic
+            theta = torch.tensor(FRONT_112_TO_150, dtype=x.dtype, device=x.device)[None]
+            grid = F.affine_grid(theta, [1, 3, CHIP_SIZE, CHIP_SIZE], align_corners=False)
+            grid = grid.expand(x.shape[0], -1, -1, -1)
             # outside the crop is black, as alignment leaves it: -1 in [-1, 1]
             x = F.grid_sample(x + 1, grid, mode="bilinear", padding_mode="zeros", align_corners=False) - 1
         return (x * 127.5 + 127.5 - self.pixel_mean.view(1, 3, 1, 1)) / 256

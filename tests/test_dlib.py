@@ -237,3 +237,13 @@ def test_init_backbone_dlib_fine_tunes_dlibs_network_on_112_crops(drawn_faces, t
     log = open(os.path.join(out, "training.log")).read()
     losses = [float(line.split("loss ")[1].split()[0]) for line in log.splitlines() if "loss " in line]
     assert losses and all(math.isfinite(v) for v in losses), log[-2000:]
+
+
+@pytest.mark.slow
+def test_export_onnx_of_dlib_resnet_on_112_crops_keeps_the_batch_dynamic(tmp_path):
+    """A fine-tuned `dlib_resnet` (its 112 front a grid_sample) exports with any batch size."""
+    from scripts.export_onnx import check_parity, export
+    model = get_model("dlib_resnet").eval()
+    export(model, str(tmp_path / "ft.onnx"))
+    assert check_parity(model, str(tmp_path / "ft.onnx"), batches=(1, 3)) <= 1e-4
+    assert load_embedder(str(tmp_path / "ft.onnx")).template is ARCFACE_112
