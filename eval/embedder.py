@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from backbones.dlib_resnet import DlibResNet
 from dataset.geometry import check_files
 from dataset.images import IMAGE_EXTENSIONS, decode_chw
 from eval.verification import embed, l2_normalize
-from backbones.dlib_resnet import DlibResNet
 from eval.weights import DLIB, DLIB_FILE, dlib_state, load_backbone
 from faces.align import ARCFACE_112, Template, similarity_transform
 from faces.dlib_chip import DLIB_150
@@ -130,7 +130,6 @@ class Embedder:
         # outside the crop is black, as alignment leaves it: -1 in [-1, 1]
         return torch.nn.functional.grid_sample(x + 1, grid, mode="bilinear", padding_mode="zeros",
                                                align_corners=False) - 1
-
 
     def for_crops(self, made_for: Template = ARCFACE_112) -> nn.Module:
         """A module taking [-1, 1] crops aligned to `made_for` (the .bin sets' 112x112, IJB's):
