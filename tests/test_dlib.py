@@ -46,9 +46,17 @@ def embed_chip(embedder: Embedder, chip: Image.Image) -> np.ndarray:
         return embedder.module(embedder.from_crops(x, embedder.template)).cpu().numpy()[0]
 
 
-def test_dlib_chip_is_dlibs_own_chip_pixel_for_pixel(astronaut):
-    ours = np.asarray(dlib_chip(Image.fromarray(astronaut["img"]), astronaut["points"])).astype(int)
-    theirs = np.asarray(dlib.get_face_chip(astronaut["img"], astronaut["shape"], 150, 0.25)).astype(int)
+@pytest.mark.parametrize("zoom", [1, 3])
+def test_dlib_chip_is_dlibs_own_chip_pixel_for_pixel(astronaut, zoom):
+    """At 3x the face is over twice the chip's size: dlib halves the photo with its pyramid first."""
+    img, points = astronaut["img"], astronaut["points"] * zoom + (zoom - 1) / 2
+    if zoom != 1:
+        img = np.asarray(Image.fromarray(img).resize((512 * zoom,) * 2, Image.BICUBIC))
+    shape = dlib.full_object_detection(dlib.rectangle(0, 0, img.shape[1] - 1, img.shape[0] - 1),
+                                       [dlib.point(int(round(x)), int(round(y))) for x, y in points])
+    points = np.array([[p.x, p.y] for p in shape.parts()], np.float64)
+    ours = np.asarray(dlib_chip(Image.fromarray(img), points)).astype(int)
+    theirs = np.asarray(dlib.get_face_chip(img, shape, 150, 0.25)).astype(int)
     assert np.abs(ours - theirs).max() <= 1
 
 
