@@ -20,6 +20,8 @@ import os
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+from torch import nn
 
 from utils.checkpoint import CheckpointError
 
@@ -229,11 +231,10 @@ def _skip_state(r: _Reader, version: int, first: bool) -> None:
         r.int("sample expansion factor")
 
 
-def state_dict_for(model, network: DlibNetwork) -> dict:
+def state_dict_for(model: nn.Module, network: DlibNetwork) -> dict:
     """The state dict of `model` (a backbones.dlib_resnet.DlibResNet) holding `network`'s
     weights: its learned layers matched in order, kind and geometry, each a clear error naming
     the file and the layer's byte offset where they differ."""
-    import torch  # the reader itself needs only numpy
     learned = [layer for layer in network.layers if layer.kind in ("con", "affine", "fc")]
     wanted = model.dlib_layers()
     if [k for k, _ in wanted] != [layer.kind for layer in learned]:

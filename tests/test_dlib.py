@@ -69,6 +69,7 @@ def test_torch_port_gives_dlibs_descriptor_on_the_astronaut_photo(astronaut):
     np.testing.assert_allclose(out, astronaut["descriptor"], atol=1e-4)  # dlib's scale too, not only its direction
 
 
+@pytest.mark.slow
 def test_chip_of_the_insightface_points_template_is_close_to_dlibs(astronaut):
     """DLIB_150 places insightface's five points where dlib's mean face has them: aligning by
     them (any detector's landmarks) gives nearly dlib's chip. Here the five points are read off
