@@ -14,24 +14,27 @@ from dataset.images import FACE_SIZE, image_size
 logger = logging.getLogger("shardface")
 
 SHOWN = 3  # offending files named in a message
-RESIZE_HINT = ("align them to insightface's 112x112 five-point template (README 'Your own images'), "
+RESIZE_HINT = ("align them to the network's five-point template (insightface's 112x112; dlib's 150x150 "
+               "chip for MODEL dlib; README 'Your own images'), "
                "or pass --resize to resize them (pack_rec, make_bin, embed, compare; `--resize true` to "
                "train.py): resizing is not alignment")
 
 
-def size_refusal(bad: list[tuple[str, tuple[int, int]]], count: int, checked: str) -> ImageSizeError:
+def size_refusal(bad: list[tuple[str, tuple[int, int]]], count: int, checked: str,
+                 wanted: tuple[int, int] = FACE_SIZE) -> ImageSizeError:
     """One message: the first few (name, (h, w)), how many of what was checked, and the fix."""
     shown = ", ".join(f"{name} ({w}x{h})" for name, (h, w) in bad[:SHOWN])
     more = f" and {count - SHOWN} more" if count > SHOWN else ""
     return ImageSizeError(f"{count} {'image is' if count == 1 else 'images are'} not "
-                          f"{FACE_SIZE[1]}x{FACE_SIZE[0]} ({checked}): {shown}{more}; {RESIZE_HINT}")
+                          f"{wanted[1]}x{wanted[0]} ({checked}): {shown}{more}; {RESIZE_HINT}")
 
 
 def check_files(paths: Iterable[str], resize: bool, skip_bad_images: bool = False,
-                progress: Callable[[], None] | None = None) -> list[str]:
+                progress: Callable[[], None] | None = None, size: tuple[int, int] = FACE_SIZE) -> list[str]:
     """-> the paths to use. Reads every file's header: an unreadable, missing or not regular file is an
     ImageDecodeError naming it (with `skip_bad_images`, it is left out with a warning); images
-    that are not 112x112 are refused together unless `resize`."""
+    that are not `size` (h, w; 112x112 unless a network wants another crop) are refused
+    together unless `resize`."""
     paths = list(paths)
     usable, bad, unreadable = [], [], []
     for path in paths:
@@ -39,7 +42,7 @@ def check_files(paths: Iterable[str], resize: bool, skip_bad_images: bool = Fals
             if os.path.exists(path) and not regular_file(path):  # a FIFO would block the read forever
                 raise ImageDecodeError(f"{path}: not a regular file (a folder, FIFO, socket or device); "
                                        f"only image files are read")
-            size = image_size(path, path)
+            image = image_size(path, path)
         except ImageDecodeError as exc:
             if not skip_bad_images:
                 raise
@@ -49,13 +52,13 @@ def check_files(paths: Iterable[str], resize: bool, skip_bad_images: bool = Fals
             if progress is not None:
                 progress()
         usable.append(path)
-        if size != FACE_SIZE:
-            bad.append((path, size))
+        if image != size:
+            bad.append((path, image))
     if unreadable:
         logger.warning("skipping %d unreadable image files (skip_bad_images), the first: %s",
                        len(unreadable), unreadable[0])
     if bad and not resize:
-        raise size_refusal(bad, len(bad), f"read the headers of all {len(paths)} files")
+        raise size_refusal(bad, len(bad), f"read the headers of all {len(paths)} files", size)
     return usable
 
 

@@ -7,10 +7,14 @@ Every Embedder's module takes N x 3 x h x w float RGB in [-1, 1] ((x - 127.5) / 
 arcface_torch), h x w being its template's size: a network that wants other pixel scaling
 converts inside its module, so training's evaluation, ONNX export and a distillation teacher
 all feed it alike. Crops made for another template (the 112x112 `.bin` sets, a student's batch)
-are re-framed onto the Embedder's template by `Embedder.from_crops`."""
+are re-framed onto the Embedder's template by `Embedder.from_crops`.
+
+MODEL `dlib` is dlib's face descriptor (face-recognition-models' .dat, read by
+faces.dlib_format into backbones.dlib_resnet): 128-D on dlib's 150x150 chip (faces.dlib_chip)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 
@@ -18,23 +22,36 @@ import numpy as np
 import torch
 from torch import nn
 
+from backbones.dlib_resnet import DlibResNet
 from dataset.errors import DataLayoutError
 from dataset.folders import not_regular, regular_file
 from dataset.geometry import check_files
-from dataset.images import FACE_SIZE, IMAGE_EXTENSIONS, decode_chw
+from dataset.images import IMAGE_EXTENSIONS, decode_chw
 from eval.verification import embed, l2_normalize
-from eval.weights import load_backbone
+from eval.weights import DLIB, DLIB_FILE, dlib_state, load_backbone
 from faces.align import ARCFACE_112, Template, similarity_transform
+from faces.dlib_chip import DLIB_150
+from faces.models import model_file
 from utils.checkpoint import CheckpointError
 from utils.progress import Progress
 
 
+TEMPLATE_KEY = "shardface.template"  # ONNX metadata: the crop template the model takes (JSON)
+
+
+def template_json(template: Template) -> str:
+    return json.dumps({"name": template.name, "size": list(template.size),
+                       "points": np.asarray(template.points).tolist()})
+
+
 class OnnxBackbone(nn.Module):
-    """An exported model (scripts/export_onnx.py: input `data`, N x 3 x 112 x 112 float32 RGB
-    in [-1, 1]) run by onnxruntime behind the module interface the evaluation code takes.
-    It holds no weights of its own; an empty parameter tells callers which device to feed.
-    Refused at load, naming what is wrong: weights that are not finite, an output that is not
-    N x D. A model exported with a fixed batch size is fed batches of that size."""
+    """An exported model (scripts/export_onnx.py: input `data`, N x 3 x h x w float32 RGB in
+    [-1, 1]) run by onnxruntime behind the module interface the evaluation code takes. Its crop
+    template is the one its metadata records (`TEMPLATE_KEY`); a model without it is taken for
+    insightface's 112x112 crop, and must be 112x112. It holds no weights of its own; an empty
+    parameter tells callers which device to feed. Refused at load, naming what is wrong: weights
+    that are not finite, an output that is not N x D. A model exported with a fixed batch size is
+    fed batches of that size."""
 
     def __init__(self, path: str):
         super().__init__()
@@ -47,10 +64,12 @@ class OnnxBackbone(nn.Module):
             self.session = ort.InferenceSession(path, providers=providers)
         except Exception as exc:  # onnxruntime raises its own types for every bad file
             raise CheckpointError(f"{path}: not a readable ONNX model ({str(exc).splitlines()[0]})") from None
+        self.template = self._template(path, self.session.get_modelmeta().custom_metadata_map.get(TEMPLATE_KEY))
         inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
-        if len(inputs) != 1 or list(inputs[0].shape[1:]) != [3, *FACE_SIZE]:
-            raise CheckpointError(f"{path}: expected one input of shape N x 3 x 112 x 112 (as scripts.export_onnx "
-                                  f"writes), got {[(i.name, i.shape) for i in inputs]}")
+        if len(inputs) != 1 or list(inputs[0].shape[1:]) != [3, *self.template.size]:
+            raise CheckpointError(f"{path}: expected one input of shape N x 3 x {self.template.size[0]} x "
+                                  f"{self.template.size[1]} (as scripts.export_onnx writes), got "
+                                  f"{[(i.name, i.shape) for i in inputs]}")
         if len(outputs[0].shape) != 2:
             raise CheckpointError(f"{path}: its output '{outputs[0].name}' has shape {outputs[0].shape}, not "
                                   f"N x D (one embedding per image); export the embedding, not a feature map")
@@ -60,6 +79,20 @@ class OnnxBackbone(nn.Module):
         self.fixed_batch = batch if isinstance(batch, int) and batch > 0 else None
         self.path = path
         self.anchor = nn.Parameter(torch.zeros(0), requires_grad=False)
+
+    @staticmethod
+    def _template(path: str, recorded: str | None) -> Template:
+        if recorded is None:
+            return ARCFACE_112
+        try:
+            t = json.loads(recorded)
+            template = Template(str(t["name"]), (int(t["size"][0]), int(t["size"][1])),
+                                np.asarray(t["points"], np.float64).reshape(5, 2))
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise CheckpointError(f"{path}: unreadable {TEMPLATE_KEY} metadata ({exc})") from None
+        if min(template.size) < 1 or not np.isfinite(template.points).all():
+            raise CheckpointError(f"{path}: {TEMPLATE_KEY} metadata names no usable crop: {recorded}")
+        return template
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = images.detach().float().cpu().numpy()
@@ -102,8 +135,9 @@ def refuse_non_finite_embeddings(emb: np.ndarray, where: str) -> np.ndarray:
 
 
 def load_model(path: str, network: str | None = None, ema: bool = True) -> nn.Module:
-    """An eval-mode model whose forward takes N x 3 x 112 x 112 floats in [-1, 1]: an `.onnx`
-    through onnxruntime, anything else through eval.weights.load_backbone."""
+    """An eval-mode model whose forward takes N x 3 x h x w floats in [-1, 1] (112 x 112 but for
+    an `.onnx` that records another template): an `.onnx` through onnxruntime, anything else
+    through eval.weights.load_backbone."""
     if path.lower().endswith(".onnx"):
         model = OnnxBackbone(path).eval()
     else:
@@ -115,6 +149,8 @@ def load_model(path: str, network: str | None = None, ema: bool = True) -> nn.Mo
 
 def model_files(path: str) -> list[str]:
     """The files loading the model at `path` reads (an output must never be one of them)."""
+    if path == DLIB:
+        return [model_file(DLIB_FILE)]
     if not os.path.isdir(path):
         return [path]
     from utils.checkpoint import find_checkpoint
@@ -155,6 +191,23 @@ class Embedder:
         return torch.nn.functional.grid_sample(x + 1, grid, mode="bilinear", padding_mode="zeros",
                                                align_corners=False) - 1
 
+    def for_crops(self, made_for: Template = ARCFACE_112) -> nn.Module:
+        """A module taking [-1, 1] crops aligned to `made_for` (the .bin sets' 112x112, IJB's):
+        this Embedder's module behind `from_crops` (the module itself when the templates agree)."""
+        if made_for.size == self.template.size and np.allclose(made_for.points, self.template.points):
+            return self.module
+        return _Reframed(self, made_for)
+
+
+class _Reframed(nn.Module):
+    def __init__(self, embedder: Embedder, made_for: Template):
+        super().__init__()
+        self.embedder, self.made_for, self.inner = embedder, made_for, embedder.module
+        self.source_path = embedder.name  # named when its embeddings are not finite
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.embedder.from_crops(x, self.made_for))
+
 
 def fingerprint_module(module: nn.Module) -> str:
     """A short hash of every parameter and buffer (names, shapes, values)."""
@@ -175,9 +228,16 @@ def fingerprint_file(path: str) -> str:
 
 def load_embedder(path: str, network: str | None = None, ema: bool = True) -> Embedder:
     """The Embedder of a MODEL argument (see the module docstring)."""
+    if path == DLIB:
+        module = DlibResNet(input_size=DLIB_150.size[0])
+        module.load_state_dict(dlib_state())
+        module = module.eval().to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        module.source_path = DLIB
+        return Embedder(module, DLIB_150, DLIB, fingerprint_file(model_file(DLIB_FILE)))
     module = load_model(path, network, ema)
-    fingerprint = fingerprint_file(path) if isinstance(module, OnnxBackbone) else fingerprint_module(module)
-    return Embedder(module, ARCFACE_112, path, fingerprint)
+    if isinstance(module, OnnxBackbone):
+        return Embedder(module, module.template, path, fingerprint_file(path))
+    return Embedder(module, ARCFACE_112, path, fingerprint_module(module))
 
 
 def image_files(inputs: list[str]) -> list[str]:
@@ -202,25 +262,36 @@ def image_files(inputs: list[str]) -> list[str]:
     return files
 
 
-def embed_uint8(images: torch.Tensor, model: nn.Module, batch_size: int = 64) -> np.ndarray:
-    """N x 3 x 112 x 112 uint8 -> N x D float32: the embedding plus its mirror image's, then
-    L2-normalised (verification's flip test)."""
-    both = embed(images, model, batch_size) + embed(torch.flip(images, dims=[3]), model, batch_size)
-    refuse_non_finite_embeddings(both, getattr(model, "source_path", "the model"))
-    return l2_normalize(both).astype(np.float32)
+def embed_uint8(images: torch.Tensor, model: nn.Module, batch_size: int = 64, flip: bool = True) -> np.ndarray:
+    """N x 3 x h x w uint8 (the crop `model` takes) -> N x D float32: the embedding plus its
+    mirror image's (verification's flip test; only the image's own with flip=False), then
+    L2-normalised. Embeddings that are not finite are refused, naming the model."""
+    out = embed(images, model, batch_size)
+    if flip:
+        out = out + embed(torch.flip(images, dims=[3]), model, batch_size)
+    refuse_non_finite_embeddings(out, getattr(model, "source_path", "the model"))
+    return l2_normalize(out).astype(np.float32)
 
 
-def embed_files(paths: list[str], model: nn.Module, batch_size: int = 64, resize: bool = False,
-                show_progress: bool = True) -> np.ndarray:
-    """Embeddings of image files, one row per path. Every file's header is read first: images
-    that are not 112x112 are refused (unless `resize`) before any is embedded."""
-    check_files(paths, resize)
+def _as_embedder(model: Embedder | nn.Module) -> Embedder:
+    """A bare module (as `load_model` returns) is a 112x112 insightface-crop network."""
+    return model if isinstance(model, Embedder) else Embedder(model, ARCFACE_112, "", "")
+
+
+def embed_files(paths: list[str], model: Embedder | nn.Module, batch_size: int = 64, resize: bool = False,
+                show_progress: bool = True, flip: bool = True) -> np.ndarray:
+    """Embeddings of image files, one row per path: crops of the Embedder's template size
+    (112x112 for a bare module). Every file's header is read first: images of another size are
+    refused (unless `resize`) before any is embedded."""
+    embedder = _as_embedder(model)
+    size = tuple(embedder.template.size)
+    check_files(paths, resize, size=size)
     progress = Progress(len(paths), "embedding") if show_progress and len(paths) > batch_size else None
     out = []
     for start in range(0, len(paths), batch_size):
         chunk = paths[start:start + batch_size]
-        images = torch.stack([decode_chw(_read(p), p, resize=FACE_SIZE if resize else None) for p in chunk])
-        out.append(embed_uint8(images, model, batch_size))
+        images = torch.stack([decode_chw(_read(p), p, resize=size if resize else None) for p in chunk])
+        out.append(embed_uint8(images, embedder.module, batch_size, flip))
         if progress is not None:
             progress.update(len(chunk))
     return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
@@ -231,11 +302,13 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-def best_threshold(data_set, model: nn.Module, batch_size: int = 64) -> tuple[float, float]:
+def best_threshold(data_set, model: Embedder | nn.Module, batch_size: int = 64,
+                   flip: bool = True) -> tuple[float, float]:
     """(cosine threshold, accuracy): the threshold that best separates a verification set's
-    pairs (as `load_bin` returns it), with flip-fused embeddings; `cos >= threshold` is "same"."""
+    pairs (as `load_bin` returns it: insightface 112x112 crops, re-framed for another template),
+    with flip-fused embeddings unless flip=False; `cos >= threshold` is "same"."""
     (images, _), issame = data_set
-    emb = embed_uint8(images, model, batch_size).astype(np.float64)
+    emb = embed_uint8(images, _as_embedder(model).for_crops(ARCFACE_112), batch_size, flip).astype(np.float64)
     cos = np.sum(emb[0::2] * emb[1::2], axis=1)
     same = np.asarray(issame, dtype=bool)
     candidates = np.unique(cos)

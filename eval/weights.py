@@ -1,8 +1,9 @@
 """Trained weights for evaluation, export and fine-tuning: a backbone from a ShardFace run,
-checkpoint, `model.pt`, a plain (insightface) state dict, or an arcface_torch
-`checkpoint_gpu_<rank>.pt`."""
+checkpoint, `model.pt`, a plain (insightface) state dict, an arcface_torch
+`checkpoint_gpu_<rank>.pt`, or `dlib` (dlib's face descriptor, network `dlib_resnet`)."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -11,7 +12,13 @@ import torch
 from torch import nn
 
 from backbones import get_model
+from backbones.dlib_resnet import DlibResNet
+from faces.dlib_format import read_network, state_dict_for
+from faces.models import model_file
 from utils.checkpoint import CheckpointError, read_backbone_weights, safe_load
+
+DLIB = "dlib"  # the MODEL / init_backbone name of dlib's face descriptor
+DLIB_FILE = "dlib_face_recognition_resnet_model_v1.dat"
 
 logger = logging.getLogger("shardface")
 
@@ -37,8 +44,24 @@ def _sibling_config(path: str) -> dict:
     return config if isinstance(config, dict) else {}
 
 
+def dlib_state() -> dict:
+    """The state dict of backbones.dlib_resnet holding dlib's face descriptor weights
+    (face-recognition-models' file, read once per process: callers copy, never change it)."""
+    path = model_file(DLIB_FILE)
+    stat = os.stat(path)
+    return _dlib_state(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _dlib_state(path: str, size: int, mtime_ns: int) -> dict:
+    return state_dict_for(DlibResNet(), read_network(path))
+
+
 def load_backbone_state(path: str, ema: bool = True) -> tuple[dict, dict]:
-    """(state dict, training config or {}) from a checkpoint dir, a run output or a .pt file."""
+    """(state dict, training config or {}) from a checkpoint dir, a run output, a .pt file, or
+    `dlib` (dlib's weights, with the config of the network they fit)."""
+    if path == DLIB:
+        return dlib_state(), {"network": "dlib_resnet", "embedding_size": 128}
     if os.path.isdir(path):
         return read_backbone_weights(path, ema)
     state = safe_load(path)

@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-from eval.embedder import best_threshold, embed_files, load_model
+from eval.embedder import best_threshold, embed_files, load_embedder
 from eval.verification import load_bin
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
@@ -25,8 +25,8 @@ from scripts.cli import ArgumentParser
 @exits_on_user_error
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("model", help="run output, checkpoint dir, model.pt (ShardFace or arcface_torch) or .onnx")
-    p.add_argument("image_a", help="the first face image (112x112, aligned)")
+    p.add_argument("model", help="run output, checkpoint dir, model.pt (ShardFace or arcface_torch), .onnx or dlib")
+    p.add_argument("image_a", help="the first face image (aligned: 112x112; dlib 150x150 chips)")
     p.add_argument("image_b", help="the second face image")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--threshold", type=float, default=None,
@@ -35,9 +35,9 @@ def main(argv=None) -> int:
                      help="a verification .bin: use the threshold that separates its pairs best")
     p.add_argument("--network", default=None, help="backbone name for an arcface_torch model.pt")
     p.add_argument("--no_ema", action="store_true", help="the raw weights, not the EMA")
-    p.add_argument("--resize", action="store_true", help="resize images that are not 112x112 (not alignment)")
+    p.add_argument("--resize", action="store_true", help="resize images that are not the model's crop size (not alignment)")
     args = p.parse_args(argv)
-    model = load_model(args.model, args.network, ema=not args.no_ema)
+    model = load_embedder(args.model, args.network, ema=not args.no_ema)
     a, b = embed_files([args.image_a, args.image_b], model, resize=args.resize)
     threshold = args.threshold
     if args.threshold_from:

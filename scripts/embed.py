@@ -7,7 +7,8 @@ test of verification), float32; row i belongs to line i of the file list written
 array (emb.txt for emb.npy, UTF-8), which is published after the array: an emb.npy without its
 emb.txt is an interrupted run. An existing pair is replaced only with --overwrite. MODEL: a run
 directory, a checkpoint directory, a model.pt (ShardFace's, or arcface_torch's with --network)
-or an exported .onnx (onnxruntime)."""
+an exported .onnx (onnxruntime) or `dlib`
+(dlib's face descriptor: 150x150 dlib chips; --no_flip gives its single-view descriptors)."""
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
@@ -21,7 +22,7 @@ import sys
 import numpy as np
 
 from dataset import DataError
-from eval.embedder import embed_files, image_files, load_model, model_files
+from eval.embedder import embed_files, image_files, load_embedder, model_files
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 from utils.atomic import OutputError, check_output_file, publishing_set, refuse_inputs
@@ -30,7 +31,7 @@ from utils.atomic import OutputError, check_output_file, publishing_set, refuse_
 @exits_on_user_error
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("model", help="run output, checkpoint dir, model.pt (ShardFace or arcface_torch) or .onnx")
+    p.add_argument("model", help="run output, checkpoint dir, model.pt (ShardFace or arcface_torch), .onnx or dlib")
     p.add_argument("inputs", nargs="+", help="image files and folders")
     p.add_argument("--out", required=True, help="the .npy file to write; the file list goes beside it (.txt)")
     p.add_argument("--network", default=None, help="backbone name for an arcface_torch model.pt "
@@ -39,8 +40,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch_size", type=int, default=64, help="images per forward pass")
     p.add_argument("--no_ema", action="store_true", help="the raw weights, not the EMA")
     p.add_argument("--resize", action="store_true",
-                   help="resize images that are not 112x112 instead of refusing them (resizing is not "
-                        "alignment; see README 'Your own images')")
+                   help="resize images that are not the model's crop size (112x112; dlib 150x150) instead of "
+                        "refusing them (resizing is not alignment; see README 'Your own images')")
+    p.add_argument("--no_flip", action="store_true",
+                   help="each image's own embedding, without its mirror image's (dlib's descriptor is single-view)")
     args = p.parse_args(argv)
     if os.path.isdir(args.out):
         raise OutputError(f"--out {args.out} is a directory; name a file")
@@ -54,8 +57,8 @@ def main(argv=None) -> int:
         raise DataError(f"{broken!r}: a file name with a line break cannot be listed one per line in "
                         f"{listing}; rename it")
     refuse_inputs([out, listing], [*paths, *model_files(args.model)])
-    model = load_model(args.model, args.network, ema=not args.no_ema)
-    embeddings = embed_files(paths, model, args.batch_size, args.resize)
+    embedder = load_embedder(args.model, args.network, ema=not args.no_ema)
+    embeddings = embed_files(paths, embedder, args.batch_size, args.resize, flip=not args.no_flip)
     # one set, the listing published last: an emb.npy without its emb.txt is an interrupted run
     with publishing_set([out, listing]) as (tmp_out, tmp_listing):
         with open(tmp_out, "wb") as f:

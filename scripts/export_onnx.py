@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""Export a backbone to ONNX (input `data`: N x 3 x 112 x 112, dynamic batch, fp32) and check
-onnxruntime against torch on batches of 1 and 8 before the file replaces anything (it is
-published atomically; an output that is an input is refused).
-`python -m scripts.export_onnx RUN [OUT]`: OUT is the .onnx file or a directory for
-`model.onnx`, by default the run's own directory."""
+"""Export a backbone to ONNX (input `data`: N x 3 x h x w RGB in [-1, 1], h x w its crop: 112x112,
+150x150 for `dlib`; dynamic batch, fp32) and check onnxruntime against torch on batches of 1 and 8
+before the file replaces anything (it is published atomically; an output that is an input is
+refused). `python -m scripts.export_onnx MODEL [OUT]`: OUT is the .onnx file or a directory for
+`model.onnx`, by default the run's own directory (for `dlib`, OUT is needed). The model's crop
+template is recorded in the file's metadata (`shardface.template`), so the ONNX form is fed as the
+original."""
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
@@ -18,31 +20,41 @@ import warnings
 import numpy as np
 import torch
 
-from eval.embedder import model_files
-from eval.weights import load_backbone
+from eval.embedder import TEMPLATE_KEY, OnnxBackbone, load_embedder, model_files, template_json
+from eval.weights import DLIB
+from faces.align import ARCFACE_112, Template
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 from utils.atomic import check_output_file, publishing, refuse_inputs
 from utils.checkpoint import CheckpointError
 
 
-def export(model: torch.nn.Module, output: str, opset: int = 17, parity: bool = False) -> None:
-    """Write `model` to `output`, published atomically (utils.atomic): with `parity`, the file
-    is checked against torch (`check_parity`) before it replaces anything."""
+def export(model: torch.nn.Module, output: str, opset: int = 17, template: Template = ARCFACE_112,
+           parity: bool = False) -> None:
+    """Write `model` to `output` with its crop template in the metadata, published atomically
+    (utils.atomic): with `parity`, the file is checked against torch (`check_parity`) before it
+    replaces anything."""
+    import onnx
     model = model.float().eval()
-    dummy = torch.zeros(1, 3, 112, 112)
+    dummy = torch.zeros(1, 3, *template.size)
     # the TorchScript exporter: the dynamo one needs onnxscript, not among our dependencies
     warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export")
+    # dlib's add_prev compares shapes, fixed by the fixed input size: the trace is exact
+    warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module="backbones.dlib_resnet")
     with publishing(output) as tmp:
         torch.onnx.export(model, dummy, tmp, input_names=["data"], output_names=["embedding"],
                           dynamic_axes={"data": {0: "batch"}, "embedding": {0: "batch"}},
                           opset_version=opset, dynamo=False)
+        proto = onnx.load(tmp)
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = TEMPLATE_KEY, template_json(template)
+        onnx.save(proto, tmp)
         if parity:
-            check_parity(model, tmp, name=output)
+            check_parity(model, tmp, size=template.size, name=output)
 
 
 def check_parity(model: torch.nn.Module, onnx_path: str, batches=(1, 8), seed: int = 0,
-                 name: str | None = None) -> float:
+                 size: tuple[int, int] = (112, 112), name: str | None = None) -> float:
     """max |onnx - torch| relative to max(1, max |torch|); raises when it exceeds 1e-4, and
     when either output is not finite (NaN compares as no difference at all)."""
     import onnx
@@ -53,7 +65,7 @@ def check_parity(model: torch.nn.Module, onnx_path: str, batches=(1, 8), seed: i
     g = torch.Generator().manual_seed(seed)
     worst = 0.0
     for n in batches:
-        x = torch.rand(n, 3, 112, 112, generator=g) * 2 - 1
+        x = torch.rand(n, 3, *size, generator=g) * 2 - 1
         with torch.no_grad():
             ref = model(x).numpy()
         out = session.run(None, {"data": x.numpy()})[0]
@@ -87,19 +99,24 @@ def output_path(checkpoint: str, output: str | None) -> str:
 @exits_on_user_error
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__)
-    p.add_argument("checkpoint", help="run output, checkpoint dir, our model.pt or insightface model.pt")
+    p.add_argument("checkpoint", help="run output, checkpoint dir, our model.pt, insightface model.pt or dlib")
     p.add_argument("output", nargs="?", default=None,
                    help="the .onnx file, or a directory for model.onnx (default: model.onnx in the run's directory)")
     p.add_argument("--network", default=None, help="backbone name (default: from the training config)")
     p.add_argument("--no_ema", action="store_true", help="export the raw weights, not the EMA")
     p.add_argument("--opset", type=int, default=17, help="ONNX opset version (default 17)")
     args = p.parse_args(argv)
+    if args.checkpoint == DLIB and args.output is None:
+        raise CheckpointError("dlib has no run directory to export into: pass OUT (e.g. dlib.onnx)")
     output = output_path(args.checkpoint, args.output)
     refuse_inputs([output], model_files(args.checkpoint))
-    model = load_backbone(args.checkpoint, args.network, ema=not args.no_ema)
+    embedder = load_embedder(args.checkpoint, args.network, ema=not args.no_ema)
+    if isinstance(embedder.module, OnnxBackbone):
+        raise CheckpointError(f"{args.checkpoint}: already an ONNX model")
+    model = embedder.module.cpu()
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     check_output_file(output)
-    export(model, output, args.opset, parity=True)
+    export(model, output, args.opset, embedder.template, parity=True)
     print(f"exported {output}")
     return 0
 

@@ -43,7 +43,7 @@ def _meta_model(name: str, num_features: int = 512) -> torch.nn.Module:
 
 def test_every_arcface_torch_network_name_is_registered_and_in_the_fixture():
     assert sorted(ARCFACE_TORCH) == sorted(ARCFACE_TORCH_NAMES)
-    assert set(backbones.list_models()) == set(ARCFACE_TORCH_NAMES) | {"tiny"}
+    assert set(backbones.list_models()) == set(ARCFACE_TORCH_NAMES) | {"tiny", "dlib_resnet"}
 
 
 @pytest.mark.parametrize("name", sorted(ARCFACE_TORCH_PARAM_COUNTS))
