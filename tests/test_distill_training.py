@@ -152,3 +152,17 @@ def test_teacher_on_another_template_gets_its_own_crops():
     assert teacher.dim == 3 and seen[-1] == (2, 3, 150, 150)
     teacher.targets(torch.zeros(5, 3, 112, 112), None)
     assert seen[-1] == (5, 3, 150, 150)
+
+
+def test_planner_counts_an_on_the_fly_teacher(teacher_pt):
+    from configs import get_config
+    from planner import plan
+    base = ["--num_classes", "1000", "--batch_size", "16"]
+    without = plan(get_config("configs/demo.py", base), 2)
+    cfg = get_config("configs/demo.py", base + ["--teacher", teacher_pt, "--teacher_network", "tiny"])
+    with_teacher = plan(cfg, 2)
+    weights = sum(v.numel() * 4 for v in torch.load(teacher_pt).values() if v.is_floating_point())
+    assert with_teacher.parts["teacher weights"] == weights
+    # the first conv's input (16 x 3 x 112 x 112) and output (16 x 16 x 56 x 56) at least
+    assert with_teacher.parts["teacher forward"] >= 16 * (3 * 112 * 112 + 16 * 56 * 56) * 4
+    assert with_teacher.total - without.total == weights + with_teacher.parts["teacher forward"]
