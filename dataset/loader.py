@@ -111,7 +111,8 @@ def get_dataloader(dataset: Dataset, sampler: ResumableDistributedSampler, num_w
     """
     on_gpu = torch.device(device).type == "cuda"
     g = torch.Generator().manual_seed(seed + 1000 * sampler.rank + sampler.epoch)
-    return DataLoader(_EpochItems(dataset, with_index), batch_size=sampler.batch_size, sampler=_EpochKeys(sampler, dataset),
+    return DataLoader(_EpochItems(dataset, with_index), batch_size=sampler.batch_size,
+                      sampler=_EpochKeys(sampler, dataset),
                       num_workers=num_workers, drop_last=True, pin_memory=on_gpu, worker_init_fn=_seed_worker,
                       generator=g, prefetch_factor=4 if num_workers > 0 and on_gpu else None,
                       persistent_workers=persistent_workers and num_workers > 0)

@@ -166,3 +166,17 @@ def test_planner_counts_an_on_the_fly_teacher(teacher_pt):
     # the first conv's input (16 x 3 x 112 x 112) and output (16 x 16 x 56 x 56) at least
     assert with_teacher.parts["teacher forward"] >= 16 * (3 * 112 * 112 + 16 * 56 * 56) * 4
     assert with_teacher.total - without.total == weights + with_teacher.parts["teacher forward"]
+
+
+def test_loader_yields_each_image_with_its_record_index(drawn_faces):
+    """What a teacher file's rows are read by: shuffled, on rank 1 of 2, mid-epoch."""
+    from dataset import ResumableDistributedSampler, get_dataloader
+    dataset = build_dataset(drawn_faces, 16, train=True, normalize=False)
+    sampler = ResumableDistributedSampler(len(dataset), 2, 1, 8, seed=3)
+    sampler.set_epoch(1, 2)
+    dataset.set_epoch(1, 3)
+    images, labels, indices = next(iter(get_dataloader(dataset, sampler, 0, with_index=True)))
+    assert indices.tolist() == sampler.epoch_indices()[16:24].tolist()
+    for image, label, index in zip(images, labels, indices.tolist()):
+        want_image, want_label = dataset[index]
+        assert torch.equal(image, want_image) and int(label) == int(want_label)
