@@ -180,3 +180,18 @@ def test_loader_yields_each_image_with_its_record_index(drawn_faces):
     for image, label, index in zip(images, labels, indices.tolist()):
         want_image, want_label = dataset[index]
         assert torch.equal(image, want_image) and int(label) == int(want_label)
+
+
+@pytest.mark.slow
+def test_distillation_checkpoint_resumes_on_one_rank(distilled, drawn_faces, teacher_pt, tmp_path):
+    out = str(tmp_path / "one_rank")
+    os.makedirs(out)
+    shutil.copytree(os.path.join(distilled["full"], "checkpoint-00000004"), os.path.join(out, "checkpoint-00000004"))
+    with open(os.path.join(out, "latest"), "w") as f:
+        f.write("checkpoint-00000004\n")
+    before = checkpoint_tensors(out)
+    args = _argv(drawn_faces, out, teacher_pt, "--resume", "true", "--stop_after_steps", "2")
+    assert run_distributed(_run, 1, args) == [0]
+    after = checkpoint_tensors(out)
+    assert resolve_checkpoint(out).endswith("checkpoint-00000006")
+    assert not torch.equal(after["backbone.distill_projection.weight"], before["backbone.distill_projection.weight"])
