@@ -9,9 +9,12 @@ from torch import nn
 
 from backbones import get_model
 from configs.errors import ConfigError
+from eval.teacher import TeacherFile, load_teacher
 from eval.weights import init_backbone_from
 from heads import PartialFC, SampledRowsOptimizer
+from heads.distill import DistillLoss, attach_projection
 from losses import build_margin
+from losses.distill import DISTILL_LOSSES
 from parallel.ddp import DDPOptimizer
 from parallel.zero import Zero2Optimizer
 from utils.checkpoint import find_checkpoint
@@ -76,3 +79,44 @@ def build_head_optimizer(cfg, head: PartialFC) -> SampledRowsOptimizer:
     """The head's own optimizer over its class shard (model-parallel: no reduction)."""
     cls, kw = optimizer_class(cfg)
     return SampledRowsOptimizer(head, cls, **kw)
+
+
+class Distillation:
+    """The run's teacher and its loss (issue #29; README 'Distillation'). `loss(head, embeddings,
+    labels, images, indices)` replaces `head(embeddings, labels)` in the step."""
+
+    def __init__(self, teacher, loss: DistillLoss):
+        self.teacher, self.distill_loss = teacher, loss
+
+    @property
+    def needs_indices(self) -> bool:
+        return self.teacher.needs_indices
+
+    def check_data(self, cfg, dataset) -> None:
+        """A teacher file must belong to this run's data (at start, before the run is accepted)."""
+        if isinstance(self.teacher, TeacherFile):
+            if cfg.skip_bad_images:
+                raise ConfigError(f"config skip_bad_images true with teacher file {self.teacher.path}: a skipped image "
+                                  f"is replaced by the next one, which would meet another image's target")
+            self.teacher.check_data(cfg.rec, len(dataset), dataset.fingerprint())
+
+    def loss(self, head, embeddings, labels, images, indices) -> torch.Tensor:
+        targets = self.teacher.targets(images, indices[0] if indices else None)
+        return self.distill_loss(head, embeddings, labels, targets)
+
+
+def build_distillation(cfg, backbone: nn.Module, device) -> Distillation | None:
+    """None without `cfg.teacher`. Otherwise the teacher (checked at start: it runs on its
+    input and gives N x D), and for the cosine loss with D_t != embedding_size a projection
+    registered on the backbone (heads.distill.attach_projection): call before
+    build_data_parallel, after init_backbone."""
+    if not cfg.teacher:
+        return None
+    if cfg.distill_loss not in DISTILL_LOSSES:
+        raise ConfigError(f"config distill_loss = {cfg.distill_loss!r}: expected one of {', '.join(DISTILL_LOSSES)}")
+    precision = "fp16" if cfg.fp16 else "bf16" if cfg.bf16 else None
+    teacher = load_teacher(cfg.teacher, cfg.teacher_network, device, precision)
+    projection = None
+    if cfg.distill_loss == "cosine" and teacher.dim != cfg.embedding_size:
+        projection = attach_projection(backbone, cfg.embedding_size, teacher.dim, cfg.seed + 29)
+    return Distillation(teacher, DistillLoss(cfg.distill_loss, cfg.distill_weight, projection))

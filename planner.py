@@ -92,6 +92,48 @@ def zero_memory(params: int, world: int, optimizer: str = "sgd", momentum: float
             "zero gradient buckets": params * param_bytes if world > 1 else 0.0}
 
 
+def forward_peak(network: str, dim: int, batch: int, size: tuple[int, int] = (112, 112)) -> int:
+    """Bytes of the largest input plus output of one module in a no-gradient forward (a frozen
+    teacher keeps nothing for backward), from a meta-device forward."""
+    from backbones import get_model
+    peak = [0]
+
+    def hook(module, inputs, output):
+        if torch.is_tensor(output) and inputs and torch.is_tensor(inputs[0]):
+            nbytes = (inputs[0].numel() + output.numel()) * F32
+            peak[0] = max(peak[0], nbytes)
+    with torch.device("meta"), torch.no_grad():
+        model = get_model(network, num_features=dim)
+        for m in model.modules():
+            m.register_forward_hook(hook)
+        model(torch.empty(batch, 3, *size))
+    return peak[0]
+
+
+def teacher_memory(cfg) -> dict[str, float]:
+    """Per-rank bytes of distillation's teacher: an on-the-fly one's fp32 weights (read from its
+    file) and the peak of its no-gradient forward on the rank's batch; a teacher file's batch
+    of rows. (The projection, embedding_size x D_t, is counted nowhere: it is tiny.)"""
+    if not cfg.get("teacher"):
+        return {}
+    import os
+
+    from eval.teacher import TeacherFile, is_teacher_file
+    from eval.weights import load_backbone_state
+    if is_teacher_file(cfg.teacher):
+        return {"teacher targets": cfg.batch_size * TeacherFile(cfg.teacher).dim * F32}
+    if cfg.teacher.lower().endswith(".onnx"):  # onnxruntime's weights; its activations are not modelled
+        return {"teacher weights (onnx)": float(os.path.getsize(cfg.teacher))}
+    state, config = load_backbone_state(cfg.teacher)
+    weights = sum(v.numel() for v in state.values() if v.is_floating_point()) * F32
+    network = cfg.get("teacher_network") or config.get("network")
+    dim = config.get("embedding_size", 512)
+    parts = {"teacher weights": float(weights)}
+    if network:
+        parts["teacher forward"] = float(forward_peak(network, dim, cfg.batch_size))
+    return parts
+
+
 def plan(cfg, gpus: int) -> Plan:
     """The whole job per rank: backbone (ZeRO-2 or DDP), activations, head; and traffic."""
     check_world_fits(cfg.num_classes, gpus)  # what train.py would refuse does not fit
@@ -109,6 +151,7 @@ def plan(cfg, gpus: int) -> Plan:
     p.parts.update(head_memory(cfg.num_classes, gpus, cfg.batch_size, cfg.embedding_size,
                                sample_rate=cfg.sample_rate, chunk=cfg.chunk_size, row_block=cfg.row_block,
                                optimizer=cfg.optimizer, momentum=cfg.momentum, fused=cfg.head_fused_optimizer))
+    p.parts.update(teacher_memory(cfg))
     W, b, D = gpus, cfg.batch_size, cfg.embedding_size
     ring = (W - 1) / W
     p.sends = {

@@ -13,7 +13,8 @@ import sys
 
 import torch
 
-from builders import build_backbone, build_data_parallel, build_head, build_head_optimizer, init_backbone
+from builders import (build_backbone, build_data_parallel, build_distillation, build_head, build_head_optimizer,
+                      init_backbone)
 from configs import format_config, get_config, save_config
 from configs.compat import compat_notes
 from configs.describe import describe_keys
@@ -60,6 +61,7 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     backbone = build_backbone(cfg).to(info.device)
     initialised = init_backbone(cfg, backbone)  # fine-tuning from pretrained weights (not when resuming)
     head = build_head(cfg).to(info.device)
+    distill = build_distillation(cfg, backbone, info.device)  # None without a teacher; may add a projection
     model, backbone_opt = build_data_parallel(cfg, backbone)
     head_opt = build_head_optimizer(cfg, head)
     ema = ShardedEMA(backbone, cfg.ema_decay, cfg.ema_tau, optimizer=backbone_opt if cfg.zero else None) \
@@ -69,6 +71,8 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
 
     dataset = build_dataset(cfg.rec, cfg.num_classes, train=True, skip_bad_images=cfg.skip_bad_images,
                             normalize=False, resize=cfg.resize)  # uint8 from the workers, normalised on the device
+    if distill is not None:
+        distill.check_data(cfg, dataset)  # a teacher file made from other data is refused here
     if cfg.num_image and cfg.num_image != len(dataset) and cfg.rec != "synthetic":
         logger.warning("config num_image is %d but %s holds %d images; using the latter",
                        cfg.num_image, cfg.rec, len(dataset))
@@ -127,13 +131,14 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     skips = SkipReport(dataset, cfg.frequent, writer, enabled=cfg.skip_bad_images)
     first_step = state.step
     # built once: its persistent workers (and their open record files) serve every epoch
-    loader = get_dataloader(dataset, sampler, cfg.num_workers, info.device, cfg.seed)
+    loader = get_dataloader(dataset, sampler, cfg.num_workers, info.device, cfg.seed,
+                            with_index=distill is not None and distill.needs_indices)
     try:
         with stop.deferred():  # a stop signal waits for the step end from here on
             while state.step < total_steps and state.epoch < cfg.num_epoch:
                 sampler.set_epoch(state.epoch, state.batch_in_epoch)
                 dataset.set_epoch(state.epoch, cfg.seed)  # mirroring fixed by (seed, epoch, index)
-                for images, labels in loader:
+                for images, labels, *indices in loader:  # indices: only for a teacher file
                     if state.batch_in_epoch >= steps_per_epoch * cfg.gradient_acc:
                         continue  # too few batches left for a whole step (see last_micro)
                     problem = check_labels(labels, cfg.num_classes)  # on the CPU, where no device waits
@@ -148,7 +153,9 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
                                              cfg.lr_power)
                     set_lr([backbone_opt, head_opt], lr)  # before forward: a fused head steps in backward
                     with contextlib.nullcontext() if last_micro else backbone_opt.no_sync():
-                        loss = head(model(images), labels)
+                        embeddings = model(images)
+                        loss = head(embeddings, labels) if distill is None else \
+                            distill.loss(head, embeddings, labels, images, indices)
                         scaled = loss / cfg.gradient_acc
                         (scaler.scale(scaled) if scaler else scaled).backward()
                     state.batch_in_epoch += 1

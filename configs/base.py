@@ -48,6 +48,14 @@ config.head_fused_optimizer = False   # step the head's rows inside backward: no
 config.clip_head = False              # False: the backbone alone is clipped (arcface_torch); True: the
                                       # head joins the global norm
 
+# distillation (README "Distillation")
+config.teacher = ""                   # MODEL run beside the student (run dir, checkpoint, model.pt, .onnx,
+                                      # dlib) or a teacher file of scripts.teach; "" = no distillation
+config.teacher_network = None         # backbone name of an arcface_torch model.pt teacher
+config.distill_loss = "cosine"        # cosine: each embedding to the teacher's (a learned projection when
+                                      # the sizes differ) | relational: the batch's cosine-similarity matrices
+config.distill_weight = 1.0           # the distillation loss's weight beside the margin loss
+
 # optimisation
 config.optimizer = "sgd"              # sgd | adamw
 config.lr = 0.1                       # for the global batch below; not rescaled automatically

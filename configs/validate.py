@@ -7,7 +7,7 @@ import numbers
 from configs.errors import ConfigError
 
 CHOICES = {"optimizer": ("sgd", "adamw"), "lr_scheduler": ("poly", "cosine", "poly_warmup"), "resume": (False, True, "auto"),
-           "head_precision": ("fp32", "tf32", "bf16"),
+           "head_precision": ("fp32", "tf32", "bf16"), "distill_loss": ("cosine", "relational"),
            "margin": ("combined", "arcface", "cosface", "adaface", "magface", "curricularface", "subcenter_arcface")}
 POSITIVE_INT = ("embedding_size", "num_classes", "num_epoch", "batch_size", "gradient_acc", "frequent",
                 "checkpoint_interval", "row_block", "subcenter_k")
@@ -16,11 +16,12 @@ NON_NEGATIVE_INT = ("num_image", "num_workers", "verbose", "max_steps", "stop_af
 INT = ("warmup_epoch",)  # arcface_torch's 3millions sets -1 (its PolynomialLRWarmup takes it)
 POSITIVE_FLOAT = ("scale", "lr", "ema_tau", "dist_timeout_min", "magface_l_a", "magface_u_a")
 NON_NEGATIVE_FLOAT = ("weight_decay", "max_grad_norm", "lr_power", "arcface_m", "cosface_m", "adaface_m",
-                      "adaface_h", "magface_l_m", "magface_u_m", "magface_lambda_g", "curricularface_m")
+                      "adaface_h", "magface_l_m", "magface_u_m", "magface_lambda_g", "curricularface_m",
+                      "distill_weight")
 BOOL = ("grad_checkpoint", "fp16", "bf16", "zero", "ema", "skip_bad_images", "resize", "overwrite", "reset_ema",
         "reset_margin", "head_fused_optimizer", "clip_head", "straight_through", "magface_easy_margin",
         "dali", "dali_aug", "save_all_states", "using_wandb", "wandb_log_all", "save_artifacts")
-OPTIONAL_STR = ("wandb_key", "wandb_entity", "wandb_project", "suffix_run_name")  # None or a string
+OPTIONAL_STR = ("wandb_key", "wandb_entity", "wandb_project", "suffix_run_name", "teacher_network")  # None or a string
 # (low, high, low inclusive, high inclusive); sample_rate 0 keeps only the batch's classes
 # (min(B, shard)), arcface_torch's wf42m_pfc0008_32gpu_r100 sets it
 INTERVALS = {"dropout": (0.0, 1.0, True, False), "sample_rate": (0.0, 1.0, True, True),
@@ -82,6 +83,8 @@ def validate_config(cfg: dict) -> None:
             raise _fail(key, cfg[key], "expected a non-empty string")
     if not isinstance(cfg["val_targets"], (list, tuple)) or not all(isinstance(t, str) for t in cfg["val_targets"]):
         raise _fail("val_targets", cfg["val_targets"], "expected a list of .bin names")
+    if not isinstance(cfg["teacher"], str):
+        raise _fail("teacher", cfg["teacher"], "expected a MODEL or teacher file path, or '' for none")
     for key in OPTIONAL_STR:
         if cfg[key] is not None and not isinstance(cfg[key], str):
             raise _fail(key, cfg[key], "expected a string or None")

@@ -74,10 +74,11 @@ class _EpochKeys(Sampler):
 
 class _EpochItems(Dataset):
     """Reads `(epoch, seed, index)` keys: persistent workers keep their own copy of the dataset
-    from the first epoch, so the epoch (which fixes the mirroring) travels with each index."""
+    from the first epoch, so the epoch (which fixes the mirroring) travels with each index.
+    `with_index`: each item ends with its index (a precomputed teacher reads its rows by it)."""
 
-    def __init__(self, dataset: Dataset):
-        self.dataset = dataset
+    def __init__(self, dataset: Dataset, with_index: bool = False):
+        self.dataset, self.with_index = dataset, with_index
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -87,7 +88,8 @@ class _EpochItems(Dataset):
         current = (getattr(self.dataset, "epoch", None), getattr(self.dataset, "seed", None))
         if epoch is not None and current != (epoch, seed):
             self.dataset.set_epoch(epoch, seed)
-        return self.dataset[index]
+        item = self.dataset[index]
+        return (*item, index) if self.with_index else item
 
 
 def _seed_worker(worker_id: int) -> None:
@@ -98,18 +100,19 @@ def _seed_worker(worker_id: int) -> None:
 
 def get_dataloader(dataset: Dataset, sampler: ResumableDistributedSampler, num_workers: int = 2,
                    device: torch.device | str = "cpu", seed: int = 0,
-                   persistent_workers: bool = True) -> DataLoader:
+                   persistent_workers: bool = True, with_index: bool = False) -> DataLoader:
     """Batches of `sampler.batch_size`; pinned memory and prefetching when training on GPU.
 
     Build it once and iterate it once per epoch, after `sampler.set_epoch(epoch, start_batch)`
     and the dataset's `set_epoch`: with `persistent_workers` the worker processes (and their
     open record files) survive from one epoch to the next, and every item still follows the
     current epoch's order and mirroring. A loader built anew each epoch also works (its
-    workers end with it).
+    workers end with it). `with_index`: batches are (images, labels, record indices).
     """
     on_gpu = torch.device(device).type == "cuda"
     g = torch.Generator().manual_seed(seed + 1000 * sampler.rank + sampler.epoch)
-    return DataLoader(_EpochItems(dataset), batch_size=sampler.batch_size, sampler=_EpochKeys(sampler, dataset),
+    return DataLoader(_EpochItems(dataset, with_index), batch_size=sampler.batch_size,
+                      sampler=_EpochKeys(sampler, dataset),
                       num_workers=num_workers, drop_last=True, pin_memory=on_gpu, worker_init_fn=_seed_worker,
                       generator=g, prefetch_factor=4 if num_workers > 0 and on_gpu else None,
                       persistent_workers=persistent_workers and num_workers > 0)

@@ -166,11 +166,18 @@ class PartialFC(nn.Module):
         remapped = torch.where(has, torch.searchsorted(index, local_labels.clamp_min(0)), -1)
         return index, remapped
 
-    def forward(self, local_embeddings: torch.Tensor, local_labels: torch.Tensor) -> torch.Tensor:
+    def gather(self, local_embeddings: torch.Tensor) -> torch.Tensor:
+        """The global batch's raw embeddings, as forward gathers them (backward: the gradient of
+        every rank's rows summed and scaled by W). Another loss over the global batch
+        (heads/distill.py) passes the result to forward as `gathered`: one all-gather serves both."""
+        return all_gather_rows(local_embeddings, self.group, grad_scale=float(self.world_size))
+
+    def forward(self, local_embeddings: torch.Tensor, local_labels: torch.Tensor,
+                gathered: torch.Tensor | None = None) -> torch.Tensor:
         local_labels = local_labels.reshape(-1).long()
         if self.validate and not self._shapes_checked:
             self._check_shapes(local_embeddings, local_labels)
-        embeddings = all_gather_rows(local_embeddings, self.group, grad_scale=float(self.world_size))
+        embeddings = self.gather(local_embeddings) if gathered is None else gathered
         labels = all_gather_no_grad(local_labels, self.group)
         on_host = labels.device.type == "cpu" if self.raise_on_bad_labels is None else self.raise_on_bad_labels
         if self.validate and on_host:

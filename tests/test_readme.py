@@ -58,6 +58,11 @@ COMMANDS = {
     "--embedding_size 128 --init_backbone dlib --output work_dirs/mine_dlib": NEEDS_DATA,
     "torchrun --nproc_per_node 8 train.py configs/ms1mv3_r50 --output work_dirs/ms1mv3_r50 --resume true": NEEDS_GPU,
     "torchrun --nproc_per_node 8 train.py configs/my_faces --init_backbone ms1mv3_r50/model.pt": NEEDS_GPU,
+    "torchrun --nproc_per_node 8 train.py configs/ms1mv3_mbf --teacher work_dirs/ms1mv3_r100 --distill_loss cosine":
+        NEEDS_GPU,
+    "python -m scripts.teach work_dirs/ms1mv3_r100 /data/ms1m-retinaface-t1 r100_ms1m.teacher": NEEDS_DATA,
+    "torchrun --nproc_per_node 8 train.py configs/ms1mv3_mbf --teacher r100_ms1m.teacher --distill_loss relational":
+        NEEDS_GPU,
 }
 
 

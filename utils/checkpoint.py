@@ -35,6 +35,16 @@ from utils.atomic import fsync_dir, publishing
 
 logger = logging.getLogger("shardface")
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+# submodules of the training backbone that only training uses (distillation's projection,
+# heads/distill.py): checkpointed with it, left out of model.pt and of every weights reader
+TRAINING_ONLY = ("distill_projection",)
+
+
+def exported(weights: dict | None) -> dict | None:
+    """A backbone state dict without its TRAINING_ONLY parts."""
+    if weights is None:
+        return None
+    return {k: v for k, v in weights.items() if k.split(".", 1)[0] not in TRAINING_ONLY}
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -200,7 +210,7 @@ def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, h
         atomic_write_text(os.path.join(output, "latest"), os.path.basename(final) + "\n")
         prune_checkpoints(output, state.step, state.run_id, keep)
         if export_to:
-            atomic_save(ema_state if ema_state is not None else weights, export_to)
+            atomic_save(exported(ema_state if ema_state is not None else weights), export_to)
     _agree(_attempt(publish, output, needed) if rank == 0 else None, tmp)
     return final
 
@@ -367,8 +377,8 @@ def read_backbone_weights(path: str, ema: bool = True) -> tuple[dict, dict]:
     config = safe_load(os.path.join(ckpt, "meta.pt")).get("config", {})
     ema_path = os.path.join(ckpt, "ema.pt")
     if ema and os.path.isfile(ema_path):
-        return safe_load(ema_path)["state"], config
-    return safe_load(os.path.join(ckpt, "backbone.pt")), config
+        return exported(safe_load(ema_path)["state"]), config
+    return exported(safe_load(os.path.join(ckpt, "backbone.pt"))), config
 
 
 def _load_head(ckpt: str, head, head_opt) -> None:

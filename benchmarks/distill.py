@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""Distillation's evidence (issue #29), side by side in one run, on a CPU.
+
+Setting (fixed before any result was seen; not tuned): drawn faces (scripts.make_drawn_faces).
+- teacher: the demo network (configs/demo.py, tiny CNN, 128-D) trained on a large set
+  (`--teacher_ids` identities x 20 images, seed 0) for `--teacher_steps` steps;
+- students: the same network on a small set (`--student_ids` identities x 10 images, seed 1:
+  other identities), `--student_steps` steps each, the same seed and schedule:
+  none (margin loss alone), cosine and relational (both from a teacher file of scripts.teach,
+  distill_weight 1);
+- verification: 10-fold accuracy (flip test) on the .bin of the large set's held-out
+  identities, which neither the teacher nor any student trained on.
+Then the step-time overhead of an on-the-fly teacher: the student's median samples/s without
+and with `--teacher <teacher run>`, as a ratio.
+
+`python benchmarks/distill.py --tiny` checks the script in a minute (its numbers mean nothing).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import common  # noqa: F401,I001
+import torch
+
+from eval.embedder import load_model
+from eval.verification import load_bin, test
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def sh(*args: str) -> str:
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return done.stdout + done.stderr
+
+
+def make_set(out: str, ids: int, per_id: int, seed: int, val_ids: int, val_pairs: int) -> None:
+    sh("-m", "scripts.make_drawn_faces", "--output", out, "--num_ids", str(ids), "--per_id", str(per_id),
+       "--seed", str(seed), "--val_ids", str(val_ids), "--val_per_id", "6", "--val_pairs", str(val_pairs),
+       "--workers", "1")
+
+
+def train(data: str, ids: int, out: str, steps: int, *extra: str) -> list[float]:
+    """Trains one process; returns the logged samples/s."""
+    sh("train.py", "configs/demo.py", "--rec", data, "--num_classes", str(ids), "--output", out,
+       "--max_steps", str(steps), "--num_epoch", "1000", "--warmup_epoch", "0", "--val_targets", "[]",
+       "--checkpoint_interval", str(steps), "--num_workers", "1", "--frequent", "5", "--overwrite", "true",
+       *extra)
+    log = open(os.path.join(out, "training.log")).read()
+    return [float(v) for v in re.findall(r"([0-9.]+) samples/s", log)]
+
+
+def accuracy(run: str, val: str) -> float:
+    return test(load_bin(val), load_model(run), 64).accuracy_flip
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="a one-minute check of the script")
+    p.add_argument("--teacher_ids", type=int, default=400, help="identities of the teacher's set")
+    p.add_argument("--teacher_steps", type=int, default=1500, help="teacher training steps")
+    p.add_argument("--student_ids", type=int, default=40, help="identities of the students' set")
+    p.add_argument("--student_steps", type=int, default=300, help="steps of every student")
+    p.add_argument("--work", default=None, help="working directory (default: a temporary one)")
+    args = p.parse_args()
+    if args.tiny:
+        args.teacher_ids, args.teacher_steps, args.student_ids, args.student_steps = 8, 4, 4, 6
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    work = args.work or tempfile.mkdtemp(prefix="distill_bench_")
+    big, small = os.path.join(work, "big"), os.path.join(work, "small")
+    val_ids, val_pairs = (6, 40) if args.tiny else (100, 1000)
+    make_set(big, args.teacher_ids, 20 if not args.tiny else 4, 0, val_ids, val_pairs)
+    make_set(small, args.student_ids, 10 if not args.tiny else 4, 1, 2, 4)
+    val = os.path.join(big, "drawn_faces_val.bin")
+    batch = ["--batch_size", "8"] if args.tiny else []
+
+    teacher = os.path.join(work, "teacher")
+    train(big, args.teacher_ids, teacher, args.teacher_steps, *batch)
+    teacher_file = os.path.join(work, "small.teacher")
+    sh("-m", "scripts.teach", teacher, small, teacher_file, "--num_workers", "1")
+
+    rows = [("teacher", args.teacher_steps, args.teacher_ids, accuracy(teacher, val), None)]
+    for loss in ("none", "cosine", "relational"):
+        out = os.path.join(work, f"student_{loss}")
+        extra = [] if loss == "none" else ["--teacher", teacher_file, "--distill_loss", loss]
+        train(small, args.student_ids, out, args.student_steps, *batch, *extra)
+        rows.append((f"student {loss}", args.student_steps, args.student_ids, accuracy(out, val), None))
+
+    speed = {}
+    for name, extra in (("without", []), ("online teacher", ["--teacher", teacher])):
+        out = os.path.join(work, f"speed_{name.replace(' ', '_')}")
+        rates = train(small, args.student_ids, out, 40 if not args.tiny else 10, *batch, *extra)
+        speed[name] = statistics.median(rates[1:] or rates)  # the first interval holds the start
+
+    print(f"\nverification on {val} ({val_pairs} pairs of {val_ids} held-out identities), flip test:")
+    print("| model | steps | train identities | accuracy |\n|---|---|---|---|")
+    for name, steps, ids, acc, _ in rows:
+        print(f"| {name} | {steps} | {ids} | {acc:.4f} |")
+    ratio = speed["without"] / speed["online teacher"]
+    print(f"\nstep time with an on-the-fly teacher / without: {ratio:.2f} "
+          f"({speed['without']:.1f} vs {speed['online teacher']:.1f} samples/s); work dir {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The teacher of distillation (issue #29): a MODEL run beside the student, or a file of its
+embeddings made beforehand by `python -m scripts.teach`.
+
+Both give `targets(images, indices)`: b x D_t float32 embeddings of the rank's batch, on the
+batch's device, no gradient. `images` are the student's [-1, 1] crops (made for
+ARCFACE_112, the training data's template); `indices` are their record indices in the data
+set (the loader yields them when a teacher needs them).
+
+Teacher file (`.teacher`): the bytes MAGIC, a uint32 little-endian header length, a UTF-8 JSON
+header, zero padding to a multiple of 64 bytes, then `data_size` rows of `dim` float16: row i
+is the L2-normalised sum of the teacher's embeddings of record i and of its mirror image, so
+one row serves both the flips training draws. The header names the data set (path,
+fingerprint, size) and the teacher (name, fingerprint, template): a file made from other data
+is refused by name. Rows are read by record index, so shuffling, resume and any world size
+read the right ones.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+
+import numpy as np
+import torch
+
+from configs.errors import ConfigError
+from eval.embedder import Embedder, OnnxBackbone, load_embedder
+from faces.align import ARCFACE_112, Template
+
+MAGIC = b"SHARDFACE-TEACHER\n"
+ALIGN = 64
+
+
+def is_teacher_file(path: str) -> bool:
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(MAGIC)) == MAGIC
+
+
+def header_bytes(header: dict) -> bytes:
+    """MAGIC, length, JSON and padding: the bytes before the first row."""
+    body = json.dumps(header, sort_keys=True).encode()
+    head = MAGIC + struct.pack("<I", len(body)) + body
+    return head + b"\0" * (-len(head) % ALIGN)
+
+
+def read_header(path: str) -> tuple[dict, int]:
+    """(header, offset of the first row)."""
+    with open(path, "rb") as f:
+        if f.read(len(MAGIC)) != MAGIC:
+            raise ConfigError(f"{path}: not a teacher file of scripts.teach")
+        (n,) = struct.unpack("<I", f.read(4))
+        try:
+            header = json.loads(f.read(n).decode())
+        except ValueError:
+            raise ConfigError(f"{path}: teacher file with an unreadable header") from None
+    offset = len(MAGIC) + 4 + n
+    return header, offset + (-offset % ALIGN)
+
+
+def _autocast(device: torch.device, precision: str | None):
+    if precision is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16)
+
+
+class OnlineTeacher:
+    """A frozen Embedder run on each rank's local batch, under the run's precision
+    (`precision` "fp16", "bf16" or None for fp32). Crops made for the training data's template
+    are re-framed onto the teacher's (`Embedder.from_crops`), so a 150x150 dlib teacher and a
+    112x112 student meet on the same faces."""
+
+    needs_indices = False
+
+    def __init__(self, embedder: Embedder, device: torch.device, precision: str | None = None,
+                 made_for: Template = ARCFACE_112):
+        self.embedder, self.device, self.precision, self.made_for = embedder, torch.device(device), precision, made_for
+        module = embedder.module.eval()
+        if not isinstance(module, OnnxBackbone):  # onnxruntime places its own
+            module.to(self.device)
+        for p in module.parameters():
+            p.requires_grad_(False)
+        self.dim = self._probe()
+
+    @property
+    def name(self) -> str:
+        return self.embedder.name
+
+    def _probe(self) -> int:
+        """At start: the teacher takes its template's input and returns N x D. One clear error
+        otherwise, not a failure inside the first step."""
+        h, w = self.embedder.template.size
+        blank = torch.zeros(2, 3, *self.made_for.size, device=self.device)
+        try:
+            out = self.targets(blank, None)
+        except Exception as exc:  # any network's own shape error
+            raise ConfigError(f"config teacher {self.name}: the teacher does not take its {h}x{w} input "
+                              f"({self.embedder.template.name}): {str(exc).splitlines()[0]}") from None
+        if out.dim() != 2 or out.shape[0] != 2 or out.shape[1] < 1:
+            raise ConfigError(f"config teacher {self.name}: returns shape {tuple(out.shape)} for 2 crops, "
+                              f"expected 2 x D embeddings")
+        return int(out.shape[1])
+
+    @torch.no_grad()
+    def targets(self, images: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
+        x = self.embedder.from_crops(images, made_for=self.made_for)
+        with _autocast(x.device, self.precision):
+            out = self.embedder.module(x)
+        return out.float().to(images.device)
+
+
+class TeacherFile:
+    """Precomputed targets read by record index (see the module docstring). `check_data`
+    refuses a file made from another data set, naming both."""
+
+    needs_indices = True
+
+    def __init__(self, path: str):
+        self.path = path
+        self.header, offset = read_header(path)
+        try:
+            self.size, self.dim = int(self.header["data_size"]), int(self.header["dim"])
+        except (KeyError, ValueError):
+            raise ConfigError(f"{path}: teacher file header lacks data_size or dim") from None
+        expected = offset + self.size * self.dim * 2
+        if os.path.getsize(path) != expected:
+            raise ConfigError(f"{path}: teacher file is {os.path.getsize(path)} bytes, its header says {expected} "
+                              f"({self.size} x {self.dim} float16): truncated or damaged; run scripts.teach again")
+        self.rows = np.memmap(path, dtype="<f2", mode="r", offset=offset, shape=(self.size, self.dim))
+
+    @property
+    def name(self) -> str:
+        return f"{self.path} (teacher {self.header.get('teacher')})"
+
+    def check_data(self, data: str, size: int, fingerprint: str) -> None:
+        made = (self.header.get("data_fingerprint"), self.header.get("data_size"))
+        if made != (fingerprint, size):
+            raise ConfigError(f"teacher file {self.path} belongs to other data: it was made from "
+                              f"{self.header.get('data')} ({made[1]} records, fingerprint {made[0]}); this run's data "
+                              f"{data} has {size} records, fingerprint {fingerprint}: run scripts.teach on {data}")
+
+    def targets(self, images: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        rows = self.rows[np.asarray(indices, dtype=np.int64)]
+        return torch.from_numpy(rows.astype(np.float32)).to(images.device, non_blocking=True)
+
+
+def load_teacher(teacher: str, network: str | None, device: torch.device, precision: str | None = None):
+    """The teacher a config names: a teacher file, or any MODEL the tools take."""
+    if is_teacher_file(teacher):
+        return TeacherFile(teacher)
+    return OnlineTeacher(load_embedder(teacher, network), device, precision)

@@ -1,0 +1,28 @@
+"""Distillation losses between a student's and a teacher's embeddings (issue #29).
+
+Both are pure functions of the rows they are given; heads/distill.py decides which rows
+each rank passes, so that W ranks equal one process with the global batch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+DISTILL_LOSSES = ("cosine", "relational")
+
+
+def cosine_distill(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """mean over rows of 1 - cos(student_i, teacher_i); both N x D (the student already
+    projected to the teacher's D when the sizes differ)."""
+    return (1.0 - F.cosine_similarity(student.float(), teacher.float(), dim=1, eps=1e-12)).mean()
+
+
+def relational_distill(student_rows: torch.Tensor, student_all: torch.Tensor, teacher_rows: torch.Tensor,
+                       teacher_all: torch.Tensor) -> torch.Tensor:
+    """mean over (i in rows, j in all) of (cos(s_i, s_j) - cos(t_i, t_j))^2: the student's and
+    the teacher's cosine-similarity matrices compared, rows x all of them. Student and teacher
+    may have different sizes D (no projection). With rows = all this is the whole batch's
+    N x N comparison."""
+    s_rows, s_all = F.normalize(student_rows.float(), dim=1), F.normalize(student_all.float(), dim=1)
+    t_rows, t_all = F.normalize(teacher_rows.float(), dim=1), F.normalize(teacher_all.float(), dim=1)
+    return (s_rows @ s_all.T - t_rows @ t_all.T).square().mean()
