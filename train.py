@@ -24,6 +24,7 @@ from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logg
 from parallel.stop import StopSignal
 from parallel.user_errors import exits_on_user_error
 from utils.checkpoint import atomic_write_text
+from utils.checkpoint_foreign import refuse_arcface_torch_output
 from utils.checkpointer import Checkpointer
 from utils.data_position import follow_data
 from utils.divergence import TrainingStopped, check_labels, check_loss
@@ -42,6 +43,7 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     cfg = get_config(argv[0], argv[1:])
+    refuse_arcface_torch_output(cfg.output, argv[0], argv[1:])  # before anything is written there
     stop = StopSignal()  # before any thread starts (see its docstring)
     lock = RunLock()  # taken once the config and data are accepted; released on every way out
     try:

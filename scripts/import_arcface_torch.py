@@ -20,7 +20,6 @@ if not __package__:  # run as a file (python scripts/x.py): import as `python -m
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import os
-import re
 import sys
 
 import torch
@@ -31,8 +30,7 @@ from eval.weights import state_mismatch
 from heads.sharding import class_shard
 from parallel.user_errors import exits_on_user_error
 from utils.checkpoint import CheckpointError, TrainState, list_checkpoints, new_run_id, safe_load, save_checkpoint
-
-RANK_FILE = re.compile(r"^checkpoint_gpu_(\d+)\.pt$")
+from utils.checkpoint_foreign import ARCFACE_RANK_FILE as RANK_FILE
 KEYS = ("epoch", "global_step", "state_dict_backbone", "state_dict_softmax_fc", "state_optimizer",
         "state_lr_scheduler")
 STATE_OF = {"sgd": "momentum_buffer", "adamw": "exp_avg"}  # a key each optimizer's state has
