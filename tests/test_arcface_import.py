@@ -198,6 +198,21 @@ def test_negative_warmup_as_in_3millions_is_polynomial_lr_warmup_stepped(warmup,
         assert lr_factor(n, 10, warmup, "poly_warmup", power) == pytest.approx(expected, abs=1e-12), n
 
 
+def test_logged_lr_of_step_n_is_the_rate_it_used_and_readme_says_arcface_torch_logs_the_next(one_rank):
+    logged = {int(n): float(lr) for n, lr in re.findall(r"step (\d+)/\d+ .*? lr ([0-9.]+)",
+                                                        open(os.path.join(one_rank["full"], "training.log")).read())}
+    assert sorted(logged) == list(range(1, STEPS + 1))
+    for n, lr in logged.items():
+        assert lr == pytest.approx(one_rank["lrs"][n - 1], abs=6e-6), n  # step n trained with rate n - 1 (0-based)
+        # arcface_torch's line for global_step n: after scheduler.step(), the rate of step n + 1
+        if n < STEPS:
+            assert polynomial_lr_warmup(n, CUT, SCHEDULE) == pytest.approx(one_rank["lrs"][n], abs=1e-12), n
+    assert logged[4] != pytest.approx(polynomial_lr_warmup(4, CUT, SCHEDULE), abs=1e-4)  # so they differ
+    readme = " ".join(open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read().split())
+    assert ("the `lr` logged at step n is the rate step n trained with, where arcface_torch logs it after "
+            "`scheduler.step()`, so its line for step n shows the rate of step n + 1") in readme
+
+
 def test_arcface_keys_alone_clip_the_backbone_alone_at_norm_5(one_rank):
     assert one_rank["clipped"] == [(5.0, 0)] * STEPS
 
