@@ -46,8 +46,9 @@ COMMANDS = {
     "python -m scripts.export_onnx work_dirs/mine work_dirs/mine/model.onnx": NEEDS_DATA,
     "python -m scripts.embed work_dirs/mine/model.onnx photos/held_out --out emb.npy": NEEDS_DATA,
     "python -m scripts.compare work_dirs/mine a.jpg b.jpg --threshold-from data/mine/mine_val.bin": NEEDS_DATA,
-    "python -m scripts.import_arcface_torch configs/ms1mv3_r50 old_run/ work_dirs/ms1mv3_r50": NEEDS_DATA,
-    "torchrun --nproc_per_node 8 train.py configs/ms1mv3_r50 --output work_dirs/ms1mv3_r50 --resume true": NEEDS_GPU,
+    "python -m scripts.import_arcface_torch configs/ms1mv3_r50 old_run/ work_dirs/ms1mv3_r50 --num_epoch 25": NEEDS_DATA,
+    "torchrun --nproc_per_node 8 train.py configs/ms1mv3_r50 --num_epoch 25 --output work_dirs/ms1mv3_r50 --resume true":
+        NEEDS_GPU,
     "torchrun --nproc_per_node 8 train.py configs/my_faces --init_backbone ms1mv3_r50/model.pt": NEEDS_GPU,
 }
 
