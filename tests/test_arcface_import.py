@@ -466,3 +466,12 @@ def test_resume_on_another_world_size_or_batch_says_what_changes(ranks, batch, s
     finally:
         logger.removeHandler(handler)
     assert [r.getMessage() for r in records] == [said]
+
+
+def test_import_into_an_arcface_torch_run_folder_is_refused_and_leaves_it_as_it_was(one_rank, tmp_path, capsys):
+    run = write_arcface_run(os.path.join(one_rank["full"], f"checkpoint-{CUT:08d}"), str(tmp_path / "af"), 2)
+    before = _folder_bytes(run)
+    assert import_arcface_torch.main([one_rank["config"], run, run]) == 2
+    assert f"{run} is an arcface_torch run (checkpoint_gpu_<rank>.pt): import into a new directory" in \
+        capsys.readouterr().err
+    assert _folder_bytes(run) == before
