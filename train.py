@@ -25,6 +25,8 @@ from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logg
 from parallel.stop import StopSignal
 from parallel.user_errors import exits_on_user_error
 from utils.checkpoint import atomic_write_text
+from utils.checkpoint_changes import log_resume_changes
+from utils.checkpoint_foreign import refuse_arcface_torch_output
 from utils.checkpointer import Checkpointer
 from utils.data_position import follow_data
 from utils.divergence import TrainingStopped, check_labels, check_loss
@@ -43,6 +45,7 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     cfg = get_config(argv[0], argv[1:])
+    refuse_arcface_torch_output(cfg.output, argv[0], argv[1:])  # before anything is written there
     stop = StopSignal()  # before any thread starts (see its docstring)
     lock = RunLock()  # taken once the config and data are accepted; released on every way out
     try:
@@ -107,12 +110,7 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
         save_config(cfg, cfg.output, atomic_write_text)
     if checkpointer.resumed_meta is not None:
         logger.info("resumed at step %d (epoch %d, batch %d)", state.step, state.epoch, state.batch_in_epoch)
-        before = checkpointer.resumed_meta["batch_size"] * checkpointer.resumed_meta["world_size"]
-        now = cfg.batch_size * info.world_size
-        if before != now:
-            logger.warning("global batch %d (checkpoint) -> %d (this run): %d steps per epoch now, so the LR "
-                           "schedule is re-spread over %d steps; lr %g is not rescaled", before, now,
-                           steps_per_epoch, total_steps, cfg.lr)
+        log_resume_changes(checkpointer.resumed_meta, cfg, info.world_size, steps_per_epoch, total_steps)
 
     writer = None
     if info.is_main:

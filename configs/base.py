@@ -63,7 +63,7 @@ config.momentum = 0.9
 config.weight_decay = 5e-4
 config.max_grad_norm = 5.0            # global gradient-norm clip (see clip_head); 0 disables
 config.lr_scheduler = "poly_warmup"   # poly_warmup (arcface_torch's PolynomialLRWarmup: steps counted
-                                      # as num_image // global batch, first step at full lr) | poly | cosine
+                                      # as images // global batch, first step at full lr) | poly | cosine
 config.lr_power = 1.0                 # exponent of the polynomial decay
 config.warmup_epoch = 0
 config.gradient_acc = 1               # micro-batches per optimizer step
@@ -76,7 +76,8 @@ config.ema_tau = 2000.0
 config.rec = "synthetic"              # dir with train.rec/train.idx, an image folder, or "synthetic"
                                       # (arcface_torch's throughput test: one fixed random image)
 config.num_classes = 93431
-config.num_image = 5179510             # informational (as arcface_torch); the data set is counted
+config.num_image = 5179510             # arcface_torch's warmup and total steps come from it; ShardFace
+                                      # counts the data set's images instead (a differing value is named)
 config.num_epoch = 20
 config.batch_size = 128               # per rank
 config.num_workers = 2

@@ -14,7 +14,7 @@ from dataset.fingerprint import folder_fingerprint, recordio_fingerprint, synthe
 from dataset.folders import list_identity_folders
 from dataset.geometry import check_files, check_records
 from dataset.images import FACE_SIZE, decode_chw, decode_image, normalize_images
-from dataset.layout import image_keys
+from dataset.layout import class_count, image_keys
 from dataset.recordio import IndexedRecordReader, unpack
 
 logger = logging.getLogger("shardface")
@@ -124,12 +124,19 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
         self.skip_bad_images = skip_bad_images
         self.reader = IndexedRecordReader(os.path.join(root_dir, "train.idx"),
                                           os.path.join(root_dir, "train.rec"))
-        self.num_classes = num_classes if num_classes is not None else read_property(root_dir)[0]
         if not self.reader.keys:
             raise DataLayoutError(f"{self.reader.idx_path}: no records; the data set is empty")
         prop = os.path.join(root_dir, "property")
-        declared = read_property(root_dir)[0] if num_classes is None or os.path.isfile(prop) else None
+        declared = read_property(root_dir)[0] if os.path.isfile(prop) else None
         self.keys = image_keys(self.reader, prop, declared)
+        # the set's own count (property, or an insightface header), and where it came from
+        self.own_classes, self.classes_from = class_count(self.reader, self.keys, prop, declared)
+        if num_classes is None and self.own_classes is None:
+            raise DataLayoutError(f"{prop}: property file not found, and {self.reader.rec_path} has no insightface "
+                                  f"header (key 0) that counts the identities: set num_classes in the config")
+        self.num_classes = num_classes if num_classes is not None else self.own_classes
+        if self.own_classes is None:
+            self.classes_from = "config num_classes"
         self.skipped = SkipCounter()
         self._labels: dict[int, torch.Tensor] = {}
 
@@ -147,7 +154,7 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
         label = int(header.label) if header.flag == 0 else int(header.label[0])
         if not 0 <= label < self.num_classes:
             raise LabelError(f"{self.reader.rec_path} key {key}: label {label} outside [0, {self.num_classes}) "
-                                f"(num_classes from {os.path.join(self.root_dir, 'property')} or config)")
+                                f"(num_classes from {self.classes_from})")
         decode = decode_image if as_array else decode_chw
         return self._decoded(decode, payload, f"{self.reader.rec_path} key {key}", mirror), label
 
@@ -249,11 +256,13 @@ def build_dataset(rec: str, num_classes: int, train: bool = True, skip_bad_image
         if not os.path.exists(idx):  # pack_rec publishes train.idx last (utils.atomic.publishing_set)
             raise DataLayoutError(f"{idx}: missing beside train.rec, so the set is incomplete (a pack_rec stopped "
                                   f"while replacing the set leaves it so): pack the set again")
-        dataset = MXFaceDataset(rec, train=train, skip_bad_images=skip_bad_images, normalize=normalize,
-                                resize=resize)
-        if dataset.num_classes != num_classes:
-            raise DataLayoutError(f"{os.path.join(rec, 'property')}: {dataset.num_classes} classes, "
-                                f"config num_classes is {num_classes}")
+        dataset = MXFaceDataset(rec, train=train, num_classes=num_classes, skip_bad_images=skip_bad_images,
+                                normalize=normalize, resize=resize)
+        if dataset.own_classes is not None and dataset.own_classes != num_classes:
+            raise DataLayoutError(f"{dataset.classes_from}: {dataset.own_classes} classes, "
+                                  f"config num_classes is {num_classes}")
+        if dataset.classes_from != os.path.join(rec, "property"):
+            logger.info("%s: %d classes, from the %s", rec, num_classes, dataset.classes_from)
         dataset.check_geometry()
         return dataset
     dataset = FolderFaceDataset(rec, train=train, normalize=normalize, skip_bad_images=skip_bad_images,

@@ -76,3 +76,18 @@ def image_keys(reader: IndexedRecordReader, property_path: str, declared_classes
             f"{reader.idx_path}: {mismatch}; the files do not belong together or one is truncated: restore "
             f"the set's own .idx and property, or {_REPACK}")
     return list(range(1, int(labels[0])))
+
+
+def class_count(reader: IndexedRecordReader, keys: list[int], property_path: str,
+                declared_classes: int | None) -> tuple[int | None, str]:
+    """(the set's own class count, where it came from): `property` when there is one, else an
+    insightface header's identity range (b - a; record 0 is not among the image `keys`), as
+    arcface_torch reads such a set; (None, "") for an im2rec set without `property`, whose
+    count only the config can give."""
+    if declared_classes is not None:
+        return declared_classes, property_path
+    first = reader.keys[0]
+    if keys and keys[0] != first:  # image_keys took record `first` for an insightface header
+        labels = _labels(unpack(reader.read(first), f"{reader.rec_path} key {first}")[0])
+        return int(labels[1]) - int(labels[0]), f"{reader.rec_path} header (key {first}; no {property_path})"
+    return None, ""

@@ -2,9 +2,10 @@
 """Turn an arcface_torch run into a ShardFace checkpoint, to continue it with train.py.
 
     python -m scripts.import_arcface_torch CONFIG RUN_DIR OUT_DIR [--key value ...]
-    python train.py CONFIG --output OUT_DIR --resume true     # on any number of ranks
+    python train.py CONFIG [--key value ...] --output OUT_DIR --resume true   # any number of ranks
 
-CONFIG is the run's arcface_torch config (with the `--key value` overrides it ran with).
+CONFIG is the run's arcface_torch config (with the `--key value` overrides it ran with); give
+train.py the same overrides (the import prints the command with them).
 RUN_DIR holds the run's `checkpoint_gpu_<rank>.pt`, one per rank (arcface_torch writes them
 at every epoch end with `save_all_states True`), each with `epoch`, `global_step`,
 `state_dict_backbone`, `state_dict_softmax_fc` (the rank's PartialFC_V2 shard),
@@ -20,7 +21,7 @@ if not __package__:  # run as a file (python scripts/x.py): import as `python -m
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import os
-import re
+import shlex
 import sys
 
 import torch
@@ -32,8 +33,9 @@ from heads.sharding import class_shard
 from parallel.user_errors import exits_on_user_error
 from utils.atomic import check_output_dir
 from utils.checkpoint import CheckpointError, TrainState, list_checkpoints, new_run_id, safe_load, save_checkpoint
+from utils.checkpoint_foreign import ARCFACE_RANK_FILE as RANK_FILE
+from utils.checkpoint_foreign import arcface_torch_rank_files, config_overrides
 
-RANK_FILE = re.compile(r"^checkpoint_gpu_(\d+)\.pt$")
 KEYS = ("epoch", "global_step", "state_dict_backbone", "state_dict_softmax_fc", "state_optimizer",
         "state_lr_scheduler")
 STATE_OF = {"sgd": "momentum_buffer", "adamw": "exp_avg"}  # a key each optimizer's state has
@@ -105,6 +107,9 @@ def import_run(cfg, run_dir: str, out_dir: str) -> str:
     check_output_dir(out_dir)
     if list_checkpoints(out_dir):
         raise CheckpointError(f"{out_dir} holds checkpoints already: import into a new directory")
+    if arcface_torch_rank_files(out_dir):  # the run itself, or another one: never written into
+        raise CheckpointError(f"{out_dir} is an arcface_torch run (checkpoint_gpu_<rank>.pt): import into a new "
+                              f"directory")
     files = rank_files(run_dir)
     world_size, num_classes, dim = len(files), cfg.num_classes, cfg.embedding_size
     backbone, head = build_backbone(cfg), build_head(cfg)
@@ -186,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.lr_scheduler != "poly_warmup":
         print(f"note: config lr_scheduler is '{cfg.lr_scheduler}', not arcface_torch's poly_warmup: the run "
               f"continues on another learning rate")
-    print(f"wrote {ckpt}; continue with: python train.py {config} --output {out_dir} --resume true")
+    # the import's overrides belong to the run: a resume without them would train another one
+    command = ["python", "train.py", config, *config_overrides(overrides), "--output", out_dir, "--resume", "true"]
+    print(f"wrote {ckpt}; continue with: {' '.join(shlex.quote(a) for a in command)}")
     return 0
 
 

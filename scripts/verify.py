@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Verify a trained backbone on LFW-format .bin sets and print a table of results.
+"""Verify a trained backbone on LFW-format .bin sets and print a table of results (10-fold accuracy).
 `python -m scripts.verify RUN_OR_CHECKPOINT --bin lfw.bin [--bin cfp_fp.bin ...]`.
 
 The .bin sets hold insightface's 112x112 crops; a model made for another crop (MODEL `dlib`,
@@ -45,6 +45,9 @@ def main(argv=None) -> int:
     print(f"{'set':<20} {'acc':>8} {'acc-flip':>9} {'std':>7} {'XNorm':>8}")
     for name, acc, acc_flip, std_flip, xnorm in rows:
         print(f"{name:<20} {acc:8.4f} {acc_flip:9.4f} {std_flip:7.4f} {xnorm:8.3f}")
+    print(f"acc, acc-flip: {NFOLDS}-fold accuracy (insightface's protocol: each fold judged at the threshold best on "
+          f"the other {NFOLDS - 1}); scripts.compare --threshold-from prints the best-threshold accuracy over all "
+          f"pairs, fitted to them and so usually higher")
     return 0
 
 

@@ -198,6 +198,21 @@ def test_negative_warmup_as_in_3millions_is_polynomial_lr_warmup_stepped(warmup,
         assert lr_factor(n, 10, warmup, "poly_warmup", power) == pytest.approx(expected, abs=1e-12), n
 
 
+def test_logged_lr_of_step_n_is_the_rate_it_used_and_readme_says_arcface_torch_logs_the_next(one_rank):
+    logged = {int(n): float(lr) for n, lr in re.findall(r"step (\d+)/\d+ .*? lr ([0-9.]+)",
+                                                        open(os.path.join(one_rank["full"], "training.log")).read())}
+    assert sorted(logged) == list(range(1, STEPS + 1))
+    for n, lr in logged.items():
+        assert lr == pytest.approx(one_rank["lrs"][n - 1], abs=6e-6), n  # step n trained with rate n - 1 (0-based)
+        # arcface_torch's line for global_step n: after scheduler.step(), the rate of step n + 1
+        if n < STEPS:
+            assert polynomial_lr_warmup(n, CUT, SCHEDULE) == pytest.approx(one_rank["lrs"][n], abs=1e-12), n
+    assert logged[4] != pytest.approx(polynomial_lr_warmup(4, CUT, SCHEDULE), abs=1e-4)  # so they differ
+    readme = " ".join(open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read().split())
+    assert ("the `lr` logged at step n is the rate step n trained with, where arcface_torch logs it after "
+            "`scheduler.step()`, so its line for step n shows the rate of step n + 1") in readme
+
+
 def test_arcface_keys_alone_clip_the_backbone_alone_at_norm_5(one_rank):
     assert one_rank["clipped"] == [(5.0, 0)] * STEPS
 
@@ -363,3 +378,100 @@ def test_resume_ignores_init_backbone_with_a_log_line(one_rank, tmp_path):
     assert train.main(run_argv(one_rank["config"], out, "--resume", "true", "--init_backbone", "/no/such.pt",
                                  "--max_steps", str(STEPS))) == 0
     assert "init_backbone /no/such.pt ignored" in open(os.path.join(out, "training.log")).read()
+
+
+def _folder_bytes(folder):
+    return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))}
+
+
+@pytest.mark.parametrize("with_model", [True, False], ids=["model.pt", "no model.pt"])
+def test_arcface_torch_run_folder_is_never_written_whatever_resume_and_overwrite_say(one_rank, tmp_path, capsys,
+                                                                                    with_model):
+    run = write_arcface_run(os.path.join(one_rank["full"], f"checkpoint-{CUT:08d}"), str(tmp_path / "af"), 2)
+    with open(os.path.join(run, "training.log"), "w") as f:
+        f.write("arcface_torch's own log\n")
+    if not with_model:
+        os.remove(os.path.join(run, "model.pt"))
+    before = _folder_bytes(run)
+    for flags in (["--resume", "true"], ["--resume", "auto"], ["--overwrite", "true"], ["--resume", "false"]):
+        argv = run_argv(one_rank["config"], run, "--num_epoch", "3", *flags)
+        with pytest.raises(SystemExit) as stopped:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr("sys.argv", ["train.py", *argv])
+                train.cli()
+        assert stopped.value.code == 2, flags
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err
+        assert f"{run} is an arcface_torch run (checkpoint_gpu_0.pt, checkpoint_gpu_1.pt)" in err, flags
+        # the import command, with the folder and this command's config overrides filled in
+        command = err.split(": ")[-1]
+        assert command == (f"python -m scripts.import_arcface_torch {one_rank['config']} {run} {run}_shardface "
+                           f"--checkpoint_interval 4 --keep_checkpoints 0 --num_epoch 3"), flags
+        assert _folder_bytes(run) == before, flags  # byte-identical, and nothing added (no run.lock, no log)
+
+
+def _continue_command(printed):
+    """train.py's argv in the import's 'continue with: python train.py ...' line."""
+    line = printed.strip().splitlines()[-1]
+    words = line.split("continue with: ", 1)[1].split()
+    assert words[:2] == ["python", "train.py"]
+    return words[2:]
+
+
+def test_import_prints_the_resume_command_with_every_override_and_following_it_changes_nothing(
+        one_rank, tmp_path, capsys):
+    run = write_arcface_run(os.path.join(one_rank["full"], f"checkpoint-{CUT:08d}"), str(tmp_path / "af"), 3)
+    out = str(tmp_path / "imported")
+    overrides = ["--num_epoch", "3", "--max_grad_norm", "4.0", "--frequent", "2"]
+    assert import_arcface_torch.main([one_rank["config"], run, out, *overrides]) == 0
+    argv = _continue_command(capsys.readouterr().out)
+    assert argv == [one_rank["config"], *overrides, "--output", out, "--resume", "true"]
+    assert train.main([*argv, "--stop_after_steps", "1", "--num_workers", "0"]) == 0
+    log = open(os.path.join(out, "training.log")).read()
+    assert "resumed at step 8" in log and not re.search(r"config \w+ .* \(checkpoint\) ->", log)
+
+
+def test_resume_with_another_config_than_the_checkpoints_names_each_changed_key(one_rank, tmp_path):
+    out = str(tmp_path / "again")
+    shutil.copytree(one_rank["full"], out)
+    assert train.main(run_argv(one_rank["config"], out, "--resume", "true", "--num_epoch", "3", "--fp16", "true",
+                               "--max_grad_norm", "4.0", "--stop_after_steps", "1")) == 0
+    log = open(os.path.join(out, "training.log")).read()
+    # this run's values are used: the schedule now spans 3 epochs of 8 steps
+    assert ("config num_epoch 2 (checkpoint) -> 3 (this run): the LR schedule now spans 24 steps (arcface_torch "
+            "keeps its saved total: pass --num_epoch 2 to keep it)") in log
+    assert "config fp16 False (checkpoint) -> True (this run)" in log
+    assert "config max_grad_norm 5.0 (checkpoint) -> 4.0 (this run)" in log
+    assert "config frequent" not in log  # not a change to what is trained
+
+
+@pytest.mark.parametrize("ranks,batch,said", [
+    ((2, 8), (1, 16), "2 ranks x 8 (checkpoint) -> 1 x 16 (this run): the same global batch of 16, so steps per "
+                      "epoch (8) and the LR schedule are unchanged"),
+    ((2, 8), (2, 4), "global batch 16 (checkpoint) -> 8 (this run): 16 steps per epoch now, so the LR schedule is "
+                     "re-spread over 32 steps; lr 0.05 is not rescaled (2 ranks x 8 (checkpoint) -> 2 x 4 (this run))"),
+])
+def test_resume_on_another_world_size_or_batch_says_what_changes(ranks, batch, said):
+    import logging
+    from utils.checkpoint_changes import log_resume_changes
+    cfg = get_config(None, ["--batch_size", str(batch[1]), "--lr", "0.05"])
+    meta = {"world_size": ranks[0], "batch_size": ranks[1], "config": {**cfg, "batch_size": ranks[1]}}
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("shardface")
+    logger.addHandler(handler)
+    try:
+        log_resume_changes(meta, cfg, batch[0], 128 // (batch[0] * batch[1]), 2 * 128 // (batch[0] * batch[1]))
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == [said]
+
+
+def test_import_into_an_arcface_torch_run_folder_is_refused_and_leaves_it_as_it_was(one_rank, tmp_path, capsys):
+    run = write_arcface_run(os.path.join(one_rank["full"], f"checkpoint-{CUT:08d}"), str(tmp_path / "af"), 2)
+    before = _folder_bytes(run)
+    assert import_arcface_torch.main([one_rank["config"], run, run]) == 2
+    assert f"{run} is an arcface_torch run (checkpoint_gpu_<rank>.pt): import into a new directory" in \
+        capsys.readouterr().err
+    assert _folder_bytes(run) == before

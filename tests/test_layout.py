@@ -86,3 +86,46 @@ def test_header_counting_other_identities_than_property_is_refused(tmp_path):
         MXFaceDataset(str(root))
     os.remove(root / "property")  # num_classes from the config and no property: the index decides
     assert len(MXFaceDataset(str(root), num_classes=4)) == 12
+
+
+def _messages(run):
+    import logging
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("shardface")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        run()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return [r.getMessage() for r in records]
+
+
+def test_insightface_set_without_property_counts_its_classes_from_the_header(tmp_path):
+    from dataset import DataLayoutError, build_dataset
+    root = _insightface(tmp_path)  # 4 identities of 3 images; header labels (13, 17)
+    os.remove(root / "property")
+    said = _messages(lambda: build_dataset(str(root), 4, train=False))
+    assert said[-1] == f"{root}: 4 classes, from the {root}/train.rec header (key 0; no {root}/property)"
+    assert len(build_dataset(str(root), 4, train=False)) == 12
+    with pytest.raises(DataLayoutError, match=rf"{root}/train\.rec header \(key 0; no .*property\): 4 classes, "
+                                              r"config num_classes is 5"):
+        build_dataset(str(root), 5)
+
+
+def test_im2rec_set_without_property_takes_its_class_count_from_the_config(tmp_path):
+    from dataset import DataLayoutError, build_dataset
+    root = _im2rec_set(tmp_path, lambda key: [key % 4], 8, 4)
+    os.remove(os.path.join(root, "property"))
+    said = _messages(lambda: build_dataset(root, 4, train=False))
+    assert said[-1] == f"{root}: 4 classes, from the config num_classes"
+    ds = build_dataset(root, 4, train=False)
+    assert ds.keys == list(range(8)) and [ds[i][1].item() for i in range(8)] == [k % 4 for k in range(8)]
+    with pytest.raises(Exception, match=r"key 3: label 3 outside \[0, 3\) \(num_classes from config num_classes\)"):
+        build_dataset(root, 3, train=False)[3]
+    with pytest.raises(DataLayoutError, match=r"property file not found, and .*train\.rec has no insightface header"):
+        MXFaceDataset(root)

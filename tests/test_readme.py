@@ -51,12 +51,13 @@ COMMANDS = {
     "python -m scripts.identify_eval work_dirs/mine photos/held_out --align --gallery_per_id 1 "
     "--unknown_ids 5 --plot cmc_det.png": NEEDS_DATA,
     "python -m scripts.ijb work_dirs/ms1mv3_r50 --root /data/IJB_release/IJBC --target IJBC --protocol 1:N": NEEDS_DATA,
-    "python -m scripts.import_arcface_torch configs/ms1mv3_r50 old_run/ work_dirs/ms1mv3_r50": NEEDS_DATA,
+    "python -m scripts.import_arcface_torch configs/ms1mv3_r50 old_run/ work_dirs/ms1mv3_r50 --num_epoch 25": NEEDS_DATA,
     "python -m scripts.embed dlib chips/ --out dlib.npy --no_flip": NEEDS_DATA,
     "python -m scripts.export_onnx dlib dlib.onnx": "tests/test_dlib.py runs it (slow: a minute on 2 CPU cores)",
     "python train.py configs/demo.py --rec data/mine --num_classes 34 --network dlib_resnet "
     "--embedding_size 128 --init_backbone dlib --output work_dirs/mine_dlib": NEEDS_DATA,
-    "torchrun --nproc_per_node 8 train.py configs/ms1mv3_r50 --output work_dirs/ms1mv3_r50 --resume true": NEEDS_GPU,
+    "torchrun --nproc_per_node 8 train.py configs/ms1mv3_r50 --num_epoch 25 --output work_dirs/ms1mv3_r50 --resume true":
+        NEEDS_GPU,
     "torchrun --nproc_per_node 8 train.py configs/my_faces --init_backbone ms1mv3_r50/model.pt": NEEDS_GPU,
     "torchrun --nproc_per_node 8 train.py configs/ms1mv3_mbf --teacher work_dirs/ms1mv3_r100 --distill_loss cosine":
         NEEDS_GPU,
