@@ -89,6 +89,8 @@ def usable(found: Found, strict: bool) -> dict[str, Face]:
     """Each photo's largest face; photos without one are refused (`strict`) or left out with a
     warning naming them."""
     missing = found.without_face
+    if missing and len(missing) == len(found.faces):
+        raise DataError(no_face_message(missing, len(found.faces)))
     if missing:
         message = no_face_message(missing, len(found.faces))
         if strict:
@@ -114,3 +116,29 @@ def aligned_chw(path: str, face: Face, template: Template, mirror: bool = False)
     if mirror:
         pixels = pixels[:, ::-1]
     return torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).contiguous()
+
+
+def align_groups(groups: list[list[str]], detection: Detection, strict: bool,
+                 progress: Callable[[], None] | None = None,
+                 names: list[str] | None = None) -> tuple[list[list[str]], dict[str, Face]]:
+    """Identity groups of photos -> (the groups without photos where no face was found, each kept
+    photo's largest face). An identity left without a photo is a DataError naming it: dropping it
+    would renumber every later label."""
+    found = find_faces((p for g in groups for p in g), detection, progress)
+    faces = usable(found, strict)
+    kept = [[p for p in g if p in faces] for g in groups]
+    for label, (before, after) in enumerate(zip(groups, kept)):
+        if before and not after:
+            who = names[label] if names else f"label {label} ({before[0]}, ...)"
+            raise DataError(f"{who}: no face found in any of its {len(before)} photos")
+    if found.extra_faces:
+        logger.warning("%s", found.summary())
+    return kept, faces
+
+
+def photo_crops(paths: list[str], faces: dict[str, Face], template: Template) -> torch.Tensor:
+    """N x 3 x h x w uint8: each photo's face (`faces[path]`) aligned to `template`."""
+    if not paths:
+        h, w = template.size
+        return torch.zeros((0, 3, h, w), dtype=torch.uint8)
+    return torch.stack([aligned_chw(path, faces[path], template) for path in paths])

@@ -32,6 +32,8 @@ def add_align_options(p, what: str) -> None:
 
 
 def detection_from(args) -> Detection:
+    if getattr(args, "resize", False):
+        raise SystemExit("--align and --resize: choose one (alignment makes crops of the model's size)")
     if args.upsample < 0:
         raise SystemExit(f"--upsample {args.upsample}: 0 or more")
     if args.max_side < 64:
