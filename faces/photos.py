@@ -112,7 +112,7 @@ def aligned_png(path: str, face: Face, template: Template) -> bytes:
 
 def aligned_chw(path: str, face: Face, template: Template, mirror: bool = False) -> torch.Tensor:
     """The aligned crop as a 3 x h x w uint8 tensor."""
-    pixels = np.asarray(aligned_image(path, face, template))
+    pixels = np.array(aligned_image(path, face, template))  # writable: torch shares it
     if mirror:
         pixels = pixels[:, ::-1]
     return torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).contiguous()
