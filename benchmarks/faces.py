@@ -21,7 +21,7 @@ from skimage import data
 
 from faces.align import ARCFACE_112, similarity_transform
 from faces.detect import aligned_faces, detect_faces, face_detector, landmark_predictor
-from faces.landmarks import dlib5_frame_and_nose, five_from_dlib5, five_from_dlib68, to_frame
+from faces.landmarks import dlib5_frame_and_nose, five_from_dlib5, five_from_dlib68, from_frame, to_frame
 
 
 def lfw(first: int, count: int) -> list[np.ndarray]:
@@ -83,6 +83,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--fit", action="store_true", help="print FROM_NOSE_BASE fitted on every face")
     p.add_argument("--quick", action="store_true", help="10 LFW faces: check that the script runs")
+    p.add_argument("--no_timing", action="store_true", help="the accuracy figures only (no photos/s)")
     args = p.parse_args()
     n = 10 if args.quick else 100
     faces = with_mirrors([data.astronaut()] + lfw(0, n))
@@ -105,7 +106,6 @@ def main() -> None:
     for p5, p68 in held:
         frame, (u, v) = dlib5_frame_and_nose(p5)
         derived = np.array([1.0, u, v]) @ coef
-        from faces.landmarks import from_frame
         errors.append(crop_error(from_frame(derived.reshape(5, 2), frame), five_from_dlib68(p68)))
     shipped = [crop_error(five_from_dlib5(p5), five_from_dlib68(p68)) for p5, p68 in pairs]
     print(f"5-point vs 68-point five points, crop displacement at 112: held-out {len(held)} faces "
@@ -127,6 +127,8 @@ def main() -> None:
               f"crops, mean {np.mean(ok):.2f} px from the template, max {np.max(ok):.2f}; the face box resized "
               f"to 112x112 instead: {len(ok_r)} re-detected, mean {np.mean(ok_r):.2f} px")
 
+    if args.no_timing:
+        return
     photo = Image.fromarray(data.astronaut())
     for detector, up in (("hog", 1), ("mmod", 0)):
         face_detector(detector), landmark_predictor("5")
