@@ -301,3 +301,20 @@ def test_training_set_align_true_yields_aligned_faces_of_photos_with_one(photos,
     cfg.resize = True
     with pytest.raises(Exception, match="choose one"):
         build_train_dataset(cfg)
+
+
+def test_crop_names_keep_folders_and_tell_apart_photos_sharing_a_name():
+    from scripts.align import crop_stems
+    assert crop_stems(["a/p1.jpg", "a/p1.png", "a/p2.jpg", "b/p1.jpg"]) == {
+        "a/p1.jpg": "a/p1_jpg", "a/p1.png": "a/p1_png", "a/p2.jpg": "a/p2", "b/p1.jpg": "b/p1"}
+
+
+def test_a_photo_stored_sideways_with_exif_orientation_is_turned_upright(head, head_faces, tmp_path):
+    from faces.detect import aligned_faces
+    path = str(tmp_path / "sideways.jpg")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 degrees clockwise to view": the pixels lie turned left
+    head.rotate(90, expand=True).save(path, quality=95, exif=exif)
+    found = aligned_faces(path, ARCFACE_112)
+    assert len(found) == 1
+    assert np.abs(found[0][0].landmarks - head_faces[0].landmarks).max() < 3
