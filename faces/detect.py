@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from dataset.images import to_rgb
 from faces.align import Template, align
@@ -84,8 +84,10 @@ def _boxes(pixels: np.ndarray, detector: str, upsample: int) -> list[tuple[tuple
 
 def detect_faces(img: Image.Image | np.ndarray, detector: str = "hog", upsample: int = 1,
                  landmarks: str = "5", min_score: float = 0.0, max_side: int = MAX_SIDE) -> list[Face]:
-    """The faces of a photo (PIL image of any mode, or H x W x 3 uint8 RGB), largest first."""
-    rgb = to_rgb(img) if isinstance(img, Image.Image) else Image.fromarray(np.asarray(img, np.uint8))
+    """The faces of a photo (PIL image of any mode, or H x W (x 3) uint8 array), largest first:
+    `detector` "hog" or "mmod", `landmarks` "5" (public domain) or "68" (iBUG 300-W: not for
+    commercial use), detections scoring below `min_score` dropped."""
+    rgb = to_rgb(img if isinstance(img, Image.Image) else Image.fromarray(np.asarray(img, np.uint8)))
     pixels = np.ascontiguousarray(np.asarray(rgb, np.uint8))
     scale = min(1.0, max_side / max(rgb.size))
     searched = pixels if scale == 1.0 else np.asarray(rgb.resize(
@@ -106,7 +108,6 @@ def detect_faces(img: Image.Image | np.ndarray, detector: str = "hog", upsample:
 
 def open_photo(path: str) -> Image.Image:
     """The photo at `path` as RGB, EXIF rotation applied (phones store portraits sideways)."""
-    from PIL import ImageOps
     with Image.open(path) as img:
         return to_rgb(ImageOps.exif_transpose(img))
 
