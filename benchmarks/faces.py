@@ -91,13 +91,6 @@ def main() -> None:
         np.set_printoptions(precision=4, suppress=True, linewidth=120)
         print(repr(fit(both_landmarks(faces))))
         return
-    non_faces = with_mirrors(lfw(100, n))
-    for detector, up in (("hog", 0), ("hog", 1), ("mmod", 0)):
-        hits = sum(bool(detect_faces(img, detector, up)) for img in faces)
-        false = sum(len(detect_faces(img, detector, up)) for img in non_faces)
-        print(f"{detector} upsample {up}: faces found in {hits}/{len(faces)} face photos, "
-              f"{false} detections in {len(non_faces)} non-face patches")
-
     pairs = both_landmarks(faces)  # pairs 2k, 2k+1 are a photo and its mirror: split by photo
     train = [pr for i, pr in enumerate(pairs) if (i // 2) % 2 == 0]
     held = [pr for i, pr in enumerate(pairs) if (i // 2) % 2 == 1]
@@ -126,6 +119,13 @@ def main() -> None:
         print(f"alignment ({landmarks}-point landmarks): eye centres re-detected on {len(ok)}/{len(aligned)} "
               f"crops, mean {np.mean(ok):.2f} px from the template, max {np.max(ok):.2f}; the face box resized "
               f"to 112x112 instead: {len(ok_r)} re-detected, mean {np.mean(ok_r):.2f} px")
+
+    non_faces = with_mirrors(lfw(100, n))
+    for detector, up in (("hog", 0), ("hog", 1), ("mmod", 0)):
+        hits = sum(bool(detect_faces(img, detector, up)) for img in faces)
+        false = sum(len(detect_faces(img, detector, up)) for img in non_faces)
+        print(f"{detector} upsample {up}: faces found in {hits}/{len(faces)} face photos, "
+              f"{false} detections in {len(non_faces)} non-face patches")
 
     if args.no_timing:
         return
