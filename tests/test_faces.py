@@ -280,6 +280,9 @@ def test_make_bin_align_draws_pairs_of_aligned_faces(photos, tmp_path):
     from scripts.make_bin import main as make_bin
     src = _people(photos, tmp_path)
     out = str(tmp_path / "v.bin")
+    with pytest.raises(SystemExit, match="wall.png"):
+        make_bin([str(src), out, "--pairs", "10", "--align", "--strict"])
+    assert not os.path.exists(out)
     assert make_bin([str(src), out, "--pairs", "10", "--align"]) == 0
     (images, _), issame = load_bin(out)
     assert tuple(images.shape[1:]) == (3, 112, 112) and len(issame) == 10 and sum(issame) == 5
