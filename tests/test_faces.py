@@ -332,3 +332,20 @@ def test_train_py_align_true_trains_on_a_folder_of_raw_photos(photos, tmp_path):
                        "--batch_size", "4", "--num_workers", "0", "--max_steps", "2", "--warmup_epoch", "0",
                        "--val_targets", "[]", "--frequent", "1", "--output", run]) == 0
     assert "step 2/2" in open(os.path.join(run, "training.log")).read()
+
+
+def test_a_missing_model_file_stops_the_tool_at_start_in_one_line(photos, tmp_path, monkeypatch, capsys):
+    import faces.models
+    from faces.detect import face_detector, landmark_predictor
+    from scripts.align import main as align_tool
+    empty = tmp_path / "models"
+    os.makedirs(empty)
+    monkeypatch.setattr(faces.models, "models_dir", lambda: str(empty))
+    face_detector.cache_clear(), landmark_predictor.cache_clear()
+    try:
+        assert align_tool([photos, str(tmp_path / "out"), "--detector", "mmod"]) == 2
+    finally:
+        face_detector.cache_clear(), landmark_predictor.cache_clear()
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "mmod_human_face_detector.dat" in err and "not found" in err
+    assert sorted(os.listdir(tmp_path)) == ["models"]
