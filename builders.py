@@ -9,8 +9,10 @@ from torch import nn
 
 from backbones import get_model
 from configs.errors import ConfigError
+from dataset import build_dataset
 from eval.teacher import TeacherFile, load_teacher
 from eval.weights import init_backbone_from
+from faces.folder_dataset import build_aligned_dataset
 from heads import PartialFC, SampledRowsOptimizer
 from heads.distill import DistillLoss, attach_projection
 from losses import build_margin
@@ -20,6 +22,18 @@ from parallel.zero import Zero2Optimizer
 from utils.checkpoint import find_checkpoint
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
+
+
+def build_train_dataset(cfg) -> torch.utils.data.Dataset:
+    """The training set of `cfg.rec`, as uint8 images (the loop normalises them on its device):
+    with `cfg.align`, the aligned faces of a folder of photos."""
+    if cfg.align:
+        if cfg.resize:
+            raise ConfigError("align true and resize true: choose one (alignment makes 112x112 crops)")
+        return build_aligned_dataset(cfg.rec, cfg.num_classes, cfg.align_detector, normalize=False,
+                                     strict=cfg.align_strict)
+    return build_dataset(cfg.rec, cfg.num_classes, train=True, skip_bad_images=cfg.skip_bad_images,
+                         normalize=False, resize=cfg.resize)
 
 
 def build_backbone(cfg) -> nn.Module:

@@ -14,12 +14,12 @@ import sys
 import torch
 
 from builders import (build_backbone, build_data_parallel, build_distillation, build_head, build_head_optimizer,
-                      init_backbone)
+                      build_train_dataset,                      init_backbone)
 from configs import format_config, get_config, save_config
 from configs.compat import compat_notes
 from configs.describe import describe_keys
 from configs.validate import warmup_problem
-from dataset import ResumableDistributedSampler, build_dataset, get_dataloader, normalize_images
+from dataset import ResumableDistributedSampler, get_dataloader, normalize_images
 from eval.callback import VerificationCallback
 from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
 from parallel.stop import StopSignal
@@ -72,8 +72,7 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     scaler = DynamicLossScaler() if cfg.fp16 else None
     seed_everything(cfg.seed + info.rank)  # per-rank randomness (Partial FC sampling) from here
 
-    dataset = build_dataset(cfg.rec, cfg.num_classes, train=True, skip_bad_images=cfg.skip_bad_images,
-                            normalize=False, resize=cfg.resize)  # uint8 from the workers, normalised on the device
+    dataset = build_train_dataset(cfg)  # uint8 from the workers, normalised on the device
     if distill is not None:
         distill.check_data(cfg, dataset)  # a teacher file made from other data is refused here
     if cfg.num_image and cfg.num_image != len(dataset) and cfg.rec != "synthetic":

@@ -84,6 +84,10 @@ config.num_workers = 2
 config.skip_bad_images = False        # count and skip undecodable images instead of failing
 config.resize = False                 # resize images that are not 112x112 (bilinear) instead of refusing
                                       # them; models expect aligned crops, and resizing is not alignment
+config.align = False                  # rec is a folder of raw photos: find each photo's largest face at
+                                      # start and train on it aligned to 112x112 (README 'Your own images')
+config.align_detector = "hog"         # with align: dlib's "hog" or "mmod" face detector
+config.align_strict = False           # with align: refuse photos without a face instead of leaving them out
 config.seed = 2048
 
 # evaluation and logging

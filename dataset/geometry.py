@@ -14,10 +14,10 @@ from dataset.images import FACE_SIZE, image_size
 logger = logging.getLogger("shardface")
 
 SHOWN = 3  # offending files named in a message
-RESIZE_HINT = ("align them to the network's five-point template (insightface's 112x112; dlib's 150x150 "
-               "chip for MODEL dlib; README 'Your own images'), "
-               "or pass --resize to resize them (pack_rec, make_bin, embed, compare; `--resize true` to "
-               "train.py): resizing is not alignment")
+RESIZE_HINT = ("for photos, pass --align to find and align the faces (pack_rec, make_bin, embed, compare; "
+               "`--align true` to train.py on an image folder; or scripts.align first) onto the network's "
+               "five-point template (insightface's 112x112; dlib's 150x150 chip for MODEL dlib), or --resize "
+               "to resize them (`--resize true` to train.py): resizing is not alignment (README 'Your own images')")
 
 
 def size_refusal(bad: list[tuple[str, tuple[int, int]]], count: int, checked: str,

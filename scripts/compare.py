@@ -5,7 +5,9 @@
 Embeddings as scripts.embed makes them (flip test, L2-normalised). --threshold-from runs the
 verification set (a .bin, e.g. from scripts.make_bin) and takes the cosine threshold that
 separates its pairs best, printing it and its accuracy on those same pairs (the best-threshold
-accuracy, fitted to them: usually above the 10-fold accuracy scripts.verify reports)."""
+accuracy, fitted to them: usually above the 10-fold accuracy scripts.verify reports).
+With --align the two images are photos: the largest face of each is aligned to the model's
+template (no face: refused)."""
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
@@ -17,10 +19,12 @@ import sys
 
 import numpy as np
 
-from eval.embedder import best_threshold, embed_files, load_embedder
+from eval.embedder import best_threshold, embed_files, embed_uint8, load_embedder
 from eval.verification import load_bin
+from faces.photos import find_faces, photo_crops, usable
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
+from scripts.face_options import add_align_options, detection_from
 
 
 @exits_on_user_error
@@ -37,9 +41,16 @@ def main(argv=None) -> int:
     p.add_argument("--network", default=None, help="backbone name for an arcface_torch model.pt")
     p.add_argument("--no_ema", action="store_true", help="the raw weights, not the EMA")
     p.add_argument("--resize", action="store_true", help="resize images that are not the model's crop size (not alignment)")
+    add_align_options(p, "the two images")
     args = p.parse_args(argv)
+    detection = detection_from(args) if args.align else None
     model = load_embedder(args.model, args.network, ema=not args.no_ema)
-    a, b = embed_files([args.image_a, args.image_b], model, resize=args.resize)
+    pair = [args.image_a, args.image_b]
+    if args.align:
+        faces = usable(find_faces(pair, detection), strict=True)
+        a, b = embed_uint8(photo_crops(pair, faces, model.template), model.module)
+    else:
+        a, b = embed_files(pair, model, resize=args.resize)
     threshold = args.threshold
     if args.threshold_from:
         pairs = load_bin(args.threshold_from)

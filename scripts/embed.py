@@ -6,9 +6,11 @@ Each row is the embedding of an image plus that of its mirror image, L2-normalis
 test of verification), float32; row i belongs to line i of the file list written beside the
 array (emb.txt for emb.npy, UTF-8), which is published after the array: an emb.npy without its
 emb.txt is an interrupted run. An existing pair is replaced only with --overwrite. MODEL: a run
-directory, a checkpoint directory, a model.pt (ShardFace's, or arcface_torch's with --network)
-an exported .onnx (onnxruntime) or `dlib`
-(dlib's face descriptor: 150x150 dlib chips; --no_flip gives its single-view descriptors)."""
+directory, a checkpoint directory, a model.pt (ShardFace's, or arcface_torch's with --network),
+an exported .onnx (onnxruntime) or `dlib` (dlib's face descriptor: 150x150 dlib chips; --no_flip
+gives its single-view descriptors). With --align the inputs are photos: each photo's largest face
+is aligned to the model's template, and photos without a face are left out of both files and
+named (refused with --strict)."""
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
@@ -22,10 +24,13 @@ import sys
 import numpy as np
 
 from dataset import DataError
-from eval.embedder import embed_files, image_files, load_embedder, model_files
+from eval.embedder import embed_files, embed_uint8, image_files, load_embedder, model_files
+from faces.photos import find_faces, photo_crops, usable
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
+from scripts.face_options import add_align_options, detection_from
 from utils.atomic import OutputError, check_output_file, publishing_set, refuse_inputs
+from utils.progress import Progress
 
 
 @exits_on_user_error
@@ -44,6 +49,7 @@ def main(argv=None) -> int:
                         "refusing them (resizing is not alignment; see README 'Your own images')")
     p.add_argument("--no_flip", action="store_true",
                    help="each image's own embedding, without its mirror image's (dlib's descriptor is single-view)")
+    add_align_options(p, "the inputs")
     args = p.parse_args(argv)
     if os.path.isdir(args.out):
         raise OutputError(f"--out {args.out} is a directory; name a file")
@@ -57,8 +63,15 @@ def main(argv=None) -> int:
         raise DataError(f"{broken!r}: a file name with a line break cannot be listed one per line in "
                         f"{listing}; rename it")
     refuse_inputs([out, listing], [*paths, *model_files(args.model)])
+    detection = detection_from(args) if args.align else None
     embedder = load_embedder(args.model, args.network, ema=not args.no_ema)
-    embeddings = embed_files(paths, embedder, args.batch_size, args.resize, flip=not args.no_flip)
+    if args.align:
+        faces = usable(find_faces(paths, detection, Progress(len(paths), "finding faces").update), args.strict)
+        paths = [path for path in paths if path in faces]
+        embeddings = embed_uint8(photo_crops(paths, faces, embedder.template), embedder.module, args.batch_size,
+                                 flip=not args.no_flip)
+    else:
+        embeddings = embed_files(paths, embedder, args.batch_size, args.resize, flip=not args.no_flip)
     # one set, the listing published last: an emb.npy without its emb.txt is an interrupted run
     with publishing_set([out, listing]) as (tmp_out, tmp_listing):
         with open(tmp_out, "wb") as f:

@@ -5,7 +5,9 @@ pair i being images 2i and 2i+1) from an image folder of identities held out of 
 
 Half the pairs are two images of one identity, half images of two identities, drawn without
 repeats and fixed by --seed; same and different pairs alternate, so every fold of the 10-fold
-protocol holds both kinds. scripts.verify and training's val_targets read the file as lfw.bin."""
+protocol holds both kinds. scripts.verify and training's val_targets read the file as lfw.bin.
+With --align the images are photos: each photo's largest face is aligned to 112x112 first, and
+photos without a face are left out of the draw and named (refused with --strict)."""
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
@@ -21,9 +23,13 @@ from dataset import DataError, list_identity_folders
 from dataset.geometry import check_files
 from dataset.images import stored_bytes
 from eval.verification import NFOLDS, write_bin
+from faces.align import ARCFACE_112
+from faces.photos import align_groups, aligned_png
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
+from scripts.face_options import add_align_options, detection_from
 from utils.atomic import check_output_file, refuse_inputs
+from utils.progress import Progress
 
 
 DEFAULT_PAIRS = 3000
@@ -72,11 +78,15 @@ def main(argv=None) -> int:
                    help="resize images that are not 112x112 instead of refusing them (resizing is not "
                         "alignment; see README 'Your own images')")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT.bin")
+    add_align_options(p, "the images")
     args = p.parse_args(argv)
     if args.pairs is not None and args.pairs < NFOLDS:
         raise DataError(f"--pairs {args.pairs}: verification needs at least {NFOLDS} pairs (its folds)")
     check_output_file(args.output, overwrite=args.overwrite)
-    _, groups = list_identity_folders(args.folder)
+    names, groups = list_identity_folders(args.folder)
+    if args.align:
+        groups, faces = align_groups(groups, detection_from(args), args.strict,
+                                     Progress(sum(map(len, groups)), "finding faces").update, names)
     try:
         pairs, issame = draw_pairs(groups, args.pairs, args.seed)
     except ValueError as exc:  # too few pairs
@@ -86,8 +96,11 @@ def main(argv=None) -> int:
                         "folds of verification: add people or images")
     used = sorted({path for pair in pairs for path in pair})
     refuse_inputs([args.output], used)
-    check_files(used, args.resize)
-    encoded = {path: stored_bytes(path, args.resize) for path in used}  # decodes each: a truncated one is named
+    if not args.align:
+        check_files(used, args.resize)
+    # each is decoded (a truncated one is named) or aligned
+    encoded = {path: aligned_png(path, faces[path], ARCFACE_112) if args.align else stored_bytes(path, args.resize)
+               for path in used}
     write_bin(args.output, [encoded[path] for pair in pairs for path in pair], issame)
     print(f"wrote {args.output}: {len(issame)} pairs ({sum(issame)} same, {len(issame) - sum(issame)} "
           f"different) of {len(groups)} identities, {len(used)} images")

@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """Pack an image folder (one sub-folder per identity) or a list file (`path<TAB>label` per
 line) into train.rec, train.idx and property in the insightface layout.
-`python -m scripts.pack_rec IMAGE_FOLDER OUT_DIR [--resize]`.
+`python -m scripts.pack_rec IMAGE_FOLDER OUT_DIR [--resize | --align]`.
 
 Every image is checked first (its header): a missing or unreadable file, or images that are not
 112x112 without --resize, stop the pack before anything is written. Every image is decoded as it
 is packed: one that does not decode (a truncated JPEG) stops the pack, naming it, and an earlier
 set stays as it was. An image is stored as its file's bytes; with --resize an image of another
-size is stored resized, as PNG."""
+size is stored resized, as PNG. With --align the images are photos: each photo's largest face is
+stored aligned to 112x112, as PNG (photos without a face are left out and named, or refused with
+--strict; further faces are counted)."""
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
@@ -24,8 +26,11 @@ from dataset.folders import regular_file
 from dataset.geometry import check_files
 from dataset.images import stored_bytes
 from dataset.pack import write_insightface_rec
+from faces.align import ARCFACE_112
+from faces.photos import align_groups, aligned_png
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
+from scripts.face_options import add_align_options, detection_from
 from utils.atomic import check_output_dir, check_output_file, refuse_inputs
 from utils.progress import Progress
 
@@ -67,6 +72,7 @@ def main(argv=None) -> int:
                    help="resize images that are not 112x112 (bilinear) instead of refusing them. Models "
                         "expect aligned crops (insightface's five-point template): resizing is not "
                         "alignment, so align first where you can (README 'Your own images')")
+    add_align_options(p, "the images")
     args = p.parse_args(argv)
     outputs = [os.path.join(args.output, n) for n in ("train.rec", "train.idx", "property")]
     check_output_dir(args.output)
@@ -76,11 +82,22 @@ def main(argv=None) -> int:
     groups = collect(args.source)
     total = sum(len(g) for g in groups)
     refuse_inputs(outputs, [args.source, *(path for g in groups for path in g)])
-    checking = Progress(total, "checking image headers")  # a DataError: one line (exits_on_user_error)
-    check_files((path for g in groups for path in g), args.resize, progress=checking.update)
+    if args.align:
+        names = list_identity_folders(args.source)[0] if os.path.isdir(args.source) else None
+        groups, faces = align_groups(groups, detection_from(args), args.strict,
+                                     Progress(total, "finding faces").update, names)
+        total = sum(len(g) for g in groups)
+
+        def stored(path: str) -> bytes:
+            return aligned_png(path, faces[path], ARCFACE_112)
+    else:
+        checking = Progress(total, "checking image headers")  # a DataError: one line (exits_on_user_error)
+        check_files((path for g in groups for path in g), args.resize, progress=checking.update)
+
+        def stored(path: str) -> bytes:  # decodes it: a truncated image stops the pack, naming it
+            return stored_bytes(path, args.resize)
     progress = Progress(total, "packing")
-    # every image is decoded as it is packed (stored_bytes): a truncated one stops the pack, naming it
-    write_insightface_rec(args.output, ([stored_bytes(p, args.resize) for p in g] for g in groups), total,
+    write_insightface_rec(args.output, ([stored(p) for p in g] for g in groups), total,
                           len(groups), progress, overwrite=args.overwrite)
     print(f"packed {total} images of {len(groups)} identities into {args.output}")
     return 0

@@ -38,21 +38,23 @@ COMMANDS = {
     "python -m scripts.ijb work_dirs/ms1mv3_r50 --root /data/IJB_release/IJBC --target IJBC --roc roc.png": NEEDS_DATA,
     "python -m scripts.export_onnx work_dirs/ms1mv3_r50": NEEDS_DATA,
     "python -m scripts.export_onnx insightface_r100/model.pt r100.onnx --network r100": NEEDS_DATA,
-    "python -m scripts.pack_rec photos/train data/mine": NEEDS_DATA,
-    "python -m scripts.make_bin photos/held_out data/mine/mine_val.bin --seed 0": NEEDS_DATA,
+    "python -m scripts.align photos/train aligned/train --largest": NEEDS_DATA,
+    "python -m scripts.align photos/held_out aligned/held_out --largest": NEEDS_DATA,
+    "python -m scripts.pack_rec aligned/train data/mine": NEEDS_DATA,
+    "python -m scripts.make_bin aligned/held_out data/mine/mine_val.bin --seed 0": NEEDS_DATA,
     "python train.py configs/demo.py --rec data/mine --num_classes 34 --val_targets \"['mine_val']\" "
     "--output work_dirs/mine": NEEDS_DATA,
     "python -m scripts.verify work_dirs/mine --bin data/mine/mine_val.bin": NEEDS_DATA,
     "python -m scripts.export_onnx work_dirs/mine work_dirs/mine/model.onnx": NEEDS_DATA,
-    "python -m scripts.embed work_dirs/mine/model.onnx photos/held_out --out emb.npy": NEEDS_DATA,
-    "python -m scripts.compare work_dirs/mine a.jpg b.jpg --threshold-from data/mine/mine_val.bin": NEEDS_DATA,
+    "python -m scripts.embed work_dirs/mine/model.onnx photos/held_out --align --out emb.npy": NEEDS_DATA,
+    "python -m scripts.compare work_dirs/mine a.jpg b.jpg --align --threshold-from data/mine/mine_val.bin": NEEDS_DATA,
     "python -m scripts.identify work_dirs/mine --gallery people --align --top 3 "
     "--threshold-from data/mine/mine_val.bin group.jpg more_photos/": NEEDS_DATA,
     "python -m scripts.identify_eval work_dirs/mine photos/held_out --align --gallery_per_id 1 "
     "--unknown_ids 5 --plot cmc_det.png": NEEDS_DATA,
     "python -m scripts.ijb work_dirs/ms1mv3_r50 --root /data/IJB_release/IJBC --target IJBC --protocol 1:N": NEEDS_DATA,
     "python -m scripts.import_arcface_torch configs/ms1mv3_r50 old_run/ work_dirs/ms1mv3_r50 --num_epoch 25": NEEDS_DATA,
-    "python -m scripts.embed dlib chips/ --out dlib.npy --no_flip": NEEDS_DATA,
+    "python -m scripts.embed dlib photos/held_out --align --no_flip --out dlib.npy": NEEDS_DATA,
     "python -m scripts.export_onnx dlib dlib.onnx": "tests/test_dlib.py runs it (slow: a minute on 2 CPU cores)",
     "python train.py configs/demo.py --rec data/mine --num_classes 34 --network dlib_resnet "
     "--embedding_size 128 --init_backbone dlib --output work_dirs/mine_dlib": NEEDS_DATA,

@@ -1,0 +1,122 @@
+"""Faces in a photo: boxes from dlib's HOG detector (default) or its CNN (MMOD) detector, five
+landmarks per face in insightface's order, and the aligned crops of a photo.
+
+`detect_faces(image)` -> [Face], largest first. `aligned_faces(path, template)` -> [(Face, crop)].
+Detectors and landmark predictors are loaded once per process and kept. A photo larger than
+`max_side` pixels is searched at that size (boxes and landmarks come back in the photo's own
+pixels, the landmarks found on the full-resolution photo), so a 24-megapixel photo costs what a
+1600-pixel one does; `upsample` doubles the searched size that many times, for faces smaller
+than the detectors' 80 pixels (HOG) or about 40 (MMOD)."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from dataset.images import to_rgb
+from faces.align import Template, align
+from faces.landmarks import five_from_dlib5, five_from_dlib68
+from faces.models import ModelFileError, model_file
+
+DETECTORS = ("hog", "mmod")
+LANDMARKS = {"5": "shape_predictor_5_face_landmarks.dat", "68": "shape_predictor_68_face_landmarks.dat"}
+MAX_SIDE = 1600
+
+
+@dataclass(frozen=True)
+class Face:
+    """One face: `box` (x0, y0, x1, y1) in photo pixels, `landmarks` 5 x 2 (x, y) in insightface's
+    order (left eye, right eye, nose tip, left mouth corner, right mouth corner, "left" being the
+    photo's left), `score` the detector's confidence (HOG: SVM margin, MMOD: CNN score; > 0 kept)."""
+    box: tuple[float, float, float, float]
+    landmarks: np.ndarray
+    score: float
+
+    @property
+    def area(self) -> float:
+        x0, y0, x1, y1 = self.box
+        return max(0.0, x1 - x0) * max(0.0, y1 - y0)
+
+
+def _dlib():
+    try:
+        import dlib
+    except ImportError:
+        raise ModelFileError("dlib is not installed: install it with `make setup` (pip install dlib-bin)") from None
+    return dlib
+
+
+@functools.lru_cache(maxsize=None)
+def face_detector(name: str):
+    """dlib's detector `name` ("hog" or "mmod"), loaded once per process."""
+    if name not in DETECTORS:
+        raise ValueError(f"detector {name!r}: one of {', '.join(DETECTORS)}")
+    dlib = _dlib()
+    if name == "hog":
+        return dlib.get_frontal_face_detector()
+    return dlib.cnn_face_detection_model_v1(model_file("mmod_human_face_detector.dat"))
+
+
+@functools.lru_cache(maxsize=None)
+def landmark_predictor(points: str):
+    """dlib's 5- or 68-point landmark predictor, loaded once per process."""
+    if points not in LANDMARKS:
+        raise ValueError(f"landmarks {points!r}: one of {', '.join(LANDMARKS)}")
+    return _dlib().shape_predictor(model_file(LANDMARKS[points]))
+
+
+def check_available(detector: str = "hog", landmarks: str = "5") -> None:
+    """Load what `detect_faces` will need now, so a missing model file is one line at start."""
+    face_detector(detector)
+    landmark_predictor(landmarks)
+
+
+def _boxes(pixels: np.ndarray, detector: str, upsample: int) -> list[tuple[tuple[float, ...], float]]:
+    found = face_detector(detector)
+    if detector == "hog":
+        rects, scores, _ = found.run(pixels, upsample, 0.0)
+        return [((r.left(), r.top(), r.right(), r.bottom()), float(s)) for r, s in zip(rects, scores)]
+    return [((d.rect.left(), d.rect.top(), d.rect.right(), d.rect.bottom()), float(d.confidence))
+            for d in found(pixels, upsample)]
+
+
+def detect_faces(img: Image.Image | np.ndarray, detector: str = "hog", upsample: int = 1,
+                 landmarks: str = "5", min_score: float = 0.0, max_side: int = MAX_SIDE) -> list[Face]:
+    """The faces of a photo (PIL image of any mode, or H x W (x 3) uint8 array), largest first:
+    `detector` "hog" or "mmod", `landmarks` "5" (public domain) or "68" (iBUG 300-W: not for
+    commercial use), detections scoring below `min_score` dropped."""
+    rgb = to_rgb(img if isinstance(img, Image.Image) else Image.fromarray(np.asarray(img, np.uint8)))
+    pixels = np.ascontiguousarray(np.asarray(rgb, np.uint8))
+    scale = min(1.0, max_side / max(rgb.size))
+    searched = pixels if scale == 1.0 else np.asarray(rgb.resize(
+        (max(1, round(rgb.width * scale)), max(1, round(rgb.height * scale))), Image.BILINEAR))
+    dlib, predictor = _dlib(), landmark_predictor(landmarks)
+    derive = five_from_dlib5 if landmarks == "5" else five_from_dlib68
+    faces = []
+    for box, score in _boxes(np.ascontiguousarray(searched), detector, upsample):
+        if score < min_score:
+            continue
+        box = tuple(float(v) / scale for v in box)
+        rect = dlib.rectangle(*(int(round(v)) for v in box))
+        shape = predictor(pixels, rect)
+        parts = np.array([(p.x, p.y) for p in shape.parts()], np.float64)
+        faces.append(Face(box, derive(parts), score))
+    return sorted(faces, key=lambda f: (-f.area, -f.score))
+
+
+def open_photo(path: str) -> Image.Image:
+    """The photo at `path` as RGB, EXIF rotation applied (phones store portraits sideways)."""
+    with Image.open(path) as img:
+        return to_rgb(ImageOps.exif_transpose(img))
+
+
+def aligned_faces(photo: str | Image.Image, template: Template, detector: str = "hog", upsample: int = 1,
+                  landmarks: str = "5", min_score: float = 0.0,
+                  max_side: int = MAX_SIDE) -> list[tuple[Face, Image.Image]]:
+    """Every face of a photo (a path or a PIL image) with its crop aligned to `template`, largest
+    first; [] when none is found."""
+    img = open_photo(photo) if isinstance(photo, str) else to_rgb(photo)
+    faces = detect_faces(img, detector, upsample, landmarks, min_score, max_side)
+    return [(face, align(img, face.landmarks, template)) for face in faces]

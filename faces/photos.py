@@ -1,0 +1,144 @@
+"""Many photos at once: find the faces of every photo (with progress), keep each photo's largest
+face, and name the photos where none was found, for the tools' `--align` and align-on-the-fly
+training. A photo without a face is left out with a warning naming it, or, `strict`, refused
+before anything is written."""
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+from PIL import Image
+
+from dataset.errors import DataError, ImageDecodeError
+from faces.align import Template, align
+from faces.detect import MAX_SIDE, Face, check_available, detect_faces, open_photo
+
+logger = logging.getLogger("shardface")
+SHOWN = 3  # photos named in a message
+
+
+@dataclass(frozen=True)
+class Detection:
+    """How faces are found: the detector, its upsampling, the landmark model, the score kept."""
+    detector: str = "hog"
+    upsample: int = 1
+    landmarks: str = "5"
+    min_score: float = 0.0
+    max_side: int = MAX_SIDE
+
+    def faces(self, img: Image.Image) -> list[Face]:
+        return detect_faces(img, self.detector, self.upsample, self.landmarks, self.min_score, self.max_side)
+
+
+@dataclass
+class Found:
+    """The faces of a set of photos: `faces[path]`, largest first (empty: no face found)."""
+    faces: dict[str, list[Face]] = field(default_factory=dict)
+
+    @property
+    def without_face(self) -> list[str]:
+        return [p for p, f in self.faces.items() if not f]
+
+    @property
+    def extra_faces(self) -> int:
+        """Faces beyond the largest of each photo (left unused where one face per photo is taken)."""
+        return sum(max(0, len(f) - 1) for f in self.faces.values())
+
+    def largest(self) -> dict[str, Face]:
+        return {p: f[0] for p, f in self.faces.items() if f}
+
+    def summary(self) -> str:
+        n = len(self.faces)
+        return (f"faces found in {n - len(self.without_face)} of {n} photos; {self.extra_faces} further faces "
+                "in photos with several (the largest of each is used)")
+
+
+def load_photo(path: str) -> Image.Image:
+    """The photo as RGB (EXIF rotation applied); an unreadable file is an ImageDecodeError naming it."""
+    try:
+        return open_photo(path)
+    except FileNotFoundError:
+        raise ImageDecodeError(f"{path}: image file not found") from None
+    except Exception as exc:  # PIL raises many types for corrupt data
+        raise ImageDecodeError(f"{path}: cannot read image ({exc})") from None
+
+
+def find_faces(paths: Iterable[str], detection: Detection = Detection(),
+               progress: Callable[[], None] | None = None) -> Found:
+    """Detect the faces of every photo (an unreadable photo is an ImageDecodeError naming it)."""
+    check_available(detection.detector, detection.landmarks)
+    found = Found()
+    for path in paths:
+        found.faces[path] = detection.faces(load_photo(path))
+        if progress is not None:
+            progress()
+    return found
+
+
+def no_face_message(paths: list[str], total: int) -> str:
+    more = f" and {len(paths) - SHOWN} more" if len(paths) > SHOWN else ""
+    return (f"no face found in {len(paths)} of {total} photos: {', '.join(paths[:SHOWN])}{more} "
+            "(try --upsample 2 for small faces, or --detector mmod)")
+
+
+def usable(found: Found, strict: bool) -> dict[str, Face]:
+    """Each photo's largest face; photos without one are refused (`strict`) or left out with a
+    warning naming them."""
+    missing = found.without_face
+    if missing and len(missing) == len(found.faces):
+        raise DataError(no_face_message(missing, len(found.faces)))
+    if missing:
+        message = no_face_message(missing, len(found.faces))
+        if strict:
+            raise DataError(f"{message}; --strict refuses them")
+        logger.warning("%s; left out", message)
+    return found.largest()
+
+
+def aligned_image(path: str, face: Face, template: Template) -> Image.Image:
+    return align(load_photo(path), face.landmarks, template)
+
+
+def aligned_png(path: str, face: Face, template: Template) -> bytes:
+    """The aligned crop as PNG bytes (lossless: no second compression)."""
+    buf = io.BytesIO()
+    aligned_image(path, face, template).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def aligned_chw(path: str, face: Face, template: Template, mirror: bool = False) -> torch.Tensor:
+    """The aligned crop as a 3 x h x w uint8 tensor."""
+    pixels = np.array(aligned_image(path, face, template))  # writable: torch shares it
+    if mirror:
+        pixels = pixels[:, ::-1]
+    return torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).contiguous()
+
+
+def align_groups(groups: list[list[str]], detection: Detection, strict: bool,
+                 progress: Callable[[], None] | None = None,
+                 names: list[str] | None = None) -> tuple[list[list[str]], dict[str, Face]]:
+    """Identity groups of photos -> (the groups without photos where no face was found, each kept
+    photo's largest face). An identity left without a photo is a DataError naming it: dropping it
+    would renumber every later label."""
+    found = find_faces((p for g in groups for p in g), detection, progress)
+    faces = usable(found, strict)
+    kept = [[p for p in g if p in faces] for g in groups]
+    for label, (before, after) in enumerate(zip(groups, kept)):
+        if before and not after:
+            who = names[label] if names else f"label {label} ({before[0]}, ...)"
+            raise DataError(f"{who}: no face found in any of its {len(before)} photos")
+    if found.extra_faces:
+        logger.warning("%s", found.summary())
+    return kept, faces
+
+
+def photo_crops(paths: list[str], faces: dict[str, Face], template: Template) -> torch.Tensor:
+    """N x 3 x h x w uint8: each photo's face (`faces[path]`) aligned to `template`."""
+    if not paths:
+        h, w = template.size
+        return torch.zeros((0, 3, h, w), dtype=torch.uint8)
+    return torch.stack([aligned_chw(path, faces[path], template) for path in paths])

@@ -1,0 +1,41 @@
+"""The face-finding options the tools share (scripts.align, and `--align` in pack_rec, make_bin,
+embed, compare): one spelling, one help text, one Detection built from them."""
+from __future__ import annotations
+
+from faces.detect import DETECTORS, LANDMARKS, MAX_SIDE
+from faces.photos import Detection
+
+
+def add_detection_options(p) -> None:
+    p.add_argument("--detector", choices=DETECTORS, default="hog",
+                   help="dlib's HOG detector (fast on a CPU, frontal faces) or its CNN MMOD detector (slower "
+                        "on a CPU, finds turned and small faces better)")
+    p.add_argument("--upsample", type=int, default=1,
+                   help="double the photo's size this many times before searching: finds faces smaller than "
+                        "80 pixels (HOG) at 4x the time per doubling")
+    p.add_argument("--landmarks", choices=sorted(LANDMARKS), default="5",
+                   help="dlib's 5-point model (public domain; the default) or its 68-point model (trained "
+                        "on iBUG 300-W, whose licence excludes commercial use); README 'Your own images'")
+    p.add_argument("--min_score", type=float, default=0.0, help="drop detections scoring below this")
+    p.add_argument("--max_side", type=int, default=MAX_SIDE,
+                   help="search photos larger than this (longer side, pixels) at this size; landmarks "
+                        "are still found at full resolution")
+
+
+def add_align_options(p, what: str) -> None:
+    """--align, --strict and the detection options, for a tool taking photos of `what`."""
+    p.add_argument("--align", action="store_true",
+                   help=f"take {what} as photos: find the faces and align each photo's largest one to the "
+                        "model's template (a photo without a face is left out and named)")
+    p.add_argument("--strict", action="store_true", help="with --align, refuse photos without a face")
+    add_detection_options(p)
+
+
+def detection_from(args) -> Detection:
+    if getattr(args, "resize", False):
+        raise SystemExit("--align and --resize: choose one (alignment makes crops of the model's size)")
+    if args.upsample < 0:
+        raise SystemExit(f"--upsample {args.upsample}: 0 or more")
+    if args.max_side < 64:
+        raise SystemExit(f"--max_side {args.max_side}: at least 64")
+    return Detection(args.detector, args.upsample, args.landmarks, args.min_score, args.max_side)

@@ -1,0 +1,351 @@
+"""Faces in real photos (scikit-image's astronaut, a public-domain portrait): detection and
+landmarks, alignment onto insightface's template checked by finding the landmarks again in the
+crop, scripts.align's crops and report, and `--align` in pack_rec, make_bin, embed, compare and
+image-folder training. Photos are small (detection on a CPU) and detected once per session."""
+import csv
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageEnhance
+
+from faces.align import ARCFACE_112, align, similarity_transform
+from faces.detect import Face, check_available, detect_faces
+from faces.models import ModelFileError, model_file
+
+
+def _head() -> Image.Image:
+    from skimage import data
+    return Image.fromarray(data.astronaut()).crop((120, 20, 320, 240))  # 200x220, face about 90 px
+
+
+def _two_faces(head: Image.Image) -> Image.Image:
+    """The head twice: as it is (left) and at 60% (right, a face of about 54 px)."""
+    photo = Image.new("RGB", (360, 240), (90, 90, 90))
+    photo.paste(head, (0, 10))
+    photo.paste(head.resize((120, 132), Image.BILINEAR), (220, 60))
+    return photo
+
+
+@pytest.fixture(scope="session")
+def head() -> Image.Image:
+    return _head()
+
+
+@pytest.fixture(scope="session")
+def head_faces(head) -> list[Face]:
+    return detect_faces(head)
+
+
+@pytest.fixture(scope="session")
+def photos(tmp_path_factory) -> str:
+    """photos/eileen: four photos of her face (one with a second, smaller copy of it) and one
+    without a face; photos/mirror: four mirrored photos; photos/nobody: one photo, no face."""
+    root = tmp_path_factory.mktemp("photos")
+    head = _head()
+    variants = {"one.jpg": head, "two.png": _two_faces(head), "dark.png": ImageEnhance.Brightness(head).enhance(0.7),
+                "turned.png": head.rotate(12, resample=Image.BILINEAR, fillcolor=(90, 90, 90))}
+    for person, flip in (("eileen", False), ("mirror", True)):
+        os.makedirs(root / person)
+        for name, img in variants.items():
+            (img.transpose(Image.FLIP_LEFT_RIGHT) if flip else img).save(root / person / name)
+    Image.new("RGB", (160, 160), (120, 140, 160)).save(root / "eileen" / "wall.png")
+    os.makedirs(root / "nobody")
+    Image.new("RGB", (160, 160), (200, 180, 160)).save(root / "nobody" / "floor.png")
+    return str(root)
+
+
+@pytest.fixture(scope="session")
+def aligned(photos, tmp_path_factory) -> tuple[str, str]:
+    """scripts.align run once on `photos`: (output folder, its stdout)."""
+    import contextlib
+    import io
+
+    from scripts.align import main as align_tool
+    dst = str(tmp_path_factory.mktemp("aligned") / "crops")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert align_tool([photos, dst]) == 0
+    return dst, out.getvalue()
+
+
+def _redetected_eyes(crop: Image.Image) -> np.ndarray:
+    """The eye centres found again in a 112x112 crop (searched 4x upscaled, 68-point model)."""
+    faces = detect_faces(crop.resize((448, 448), Image.BICUBIC), upsample=0, landmarks="68")
+    assert faces, "no face found again in the crop"
+    return faces[0].landmarks[:2] / 4 + 0.375  # pixel centres at 448 -> at 112
+
+
+def test_a_face_is_found_with_five_landmarks_in_insightface_order(head_faces):
+    assert len(head_faces) == 1
+    face = head_faces[0]
+    x0, y0, x1, y1 = face.box
+    left_eye, right_eye, nose, mouth_left, mouth_right = face.landmarks
+    assert face.score > 0 and 60 < x1 - x0 < 130
+    assert all(x0 <= x <= x1 and y0 <= y <= y1 for x, y in face.landmarks)
+    assert left_eye[0] < nose[0] < right_eye[0] and mouth_left[0] < nose[0] < mouth_right[0]
+    assert max(left_eye[1], right_eye[1]) < nose[1] < min(mouth_left[1], mouth_right[1])
+    # against the 68-point model's five points: the eyes agree; the mouth corners, which the
+    # 5-point model does not see, differ most on this broad smile, yet the two alignments put
+    # the 68-point model's points within a few pixels of each other at 112
+    reference = detect_faces(_head(), landmarks="68")[0].landmarks
+    assert np.abs(face.landmarks[:2] - reference[:2]).max() < 2
+    h = np.c_[reference, np.ones(5)]
+    by_5, by_68 = (similarity_transform(p, ARCFACE_112.points) for p in (face.landmarks, reference))
+    assert np.linalg.norm(h @ by_5.T - h @ by_68.T, axis=1).mean() < 4
+
+
+def test_aligned_crop_puts_eyes_within_pixels_of_the_template_and_a_resize_misses_by_tens(head, head_faces):
+    from skimage import data
+    portrait = Image.fromarray(data.astronaut())  # the whole 512x512 portrait, as a user has it
+    face = detect_faces(portrait, upsample=0)[0]
+    for photo, landmarks in ((head, head_faces[0].landmarks), (portrait, face.landmarks)):
+        crop = align(photo, landmarks, ARCFACE_112)
+        assert crop.size == (112, 112)
+        assert np.linalg.norm(_redetected_eyes(crop) - ARCFACE_112.points[:2], axis=1).max() < 4
+    # --resize squeezes the portrait into 112x112: the eyes land where the resize maps them
+    resized = (face.landmarks[:2] + 0.5) * 112 / 512 - 0.5
+    assert np.linalg.norm(resized - ARCFACE_112.points[:2], axis=1).min() > 20
+
+
+def test_several_faces_come_largest_first(head):
+    faces = detect_faces(_two_faces(head))
+    assert len(faces) == 2 and faces[0].area > 2 * faces[1].area
+    assert faces[0].box[2] < 220 <= faces[1].box[0]  # the large face is the left one
+
+
+def test_no_face_is_an_empty_list_and_upsample_finds_small_faces(head):
+    assert detect_faces(Image.new("RGB", (160, 160), (120, 140, 160))) == []
+    small = head.resize((100, 110), Image.BILINEAR)  # a face of about 45 px
+    assert detect_faces(small, upsample=0) == [] and len(detect_faces(small, upsample=1)) == 1
+
+
+def test_a_missing_model_file_or_unknown_detector_fails_at_once():
+    with pytest.raises(ModelFileError, match="not one of"):
+        model_file("shape_predictor_194.dat")
+    with pytest.raises(ValueError, match="one of hog, mmod"):
+        check_available("haar")
+    assert os.path.getsize(model_file("shape_predictor_5_face_landmarks.dat")) > 0
+
+
+@pytest.mark.slow
+def test_mmod_detector_finds_the_face_where_hog_does(head, head_faces):
+    faces = detect_faces(head, detector="mmod", upsample=0)
+    assert len(faces) == 1
+    assert np.abs(faces[0].landmarks - head_faces[0].landmarks).max() < 6
+
+
+# ----- scripts.align -------------------------------------------------------------------------------
+
+def _report(dst: str) -> list[dict]:
+    with open(os.path.join(dst, "align_report.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def test_align_writes_a_crop_per_face_keeping_folders_largest_by_its_name(aligned):
+    dst, _ = aligned
+    crops = sorted(os.path.relpath(os.path.join(d, f), dst) for d, _, fs in os.walk(dst) for f in fs
+                   if f.endswith(".png"))
+    assert crops == [f"{p}/{n}" for p in ("eileen", "mirror") for n in
+                     ("dark.png", "one.png", "turned.png", "two.face2.png", "two.png")]
+    big, small = Image.open(os.path.join(dst, "eileen/two.png")), Image.open(os.path.join(dst, "eileen/two.face2.png"))
+    assert big.size == small.size == (112, 112)
+    # both crops are the same face aligned alike: the eyes found again agree with the template
+    for crop in (big, small):
+        assert np.linalg.norm(_redetected_eyes(crop) - ARCFACE_112.points[:2], axis=1).max() < 5
+
+
+def test_align_reports_every_photo_and_counts_and_names_those_without_a_face(aligned):
+    dst, out = aligned
+    rows = _report(dst)
+    assert sorted({r["photo"] for r in rows}) == sorted(
+        [f"{p}/{n}" for p in ("eileen", "mirror") for n in ("dark.png", "one.jpg", "turned.png", "two.png")]
+        + ["eileen/wall.png", "nobody/floor.png"])
+    two = [r for r in rows if r["photo"] == "eileen/two.png"]
+    assert [(r["faces"], r["face"], r["crop"]) for r in two] == [("2", "1", "eileen/two.png"),
+                                                                 ("2", "2", "eileen/two.face2.png")]
+    assert float(two[0]["x1"]) - float(two[0]["x0"]) > float(two[1]["x1"]) - float(two[1]["x0"])
+    assert float(two[0]["left_eye_x"]) < float(two[0]["right_eye_x"]) and float(two[0]["score"]) > 0
+    empty = [r for r in rows if r["faces"] == "0"]
+    assert sorted(r["photo"] for r in empty) == ["eileen/wall.png", "nobody/floor.png"]
+    assert all(r["crop"] == "" and r["x0"] == "" for r in empty)
+    assert "no face found in 2 of 10 photos" in out and "wall.png" in out and "floor.png" in out
+
+
+def test_align_refusals_write_nothing(photos, tmp_path, capsys):
+    from scripts.align import main as align_tool
+    inside = os.path.join(photos, "eileen", "out")
+    for argv, message in (([photos, inside], "is inside"),
+                          ([photos, str(tmp_path / "no" / "out")], "output directory not found"),
+                          ([str(tmp_path / "gone"), str(tmp_path / "out")], "photo folder not found"),
+                          ([photos, str(tmp_path / "out"), "--detector", "mmod", "--upsample", "-1"], "--upsample")):
+        with pytest.raises(SystemExit) as exc:
+            align_tool(argv)
+        assert message in str(exc.value.code) + capsys.readouterr().err
+    assert not os.path.exists(inside) and os.listdir(tmp_path) == []
+    bad = tmp_path / "bad" / "p"
+    os.makedirs(bad)
+    Image.new("RGB", (50, 50)).save(bad / "ok.png")
+    (bad / "broken.jpg").write_bytes(b"\xff\xd8 not a jpeg")
+    assert align_tool([str(tmp_path / "bad"), str(tmp_path / "out")]) == 2
+    assert "broken.jpg" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["bad"]
+    os.makedirs(tmp_path / "out")
+    (tmp_path / "out" / "kept").write_text("x")
+    with pytest.raises(SystemExit, match="exists; pass --overwrite"):
+        align_tool([str(tmp_path / "bad"), str(tmp_path / "out")])
+    assert os.listdir(tmp_path / "out") == ["kept"]
+
+
+# ----- --align in the tools and in training --------------------------------------------------------
+
+def _people(photos: str, tmp_path, names=("eileen", "mirror")):
+    """A photo folder of some of `photos`' people (links)."""
+    src = tmp_path / "src"
+    os.makedirs(src)
+    for person in names:
+        os.symlink(os.path.join(photos, person), src / person)
+    return src
+
+
+def test_pack_rec_align_packs_largest_faces_leaves_out_and_names_the_rest_strict_refuses(photos, tmp_path, caplog,
+                                                                                        capsys):
+    from dataset import MXFaceDataset
+    from scripts.pack_rec import main as pack_rec
+    src = _people(photos, tmp_path)  # the two people with faces (nobody has none: refused, below)
+    assert pack_rec([str(src), str(tmp_path / "strict"), "--align", "--strict"]) == 2
+    err = capsys.readouterr().err
+    assert "no face found in 1 of 9 photos" in err and "eileen/wall.png" in err and "--strict" in err
+    assert pack_rec([photos, str(tmp_path / "with_nobody"), "--align"]) == 2
+    assert "nobody: no face found in any of its 1 photos" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+    out = str(tmp_path / "rec")
+    assert pack_rec([str(src), out, "--align"]) == 0
+    assert "wall.png" in caplog.text and "2 further faces" in caplog.text  # two.png's second face, twice
+    data = MXFaceDataset(out, train=False, normalize=False)
+    assert len(data) == 8 and data.num_classes == 2 and open(os.path.join(out, "property")).read().strip() == "2,112,112"
+    image, label = data.load(0)
+    assert tuple(image.shape) == (3, 112, 112) and label == 0
+
+
+def test_align_options_refuse_resize_with_align(photos, tmp_path):
+    from scripts.pack_rec import main as pack_rec
+    with pytest.raises(SystemExit, match="choose one"):
+        pack_rec([photos, str(tmp_path / "rec"), "--align", "--resize"])
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from backbones import get_model
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("model")
+    torch.save(get_model("tiny", num_features=32).eval().state_dict(), root / "model.pt")
+    json.dump({"network": "tiny"}, open(root / "config.json", "w"))
+    return str(root / "model.pt")
+
+
+def test_embed_align_equals_embedding_the_align_tools_crops_and_leaves_out_faceless(photos, aligned, tiny_model,
+                                                                                   tmp_path, caplog):
+    from scripts.embed import main as embed
+    dst, _ = aligned
+    eileen = os.path.join(photos, "eileen")
+    out = str(tmp_path / "e.npy")
+    assert embed([tiny_model, eileen, "--out", out, "--align"]) == 0
+    listed = open(str(tmp_path / "e.txt")).read().splitlines()
+    assert [os.path.basename(p) for p in listed] == ["dark.png", "one.jpg", "turned.png", "two.png"]
+    assert "wall.png" in caplog.text
+    crops = [os.path.join(dst, "eileen", n) for n in ("dark.png", "one.png", "turned.png", "two.png")]
+    assert embed([tiny_model, *crops, "--out", str(tmp_path / "c.npy")]) == 0
+    assert np.abs(np.load(out) - np.load(str(tmp_path / "c.npy"))).max() < 1e-5
+    with pytest.raises(SystemExit, match="wall.png"):
+        embed([tiny_model, eileen, "--out", str(tmp_path / "s.npy"), "--align", "--strict"])
+    assert sorted(os.listdir(tmp_path)) == ["c.npy", "c.txt", "e.npy", "e.txt"]
+
+
+def test_compare_align_compares_faces_and_refuses_a_photo_without_one(photos, tiny_model, capsys):
+    from scripts.compare import main as compare
+    one, two = os.path.join(photos, "eileen", "one.jpg"), os.path.join(photos, "eileen", "two.png")
+    assert compare([tiny_model, one, two, "--align", "--threshold", "0.5"]) == 0
+    cosine = float(capsys.readouterr().out.split("cosine similarity ")[1].split()[0])
+    assert cosine > 0.999  # the same face (two.png's largest is one.jpg's head, pasted unscaled)
+    with pytest.raises(SystemExit, match="floor.png"):
+        compare([tiny_model, one, os.path.join(photos, "nobody", "floor.png"), "--align"])
+
+
+def test_make_bin_align_draws_pairs_of_aligned_faces(photos, tmp_path):
+    from eval.verification import load_bin
+    from scripts.make_bin import main as make_bin
+    src = _people(photos, tmp_path)
+    out = str(tmp_path / "v.bin")
+    with pytest.raises(SystemExit, match="wall.png"):
+        make_bin([str(src), out, "--pairs", "10", "--align", "--strict"])
+    assert not os.path.exists(out)
+    assert make_bin([str(src), out, "--pairs", "10", "--align"]) == 0
+    (images, _), issame = load_bin(out)
+    assert tuple(images.shape[1:]) == (3, 112, 112) and len(issame) == 10 and sum(issame) == 5
+
+
+def test_training_set_align_true_yields_aligned_faces_of_photos_with_one(photos, tmp_path):
+    from configs import get_config
+    from builders import build_train_dataset
+    src = _people(photos, tmp_path)
+    cfg = get_config("configs/demo.py", ["--rec", str(src), "--num_classes", "2", "--align", "true"])
+    data = build_train_dataset(cfg)
+    assert len(data) == 8 and data.num_classes == 2
+    image, label = data[0]
+    assert image.dtype == torch.uint8 and tuple(image.shape) == (3, 112, 112)
+    path = data.samples[0][0]
+    expected = np.asarray(align(Image.open(path).convert("RGB"), data.faces[path].landmarks, ARCFACE_112))
+    got = image.permute(1, 2, 0).numpy()
+    assert np.array_equal(got, expected) or np.array_equal(got, expected[:, ::-1])  # mirrored half the time
+    cfg.resize = True
+    with pytest.raises(Exception, match="choose one"):
+        build_train_dataset(cfg)
+
+
+def test_crop_names_keep_folders_and_tell_apart_photos_sharing_a_name():
+    from scripts.align import crop_stems
+    assert crop_stems(["a/p1.jpg", "a/p1.png", "a/p2.jpg", "b/p1.jpg"]) == {
+        "a/p1.jpg": "a/p1_jpg", "a/p1.png": "a/p1_png", "a/p2.jpg": "a/p2", "b/p1.jpg": "b/p1"}
+
+
+def test_a_photo_stored_sideways_with_exif_orientation_is_turned_upright(head, head_faces, tmp_path):
+    from faces.detect import aligned_faces
+    path = str(tmp_path / "sideways.jpg")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 degrees clockwise to view": the pixels lie turned left
+    head.rotate(90, expand=True).save(path, quality=95, exif=exif)
+    found = aligned_faces(path, ARCFACE_112)
+    assert len(found) == 1
+    assert np.abs(found[0][0].landmarks - head_faces[0].landmarks).max() < 3
+
+
+@pytest.mark.slow
+def test_train_py_align_true_trains_on_a_folder_of_raw_photos(photos, tmp_path):
+    import train
+    src = _people(photos, tmp_path)
+    run = str(tmp_path / "run")
+    assert train.main(["configs/demo.py", "--rec", str(src), "--num_classes", "2", "--align", "true",
+                       "--batch_size", "4", "--num_workers", "0", "--max_steps", "2", "--warmup_epoch", "0",
+                       "--val_targets", "[]", "--frequent", "1", "--output", run]) == 0
+    assert "step 2/2" in open(os.path.join(run, "training.log")).read()
+
+
+def test_a_missing_model_file_stops_the_tool_at_start_in_one_line(photos, tmp_path, monkeypatch, capsys):
+    import faces.models
+    from faces.detect import face_detector, landmark_predictor
+    from scripts.align import main as align_tool
+    empty = tmp_path / "models"
+    os.makedirs(empty)
+    monkeypatch.setattr(faces.models, "models_dir", lambda: str(empty))
+    face_detector.cache_clear(), landmark_predictor.cache_clear()
+    try:
+        assert align_tool([photos, str(tmp_path / "out"), "--detector", "mmod"]) == 2
+    finally:
+        face_detector.cache_clear(), landmark_predictor.cache_clear()
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "mmod_human_face_detector.dat" in err and "not found" in err
+    assert sorted(os.listdir(tmp_path)) == ["models"]
