@@ -22,7 +22,8 @@ import shutil
 import sys
 from collections import Counter
 
-from dataset import DataError
+from configs.errors import ConfigError
+from dataset import DataError, DataLayoutError
 from dataset.geometry import check_files
 from dataset.images import IMAGE_EXTENSIONS
 from faces.align import ARCFACE_112, align
@@ -31,6 +32,7 @@ from faces.photos import Detection, load_photo, no_face_message
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 from scripts.face_options import add_detection_options, detection_from
+from utils.atomic import OutputError
 from utils.progress import Progress
 
 REPORT = "align_report.csv"
@@ -124,18 +126,18 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     src, dst = args.source, args.output.rstrip(os.sep) or args.output
     if not os.path.isdir(src):
-        raise SystemExit(f"{src}: photo folder not found")
+        raise DataLayoutError(f"{src}: photo folder not found")
     if inside(dst, src):
-        raise SystemExit(f"{dst} is inside {src}: write the crops elsewhere (they would be taken for photos)")
+        raise OutputError(f"{dst} is inside {src}: write the crops elsewhere (they would be taken for photos)")
     if inside(src, dst):
-        raise SystemExit(f"{src} is inside {dst}: --overwrite would delete the photos")
+        raise OutputError(f"{src} is inside {dst}: --overwrite would delete the photos")
     if os.path.exists(dst) and not args.overwrite:
-        raise SystemExit(f"{dst} exists; pass --overwrite to replace it")
+        raise OutputError(f"{dst} exists; pass --overwrite to replace it")
     parent = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(parent):
-        raise SystemExit(f"{parent}: output directory not found")
+        raise OutputError(f"{parent}: output directory not found")
     if args.size < 16:
-        raise SystemExit(f"--size {args.size}: crops need at least 16 pixels")
+        raise ConfigError(f"--size {args.size}: crops need at least 16 pixels")
     detection = detection_from(args)
     check_available(detection.detector, detection.landmarks)  # a missing model file: one line, at start
     photos = photos_under(src)

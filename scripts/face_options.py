@@ -2,6 +2,7 @@
 embed, compare): one spelling, one help text, one Detection built from them."""
 from __future__ import annotations
 
+from configs.errors import ConfigError
 from faces.detect import DETECTORS, LANDMARKS, MAX_SIDE
 from faces.photos import Detection
 
@@ -33,9 +34,9 @@ def add_align_options(p, what: str) -> None:
 
 def detection_from(args) -> Detection:
     if getattr(args, "resize", False):
-        raise SystemExit("--align and --resize: choose one (alignment makes crops of the model's size)")
+        raise ConfigError("--align and --resize: choose one (alignment makes crops of the model's size)")
     if args.upsample < 0:
-        raise SystemExit(f"--upsample {args.upsample}: 0 or more")
+        raise ConfigError(f"--upsample {args.upsample}: 0 or more")
     if args.max_side < 64:
-        raise SystemExit(f"--max_side {args.max_side}: at least 64")
+        raise ConfigError(f"--max_side {args.max_side}: at least 64")
     return Detection(args.detector, args.upsample, args.landmarks, args.min_score, args.max_side)
