@@ -72,7 +72,8 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     if cfg.num_image and cfg.num_image != len(dataset) and cfg.rec != "synthetic":
         logger.warning("config num_image is %d but %s holds %d images; using the latter",
                        cfg.num_image, cfg.rec, len(dataset))
-    sampler = ResumableDistributedSampler(len(dataset), info.world_size, info.rank, cfg.batch_size, cfg.seed)
+    sampler = ResumableDistributedSampler(len(dataset), info.world_size, info.rank, cfg.batch_size, cfg.seed,
+                                         source=cfg.rec)
     steps_per_epoch = sampler.batches_per_epoch // cfg.gradient_acc
     total_steps = cfg.num_epoch * steps_per_epoch
     if cfg.max_steps:
