@@ -17,10 +17,12 @@ from builders import build_backbone, build_data_parallel, build_head, build_head
 from configs import format_config, get_config, save_config
 from configs.compat import compat_notes
 from configs.describe import describe_keys
+from configs.per_rank import SECRET_KEYS, rank_independent
 from configs.validate import warmup_problem
 from dataset import ResumableDistributedSampler, build_dataset, get_dataloader, normalize_images
 from eval.callback import VerificationCallback
 from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
+from parallel.agreement import check_same_on_every_rank
 from parallel.stop import StopSignal
 from parallel.user_errors import exits_on_user_error
 from utils.checkpoint import atomic_write_text
@@ -56,6 +58,7 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     if info.device.type == "cuda":  # fixed 112x112 inputs: let cuDNN pick its fastest kernels once
         torch.backends.cudnn.benchmark = True
     logger = setup_logging(info.rank)  # the console only: nothing is written before the run is accepted
+    check_same_on_every_rank(rank_independent(cfg), "the config", SECRET_KEYS)  # before any rank acts on it
     torch.manual_seed(cfg.seed)  # identical initial backbone on every rank
     backbone = build_backbone(cfg).to(info.device)
     initialised = init_backbone(cfg, backbone)  # fine-tuning from pretrained weights (not when resuming)

@@ -46,3 +46,36 @@ def test_batch_larger_than_a_small_folder_is_one_line_naming_batch_size_and_both
     assert len(lines) == 1 and "batch_size 64" in lines[0] and "20 samples" in lines[0] and data in lines[0], lines
     assert "--batch_size 20" in lines[0]
     assert not os.path.exists(out)
+
+
+def _train_cli(rank, world_size, args_per_rank):
+    """train.py's entry point on this rank, with this rank's own arguments: its exit code."""
+    from parallel.user_errors import exits_on_user_error
+    return exits_on_user_error(train.main)(args_per_rank[rank])
+
+
+def test_ranks_started_with_another_lr_refuse_on_every_rank_naming_key_values_and_ranks(drawn_faces, tmp_path,
+                                                                                         capfd, monkeypatch):
+    from tests.conftest import train_argv
+    from tests.distributed import run_distributed
+    monkeypatch.delenv("SHARDFACE_DEBUG", raising=False)
+    out = str(tmp_path / "run")
+    args = [train_argv(drawn_faces, out), train_argv(drawn_faces, out, "--lr", "0.2", "--num_workers", "1")]
+    assert run_distributed(_train_cli, 2, args, init=False, timeout=120) == [EXIT_USER_ERROR] * 2
+    lines = _error_lines(capfd.readouterr().err)
+    assert lines == ["error: the config differs between the ranks of this job: lr 0.05 on rank 0, 0.2 on rank 1; "
+                     "start every rank with the same config file and --key values"]  # num_workers may differ
+    assert not os.path.exists(out)  # nothing trained, nothing written
+
+
+def test_differences_between_ranks_name_each_key_its_values_and_rank_ranges():
+    from parallel.agreement import describe_differences
+    same = {"lr": "0.1", "seed": "1", "wandb_key": "'k'"}
+    ranks = [dict(same) for _ in range(8)]
+    ranks[3]["seed"] = "2"
+    ranks[7]["seed"] = "2"
+    for r in (5, 6):
+        ranks[r]["wandb_key"] = "'other'"
+    assert describe_differences(ranks, secret=["wandb_key"]) == (
+        "seed 1 on ranks 0-2, 4-6, 2 on ranks 3, 7; wandb_key <hidden> on ranks 0-4, 7, <hidden> on ranks 5-6")
+    assert describe_differences([same, dict(same)]) is None
