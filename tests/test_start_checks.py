@@ -79,3 +79,29 @@ def test_differences_between_ranks_name_each_key_its_values_and_rank_ranges():
     assert describe_differences(ranks, secret=["wandb_key"]) == (
         "seed 1 on ranks 0-2, 4-6, 2 on ranks 3, 7; wandb_key <hidden> on ranks 0-4, 7, <hidden> on ranks 5-6")
     assert describe_differences([same, dict(same)]) is None
+
+
+def _train_cli_patient_1s(rank, world_size, args_per_rank):
+    import utils.run_lock
+    utils.run_lock.SHARED_WAIT_S = 1.0  # a local disk shows the lock at once: no network file system to wait for
+    return _train_cli(rank, world_size, args_per_rank)
+
+
+def test_ranks_writing_different_output_directories_refuse_at_start_naming_ranks_and_hosts(drawn_faces, tmp_path,
+                                                                                          capfd, monkeypatch):
+    """Two nodes without a shared file system, as two directories on one machine: rank 1 does
+    not find rank 0's lock in its own output, so both refuse before anything is written."""
+    import socket
+
+    from tests.conftest import train_argv
+    from tests.distributed import run_distributed
+    monkeypatch.delenv("SHARDFACE_DEBUG", raising=False)
+    out0, out1 = str(tmp_path / "node0" / "run"), str(tmp_path / "node1" / "run")
+    args = [train_argv(drawn_faces, out0), train_argv(drawn_faces, out1)]
+    assert run_distributed(_train_cli_patient_1s, 2, args, init=False, timeout=120) == [EXIT_USER_ERROR] * 2
+    lines = _error_lines(capfd.readouterr().err)
+    host = socket.gethostname()
+    assert len(lines) == 1, lines
+    assert f"rank 0 (host {host}) holds its lock {out0}/run.lock" in lines[0], lines[0]
+    assert f"rank 1 (host {host}) in {out1} did not find it" in lines[0], lines[0]
+    assert not os.path.exists(out0) and not os.path.exists(out1)  # the lock and the directory it made are gone
