@@ -105,3 +105,53 @@ def test_ranks_writing_different_output_directories_refuse_at_start_naming_ranks
     assert f"rank 0 (host {host}) holds its lock {out0}/run.lock" in lines[0], lines[0]
     assert f"rank 1 (host {host}) in {out1} did not find it" in lines[0], lines[0]
     assert not os.path.exists(out0) and not os.path.exists(out1)  # the lock and the directory it made are gone
+
+
+def _snapshot(folder):
+    """Every file under `folder`: (size, mtime, bytes)."""
+    found = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            found[os.path.relpath(path, folder)] = (os.path.getsize(path), os.stat(path).st_mtime_ns,
+                                                    open(path, "rb").read())
+    return found
+
+
+def test_a_refused_resume_or_start_writes_nothing_in_the_output(drawn_faces, tmp_path, monkeypatch, capsys):
+    from tests.conftest import train_argv
+    out = str(tmp_path / "run")
+    assert train.main(train_argv(drawn_faces, out, "--stop_after_steps", "2", "--ema", "false")) == 0
+    before = _snapshot(out)
+    assert {"config.json", "training.log", "latest"} <= set(before)
+    refused = [("--resume", "true", "--lr", "0.01", "--val_targets", "['nowhere']", "--verbose", "1"),  # val set
+               ("--resume", "true", "--lr", "0.01", "--optimizer", "adamw"),  # the checkpoint's optimizer state
+               ("--lr", "0.01")]  # a fresh start in an output holding checkpoints
+    for extra in refused:
+        code, lines, _ = _cli(monkeypatch, capsys, train_argv(drawn_faces, out, "--ema", "false", *extra))
+        assert code == EXIT_USER_ERROR and len(lines) == 1, (extra, lines)
+        assert _snapshot(out) == before, extra  # config.json, training.log, tensorboard/ untouched
+    fresh = str(tmp_path / "fresh")
+    code, lines, _ = _cli(monkeypatch, capsys, train_argv(drawn_faces, fresh, "--resume", "true"))
+    assert code == EXIT_USER_ERROR and "holds no checkpoint" in lines[0]
+    assert not os.path.exists(fresh)  # not even the directory, nor an empty training.log in it
+
+
+def test_wandb_without_an_api_key_is_one_line_at_start_and_writes_nothing(drawn_faces, tmp_path):
+    """No key in the environment, no ~/.netrc, online mode: refused before the output exists."""
+    import subprocess
+
+    from tests.conftest import train_argv
+    pytest.importorskip("wandb")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    home, out = tmp_path / "home", str(tmp_path / "run")
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("SHARDFACE_DEBUG", "WANDB_API_KEY", "WANDB_CONFIG_DIR")}
+    env.update(HOME=str(home), WANDB_MODE="online", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "train.py", *train_argv(drawn_faces, out, "--using_wandb", "true")],
+                          cwd=root, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == EXIT_USER_ERROR and "Traceback" not in proc.stderr, proc.stderr
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1 and "using_wandb = True but wandb has no API key" in lines[0], proc.stderr
+    assert "WANDB_API_KEY" in lines[0] and "WANDB_MODE=offline" in lines[0]
+    assert not os.path.exists(out) and os.listdir(home) == []
