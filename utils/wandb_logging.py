@@ -6,6 +6,7 @@ Every scalar written to TensorBoard (loss, lr, samples/s, verification) goes to 
 from __future__ import annotations
 
 import datetime
+import os
 
 from configs.errors import ConfigError
 
@@ -22,8 +23,8 @@ def check_wandb_login(cfg: dict, rank: int) -> None:
     which wandb.init would find only after the output was written, as a traceback. Reads wandb's
     own resolved settings and credentials, starting nothing and changing nothing; a wandb
     release without that interface is not checked here (wandb.init still reports it)."""
-    if not _logs(cfg, rank) or cfg["wandb_key"]:
-        return
+    if not _logs(cfg, rank) or cfg["wandb_key"] or os.environ.get("WANDB_MODE") in _LOCAL_MODES:
+        return  # (the environment first: wandb's settings are cached per process)
     try:
         from wandb.errors import AuthenticationError
         from wandb.sdk import wandb_setup
