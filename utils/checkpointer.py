@@ -15,9 +15,9 @@ logger = logging.getLogger("shardface")
 
 def start_logs_over(output: str) -> None:
     """A start-over's logs show only the new run: the earlier run's TensorBoard events are
-    deleted (before this run's writer exists) and training.log is emptied. Logging's file
-    handler appends (O_APPEND), so it goes on writing at the new end; this run's lines logged
-    before the start-over go too."""
+    deleted (before this run's writer exists) and training.log is emptied. This run's own lines
+    so far are still held in memory (train.py opens its log only once the run is accepted), so
+    the log holds all of them and nothing of the earlier run."""
     shutil.rmtree(os.path.join(output, "tensorboard"), ignore_errors=True)
     log = os.path.join(output, "training.log")
     if os.path.isfile(log):
