@@ -22,8 +22,8 @@ from configs.validate import warmup_problem
 from dataset import ResumableDistributedSampler, build_dataset, get_dataloader, normalize_images
 from eval.callback import VerificationCallback
 from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
-from parallel.dist import open_log_file
 from parallel.agreement import check_same_on_every_rank
+from parallel.dist import open_log_file
 from parallel.stop import StopSignal
 from parallel.user_errors import exits_on_user_error
 from utils.checkpoint import atomic_write_text
