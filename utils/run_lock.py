@@ -11,16 +11,16 @@ counts as stale, and a new run takes it over with a warning, when
     file server's late mtime updates or a few seconds of clock skew between hosts never make
     a live run's lock look stale.
 Anything else is a live run: the new one is refused at once with a CheckpointError naming it,
-before it writes or deletes anything in the output.
+before it writes or deletes anything in the output. The lock is released on every exit path
+that runs Python's `finally` (normal end, an error, the stop signal's save-and-exit); a
+process that ends by `os._exit` or SIGKILL leaves it behind, and the next start on the same
+host finds its pid dead. A refused run also removes the output directory it created, if empty.
 
 The lock file also proves that every rank writes the same directory: each rank reads rank 0's
 lock in its own `output` (waiting up to `SHARED_WAIT_S` for a network file system to show it),
 and a job where some rank does not find it there is refused at start, naming ranks and hosts,
 instead of at its first checkpoint. The proof is the directory itself, so two ranks given two
-directories on one machine fail the same way as two nodes without a shared file system. The lock is released on every exit path
-that runs Python's `finally` (normal end, an error, the stop signal's save-and-exit); a
-process that ends by `os._exit` or SIGKILL leaves it behind, and the next start on the same
-host finds its pid dead.
+directories on one machine fail the same way as two nodes without a shared file system.
 """
 from __future__ import annotations
 
