@@ -54,6 +54,7 @@ def _train_cli(rank, world_size, args_per_rank):
     return exits_on_user_error(train.main)(args_per_rank[rank])
 
 
+@pytest.mark.slow  # two spawned ranks importing train.py: ~15 s on 2 cores
 def test_ranks_started_with_another_lr_refuse_on_every_rank_naming_key_values_and_ranks(drawn_faces, tmp_path,
                                                                                          capfd, monkeypatch):
     from tests.conftest import train_argv
@@ -87,6 +88,7 @@ def _train_cli_patient_1s(rank, world_size, args_per_rank):
     return _train_cli(rank, world_size, args_per_rank)
 
 
+@pytest.mark.slow  # two spawned ranks importing train.py: ~15 s on 2 cores
 def test_ranks_writing_different_output_directories_refuse_at_start_naming_ranks_and_hosts(drawn_faces, tmp_path,
                                                                                           capfd, monkeypatch):
     """Two nodes without a shared file system, as two directories on one machine: rank 1 does
@@ -137,6 +139,7 @@ def test_a_refused_resume_or_start_writes_nothing_in_the_output(drawn_faces, tmp
     assert not os.path.exists(fresh)  # not even the directory, nor an empty training.log in it
 
 
+@pytest.mark.slow  # a fresh train.py process importing wandb: ~12 s
 def test_wandb_without_an_api_key_is_one_line_at_start_and_writes_nothing(drawn_faces, tmp_path):
     """No key in the environment, no ~/.netrc, online mode: refused before the output exists."""
     import subprocess
