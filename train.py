@@ -18,10 +18,13 @@ from builders import (build_backbone, build_data_parallel, build_distillation, b
 from configs import format_config, get_config, save_config
 from configs.compat import compat_notes
 from configs.describe import describe_keys
+from configs.per_rank import SECRET_KEYS, rank_independent
 from configs.validate import warmup_problem
 from dataset import ResumableDistributedSampler, get_dataloader, normalize_images
 from eval.callback import VerificationCallback
 from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
+from parallel.agreement import check_same_on_every_rank
+from parallel.dist import open_log_file
 from parallel.stop import StopSignal
 from parallel.user_errors import exits_on_user_error
 from utils.checkpoint import atomic_write_text
@@ -34,7 +37,7 @@ from utils.progress import ProgressLogger, SkipReport
 from utils.run_lock import RunLock
 from utils.schedule import lr_factor, schedule_steps, set_lr
 from utils.seed import seed_everything
-from utils.wandb_logging import finish_wandb, start_wandb, tee_writer
+from utils.wandb_logging import check_wandb_login, finish_wandb, start_wandb, tee_writer
 
 
 def main(argv: list[str]) -> int:
@@ -60,6 +63,8 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     if info.device.type == "cuda":  # fixed 112x112 inputs: let cuDNN pick its fastest kernels once
         torch.backends.cudnn.benchmark = True
     logger = setup_logging(info.rank)  # the console only: nothing is written before the run is accepted
+    check_same_on_every_rank(rank_independent(cfg), "the config", SECRET_KEYS)  # before any rank acts on it
+    check_wandb_login(cfg, info.rank)  # wandb.init would find a missing key only once the output is written
     torch.manual_seed(cfg.seed)  # identical initial backbone on every rank
     backbone = build_backbone(cfg).to(info.device)
     initialised = init_backbone(cfg, backbone)  # fine-tuning from pretrained weights (not when resuming)
@@ -78,7 +83,8 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     if cfg.num_image and cfg.num_image != len(dataset) and cfg.rec != "synthetic":
         logger.warning("config num_image is %d but %s holds %d images; using the latter",
                        cfg.num_image, cfg.rec, len(dataset))
-    sampler = ResumableDistributedSampler(len(dataset), info.world_size, info.rank, cfg.batch_size, cfg.seed)
+    sampler = ResumableDistributedSampler(len(dataset), info.world_size, info.rank, cfg.batch_size, cfg.seed,
+                                         source=cfg.rec)
     steps_per_epoch = sampler.batches_per_epoch // cfg.gradient_acc
     total_steps = cfg.num_epoch * steps_per_epoch
     if cfg.max_steps:
@@ -90,8 +96,12 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     if problem := warmup_problem(total_steps, warmup_steps):
         logger.warning(problem)
 
-    lock.acquire(cfg.output, info.rank)  # one live run per output: a second one is refused here
-    setup_logging(info.rank, os.path.join(cfg.output, "training.log"))
+    verify = VerificationCallback(cfg.val_targets, cfg.val_dir or cfg.rec, cfg.verbose, backbone, ema,
+                                  is_main=info.is_main)  # a missing val set refuses the run here, writing nothing
+
+    lock.acquire(cfg.output, info.rank)  # one live run per output, seen by every rank: else refused here
+    # training.log is held in memory until the run is accepted: a refused start writes no log
+    setup_logging(info.rank, os.path.join(cfg.output, "training.log"), held=True)
     if info.is_main:
         for note in compat_notes(cfg):
             logger.warning(note)
@@ -105,7 +115,9 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     state = checkpointer.start(cfg.resume, cfg.overwrite, batch_size=cfg.batch_size)
     follow_data(state, checkpointer.resumed_meta, len(dataset), dataset.fingerprint(), cfg.rec,
                 sampler.batches_per_epoch)  # another data set than the checkpoint's: the epoch restarts
-    if info.is_main:  # only now: a refused run must not replace the config of the run it met
+    # accepted: only now is anything written (a refused run must not replace the config of the run it met)
+    open_log_file()
+    if info.is_main:
         save_config(cfg, cfg.output, atomic_write_text)
     if checkpointer.resumed_meta is not None:
         logger.info("resumed at step %d (epoch %d, batch %d)", state.step, state.epoch, state.batch_in_epoch)
@@ -118,8 +130,7 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
         writer = SummaryWriter(os.path.join(cfg.output, "tensorboard"), purge_step=state.step + 1)
     wandb_run = start_wandb(cfg, info.rank)  # None unless using_wandb (rank 0, or all with wandb_log_all)
     writer = tee_writer(writer, wandb_run)
-    verify = VerificationCallback(cfg.val_targets, cfg.val_dir or cfg.rec, cfg.verbose, backbone, ema, writer,
-                                  is_main=info.is_main)
+    verify.writer = writer
     if info.is_main:  # only once the data, the output and the val sets are accepted
         logger.info("config %s (world size %d, %s)\n%s", config_path, info.world_size, info.device, format_config(cfg))
     progress = ProgressLogger(total_steps, cfg.frequent, cfg.batch_size * info.world_size * cfg.gradient_acc,

@@ -6,6 +6,7 @@ import difflib
 import importlib.util
 import json
 import os
+import traceback
 from typing import Any, Callable, Sequence
 
 from easydict import EasyDict as edict
@@ -35,12 +36,44 @@ def resolve_config_path(path: str) -> str:
 
 
 def _load_module_config(path: str) -> dict:
+    """The `config` mapping of the job config file at `path`; anything wrong with the file (it
+    does not parse, raises, or sets no mapping `config`) is a ConfigError naming the file and line."""
     spec = importlib.util.spec_from_file_location("shardface_job_config", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:  # the file's own line (an imported file's error names that file instead)
+        raise ConfigError(f"{exc.filename or path}:{exc.lineno}: {exc.msg} (a syntax error in the config "
+                          f"file)") from None
+    except Exception as exc:
+        raise ConfigError(f"{path}:{_line_in(path, exc.__traceback__)}: {type(exc).__name__}: {exc} (raised "
+                          f"while running the config file)") from None
     if not hasattr(module, "config"):
         raise ConfigError(f"{path} defines no `config`")
+    if not isinstance(module.config, dict):
+        raise ConfigError(f"{path}:{_assignment_line(path)}: config is {type(module.config).__name__} "
+                          f"{module.config!r:.40}, expected a mapping of keys (config = edict(), as configs/base.py)")
     return dict(module.config)
+
+
+def _line_in(path: str, tb) -> int | str:
+    """The line of `path` in traceback `tb` nearest the error (a call into another file is
+    reported at the config file's line that made it)."""
+    lines = [frame.lineno for frame in traceback.extract_tb(tb) if os.path.abspath(frame.filename) ==
+             os.path.abspath(path)]
+    return lines[-1] if lines else "?"
+
+
+def _assignment_line(path: str) -> int | str:
+    """The line of the last top-level `config = ...` in `path`."""
+    try:
+        tree = ast.parse(open(path).read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return "?"
+    found = [node.lineno for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign)) and any(
+        isinstance(t, ast.Name) and t.id == "config" for t in (node.targets if isinstance(node, ast.Assign)
+                                                               else [node.target]))]
+    return found[-1] if found else "?"
 
 
 def _unknown(unknown: dict[str, list[str]], known: Sequence[str]) -> ConfigError:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import numbers
 
 from configs.errors import ConfigError
@@ -40,7 +41,8 @@ def _is_int(v) -> bool:
 
 
 def _is_real(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+    """A finite number: inf or nan would pass `> 0` (inf) or poison the first step (nan) unnoticed."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def validate_config(cfg: dict) -> None:
@@ -59,10 +61,10 @@ def validate_config(cfg: dict) -> None:
             raise _fail(key, cfg[key], "expected an integer")
     for key in POSITIVE_FLOAT:
         if not _is_real(cfg[key]) or not cfg[key] > 0:
-            raise _fail(key, cfg[key], "expected a number > 0")
+            raise _fail(key, cfg[key], "expected a finite number > 0")
     for key in NON_NEGATIVE_FLOAT:
         if not _is_real(cfg[key]) or not cfg[key] >= 0:
-            raise _fail(key, cfg[key], "expected a number >= 0")
+            raise _fail(key, cfg[key], "expected a finite number >= 0")
     for key in BOOL:
         if not isinstance(cfg[key], bool):
             raise _fail(key, cfg[key], "expected true or false")
@@ -73,7 +75,7 @@ def validate_config(cfg: dict) -> None:
             raise _fail(key, v, f"expected a number in {'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}")
     margins = cfg["margin_list"]
     if not isinstance(margins, (list, tuple)) or len(margins) != 3 or not all(_is_real(m) for m in margins):
-        raise _fail("margin_list", margins, "expected three numbers (m1, m2, m3) of s*(cos(m1*theta+m2)-m3)")
+        raise _fail("margin_list", margins, "expected three finite numbers (m1, m2, m3) of s*(cos(m1*theta+m2)-m3)")
     if not margins[0] > 0:
         raise _fail("margin_list", margins, "m1 must be > 0")
     if cfg["fp16"] and cfg["bf16"]:

@@ -62,13 +62,14 @@ def normalize_images(images: torch.Tensor) -> torch.Tensor:
     return images
 
 
-def to_rgb(img: Image.Image) -> Image.Image:
+def to_rgb(img: Image.Image, where: str = "image") -> Image.Image:
     """The one conversion of every Pillow mode to 8-bit RGB (the first frame of a multi-frame
     file):
     - 16-bit grayscale (I;16, I;16B, I;16L, and I, which is read as 0..65535 and clipped there)
       is scaled to 8 bits by round(v / 257), so 65535 -> 255; Pillow's own convert saturates it
       to white;
-    - float F is clipped to [0, 255] and rounded;
+    - float F is clipped to [0, 255] and rounded; a NaN pixel has no defined value, so such an
+      image is refused (ImageDecodeError naming `where`), never silently made black there;
     - transparency (RGBA, LA, PA, P or L with a transparent colour) is composited on black:
       transparent pixels become what alignment's warp puts outside a photo (zeros);
     - 1-bit, L, P, CMYK, YCbCr, LAB, HSV: Pillow's convert("RGB") (CMYK without ICC profile).
@@ -78,6 +79,10 @@ def to_rgb(img: Image.Image) -> Image.Image:
     if img.mode.startswith("I") or img.mode == "F":
         values = np.asarray(img, dtype=np.float64)
         if img.mode == "F":
+            nans = int(np.isnan(values).sum())
+            if nans:
+                raise ImageDecodeError(f"{where}: float image with {nans} NaN pixel(s) of {values.size}: "
+                                       f"they have no defined value; fix or remove the image")
             gray = np.clip(values, 0, 255)
         else:
             gray = np.clip(values, 0, 65535) / 257.0
@@ -116,12 +121,14 @@ def decode_image(data: bytes, where: str, mirror: bool = False,
     by `to_rgb`; resized to (height, width) `resize` when given."""
     try:
         with Image.open(io.BytesIO(data)) as img:
-            img = to_rgb(img)
+            img = to_rgb(img, where)
             if resize is not None:
                 img = resize_face(img, resize)
             if mirror:
                 img = img.transpose(Image.FLIP_LEFT_RIGHT)
             return np.array(img)
+    except ImageDecodeError:
+        raise
     except Exception as exc:  # PIL raises many types for corrupt data
         raise ImageDecodeError(f"{where}: cannot decode image ({exc})") from None
 

@@ -7,6 +7,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from dataset.errors import DataError
+
 
 class ResumableDistributedSampler(Sampler[int]):
     """Each rank reads a disjoint 1/W of a per-epoch permutation (seed + epoch).
@@ -26,9 +28,13 @@ class ResumableDistributedSampler(Sampler[int]):
     _INTS_PER_SLICE = 16384  # Python ints alive at once while iterating
 
     def __init__(self, dataset_len: int, world_size: int, rank: int, batch_size: int,
-                 seed: int = 0, shuffle: bool = True):
-        if dataset_len < world_size * batch_size:
-            raise ValueError(f"{dataset_len} samples cannot fill one batch of {batch_size} on {world_size} ranks")
+                 seed: int = 0, shuffle: bool = True, source: str = "the data set"):
+        if dataset_len < world_size * batch_size:  # a user's setting, not a bug: one line naming the key (`source`)
+            ranks = f" x {world_size} ranks = {world_size * batch_size}" if world_size > 1 else ""
+            fit = dataset_len // world_size  # BatchNorm needs 2 or more per rank (configs/validate.py)
+            fix = f"use --batch_size {fit} or less, or more data" if fit >= 2 else "use more data"
+            raise DataError(f"batch_size {batch_size}{ranks} is more than the {dataset_len} samples of {source}: "
+                            f"one batch per rank cannot be filled; {fix}")
         self.n, self.world_size, self.rank = dataset_len, world_size, rank
         self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
         self.batches_per_epoch = dataset_len // (world_size * batch_size)

@@ -259,15 +259,57 @@ class _RankFilter(logging.Filter):
         return self.rank == 0 or record.levelno >= logging.ERROR
 
 
-def setup_logging(rank: int, log_file: str | None = None, level: int = logging.INFO) -> logging.Logger:
-    """Rank 0 logs progress to stdout (and `log_file`); other ranks only report errors."""
+class _HeldFileHandler(logging.Handler):
+    """A log file that is not created until `open_log_file()`: its records wait in memory, so a
+    run refused at start leaves no log behind, and an accepted one keeps every line."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path, self.records, self.file = path, [], None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.file is None:
+            self.records.append(record)
+        else:
+            self.file.emit(record)
+
+    def open(self) -> None:
+        if self.file is None:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            self.file = logging.FileHandler(self.path)
+            self.file.setFormatter(self.formatter)
+            for record in self.records:
+                self.file.emit(record)
+            self.records = []
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        super().close()
+
+
+def open_log_file() -> None:
+    """Create the log file `setup_logging(..., held=True)` holds back, with the lines so far."""
+    for handler in logging.getLogger("shardface").handlers:
+        if isinstance(handler, _HeldFileHandler):
+            handler.open()
+
+
+def setup_logging(rank: int, log_file: str | None = None, level: int = logging.INFO,
+                  held: bool = False) -> logging.Logger:
+    """Rank 0 logs progress to stdout (and `log_file`; with `held`, only from `open_log_file()`
+    on, the lines before kept until then); other ranks only report errors."""
     logger = logging.getLogger("shardface")
+    for handler in logger.handlers:
+        handler.close()
     logger.handlers.clear()
     logger.setLevel(level)
     logger.propagate = False
     fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(message)s", "%H:%M:%S")
     handlers = [logging.StreamHandler(sys.stdout)]
-    if log_file and rank == 0:
+    if log_file and rank == 0 and held:
+        handlers.append(_HeldFileHandler(log_file))
+    elif log_file and rank == 0:
         os.makedirs(os.path.dirname(log_file) or ".", exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
     for handler in handlers:

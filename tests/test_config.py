@@ -38,10 +38,15 @@ def test_shipped_job_configs_resolve(job):
     (["--gradient_acc", "0"], "gradient_acc = 0"),
     (["--checkpoint_interval", "0"], "checkpoint_interval = 0"),
     (["--frequent", "0"], "frequent = 0"),
-    (["--scale", "-32"], "scale = -32.0: expected a number > 0"),
+    (["--scale", "-32"], "scale = -32.0: expected a finite number > 0"),
+    (["--lr", "inf"], "lr = inf: expected a finite number > 0"),
+    (["--lr", "nan"], "lr = nan: expected a finite number > 0"),
+    (["--lr", "-0.1"], "lr = -0.1: expected a finite number > 0"),
+    (["--weight_decay", "inf"], "weight_decay = inf: expected a finite number >= 0"),
+    (["--margin_list", "1.0,1e999,0.0"], r"margin_list = \(1.0, inf, 0.0\): expected three finite numbers"),
     (["--chunk_size", "-5"], "chunk_size = -5: expected an integer >= 0"),
     (["--keep_checkpoints", "-1"], "keep_checkpoints = -1"),
-    (["--margin_list", "1.0,0.5"], r"margin_list = \(1.0, 0.5\): expected three numbers"),
+    (["--margin_list", "1.0,0.5"], r"margin_list = \(1.0, 0.5\): expected three finite numbers"),
     (["--lr_scheduler", "step"], "lr_scheduler = 'step': expected one of 'poly', 'cosine'"),
     (["--optimizer", "lamb"], "optimizer = 'lamb'"),
     (["--sample_rate", "-0.1"], r"sample_rate = -0.1: expected a number in \[0.0, 1.0\]"),
@@ -57,6 +62,21 @@ def test_job_config_values_are_validated_too(tmp_path):
     job.write_text("from easydict import EasyDict as edict\nconfig = edict()\nconfig.batch_size = '64'\n")
     with pytest.raises(ConfigError, match="batch_size = '64': expected a positive integer"):
         get_config(str(job))
+
+
+@pytest.mark.parametrize("body,where,what", [
+    ("config = (\n", ":1:", "was never closed"),
+    ("from easydict import EasyDict as edict\nconfig = edict()\nconfig.lr = undefined_name\n", ":3:",
+     "NameError: name 'undefined_name' is not defined"),
+    ("x = 1\nconfig = 5\n", ":2:", "config is int 5, expected a mapping"),
+    ("x = 1\n", "", "defines no `config`"),
+])
+def test_a_config_file_that_fails_is_one_error_naming_file_and_line(tmp_path, body, where, what):
+    job = tmp_path / "job.py"
+    job.write_text(body)
+    with pytest.raises(ConfigError) as caught:
+        get_config(str(job))
+    assert str(caught.value).startswith(f"{job}{where}") and what in str(caught.value), str(caught.value)
 
 
 def test_resume_accepts_auto():

@@ -154,3 +154,22 @@ def test_one_process_with_harmless_leftovers_runs_alone(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "somewhere")
     assert init_distributed().world_size == 1 and not dist.is_initialized()
+
+
+def _agree(rank, world_size):
+    from configs.errors import ConfigError
+    from parallel.agreement import check_same_on_every_rank
+    try:
+        check_same_on_every_rank({"lr": 0.1 if rank == 0 else 0.2, "seed": 7, "wandb_key": f"key{rank}"}, "the config",
+                                 secret=["wandb_key"])
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_config_agreement_refuses_on_every_rank_naming_keys_values_and_ranks():
+    messages = run_distributed(_agree, 2, timeout=120)
+    assert len(set(messages)) == 1 and messages[0].startswith(
+        "the config differs between the ranks of this job: lr 0.1 on rank 0, 0.2 on rank 1; wandb_key <hidden> on "
+        "rank 0, <hidden> on rank 1;"), messages
+    assert "key0" not in messages[0]

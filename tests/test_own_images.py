@@ -90,6 +90,15 @@ def test_palette_with_transparency_is_composited_on_black():
     np.testing.assert_array_equal(pixels(data), expected)
 
 
+def test_float_tiff_with_nan_pixels_is_refused_naming_the_image_not_made_black(tmp_path):
+    values = RNG.uniform(0, 255, (112, 112)).astype(np.float32)
+    assert pixels(encoded(Image.fromarray(values), "TIFF"))[..., 0].tolist() == np.rint(values).tolist()
+    values[3, 5] = np.nan
+    path = str(tmp_path / "id0" / "0.tif")
+    with pytest.raises(ImageDecodeError, match=r"id0/0.tif: float image with 1 NaN pixel\(s\) of 12544"):
+        decode_chw(encoded(Image.fromarray(values), "TIFF"), path)
+
+
 @pytest.mark.parametrize("mode", ["CMYK", "L"])
 def test_cmyk_and_grayscale_jpeg_decode_as_pillows_conversion_on_both_decoders(mode):
     data = encoded(Image.fromarray(RGB).convert(mode), "JPEG", quality=95)

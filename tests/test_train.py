@@ -107,6 +107,20 @@ def test_diverging_run_never_saves_poisoned_weights_and_its_last_checkpoint_resu
     assert all(math.isfinite(v) for v in after), after
 
 
+def test_exploding_weights_are_never_saved_though_finite(drawn_faces, tmp_path):
+    """lr 1e6 multiplies the backbone's weights by ~1e5 per step: still finite, and the
+    normalised head still gives a finite loss, but no checkpoint may keep them (the rule in
+    utils/divergence.py); every checkpoint left has the weights' scale of the start."""
+    from utils.checkpoint import list_checkpoints
+    out = str(tmp_path / "exploded")
+    assert train.main(argv(drawn_faces, out, "--lr", "1e6", "--checkpoint_interval", "2", "--ema", "false")) == 3
+    for _, ckpt in list_checkpoints(out):
+        norm = sum(float(v.double().norm()) ** 2 for k, v in checkpoint_tensors_plain(ckpt).items()
+                   if v.is_floating_point() and "running" not in k) ** 0.5
+        assert norm < 100, (ckpt, norm)  # 31 at start
+    assert "exploded: the backbone's weight norm is" in open(os.path.join(out, "training.log")).read()
+
+
 def checkpoint_tensors_plain(path):
     ckpt = resolve_checkpoint(path)
     return torch.load(os.path.join(ckpt, "backbone.pt"))

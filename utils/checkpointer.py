@@ -8,16 +8,16 @@ import shutil
 from parallel.dist import barrier, from_rank0
 from utils.checkpoint import (CheckpointError, TrainState, find_checkpoint, list_checkpoints, load_checkpoint,
                               new_run_id, save_checkpoint)
-from utils.divergence import check_weights
+from utils.divergence import check_weights, weight_norm
 
 logger = logging.getLogger("shardface")
 
 
 def start_logs_over(output: str) -> None:
     """A start-over's logs show only the new run: the earlier run's TensorBoard events are
-    deleted (before this run's writer exists) and training.log is emptied. Logging's file
-    handler appends (O_APPEND), so it goes on writing at the new end; this run's lines logged
-    before the start-over go too."""
+    deleted (before this run's writer exists) and training.log is emptied. This run's own lines
+    so far are still held in memory (train.py opens its log only once the run is accepted), so
+    the log holds all of them and nothing of the earlier run."""
     shutil.rmtree(os.path.join(output, "tensorboard"), ignore_errors=True)
     log = os.path.join(output, "training.log")
     if os.path.isfile(log):
@@ -37,6 +37,7 @@ class Checkpointer:
                           ema=ema, scaler=scaler)
         self.last_saved_step: int | None = None
         self.resumed_meta: dict | None = None
+        self.start_norm = weight_norm(backbone)  # built weights: the reference of the divergence rule
 
     def start(self, resume, overwrite: bool = False, batch_size: int | None = None) -> TrainState:
         """Where this run begins. `resume` True: from the output's latest checkpoint (an error
@@ -81,14 +82,15 @@ class Checkpointer:
 
     def save(self, state: TrainState, batch=None) -> None:
         """Write a checkpoint of `state` and `model.pt`, unless this step was saved already.
-        Raises TrainingStopped instead when the weights are not finite or give a non-finite
-        loss on `batch` (the step's last images and labels): no poisoned checkpoint is written."""
+        Raises TrainingStopped instead when the weights are not finite, give a non-finite loss on
+        `batch` (the step's last images and labels), or exploded (utils/divergence.py's rule):
+        no poisoned checkpoint is written."""
         if self.last_saved_step == state.step:
             return
         backbone, backbone_opt = self.parts["backbone"], self.parts["backbone_opt"]
         if hasattr(backbone_opt, "wait_params"):  # ZeRO-2's parameter all-gather may still be writing them
             backbone_opt.wait_params()
-        check_weights(state.step, backbone, self.parts["head"], batch)
+        check_weights(state.step, backbone, self.parts["head"], batch, self.start_norm)
         self.last_saved_step = state.step
         save_checkpoint(self.output, state, **self.parts, config=self.config, rank=self.rank,
                         world_size=self.world_size, keep=self.keep, export_to=os.path.join(self.output, "model.pt"))

@@ -1,4 +1,14 @@
-"""Stopping a run that has diverged, so no checkpoint after the last good one is written."""
+"""Stopping a run that has diverged, so no checkpoint after the last good one is written.
+
+The rule for a checkpoint (`check_weights`, before every save): its weights are finite, give a
+finite loss on the step's last batch, and the backbone's weight norm is at most
+`EXPLODED_FACTOR` times its norm when the run was built (its initial or pretrained weights;
+the same seed gives a resumed run the same reference). Finite is not enough: a too-high lr
+multiplies the weights by orders of magnitude per step, and weights around 1e26 are finite,
+still give a finite loss through the normalised head, yet poison every later step. A healthy
+run moves the backbone's norm by a few times at most (the demo: 31.1 at start, 31.1 after 12
+steps); lr 1e6 multiplies it by 1.5e5 in one step.
+"""
 from __future__ import annotations
 
 import math
@@ -7,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from parallel.dist import cpu_group, get_world_size
+
+EXPLODED_FACTOR = 1000.0  # backbone weight norm over its norm at start beyond which the weights count as diverged
 
 
 class TrainingStopped(RuntimeError):
@@ -54,15 +66,31 @@ def probe_loss(backbone: torch.nn.Module, head: torch.nn.Module, images: torch.T
     return float(loss.item())
 
 
-def check_weights(step: int, backbone: torch.nn.Module, head: torch.nn.Module, batch=None) -> None:
-    """Raise TrainingStopped unless the weights about to be saved are finite on every rank
-    and give a finite loss on `batch` (images, labels): the loss the loop checks is the one
-    before the update, so an update can poison the weights it then saves. Collective."""
+@torch.no_grad()
+def weight_norm(module: torch.nn.Module) -> float:
+    """The L2 norm of all of `module`'s parameters, in float64 (weights of 1e20 square past fp32)."""
+    norms = [torch.linalg.vector_norm(p.detach(), dtype=torch.float64) for p in module.parameters()]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+
+def check_weights(step: int, backbone: torch.nn.Module, head: torch.nn.Module, batch=None,
+                  start_norm: float | None = None) -> None:
+    """Raise TrainingStopped unless the weights about to be saved are finite on every rank,
+    give a finite loss on `batch` (images, labels), and the backbone's norm is within
+    `EXPLODED_FACTOR` of `start_norm` (the module docstring's rule): the loss the loop checks is
+    the one before the update, so an update can poison the weights it then saves. Collective."""
     finite = all(bool(torch.isfinite(p).all()) for module in (backbone, head) for p in module.parameters())
+    norm = weight_norm(backbone) if finite and start_norm else 0.0
+    exploded = bool(start_norm) and not norm <= EXPLODED_FACTOR * start_norm  # identical weights on every rank
     if get_world_size() > 1:
-        flag = torch.tensor([0.0 if finite else 1.0])
+        flag = torch.tensor([0.0 if finite else 1.0, 1.0 if exploded else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group())
-        finite = flag.item() == 0.0
+        finite, exploded = flag[0].item() == 0.0, flag[1].item() == 1.0
+    if finite and exploded:
+        raise TrainingStopped(f"the weights after step {step} exploded: the backbone's weight norm is {norm:.3g}, "
+                              f"{norm / start_norm:.3g} times its {start_norm:.3g} at start (the limit is "
+                              f"{EXPLODED_FACTOR:g} times): training diverged and they are not saved; resume from "
+                              f"the last checkpoint with a lower lr")
     loss = probe_loss(backbone, head, *batch) if finite and batch is not None else float("nan")
     if not finite or (batch is not None and not math.isfinite(loss)):
         what = "are not finite" if not finite else f"give loss {loss} on the last batch"

@@ -14,7 +14,13 @@ Anything else is a live run: the new one is refused at once with a CheckpointErr
 before it writes or deletes anything in the output. The lock is released on every exit path
 that runs Python's `finally` (normal end, an error, the stop signal's save-and-exit); a
 process that ends by `os._exit` or SIGKILL leaves it behind, and the next start on the same
-host finds its pid dead.
+host finds its pid dead. A refused run also removes the output directory it created, if empty.
+
+The lock file also proves that every rank writes the same directory: each rank reads rank 0's
+lock in its own `output` (waiting up to `SHARED_WAIT_S` for a network file system to show it),
+and a job where some rank does not find it there is refused at start, naming ranks and hosts,
+instead of at its first checkpoint. The proof is the directory itself, so two ranks given two
+directories on one machine fail the same way as two nodes without a shared file system.
 """
 from __future__ import annotations
 
@@ -29,13 +35,14 @@ import socket
 import threading
 import time
 
-from parallel.dist import from_rank0
+from parallel.dist import from_every_rank, from_rank0, get_world_size
 from utils.checkpoint import CheckpointError
 
 logger = logging.getLogger("shardface")
 
 LOCK_NAME = "run.lock"
 REFRESH_S = 60.0
+SHARED_WAIT_S = 30.0  # NFS may show a new file to other clients only once their cached directory expires
 STALE_S = 10 * REFRESH_S
 _JOB_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID", "TORCHELASTIC_RUN_ID")
 
@@ -80,20 +87,40 @@ class RunLock:
 
     def __init__(self) -> None:
         self.path: str | None = None
+        self.created = False
         self.me: dict = {}
         self._stop = threading.Event()
         self._refresher: threading.Thread | None = None
 
     def acquire(self, output: str, rank: int = 0) -> None:
         """Create `output` if needed and take its lock, or raise CheckpointError on every rank:
-        another live run holds it, or the output cannot be written."""
+        another live run holds it, the output cannot be written, or some rank does not see the
+        lock in its own `output` (not one shared directory)."""
         problem = self._try(output) if rank == 0 else ""
         problem = from_rank0(problem)
         if problem:
             raise CheckpointError(problem)
+        self._check_shared(output, rank)
+
+    def _check_shared(self, output: str, rank: int) -> None:
+        """Collective: raise on every rank unless each rank finds rank 0's lock in its `output`."""
+        if get_world_size() == 1:
+            return
+        holder = from_rank0(self.me)
+        seen = rank == 0 or _sees(os.path.join(output, LOCK_NAME), holder, SHARED_WAIT_S)
+        views = from_every_rank((seen, socket.gethostname(), os.path.abspath(output)))
+        blind = [f"rank {r} (host {host}) in {where}" for r, (saw, host, where) in enumerate(views) if not saw]
+        if blind:
+            _, host0, where0 = views[0]
+            raise CheckpointError(
+                f"the output is not one directory shared by every rank: rank 0 (host {host0}) holds its lock "
+                f"{os.path.join(where0, LOCK_NAME)}, but {'; '.join(blind[:4])}{' and more' if len(blind) > 4 else ''} "
+                f"did not find it within {SHARED_WAIT_S:.0f} s: checkpoints need an output every node mounts "
+                f"(a shared file system), given to every rank")
 
     def _try(self, output: str) -> str:
         path = os.path.join(output, LOCK_NAME)
+        self.created = not os.path.lexists(output)  # removed again if the run is refused and leaves it empty
         try:
             os.makedirs(output, exist_ok=True)
         except OSError as exc:
@@ -172,8 +199,23 @@ class RunLock:
         if found is not None and found[0].get("pid") == self.me["pid"] and found[0].get("host") == self.me["host"]:
             with contextlib.suppress(OSError):
                 os.remove(self.path)
+        if self.created:  # a refused run leaves no empty output behind (rmdir fails on one that holds anything)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(self.path))
         RunLock._held_here.discard(os.path.abspath(self.path))
         self.path = None
+
+
+def _sees(path: str, holder: dict, wait_s: float) -> bool:
+    """Whether the lock at `path` shows `holder` within `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = _read(path)
+        if found is not None and found[0] == holder:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
 
 
 def _user() -> str:

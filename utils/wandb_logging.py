@@ -6,11 +6,49 @@ Every scalar written to TensorBoard (loss, lr, samples/s, verification) goes to 
 from __future__ import annotations
 
 import datetime
+import os
+
+from configs.errors import ConfigError
+
+_LOCAL_MODES = ("offline", "dryrun", "disabled")  # wandb modes that need no account
+
+
+def _logs(cfg: dict, rank: int) -> bool:
+    return bool(cfg["using_wandb"]) and (rank == 0 or bool(cfg["wandb_log_all"]))
+
+
+def check_wandb_login(cfg: dict, rank: int) -> None:
+    """At start, before anything is written: raise ConfigError when this rank is to log to wandb
+    online and wandb has no API key (`wandb_key`, WANDB_API_KEY, ~/.netrc, or wandb's settings),
+    which wandb.init would find only after the output was written, as a traceback. Reads wandb's
+    own resolved settings and credentials, starting nothing and changing nothing; a wandb
+    release without that interface is not checked here (wandb.init still reports it)."""
+    if not _logs(cfg, rank) or cfg["wandb_key"] or os.environ.get("WANDB_MODE") in _LOCAL_MODES:
+        return  # (the environment first: wandb's settings are cached per process)
+    try:
+        from wandb.errors import AuthenticationError
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib.wbauth import authenticate
+        settings = wandb_setup.singleton().settings
+        mode, host = settings.mode, settings.base_url
+        find = authenticate.authenticate_session
+    except (ImportError, AttributeError):
+        return
+    if mode in _LOCAL_MODES:
+        return
+    try:
+        found = find(host=host, source="shardface", prompt=False, update_session=False)
+    except AuthenticationError as exc:  # a key is set but malformed
+        raise ConfigError(f"using_wandb = True but wandb's API key for {host} is not usable ({exc}): fix it with "
+                          f"`wandb login --relogin`, or pass --wandb_key") from None
+    if found is None:
+        raise ConfigError(f"using_wandb = True but wandb has no API key for {host} (mode {mode}): run `wandb login`, "
+                          f"set WANDB_API_KEY or --wandb_key, or set WANDB_MODE=offline to log on this machine only")
 
 
 def start_wandb(cfg: dict, rank: int):
     """The wandb run of this rank, or None (not asked, or not this rank); the config is logged."""
-    if not cfg["using_wandb"] or not (rank == 0 or cfg["wandb_log_all"]):
+    if not _logs(cfg, rank):
         return None
     import wandb  # validate_config checked it is installed
 
