@@ -348,3 +348,26 @@ def test_a_missing_model_file_stops_the_tool_at_start_in_one_line(photos, tmp_pa
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "mmod_human_face_detector.dat" in err and "not found" in err
     assert sorted(os.listdir(tmp_path)) == ["models"]
+
+
+def test_identify_align_names_each_face_of_a_photo_largest_first(photos, tiny_model, tmp_path, capsys):
+    """A query photo that is a gallery photo finds its person at cosine 1; a photo of two faces
+    gives one row per face, largest first, each with its box."""
+    import shutil
+
+    from scripts.identify import main as identify
+    gallery = tmp_path / "people"
+    for person, photo in (("eileen", "one.jpg"), ("other", "turned.png")):
+        os.makedirs(gallery / person)
+        shutil.copy(os.path.join(photos, "eileen", photo), gallery / person / photo)
+    one, two = os.path.join(photos, "eileen", "one.jpg"), os.path.join(photos, "eileen", "two.png")
+    assert identify([tiny_model, "--gallery", str(gallery), "--align", "--top", "2", "--json", one, two]) == 0
+    rows = json.loads(capsys.readouterr().out)["faces"]
+    assert [(r["file"], r["face"]) for r in rows] == [(one, 0), (two, 0), (two, 1)]
+    assert rows[0]["name"] == "eileen" and abs(rows[0]["score"] - 1) < 1e-5
+    assert [c["name"] for c in rows[0]["candidates"]] == ["eileen", "other"]
+    area = [(r["box"][2] - r["box"][0]) * (r["box"][3] - r["box"][1]) for r in rows[1:]]
+    assert area[0] > area[1]
+    nobody = os.path.join(photos, "nobody", "floor.png")
+    assert identify([tiny_model, "--gallery", str(gallery), "--align", nobody]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"{nobody}  no face found")
