@@ -52,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     fits = result.total <= budget
     print(f"\nfits: {'yes' if fits else 'NO'}; largest num_classes that fits: "
           f"{max_classes(cfg, args.gpus, budget):,}")
-    n = class_shard(cfg.num_classes, args.gpus, 0).size
-    print(f"head tile: {min(cfg.chunk_size or n, n):,} classes; row block {cfg.row_block} rows")
+    if cfg.num_classes:  # label-free (0): no head
+        n = class_shard(cfg.num_classes, args.gpus, 0).size
+        print(f"head tile: {min(cfg.chunk_size or n, n):,} classes; row block {cfg.row_block} rows")
     print("\nsent per rank per step:")
     for name, value in result.sends.items():
         print(f"  {name:36s} {value / 1e6:10.2f} MB")
