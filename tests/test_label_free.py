@@ -106,13 +106,36 @@ def test_packed_set_labels_are_not_read_label_free(drawn_faces):
 
 def test_label_free_run_trains_with_no_head_and_writes_model_pt(photos, teacher_pt, tmp_path):
     out = str(tmp_path / "run")
-    assert train.main(_argv(photos, out, teacher_pt, "--max_steps", "3")) == 0
+    assert train.main(_argv(photos, out, teacher_pt, "--max_steps", "2")) == 0
     losses = _losses(out)
-    assert len(losses) == 3 and all(map(torch.isfinite, torch.tensor(losses)))
+    assert len(losses) == 2 and all(map(torch.isfinite, torch.tensor(losses)))
     assert os.path.isfile(os.path.join(out, "model.pt"))
     ckpt = resolve_checkpoint(out)
     assert not [f for f in os.listdir(ckpt) if f.startswith("head")]
     assert torch.load(os.path.join(ckpt, "meta.pt"))["num_classes"] == 0
+
+
+def test_label_free_step_under_ddp_gradient_acc_and_clipping(photos, teacher_pt, tmp_path):
+    """The step's other paths with no head: DDP's no_sync micro-batches and a clip that binds,
+    over the backbone (and projection) alone."""
+    out = str(tmp_path / "ddp")
+    args = _argv(photos, out, teacher_pt, "--zero", "false", "--gradient_acc", "2",
+                 "--max_grad_norm", "0.01", "--max_steps", "1")
+    assert train.main(args) == 0
+    assert resolve_checkpoint(out).endswith("checkpoint-00000001") and len(_losses(out)) == 1
+
+
+def test_planner_counts_no_head_label_free(teacher_pt):
+    from planner import plan
+    base = ["--batch_size", "16", "--teacher", teacher_pt, "--teacher_network", "tiny"]
+    with_head = plan(get_config("configs/demo.py", base + ["--num_classes", "1000"]), 2)
+    cosine = plan(get_config("configs/demo.py", base + ["--num_classes", "0"]), 2)
+    relational = plan(get_config("configs/demo.py", base + ["--num_classes", "0", "--distill_loss", "relational"]), 2)
+    assert with_head.head_bytes() > 0 and cosine.head_bytes() == 0
+    assert with_head.total - cosine.total == with_head.head_bytes()
+    assert list(cosine.sends) == ["ZeRO-2 gradients + parameters"]
+    assert relational.sends["embeddings all-gather"] == with_head.sends["embeddings all-gather"]
+    assert "labels all-gather" not in relational.sends
 
 
 def test_label_free_builds_no_head_nor_head_optimizer(teacher_pt):
