@@ -194,3 +194,16 @@ def test_label_free_checkpoint_of_two_ranks_resumes_on_one(relational_runs, tmp_
     assert resolve_checkpoint(out).endswith("checkpoint-00000003")
     before, after = _saved(out, 2), _saved(out, 3)
     assert not torch.equal(after["backbone.fc.weight"], before["backbone.fc.weight"])
+
+
+def test_label_free_save_refuses_finite_weights_whose_embeddings_overflow():
+    """With no head the checkpoint probe is the batch's embeddings: finite weights that give
+    inf embeddings are not saved."""
+    from utils.divergence import TrainingStopped, check_weights
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4))
+    batch = (torch.ones(2, 3, 2, 2), torch.zeros(2, dtype=torch.long))
+    check_weights(1, net, None, batch)
+    with torch.no_grad():
+        net[1].weight.fill_(1e38)  # finite in fp32; 12 of them summed are not
+    with pytest.raises(TrainingStopped, match="give loss nan on the last batch"):
+        check_weights(2, net, None, batch)
