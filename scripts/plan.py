@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         return capacity_table(args.config, overrides, args.gpu_mem_gb, budget)
     result = plan(cfg, args.gpus)
-    print(f"{args.config}: {cfg.network}, {cfg.num_classes:,} classes, batch {cfg.batch_size}/rank, "
+    classes = f"{cfg.num_classes:,} classes" if cfg.num_classes else "label-free (num_classes 0: no head)"
+    print(f"{args.config}: {cfg.network}, {classes}, batch {cfg.batch_size}/rank, "
           f"{args.gpus} ranks, {'ZeRO-2' if cfg.zero else 'DDP'}, sample_rate {cfg.sample_rate}, "
           f"fused head optimizer {cfg.head_fused_optimizer}")
     print("\nper rank:")
