@@ -63,7 +63,7 @@ def _run(rank, world_size, args):
     return train.main(args)
 
 
-def test_num_classes_0_without_a_teacher_is_one_error_line(drawn_faces, tmp_path, capsys):
+def test_num_classes_0_without_a_teacher_or_with_weight_0_is_one_error_line(drawn_faces, tmp_path, capsys):
     out = str(tmp_path / "refused")
     argv = train_argv(drawn_faces, out, "--num_classes", "0")
     with pytest.raises(ConfigError, match=r"^config num_classes = 0: label-free training needs a teacher"):
@@ -72,6 +72,8 @@ def test_num_classes_0_without_a_teacher_is_one_error_line(drawn_faces, tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: config num_classes = 0") and "--teacher" in err[0]
     assert not os.path.exists(out)
+    with pytest.raises(ConfigError, match=r"^config distill_weight = 0.0: with num_classes 0 the distillation loss is"):
+        get_config(argv[0], argv[1:] + ["--teacher", "t.teacher", "--distill_weight", "0.0"])
 
 
 def test_folder_without_identities_reads_every_image_under_it(photos):
