@@ -53,7 +53,11 @@ def init_backbone(cfg, backbone: nn.Module) -> str | None:
     return f"backbone initialised from {cfg.init_backbone}; the head starts fresh"
 
 
-def build_head(cfg) -> PartialFC:
+def build_head(cfg, device: torch.device | str = "cpu") -> PartialFC | None:
+    """The class-sharded margin head on `device`; None for label-free training (`num_classes` 0,
+    README 'Distillation'), where the distillation loss is the step's only loss."""
+    if cfg.num_classes == 0:
+        return None
     if cfg.head_fused_optimizer:
         # the head's rows are stepped inside backward: refuse what that cannot serve exactly
         refuse = {"gradient_acc > 1 (rows would step every micro-batch)": cfg.gradient_acc > 1,
@@ -66,7 +70,7 @@ def build_head(cfg) -> PartialFC:
     return PartialFC(build_margin(cfg), cfg.embedding_size, cfg.num_classes, cfg.sample_rate,
                      chunk_size=cfg.chunk_size or None,
                      row_block=cfg.row_block, precision=cfg.head_precision,
-                     fused_optimizer=cfg.head_fused_optimizer)
+                     fused_optimizer=cfg.head_fused_optimizer).to(device)
 
 
 def optimizer_class(cfg) -> tuple[type[torch.optim.Optimizer], dict]:
@@ -89,15 +93,19 @@ def build_data_parallel(cfg, backbone: nn.Module) -> tuple[nn.Module, Zero2Optim
     return optimizer.ddp, optimizer
 
 
-def build_head_optimizer(cfg, head: PartialFC) -> SampledRowsOptimizer:
-    """The head's own optimizer over its class shard (model-parallel: no reduction)."""
+def build_head_optimizer(cfg, head: PartialFC | None) -> SampledRowsOptimizer | None:
+    """The head's own optimizer over its class shard (model-parallel: no reduction); None
+    without a head."""
+    if head is None:
+        return None
     cls, kw = optimizer_class(cfg)
     return SampledRowsOptimizer(head, cls, **kw)
 
 
 class Distillation:
     """The run's teacher and its loss (issue #29; README 'Distillation'). `loss(head, embeddings,
-    labels, images, indices)` replaces `head(embeddings, labels)` in the step."""
+    labels, images, indices)` replaces `head(embeddings, labels)` in the step; with no head
+    (label-free) it is the distillation loss alone."""
 
     def __init__(self, teacher, loss: DistillLoss):
         self.teacher, self.distill_loss = teacher, loss

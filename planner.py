@@ -135,8 +135,11 @@ def teacher_memory(cfg) -> dict[str, float]:
 
 
 def plan(cfg, gpus: int) -> Plan:
-    """The whole job per rank: backbone (ZeRO-2 or DDP), activations, head; and traffic."""
-    check_world_fits(cfg.num_classes, gpus)  # what train.py would refuse does not fit
+    """The whole job per rank: backbone (ZeRO-2 or DDP), activations, head (none when label-free,
+    num_classes 0); and traffic."""
+    headless = cfg.num_classes == 0
+    if not headless:
+        check_world_fits(cfg.num_classes, gpus)  # what train.py would refuse does not fit
     params, saved = backbone_counts(cfg.network, cfg.embedding_size, cfg.batch_size, cfg.grad_checkpoint)
     half = 0.5 if (cfg.fp16 or cfg.bf16) else 1.0  # autocast: activations mostly in 16 bits
     p = Plan()
@@ -148,9 +151,10 @@ def plan(cfg, gpus: int) -> Plan:
         p.parts["ddp gradient"] = params * F32
         p.parts["ddp optimizer state"] = states * params * F32
     p.parts["backbone activations"] = saved * half
-    p.parts.update(head_memory(cfg.num_classes, gpus, cfg.batch_size, cfg.embedding_size,
-                               sample_rate=cfg.sample_rate, chunk=cfg.chunk_size, row_block=cfg.row_block,
-                               optimizer=cfg.optimizer, momentum=cfg.momentum, fused=cfg.head_fused_optimizer))
+    if not headless:
+        p.parts.update(head_memory(cfg.num_classes, gpus, cfg.batch_size, cfg.embedding_size,
+                                   sample_rate=cfg.sample_rate, chunk=cfg.chunk_size, row_block=cfg.row_block,
+                                   optimizer=cfg.optimizer, momentum=cfg.momentum, fused=cfg.head_fused_optimizer))
     p.parts.update(teacher_memory(cfg))
     W, b, D = gpus, cfg.batch_size, cfg.embedding_size
     ring = (W - 1) / W
@@ -160,8 +164,11 @@ def plan(cfg, gpus: int) -> Plan:
         "target cosines all-reduce": 2 * ring * W * b * F32,
         "row statistics all-gather": (W - 1) * W * b * F32,
         "embedding gradients reduce-scatter": ring * W * b * D * F32,
-        ("ZeRO-2 gradients + parameters" if cfg.zero else "DDP all-reduce"): 2 * ring * params * F32,
     }
+    if headless:  # no head: only the relational loss gathers (and scatters back) the embeddings
+        gathered = cfg.get("distill_loss") == "relational"
+        p.sends = {k: v for k, v in p.sends.items() if gathered and k.startswith("embedding")}
+    p.sends[("ZeRO-2 gradients + parameters" if cfg.zero else "DDP all-reduce")] = 2 * ring * params * F32
     return p
 
 

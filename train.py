@@ -4,6 +4,8 @@
 
 One step: backbone (ZeRO-2 or DDP) -> class-sharded margin head -> loss -> backward ->
 [fp16 unscale] -> global-norm clip over backbone and head -> both optimizers -> EMA.
+With a teacher the loss adds distillation's term; label-free (num_classes 0) it is that term alone,
+and there is no head.
 """
 from __future__ import annotations
 
@@ -68,10 +70,13 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     torch.manual_seed(cfg.seed)  # identical initial backbone on every rank
     backbone = build_backbone(cfg).to(info.device)
     initialised = init_backbone(cfg, backbone)  # fine-tuning from pretrained weights (not when resuming)
-    head = build_head(cfg).to(info.device)
+    head = build_head(cfg, info.device)  # None when label-free (num_classes 0)
     distill = build_distillation(cfg, backbone, info.device)  # None without a teacher; may add a projection
     model, backbone_opt = build_data_parallel(cfg, backbone)
     head_opt = build_head_optimizer(cfg, head)
+    optimizers = [opt for opt in (backbone_opt, head_opt) if opt is not None]  # stepped in this order
+    head_params = list(head.parameters()) if head is not None else []
+    clipped_head_params = head_params if cfg.clip_head else []  # clip_head false: the backbone alone (arcface_torch)
     ema = ShardedEMA(backbone, cfg.ema_decay, cfg.ema_tau, optimizer=backbone_opt if cfg.zero else None) \
         if cfg.ema else None
     scaler = DynamicLossScaler() if cfg.fp16 else None
@@ -149,8 +154,8 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
                 for images, labels, *indices in loader:  # indices: only for a teacher file
                     if state.batch_in_epoch >= steps_per_epoch * cfg.gradient_acc:
                         continue  # too few batches left for a whole step (see last_micro)
-                    problem = check_labels(labels, cfg.num_classes)  # on the CPU, where no device waits
-                    if problem:
+                    # on the CPU, where no device waits; label-free data has no labels to check
+                    if head is not None and (problem := check_labels(labels, cfg.num_classes)):
                         logger.error("%s (the head stops every rank)", problem)
                     images = normalize_images(images.to(info.device, non_blocking=True))
                     labels = labels.to(info.device, non_blocking=True)
@@ -159,7 +164,7 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
                     last_micro = (state.batch_in_epoch + 1) % cfg.gradient_acc == 0
                     lr = cfg.lr * lr_factor(state.step, schedule_steps_total, warmup_steps, cfg.lr_scheduler,
                                              cfg.lr_power)
-                    set_lr([backbone_opt, head_opt], lr)  # before forward: a fused head steps in backward
+                    set_lr(optimizers, lr)  # before forward: a fused head steps in backward
                     with contextlib.nullcontext() if last_micro else backbone_opt.no_sync():
                         embeddings = model(images)
                         loss = head(embeddings, labels) if distill is None else \
@@ -170,15 +175,14 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
                     if not last_micro:
                         continue
 
-                    head_params = list(head.parameters()) if cfg.clip_head else []
-                    if scaler is None or scaler.unscale_(backbone_opt, extra_params=head.parameters()):
-                        backbone_opt.clip_grad_norm_(cfg.max_grad_norm, extra_params=head_params)
-                        backbone_opt.step()
-                        head_opt.step()
+                    if scaler is None or scaler.unscale_(backbone_opt, extra_params=head_params):
+                        backbone_opt.clip_grad_norm_(cfg.max_grad_norm, extra_params=clipped_head_params)
+                        for opt in optimizers:
+                            opt.step()
                         if ema is not None:
                             ema.update()
-                    backbone_opt.zero_grad()
-                    head_opt.zero_grad()
+                    for opt in optimizers:
+                        opt.zero_grad()
                     state.step += 1
                     # the loss stays on the device; the host reads it once per `frequent` steps, and
                     # before a checkpoint (a diverged step is never saved as the last good one)
@@ -186,7 +190,8 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
                     checkpoint_due = state.step % cfg.checkpoint_interval == 0
                     if progress.due(state.step) or checkpoint_due:
                         loss_value = progress.mean_loss()
-                        check_loss(loss_value, state.step, scaler, label_errors=head.take_label_errors())
+                        check_loss(loss_value, state.step, scaler,
+                                   label_errors=head.take_label_errors() if head is not None else 0)
                         if progress.due(state.step):
                             progress(state.step, state.epoch, loss_value, lr, scaler.scale_value if scaler else None)
                     skips(state.step)

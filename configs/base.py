@@ -75,7 +75,7 @@ config.ema_tau = 2000.0
 # data
 config.rec = "synthetic"              # dir with train.rec/train.idx, an image folder, or "synthetic"
                                       # (arcface_torch's throughput test: one fixed random image)
-config.num_classes = 93431
+config.num_classes = 93431              # 0 with a teacher: label-free, the distillation loss alone (no head)
 config.num_image = 5179510             # arcface_torch's warmup and total steps come from it; ShardFace
                                       # counts the data set's images instead (a differing value is named)
 config.num_epoch = 20

@@ -11,9 +11,9 @@ CHOICES = {"optimizer": ("sgd", "adamw"), "lr_scheduler": ("poly", "cosine", "po
            "head_precision": ("fp32", "tf32", "bf16"), "distill_loss": ("cosine", "relational"),
            "align_detector": ("hog", "mmod"),
            "margin": ("combined", "arcface", "cosface", "adaface", "magface", "curricularface", "subcenter_arcface")}
-POSITIVE_INT = ("embedding_size", "num_classes", "num_epoch", "batch_size", "gradient_acc", "frequent",
+POSITIVE_INT = ("embedding_size", "num_epoch", "batch_size", "gradient_acc", "frequent",
                 "checkpoint_interval", "row_block", "subcenter_k")
-NON_NEGATIVE_INT = ("num_image", "num_workers", "verbose", "max_steps", "stop_after_steps",
+NON_NEGATIVE_INT = ("num_classes", "num_image", "num_workers", "verbose", "max_steps", "stop_after_steps",
                     "chunk_size", "keep_checkpoints", "seed")
 INT = ("warmup_epoch",)  # arcface_torch's 3millions sets -1 (its PolynomialLRWarmup takes it)
 POSITIVE_FLOAT = ("scale", "lr", "ema_tau", "dist_timeout_min", "magface_l_a", "magface_u_a")
@@ -89,6 +89,13 @@ def validate_config(cfg: dict) -> None:
         raise _fail("val_targets", cfg["val_targets"], "expected a list of .bin names")
     if not isinstance(cfg["teacher"], str):
         raise _fail("teacher", cfg["teacher"], "expected a MODEL or teacher file path, or '' for none")
+    if cfg["num_classes"] == 0:  # label-free (README 'Distillation'): the teacher's loss is the only one
+        if not cfg["teacher"]:
+            raise _fail("num_classes", 0, "label-free training needs a teacher (--teacher MODEL or teacher file): "
+                                          "without one there is no loss to train")
+        if not cfg["distill_weight"] > 0:
+            raise _fail("distill_weight", cfg["distill_weight"], "with num_classes 0 the distillation loss is the "
+                                                                 "only loss: expected a number > 0")
     for key in OPTIONAL_STR:
         if cfg[key] is not None and not isinstance(cfg[key], str):
             raise _fail(key, cfg[key], "expected a string or None")

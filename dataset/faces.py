@@ -11,7 +11,7 @@ from torch.utils.data import Dataset
 
 from dataset.errors import DataLayoutError, ImageDecodeError, ImageSizeError, LabelError
 from dataset.fingerprint import folder_fingerprint, recordio_fingerprint, synthetic_fingerprint
-from dataset.folders import list_identity_folders
+from dataset.folders import list_identity_folders, list_images
 from dataset.geometry import check_files, check_records
 from dataset.images import FACE_SIZE, decode_chw, decode_image, normalize_images
 from dataset.layout import class_count, image_keys
@@ -115,10 +115,12 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
     `transform`, when given, receives the (mirrored) HxWx3 uint8 array instead and must return
     a tensor. `normalize=False` returns 3x112x112 uint8 instead of floats (see
     `normalize_images`): the training loop normalises whole batches on its device.
+    `label_free`: the records' labels are ignored (every item's label is 0; no class count needed).
     """
 
     def __init__(self, root_dir: str, transform=None, train: bool = True, num_classes: int | None = None,
-                 skip_bad_images: bool = False, normalize: bool = True, resize: bool = False):
+                 skip_bad_images: bool = False, normalize: bool = True, resize: bool = False,
+                 label_free: bool = False):
         self.root_dir, self.transform, self.train, self.normalize = root_dir, transform, train, normalize
         self.resize = resize
         self.skip_bad_images = skip_bad_images
@@ -131,7 +133,10 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
         self.keys = image_keys(self.reader, prop, declared)
         # the set's own count (property, or an insightface header), and where it came from
         self.own_classes, self.classes_from = class_count(self.reader, self.keys, prop, declared)
-        if num_classes is None and self.own_classes is None:
+        self.label_free = label_free
+        if label_free:
+            num_classes = 0
+        elif num_classes is None and self.own_classes is None:
             raise DataLayoutError(f"{prop}: property file not found, and {self.reader.rec_path} has no insightface "
                                   f"header (key 0) that counts the identities: set num_classes in the config")
         self.num_classes = num_classes if num_classes is not None else self.own_classes
@@ -151,8 +156,8 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
         """(image, label): 3xHxW uint8 tensor, or HxWx3 array when `as_array`."""
         key = self.keys[index]
         header, payload = unpack(self.reader.read(key), f"{self.reader.rec_path} key {key}")
-        label = int(header.label) if header.flag == 0 else int(header.label[0])
-        if not 0 <= label < self.num_classes:
+        label = 0 if self.label_free else int(header.label) if header.flag == 0 else int(header.label[0])
+        if not self.label_free and not 0 <= label < self.num_classes:
             raise LabelError(f"{self.reader.rec_path} key {key}: label {label} outside [0, {self.num_classes}) "
                                 f"(num_classes from {self.classes_from})")
         decode = decode_image if as_array else decode_chw
@@ -186,14 +191,15 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
 
 
 class FolderFaceDataset(_MirrorsInTraining, Dataset):
-    """One sub-folder per identity (sorted names -> labels 0..C-1), as torchvision ImageFolder.
+    """One sub-folder per identity (sorted names -> labels 0..C-1), as torchvision ImageFolder;
+    `label_free`: every image under the folder at any depth (`list_images`), label 0 for all.
     At start every file's header is read: unreadable files are errors (left out with
     `skip_bad_images`), and images that are not 112x112 are refused unless `resize`."""
 
     def __init__(self, root_dir: str, train: bool = True, normalize: bool = True,
-                 skip_bad_images: bool = False, resize: bool = False):
+                 skip_bad_images: bool = False, resize: bool = False, label_free: bool = False):
         self.train, self.normalize, self.skip_bad_images, self.resize = train, normalize, skip_bad_images, resize
-        self.classes, groups = list_identity_folders(root_dir)
+        self.classes, groups = ([], [list_images(root_dir)]) if label_free else list_identity_folders(root_dir)
         usable = set(check_files((p for g in groups for p in g), resize, skip_bad_images))
         self.samples = [(path, label) for label, paths in enumerate(groups) for path in paths if path in usable]
         if not self.samples:
@@ -239,14 +245,15 @@ class SyntheticDataset(_MirrorsInTraining, Dataset):
         return synthetic_fingerprint(self.length, self.num_classes)
 
     def __getitem__(self, index: int):
-        return self.image, torch.tensor(index % self.num_classes, dtype=torch.long)
+        return self.image, torch.tensor(index % self.num_classes if self.num_classes else 0, dtype=torch.long)
 
 
 def build_dataset(rec: str, num_classes: int, train: bool = True, skip_bad_images: bool = False,
                   normalize: bool = True, resize: bool = False) -> Dataset:
     """Choose the source from `cfg.rec`: "synthetic", a RecordIO dir, or an image folder.
     `normalize=False` yields uint8 images for `normalize_images` on the training device.
-    Images that are not 112x112 are refused here, before training, unless `resize`."""
+    Images that are not 112x112 are refused here, before training, unless `resize`.
+    `num_classes` 0: label-free (labels ignored; a folder is every image under it, label 0)."""
     if rec == "synthetic":
         return SyntheticDataset(num_classes)
     if not os.path.isdir(rec):
@@ -257,16 +264,18 @@ def build_dataset(rec: str, num_classes: int, train: bool = True, skip_bad_image
             raise DataLayoutError(f"{idx}: missing beside train.rec, so the set is incomplete (a pack_rec stopped "
                                   f"while replacing the set leaves it so): pack the set again")
         dataset = MXFaceDataset(rec, train=train, num_classes=num_classes, skip_bad_images=skip_bad_images,
-                                normalize=normalize, resize=resize)
-        if dataset.own_classes is not None and dataset.own_classes != num_classes:
+                                normalize=normalize, resize=resize, label_free=num_classes == 0)
+        if num_classes == 0:
+            logger.info("%s: label-free (num_classes 0), its labels are not read", rec)
+        elif dataset.own_classes is not None and dataset.own_classes != num_classes:
             raise DataLayoutError(f"{dataset.classes_from}: {dataset.own_classes} classes, "
                                   f"config num_classes is {num_classes}")
-        if dataset.classes_from != os.path.join(rec, "property"):
+        elif dataset.classes_from != os.path.join(rec, "property"):
             logger.info("%s: %d classes, from the %s", rec, num_classes, dataset.classes_from)
         dataset.check_geometry()
         return dataset
     dataset = FolderFaceDataset(rec, train=train, normalize=normalize, skip_bad_images=skip_bad_images,
-                                resize=resize)
-    if dataset.num_classes != num_classes:
+                                resize=resize, label_free=num_classes == 0)
+    if num_classes and dataset.num_classes != num_classes:
         raise DataLayoutError(f"{rec}: {dataset.num_classes} identity folders, config num_classes is {num_classes}")
     return dataset

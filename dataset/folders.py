@@ -1,4 +1,5 @@
-"""Image folders with one sub-folder per identity, as torchvision's ImageFolder."""
+"""Image folders: one sub-folder per identity, as torchvision's ImageFolder; or, for label-free
+training, every image under a folder."""
 from __future__ import annotations
 
 import os
@@ -45,3 +46,22 @@ def list_identity_folders(root: str) -> tuple[list[str], list[list[str]]]:
         raise DataLayoutError(f"{os.path.join(root, empty[0])}: identity folder without images "
                               f"({len(empty)} such folders; extensions {', '.join(IMAGE_EXTENSIONS)})")
     return names, groups
+
+
+def list_images(root: str) -> list[str]:
+    """Every image under `root`, at any depth, for label-free training (README 'Distillation').
+    The order: a folder's own images (sorted), then each sub-folder's (sorted names), depth
+    first; for a folder of identity sub-folders this is `list_identity_folders`' order, so one
+    teacher file serves both readings of it."""
+    if not os.path.isdir(root):
+        raise DataLayoutError(f"{root}: image folder not found")
+    paths = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders.sort()  # os.walk descends in this list's order
+        paths += [os.path.join(folder, f) for f in sorted(files) if f.lower().endswith(IMAGE_EXTENSIONS)]
+    odd = not_regular(paths)
+    if odd is not None:
+        raise odd
+    if not paths:
+        raise DataLayoutError(f"{root}: no images at any depth (extensions {', '.join(IMAGE_EXTENSIONS)})")
+    return paths

@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         return capacity_table(args.config, overrides, args.gpu_mem_gb, budget)
     result = plan(cfg, args.gpus)
-    print(f"{args.config}: {cfg.network}, {cfg.num_classes:,} classes, batch {cfg.batch_size}/rank, "
+    classes = f"{cfg.num_classes:,} classes" if cfg.num_classes else "label-free (num_classes 0: no head)"
+    print(f"{args.config}: {cfg.network}, {classes}, batch {cfg.batch_size}/rank, "
           f"{args.gpus} ranks, {'ZeRO-2' if cfg.zero else 'DDP'}, sample_rate {cfg.sample_rate}, "
           f"fused head optimizer {cfg.head_fused_optimizer}")
     print("\nper rank:")
@@ -52,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     fits = result.total <= budget
     print(f"\nfits: {'yes' if fits else 'NO'}; largest num_classes that fits: "
           f"{max_classes(cfg, args.gpus, budget):,}")
-    n = class_shard(cfg.num_classes, args.gpus, 0).size
-    print(f"head tile: {min(cfg.chunk_size or n, n):,} classes; row block {cfg.row_block} rows")
+    if cfg.num_classes:  # label-free (0): no head
+        n = class_shard(cfg.num_classes, args.gpus, 0).size
+        print(f"head tile: {min(cfg.chunk_size or n, n):,} classes; row block {cfg.row_block} rows")
     print("\nsent per rank per step:")
     for name, value in result.sends.items():
         print(f"  {name:36s} {value / 1e6:10.2f} MB")

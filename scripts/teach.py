@@ -32,15 +32,17 @@ from utils.progress import Progress
 
 
 def open_data(path: str, resize: bool):
-    """The training set at `path` in record order, unmirrored uint8 (no label check: a teacher
-    needs none)."""
+    """The training set at `path` in record order, unmirrored uint8, read label-free (a teacher
+    needs no labels): a packed set's labels are not read, and a folder is every image under it,
+    which for identity sub-folders is their order in training too (dataset.folders.list_images).
+    So one file serves a run with identities and a label-free one (num_classes 0)."""
     if not os.path.isdir(path):
         raise DataLayoutError(f"{path}: data directory not found")
     if os.path.isfile(os.path.join(path, "train.rec")):
-        data = MXFaceDataset(path, train=False, normalize=False, resize=resize)
+        data = MXFaceDataset(path, train=False, normalize=False, resize=resize, label_free=True)
         data.check_geometry()
         return data
-    return FolderFaceDataset(path, train=False, normalize=False, resize=resize)
+    return FolderFaceDataset(path, train=False, normalize=False, resize=resize, label_free=True)
 
 
 @torch.no_grad()

@@ -70,14 +70,36 @@ def _step(rank, world_size, kind, with_head):
 CASES = [(kind, with_head) for kind in ("cosine", "relational") for with_head in (True, False)]
 
 
+def _label_free_probe(rank):
+    """Whether this rank refuses a label-free save whose embeddings overflow on rank 1 alone
+    (utils.divergence.check_weights with no head)."""
+    from utils.divergence import TrainingStopped, check_weights
+    net = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        net.weight.fill_(2e38)  # finite; three of them summed are not
+    try:
+        check_weights(1, net, None, (torch.ones(2, 3) if rank == 1 else torch.zeros(2, 3), torch.zeros(2)))
+    except TrainingStopped:
+        return True
+    except Exception as exc:  # reported by the test below, not by the fixture both tests share
+        return f"{type(exc).__name__}: {exc}"
+    return False
+
+
 def _steps(rank, world_size):
-    return [_step(rank, world_size, *case) for case in CASES]
+    return [_step(rank, world_size, *case) for case in CASES], _label_free_probe(rank)
 
 
-def test_two_ranks_equal_one_process_with_the_global_batch():
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One spawn for every case of the tests below."""
+    return run_distributed(_steps, 2)
+
+
+def test_two_ranks_equal_one_process_with_the_global_batch(two_ranks):
     """Values and gradients (backbone, projection, head rows), both losses, with a margin head
-    and label-free; one spawn for every case (the W=1 reference runs in this process)."""
-    two = run_distributed(_steps, 2)
+    and label-free (no head); the W=1 reference runs in this process."""
+    two = [steps for steps, _ in two_ranks]
     for i, case in enumerate(CASES):
         one = _step(0, 1, *case)
         # every rank's loss is its rows' estimate; their mean is the global batch's loss
@@ -87,3 +109,9 @@ def test_two_ranks_equal_one_process_with_the_global_batch():
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=str(case))
         if case[1]:
             torch.testing.assert_close(torch.cat([r[i][2] for r in two]), one[2], rtol=1e-5, atol=1e-6, msg=str(case))
+
+
+def test_label_free_ranks_refuse_a_save_together(two_ranks):
+    """With no head the save's probe is every rank's embeddings, agreed by an all-reduce: a rank
+    whose batch overflows stops the others too (else they would wait in the save for it)."""
+    assert [refused for _, refused in two_ranks] == [True, True]

@@ -305,6 +305,18 @@ def test_training_set_align_true_yields_aligned_faces_of_photos_with_one(photos,
         build_train_dataset(cfg)
 
 
+def test_training_set_align_true_label_free_takes_every_photo_with_a_face_under_the_folder(photos):
+    """num_classes 0 (README 'Distillation'): the sub-folders are not people; a folder whose one
+    photo has no face ('nobody') is no error, as an identity without a photo would be."""
+    from configs import get_config
+    from builders import build_train_dataset
+    cfg = get_config("configs/demo.py", ["--rec", photos, "--num_classes", "0", "--teacher", "t.teacher",
+                                         "--align", "true"])
+    data = build_train_dataset(cfg)
+    assert len(data) == 8 and {label for _, label in data.samples} == {0}  # wall.png, floor.png: no face
+    assert all(os.path.basename(os.path.dirname(p)) in ("eileen", "mirror") for p, _ in data.samples)
+
+
 def test_crop_names_keep_folders_and_tell_apart_photos_sharing_a_name():
     from scripts.align import crop_stems
     assert crop_stems(["a/p1.jpg", "a/p1.png", "a/p2.jpg", "b/p1.jpg"]) == {

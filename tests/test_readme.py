@@ -66,6 +66,8 @@ COMMANDS = {
     "python -m scripts.teach work_dirs/ms1mv3_r100 /data/ms1m-retinaface-t1 r100_ms1m.teacher": NEEDS_DATA,
     "torchrun --nproc_per_node 8 train.py configs/ms1mv3_mbf --teacher r100_ms1m.teacher --distill_loss relational":
         NEEDS_GPU,
+    "torchrun --nproc_per_node 8 train.py configs/ms1mv3_mbf --rec /data/my_crops --num_classes 0 "
+    "--teacher work_dirs/ms1mv3_r100": NEEDS_GPU,
 }
 
 

@@ -7,6 +7,7 @@ A checkpoint is a directory `checkpoint-<step>` under the run's output:
     optimizer.pt   the backbone optimizer's state per parameter name (ZeRO-2 or DDP alike)
     ema.pt         the EMA's full state dict and its update count (when EMA is on)
     head-<a>-<b>.pt  weight rows and optimizer state of classes [a, b), one file per rank
+                   (none for a label-free run: num_classes 0, no head)
     rng-rank<r>.pt RNG states of rank r (restored when resuming at the same world size)
 
 It is written into `checkpoint-<step>.tmp`, each file via temp file, fsync and
@@ -177,23 +178,26 @@ def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, h
     _agree(problem, tmp)
     opt_state = backbone_opt.state_dict(to_rank=0)   # collectives: every rank takes part
     ema_state = ema.state_dict(to_rank=0) if ema is not None else None
-    end = head.class_start + head.num_local
-    head_payload = _head_payload(head, head_opt)
+    head_payload = _head_payload(head, head_opt) if head is not None else None
+    # a label-free run (no head): 0 classes, no margin statistics (else identical on every rank)
+    num_classes = head.num_classes if head is not None else 0
+    margin = {k: v.cpu() for k, v in head.margin_loss.state_dict().items()} if head is not None else {}
     weights = cpu_tensors(backbone.state_dict()) if rank == 0 else None
 
     def write_parts():
-        atomic_save(head_payload, os.path.join(tmp, f"head-{head.class_start:010d}-{end:010d}.pt"))
+        if head is not None:
+            atomic_save(head_payload, os.path.join(tmp, f"head-{head.class_start:010d}-"
+                                                        f"{head.class_start + head.num_local:010d}.pt"))
         atomic_save(rng_state(), os.path.join(tmp, f"rng-rank{rank}.pt"))
         if rank == 0:
             atomic_save(weights, os.path.join(tmp, "backbone.pt"))
             atomic_save(opt_state, os.path.join(tmp, "optimizer.pt"))
             if ema_state is not None:
                 atomic_save({"state": ema_state, "updates": ema.updates}, os.path.join(tmp, "ema.pt"))
-            meta = {**asdict(state), "world_size": world_size, "num_classes": head.num_classes,
+            meta = {**asdict(state), "world_size": world_size, "num_classes": num_classes,
                     "batch_size": int(config.batch_size) if config else 0,
                     "scaler": scaler.state_dict() if scaler is not None else None,
-                    # running statistics of the margin (identical on every rank)
-                    "margin": {k: v.cpu() for k, v in head.margin_loss.state_dict().items()},
+                    "margin": margin,
                     "config": _plain(dict(config)) if config else {}, **(extra_meta or {})}
             atomic_save(meta, os.path.join(tmp, "meta.pt"))
 
@@ -421,11 +425,12 @@ def resume_changes(ckpt: str, saved: dict, saved_margin: dict, margin_loss, conf
       it continues with a warning;
     - another `gradient_acc`: continues, warning that the optimizer step now takes another number
       of batches (steps per epoch and the effective batch change; lr is not rescaled);
-    - `ema` turned off: continues, warning that the EMA is dropped and ema.pt no longer written."""
+    - `ema` turned off: continues, warning that the EMA is dropped and ema.pt no longer written.
+    `margin_loss` None: a label-free run (no head), whose margin key means nothing."""
     if config is None:
         return True
     before, now = saved.get("margin", config.margin), config.margin
-    if before != now:
+    if before != now and margin_loss is not None:
         stateful = bool(saved_margin) or bool(margin_loss.state_dict())
         if stateful and not config.reset_margin:
             raise CheckpointError(f"{ckpt}: trained with margin '{before}', this run uses '{now}', and their running "
@@ -453,13 +458,15 @@ def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=No
     ckpt = resolve_checkpoint(path, ema_optional=bool(config is not None and config.reset_ema))
     meta = safe_load(os.path.join(ckpt, "meta.pt"))
     saved_config = meta.get("config") or {}
-    if meta["num_classes"] != head.num_classes:
-        raise CheckpointError(f"{ckpt}: trained with {meta['num_classes']} classes, this run has {head.num_classes}")
+    num_classes = head.num_classes if head is not None else 0  # 0: label-free, no head
+    if meta["num_classes"] != num_classes:
+        raise CheckpointError(f"{ckpt}: trained with {meta['num_classes']} classes, this run has {num_classes}")
     if config is not None and saved_config.get("optimizer", config.optimizer) != config.optimizer:
         raise CheckpointError(f"{ckpt}: trained with optimizer '{saved_config['optimizer']}', this run uses "
                               f"'{config.optimizer}'; its optimizer state cannot carry over: resume with "
                               f"--optimizer {saved_config['optimizer']}")
-    keep_margin = resume_changes(ckpt, saved_config, meta.get("margin") or {}, head.margin_loss, config)
+    keep_margin = resume_changes(ckpt, saved_config, meta.get("margin") or {},
+                                 head.margin_loss if head is not None else None, config)
     weights = safe_load(os.path.join(ckpt, "backbone.pt"))  # a corrupt file is reported as such
     try:
         backbone.load_state_dict(weights)
@@ -477,8 +484,9 @@ def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=No
         else:  # EMA switched on at resume (or reset on request): it starts from the loaded weights
             logger.warning("EMA starts from the weights of %s", ckpt)
             ema.load_state_dict(backbone.state_dict(), updates=0)
-    _load_head(ckpt, head, head_opt)
-    if meta.get("margin") and keep_margin:
+    if head is not None:
+        _load_head(ckpt, head, head_opt)
+    if head is not None and meta.get("margin") and keep_margin:
         head.margin_loss.load_state_dict(meta["margin"])
     if scaler is not None and meta.get("scaler"):
         scaler.load_state_dict(meta["scaler"])

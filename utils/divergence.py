@@ -44,26 +44,41 @@ def check_loss(loss_value: float, step: int, scaler, max_skipped: int = 20, labe
 
 
 @torch.no_grad()
-def probe_loss(backbone: torch.nn.Module, head: torch.nn.Module, images: torch.Tensor,
+def probe_loss(backbone: torch.nn.Module, head: torch.nn.Module | None, images: torch.Tensor,
                labels: torch.Tensor) -> float:
     """The loss of a batch under the current weights, leaving no trace: no gradients, and
     the buffers (BatchNorm statistics, margin statistics) and RNG states put back, so an
     exact resume stays exact. The backbone runs in training mode, as the next step would;
     the head in eval mode, over all classes of its shard (no Partial FC sampling, so the
-    rows its optimizer steps next are untouched). Collective (the head all-reduces)."""
-    buffers = [b for module in (backbone, head) for b in module.buffers()]
+    rows its optimizer steps next are untouched). Collective (the head all-reduces). With no
+    head (label-free) it is 0.0 when every rank's embeddings are finite, else nan (`_all_finite`):
+    the teacher is not run again for a probe."""
+    modules = [m for m in (backbone, head) if m is not None]
+    buffers = [b for module in modules for b in module.buffers()]
     saved = [b.clone() for b in buffers]
     devices = [images.device] if images.device.type == "cuda" else []
-    head_training = head.training
-    head.eval()
+    head_training = head is not None and head.training
+    if head is not None:
+        head.eval()
     try:
         with torch.random.fork_rng(devices=devices):
-            loss = head(backbone(images), labels)
+            embeddings = backbone(images)
+            loss = head(embeddings, labels) if head is not None else _all_finite(embeddings)
     finally:
-        head.train(head_training)
+        if head is not None:
+            head.train(head_training)
         for b, s in zip(buffers, saved):
             b.copy_(s)
     return float(loss.item())
+
+
+def _all_finite(embeddings: torch.Tensor) -> torch.Tensor:
+    """0.0 when every rank's embeddings are finite, else nan, the same on every rank (as the
+    head's all-reduce makes its loss), so all ranks stop or save alike."""
+    bad = (~torch.isfinite(embeddings).all()).float()
+    if get_world_size() > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return torch.where(bad > 0, float("nan"), 0.0)
 
 
 @torch.no_grad()
@@ -73,13 +88,14 @@ def weight_norm(module: torch.nn.Module) -> float:
     return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
 
 
-def check_weights(step: int, backbone: torch.nn.Module, head: torch.nn.Module, batch=None,
+def check_weights(step: int, backbone: torch.nn.Module, head: torch.nn.Module | None, batch=None,
                   start_norm: float | None = None) -> None:
     """Raise TrainingStopped unless the weights about to be saved are finite on every rank,
     give a finite loss on `batch` (images, labels), and the backbone's norm is within
     `EXPLODED_FACTOR` of `start_norm` (the module docstring's rule): the loss the loop checks is
     the one before the update, so an update can poison the weights it then saves. Collective."""
-    finite = all(bool(torch.isfinite(p).all()) for module in (backbone, head) for p in module.parameters())
+    finite = all(bool(torch.isfinite(p).all()) for module in (backbone, head) if module is not None
+                 for p in module.parameters())
     norm = weight_norm(backbone) if finite and start_norm else 0.0
     exploded = bool(start_norm) and not norm <= EXPLODED_FACTOR * start_norm  # identical weights on every rank
     if get_world_size() > 1:
