@@ -52,7 +52,7 @@ def _load_module_config(path: str) -> dict:
         raise ConfigError(f"{path} defines no `config`")
     if not isinstance(module.config, dict):
         raise ConfigError(f"{path}:{_assignment_line(path)}: config is {type(module.config).__name__} "
-                          f"{module.config!r:.40}, expected a mapping of keys (config = edict(), as configs/base.py)")
+                          f"{module.config!r:.40}, expected a mapping of keys (an edict, as in configs/base.py)")
     return dict(module.config)
 
 
