@@ -286,7 +286,7 @@ def _pool(people, keys, known, header) -> Gallery:
     return Gallery(names, np.stack(templates).astype(np.float32), header, len(keys))
 
 
-def identify(gallery: Gallery, queries: np.ndarray, k: int = 1, engine: str = "exact"):
+def identify(gallery: Gallery, queries: np.ndarray, k: int = 1, engine: str = "faiss"):
     """(scores, person indices), Q x k, best first (eval.search's order; -1 beyond the gallery)."""
     index = make_index(gallery.templates.shape[1], engine)
     index.add(gallery.templates)
