@@ -39,6 +39,17 @@ def drawn_faces(tmp_path_factory) -> str:
     return root
 
 
+@pytest.fixture(scope="session")
+def teacher_pt(tmp_path_factory) -> str:
+    """A distillation teacher: a 64-D tiny network's model.pt (the demo student is 128-D, so the
+    cosine loss trains a projection)."""
+    from backbones import get_model
+    torch.manual_seed(5)
+    path = str(tmp_path_factory.mktemp("teacher") / "model.pt")
+    torch.save(get_model("tiny", num_features=64).state_dict(), path)
+    return path
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -33,15 +33,6 @@ def _argv(data, out, teacher, *extra):
 
 
 @pytest.fixture(scope="module")
-def teacher_pt(tmp_path_factory):
-    """A 64-D tiny network (the demo student is 128-D: the cosine loss trains a projection)."""
-    torch.manual_seed(5)
-    path = str(tmp_path_factory.mktemp("teacher") / "model.pt")
-    torch.save(get_model("tiny", num_features=64).state_dict(), path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def distilled(drawn_faces, teacher_pt, tmp_path_factory):
     """W=2, cosine with a projection: uninterrupted, and stopped at step 4 then resumed."""
     base = tmp_path_factory.mktemp("distilled")

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import train
-from backbones import get_model
 from configs import get_config
 from configs.errors import ConfigError
 from dataset import FolderFaceDataset, build_dataset
@@ -18,15 +17,6 @@ from scripts.teach import main as teach
 from tests.conftest import jpeg, train_argv
 from tests.distributed import run_distributed
 from utils.checkpoint import resolve_checkpoint
-
-
-@pytest.fixture(scope="module")
-def teacher_pt(tmp_path_factory):
-    """A 64-D tiny network: the 128-D student's cosine loss trains a projection."""
-    torch.manual_seed(5)
-    path = str(tmp_path_factory.mktemp("teacher") / "model.pt")
-    torch.save(get_model("tiny", num_features=64).state_dict(), path)
-    return path
 
 
 def _write(path, colour):

@@ -140,11 +140,12 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(cuda)
 
 
-def _plain(value):
+def plain(value):
+    """A config value as JSON holds it: mappings as dicts, tuples as lists."""
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     return value
 
 
@@ -198,7 +199,7 @@ def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, h
                     "batch_size": int(config.batch_size) if config else 0,
                     "scaler": scaler.state_dict() if scaler is not None else None,
                     "margin": margin,
-                    "config": _plain(dict(config)) if config else {}, **(extra_meta or {})}
+                    "config": plain(dict(config)) if config else {}, **(extra_meta or {})}
             atomic_save(meta, os.path.join(tmp, "meta.pt"))
 
     # what a checkpoint takes on disk: the previous one's size, else this rank's share times W

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 
+from utils.checkpoint import plain
+
 logger = logging.getLogger("shardface")
 
 # where and how this job runs, logs and stops (not what it trains), or named by a rule of their own
@@ -26,19 +28,11 @@ SCHEDULE_KEYS = frozenset({"num_epoch", "warmup_epoch", "num_image", "lr", "lr_s
                            "max_steps"})
 
 
-def _plain(value):
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
 def config_changes(saved: dict, config: dict) -> list[tuple[str, object, object]]:
     """(key, checkpoint's value, this run's value) of every compared key whose values differ;
     keys the checkpoint did not record are not compared."""
     return [(key, saved[key], config[key]) for key in sorted(config)
-            if key not in NOT_COMPARED and key in saved and _plain(saved[key]) != _plain(config[key])]
+            if key not in NOT_COMPARED and key in saved and plain(saved[key]) != plain(config[key])]
 
 
 def log_resume_changes(meta: dict, config, world_size: int, steps_per_epoch: int, total_steps: int) -> None:
