@@ -5,6 +5,7 @@ init_backbone `dlib` fine-tunes on 112 crops."""
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -240,7 +241,8 @@ def test_init_backbone_dlib_fine_tunes_dlibs_network_on_112_crops(drawn_faces, t
         expected = pretrained.to(images.device).train()(images)
     torch.testing.assert_close(first, expected, rtol=1e-4, atol=1e-5)
     log = open(os.path.join(out, "training.log")).read()
-    losses = [float(line.split("loss ")[1].split()[0]) for line in log.splitlines() if "loss " in line]
+    # the progress lines ("step 1/2  epoch 0  loss 4.85 ..."); the config dump has keys ending in "loss"
+    losses = [float(v) for v in re.findall(r"step \d+/\d+\s+epoch \d+\s+loss (\S+)", log)]
     assert losses and all(math.isfinite(v) for v in losses), log[-2000:]
 
 
