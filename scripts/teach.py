@@ -28,6 +28,7 @@ from eval.teacher import OnlineTeacher, header_bytes
 from faces.align import ARCFACE_112
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
+from utils.atomic import publishing
 from utils.progress import Progress
 
 
@@ -53,23 +54,15 @@ def write_teacher_file(teacher: OnlineTeacher, data, data_path: str, out: str, b
               "data_size": len(data), "dim": teacher.dim, "teacher": teacher.name,
               "teacher_fingerprint": teacher.embedder.fingerprint, "template": teacher.embedder.template.name,
               "rows": "L2-normalised embedding of the record plus its mirror image's, float16"}
-    tmp = f"{out}.tmp{os.getpid()}"
     progress = Progress(len(data), "teaching") if len(data) > batch_size else None
-    try:
-        with open(tmp, "wb") as f:
-            f.write(header_bytes(header))
-            for images, _ in DataLoader(data, batch_size=batch_size, num_workers=num_workers):
-                both = teacher.targets(images, None) + teacher.targets(images.flip(3), None)
-                rows = torch.nn.functional.normalize(both, dim=1).cpu().numpy().astype("<f2")
-                f.write(rows.tobytes())
-                if progress is not None:
-                    progress.update(len(images))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with publishing(out) as tmp, open(tmp, "wb") as f:  # utils.atomic: staged, fsynced, replaced
+        f.write(header_bytes(header))
+        for images, _ in DataLoader(data, batch_size=batch_size, num_workers=num_workers):
+            both = teacher.targets(images, None) + teacher.targets(images.flip(3), None)
+            rows = torch.nn.functional.normalize(both, dim=1).cpu().numpy().astype("<f2")
+            f.write(rows.tobytes())
+            if progress is not None:
+                progress.update(len(images))
 
 
 @exits_on_user_error
