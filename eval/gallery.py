@@ -35,6 +35,7 @@ import torch
 from dataset import DataError
 from dataset.folders import not_regular
 from dataset.images import IMAGE_EXTENSIONS, decode_chw, image_size
+from eval.embedder import embed_uint8
 from eval.search import make_index
 from faces.align import ARCFACE_112, Template
 from utils.atomic import publishing
@@ -116,7 +117,7 @@ def check_image(path: str, template: Template, align: bool) -> None:
 
 def detect_and_align(path: str, template: Template, detector: str):
     """[(box, PIL crop on `template`)] of a photo's faces, largest first (faces.detect)."""
-    from faces.detect import aligned_faces  # h4's module: needed only with alignment
+    from faces.detect import aligned_faces  # dlib is loaded only when faces are searched
     return [(tuple(int(round(v)) for v in face.box), crop) for face, crop in
             aligned_faces(path, template, detector=detector)]
 
@@ -144,15 +145,10 @@ def embed_crops(embedder, crops: list[tuple[torch.Tensor, Template]], batch_size
     groups: dict[str, list[int]] = {}
     for i, (_, made_for) in enumerate(crops):
         groups.setdefault(made_for.name, []).append(i)
-    with torch.inference_mode():
-        for rows in groups.values():
-            for start in range(0, len(rows), batch_size):
-                part = rows[start:start + batch_size]
-                x = embedder.from_crops(torch.stack([crops[i][0] for i in part]), crops[part[0]][1])
-                e = (embedder.module(x) + embedder.module(torch.flip(x, dims=[3]))).float().cpu()
-                e = torch.nn.functional.normalize(e, dim=1).numpy()
-                for i, row in zip(part, e):
-                    out[i] = row
+    for rows in groups.values():  # the flip test and its checks are embed_uint8's, as in every tool
+        module = embedder.for_crops(crops[rows[0]][1])
+        for i, row in zip(rows, embed_uint8(torch.stack([crops[i][0] for i in rows]), module, batch_size)):
+            out[i] = row
     return np.stack(out).astype(np.float32) if out else np.zeros((0, 0), np.float32)
 
 
