@@ -23,6 +23,7 @@ from configs.describe import describe_keys
 from configs.per_rank import SECRET_KEYS, rank_independent
 from configs.validate import warmup_problem
 from dataset import ResumableDistributedSampler, get_dataloader, normalize_images
+from dataset.errors import DataError
 from eval.callback import VerificationCallback
 from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
 from parallel.agreement import check_same_on_every_rank
@@ -91,6 +92,10 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     sampler = ResumableDistributedSampler(len(dataset), info.world_size, info.rank, cfg.batch_size, cfg.seed,
                                          source=cfg.rec)
     steps_per_epoch = sampler.batches_per_epoch // cfg.gradient_acc
+    if steps_per_epoch == 0:  # else the run would end at once, "done" after 0 steps
+        raise DataError(f"gradient_acc {cfg.gradient_acc} is more than the {sampler.batches_per_epoch} batches of "
+                        f"{cfg.batch_size} x {info.world_size} ranks that {cfg.rec} fills per epoch: not one "
+                        f"optimizer step; use --gradient_acc {sampler.batches_per_epoch} or less")
     total_steps = cfg.num_epoch * steps_per_epoch
     if cfg.max_steps:
         total_steps = min(total_steps, cfg.max_steps)

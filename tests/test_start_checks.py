@@ -48,6 +48,17 @@ def test_batch_larger_than_a_small_folder_is_one_line_naming_batch_size_and_both
     assert not os.path.exists(out)
 
 
+def test_gradient_acc_over_the_batches_of_an_epoch_is_one_line_not_a_run_of_0_steps(tmp_path, monkeypatch, capsys):
+    """20 images, batch 4: 5 batches per epoch; gradient_acc 6 would leave no optimizer step."""
+    data, out = _small_folder(tmp_path / "faces"), str(tmp_path / "run")
+    args = [*DEMO, "--rec", data, "--num_classes", "5", "--output", out, "--batch_size", "4"]
+    code, lines, text = _cli(monkeypatch, capsys, [*args, "--gradient_acc", "6"])
+    assert code == EXIT_USER_ERROR and "Traceback" not in text
+    assert len(lines) == 1 and "gradient_acc 6" in lines[0] and "5 batches" in lines[0] and data in lines[0], lines
+    assert "--gradient_acc 5 or less" in lines[0]
+    assert not os.path.exists(out)
+
+
 def _train_cli(rank, world_size, args_per_rank):
     """train.py's entry point on this rank, with this rank's own arguments: its exit code."""
     from parallel.user_errors import exits_on_user_error
