@@ -32,6 +32,7 @@ from eval.weights import DLIB, DLIB_FILE, dlib_state, load_backbone
 from faces.align import ARCFACE_112, Template, similarity_transform
 from faces.dlib_chip import DLIB_150
 from faces.models import model_file
+from faces.photos import Face, aligned_chw
 from utils.checkpoint import CheckpointError
 from utils.progress import Progress
 
@@ -279,19 +280,27 @@ def _as_embedder(model: Embedder | nn.Module) -> Embedder:
 
 
 def embed_files(paths: list[str], model: Embedder | nn.Module, batch_size: int = 64, resize: bool = False,
-                show_progress: bool = True, flip: bool = True) -> np.ndarray:
-    """Embeddings of image files, one row per path: crops of the Embedder's template size
-    (112x112 for a bare module). Every file's header is read first: images of another size are
-    refused (unless `resize`) before any is embedded."""
+                show_progress: bool = True, flip: bool = True, faces: dict[str, Face] | None = None) -> np.ndarray:
+    """Embeddings of image files, one row per path, read a batch at a time. Without `faces`
+    the files are crops of the Embedder's template size (112x112 for a bare module): every
+    file's header is read first, and images of another size are refused (unless `resize`)
+    before any is embedded. With `faces` (path -> Face, from faces.photos.find_faces) they are
+    photos of any size: each one's face is aligned to the template as its batch is read."""
     embedder = _as_embedder(model)
     size = tuple(embedder.template.size)
-    check_files(paths, resize, size=size)
+    if faces is None:
+        check_files(paths, resize, size=size)
+
+    def load(path: str) -> torch.Tensor:
+        if faces is not None:
+            return aligned_chw(path, faces[path], embedder.template)
+        return decode_chw(_read(path), path, resize=size if resize else None)
+
     progress = Progress(len(paths), "embedding") if show_progress and len(paths) > batch_size else None
     out = []
     for start in range(0, len(paths), batch_size):
         chunk = paths[start:start + batch_size]
-        images = torch.stack([decode_chw(_read(p), p, resize=size if resize else None) for p in chunk])
-        out.append(embed_uint8(images, embedder.module, batch_size, flip))
+        out.append(embed_uint8(torch.stack([load(p) for p in chunk]), embedder.module, batch_size, flip))
         if progress is not None:
             progress.update(len(chunk))
     return np.concatenate(out) if out else np.zeros((0, 0), np.float32)

@@ -24,8 +24,8 @@ import sys
 import numpy as np
 
 from dataset import DataError
-from eval.embedder import embed_files, embed_uint8, image_files, load_embedder, model_files
-from faces.photos import find_faces, photo_crops, usable
+from eval.embedder import embed_files, image_files, load_embedder, model_files
+from faces.photos import find_faces, usable
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 from scripts.face_options import add_align_options, detection_from
@@ -68,10 +68,8 @@ def main(argv=None) -> int:
     if args.align:
         faces = usable(find_faces(paths, detection, Progress(len(paths), "finding faces").update), args.strict)
         paths = [path for path in paths if path in faces]
-        embeddings = embed_uint8(photo_crops(paths, faces, embedder.template), embedder.module, args.batch_size,
-                                 flip=not args.no_flip)
-    else:
-        embeddings = embed_files(paths, embedder, args.batch_size, args.resize, flip=not args.no_flip)
+    embeddings = embed_files(paths, embedder, args.batch_size, args.resize, flip=not args.no_flip,
+                             faces=faces if args.align else None)  # a batch of crops at a time
     # one set, the listing published last: an emb.npy without its emb.txt is an interrupted run
     with publishing_set([out, listing]) as (tmp_out, tmp_listing):
         with open(tmp_out, "wb") as f:

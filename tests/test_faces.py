@@ -252,7 +252,7 @@ def test_embed_align_equals_embedding_the_align_tools_crops_and_leaves_out_facel
     dst, _ = aligned
     eileen = os.path.join(photos, "eileen")
     out = str(tmp_path / "e.npy")
-    assert embed([tiny_model, eileen, "--out", out, "--align"]) == 0
+    assert embed([tiny_model, eileen, "--out", out, "--align", "--batch_size", "3"]) == 0  # read in 2 batches
     listed = open(str(tmp_path / "e.txt")).read().splitlines()
     assert [os.path.basename(p) for p in listed] == ["dark.png", "one.jpg", "turned.png", "two.png"]
     assert "wall.png" in caplog.text
