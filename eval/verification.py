@@ -17,7 +17,6 @@ from typing import Iterable
 import numpy as np
 import torch
 from PIL import Image
-from sklearn.model_selection import KFold
 
 from dataset.errors import DataError
 from dataset.images import normalize_images, to_rgb
@@ -123,8 +122,15 @@ def _val_far(threshold, dist, actual):
     return val, far
 
 
+def _folds(nrof_folds: int):
+    """insightface's 10-fold split: consecutive pairs, not shuffled. sklearn is imported here, not
+    with this module: it adds a second and a half to the start of every tool and training rank."""
+    from sklearn.model_selection import KFold
+    return KFold(n_splits=nrof_folds, shuffle=False)
+
+
 def calculate_roc(thresholds, dist, actual, nrof_folds=10):
-    folds = KFold(n_splits=nrof_folds, shuffle=False)
+    folds = _folds(nrof_folds)
     tprs = np.zeros((nrof_folds, len(thresholds)))
     fprs = np.zeros((nrof_folds, len(thresholds)))
     accuracy = np.zeros(nrof_folds)
@@ -138,7 +144,7 @@ def calculate_roc(thresholds, dist, actual, nrof_folds=10):
 
 
 def calculate_val(thresholds, dist, actual, far_target=1e-3, nrof_folds=10):
-    folds = KFold(n_splits=nrof_folds, shuffle=False)
+    folds = _folds(nrof_folds)
     val, far = np.zeros(nrof_folds), np.zeros(nrof_folds)
     for k, (train, test) in enumerate(folds.split(np.arange(len(actual)))):
         far_train = np.array([_val_far(t, dist[train], actual[train])[1] for t in thresholds])
