@@ -10,8 +10,9 @@ after `timeout` seconds.
 
 The ranks are forked from a forkserver that has imported torch and the heavy libraries once
 (about 0.2 s a call instead of 5-10 s of imports per rank). Each rank gets the caller's
-environment as it is at the call (`monkeypatch.setenv` reaches it). What only a new process
-reads (glibc's MALLOC_* variables, LD_PRELOAD) needs `fresh=True`: the ranks are then spawned.
+environment and working directory as they are at the call (`monkeypatch.setenv` reaches it).
+What only a new process reads (glibc's MALLOC_* variables, LD_PRELOAD) needs `fresh=True`:
+the ranks are then spawned.
 """
 from __future__ import annotations
 
@@ -45,10 +46,11 @@ def _context(fresh: bool):
     return ctx
 
 
-def _worker(rank, world_size, port, fn, args, results, init, env):
+def _worker(rank, world_size, port, fn, args, results, init, env, cwd):
     try:
         os.environ.clear()
-        os.environ.update(env)  # the caller's, at the call (the forkserver's is from its start)
+        os.environ.update(env)  # the caller's, at the call (the forkserver's are from its start)
+        os.chdir(cwd)
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
@@ -72,8 +74,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, init: bo
     ctx = _context(fresh)
     results = ctx.Queue()
     port = free_port()
-    env = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, init, env),
+    env, cwd = dict(os.environ), os.getcwd()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, init, env, cwd),
                          daemon=True)
              for r in range(world_size)]
     for p in procs:
