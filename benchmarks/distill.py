@@ -12,7 +12,10 @@ Setting (not tuned on any student's result): drawn faces (scripts.make_drawn_fac
   none (margin loss alone), cosine and relational (both from a teacher file of scripts.teach,
   distill_weight 1); unchanged from the first run, so "none" also checks that run's figure;
 - verification: 10-fold accuracy (flip test) on the .bin of the large set's held-out
-  identities, which neither the teacher nor any student trained on.
+  identities (1000 pairs of 100), which neither the teacher nor any student trained on, and on
+  a larger common set (6000 pairs of 600 identities of drawing seed 2, the same whatever the
+  teacher's size; added after the first runs, whose differences were within the noise of 1000
+  pairs). `--evaluate --work DIR` verifies the runs already in DIR again, training nothing.
 Then the step-time overhead of an on-the-fly teacher: the student's samples/s without and with
 `--teacher <teacher run>` (the median logged interval of a 40-step run; the median of 3
 alternating runs each), as a ratio.
@@ -22,18 +25,22 @@ alternating runs each), as a ratio.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
+from multiprocessing import Pool
 
 import common  # noqa: F401,I001
 import torch
 
+from dataset.drawn_faces import identity_images
 from eval.embedder import load_model
-from eval.verification import load_bin, test
+from eval.verification import load_bin, test, write_bin
+from scripts.make_drawn_faces import verification_pairs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,8 +73,66 @@ def student(steps: int) -> list[str]:
             "--checkpoint_interval", str(steps)]
 
 
+def common_heldout(path: str, tiny: bool) -> None:
+    """A second, larger verification set: identities of drawing seed 2, which neither the
+    teacher (seed 0) nor any student (seed 1) trained on, the same for every teacher size."""
+    if os.path.exists(path):
+        return
+    ids, per_id, pairs = (6, 4, 40) if tiny else (600, 6, 6000)
+    with Pool(os.cpu_count() or 1) as pool:
+        images = pool.starmap(identity_images, [(i, per_id, 2) for i in range(ids)])
+    write_bin(path, *verification_pairs(images, pairs, 2))
+
+
 def accuracy(run: str, val: str) -> float:
     return test(load_bin(val), load_model(run), 64).accuracy_flip
+
+
+def train_all(args, work: str) -> None:
+    big, small = os.path.join(work, "big"), os.path.join(work, "small")
+    val_ids, val_pairs = (6, 40) if args.tiny else (100, 1000)
+    make_set(big, args.teacher_ids, 20 if not args.tiny else 4, 0, val_ids, val_pairs)
+    make_set(small, args.student_ids, 10 if not args.tiny else 4, 1, 2, 4)
+    batch = ["--batch_size", "8"] if args.tiny else []
+
+    teacher = os.path.join(work, "teacher")
+    steps, _ = train(big, args.teacher_ids, teacher, "--num_epoch", str(args.teacher_epochs), *batch)
+    teacher_file = os.path.join(work, "small.teacher")
+    sh("-m", "scripts.teach", teacher, small, teacher_file, "--num_workers", "1")
+    val = os.path.join(big, "drawn_faces_val.bin")
+    print(f"teacher: {accuracy(teacher, val):.4f} after {steps} steps", flush=True)  # seen before any student
+    for loss in ("none", "cosine", "relational"):
+        out = os.path.join(work, f"student_{loss}")
+        extra = [] if loss == "none" else ["--teacher", teacher_file, "--distill_loss", loss]
+        train(small, args.student_ids, out, *student(args.student_steps), *batch, *extra)
+
+    speed = {"without": [], "online teacher": []}
+    for _ in range(3):  # alternating, so a slow spell of the machine touches both
+        for name, extra in (("without", []), ("online teacher", ["--teacher", teacher])):
+            out = os.path.join(work, f"speed_{name.replace(' ', '_')}")
+            _, rates = train(small, args.student_ids, out, *student(40 if not args.tiny else 10), *batch, *extra)
+            speed[name].append(statistics.median(rates[1:] or rates))  # the first interval holds the start
+    speed = {name: statistics.median(rates) for name, rates in speed.items()}
+    print(f"step time with an on-the-fly teacher / without: {speed['without'] / speed['online teacher']:.2f} "
+          f"({speed['without']:.1f} vs {speed['online teacher']:.1f} samples/s)")
+
+
+def report(work: str, tiny: bool) -> None:
+    """Every run of `work` on both verification sets."""
+    sets = {"its own": os.path.join(work, "big", "drawn_faces_val.bin"),
+            "common": os.path.join(work, "common_heldout.bin")}
+    common_heldout(sets["common"], tiny)
+    print(f"\nverification (flip test) of the runs in {work}:")
+    for name, path in sets.items():
+        (_, issame) = load_bin(path)
+        print(f"- {name}: {path}, {len(issame)} pairs")
+    print("| model | steps | train identities | its own set | common set |\n|---|---|---|---|---|")
+    for run in ("teacher", "student_none", "student_cosine", "student_relational"):
+        out = os.path.join(work, run)
+        steps = re.findall(r"step (\d+)/\d+", open(os.path.join(out, "training.log")).read())[-1]
+        ids = json.load(open(os.path.join(out, "config.json")))["num_classes"]
+        print(f"| {run.replace('_', ' ')} | {steps} | {ids} | "
+              + " | ".join(f"{accuracy(out, path):.4f}" for path in sets.values()) + " |")
 
 
 def main() -> int:
@@ -78,46 +143,17 @@ def main() -> int:
     p.add_argument("--student_ids", type=int, default=40, help="identities of the students' set")
     p.add_argument("--student_steps", type=int, default=300, help="steps of every student")
     p.add_argument("--work", default=None, help="working directory (default: a temporary one)")
+    p.add_argument("--evaluate", action="store_true", help="only verify the runs already in --work")
     args = p.parse_args()
     if args.tiny:
         args.teacher_ids, args.teacher_epochs, args.student_ids, args.student_steps = 8, 1, 4, 6
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if args.evaluate and not args.work:
+        raise SystemExit("--evaluate needs --work")
     work = args.work or tempfile.mkdtemp(prefix="distill_bench_")
-    big, small = os.path.join(work, "big"), os.path.join(work, "small")
-    val_ids, val_pairs = (6, 40) if args.tiny else (100, 1000)
-    make_set(big, args.teacher_ids, 20 if not args.tiny else 4, 0, val_ids, val_pairs)
-    make_set(small, args.student_ids, 10 if not args.tiny else 4, 1, 2, 4)
-    val = os.path.join(big, "drawn_faces_val.bin")
-    batch = ["--batch_size", "8"] if args.tiny else []
-
-    teacher = os.path.join(work, "teacher")
-    teacher_steps, _ = train(big, args.teacher_ids, teacher, "--num_epoch", str(args.teacher_epochs), *batch)
-    teacher_file = os.path.join(work, "small.teacher")
-    sh("-m", "scripts.teach", teacher, small, teacher_file, "--num_workers", "1")
-
-    rows = [("teacher", teacher_steps, args.teacher_ids, accuracy(teacher, val))]
-    print(f"teacher: {rows[0][3]:.4f} after {teacher_steps} steps", flush=True)  # seen before any student
-    for loss in ("none", "cosine", "relational"):
-        out = os.path.join(work, f"student_{loss}")
-        extra = [] if loss == "none" else ["--teacher", teacher_file, "--distill_loss", loss]
-        train(small, args.student_ids, out, *student(args.student_steps), *batch, *extra)
-        rows.append((f"student {loss}", args.student_steps, args.student_ids, accuracy(out, val)))
-
-    speed = {"without": [], "online teacher": []}
-    for _ in range(3):  # alternating, so a slow spell of the machine touches both
-        for name, extra in (("without", []), ("online teacher", ["--teacher", teacher])):
-            out = os.path.join(work, f"speed_{name.replace(' ', '_')}")
-            _, rates = train(small, args.student_ids, out, *student(40 if not args.tiny else 10), *batch, *extra)
-            speed[name].append(statistics.median(rates[1:] or rates))  # the first interval holds the start
-    speed = {name: statistics.median(rates) for name, rates in speed.items()}
-
-    print(f"\nverification on {val} ({val_pairs} pairs of {val_ids} held-out identities), flip test:")
-    print("| model | steps | train identities | accuracy |\n|---|---|---|---|")
-    for name, steps, ids, acc in rows:
-        print(f"| {name} | {steps} | {ids} | {acc:.4f} |")
-    ratio = speed["without"] / speed["online teacher"]
-    print(f"\nstep time with an on-the-fly teacher / without: {ratio:.2f} "
-          f"({speed['without']:.1f} vs {speed['online teacher']:.1f} samples/s); work dir {work}")
+    if not args.evaluate:
+        train_all(args, work)
+    report(work, args.tiny)
     return 0
 
 
