@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,9 +28,7 @@ def test_failure_on_one_rank_surfaces_its_traceback():
         run_distributed(_fails_on_rank_one, 2, timeout=60)
 
 
-
 def _where(rank, world_size):
-    import os
     return os.environ.get("SHARDFACE_TEST_MARK"), os.getcwd(), os.getpid()
 
 
