@@ -10,7 +10,8 @@ after `timeout` seconds.
 
 The ranks are forked from a forkserver that has imported torch and the heavy libraries once
 (about 0.2 s a call instead of 5-10 s of imports per rank). Each rank gets the caller's
-environment and working directory as they are at the call (`monkeypatch.setenv` reaches it).
+environment, working directory and stdout/stderr as they are at the call (`monkeypatch.setenv`
+reaches it, `capfd` reads it).
 What only a new process reads (glibc's MALLOC_* variables, LD_PRELOAD) needs `fresh=True`:
 the ranks are then spawned.
 """
@@ -20,6 +21,7 @@ import io
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -46,8 +48,25 @@ def _context(fresh: bool):
     return ctx
 
 
-def _worker(rank, world_size, port, fn, args, results, init, env, cwd):
+def _write_where_the_caller_writes(pid: int) -> None:
+    """Points this rank's fds 1 and 2 where the caller's point now: a forked rank inherits the
+    forkserver's, from its start (pytest's capture of an earlier test). So `capfd` sees a rank's
+    output, as it sees a spawned one's. Without /proc (not Linux) the server's stay."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd in (1, 2):
+        try:
+            target = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            continue
+        os.dup2(target, fd)
+        os.close(target)
+
+
+def _worker(rank, world_size, port, fn, args, results, init, env, cwd, caller):
     try:
+        if caller is not None:
+            _write_where_the_caller_writes(caller)
         os.environ.clear()
         os.environ.update(env)  # the caller's, at the call (the forkserver's are from its start)
         os.chdir(cwd)
@@ -74,8 +93,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, init: bo
     ctx = _context(fresh)
     results = ctx.Queue()
     port = free_port()
-    env, cwd = dict(os.environ), os.getcwd()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, init, env, cwd),
+    env, cwd, caller = dict(os.environ), os.getcwd(), None if fresh else os.getpid()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, init, env, cwd, caller),
                          daemon=True)
              for r in range(world_size)]
     for p in procs:
