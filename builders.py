@@ -24,16 +24,17 @@ from utils.checkpoint import find_checkpoint
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
 
 
-def build_train_dataset(cfg) -> torch.utils.data.Dataset:
+def build_train_dataset(cfg, train: bool = True, normalize: bool = False) -> torch.utils.data.Dataset:
     """The training set of `cfg.rec`, as uint8 images (the loop normalises them on its device):
-    with `cfg.align`, the aligned faces of a folder of photos."""
+    with `cfg.align`, the aligned faces of a folder of photos. `train=False, normalize=True`:
+    the same images in the same order, unaugmented and ready for a network (scripts.drop_subcenters)."""
     if cfg.align:
         if cfg.resize:
             raise ConfigError("align true and resize true: choose one (alignment makes 112x112 crops)")
-        return build_aligned_dataset(cfg.rec, cfg.num_classes, cfg.align_detector, normalize=False,
-                                     strict=cfg.align_strict)
-    return build_dataset(cfg.rec, cfg.num_classes, train=True, skip_bad_images=cfg.skip_bad_images,
-                         normalize=False, resize=cfg.resize)
+        return build_aligned_dataset(cfg.rec, cfg.num_classes, cfg.align_detector, train=train,
+                                     normalize=normalize, strict=cfg.align_strict)
+    return build_dataset(cfg.rec, cfg.num_classes, train=train, skip_bad_images=cfg.skip_bad_images,
+                         normalize=normalize, resize=cfg.resize)
 
 
 def build_backbone(cfg) -> nn.Module:

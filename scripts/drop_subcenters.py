@@ -24,8 +24,9 @@ import sys
 import torch
 from easydict import EasyDict
 
+from builders import build_train_dataset
+from configs.base import config as BASE
 from eval.weights import load_backbone
-from dataset import build_dataset
 from losses.subcenter import dominant_subcenters, drop_subcenters, far_from_dominant
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
@@ -68,12 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         raise OutputError(f"--out {args.out}: a file is in its place; give a directory (it receives "
                           f"head_dominant.pt and noisy_images.txt)")
     checkpoint = resolve_checkpoint(args.run)
-    cfg = EasyDict(_training_config(args.run, checkpoint))
+    cfg = EasyDict({**BASE, **_training_config(args.run, checkpoint)})  # keys newer than the run: defaults
     weight, k = full_head_weight(checkpoint)
     if k < 2:
         raise CheckpointError(f"{args.run}: the head has one centre per class; nothing to drop")
     model = load_backbone(args.run).eval()
-    dataset = build_dataset(cfg.rec, cfg.num_classes, train=False)
+    dataset = build_train_dataset(cfg, train=False, normalize=True)  # as trained: align, resize, skipped images
     os.makedirs(args.out, exist_ok=True)  # an unwritable --out fails here, before the pass
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=cfg.num_workers)
     embeddings, labels = [], []

@@ -1,6 +1,7 @@
 """AdaFace, MagFace, CurricularFace and sub-center ArcFace, class-sharded and chunked, equal
 their papers' single-process formulations (tests/margin_references.py)."""
 import copy
+import os
 
 import pytest
 import torch
@@ -253,10 +254,34 @@ def test_drop_subcenters_checks_its_output_before_the_pass(subcenter_run, tmp_pa
     from scripts import drop_subcenters
     taken = tmp_path / "taken"
     taken.write_text("a file")
-    monkeypatch.setattr(drop_subcenters, "build_dataset", lambda *a, **k: pytest.fail("embedded before checking"))
+    monkeypatch.setattr(drop_subcenters, "build_train_dataset", lambda *a, **k: pytest.fail("embedded before checking"))
     assert drop_subcenters.main([subcenter_run, "--out", str(taken)]) == 2
     assert capsys.readouterr().err.startswith(f"error: --out {taken}: a file is in its place")
     assert taken.read_text() == "a file"
+
+
+def test_drop_subcenters_reads_the_data_as_the_run_did(tmp_path):
+    """A run trained with `resize true` on a folder of 120x120 images: drop_subcenters embeds
+    those images resized, as training read them, instead of refusing their size."""
+    import numpy as np
+    from PIL import Image
+
+    import train
+    from scripts import drop_subcenters
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        os.makedirs(tmp_path / "faces" / f"id{i}")
+        for j in range(4):
+            pixels = rng.integers(0, 256, (120, 120, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(tmp_path / "faces" / f"id{i}" / f"{j}.png")
+    out = str(tmp_path / "run")
+    assert train.main(["configs/demo.py", "--rec", str(tmp_path / "faces"), "--num_classes", "4", "--resize", "true",
+                       "--batch_size", "8", "--num_workers", "0", "--val_targets", "[]", "--max_steps", "2",
+                       "--warmup_epoch", "0", "--margin", "subcenter_arcface", "--subcenter_k", "2", "--ema", "false",
+                       "--output", out]) == 0
+    assert drop_subcenters.main([out, "--out", str(tmp_path / "clean")]) == 0
+    assert torch.load(tmp_path / "clean" / "head_dominant.pt").shape == (4, 128)
+    assert len(open(tmp_path / "clean" / "noisy_images.txt").read().split()) <= 16
 
 
 def test_drop_subcenters_on_a_checkpoint_directory_reads_meta_config(subcenter_run, tmp_path):
