@@ -13,7 +13,9 @@ The ranks are forked from a forkserver that has imported torch and the heavy lib
 environment, working directory and stdout/stderr as they are at the call (`monkeypatch.setenv`
 reaches it, `capfd` reads it).
 What only a new process reads (glibc's MALLOC_* variables, LD_PRELOAD) needs `fresh=True`:
-the ranks are then spawned.
+the ranks are then spawned. On a machine with a CUDA device they are always spawned, as before:
+a process forked after the CUDA driver was touched cannot use CUDA, and forking has not been
+proven on a GPU.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ _PRELOAD = ["torch", "torch.distributed", "numpy", "torchvision", "sklearn.model
 
 
 def _context(fresh: bool):
-    if fresh:
+    if fresh or torch.cuda.is_available():  # a fork after the CUDA driver is touched is unsafe: spawn
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts: the first call
