@@ -134,11 +134,3 @@ def align_groups(groups: list[list[str]], detection: Detection, strict: bool,
     if found.extra_faces:
         logger.warning("%s", found.summary())
     return kept, faces
-
-
-def photo_crops(paths: list[str], faces: dict[str, Face], template: Template) -> torch.Tensor:
-    """N x 3 x h x w uint8: each photo's face (`faces[path]`) aligned to `template`."""
-    if not paths:
-        h, w = template.size
-        return torch.zeros((0, 3, h, w), dtype=torch.uint8)
-    return torch.stack([aligned_chw(path, faces[path], template) for path in paths])

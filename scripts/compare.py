@@ -19,9 +19,9 @@ import sys
 
 import numpy as np
 
-from eval.embedder import best_threshold, embed_files, embed_uint8, load_embedder
+from eval.embedder import best_threshold, embed_files, load_embedder
 from eval.verification import load_bin
-from faces.photos import find_faces, photo_crops, usable
+from faces.photos import find_faces, usable
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 from scripts.face_options import add_align_options, detection_from
@@ -46,11 +46,8 @@ def main(argv=None) -> int:
     detection = detection_from(args) if args.align else None
     model = load_embedder(args.model, args.network, ema=not args.no_ema)
     pair = [args.image_a, args.image_b]
-    if args.align:
-        faces = usable(find_faces(pair, detection), strict=True)
-        a, b = embed_uint8(photo_crops(pair, faces, model.template), model.module)
-    else:
-        a, b = embed_files(pair, model, resize=args.resize)
+    faces = usable(find_faces(pair, detection), strict=True) if args.align else None
+    a, b = embed_files(pair, model, resize=args.resize, faces=faces)
     threshold = args.threshold
     if args.threshold_from:
         pairs = load_bin(args.threshold_from)
