@@ -105,6 +105,11 @@ def backbone_throughput(name: str, device: torch.device, sizes: Sizes, warmup: i
             "ms/step": f"{statistics.median(times):.1f}", "peak MB": _mb(peak)}
 
 
+def _base_config():
+    from configs.base import config
+    return config
+
+
 def _head(method: str, classes_per_rank: int, sample_rate: float, device: torch.device):
     from heads import PartialFC, SampledRowsOptimizer
     from losses import CombinedMarginLoss
@@ -113,7 +118,9 @@ def _head(method: str, classes_per_rank: int, sample_rate: float, device: torch.
     if method == "pfc_v2":
         rows = int(sample_rate * classes_per_rank) if sample_rate < 1 else classes_per_rank
         return PFCv2Reference(margin, D, rows).to(device), None
-    head = PartialFC(margin, D, classes_per_rank, sample_rate, chunk_size=8192, validate=False).to(device)
+    base = _base_config()  # the tiling a training run gets by default
+    head = PartialFC(margin, D, classes_per_rank, sample_rate, chunk_size=base.chunk_size or None,
+                     row_block=base.row_block, validate=False).to(device)
     return head, SampledRowsOptimizer(head, torch.optim.SGD, lr=0.0)
 
 
@@ -193,7 +200,8 @@ def main(argv=None) -> int:
         rows = [head_step(case, method, tf32, device, sizes, args.warmup, args.iters)
                 for case in HEAD_CASES for tf32 in (False, True) for method in ("ours", "pfc_v2")]
         print(f"\nhead forward+backward at one rank's shapes of a {sizes.gpus}-GPU job "
-              f"({sizes.gpus * sizes.batch} embeddings x D={D}, fp32; ours chunk_size 8192)")
+              f"({sizes.gpus * sizes.batch} embeddings x D={D}, fp32; ours chunk_size "
+              f"{_base_config().chunk_size}, row_block {_base_config().row_block}: configs/base.py)")
         print(table(rows, list(rows[0])))
 
     if "accuracy" in args.only:

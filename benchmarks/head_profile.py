@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""Where the head's step time goes, by op, on whatever device there is; and, with --sweep, its
+step time over tile (`chunk_size`) and `row_block` beside PFC v2 at the same shapes.
+
+One rank's shapes of an 8-GPU job (benchmarks/gpu.py's HEAD_CASES): the global batch of
+gpus x batch embeddings (D=512, fp32) against the rank's class shard, ArcFace s=64 m=0.5.
+The profile (torch.profiler over --iters steps after --warmup) prints per step:
+- the step's time (CUDA events on a GPU, the wall clock on the CPU) and the host's own time
+  to issue it (on a GPU: wall clock of the steps with no synchronisation between them, so
+  host time >= step time means the launches, not the kernels, set the pace);
+- the time in the three GEMMs (matrix-product kernels / ops) and in everything else, by op,
+  the largest first, with the number of launches.
+
+Run from the repository root: `.venv/bin/python benchmarks/head_profile.py [--case Glint360K]`.
+`--smoke` shrinks the classes 500-fold (what `make test` runs, so the script cannot rot).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import common  # noqa: F401,I001  (puts the repository root on sys.path)
+import torch
+
+from common import MB, table
+from gpu import D, HEAD_CASES, _base_config, _process_group, _timed
+
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::matmul", "aten::linear")
+GEMM_KERNELS = ("gemm", "cutlass", "cublas", "sm90_xmma", "nvjet")
+
+
+def build(case: str, method: str, device, gpus: int, batch: int, divisor: int, chunk: int, row_block: int):
+    from heads import PartialFC, SampledRowsOptimizer
+    from losses import CombinedMarginLoss
+    from pfc_v2_reference import PFCv2Reference
+    classes, rate = HEAD_CASES[case]
+    classes //= divisor
+    per_rank = -(-classes // gpus)
+    torch.manual_seed(0)
+    margin = CombinedMarginLoss(64.0, 1.0, 0.5, 0.0)
+    if method == "pfc_v2":
+        head, opt = PFCv2Reference(margin, D, int(rate * per_rank) if rate < 1 else per_rank).to(device), None
+    else:
+        head = PartialFC(margin, D, per_rank, rate, chunk_size=chunk or None, row_block=row_block, validate=False).to(device)
+        opt = SampledRowsOptimizer(head, torch.optim.SGD, lr=0.0)
+    emb = torch.randn(gpus * batch, D, device=device, requires_grad=True)
+    labels = torch.randint(0, head.weight.shape[0], (gpus * batch,), device=device)
+
+    def step():
+        head.weight.grad, emb.grad = None, None
+        if opt is not None:
+            opt.zero_grad()
+        head(emb, labels).backward()
+    return step, per_rank
+
+
+def host_ms(step, device, iters: int) -> float:
+    """Host time per step to issue `iters` steps back to back (no synchronisation between)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    elapsed = time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return elapsed * 1e3 / iters
+
+
+def by_op(step, device, iters: int) -> tuple[dict, dict]:
+    """{op or kernel: (ms per step, launches per step)}, split into GEMM and the rest."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(iters):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    gemm, rest = defaultdict(lambda: [0.0, 0]), defaultdict(lambda: [0.0, 0])
+    if cuda:  # device kernels: each event is one launch
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                name = ev.name[:70]
+                into = gemm if any(k in name.lower() for k in GEMM_KERNELS) else rest
+                into[name][0] += ev.device_time / 1e3
+                into[name][1] += 1
+    else:  # CPU ops, self time (leaves of the dispatcher carry the work)
+        for ev in prof.key_averages():
+            if ev.self_cpu_time_total <= 0 or not ev.key.startswith("aten::"):
+                continue
+            into = gemm if ev.key in GEMM_OPS else rest
+            into[ev.key][0] += ev.self_cpu_time_total / 1e3
+            into[ev.key][1] += ev.count
+    norm = lambda d: {k: (v[0] / iters, v[1] / iters) for k, v in d.items()}  # noqa: E731
+    return norm(gemm), norm(rest)
+
+
+def profile_case(args, device) -> None:
+    step, per_rank = build(args.case, "ours", device, args.gpus, args.batch, args.divisor, args.chunk_size,
+                           args.row_block)
+    times, peak = _timed(step, device, args.warmup, args.iters)
+    issue = host_ms(step, device, args.iters)
+    gemm, rest = by_op(step, device, args.iters)
+    g_ms, r_ms = sum(v[0] for v in gemm.values()), sum(v[0] for v in rest.values())
+    launches = sum(v[1] for v in gemm.values()) + sum(v[1] for v in rest.values())
+    print(f"\n{args.case}: {per_rank:,} classes/rank, {args.gpus * args.batch} x {D}, chunk_size "
+          f"{args.chunk_size}, row_block {args.row_block}")
+    print(f"step {statistics.median(times):.2f} ms, host issue {issue:.2f} ms/step, "
+          f"{'kernels' if device.type == 'cuda' else 'ops'} {launches:.0f}/step; "
+          f"GEMM {g_ms:.2f} ms, the rest {r_ms:.2f} ms ({r_ms / max(g_ms, 1e-9):.2f}x GEMM)"
+          + (f", peak {peak / MB:.0f} MB" if peak else ""))
+    rows = [{"op": k, "ms/step": f"{v[0]:.3f}", "calls/step": f"{v[1]:.0f}", "GEMM": "yes" if k in gemm else ""}
+            for k, v in sorted({**gemm, **rest}.items(), key=lambda kv: -kv[1][0])[:args.top]]
+    print(table(rows, ["op", "ms/step", "calls/step", "GEMM"]))
+
+
+def sweep(args, device) -> None:
+    rows = []
+    base, _ = build(args.case, "pfc_v2", device, args.gpus, args.batch, args.divisor, 0, 0)
+    t, peak = _timed(base, device, args.warmup, args.iters)
+    ref = statistics.median(t)
+    rows.append({"head": "pfc_v2", "ms": f"{ref:.2f}", "vs pfc_v2": "1.00",
+                 "peak MB": f"{peak / MB:.0f}" if peak else "n/a"})
+    del base
+    for chunk in args.chunks:
+        for rb in args.row_blocks:
+            step, _ = build(args.case, "ours", device, args.gpus, args.batch, args.divisor, chunk, rb)
+            t, peak = _timed(step, device, args.warmup, args.iters)
+            ms = statistics.median(t)
+            rows.append({"head": f"ours {chunk}/{rb}", "ms": f"{ms:.2f}", "vs pfc_v2": f"{ms / ref:.2f}",
+                         "peak MB": f"{peak / MB:.0f}" if peak else "n/a",
+                         "host ms": f"{host_ms(step, device, args.iters):.2f}"})
+            del step
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print(f"\n{args.case} sweep (ours chunk_size/row_block), {args.gpus * args.batch} x {D}, fp32")
+    print(table(rows, ["head", "ms", "vs pfc_v2", "peak MB", "host ms"]))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--case", choices=sorted(HEAD_CASES), nargs="+", default=["Glint360K"])
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--chunk_size", type=int, default=_base_config().chunk_size, help="default: configs/base.py's")
+    p.add_argument("--row_block", type=int, default=_base_config().row_block, help="default: configs/base.py's")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--top", type=int, default=20)
+    p.add_argument("--sweep", action="store_true", help="step time over --chunks x --row_blocks, PFC v2 beside")
+    p.add_argument("--chunks", type=int, nargs="+", default=[8192, 32768, 1 << 20])
+    p.add_argument("--row_blocks", type=int, nargs="+", default=[128, 512, 1024])
+    p.add_argument("--smoke", action="store_true", help="classes / 500, 2 steps (figures mean nothing)")
+    args = p.parse_args(argv)
+    args.divisor = 500 if args.smoke else 1
+    if args.smoke:
+        args.warmup, args.iters, args.gpus, args.batch = 1, 2, 2, 8
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    else:
+        print(f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    _process_group()
+    cases = args.case
+    for case in cases:
+        args.case = case
+        profile_case(args, device)
+        if args.sweep:
+            sweep(args, device)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
