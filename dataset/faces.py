@@ -15,6 +15,7 @@ from dataset.folders import list_identity_folders, list_images
 from dataset.geometry import check_files, check_records
 from dataset.images import FACE_SIZE, decode_chw, decode_image, normalize_images
 from dataset.layout import class_count, image_keys
+from dataset.pack import recover_rec_set
 from dataset.recordio import IndexedRecordReader, unpack
 
 logger = logging.getLogger("shardface")
@@ -261,8 +262,15 @@ def build_dataset(rec: str, num_classes: int, train: bool = True, skip_bad_image
     if os.path.isfile(os.path.join(rec, "train.rec")):
         idx = os.path.join(rec, "train.idx")
         if not os.path.exists(idx):  # pack_rec publishes train.idx last (utils.atomic.publishing_set)
-            raise DataLayoutError(f"{idx}: missing beside train.rec, so the set is incomplete (a pack_rec stopped "
-                                  f"while replacing the set leaves it so): pack the set again")
+            try:
+                restored = recover_rec_set(rec)
+            except OSError as e:
+                raise DataLayoutError(f"{idx}: missing beside train.rec, and the earlier set journaled by the "
+                                      f"pack_rec that stopped while replacing it could not be put back ({e})") from None
+            if not restored:
+                raise DataLayoutError(f"{idx}: missing beside train.rec, so the set is incomplete (a pack_rec "
+                                      f"stopped while replacing the set leaves it so): pack the set again")
+            logger.warning("%s: a pack_rec stopped while replacing this set; the earlier set was put back", rec)
         dataset = MXFaceDataset(rec, train=train, num_classes=num_classes, skip_bad_images=skip_bad_images,
                                 normalize=normalize, resize=resize, label_free=num_classes == 0)
         if num_classes == 0:

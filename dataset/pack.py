@@ -5,7 +5,18 @@ import os
 from typing import Iterable
 
 from dataset.recordio import IRHeader, RecordWriter, pack
-from utils.atomic import OutputError, publishing_set
+from utils.atomic import OutputError, publishing_set, recover_set
+
+
+def rec_set(out_dir: str) -> list[str]:
+    """The files of a packed set, its key (train.idx, what every reader opens first) last."""
+    return [os.path.join(out_dir, n) for n in ("property", "train.rec", "train.idx")]
+
+
+def recover_rec_set(out_dir: str) -> bool:
+    """Put back the earlier set where a pack killed mid-swap left no train.idx (utils.atomic's
+    journal); True when it did."""
+    return recover_set(rec_set(out_dir))
 
 
 def write_insightface_rec(out_dir: str, identities: Iterable[list[bytes]], num_images: int,
@@ -19,10 +30,11 @@ def write_insightface_rec(out_dir: str, identities: Iterable[list[bytes]], num_i
 
     The three files are published as one set by `utils.atomic.publishing_set`, train.idx
     (what every reader opens first) last: a pack that fails or is killed before the swap leaves
-    an earlier set in `out_dir` as it was, and one killed during the swap leaves no train.idx,
-    so no reader takes a mixed set for a good one.
+    an earlier set in `out_dir` as it was; one killed during the swap leaves no train.idx (no
+    reader takes a mixed set for a good one) and the journal of the earlier set, which the next
+    pack or reader puts back (`recover_rec_set`).
     """
-    paths = [os.path.join(out_dir, n) for n in ("property", "train.rec", "train.idx")]
+    paths = rec_set(out_dir)
     existing = [p for p in paths if os.path.exists(p)]
     if existing and not overwrite:
         raise OutputError(f"{existing[0]} exists; pass --overwrite to replace it")

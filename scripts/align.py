@@ -18,7 +18,7 @@ if not __package__:  # run as a file (python scripts/x.py): import as `python -m
 
 import csv
 import os
-import shutil
+import re
 import sys
 from collections import Counter
 
@@ -32,10 +32,11 @@ from faces.photos import Detection, load_photo, no_face_message
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 from scripts.face_options import add_detection_options, detection_from
-from utils.atomic import OutputError
+from utils.atomic import OutputError, check_output_dir, publishing_dir
 from utils.progress import Progress
 
 REPORT = "align_report.csv"
+_FACE_N = re.compile(r"\.face\d+$")
 POINTS = ("left_eye", "right_eye", "nose", "mouth_left", "mouth_right")
 COLUMNS = ["photo", "faces", "face", "crop", "score", "x0", "y0", "x1", "y1"] + \
           [f"{p}_{c}" for p in POINTS for c in "xy"]
@@ -51,11 +52,16 @@ def photos_under(src: str) -> list[str]:
 
 
 def crop_stems(photos: list[str]) -> dict[str, str]:
-    """Relative photo path -> relative crop path without extension: the photo's name without its
-    extension, or with it where two photos of one folder share a name (p1.jpg, p1.png)."""
+    """Relative photo path -> relative crop path without extension, unique by construction: the
+    photo's name without its extension (p1.jpg -> p1, whose faces give p1.png, p1.face2.png,
+    ...), or with it (p1.jpg -> p1.jpg) where the short one could meet another crop's name: a
+    name shared in the folder (p1.jpg, p1.png), one that another photo's full name equals
+    (a.jpg.png beside a.jpg) or one ending like a further face's (k.face2.jpg beside k.jpg).
+    A full name ends in an image extension, so it never ends like `.faceN` and never equals a
+    short name that was kept."""
     stems = {p: os.path.splitext(p)[0] for p in photos}
-    shared = Counter(stems.values())
-    return {p: (s + "_" + os.path.splitext(p)[1][1:] if shared[s] > 1 else s) for p, s in stems.items()}
+    shared, full = Counter(stems.values()), set(photos)
+    return {p: (p if shared[s] > 1 or s in full or _FACE_N.search(s) else s) for p, s in stems.items()}
 
 
 def inside(path: str, folder: str) -> bool:
@@ -75,7 +81,7 @@ def align_into(src: str, photos: list[str], out: str, detection: Detection, side
     """Crops and the report of every photo into the folder `out`; -> (crops written, photos
     without a face)."""
     template = ARCFACE_112.scaled(side)
-    stems, written, without = crop_stems(photos), 0, []
+    stems, written, without, crops = crop_stems(photos), 0, [], set()
     with open(os.path.join(out, REPORT), "w", newline="") as f:
         report = csv.writer(f)
         report.writerow(COLUMNS)
@@ -91,23 +97,15 @@ def align_into(src: str, photos: list[str], out: str, detection: Detection, side
                     crop = ""
                 else:
                     crop = stems[photo] + (".png" if number == 1 else f".face{number}.png")
+                    if crop in crops:  # crop_stems makes names unique: this would be its bug, not data
+                        raise RuntimeError(f"align: two faces named {crop}")
+                    crops.add(crop)
                     os.makedirs(os.path.dirname(os.path.join(out, crop)) or out, exist_ok=True)
                     align(img, face.landmarks, template).save(os.path.join(out, crop))
                     written += 1
                 report.writerow(report_row(photo, len(faces), number, crop, face))
             progress.update()
     return written, without
-
-
-def publish(tmp: str, dst: str) -> None:
-    """Move the finished folder `tmp` to `dst`, replacing an old `dst` only once `tmp` is complete."""
-    if not os.path.exists(dst):
-        os.replace(tmp, dst)
-        return
-    old = f"{dst}.old-{os.getpid()}"
-    os.replace(dst, old)
-    os.replace(tmp, dst)
-    shutil.rmtree(old)
 
 
 @exits_on_user_error
@@ -131,6 +129,7 @@ def main(argv=None) -> int:
         raise OutputError(f"{dst} is inside {src}: write the crops elsewhere (they would be taken for photos)")
     if inside(src, dst):
         raise OutputError(f"{src} is inside {dst}: --overwrite would delete the photos")
+    check_output_dir(dst)
     if os.path.exists(dst) and not args.overwrite:
         raise OutputError(f"{dst} exists; pass --overwrite to replace it")
     parent = os.path.dirname(os.path.abspath(dst))
@@ -142,15 +141,9 @@ def main(argv=None) -> int:
     check_available(detection.detector, detection.landmarks)  # a missing model file: one line, at start
     photos = photos_under(src)
     check_files((os.path.join(src, ph) for ph in photos), resize=True)  # unreadable files, before any output
-    tmp = f"{os.path.abspath(dst)}.partial-{os.getpid()}"
-    os.makedirs(tmp)
-    try:
+    with publishing_dir(dst) as tmp:  # utils.atomic: staged beside DST, swapped in when complete
         written, without = align_into(src, photos, tmp, detection, args.size, args.largest,
                                       Progress(len(photos), "aligning"))
-        publish(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
     print(f"wrote {written} crops of {len(photos) - len(without)} photos with faces into {dst}; "
           f"report: {os.path.join(dst, REPORT)}")
     if without:

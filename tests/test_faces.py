@@ -5,6 +5,7 @@ image-folder training. Photos are small (detection on a CPU) and detected once p
 import csv
 import json
 import os
+import socket
 
 import numpy as np
 import pytest
@@ -320,7 +321,60 @@ def test_training_set_align_true_label_free_takes_every_photo_with_a_face_under_
 def test_crop_names_keep_folders_and_tell_apart_photos_sharing_a_name():
     from scripts.align import crop_stems
     assert crop_stems(["a/p1.jpg", "a/p1.png", "a/p2.jpg", "b/p1.jpg"]) == {
-        "a/p1.jpg": "a/p1_jpg", "a/p1.png": "a/p1_png", "a/p2.jpg": "a/p2", "b/p1.jpg": "b/p1"}
+        "a/p1.jpg": "a/p1.jpg", "a/p1.png": "a/p1.png", "a/p2.jpg": "a/p2", "b/p1.jpg": "b/p1"}
+    # names that met before: a_jpg.png beside a.jpg + a.png; a.jpg.png beside a.jpg; k.face2.jpg beside k.jpg
+    photos = ["a/a.jpg", "a/a.png", "a/a_jpg.png", "a/a.jpg.png", "k/k.jpg", "k/k.face2.jpg", "k/k.face3.png"]
+    stems = crop_stems(photos)
+    crops = [stems[p] + suffix for p in photos for suffix in [".png"] + [f".face{n}.png" for n in range(2, 5)]]
+    assert len(set(crops)) == len(crops), stems
+    assert stems["a/a_jpg.png"] == "a/a_jpg" and stems["k/k.jpg"] == "k/k"
+
+
+def test_align_writes_one_crop_file_per_reported_face_whatever_the_names(head, tmp_path):
+    """a.jpg, a.png and a_jpg.png in one folder, and a two-face k.jpg beside k.face2.jpg: every
+    face the report lists has its own crop file."""
+    from scripts.align import main as align_tool
+    os.makedirs(tmp_path / "src" / "p")
+    for name in ("a.jpg", "a.png", "a_jpg.png", "k.face2.jpg"):
+        head.save(tmp_path / "src" / "p" / name)
+    _two_faces(head).save(tmp_path / "src" / "p" / "k.jpg")
+    dst = str(tmp_path / "dst")
+    assert align_tool([str(tmp_path / "src"), dst]) == 0
+    rows = [r for r in _report(dst) if r["crop"]]
+    assert len(rows) == 6 and len({r["crop"] for r in rows}) == 6
+    files = sorted(os.path.relpath(os.path.join(d, f), dst) for d, _, fs in os.walk(dst) for f in fs if f.endswith(".png"))
+    assert files == sorted(r["crop"] for r in rows)
+
+
+def test_align_overwrite_swaps_folders_and_cleans_what_killed_runs_left(photos, tmp_path, capsys):
+    from scripts.align import main as align_tool
+    from tests.tool_files import dead_pid
+    import shutil
+    src = tmp_path / "src"
+    shutil.copytree(os.path.join(photos, "nobody"), src / "nobody")
+    (tmp_path / "out").write_text("a file")  # --overwrite onto a regular file: refused before the work
+    assert align_tool([str(src), str(tmp_path / "out"), "--overwrite"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("is a file, not a directory; name a directory")
+    assert (tmp_path / "out").read_text() == "a file" and sorted(os.listdir(tmp_path)) == ["out", "src"]
+    dst = tmp_path / "dst"
+    os.makedirs(dst)
+    (dst / "earlier").write_text("x")
+    pid, host = dead_pid(), socket.gethostname()
+    for litter in (f".dst.partial-{host}-{pid}", f"dst.partial-{pid}", f"dst.old-{pid}"):  # utils.atomic's, older align's
+        os.makedirs(tmp_path / litter / "p")
+    assert align_tool([str(src), str(dst), "--overwrite"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["dst", "out", "src"] and os.listdir(dst) == ["align_report.csv"]
+
+
+def test_align_killed_between_moving_the_earlier_folder_aside_and_the_new_one_in_keeps_it(photos, tmp_path):
+    """Where no atomic exchange is available: a kill after the earlier DST was moved to its
+    journaled backup leaves no DST; the next run puts the earlier one back before it starts."""
+    from utils import atomic
+    from tests.tool_files import dead_pid
+    dst, backup = tmp_path / "dst", tmp_path / f".dst.old-{socket.gethostname()}-{dead_pid()}"
+    os.makedirs(backup)
+    (backup / "earlier").write_text("x")
+    assert atomic.recover_dir(str(dst)) and os.listdir(dst) == ["earlier"] and os.listdir(tmp_path) == ["dst"]
 
 
 def test_a_photo_stored_sideways_with_exif_orientation_is_turned_upright(head, head_faces, tmp_path):

@@ -80,16 +80,39 @@ def _pack_killed_at(src: str, out: str, name: str, n: int) -> None:
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
 
 
-def test_pack_killed_between_renames_leaves_no_set_that_reads_as_good(tmp_path):
+def test_pack_killed_between_renames_leaves_the_earlier_set_which_the_reader_puts_back(tmp_path):
     out = str(tmp_path / "rec")
     assert pack_rec([photos(tmp_path / "old", ids=2, per_id=2), out]) == 0
+    before = _contents(out)
     new = photos(tmp_path / "new", ids=3, per_id=4, first_seed=50)
     _pack_killed_at(new, out, "replace", 2)  # one file of the new set is in place, the others not
-    with pytest.raises(DataLayoutError, match=r"train.idx: missing beside train.rec"):
-        build_dataset(out, 3)
-    assert pack_rec([new, out, "--overwrite"]) == 0  # the next run completes the set and cleans up
+    assert not os.path.exists(os.path.join(out, "train.idx"))  # no set reads as good while mixed
+    assert len(build_dataset(out, 2)) == 4  # the reader puts the journaled earlier set back
+    assert {k: v for k, v in _contents(out).items() if ".partial-" not in k} == before  # no journal left
+    assert pack_rec([new, out, "--overwrite"]) == 0
     assert sorted(os.listdir(out)) == ["property", "train.idx", "train.rec"]
     assert len(build_dataset(out, 3)) == 12
+
+
+@pytest.mark.parametrize("name,n", [("link", 1), ("link", 3), ("remove", 1), ("replace", 1), ("replace", 2),
+                                    ("replace", 3), ("remove", 2), ("remove", 4)])
+def test_pack_killed_at_any_step_of_the_swap_leaves_the_earlier_set_or_the_new_one(tmp_path, name, n):
+    """SIGKILL at each link, remove and rename of pack_rec's swap (the journal's hard links, the
+    key's removal, the three renames, the journal's removal): the next pack_rec finds the
+    earlier set or the new one whole, never neither, and leaves no litter."""
+    out = str(tmp_path / "rec")
+    assert pack_rec([photos(tmp_path / "old", ids=2, per_id=2), out]) == 0
+    old = _contents(out)
+    new = photos(tmp_path / "new", ids=3, per_id=4, first_seed=50)
+    _pack_killed_at(new, out, name, n)
+    from dataset.pack import recover_rec_set
+    recover_rec_set(out)
+    visible = {k: v for k, v in _contents(out).items() if not k.startswith(".")}
+    assert sorted(visible) == ["property", "train.idx", "train.rec"], sorted(_contents(out))
+    assert len(build_dataset(out, 2 if visible == old else 3)) == (4 if visible == old else 12)
+    assert not any(".old-" in k for k in os.listdir(out))
+    assert pack_rec([new, out, "--overwrite"]) == 0
+    assert sorted(os.listdir(out)) == ["property", "train.idx", "train.rec"]
 
 
 def test_pack_killed_before_the_swap_keeps_the_earlier_set_and_its_litter_is_cleaned(tmp_path):
@@ -124,13 +147,13 @@ def test_embed_replaces_its_pair_only_with_overwrite_and_publishes_the_listing_l
     assert embed([pt, os.path.join(faces, "id0"), "--out", out]) == 2
     assert capsys.readouterr().err == f"error: --out {out} exists; pass --overwrite to replace it\n"
     assert (_contents(tmp_path / "emb.npy"), _contents(tmp_path / "emb.txt")) == pair
-    monkeypatch.setattr(os, "replace", _fail_on_call(2))  # killed after emb.npy, before emb.txt
+    monkeypatch.setattr(os, "replace", _fail_on_call(2))  # stopped after emb.npy, before emb.txt
     with pytest.raises(KeyboardInterrupt):
         embed([pt, os.path.join(faces, "id0"), "--out", out, "--overwrite"])
     monkeypatch.undo()
-    # the old listing is gone with the old array: the new array has no listing to be paired with
-    assert not os.path.exists(tmp_path / "emb.txt") and np.load(out).shape == (2, 64)
-    assert [n for n in os.listdir(tmp_path) if ".partial-" in n] == []
+    # the swap put the earlier pair back from its journal before the interrupt went on
+    assert (_contents(tmp_path / "emb.npy"), _contents(tmp_path / "emb.txt")) == pair
+    assert [n for n in os.listdir(tmp_path) if ".partial-" in n or ".old-" in n] == []
 
 
 def test_outputs_of_the_wrong_kind_are_refused_before_the_work(tmp_path, capsys):

@@ -6,7 +6,11 @@ earlier file or the complete new one, never a part. A set of files that belong t
 (train.rec, train.idx, property; emb.npy, emb.txt) has a key, the file a reader needs
 first (the index, the file list): the key is removed before the others are replaced and
 published after them, so while the set is being swapped it has no key, and nothing can read
-a mixed set as a good one. A run killed before the swap leaves the earlier set whole.
+a mixed set as a good one. A run killed before the swap leaves the earlier set whole. Before
+the swap the earlier set is hard-linked to backups, `.<name>.old-<host>-<pid>` (the journal):
+a swap that raises puts them back at once, and one killed mid-swap (no key) is put back by
+the next publish of the set or by a reader (`recover_set`), so the folder holds the earlier
+set or the new one, never neither.
 
 Staging files of runs that were killed are removed by the next publish of the same name on
 the same host, once their process is gone. An output that is also an input is refused, and
@@ -15,8 +19,10 @@ every output is checked (its kind, its directory, `--overwrite`) before the work
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
+import shutil
 import socket
 import stat
 from typing import Iterable, Iterator
@@ -24,6 +30,7 @@ from typing import Iterable, Iterator
 from configs.errors import UserError
 
 _STAGED = re.compile(r"^\.?(?P<name>.+)\.partial-(?:(?P<host>.+)-)?(?P<pid>\d+)$")
+_BACKUP = re.compile(r"^\.?(?P<name>.+)\.old-(?:(?P<host>.+)-)?(?P<pid>\d+)$")  # no host: older align
 
 
 class OutputError(UserError, ValueError):
@@ -39,6 +46,12 @@ def staging_path(path: str) -> str:
     (the same file system, so the rename is atomic), unique to this host and process."""
     folder, name = os.path.split(os.path.abspath(path))
     return os.path.join(folder, f".{name}.partial-{_host()}-{os.getpid()}")
+
+
+def backup_path(path: str, pid: int | None = None) -> str:
+    """The journal's copy (a hard link) of the earlier `path` while a set is being swapped."""
+    folder, name = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, f".{name}.old-{_host()}-{os.getpid() if pid is None else pid}")
 
 
 def _alive(pid: int) -> bool:
@@ -68,10 +81,17 @@ def remove_stale(path: str) -> list[str]:
         pid = int(m.group("pid"))
         if pid == os.getpid() or _alive(pid):
             continue
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(folder, entry))
-            removed.append(os.path.join(folder, entry))
+        _remove_tree_or_file(os.path.join(folder, entry))
+        removed.append(os.path.join(folder, entry))
     return removed
+
+
+def _remove_tree_or_file(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def fsync_dir(path: str) -> None:
@@ -103,11 +123,75 @@ def publishing(path: str) -> Iterator[str]:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
+def _dead_backups(paths: list[str]) -> dict[int, dict[str, str]]:
+    """{pid: {path: its backup}} for backups of `paths` left on this host by processes now gone."""
+    found: dict[int, dict[str, str]] = {}
+    names = {os.path.split(os.path.abspath(p)): p for p in paths}
+    for folder in dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in paths):
+        try:
+            entries = os.listdir(folder)
+        except OSError:
+            continue
+        for entry in entries:
+            m = _BACKUP.match(entry)
+            path = names.get((folder, m.group("name"))) if m else None
+            if path is None or m.group("host") not in (None, _host()):
+                continue
+            pid = int(m.group("pid"))
+            if pid != os.getpid() and not _alive(pid):
+                found.setdefault(pid, {})[path] = os.path.join(folder, entry)
+    return found
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _restore(paths: list[str], backups: dict[str, str]) -> None:
+    """Put the earlier set back: each backed-up file onto its name (the key last); a file of
+    the set that had no backup (new with this set) is removed."""
+    *others, key = paths
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(key)
+    for path in others:
+        if path in backups:
+            os.replace(backups[path], path)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+    if key in backups:
+        os.replace(backups[key], key)
+
+
+def recover_set(paths: list[str]) -> bool:
+    """Finish the journal of a swap of the set `paths` (key last) that a killed run left: where
+    the key is missing the swap was cut short, and the earlier set is put back (True); where
+    the key is the earlier one or a new one, the set is whole and the backups are removed."""
+    restored = False
+    for pid, backups in sorted(_dead_backups(paths).items()):
+        key = paths[-1]
+        if not os.path.lexists(key) and not restored:
+            _restore(paths, backups)
+            restored = True
+        for backup in backups.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(backup)
+    if restored:
+        for folder in dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in paths):
+            fsync_dir(folder)
+    return restored
+
+
 @contextlib.contextmanager
 def publishing_set(paths: list[str]) -> Iterator[list[str]]:
     """`with publishing_set([a, b, key]) as (ta, tb, tkey):` write the staging files; when the
     block ends normally the set is published with its key (the last path) removed first and
-    published last (see the module docstring); when it raises, nothing is published."""
+    published last, the earlier set journaled until the new one is whole (see the module
+    docstring); when it raises, nothing is published."""
+    recover_set(paths)
     for path in paths:
         remove_stale(path)
     temps = [staging_path(p) for p in paths]
@@ -115,18 +199,94 @@ def publishing_set(paths: list[str]) -> Iterator[list[str]]:
         yield temps
         for tmp in temps:
             _fsync_file(tmp)
+        backups = {}
+        for path in paths:
+            if os.path.lexists(path):
+                try:
+                    os.link(path, backup_path(path))
+                except OSError:  # a file system without hard links: no journal (the key still goes last)
+                    continue
+                backups[path] = backup_path(path)
+        for folder in dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in paths):
+            fsync_dir(folder)
         *others, key = paths
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(key)
-        for tmp, path in zip(temps, others):
-            os.replace(tmp, path)
-        os.replace(temps[-1], key)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(key)
+            for tmp, path in zip(temps, others):
+                os.replace(tmp, path)
+            os.replace(temps[-1], key)
+        except BaseException:
+            _restore(paths, backups)  # still running: the earlier set goes back at once
+            raise
+        finally:
+            for backup in backups.values():
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(backup)
     finally:
         for tmp in temps:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
     for folder in dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in paths):
         fsync_dir(folder)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where the
+    system or file system has no such call."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_cwd = -100
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    return False
+
+
+def recover_dir(path: str) -> bool:
+    """Where a publish of the folder `path` was killed between moving the earlier folder aside
+    and moving the new one in (no atomic exchange there), put the earlier one back (True);
+    backups of a finished publish are removed."""
+    restored = False
+    for backups in _dead_backups([path]).values():
+        backup = backups[path]
+        if not os.path.lexists(path) and not restored:
+            os.replace(backup, path)
+            restored = True
+        else:
+            _remove_tree_or_file(backup)
+    return restored
+
+
+@contextlib.contextmanager
+def publishing_dir(path: str) -> Iterator[str]:
+    """`with publishing_dir(out) as tmp:` fill the folder `tmp` (created); when the block ends
+    normally it takes the place of `out`, an earlier `out` exchanged for it in one atomic step
+    where the system allows (else moved aside to a journaled backup first) and then removed;
+    when it raises, `tmp` is removed and `out` is untouched."""
+    recover_dir(path)
+    remove_stale(path)
+    tmp = staging_path(path)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        if not os.path.lexists(path):
+            os.rename(tmp, path)
+        elif _exchange(tmp, path):  # tmp now holds the earlier folder
+            shutil.rmtree(tmp)
+        else:
+            backup = backup_path(path)
+            os.rename(path, backup)
+            os.rename(tmp, path)
+            shutil.rmtree(backup)
+    finally:
+        if os.path.lexists(tmp):
+            _remove_tree_or_file(tmp)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def check_output_file(path: str, overwrite: bool | None = None, what: str = "output") -> None:
