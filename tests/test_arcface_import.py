@@ -475,3 +475,13 @@ def test_import_into_an_arcface_torch_run_folder_is_refused_and_leaves_it_as_it_
     assert f"{run} is an arcface_torch run (checkpoint_gpu_<rank>.pt): import into a new directory" in \
         capsys.readouterr().err
     assert _folder_bytes(run) == before
+
+
+def test_import_into_a_folder_holding_an_earlier_runs_model_pt_is_refused_and_keeps_it(one_rank, tmp_path, capsys):
+    run = write_arcface_run(os.path.join(one_rank["full"], f"checkpoint-{CUT:08d}"), str(tmp_path / "af"), 2)
+    out = tmp_path / "finished"
+    out.mkdir()
+    (out / "model.pt").write_bytes(b"an earlier run's weights")
+    assert import_arcface_torch.main([one_rank["config"], run, str(out)]) == 2
+    assert f"{out} holds model.pt of an earlier run: import into a new directory" in capsys.readouterr().err
+    assert sorted(os.listdir(out)) == ["model.pt"] and (out / "model.pt").read_bytes() == b"an earlier run's weights"
