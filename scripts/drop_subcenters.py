@@ -30,7 +30,7 @@ from eval.weights import load_backbone
 from losses.subcenter import dominant_subcenters, drop_subcenters, far_from_dominant
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from utils.atomic import OutputError, publishing_set
+from utils.atomic import OutputError, check_output_file, publishing_set, refuse_inputs
 from utils.checkpoint import CheckpointError, resolve_checkpoint, safe_load
 
 
@@ -55,6 +55,11 @@ def _training_config(run: str, checkpoint: str) -> dict:
     return safe_load(os.path.join(checkpoint, "meta.pt")).get("config") or {}
 
 
+def _files_under(*folders: str) -> list[str]:
+    """The files the run's weights are read from (an output must not be one of them)."""
+    return [os.path.join(folder, name) for folder in folders if os.path.isdir(folder) for name in os.listdir(folder)]
+
+
 @exits_on_user_error
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> int:
@@ -64,11 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max_degrees", type=float, default=75.0,
                    help="list images farther than this angle from their dominant centre (default 75)")
     p.add_argument("--batch_size", type=int, default=256, help="images per forward pass (default 256)")
+    p.add_argument("--overwrite", action="store_true", help="replace head_dominant.pt and noisy_images.txt in --out")
     args = p.parse_args(argv)
     if os.path.exists(args.out) and not os.path.isdir(args.out):  # found now, not after the whole pass
         raise OutputError(f"--out {args.out}: a file is in its place; give a directory (it receives "
                           f"head_dominant.pt and noisy_images.txt)")
+    outputs = [os.path.join(args.out, "head_dominant.pt"), os.path.join(args.out, "noisy_images.txt")]
+    if os.path.isdir(args.out):
+        for path in outputs:
+            check_output_file(path, overwrite=args.overwrite)
     checkpoint = resolve_checkpoint(args.run)
+    refuse_inputs(outputs, _files_under(args.run, checkpoint))
     cfg = EasyDict({**BASE, **_training_config(args.run, checkpoint)})  # keys newer than the run: defaults
     weight, k = full_head_weight(checkpoint)
     if k < 2:
@@ -86,7 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     dominant = dominant_subcenters(weight, embeddings, labels, k)
     noisy = far_from_dominant(weight, dominant, embeddings, labels, k, args.max_degrees)
     # one set (utils.atomic), the list last: a head_dominant.pt without its noisy_images.txt is an interrupted run
-    outputs = [os.path.join(args.out, "head_dominant.pt"), os.path.join(args.out, "noisy_images.txt")]
     with publishing_set(outputs) as (head_tmp, noisy_tmp):
         torch.save(drop_subcenters(weight, dominant, k), head_tmp)
         with open(noisy_tmp, "w") as f:

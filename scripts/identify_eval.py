@@ -27,6 +27,7 @@ from eval.identification import FPIR_LEVELS, cmc, det_curve, mate_ranks, plot_cm
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 from scripts.identify import add_model_args
+from utils.atomic import check_output_file
 
 
 def split(people: list[tuple[str, list[str]]], per_id: int, unknown: int, seed: int):
@@ -90,12 +91,13 @@ def main(argv=None) -> int:
                    help="people held out as non-mated probes (default: a tenth, at least 1)")
     p.add_argument("--seed", type=int, default=0, help="draws the held-out people and the enrolled images")
     p.add_argument("--plot", default=None, help="PNG path for the CMC and DET curves")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --plot file")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     args = p.parse_args(argv)
     if args.gallery_per_id < 1:
         p.error(f"--gallery_per_id must be at least 1, got {args.gallery_per_id}")
-    if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
-        raise GalleryError(f"--plot {args.plot}: its directory does not exist")
+    if args.plot:  # before the evaluation: a directory, a missing folder or an existing file without --overwrite
+        check_output_file(args.plot, overwrite=args.overwrite, what="--plot")
     unknown = args.unknown_ids if args.unknown_ids is not None else max(1, len(list_gallery(args.folder)) // 10)
     embedder = load_embedder(args.model, args.network, ema=not args.no_ema)
     result, (ranks, mate, non) = evaluate(embedder, args.folder, args.align, args.gallery_per_id, unknown, args.seed,

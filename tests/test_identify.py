@@ -179,3 +179,19 @@ def test_identify_eval_split_and_rank1_equal_a_direct_computation(tmp_path, caps
     assert result["rank1"] == pytest.approx(want)
     assert result["mated_probes"] == len(mated) and result["nonmated_probes"] == len(nonmated)
     assert set(result["tpir_at_fpir"]) == {"0.1", "0.01"} and Image.open(png).size == (1280, 480)
+
+
+def test_identify_eval_plot_is_checked_before_the_evaluation(tmp_path, capsys, monkeypatch):
+    from scripts import identify_eval as tool
+    model = _model(tmp_path / "m", 0)
+    root = _gallery(tmp_path / "g", (3, 3, 2, 1, 3))
+    monkeypatch.setattr(tool, "load_embedder", lambda *a, **k: pytest.fail("evaluated before checking --plot"))
+    (tmp_path / "curves.png").write_bytes(b"an earlier plot")
+    (tmp_path / "plots").mkdir()
+    for plot, said in ((tmp_path / "curves.png", "exists; pass --overwrite to replace it"),
+                       (tmp_path / "plots", "is a directory; name a file"),
+                       (tmp_path / "no" / "c.png", "does not exist")):
+        assert tool.main([model, root, "--plot", str(plot)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --plot {plot}") and said in err and err.count("\n") == 1
+    assert (tmp_path / "curves.png").read_bytes() == b"an earlier plot"

@@ -258,6 +258,17 @@ def test_drop_subcenters_checks_its_output_before_the_pass(subcenter_run, tmp_pa
     assert drop_subcenters.main([subcenter_run, "--out", str(taken)]) == 2
     assert capsys.readouterr().err.startswith(f"error: --out {taken}: a file is in its place")
     assert taken.read_text() == "a file"
+    out = tmp_path / "out"  # an earlier result is replaced only with --overwrite, checked before the pass
+    out.mkdir()
+    (out / "noisy_images.txt").write_text("an earlier list")
+    assert drop_subcenters.main([subcenter_run, "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"error: output {out / 'noisy_images.txt'} exists; pass --overwrite to replace it\n"
+    assert (out / "noisy_images.txt").read_text() == "an earlier list"
+    ckpt = sorted(n for n in os.listdir(subcenter_run) if n.startswith("checkpoint-"))[-1]
+    inside = os.path.join(subcenter_run, ckpt)  # writing into the checkpoint it reads: its files are refused
+    os.link(os.path.join(inside, os.listdir(inside)[0]), os.path.join(str(tmp_path), "head_dominant.pt"))
+    assert drop_subcenters.main([subcenter_run, "--out", str(tmp_path), "--overwrite"]) == 2
+    assert "is also an input" in capsys.readouterr().err
 
 
 def test_drop_subcenters_reads_the_data_as_the_run_did(tmp_path):
