@@ -30,6 +30,21 @@ def train_argv(data_dir: str, output: str, *extra: str) -> list[str]:
             "--lr", "0.05", "--keep_checkpoints", "5", "--output", output, *extra]
 
 
+def checkpoint_tensors(path: str) -> dict:
+    """Every tensor of a run's last checkpoint (or of the checkpoint `path`) that a resumed run
+    must reproduce: backbone, EMA, and the head's rows and momentum in class order."""
+    import os
+
+    from utils.checkpoint import resolve_checkpoint
+    ckpt = resolve_checkpoint(path)
+    out = {f"backbone.{k}": v for k, v in torch.load(os.path.join(ckpt, "backbone.pt")).items()}
+    out.update({f"ema.{k}": v for k, v in torch.load(os.path.join(ckpt, "ema.pt"))["state"].items()})
+    heads = sorted(f for f in os.listdir(ckpt) if f.startswith("head-"))
+    out["head"] = torch.cat([torch.load(os.path.join(ckpt, f))["weight"] for f in heads])
+    out["head_momentum"] = torch.cat([torch.load(os.path.join(ckpt, f))["state"]["momentum_buffer"] for f in heads])
+    return out
+
+
 @pytest.fixture(scope="session")
 def drawn_faces(tmp_path_factory) -> str:
     """A tiny drawn-faces RecordIO set: 16 identities x 8 images, and a verification .bin."""

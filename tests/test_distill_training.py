@@ -17,7 +17,7 @@ from scripts.export_onnx import main as export_onnx
 from scripts.teach import main as teach
 from tests.conftest import jpeg, train_argv
 from tests.distributed import run_distributed
-from tests.test_train import checkpoint_tensors
+from tests.conftest import checkpoint_tensors
 from utils.checkpoint import resolve_checkpoint
 
 STEPS = 8

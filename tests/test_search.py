@@ -46,6 +46,30 @@ def test_search_equals_brute_force_with_ties_and_k_beyond_the_gallery(engine, n,
     np.testing.assert_array_equal(scores, want_s)
 
 
+
+def test_faiss_engine_asks_again_until_ties_at_the_kth_place_are_settled_by_the_lower_id():
+    """faiss keeps whichever equal scores its scan meets first. Scanned from the highest id
+    down (a real IndexFlatIP behind an IndexIDMap, rows added in reverse), its first answer
+    holds the wrong ones of 60 tied rows: the engine must fetch more places until the k-th
+    score is settled, and still return the lowest ids."""
+    import faiss
+    rng = np.random.default_rng(0)
+    gallery = np.concatenate([np.tile([[1, 0, 0, 0]], (60, 1)), tied_gallery(rng, 20, 4) * 0.1]).astype(np.float32)
+    queries = np.array([[1, 0, 0, 0], [2, 0, 0, 0]], np.float32)
+    index = FaissIndex(4)
+    index.index = faiss.IndexIDMap(faiss.IndexFlatIP(4))
+    order = np.arange(len(gallery))[::-1].copy()
+    index.index.add_with_ids(gallery[order], order.astype(np.int64))
+    calls = []
+    search = index.index.search
+    index.index.search = lambda q, k: calls.append(k) or search(q, k)
+    scores, ids = index.search(queries, 3)
+    want_s, want_i = brute_force(gallery, queries, 3)
+    np.testing.assert_array_equal(ids, want_i)  # [0, 1, 2]: the lowest of the 60 ties
+    np.testing.assert_array_equal(scores, want_s)
+    assert len(calls) > 1 and calls[0] < 60 <= calls[-1], calls  # the first answer was not settled
+
+
 @pytest.mark.parametrize("engine", ["exact", "faiss"])
 def test_search_of_random_unit_vectors_equals_brute_force(engine):
     rng = np.random.default_rng(1)

@@ -10,6 +10,7 @@ import torch
 
 import train
 from tests.conftest import TRAIN_STEPS as STEPS
+from tests.conftest import checkpoint_tensors
 from tests.conftest import train_argv as argv
 from tests.distributed import run_distributed
 from utils.checkpoint import CheckpointError, resolve_checkpoint
@@ -21,16 +22,6 @@ def _run(rank, world_size, args):
 def losses_in_log(output):
     text = open(os.path.join(output, "training.log")).read()
     return [float(v) for v in re.findall(r"loss ([0-9.]+|nan|inf)", text)]
-
-
-def checkpoint_tensors(path):
-    ckpt = resolve_checkpoint(path)
-    out = {f"backbone.{k}": v for k, v in torch.load(os.path.join(ckpt, "backbone.pt")).items()}
-    out.update({f"ema.{k}": v for k, v in torch.load(os.path.join(ckpt, "ema.pt"))["state"].items()})
-    heads = sorted(f for f in os.listdir(ckpt) if f.startswith("head-"))
-    out["head"] = torch.cat([torch.load(os.path.join(ckpt, f))["weight"] for f in heads])
-    out["head_momentum"] = torch.cat([torch.load(os.path.join(ckpt, f))["state"]["momentum_buffer"] for f in heads])
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +104,13 @@ def test_exploding_weights_are_never_saved_though_finite(drawn_faces, tmp_path):
     utils/divergence.py); every checkpoint left has the weights' scale of the start."""
     from utils.checkpoint import list_checkpoints
     out = str(tmp_path / "exploded")
-    assert train.main(argv(drawn_faces, out, "--lr", "1e6", "--checkpoint_interval", "2", "--ema", "false")) == 3
-    for _, ckpt in list_checkpoints(out):
+    sane = ("--max_steps", "2", "--checkpoint_interval", "2", "--ema", "false")
+    assert train.main(argv(drawn_faces, out, *sane)) == 0  # a checkpoint of the start's scale, at step 2
+    assert train.main(argv(drawn_faces, out, "--resume", "true", "--lr", "1e6", "--checkpoint_interval", "1",
+                           "--ema", "false")) == 3
+    saved = list_checkpoints(out)
+    assert [step for step, _ in saved] == [2], saved  # every later step exploded: none of them was kept
+    for _, ckpt in saved:
         norm = sum(float(v.double().norm()) ** 2 for k, v in checkpoint_tensors_plain(ckpt).items()
                    if v.is_floating_point() and "running" not in k) ** 0.5
         assert norm < 100, (ckpt, norm)  # 31 at start
