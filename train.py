@@ -65,7 +65,9 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     info = init_distributed(cfg.dist_timeout_min)
     if info.device.type == "cuda":  # fixed 112x112 inputs: let cuDNN pick its fastest kernels once
         torch.backends.cudnn.benchmark = True
-    logger = setup_logging(info.rank)  # the console only: nothing is written before the run is accepted
+    # training.log is held in memory until the run is accepted (a refused start writes no log), so
+    # what building the run says (photos left out, compat notes) reaches it too
+    logger = setup_logging(info.rank, os.path.join(cfg.output, "training.log"), held=True)
     check_same_on_every_rank(rank_independent(cfg), "the config", SECRET_KEYS)  # before any rank acts on it
     check_wandb_login(cfg, info.rank)  # wandb.init would find a missing key only once the output is written
     torch.manual_seed(cfg.seed)  # identical initial backbone on every rank
@@ -110,8 +112,6 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
                                   is_main=info.is_main)  # a missing val set refuses the run here, writing nothing
 
     lock.acquire(cfg.output, info.rank)  # one live run per output, seen by every rank: else refused here
-    # training.log is held in memory until the run is accepted: a refused start writes no log
-    setup_logging(info.rank, os.path.join(cfg.output, "training.log"), held=True)
     if info.is_main:
         for note in compat_notes(cfg):
             logger.warning(note)
