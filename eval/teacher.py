@@ -193,16 +193,16 @@ class TeacherFile:
     def check_data(self, data: str, size: int, fingerprint: str, transform: dict) -> None:
         """The run's data (`data` path, record count, fingerprint, `data_transform`) is the one
         this file was made from, read the same way."""
+        if self.header.get("transform") != transform:
+            raise ConfigError(f"teacher file {self.path} was made from {self.header.get('data')} read with "
+                              f"{_described(self.header.get('transform') or {})}; this run reads {data} with "
+                              f"{_described(transform)}: run scripts.teach with the run's settings "
+                              f"(--align, --align_detector, --resize)")
         made = (self.header.get("data_fingerprint"), self.header.get("data_size"))
         if made != (fingerprint, size):
             raise ConfigError(f"teacher file {self.path} belongs to other data: it was made from "
                               f"{self.header.get('data')} ({made[1]} records, fingerprint {made[0]}); this run's data "
                               f"{data} has {size} records, fingerprint {fingerprint}: run scripts.teach on {data}")
-        if self.header.get("transform") != transform:
-            raise ConfigError(f"teacher file {self.path} was made from {data} read with "
-                              f"{_described(self.header.get('transform') or {})}; this run reads it with "
-                              f"{_described(transform)}: run scripts.teach with the run's settings "
-                              f"(--align, --align_detector, --resize)")
 
     def targets(self, images: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         rows = self.rows[np.asarray(indices, dtype=np.int64)]

@@ -114,7 +114,7 @@ def test_teacher_file_of_one_folder_is_refused_for_another_with_the_same_names(m
 
 def test_teacher_file_is_refused_for_a_run_reading_the_data_otherwise(made, folder, tmp_path):
     with pytest.raises(ConfigError, match=f"^teacher file {made} was made from {folder} read with align false, "
-                                          f"resize false; this run reads it with align false, resize true"):
+                                          f"resize false; this run reads {folder} with align false, resize true"):
         _check(made, folder, "--resize", "true")
     resized = str(tmp_path / "resized.teacher")
     assert teach([tiny_model(tmp_path / "m"), folder, resized, "--resize", "--num_workers", "0"]) == 0
