@@ -7,7 +7,7 @@ the first and last index entries and the bytes of the first and last few records
 for WebFace42M's 42M keys: the .rec is not read through). Folders: for every image in order,
 its relative path as `identity/file`, its size and its first and last `_BLOCK` bytes, so the
 same names holding other people's photos differ (two small reads per file, which the check at
-start has just read: about a second per 100k images). Neither depends on where the set lies:
+start has just read: about 2 s per 100k images on 2 cores). Neither depends on where the set lies:
 a moved copy resumes where it stopped. A teacher file (eval/teacher.py) records it too.
 """
 from __future__ import annotations
@@ -40,24 +40,23 @@ def recordio_fingerprint(reader, keys: list[int]) -> str:
                    " ".join(f"{k}:{reader.index[k]}" for k in ends), h.hexdigest())
 
 
-def _file_ends(path: str) -> str:
-    """`size:hash` of the file's first and last `_BLOCK` bytes."""
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(_BLOCK)
-            if size > 2 * _BLOCK:
-                f.seek(size - _BLOCK)
-            tail = f.read(_BLOCK)
-    except OSError as exc:
-        raise DataLayoutError(f"{path}: cannot read image ({exc.strerror})") from None
-    return f"{size}:{hashlib.sha256(head + tail).hexdigest()[:16]}"
-
-
 def folder_fingerprint(paths: list[str]) -> str:
     """`paths`: every image (`root/identity/file`), in dataset order."""
-    return _digest("folders", str(len(paths)),
-                   "\n".join(f"{'/'.join(p.split(os.sep)[-2:])} {_file_ends(p)}" for p in paths))
+    h = hashlib.sha256()
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                h.update(f"{'/'.join(path.split(os.sep)[-2:])}\0{size}\0".encode("utf-8", "surrogateescape"))
+                h.update(os.pread(fd, _BLOCK, 0))
+                if size > _BLOCK:  # the rest of a file up to 2 blocks long, else its last block
+                    h.update(os.pread(fd, _BLOCK, max(_BLOCK, size - _BLOCK)))
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise DataLayoutError(f"{path}: cannot read image ({exc.strerror})") from None
+    return _digest("folders", str(len(paths)), h.hexdigest())
 
 
 def synthetic_fingerprint(length: int, num_classes: int) -> str:
