@@ -10,7 +10,7 @@ from torch import nn
 from backbones import get_model
 from configs.errors import ConfigError
 from dataset import build_dataset
-from eval.teacher import TeacherFile, load_teacher
+from eval.teacher import TeacherFile, data_transform, load_teacher
 from eval.weights import init_backbone_from
 from faces.folder_dataset import build_aligned_dataset
 from heads import PartialFC, SampledRowsOptimizer
@@ -116,12 +116,13 @@ class Distillation:
         return self.teacher.needs_indices
 
     def check_data(self, cfg, dataset) -> None:
-        """A teacher file must belong to this run's data (at start, before the run is accepted)."""
+        """A teacher file must belong to this run's data, read as this run reads it (at start,
+        before the run is accepted)."""
         if isinstance(self.teacher, TeacherFile):
             if cfg.skip_bad_images:
                 raise ConfigError(f"config skip_bad_images true with teacher file {self.teacher.path}: a skipped image "
                                   f"is replaced by the next one, which would meet another image's target")
-            self.teacher.check_data(cfg.rec, len(dataset), dataset.fingerprint())
+            self.teacher.check_data(cfg.rec, len(dataset), dataset.fingerprint(), data_transform(cfg))
 
     def loss(self, head, embeddings, labels, images, indices) -> torch.Tensor:
         targets = self.teacher.targets(images, indices[0] if indices else None)

@@ -98,7 +98,7 @@ def train_all(args, work: str) -> None:
     teacher = os.path.join(work, "teacher")
     steps, _ = train(big, args.teacher_ids, teacher, "--num_epoch", str(args.teacher_epochs), *batch)
     teacher_file = os.path.join(work, "small.teacher")
-    sh("-m", "scripts.teach", teacher, small, teacher_file, "--num_workers", "1")
+    sh("-m", "scripts.teach", teacher, small, teacher_file, "--num_workers", "1", "--overwrite")
     val = os.path.join(big, "drawn_faces_val.bin")
     print(f"teacher: {accuracy(teacher, val):.4f} after {steps} steps", flush=True)  # seen before any student
     for loss in ("none", "cosine", "relational"):

@@ -212,7 +212,10 @@ class FolderFaceDataset(_MirrorsInTraining, Dataset):
         return len(self.samples)
 
     def fingerprint(self) -> str:
-        return folder_fingerprint([path for path, _ in self.samples])
+        """Which images the indices name, by name and content (dataset/fingerprint.py): read once."""
+        if getattr(self, "_fingerprint", None) is None:
+            self._fingerprint = folder_fingerprint([path for path, _ in self.samples])
+        return self._fingerprint
 
     def load(self, index: int, mirror: bool = False):
         path, label = self.samples[index]

@@ -149,14 +149,17 @@ def load_model(path: str, network: str | None = None, ema: bool = True) -> nn.Mo
 
 
 def model_files(path: str) -> list[str]:
-    """The files loading the model at `path` reads (an output must never be one of them)."""
+    """The files of the model at `path` (an output must never be one of them): what loading it
+    reads (a weights file and the config.json beside it; a checkpoint's files), and for a run
+    output also the run's own config.json, latest and exported model.pt."""
     if path == DLIB:
         return [model_file(DLIB_FILE)]
     if not os.path.isdir(path):
-        return [path]
+        return [path, os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")]
     from utils.checkpoint import find_checkpoint
     ckpt = find_checkpoint(path) or path
-    return [os.path.join(ckpt, f) for f in os.listdir(ckpt)] if os.path.isdir(ckpt) else []
+    run = [os.path.join(path, f) for f in ("config.json", "latest", "model.pt")]
+    return run + ([os.path.join(ckpt, f) for f in os.listdir(ckpt)] if os.path.isdir(ckpt) else [])
 
 
 @dataclass

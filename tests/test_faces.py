@@ -318,6 +318,34 @@ def test_training_set_align_true_label_free_takes_every_photo_with_a_face_under_
     assert all(os.path.basename(os.path.dirname(p)) in ("eileen", "mirror") for p, _ in data.samples)
 
 
+def test_teach_align_makes_the_rows_of_an_align_true_runs_faces_and_a_resize_file_is_refused(photos, tiny_model,
+                                                                                               tmp_path):
+    """scripts.teach reads the data as the run does (builders.build_train_dataset): with --align,
+    row i is the teacher's embedding of the run's aligned face i; a file made from the same photos
+    resized is refused by the align true run, naming both readings."""
+    from builders import Distillation, build_train_dataset
+    from configs import get_config
+    from configs.errors import ConfigError
+    from eval.embedder import load_embedder
+    from eval.teacher import OnlineTeacher, TeacherFile
+    from scripts.teach import main as teach
+    aligned_file, resized_file = str(tmp_path / "aligned.teacher"), str(tmp_path / "resized.teacher")
+    assert teach([tiny_model, photos, aligned_file, "--align", "--num_workers", "0"]) == 0
+    assert teach([tiny_model, photos, resized_file, "--resize", "--num_workers", "0"]) == 0
+    cfg = get_config("configs/demo.py", ["--rec", photos, "--num_classes", "0", "--teacher", aligned_file,
+                                         "--align", "true"])
+    data = build_train_dataset(cfg, train=False)
+    rows = TeacherFile(aligned_file)
+    Distillation(rows, None).check_data(cfg, data)
+    teacher = OnlineTeacher(load_embedder(tiny_model), torch.device("cpu"))
+    face = data[0][0][None]
+    want = torch.nn.functional.normalize(teacher.targets(face, None) + teacher.targets(face.flip(3), None))
+    torch.testing.assert_close(rows.targets(face, torch.tensor([0])), want, rtol=0, atol=2e-3)
+    with pytest.raises(ConfigError, match=f"made from {photos} read with align false, resize true; this run reads "
+                                          f"{photos} with align true \\(detector hog\\)"):
+        Distillation(TeacherFile(resized_file), None).check_data(cfg, data)
+
+
 def test_crop_names_keep_folders_and_tell_apart_photos_sharing_a_name():
     from scripts.align import crop_stems
     assert crop_stems(["a/p1.jpg", "a/p1.png", "a/p2.jpg", "b/p1.jpg"]) == {
