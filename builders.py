@@ -10,16 +10,18 @@ from torch import nn
 from backbones import get_model
 from configs.errors import ConfigError
 from dataset import build_dataset
-from eval.teacher import TeacherFile, data_transform, load_teacher
+from eval.teacher import TeacherFile, data_transform, load_teacher, teacher_statistics
 from eval.weights import init_backbone_from
 from faces.folder_dataset import build_aligned_dataset
 from heads import PartialFC, SampledRowsOptimizer
 from heads.distill import DistillLoss, attach_projection
 from losses import build_margin
-from losses.distill import DISTILL_LOSSES
+from losses.distill import DISTILL_LOSSES, centred, constant_student_loss
 from parallel.ddp import DDPOptimizer
 from parallel.zero import Zero2Optimizer
 from utils.checkpoint import find_checkpoint
+
+logger = logging.getLogger("shardface")
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
 
@@ -108,8 +110,61 @@ class Distillation:
     labels, images, indices)` replaces `head(embeddings, labels)` in the step; with no head
     (label-free) it is the distillation loss alone."""
 
+    # the student's term must go clearly below a constant student's: this share of it, once this
+    # share of the run has passed, or the log warns (issue #40: uncentred dlib targets let a
+    # label-free student sit at a constant's level while its loss fell)
+    COLLAPSE_RATIO, COLLAPSE_AFTER = 0.8, 0.2
+
     def __init__(self, teacher, loss: DistillLoss):
         self.teacher, self.distill_loss = teacher, loss
+        self.constant_loss: float | None = None
+        self._warned = False
+
+    def prepare(self, cfg, dataset, device, resumed: dict | None) -> None:
+        """Before the first step: the centre of the teacher's targets (`distill_center`), the
+        checkpoint's when resuming one that has it (so a resume keeps it), else measured
+        (eval.teacher.teacher_statistics); and the loss a constant student would get."""
+        saved = (resumed or {}).get("distill")
+        if saved is not None and bool(saved.get("center") is not None) == bool(cfg.distill_center):
+            center = saved["center"]
+            self.distill_loss.center = None if center is None else center.to(device)
+            self.constant_loss = saved.get("constant_loss")
+            return
+        mean, sample = teacher_statistics(self.teacher, dataset, cfg.distill_center_samples, device)
+        center = mean if cfg.distill_center else None
+        self.distill_loss.center = center
+        self.constant_loss = constant_student_loss(cfg.distill_loss, centred(sample, center)) if len(sample) else None
+        spread = float(torch.nn.functional.normalize(sample, dim=1).matmul(
+            torch.nn.functional.normalize(mean, dim=0)).mean()) if len(sample) else float("nan")
+        if resumed is not None:
+            logger.warning("distill_center %s now, but the checkpoint's targets were %s: the targets change from "
+                           "this step", "true" if cfg.distill_center else "false",
+                           "not centred" if cfg.distill_center else "centred")
+        logger.info("teacher %s: mean cosine of its targets to their mean direction %.3f; targets %s; a constant "
+                    "student's %s loss is %.4f", self.teacher.name, spread,
+                    "centred (distill_center true)" if center is not None else "not centred", cfg.distill_loss,
+                    self.constant_loss if self.constant_loss is not None else float("nan"))
+
+    def checkpoint_meta(self) -> dict:
+        """What a resume needs to give the same targets (joins the checkpoint's meta.pt)."""
+        center = self.distill_loss.center
+        return {"distill": {"center": None if center is None else center.detach().cpu(),
+                            "constant_loss": self.constant_loss}}
+
+    def report(self, step: int, total_steps: int) -> None:
+        """At a log step: the distillation term beside a constant student's loss; a warning,
+        once, when the student is not clearly below it after the run's first part."""
+        term = self.distill_loss.take_term()
+        if term is None or self.constant_loss is None:
+            return
+        logger.info("step %d: distillation term %.4f (a constant student: %.4f)", step, term, self.constant_loss)
+        if not self._warned and step >= self.COLLAPSE_AFTER * total_steps and \
+                term > self.COLLAPSE_RATIO * self.constant_loss:
+            self._warned = True
+            logger.warning("step %d: the distillation term %.4f is not clearly below the %.4f a constant student gets: "
+                           "the student may be learning the teacher's shared direction, not identities%s", step, term,
+                           self.constant_loss, "" if self.distill_loss.center is not None else
+                           " (distill_center false: try true)")
 
     @property
     def needs_indices(self) -> bool:
@@ -144,3 +199,4 @@ def build_distillation(cfg, backbone: nn.Module, device) -> Distillation | None:
     if cfg.distill_loss == "cosine" and teacher.dim != cfg.embedding_size:
         projection = attach_projection(backbone, cfg.embedding_size, teacher.dim, cfg.seed + 29)
     return Distillation(teacher, DistillLoss(cfg.distill_loss, cfg.distill_weight, projection))
+

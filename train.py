@@ -125,6 +125,9 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     state = checkpointer.start(cfg.resume, cfg.overwrite, batch_size=cfg.batch_size)
     follow_data(state, checkpointer.resumed_meta, len(dataset), dataset.fingerprint(), cfg.rec,
                 sampler.batches_per_epoch)  # another data set than the checkpoint's: the epoch restarts
+    if distill is not None:  # the teacher's centre: the checkpoint's, else measured; then saved with each one
+        distill.prepare(cfg, dataset, info.device, checkpointer.resumed_meta)
+        checkpointer.extra_meta = distill.checkpoint_meta()
     # accepted: only now is anything written (a refused run must not replace the config of the run it met)
     open_log_file()
     if info.is_main:
@@ -199,6 +202,8 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
                                    label_errors=head.take_label_errors() if head is not None else 0)
                         if progress.due(state.step):
                             progress(state.step, state.epoch, loss_value, lr, scaler.scale_value if scaler else None)
+                            if distill is not None:
+                                distill.report(state.step, total_steps)
                     skips(state.step)
 
                     if verify.due(state.step):

@@ -57,6 +57,11 @@ config.teacher_network = None         # backbone name of an arcface_torch model.
 config.distill_loss = "cosine"        # cosine: each embedding to the teacher's (a learned projection when
                                       # the sizes differ) | relational: the batch's cosine-similarity matrices
 config.distill_weight = 1.0           # the distillation loss's weight beside the margin loss
+config.distill_center = True          # subtract the teacher's mean embedding over the training data from
+                                      # its targets (re-normalised): targets sharing one direction (most
+                                      # teachers; dlib's mean cosine to it is 0.91) reward a constant student
+config.distill_center_samples = 4096  # records an on-the-fly teacher's mean is measured on (a teacher file:
+                                      # all its rows); checkpointed, so a resume keeps it
 
 # optimisation
 config.optimizer = "sgd"              # sgd | adamw

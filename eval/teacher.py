@@ -176,11 +176,15 @@ class TeacherFile:
         bits = self.rows.view("<u2")
         step = max(1, _SCAN_BYTES // (2 * max(self.dim, 1)))
         first, count = [], 0  # the first 10 bad rows are named, all are counted
+        total = np.zeros(self.dim, np.float64)  # the same read gives the rows' mean (distill_center)
         for start in range(0, self.size, step):
             chunk = np.asarray(bits[start:start + step])
             rows = np.flatnonzero(((chunk & _FP16_EXPONENT) == _FP16_EXPONENT).any(axis=1))
             count += len(rows)
             first += (rows + start)[:max(0, 10 - len(first))].tolist()
+            if not count:
+                total += chunk.view("<f2").astype(np.float64).sum(0)
+        self.mean = (total / self.size).astype(np.float32)
         if count:
             more = ", ..." if count > len(first) else ""
             raise ConfigError(f"{self.path}: {count} of {self.size} teacher rows are not finite (NaN or "
@@ -208,6 +212,37 @@ class TeacherFile:
     def targets(self, images: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         rows = self.rows[np.asarray(indices, dtype=np.int64)]
         return torch.from_numpy(rows.astype(np.float32)).to(images.device, non_blocking=True)
+
+
+def teacher_statistics(teacher, dataset, samples: int, device: torch.device,
+                       group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the teacher's mean unit target over the training data, a sample of its unit targets),
+    on `device`: a teacher file's mean over all its rows (read when it was opened); an
+    on-the-fly teacher's over `samples` records spread evenly over `dataset`, each rank
+    embedding its 1/W of them (one all-reduce; the sample returned is the rank's own)."""
+    import torch.distributed as dist
+
+    from dataset import normalize_images
+    from parallel.dist import get_rank, get_world_size
+    n = len(dataset)
+    index = np.unique(np.linspace(0, n - 1, max(1, min(n, samples))).round().astype(np.int64))
+    if isinstance(teacher, TeacherFile):
+        rows = torch.from_numpy(np.asarray(teacher.rows[index], dtype=np.float32))
+        return torch.from_numpy(teacher.mean).to(device), torch.nn.functional.normalize(rows, dim=1).to(device)
+    world, rank = get_world_size(group), get_rank(group)
+    share = torch.utils.data.Subset(dataset, index[rank::world].tolist())
+    total = torch.zeros(teacher.dim, dtype=torch.float64, device=device)
+    sample = []
+    for images, *_ in torch.utils.data.DataLoader(share, batch_size=64, num_workers=0):
+        images = images.to(device)
+        if images.dtype == torch.uint8:  # the training set's uint8 crops, normalised as the loop does
+            images = normalize_images(images)
+        unit = torch.nn.functional.normalize(teacher.targets(images, None).float(), dim=1)
+        total += unit.double().sum(0)
+        sample.append(unit)
+    if world > 1:
+        dist.all_reduce(total, group=group)
+    return (total / len(index)).float(), torch.cat(sample) if sample else torch.zeros(0, teacher.dim, device=device)
 
 
 def load_teacher(teacher: str, network: str | None, device: torch.device, precision: str | None = None):

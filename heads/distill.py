@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from losses.distill import DISTILL_LOSSES, cosine_distill, relational_distill
+from losses.distill import DISTILL_LOSSES, centred, cosine_distill, relational_distill
 from parallel.collectives import all_gather_no_grad, all_gather_rows
 from parallel.dist import get_rank, get_world_size
 from utils.checkpoint import TRAINING_ONLY
@@ -41,18 +41,31 @@ def attach_projection(backbone: nn.Module, student_dim: int, teacher_dim: int, s
 class DistillLoss:
     """`loss(head, local_embeddings, labels, teacher)`: the margin head's loss (when there is
     a head) plus `weight` x the distillation term, for this rank's batch; `teacher`: b x D_t
-    targets of the rank's rows (no gradient). Call on every rank (the head and relational
-    gather)."""
+    targets of the rank's rows (no gradient), centred on `center` (the teacher's mean unit
+    target over the training data; None: as given) before the loss. Call on every rank (the
+    head and relational gather). The terms since the last `take_term()` are kept on the device
+    for the log."""
 
-    def __init__(self, kind: str, weight: float, projection: nn.Module | None = None, group=None):
+    def __init__(self, kind: str, weight: float, projection: nn.Module | None = None, group=None,
+                 center: torch.Tensor | None = None):
         if kind not in DISTILL_LOSSES:
             raise ValueError(f"distill_loss must be one of {DISTILL_LOSSES}, got {kind!r}")
         self.kind, self.weight, self.projection, self.group = kind, weight, projection, group
+        self.center = center
         self.world_size, self.rank = get_world_size(group), get_rank(group)
+        self._terms: torch.Tensor | None = None
+        self._count = 0
+
+    def take_term(self) -> float | None:
+        """The mean unweighted term since the last call (reads the device), or None."""
+        if self._terms is None:
+            return None
+        value, self._terms, count, self._count = self._terms, None, self._count, 0
+        return float(value) / count
 
     def term(self, local: torch.Tensor, teacher: torch.Tensor, gathered: torch.Tensor | None) -> torch.Tensor:
         """The distillation term alone (unweighted), scaled as the module docstring says."""
-        teacher = teacher.detach().float()
+        teacher = centred(teacher.detach().float(), self.center)
         if self.kind == "cosine":
             student = self.projection(local.float()) if self.projection is not None else local
             return cosine_distill(student, teacher)
@@ -67,7 +80,10 @@ class DistillLoss:
         if self.kind == "relational":  # the head's one all-gather serves both
             gathered = head.gather(local) if head is not None else \
                 all_gather_rows(local, self.group, grad_scale=float(self.world_size))
-        loss = self.weight * self.term(local, teacher, gathered)
+        term = self.term(local, teacher, gathered)
+        self._terms = term.detach() if self._terms is None else self._terms + term.detach()
+        self._count += 1
+        loss = self.weight * term
         if head is not None:
             loss = head(local, labels, gathered=gathered) + loss
         return loss

@@ -11,6 +11,25 @@ import torch.nn.functional as F
 DISTILL_LOSSES = ("cosine", "relational")
 
 
+def centred(targets: torch.Tensor, center: torch.Tensor | None) -> torch.Tensor:
+    """The teacher's targets with its mean embedding `center` (over the training data)
+    subtracted and re-normalised: what is left is what tells identities apart. None: as given."""
+    if center is None:
+        return targets
+    return F.normalize(F.normalize(targets.float(), dim=1, eps=1e-12) - center.float(), dim=1, eps=1e-12)
+
+
+def constant_student_loss(kind: str, targets: torch.Tensor) -> float:
+    """The loss of the best student that gives every image one and the same embedding, on these
+    (already centred, if so) unit targets: the level a trained student must be clearly below.
+    cosine: 1 - |mean target| (the constant is the mean direction); relational: every student
+    cosine is 1, so the mean of (1 - cos(t_i, t_j))^2."""
+    t = F.normalize(targets.double(), dim=1, eps=1e-12)
+    if kind == "cosine":
+        return float(1.0 - t.mean(0).norm())
+    return float((1.0 - t @ t.T).square().mean())
+
+
 def cosine_distill(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
     """mean over rows of 1 - cos(student_i, teacher_i); both N x D (the student already
     projected to the teacher's D when the sizes differ)."""

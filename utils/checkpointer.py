@@ -37,6 +37,7 @@ class Checkpointer:
                           ema=ema, scaler=scaler)
         self.last_saved_step: int | None = None
         self.resumed_meta: dict | None = None
+        self.extra_meta: dict | None = None  # joins every checkpoint's meta.pt (distillation's centre)
         self.start_norm = weight_norm(backbone)  # built weights: the reference of the divergence rule
 
     def start(self, resume, overwrite: bool = False, batch_size: int | None = None) -> TrainState:
@@ -93,4 +94,5 @@ class Checkpointer:
         check_weights(state.step, backbone, self.parts["head"], batch, self.start_norm)
         self.last_saved_step = state.step
         save_checkpoint(self.output, state, **self.parts, config=self.config, rank=self.rank,
-                        world_size=self.world_size, keep=self.keep, export_to=os.path.join(self.output, "model.pt"))
+                        world_size=self.world_size, keep=self.keep, export_to=os.path.join(self.output, "model.pt"),
+                        extra_meta=self.extra_meta)
