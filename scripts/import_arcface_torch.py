@@ -110,6 +110,8 @@ def import_run(cfg, run_dir: str, out_dir: str) -> str:
     if arcface_torch_rank_files(out_dir):  # the run itself, or another one: never written into
         raise CheckpointError(f"{out_dir} is an arcface_torch run (checkpoint_gpu_<rank>.pt): import into a new "
                               f"directory")
+    if os.path.lexists(os.path.join(out_dir, "model.pt")):  # a finished run's weights (train.py refuses it too)
+        raise CheckpointError(f"{out_dir} holds model.pt of an earlier run: import into a new directory")
     files = rank_files(run_dir)
     world_size, num_classes, dim = len(files), cfg.num_classes, cfg.embedding_size
     backbone, head = build_backbone(cfg), build_head(cfg)
