@@ -6,6 +6,8 @@ Embeddings as scripts.embed makes them (flip test, L2-normalised). --threshold-f
 verification set (a .bin, e.g. from scripts.make_bin) and takes the cosine threshold that
 separates its pairs best, printing it and its accuracy on those same pairs (the best-threshold
 accuracy, fitted to them: usually above the 10-fold accuracy scripts.verify reports).
+Without either, the MODEL's own threshold (dlib: its distance 0.6, eval/thresholds.py) decides;
+the threshold used and where it came from are printed.
 With --align the two images are photos: the largest face of each is aligned to the model's
 template (no face: refused)."""
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 import numpy as np
 
 from eval.embedder import best_threshold, embed_files, load_embedder
+from eval.thresholds import chosen_threshold
 from eval.verification import load_bin
 from faces.photos import find_faces, usable
 from parallel.user_errors import exits_on_user_error
@@ -35,7 +38,8 @@ def main(argv=None) -> int:
     p.add_argument("image_b", help="the second face image")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--threshold", type=float, default=None,
-                     help="cosine similarity at or above which the two are the same person")
+                     help="cosine similarity at or above which the two are the same person, in [-1, 1] "
+                          "(default: the MODEL's own; dlib: its distance 0.6)")
     how.add_argument("--threshold_from", default=None, metavar="BIN",
                      help="a verification .bin: use the threshold that separates its pairs best")
     p.add_argument("--network", default=None, help="backbone name for an arcface_torch model.pt")
@@ -43,25 +47,24 @@ def main(argv=None) -> int:
     p.add_argument("--resize", action="store_true", help="resize images that are not the model's crop size (not alignment)")
     add_align_options(p, "the two images")
     args = p.parse_args(argv)
+    threshold = chosen_threshold(args.threshold, None, args.model)  # a threshold that is no cosine: refused at start
     detection = detection_from(args) if args.align else None
     model = load_embedder(args.model, args.network, ema=not args.no_ema)
     pair = [args.image_a, args.image_b]
     faces = usable(find_faces(pair, detection), strict=True) if args.align else None
     a, b = embed_files(pair, model, resize=args.resize, faces=faces)
-    threshold = args.threshold
     if args.threshold_from:
         pairs = load_bin(args.threshold_from)
-        threshold, accuracy = best_threshold(pairs, model)
-        # the threshold is fitted to these pairs: its accuracy is an upper bound, not a measure
-        print(f"threshold {threshold:.4f} from {args.threshold_from}: the best over all its {len(pairs[1])} "
-              f"pairs, {accuracy:.4f} of them right at it (best-threshold accuracy; scripts.verify reports "
-              f"the 10-fold accuracy, each fold judged at a threshold chosen on the other 9)")
+        threshold = chosen_threshold(None, (*best_threshold(pairs, model), args.threshold_from, len(pairs[1])),
+                                     args.model)
     cosine = float(np.dot(a.astype(np.float64), b.astype(np.float64)))
     print(f"cosine similarity {cosine:.4f}")
     if threshold is None:
-        print("pass --threshold T or --threshold-from VAL.bin to decide same or different")
+        print(f"{args.model} has no known threshold: pass --threshold T or --threshold-from VAL.bin to decide "
+              f"same or different")
     else:
-        print(f"{'same' if cosine >= threshold else 'different'} person (threshold {threshold:.4f})")
+        print(threshold.line())
+        print(f"{'same' if cosine >= threshold.value else 'different'} person (threshold {threshold.value:.4f})")
     return 0
 
 

@@ -373,7 +373,8 @@ def test_identify_align_names_each_face_of_a_photo_largest_first(photos, tiny_mo
         os.makedirs(gallery / person)
         shutil.copy(os.path.join(photos, "eileen", photo), gallery / person / photo)
     one, two = os.path.join(photos, "eileen", "one.jpg"), os.path.join(photos, "eileen", "two.png")
-    assert identify([tiny_model, "--gallery", str(gallery), "--align", "--top", "2", "--json", one, two]) == 0
+    assert identify([tiny_model, "--gallery", str(gallery), "--align", "--top", "2", "--json", "--threshold", "-1",
+                     one, two]) == 0
     rows = json.loads(capsys.readouterr().out)["faces"]
     assert [(r["file"], r["face"]) for r in rows] == [(one, 0), (two, 0), (two, 1)]
     assert rows[0]["name"] == "eileen" and abs(rows[0]["score"] - 1) < 1e-5
@@ -381,5 +382,5 @@ def test_identify_align_names_each_face_of_a_photo_largest_first(photos, tiny_mo
     area = [(r["box"][2] - r["box"][0]) * (r["box"][3] - r["box"][1]) for r in rows[1:]]
     assert area[0] > area[1]
     nobody = os.path.join(photos, "nobody", "floor.png")
-    assert identify([tiny_model, "--gallery", str(gallery), "--align", nobody]) == 0
+    assert identify([tiny_model, "--gallery", str(gallery), "--align", "--threshold", "-1", nobody]) == 0
     assert capsys.readouterr().out.strip().endswith(f"{nobody}  no face found")

@@ -37,7 +37,9 @@ def _gallery(root, per_person=(1, 2, 3)):
 
 
 def _run(capsys, *argv):
-    code = identify(list(argv))
+    """identify, naming everyone (--threshold -1) unless the test gives its own threshold."""
+    argv = list(argv) if any(a.startswith("--threshold") for a in argv) else [*argv, "--threshold", "-1"]
+    code = identify(argv)
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -63,7 +65,7 @@ def test_search_results_equal_mean_templates_scored_directly(tmp_path, capsys):
         assert [c["name"] for c in face["candidates"]] == [f"person{j}" for j in order]  # K=5 > 3 people
         np.testing.assert_allclose([c["score"] for c in face["candidates"]], row[order], atol=1e-4)
         assert face["name"] == f"person{order[0]}"
-    code, out, _ = _run(capsys, model, "--gallery", gallery, "--threshold", "1.01", *queries)
+    code, out, _ = _run(capsys, model, "--gallery", gallery, "--threshold", "1", *queries)
     assert out.count("unknown (best") == 2 and code == 0
 
 
@@ -179,3 +181,45 @@ def test_identify_eval_split_and_rank1_equal_a_direct_computation(tmp_path, caps
     assert result["rank1"] == pytest.approx(want)
     assert result["mated_probes"] == len(mated) and result["nonmated_probes"] == len(nonmated)
     assert set(result["tpir_at_fpir"]) == {"0.1", "0.01"} and Image.open(png).size == (1280, 480)
+
+
+@pytest.mark.parametrize("tool", ["identify", "compare"])
+@pytest.mark.parametrize("value", ["nan", "inf", "2", "-5", "1.0001"])
+def test_threshold_that_is_not_a_cosine_is_refused_in_one_line_before_any_work(tmp_path, capsys, tool, value):
+    from scripts.compare import main as compare
+    model = _model(tmp_path / "m", 0)
+    gallery = _gallery(tmp_path / "g")
+    query = _face(tmp_path / "q.png", 5)
+    argv = [model, "--gallery", gallery, query] if tool == "identify" else [model, query, query]
+    code = (identify if tool == "identify" else compare)([*argv, "--threshold", value])
+    out = capsys.readouterr()
+    assert code == 2 and out.out == "" and out.err.count("\n") == 1
+    assert f"--threshold {float(value)}" in out.err and "[-1, 1]" in out.err
+    assert not os.path.exists(os.path.join(gallery, ".shardface_gallery.npz"))  # nothing enrolled
+
+
+def test_model_without_a_known_threshold_names_no_one_and_says_how_to_get_one(tmp_path, capsys):
+    model = _model(tmp_path / "m", 0)
+    gallery = _gallery(tmp_path / "g")
+    query = _face(tmp_path / "q.png", 5)
+    code = identify([model, "--gallery", gallery, query])
+    out = capsys.readouterr()
+    assert code == 2 and out.out == "" and out.err.count("\n") == 1
+    assert model in out.err and "--threshold T" in out.err and "--threshold_from VAL.bin" in out.err
+    assert not os.path.exists(os.path.join(gallery, ".shardface_gallery.npz"))
+
+
+def test_identify_and_compare_print_the_threshold_they_used_and_where_it_came_from(tmp_path, capsys):
+    from scripts.compare import main as compare
+    model = _model(tmp_path / "m", 0)
+    gallery = _gallery(tmp_path / "g")
+    query = _face(tmp_path / "q.png", 5)
+    code, out, _ = _run(capsys, model, "--gallery", gallery, "--threshold", "0.25", query)
+    assert code == 0 and out.splitlines()[0] == "threshold 0.2500: given by --threshold"
+    code, out, _ = _run(capsys, model, "--gallery", gallery, "--threshold", "0.25", "--json", query)
+    assert json.loads(out)["threshold"] == 0.25 and json.loads(out)["threshold_source"] == "given by --threshold"
+    assert compare([model, query, query, "--threshold", "0.25"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:] == ["threshold 0.2500: given by --threshold", "same person (threshold 0.2500)"]
+    assert compare([model, query, query]) == 0  # no threshold known: the cosine, and how to decide
+    assert "no known threshold" in capsys.readouterr().out
