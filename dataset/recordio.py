@@ -102,8 +102,13 @@ def read_index(idx_path: str, rec_size: int | None = None) -> dict[int, int]:
         raise RecordIOError(f"{idx_path}: index file not found")
     index: dict[int, int] = {}
     seen: dict[int, int] = {}  # offset -> key
-    with open(idx_path) as f:
-        for lineno, line in enumerate(f, 1):
+    with open(idx_path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("ascii")
+            except UnicodeDecodeError:
+                raise RecordIOError(f"{idx_path}:{lineno}: not a text index (expected lines 'key<TAB>offset', "
+                                    f"found binary bytes {raw[:16]!r}); is it the .rec, or damaged?") from None
             if not line.strip():
                 continue
             parts = line.split("\t")
