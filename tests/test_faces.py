@@ -384,3 +384,54 @@ def test_identify_align_names_each_face_of_a_photo_largest_first(photos, tiny_mo
     nobody = os.path.join(photos, "nobody", "floor.png")
     assert identify([tiny_model, "--gallery", str(gallery), "--align", "--threshold", "-1", nobody]) == 0
     assert capsys.readouterr().out.strip().endswith(f"{nobody}  no face found")
+
+
+def _eval_folder(photos, root, people: dict[str, int], faceless, per_id=1, unknown=0):
+    """A folder for identify_eval: people[name] images each, named 0.png, 1.png ...; split() as
+    identify_eval draws it (seed 0) decides which are enrolled, and faceless(name, role) says
+    whether that image is a photo without a face (role: 'enrolled', 'mated' or 'nonmated')."""
+    import shutil
+
+    from scripts.identify_eval import split
+    layout = [(name, [f"{name}/{i}.png" for i in range(n)]) for name, n in sorted(people.items())]
+    enrolled, mated, nonmated = split(layout, per_id, unknown, 0)
+    roles = {f: "enrolled" for _, fs in enrolled for f in fs}
+    roles.update({f: "mated" for _, f in mated}, **{f: "nonmated" for _, f in nonmated})
+    face, floor = os.path.join(photos, "eileen", "one.jpg"), os.path.join(photos, "nobody", "floor.png")
+    for f, role in roles.items():
+        os.makedirs(os.path.dirname(os.path.join(root, f)), exist_ok=True)
+        shutil.copy(floor if faceless(f.split("/")[0], role) else face, os.path.join(root, f))
+    return str(root), roles
+
+
+def test_identify_eval_counts_and_names_faceless_images_and_leaves_out_probes_of_people_not_enrolled(
+        photos, tiny_model, tmp_path, capsys):
+    from scripts.identify_eval import main as identify_eval
+    # blank's enrolment image has no face, its probe has one: counted as non-mated it would be
+    # an impostor in a test that holds no one out
+    folder, roles = _eval_folder(photos, tmp_path / "people", {"ann": 2, "bob": 3, "blank": 2},
+                                 lambda name, role: (name, role) in {("blank", "enrolled"), ("bob", "mated")})
+    args = [tiny_model, folder, "--align", "--unknown_ids", "0"]
+    assert identify_eval([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    faceless_enrolled = sorted(f for f, r in roles.items() if r == "enrolled" and f.startswith("blank"))
+    faceless_probes = sorted(f for f, r in roles.items() if r == "mated" and f.startswith("bob"))
+    assert result["no_face"] == {"enrolment": faceless_enrolled, "probes": faceless_probes}
+    assert result["not_enrolled"] == {"people": ["blank"],
+                                      "probes_left_out": [f for f, r in roles.items() if r == "mated" and
+                                                          f.startswith("blank")]}
+    assert result["nonmated_probes"] == 0 and result["people_enrolled"] == 2
+    assert result["mated_probes"] == 1  # ann's one probe; bob's two have no face
+    assert identify_eval(args) == 0
+    out = capsys.readouterr().out
+    assert f"no face found in 1 enrolment image(s), left out: {os.path.join(folder, faceless_enrolled[0])}" in out
+    assert "no face found in 2 probe image(s), left out: " in out and os.path.join(folder, faceless_probes[1]) in out
+    assert "not enrolled, no enrolment image with a face: blank; their 1 probe(s) left out" in out
+
+
+def test_identify_eval_with_every_mated_probe_faceless_is_one_error_line(photos, tiny_model, tmp_path, capsys):
+    from scripts.identify_eval import main as identify_eval
+    folder, _ = _eval_folder(photos, tmp_path / "people", {"ann": 2, "bob": 2}, lambda name, role: role == "mated")
+    assert identify_eval([tiny_model, folder, "--align", "--unknown_ids", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and folder in err and "no mated probe has a face" in err

@@ -223,3 +223,31 @@ def test_identify_and_compare_print_the_threshold_they_used_and_where_it_came_fr
     assert lines[1:] == ["threshold 0.2500: given by --threshold", "same person (threshold 0.2500)"]
     assert compare([model, query, query]) == 0  # no threshold known: the cosine, and how to decide
     assert "no known threshold" in capsys.readouterr().out
+
+
+def test_identify_eval_gives_no_figure_the_data_cannot_support(tmp_path, capsys):
+    """4 people enrolled: rank-5 is 1 whatever the model, so n/a; 2 non-mated probes cannot
+    measure FPIR 0.1 (needs 10) or 0.01 (needs 100)."""
+    from scripts.identify_eval import main as identify_eval
+    model = _model(tmp_path / "m", 0)
+    root = _gallery(tmp_path / "g", (3, 3, 2, 2, 3))
+    args = [model, root, "--gallery_per_id", "1", "--unknown_ids", "1", "--seed", "1"]
+    assert identify_eval([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["people_enrolled"] == 4 and result["nonmated_probes"] < 10
+    assert result["rank1"] is not None and result["rank5"] is None
+    assert result["tpir_at_fpir"] == {"0.1": {"tpir": None, "threshold": None, "needs_nonmated_probes": 10},
+                                      "0.01": {"tpir": None, "threshold": None, "needs_nonmated_probes": 100}}
+    assert identify_eval(args) == 0
+    out = capsys.readouterr().out
+    assert "rank-5 n/a (needs more than 5 people enrolled)" in out
+    assert f"TPIR@FPIR 1e-01: n/a (needs >= 10 non-mated probes, has {result['nonmated_probes']})" in out
+
+
+def test_identify_eval_negative_unknown_ids_is_one_error_line(tmp_path, capsys):
+    from scripts.identify_eval import main as identify_eval
+    model = _model(tmp_path / "m", 0)
+    root = _gallery(tmp_path / "g", (2, 2))
+    assert identify_eval([model, root, "--unknown_ids", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--unknown_ids -1" in err
