@@ -9,7 +9,7 @@ accuracy, fitted to them: usually above the 10-fold accuracy scripts.verify repo
 Without either, the MODEL's own threshold (dlib: its distance 0.6, eval/thresholds.py) decides;
 the threshold used and where it came from are printed.
 With --align the two images are photos: the largest face of each is aligned to the model's
-template (no face: refused)."""
+template (no face: refused); a photo with several faces is named, with its count."""
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
@@ -24,7 +24,8 @@ import numpy as np
 from eval.embedder import best_threshold, embed_files, load_embedder
 from eval.thresholds import chosen_threshold
 from eval.verification import load_bin
-from faces.photos import find_faces, usable
+from dataset import DataError
+from faces.photos import find_faces, no_face_message
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 from scripts.face_options import add_align_options, detection_from
@@ -45,13 +46,20 @@ def main(argv=None) -> int:
     p.add_argument("--network", default=None, help="backbone name for an arcface_torch model.pt")
     p.add_argument("--no_ema", action="store_true", help="the raw weights, not the EMA")
     p.add_argument("--resize", action="store_true", help="resize images that are not the model's crop size (not alignment)")
-    add_align_options(p, "the two images")
+    add_align_options(p, "the two images", strict=False)  # a photo without a face is always refused
     args = p.parse_args(argv)
     threshold = chosen_threshold(args.threshold, None, args.model)  # a threshold that is no cosine: refused at start
     detection = detection_from(args) if args.align else None
     model = load_embedder(args.model, args.network, ema=not args.no_ema)
     pair = [args.image_a, args.image_b]
-    faces = usable(find_faces(pair, detection), strict=True) if args.align else None
+    faces = None
+    if args.align:
+        found = find_faces(pair, detection)
+        if found.without_face:
+            raise DataError(f"{no_face_message(found.without_face, len(found.faces))}: compare needs a face in each")
+        if found.several_faces():
+            print(found.several_faces())
+        faces = found.largest()
     a, b = embed_files(pair, model, resize=args.resize, faces=faces)
     if args.threshold_from:
         pairs = load_bin(args.threshold_from)

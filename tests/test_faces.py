@@ -435,3 +435,25 @@ def test_identify_eval_with_every_mated_probe_faceless_is_one_error_line(photos,
     assert identify_eval([tiny_model, folder, "--align", "--unknown_ids", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and folder in err and "no mated probe has a face" in err
+
+
+def test_compare_align_counts_a_photos_further_faces_and_refuses_a_faceless_one_without_naming_strict(
+        photos, tiny_model, capsys):
+    from scripts.compare import main as compare
+    one, two = os.path.join(photos, "eileen", "one.jpg"), os.path.join(photos, "eileen", "two.png")
+    assert compare([tiny_model, one, two, "--align", "--threshold", "0.5"]) == 0
+    assert f"1 of 2 photos hold several faces, the largest of each used: {two} (2 faces)" in capsys.readouterr().out
+    floor = os.path.join(photos, "nobody", "floor.png")
+    assert compare([tiny_model, one, floor, "--align", "--threshold", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and floor in err and "compare needs a face in each" in err and "--strict" not in err
+    with pytest.raises(SystemExit):  # --strict would change nothing: compare refuses a faceless photo anyway
+        compare([tiny_model, one, two, "--align", "--strict"])
+    assert "unrecognized arguments: --strict" in capsys.readouterr().err
+
+
+def test_embed_align_counts_each_photos_further_faces(photos, tiny_model, tmp_path, caplog):
+    from scripts.embed import main as embed
+    assert embed([tiny_model, os.path.join(photos, "eileen"), "--out", str(tmp_path / "e.npy"), "--align"]) == 0
+    assert f"1 of 5 photos hold several faces, the largest of each used: " \
+           f"{os.path.join(photos, 'eileen', 'two.png')} (2 faces)" in caplog.text
