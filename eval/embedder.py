@@ -24,7 +24,7 @@ from torch import nn
 
 from backbones.dlib_resnet import DlibResNet
 from dataset.errors import DataLayoutError
-from dataset.folders import not_regular, regular_file
+from dataset.folders import not_regular, regular_file, walk_images
 from dataset.geometry import check_files
 from dataset.images import IMAGE_EXTENSIONS, decode_chw
 from eval.verification import embed, l2_normalize
@@ -246,8 +246,7 @@ def image_files(inputs: list[str]) -> list[str]:
     files = []
     for item in inputs:
         if os.path.isdir(item):
-            found = sorted(os.path.join(d, f) for d, _, names in os.walk(item) for f in names
-                           if f.lower().endswith(IMAGE_EXTENSIONS))
+            found = sorted(walk_images(item))  # links followed, hidden folders skipped (named)
             if not found:
                 raise DataLayoutError(f"{item}: no images ({', '.join(IMAGE_EXTENSIONS)})")
             odd = not_regular(found)  # a FIFO named like an image would block the read forever
