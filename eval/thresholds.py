@@ -3,7 +3,9 @@ or `unknown`), and where it came from, which both tools print.
 
 A threshold is, in order: the one given (`--threshold T`: a cosine, finite, in [-1, 1]); the
 one fitted to a verification set (`--threshold_from VAL.bin`: the best over its pairs); the
-MODEL's own. A MODEL without a known threshold names no one: `identify` refuses at start.
+MODEL's own: dlib's rule (below), or a trained run's threshold at a stated FAR on its
+validation set (`threshold_at_far`, saved by training, carried into ONNX). A MODEL without a
+known threshold names no one: `identify` refuses at start.
 
 MODEL `dlib`'s own threshold is its author's rule, Euclidean distance 0.6 between two of its
 raw 128-D descriptors, turned into a cosine of the L2-normalised embeddings the tools compare.
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from configs.errors import ConfigError
 from eval.weights import DLIB
@@ -43,6 +47,7 @@ class ThresholdError(ConfigError):
 class Threshold:
     value: float     # cos >= value is "same" / a name
     source: str      # where it came from, printed beside it
+    record: dict | None = None  # a trained run's measurement (threshold_at_far's, with val_target and step)
 
     def line(self) -> str:
         return f"threshold {self.value:.4f}: {self.source}"
@@ -65,9 +70,10 @@ def model_threshold(model: str) -> Threshold | None:
 
 
 def chosen_threshold(given: float | None, fitted: tuple[float, float, str, int] | None,
-                     model: str) -> Threshold | None:
+                     model: str, own: Threshold | None = None) -> Threshold | None:
     """The threshold to decide at: `given` (--threshold), else `fitted` ((threshold, accuracy,
-    .bin path, pairs) from eval.embedder.best_threshold), else the MODEL's own, else None."""
+    .bin path, pairs) from eval.embedder.best_threshold), else `own` (the loaded model's, as
+    Embedder.threshold), else the MODEL's own by name, else None."""
     if given is not None:
         return Threshold(checked(given), "given by --threshold")
     if fitted is not None:
@@ -76,7 +82,7 @@ def chosen_threshold(given: float | None, fitted: tuple[float, float, str, int] 
         return Threshold(value, f"from {path}: the best over all its {pairs} pairs, {accuracy:.4f} of them right "
                                 f"at it (best-threshold accuracy; scripts.verify reports the 10-fold accuracy, "
                                 f"each fold judged at a threshold chosen on the other 9)")
-    return model_threshold(model)
+    return own or model_threshold(model)
 
 
 def no_threshold(model: str) -> ThresholdError:
@@ -85,3 +91,44 @@ def no_threshold(model: str) -> ThresholdError:
                           f"somebody); pass --threshold T (a cosine in [-1, 1]) or --threshold_from VAL.bin (a "
                           f"verification set of people, e.g. from scripts.make_bin: the threshold that separates "
                           f"its pairs best)")
+
+
+# A trained run's own threshold: training's verification (eval/callback.py) finds the cosine
+# threshold at a stated false-accept rate on the first val target, and saves it beside the run's
+# weights (THRESHOLD_FILE, with the step it was measured at); export_onnx carries it into the
+# .onnx's metadata (THRESHOLD_KEY). The tools take it as the MODEL's own threshold.
+FARS = (1e-3, 1e-2, 1e-1)   # the lowest one the set's different-person pairs can measure is used
+THRESHOLD_FILE = "threshold.json"
+THRESHOLD_KEY = "shardface.threshold"
+
+
+def threshold_at_far(cosines, same, fars=FARS) -> dict | None:
+    """{threshold, far, tar, pairs, different_pairs}: the lowest cosine threshold at which at most
+    `far` of the different-person pairs are accepted (`cos >= threshold`), for the lowest `far`
+    of `fars` that the pairs can measure (at least 1 / far different-person pairs); None where
+    there are too few for any."""
+    cosines, same = np.asarray(cosines, np.float64), np.asarray(same, bool)
+    different = np.sort(cosines[~same])[::-1]
+    for far in sorted(fars):
+        if len(different) < math.ceil(1 / far - 1e-9):
+            continue
+        allowed = math.floor(far * len(different) + 1e-9)  # different pairs that may pass
+        value = -1.0 if allowed >= len(different) else float(np.nextafter(different[allowed], np.inf))
+        if value > 1.0:  # different pairs at cosine 1 (duplicates): no cosine threshold keeps this FAR
+            continue
+        return {"threshold": value, "far": far, "tar": float((cosines[same] >= value).mean()) if same.any() else 0.0,
+                "pairs": int(len(cosines)), "different_pairs": int(len(different))}
+    return None
+
+
+def saved_threshold(record: dict | None, where: str) -> Threshold | None:
+    """The Threshold of a record `threshold_at_far` made (with `val_target` and `step`), or None."""
+    if not record:
+        return None
+    try:
+        value = checked(float(record["threshold"]), f"{where}: threshold")
+        return Threshold(value, record=record, source=f"the run's own, at FAR {record['far']:g} on {record['val_target']} "
+                                f"({record['different_pairs']} different-person pairs; TAR {record['tar']:.4f} there), "
+                                f"measured at step {record['step']} ({where})")
+    except (KeyError, TypeError, ValueError):
+        raise ThresholdError(f"{where}: unreadable threshold record {record!r}") from None

@@ -6,7 +6,8 @@ Embeddings as scripts.embed makes them (flip test, L2-normalised). --threshold-f
 verification set (a .bin, e.g. from scripts.make_bin) and takes the cosine threshold that
 separates its pairs best, printing it and its accuracy on those same pairs (the best-threshold
 accuracy, fitted to them: usually above the 10-fold accuracy scripts.verify reports).
-Without either, the MODEL's own threshold (dlib: its distance 0.6, eval/thresholds.py) decides;
+Without either, the MODEL's own threshold decides (eval/thresholds.py: dlib's distance 0.6; a
+trained run's, at a stated FAR on its validation set, saved by training and carried by export_onnx);
 the threshold used and where it came from are printed.
 With --align the two images are photos: the largest face of each is aligned to the model's
 template (no face: refused); a photo with several faces is named, with its count."""
@@ -51,6 +52,7 @@ def main(argv=None) -> int:
     threshold = chosen_threshold(args.threshold, None, args.model)  # a threshold that is no cosine: refused at start
     detection = detection_from(args) if args.align else None
     model = load_embedder(args.model, args.network, ema=not args.no_ema)
+    threshold = threshold or model.threshold
     pair = [args.image_a, args.image_b]
     faces = None
     if args.align:

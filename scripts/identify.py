@@ -8,7 +8,8 @@ when images are added, changed or removed; a gallery file of another MODEL is re
 (--rebuild replaces it). One line per face of each query: the file, the face (index and box),
 the best person and their cosine score, or `unknown` when the score is below the threshold.
 The threshold used and where it came from are printed first (eval/thresholds.py): --threshold,
---threshold_from, or the MODEL's own (dlib's distance 0.6); a MODEL with none names no one."""
+--threshold_from, or the MODEL's own (dlib's distance 0.6; a trained run's, at a stated FAR on
+its validation set, saved by training and carried by export_onnx); a MODEL with none names no one."""
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
@@ -97,15 +98,16 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.top < 1:
         p.error(f"--top must be at least 1, got {args.top}")
-    chosen = chosen_threshold(args.threshold, None, args.model)  # no cosine, or none known: refused before any work
-    if chosen is None and not args.threshold_from:
-        raise no_threshold(args.model)
+    chosen_threshold(args.threshold, None, args.model)  # a threshold that is no cosine: refused before any work
     embedder = load_embedder(args.model, args.network, ema=not args.no_ema)
+    chosen = chosen_threshold(args.threshold, None, args.model, embedder.threshold)
+    if chosen is None and not args.threshold_from:  # refused before the gallery is enrolled
+        raise no_threshold(args.model)
     queries = query_files(args.queries, embedder.template, args.align)
     if args.threshold_from:
         pairs = load_bin(args.threshold_from)  # insightface's 112x112 crops, re-framed onto the model's template
         fitted = (*best_threshold(pairs, embedder, args.batch_size), args.threshold_from, len(pairs[1]))
-        chosen = chosen_threshold(None, fitted, args.model)
+        chosen = chosen_threshold(None, fitted, args.model, embedder.threshold)
     threshold = chosen.value
     gallery = enrol(args.gallery, embedder, args.align, args.cache, args.rebuild, args.detector,
                     batch_size=args.batch_size, show_progress=not args.json)

@@ -251,3 +251,56 @@ def test_identify_eval_negative_unknown_ids_is_one_error_line(tmp_path, capsys):
     assert identify_eval([model, root, "--unknown_ids", "-1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--unknown_ids -1" in err
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_threshold_at_far_accepts_at_most_far_of_different_pairs_and_no_lower_threshold_does(seed):
+    from eval.thresholds import threshold_at_far
+    rng = np.random.default_rng(seed)
+    n = [5, 40, 1500][seed]
+    cos = np.round(rng.uniform(-1, 1, 2 * n), 2)  # ties
+    same = np.arange(2 * n) % 2 == 0
+    got = threshold_at_far(cos, same)
+    if n < 10:
+        assert got is None  # 5 different pairs cannot measure even FAR 0.1
+        return
+    far = got["far"]
+    different = cos[~same]
+    # the lowest FAR the pairs can measure, unless different pairs at cosine 1 make it unreachable
+    assert far == min(f for f in (1e-3, 1e-2, 1e-1) if n >= round(1 / f) and (different >= 1.0).mean() <= f)
+    assert (different >= got["threshold"]).mean() <= far
+    lower = different[different < got["threshold"]].max()  # the next threshold down accepts too many
+    assert (different >= lower).mean() > far
+    assert got["tar"] == pytest.approx((cos[same] >= got["threshold"]).mean())
+
+
+def test_trained_runs_threshold_is_saved_by_verification_used_by_identify_and_carried_into_onnx(tmp_path, capsys):
+    """The callback saves threshold.json beside the run's weights; identify and compare take it as
+    the MODEL's own, stated; export_onnx writes it into the .onnx, whose tools state the same."""
+    import io
+
+    from eval.callback import VerificationCallback
+    from eval.verification import write_bin
+    from scripts.compare import main as compare
+    from scripts.export_onnx import main as export_onnx
+    model = _model(tmp_path / "run", 0)
+    images = []
+    for i in range(80):  # 40 pairs, 20 of them different people: FAR 0.1 is measurable, 0.01 is not
+        buf = io.BytesIO()
+        Image.open(_face(tmp_path / "v.png", 1000 + i)).save(buf, format="PNG")
+        images.append(buf.getvalue())
+    write_bin(str(tmp_path / "v.bin"), images, [i % 2 == 0 for i in range(40)])
+    backbone = load_model(model)
+    VerificationCallback(["v"], str(tmp_path), 1, backbone, output=str(tmp_path / "run"))(7)
+    saved = json.load(open(tmp_path / "run" / "threshold.json"))["raw"]
+    assert saved["far"] == 0.1 and saved["different_pairs"] == 20 and saved["step"] == 7 and saved["val_target"] == "v"
+    gallery = _gallery(tmp_path / "g")
+    query = _face(tmp_path / "q.png", 5)
+    stated = f"threshold {saved['threshold']:.4f}: the run's own, at FAR 0.1 on v (20 different-person pairs"
+    assert identify([model, "--gallery", gallery, query]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith(stated)
+    onnx_path = str(tmp_path / "m.onnx")
+    assert export_onnx([model, onnx_path]) == 0
+    capsys.readouterr()
+    assert compare([onnx_path, query, query]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith(stated)
