@@ -127,7 +127,8 @@ def saved_threshold(record: dict | None, where: str) -> Threshold | None:
         return None
     try:
         value = checked(float(record["threshold"]), f"{where}: threshold")
-        return Threshold(value, record=record, source=f"the run's own, at FAR {record['far']:g} on {record['val_target']} "
+        return Threshold(value, record=record,
+                         source=f"the run's own, at FAR {record['far']:g} on {record['val_target']} "
                                 f"({record['different_pairs']} different-person pairs; TAR {record['tar']:.4f} there), "
                                 f"measured at step {record['step']} ({where})")
     except (KeyError, TypeError, ValueError):
