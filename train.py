@@ -108,8 +108,9 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     if problem := warmup_problem(total_steps, warmup_steps):
         logger.warning(problem)
 
+    # a missing val set refuses the run here, writing nothing; the run's threshold is saved in output
     verify = VerificationCallback(cfg.val_targets, cfg.val_dir or cfg.rec, cfg.verbose, backbone, ema,
-                                  is_main=info.is_main)  # a missing val set refuses the run here, writing nothing
+                                  is_main=info.is_main, output=cfg.output)
 
     lock.acquire(cfg.output, info.rank)  # one live run per output, seen by every rank: else refused here
     if info.is_main:

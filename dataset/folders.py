@@ -1,12 +1,21 @@
 """Image folders: one sub-folder per identity, as torchvision's ImageFolder; or, for label-free
-training, every image under a folder."""
+training, every image under a folder.
+
+Every tool walks folders one way (`walk_images`, `identity_folders`): symlinked folders are
+followed (each real folder once, so a link back up the tree is no loop), and hidden folders
+(names starting with `.`: .git, the gallery's cache parts) are skipped; a hidden folder that
+holds images is named in one warning, never left out without a word."""
 from __future__ import annotations
 
+import logging
 import os
 import stat
 
 from dataset.errors import DataLayoutError
 from dataset.images import IMAGE_EXTENSIONS
+
+logger = logging.getLogger("shardface")
+SHOWN = 3  # folders named in a warning
 
 
 def regular_file(path: str) -> bool:
@@ -28,12 +37,65 @@ def not_regular(paths: list[str]) -> DataLayoutError | None:
                            f"image){more}; only image files are read: move it out")
 
 
+def hidden(name: str) -> bool:
+    return name.startswith(".")
+
+
+def _has_image(folder: str) -> bool:
+    return any(f.lower().endswith(IMAGE_EXTENSIONS) for _, _, files in os.walk(folder, followlinks=True)
+               for f in files)
+
+
+def warn_hidden(folders: list[str]) -> None:
+    """One warning naming the hidden folders among `folders` that hold images (skipped)."""
+    with_images = [f for f in folders if _has_image(f)]
+    if with_images:
+        more = f" and {len(with_images) - SHOWN} more" if len(with_images) > SHOWN else ""
+        logger.warning("skipped %d hidden folder(s) holding images (names starting with '.'): %s%s; rename them "
+                       "to include them", len(with_images), ", ".join(with_images[:SHOWN]), more)
+
+
+def walk_images(root: str, warn: bool = True) -> list[str]:
+    """Every image file under the folder `root`, at any depth: a folder's own images (sorted),
+    then each sub-folder's (sorted names), depth first. Symlinked folders are followed, each
+    real folder once and none that holds `root` (a link up the tree); hidden folders are
+    skipped, those holding images named (`warn_hidden`)."""
+    paths, skipped, seen = [], [], set()
+    top = os.path.realpath(root)
+    pending = [root]
+    while pending:
+        folder = pending.pop()
+        real = os.path.realpath(folder)
+        if real in seen or top.startswith(real.rstrip(os.sep) + os.sep):  # walked already, or a link up the tree
+            continue
+        seen.add(real)
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        subfolders = []
+        for entry in entries:
+            if entry.is_dir():  # a link to a folder too
+                (skipped if hidden(entry.name) else subfolders).append(entry.path)
+            elif entry.name.lower().endswith(IMAGE_EXTENSIONS):
+                paths.append(entry.path)
+        pending.extend(reversed(subfolders))  # depth first, in name order
+    if warn:
+        warn_hidden(skipped)
+    return paths
+
+
+def identity_folders(root: str) -> list[str]:
+    """The names of `root`'s identity sub-folders, sorted (links to folders too); hidden ones are
+    skipped, those holding images named (`warn_hidden`)."""
+    names = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    warn_hidden([os.path.join(root, d) for d in names if hidden(d)])
+    return [d for d in names if not hidden(d)]
+
+
 def list_identity_folders(root: str) -> tuple[list[str], list[list[str]]]:
     """(identity names, image paths of each): sorted sub-folder names are labels 0..C-1.
     A sub-folder without images is an error (it would be a class no sample belongs to)."""
     if not os.path.isdir(root):
         raise DataLayoutError(f"{root}: image folder not found")
-    names = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    names = identity_folders(root)
     if not names:
         raise DataLayoutError(f"{root}: no identity sub-folders")
     groups = [[os.path.join(root, n, f) for f in sorted(os.listdir(os.path.join(root, n)))
@@ -55,10 +117,7 @@ def list_images(root: str) -> list[str]:
     teacher file serves both readings of it."""
     if not os.path.isdir(root):
         raise DataLayoutError(f"{root}: image folder not found")
-    paths = []
-    for folder, subfolders, files in os.walk(root):
-        subfolders.sort()  # os.walk descends in this list's order
-        paths += [os.path.join(folder, f) for f in sorted(files) if f.lower().endswith(IMAGE_EXTENSIONS)]
+    paths = walk_images(root)
     odd = not_regular(paths)
     if odd is not None:
         raise odd

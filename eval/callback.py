@@ -1,11 +1,16 @@
 """Verification during training: every `verbose` steps and at the end, on the `val_targets`."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 
-from eval.verification import NFOLDS, VerificationDataError, bin_path, load_bin, test
+import numpy as np
+
+from eval.thresholds import THRESHOLD_FILE, threshold_at_far
+from eval.verification import NFOLDS, VerificationDataError, bin_path, l2_normalize, load_bin, test
 from parallel.dist import barrier
+from utils.checkpoint import atomic_write_text
 
 logger = logging.getLogger("shardface")
 
@@ -15,11 +20,14 @@ class VerificationCallback:
     (with flip), std and XNorm to the log and tensorboard, and the best so far; the EMA model
     as well when there is one. Every rank constructs and calls it at the same steps
     (gathering the EMA model is collective); every rank checks that the sets exist, only rank 0
-    (`is_main`) loads them and evaluates, the others wait for it."""
+    (`is_main`) loads them and evaluates, the others wait for it. With `output`, the cosine
+    threshold at a stated FAR on the first set (eval.thresholds.threshold_at_far, flip-fused
+    embeddings as the tools make them) is saved there as threshold.json, for the raw weights and
+    the EMA's, with the step: the run's own threshold, which the tools and export_onnx take."""
 
     def __init__(self, val_targets, val_dir: str, every: int, backbone, ema=None, summary_writer=None,
-                 is_main: bool = True, batch_size: int = 128):
-        self.enabled, self.every = bool(val_targets), every
+                 is_main: bool = True, batch_size: int = 128, output: str | None = None):
+        self.enabled, self.every, self.output = bool(val_targets), every, output
         self.backbone, self.ema, self.writer, self.batch_size = backbone, ema, summary_writer, batch_size
         self.sets = {}
         for name in val_targets:  # every rank checks, so every rank stops alike on a missing set
@@ -44,9 +52,12 @@ class VerificationCallback:
         models = {"": self.backbone}
         if self.ema is not None:
             models["ema/"] = self.ema.ema_module()  # collective
+        thresholds = {}
         for prefix, model in models.items():
             for name, data in self.sets.items():
                 result = test(data, model, self.batch_size)
+                if name == next(iter(self.sets)):  # the first set gives the run's threshold
+                    thresholds["ema" if prefix else "raw"] = self._threshold(result, data[1], name, step)
                 key = f"{prefix}{name}"
                 self.last[key] = result.accuracy_flip
                 self.best[key] = max(self.best.get(key, 0.0), result.accuracy_flip)
@@ -56,5 +67,20 @@ class VerificationCallback:
                 if self.writer is not None:
                     self.writer.add_scalar(f"val/{key}", result.accuracy_flip, step)
                     self.writer.add_scalar(f"val/{key}_xnorm", result.xnorm, step)
+        thresholds = {kind: record for kind, record in thresholds.items() if record}
+        if self.output and thresholds:
+            atomic_write_text(os.path.join(self.output, THRESHOLD_FILE), json.dumps(thresholds, indent=1) + "\n")
         barrier()
         return dict(self.last)
+
+    @staticmethod
+    def _threshold(result, issame, name: str, step: int) -> dict | None:
+        emb = l2_normalize(result.embeddings + result.embeddings_flip).astype(np.float64)
+        record = threshold_at_far(np.sum(emb[0::2] * emb[1::2], axis=1), issame)
+        if record is None:
+            logger.warning("[%s] too few different-person pairs to measure a threshold at FAR 0.1 or below: the run "
+                           "saves none, and the tools need --threshold or --threshold_from", name)
+            return None
+        logger.info("[%s][%d] threshold %.4f at FAR %g (TAR %.4f), saved as the run's own", name, step,
+                    record["threshold"], record["far"], record["tar"])
+        return {**record, "val_target": name, "step": step}

@@ -24,9 +24,10 @@ from torch import nn
 
 from backbones.dlib_resnet import DlibResNet
 from dataset.errors import DataLayoutError
-from dataset.folders import not_regular, regular_file
+from dataset.folders import not_regular, regular_file, walk_images
 from dataset.geometry import check_files
 from dataset.images import IMAGE_EXTENSIONS, decode_chw
+from eval.thresholds import THRESHOLD_FILE, THRESHOLD_KEY, Threshold, ThresholdError, model_threshold, saved_threshold
 from eval.verification import embed, l2_normalize
 from eval.weights import DLIB, DLIB_FILE, dlib_state, load_backbone
 from faces.align import ARCFACE_112, Template, similarity_transform
@@ -65,7 +66,9 @@ class OnnxBackbone(nn.Module):
             self.session = ort.InferenceSession(path, providers=providers)
         except Exception as exc:  # onnxruntime raises its own types for every bad file
             raise CheckpointError(f"{path}: not a readable ONNX model ({str(exc).splitlines()[0]})") from None
-        self.template = self._template(path, self.session.get_modelmeta().custom_metadata_map.get(TEMPLATE_KEY))
+        metadata = self.session.get_modelmeta().custom_metadata_map
+        self.template = self._template(path, metadata.get(TEMPLATE_KEY))
+        self.threshold = self._threshold(path, metadata.get(THRESHOLD_KEY))
         inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
         if len(inputs) != 1 or list(inputs[0].shape[1:]) != [3, *self.template.size]:
             raise CheckpointError(f"{path}: expected one input of shape N x 3 x {self.template.size[0]} x "
@@ -94,6 +97,16 @@ class OnnxBackbone(nn.Module):
         if min(template.size) < 1 or not np.isfinite(template.points).all():
             raise CheckpointError(f"{path}: {TEMPLATE_KEY} metadata names no usable crop: {recorded}")
         return template
+
+    @staticmethod
+    def _threshold(path: str, recorded: str | None) -> Threshold | None:
+        if recorded is None:
+            return None
+        try:
+            record = json.loads(recorded)
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: unreadable {THRESHOLD_KEY} metadata ({exc})") from None
+        return saved_threshold(record, f"{path} metadata")
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = images.detach().float().cpu().numpy()
@@ -169,6 +182,7 @@ class Embedder:
     template: Template      # the crop geometry (size and five-point positions) it was trained on
     name: str               # what was loaded, for messages and derived files
     fingerprint: str        # a hash of its weights (or ONNX file): derived files record it
+    threshold: Threshold | None = None  # its own verdict threshold (eval/thresholds.py), if it has one
 
     @property
     def device(self) -> torch.device:
@@ -237,11 +251,38 @@ def load_embedder(path: str, network: str | None = None, ema: bool = True) -> Em
         module.load_state_dict(dlib_state())
         module = module.eval().to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         module.source_path = DLIB
-        return Embedder(module, DLIB_150, DLIB, fingerprint_file(model_file(DLIB_FILE)))
+        return Embedder(module, DLIB_150, DLIB, fingerprint_file(model_file(DLIB_FILE)), model_threshold(DLIB))
     module = load_model(path, network, ema)
     if isinstance(module, OnnxBackbone):
-        return Embedder(module, module.template, path, fingerprint_file(path))
-    return Embedder(module, ARCFACE_112, path, fingerprint_module(module))
+        return Embedder(module, module.template, path, fingerprint_file(path), module.threshold)
+    return Embedder(module, ARCFACE_112, path, fingerprint_module(module), run_threshold(path, ema))
+
+
+def run_threshold(path: str, ema: bool = True) -> Threshold | None:
+    """The threshold training saved beside the weights at `path` (a run output, a checkpoint dir,
+    or the run's model.pt: the latest checkpoint's weights, the EMA's where there is one), if it
+    was measured at the step of those weights; else None."""
+    from utils.checkpoint import CHECKPOINT_NAME, find_checkpoint
+    run = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    ckpt = find_checkpoint(run)
+    if ckpt is not None and os.path.abspath(ckpt) == os.path.abspath(run):  # a checkpoint dir: its run holds the file
+        run = os.path.dirname(os.path.abspath(ckpt))
+    file = os.path.join(run, THRESHOLD_FILE)
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file) as f:
+            records = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ThresholdError(f"{file}: unreadable ({exc})") from None
+    if not isinstance(records, dict):
+        raise ThresholdError(f"{file}: not a threshold record")
+    want_ema = ema if os.path.isdir(path) else True  # model.pt holds the EMA's weights where there is one
+    record = records.get("ema") if want_ema and records.get("ema") else records.get("raw")
+    named = CHECKPOINT_NAME.match(os.path.basename(ckpt)) if ckpt else None
+    if record is None or (named and isinstance(record, dict) and record.get("step") != int(named.group(1))):
+        return None  # measured on other weights than these
+    return saved_threshold(record, file)
 
 
 def image_files(inputs: list[str]) -> list[str]:
@@ -249,8 +290,7 @@ def image_files(inputs: list[str]) -> list[str]:
     files = []
     for item in inputs:
         if os.path.isdir(item):
-            found = sorted(os.path.join(d, f) for d, _, names in os.walk(item) for f in names
-                           if f.lower().endswith(IMAGE_EXTENSIONS))
+            found = sorted(walk_images(item))  # links followed, hidden folders skipped (named)
             if not found:
                 raise DataLayoutError(f"{item}: no images ({', '.join(IMAGE_EXTENSIONS)})")
             odd = not_regular(found)  # a FIFO named like an image would block the read forever

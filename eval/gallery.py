@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from dataset import DataError
-from dataset.folders import not_regular
+from dataset.folders import hidden, not_regular, walk_images, warn_hidden
 from dataset.images import IMAGE_EXTENSIONS, decode_chw, image_size
 from eval.embedder import embed_uint8
 from eval.search import make_index
@@ -73,13 +73,15 @@ def list_gallery(folder: str) -> list[tuple[str, list[str]]]:
     if not os.path.isdir(folder):
         raise GalleryError(f"{folder}: gallery folder not found")
     people, loose = [], []
-    for entry in sorted(os.listdir(folder)):
+    entries = sorted(os.listdir(folder))
+    # the cache and its parts, editor files are skipped; a hidden folder holding images is named
+    warn_hidden([os.path.join(folder, e) for e in entries if hidden(e) and os.path.isdir(os.path.join(folder, e))])
+    for entry in entries:
         path = os.path.join(folder, entry)
-        if entry.startswith("."):
-            continue  # the cache and its parts, editor files
-        if os.path.isdir(path):
-            found = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, names in os.walk(path)
-                           for f in names if f.lower().endswith(IMAGE_EXTENSIONS))
+        if hidden(entry):
+            continue
+        if os.path.isdir(path):  # a link to a folder too, as in training
+            found = sorted(os.path.relpath(f, folder) for f in walk_images(path))
             if not found:
                 raise GalleryError(f"{path}: person folder without images ({', '.join(IMAGE_EXTENSIONS)})")
             people.append((entry, found))

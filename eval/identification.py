@@ -75,6 +75,13 @@ def tpir_at_fpir(ranks: np.ndarray, mate_scores: np.ndarray, nonmated_top: np.nd
     return out
 
 
+def nonmated_needed(fpir: float) -> int:
+    """The fewest non-mated probes that can measure FPIR `fpir`: ceil(1 / fpir), so that one
+    false accept is a rate of `fpir` at most. With fewer, the only threshold that keeps FPIR at
+    or below `fpir` is the one no non-mated probe passes: the TPIR there says little."""
+    return math.ceil(1 / fpir - 1e-9)
+
+
 def det_curve(ranks: np.ndarray, mate_scores: np.ndarray, nonmated_top: np.ndarray):
     """(fpir, fnir) at every threshold that changes either, thresholds rising."""
     ranks, mate_scores = np.asarray(ranks), np.asarray(mate_scores)

@@ -51,6 +51,16 @@ class Found:
     def largest(self) -> dict[str, Face]:
         return {p: f[0] for p, f in self.faces.items() if f}
 
+    def several_faces(self) -> str | None:
+        """One line counting, per photo, the faces beyond the largest (None where no photo has
+        several): each photo's largest face is used, the others are not."""
+        several = [(p, len(f)) for p, f in self.faces.items() if len(f) > 1]
+        if not several:
+            return None
+        more = f" and {len(several) - SHOWN} more" if len(several) > SHOWN else ""
+        return (f"{len(several)} of {len(self.faces)} photos hold several faces, the largest of each used: "
+                + ", ".join(f"{p} ({n} faces)" for p, n in several[:SHOWN]) + more)
+
     def summary(self) -> str:
         n = len(self.faces)
         return (f"faces found in {n - len(self.without_face)} of {n} photos; {self.extra_faces} further faces "

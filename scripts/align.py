@@ -24,6 +24,7 @@ from collections import Counter
 
 from configs.errors import ConfigError
 from dataset import DataError, DataLayoutError
+from dataset.folders import walk_images
 from dataset.geometry import check_files
 from dataset.images import IMAGE_EXTENSIONS
 from faces.align import ARCFACE_112, align
@@ -44,8 +45,7 @@ COLUMNS = ["photo", "faces", "face", "crop", "score", "x0", "y0", "x1", "y1"] + 
 
 def photos_under(src: str) -> list[str]:
     """Image files under `src`, recursively, as sorted paths relative to it."""
-    found = sorted(os.path.relpath(os.path.join(d, f), src) for d, _, names in os.walk(src) for f in names
-                   if f.lower().endswith(IMAGE_EXTENSIONS))
+    found = sorted(os.path.relpath(f, src) for f in walk_images(src))  # as training and the gallery walk
     if not found:
         raise DataError(f"{src}: no photos ({', '.join(IMAGE_EXTENSIONS)})")
     return found

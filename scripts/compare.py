@@ -6,8 +6,11 @@ Embeddings as scripts.embed makes them (flip test, L2-normalised). --threshold-f
 verification set (a .bin, e.g. from scripts.make_bin) and takes the cosine threshold that
 separates its pairs best, printing it and its accuracy on those same pairs (the best-threshold
 accuracy, fitted to them: usually above the 10-fold accuracy scripts.verify reports).
+Without either, the MODEL's own threshold decides (eval/thresholds.py: dlib's distance 0.6; a
+trained run's, at a stated FAR on its validation set, saved by training and carried by export_onnx);
+the threshold used and where it came from are printed.
 With --align the two images are photos: the largest face of each is aligned to the model's
-template (no face: refused)."""
+template (no face: refused); a photo with several faces is named, with its count."""
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
@@ -20,8 +23,10 @@ import sys
 import numpy as np
 
 from eval.embedder import best_threshold, embed_files, load_embedder
+from eval.thresholds import chosen_threshold
 from eval.verification import load_bin
-from faces.photos import find_faces, usable
+from dataset import DataError
+from faces.photos import find_faces, no_face_message
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 from scripts.face_options import add_align_options, detection_from
@@ -35,33 +40,41 @@ def main(argv=None) -> int:
     p.add_argument("image_b", help="the second face image")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--threshold", type=float, default=None,
-                     help="cosine similarity at or above which the two are the same person")
+                     help="cosine similarity at or above which the two are the same person, in [-1, 1] "
+                          "(default: the MODEL's own; dlib: its distance 0.6)")
     how.add_argument("--threshold_from", default=None, metavar="BIN",
                      help="a verification .bin: use the threshold that separates its pairs best")
     p.add_argument("--network", default=None, help="backbone name for an arcface_torch model.pt")
     p.add_argument("--no_ema", action="store_true", help="the raw weights, not the EMA")
     p.add_argument("--resize", action="store_true", help="resize images that are not the model's crop size (not alignment)")
-    add_align_options(p, "the two images")
+    add_align_options(p, "the two images", strict=False)  # a photo without a face is always refused
     args = p.parse_args(argv)
+    threshold = chosen_threshold(args.threshold, None, args.model)  # a threshold that is no cosine: refused at start
     detection = detection_from(args) if args.align else None
     model = load_embedder(args.model, args.network, ema=not args.no_ema)
+    threshold = threshold or model.threshold
     pair = [args.image_a, args.image_b]
-    faces = usable(find_faces(pair, detection), strict=True) if args.align else None
+    faces = None
+    if args.align:
+        found = find_faces(pair, detection)
+        if found.without_face:
+            raise DataError(f"{no_face_message(found.without_face, len(found.faces))}: compare needs a face in each")
+        if found.several_faces():
+            print(found.several_faces())
+        faces = found.largest()
     a, b = embed_files(pair, model, resize=args.resize, faces=faces)
-    threshold = args.threshold
     if args.threshold_from:
         pairs = load_bin(args.threshold_from)
-        threshold, accuracy = best_threshold(pairs, model)
-        # the threshold is fitted to these pairs: its accuracy is an upper bound, not a measure
-        print(f"threshold {threshold:.4f} from {args.threshold_from}: the best over all its {len(pairs[1])} "
-              f"pairs, {accuracy:.4f} of them right at it (best-threshold accuracy; scripts.verify reports "
-              f"the 10-fold accuracy, each fold judged at a threshold chosen on the other 9)")
+        threshold = chosen_threshold(None, (*best_threshold(pairs, model), args.threshold_from, len(pairs[1])),
+                                     args.model)
     cosine = float(np.dot(a.astype(np.float64), b.astype(np.float64)))
     print(f"cosine similarity {cosine:.4f}")
     if threshold is None:
-        print("pass --threshold T or --threshold-from VAL.bin to decide same or different")
+        print(f"{args.model} has no known threshold: pass --threshold T or --threshold-from VAL.bin to decide "
+              f"same or different")
     else:
-        print(f"{'same' if cosine >= threshold else 'different'} person (threshold {threshold:.4f})")
+        print(threshold.line())
+        print(f"{'same' if cosine >= threshold.value else 'different'} person (threshold {threshold.value:.4f})")
     return 0
 
 

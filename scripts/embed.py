@@ -18,6 +18,7 @@ if not __package__:  # run as a file (python scripts/x.py): import as `python -m
     import sys
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+import logging
 import os
 import sys
 
@@ -31,6 +32,8 @@ from scripts.cli import ArgumentParser
 from scripts.face_options import add_align_options, detection_from
 from utils.atomic import OutputError, check_output_file, publishing_set, refuse_inputs
 from utils.progress import Progress
+
+logger = logging.getLogger("shardface")
 
 
 @exits_on_user_error
@@ -66,7 +69,10 @@ def main(argv=None) -> int:
     detection = detection_from(args) if args.align else None
     embedder = load_embedder(args.model, args.network, ema=not args.no_ema)
     if args.align:
-        faces = usable(find_faces(paths, detection, Progress(len(paths), "finding faces").update), args.strict)
+        found = find_faces(paths, detection, Progress(len(paths), "finding faces").update)
+        faces = usable(found, args.strict)
+        if found.several_faces():
+            logger.warning("%s", found.several_faces())
         paths = [path for path in paths if path in faces]
     embeddings = embed_files(paths, embedder, args.batch_size, args.resize, flip=not args.no_flip,
                              faces=faces if args.align else None)  # a batch of crops at a time

@@ -13,6 +13,7 @@ if not __package__:  # run as a file (python scripts/x.py): import as `python -m
     import sys
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+import json
 import os
 import sys
 import warnings
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from eval.embedder import TEMPLATE_KEY, OnnxBackbone, load_embedder, model_files, template_json
+from eval.thresholds import THRESHOLD_KEY
 from eval.weights import DLIB
 from faces.align import ARCFACE_112, Template
 from parallel.user_errors import exits_on_user_error
@@ -30,8 +32,9 @@ from utils.checkpoint import CheckpointError
 
 
 def export(model: torch.nn.Module, output: str, opset: int = 17, template: Template = ARCFACE_112,
-           parity: bool = False) -> None:
-    """Write `model` to `output` with its crop template in the metadata, published atomically
+           parity: bool = False, threshold: dict | None = None) -> None:
+    """Write `model` to `output` with its crop template in the metadata, and the run's own
+    threshold where it has one (eval.thresholds: THRESHOLD_KEY), published atomically
     (utils.atomic): with `parity`, the file is checked against torch (`check_parity`) before it
     replaces anything."""
     import onnx
@@ -48,6 +51,9 @@ def export(model: torch.nn.Module, output: str, opset: int = 17, template: Templ
         proto = onnx.load(tmp)
         entry = proto.metadata_props.add()
         entry.key, entry.value = TEMPLATE_KEY, template_json(template)
+        if threshold is not None:
+            entry = proto.metadata_props.add()
+            entry.key, entry.value = THRESHOLD_KEY, json.dumps(threshold)
         onnx.save(proto, tmp)
         if parity:
             check_parity(model, tmp, size=template.size, name=output)
@@ -116,8 +122,10 @@ def main(argv=None) -> int:
     model = embedder.module.cpu()
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     check_output_file(output)
-    export(model, output, args.opset, embedder.template, parity=True)
-    print(f"exported {output}")
+    own = embedder.threshold.record if embedder.threshold is not None else None
+    export(model, output, args.opset, embedder.template, parity=True, threshold=own)
+    print(f"exported {output}" + (f" with the run's threshold {own['threshold']:.4f} (at FAR {own['far']:g})"
+                                   if own else ""))
     return 0
 
 

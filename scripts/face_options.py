@@ -23,12 +23,15 @@ def add_detection_options(p) -> None:
                         "are still found at full resolution")
 
 
-def add_align_options(p, what: str) -> None:
-    """--align, --strict and the detection options, for a tool taking photos of `what`."""
+def add_align_options(p, what: str, strict: bool = True) -> None:
+    """--align, --strict and the detection options, for a tool taking photos of `what`; a tool
+    that refuses every photo without a face takes no --strict (strict=False)."""
     p.add_argument("--align", action="store_true",
                    help=f"take {what} as photos: find the faces and align each photo's largest one to the "
-                        "model's template (a photo without a face is left out and named)")
-    p.add_argument("--strict", action="store_true", help="with --align, refuse photos without a face")
+                        "model's template (a photo without a face is " + ("left out and named)" if strict else
+                                                                          "refused, naming it)"))
+    if strict:
+        p.add_argument("--strict", action="store_true", help="with --align, refuse photos without a face")
     add_detection_options(p)
 
 

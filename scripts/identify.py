@@ -6,7 +6,10 @@ The gallery is one folder per person; each person is scored by the mean template
 images (eval/gallery.py). The enrolment is cached in DIR/.shardface_gallery.npz and updated
 when images are added, changed or removed; a gallery file of another MODEL is refused
 (--rebuild replaces it). One line per face of each query: the file, the face (index and box),
-the best person and their cosine score, or `unknown` when the score is below the threshold."""
+the best person and their cosine score, or `unknown` when the score is below the threshold.
+The threshold used and where it came from are printed first (eval/thresholds.py): --threshold,
+--threshold_from, or the MODEL's own (dlib's distance 0.6; a trained run's, at a stated FAR on
+its validation set, saved by training and carried by export_onnx); a MODEL with none names no one."""
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
@@ -22,6 +25,7 @@ import numpy as np
 from eval.embedder import best_threshold, image_files, load_embedder
 from eval.gallery import GalleryError, check_image, enrol, identify, photo_faces
 from eval.search import ENGINES
+from eval.thresholds import chosen_threshold, no_threshold
 from eval.verification import load_bin
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
@@ -53,7 +57,7 @@ def result_rows(faces, gallery, scores, ids, threshold):
     rows = []
     for face, s, i in zip(faces, scores, ids):
         candidates = [{"name": gallery.names[j], "score": round(float(v), 6)} for v, j in zip(s, i) if j >= 0]
-        known = threshold is None or candidates[0]["score"] >= threshold
+        known = candidates[0]["score"] >= threshold
         rows.append({"file": face.path, "face": face.index, "box": list(face.box),
                      "name": candidates[0]["name"] if known else "unknown", "score": candidates[0]["score"],
                      "candidates": candidates})
@@ -80,7 +84,9 @@ def main(argv=None) -> int:
     p.add_argument("--gallery", required=True, help="folder with one folder of images per person")
     p.add_argument("--top", type=int, default=1, help="candidates to list per face (default 1)")
     how = p.add_mutually_exclusive_group()
-    how.add_argument("--threshold", type=float, default=None, help="cosine score below which a face is `unknown`")
+    how.add_argument("--threshold", type=float, default=None,
+                     help="cosine score below which a face is `unknown`, in [-1, 1] (default: the MODEL's own; "
+                          "dlib: its distance 0.6)")
     how.add_argument("--threshold_from", default=None, metavar="BIN",
                      help="a verification .bin: use the threshold that separates its pairs best")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of lines")
@@ -92,14 +98,17 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.top < 1:
         p.error(f"--top must be at least 1, got {args.top}")
+    chosen_threshold(args.threshold, None, args.model)  # a threshold that is no cosine: refused before any work
     embedder = load_embedder(args.model, args.network, ema=not args.no_ema)
+    chosen = chosen_threshold(args.threshold, None, args.model, embedder.threshold)
+    if chosen is None and not args.threshold_from:  # refused before the gallery is enrolled
+        raise no_threshold(args.model)
     queries = query_files(args.queries, embedder.template, args.align)
-    threshold, note = args.threshold, None
     if args.threshold_from:
         pairs = load_bin(args.threshold_from)  # insightface's 112x112 crops, re-framed onto the model's template
-        threshold, accuracy = best_threshold(pairs, embedder, args.batch_size)
-        note = (f"threshold {threshold:.4f} from {args.threshold_from}: the best over all its {len(pairs[1])} pairs, "
-                f"{accuracy:.4f} of them right at it (best-threshold accuracy, as scripts.compare)")
+        fitted = (*best_threshold(pairs, embedder, args.batch_size), args.threshold_from, len(pairs[1]))
+        chosen = chosen_threshold(None, fitted, args.model, embedder.threshold)
+    threshold = chosen.value
     gallery = enrol(args.gallery, embedder, args.align, args.cache, args.rebuild, args.detector,
                     batch_size=args.batch_size, show_progress=not args.json)
     faces = photo_faces(queries, embedder, args.align, args.detector, args.batch_size)
@@ -111,10 +120,10 @@ def main(argv=None) -> int:
     without = [q for q in queries if q not in {f.path for f in faces}]
     if args.json:
         print(json.dumps({"model": embedder.name, "gallery": args.gallery, "people": len(gallery.names),
-                          "threshold": threshold, "faces": rows, "no_face": without}, indent=1))
+                          "threshold": threshold,
+                          "threshold_source": chosen.source, "faces": rows, "no_face": without}, indent=1))
         return 0
-    if note:
-        print(note)
+    print(chosen.line())
     for path in queries:  # in the order given
         lines = [format_row(row, threshold, args.top) for row in rows if row["file"] == path]
         print("\n".join(lines) if lines else f"{path}  no face found")

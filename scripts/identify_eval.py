@@ -7,7 +7,11 @@ held out: all their images are non-mated probes. Of every other person, N images
 --seed) are enrolled as their mean template and the rest are mated probes (a person with N
 images or fewer is enrolled without probes: a distractor). Definitions: eval/identification.py
 (IJB-C's): rank-k counts mated probes; FPIR counts non-mated probes whose best score passes the
-threshold, TPIR mated probes found at rank 1 above it."""
+threshold, TPIR mated probes found at rank 1 above it. Images without a face (--align) are left
+out and named, enrolment and probes apart; a person left with no enrolled face is named and
+their probes left out (not counted as non-mated). A figure the data cannot support is `n/a`,
+saying what it needs: rank-k with k people enrolled or fewer, TPIR at FPIR f with fewer than
+1/f non-mated probes."""
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
@@ -23,7 +27,8 @@ import numpy as np
 
 from eval.embedder import load_embedder
 from eval.gallery import GalleryError, check_image, list_gallery, photo_faces
-from eval.identification import FPIR_LEVELS, cmc, det_curve, mate_ranks, plot_cmc_det, tpir_at_fpir
+from eval.identification import (FPIR_LEVELS, cmc, det_curve, mate_ranks, nonmated_needed, plot_cmc_det,
+                                 tpir_at_fpir)
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 from scripts.identify import add_model_args
@@ -48,6 +53,8 @@ def split(people: list[tuple[str, list[str]]], per_id: int, unknown: int, seed: 
 def evaluate(embedder, folder: str, align: bool, per_id: int, unknown: int, seed: int, detector: str = "hog",
              batch_size: int = 64, max_rank: int = 20):
     people = list_gallery(folder)
+    if unknown < 0:
+        raise GalleryError(f"--unknown_ids {unknown}: the number of people held out, 0 or more")
     if unknown >= len(people):
         raise GalleryError(f"{folder}: --unknown_ids {unknown} leaves no one to enrol ({len(people)} people)")
     enrolled, mated, nonmated = split(people, per_id, unknown, seed)
@@ -60,25 +67,69 @@ def evaluate(embedder, folder: str, align: bool, per_id: int, unknown: int, seed
     for face in photo_faces([os.path.join(folder, f) for f in files], embedder, align, detector, batch_size):
         if face.index == 0:  # the largest face of each image
             faces[os.path.relpath(face.path, folder)] = face.embedding
-    names, templates = [], []
+    names, templates, not_enrolled = [], [], []
     for name, fs in enrolled:
         found = [faces[f] for f in fs if f in faces]
         if found:
             mean = np.mean(found, 0)
             names.append(name)
             templates.append(mean / np.linalg.norm(mean))
+        else:
+            not_enrolled.append(name)
+    if not names:
+        raise GalleryError(f"{folder}: none of the {sum(len(fs) for _, fs in enrolled)} images drawn for enrolment "
+                           f"has a face, so no one is enrolled")
+    # a person with no enrolled face is in no gallery, yet not held out: their probes are left
+    # out (counted as non-mated they would shift FPIR)
+    left_out = [f for n, f in mated if n in set(not_enrolled)]
+    mated = [(n, f) for n, f in mated if n not in set(not_enrolled)]
+    no_face = {"enrolment": [f for _, fs in enrolled for f in fs if f not in faces],
+               "probes": [f for _, f in mated + nonmated if f not in faces]}
+    if not any(f in faces for _, f in mated):
+        raise GalleryError(f"{folder}: no mated probe has a face to search for ({len(no_face['probes'])} probe "
+                           f"image(s) without a face, {len(left_out)} of people left unenrolled)")
     probes = [(n, faces[f]) for n, f in mated + nonmated if f in faces]
     scores = np.stack([e for _, e in probes]) @ np.stack(templates).T
     ranks, mate = mate_ranks(scores, np.array(names), np.array([n for n, _ in probes]))
     nonmated_top = scores[ranks < 0].max(1) if (ranks < 0).any() else np.zeros(0)
     result = {"people_enrolled": len(names), "mated_probes": int((ranks >= 0).sum()),
-              "nonmated_probes": int((ranks < 0).sum()),
+              "nonmated_probes": int((ranks < 0).sum()), "no_face": no_face,
+              "not_enrolled": {"people": not_enrolled, "probes_left_out": left_out},
               "cmc": cmc(ranks, min(max_rank, len(names))).tolist()}
-    result["rank1"], result["rank5"] = result["cmc"][0], result["cmc"][min(5, len(names)) - 1]
+    # rank-k says something only when k is below the people enrolled (at k >= people it is 1)
+    result["rank1"], result["rank5"] = ((result["cmc"][k - 1] if k < len(names) else None) for k in (1, 5))
     if len(nonmated_top):
-        result["tpir_at_fpir"] = {str(f): {"tpir": t, "threshold": th}
-                                  for f, (t, th) in tpir_at_fpir(ranks, mate, nonmated_top, FPIR_LEVELS).items()}
+        measured = tpir_at_fpir(ranks, mate, nonmated_top, FPIR_LEVELS)
+        result["tpir_at_fpir"] = {
+            str(f): ({"tpir": t, "threshold": th} if len(nonmated_top) >= nonmated_needed(f) else
+                     {"tpir": None, "threshold": None, "needs_nonmated_probes": nonmated_needed(f)})
+            for f, (t, th) in measured.items()}
     return result, (ranks, mate, nonmated_top)
+
+
+def report_lines(result: dict, folder: str, per_id: int, unknown: int) -> list[str]:
+    """The text report: counts, what was left out and why, and each figure or why it is n/a."""
+    lines = [f"{result['people_enrolled']} people enrolled ({per_id} images each at most), "
+             f"{result['mated_probes']} mated probes, {result['nonmated_probes']} non-mated probes ({unknown} people)"]
+    for kind, files in result["no_face"].items():
+        if files:
+            lines.append(f"no face found in {len(files)} {'probe' if kind == 'probes' else kind} image(s), left out: "
+                         + ", ".join(os.path.join(folder, f) for f in files))
+    if result["not_enrolled"]["people"]:
+        lines.append(f"not enrolled, no enrolment image with a face: {', '.join(result['not_enrolled']['people'])}; "
+                     f"their {len(result['not_enrolled']['probes_left_out'])} probe(s) left out")
+    ranks = [f"rank-{k} " + (f"{result[f'rank{k}']:.4f}" if result[f"rank{k}"] is not None else
+                             f"n/a (needs more than {k} people enrolled)") for k in (1, 5)]
+    lines.append("closed set: " + "  ".join(ranks))
+    if "tpir_at_fpir" not in result:
+        lines.append("open set: n/a (no non-mated probes: hold people out with --unknown_ids)")
+    for f, v in result.get("tpir_at_fpir", {}).items():
+        if v["tpir"] is None:
+            lines.append(f"open set: TPIR@FPIR {float(f):.0e}: n/a (needs >= {v['needs_nonmated_probes']} "
+                         f"non-mated probes, has {result['nonmated_probes']})")
+        else:
+            lines.append(f"open set: TPIR@FPIR {float(f):.0e}: {v['tpir']:.4f} (threshold {v['threshold']:.4f})")
+    return lines
 
 
 @exits_on_user_error
@@ -110,11 +161,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
-    print(f"{result['people_enrolled']} people enrolled ({args.gallery_per_id} images each at most), "
-          f"{result['mated_probes']} mated probes, {result['nonmated_probes']} non-mated probes ({unknown} people)")
-    print(f"closed set: rank-1 {result['rank1']:.4f}  rank-5 {result['rank5']:.4f}")
-    for f, v in result.get("tpir_at_fpir", {}).items():
-        print(f"open set: TPIR@FPIR {float(f):.0e}: {v['tpir']:.4f} (threshold {v['threshold']:.4f})")
+    print("\n".join(report_lines(result, args.folder, args.gallery_per_id, unknown)))
     if args.plot:
         print(f"wrote {args.plot}")
     return 0

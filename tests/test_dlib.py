@@ -256,3 +256,47 @@ def test_export_onnx_of_dlib_resnet_on_112_crops_keeps_the_batch_dynamic(tmp_pat
     template = load_embedder(str(tmp_path / "ft.onnx")).template
     assert template.name == ARCFACE_112.name and template.size == (112, 112)
     np.testing.assert_allclose(template.points, ARCFACE_112.points)
+
+
+def _lfw_chips(count: int) -> list[np.ndarray]:
+    """skimage's LFW faces (25x25, centred like a chip) upscaled to dlib's 150x150: real faces,
+    other people than the astronaut."""
+    from skimage import data
+    return [np.asarray(Image.fromarray((f * 255).astype(np.uint8)).resize((150, 150), Image.BICUBIC).convert("RGB"))
+            for f in data.lfw_subset()[:count]]
+
+
+def test_dlib_threshold_is_dlibs_distance_rule_turned_into_a_cosine(astronaut):
+    from eval.thresholds import DLIB_DISTANCE, DLIB_NORM, DLIB_THRESHOLD, cosine_for_distance
+    rec = dlib.face_recognition_model_v1(model_file(DLIB_FILE))
+    chip = np.asarray(dlib_chip(Image.fromarray(astronaut["img"]), astronaut["points"]))
+    chips = [chip, np.ascontiguousarray(chip[:, ::-1])] + _lfw_chips(10)
+    d = np.array([np.array(rec.compute_face_descriptor(c)) for c in chips])  # dlib's own, raw
+    norms = np.linalg.norm(d, axis=1)
+    assert abs(norms.mean() - DLIB_NORM) < 0.1  # the norm the conversion assumes is dlib's
+    rows, cols = np.triu_indices(len(d), 1)
+    dlib_same = np.linalg.norm(d[rows] - d[cols], axis=1) < DLIB_DISTANCE
+    unit = d / norms[:, None]
+    ours_same = np.sum(unit[rows] * unit[cols], axis=1) >= DLIB_THRESHOLD
+    assert dlib_same[0] and (ours_same == dlib_same).mean() >= 0.9  # astronaut and mirror: same, by both rules
+    # exact where the norms are the conversion's: rescale two real descriptors to DLIB_NORM
+    a, b = d[0] / norms[0] * DLIB_NORM, d[2] / norms[2] * DLIB_NORM
+    dist, cos = np.linalg.norm(a - b), float(unit[0] @ unit[2])
+    assert math.isclose(cosine_for_distance(dist, DLIB_NORM), cos, abs_tol=1e-9)
+    assert (dist < DLIB_DISTANCE) == (cos > DLIB_THRESHOLD)
+
+
+def test_identify_dlib_calls_a_stranger_unknown_at_dlibs_own_threshold(astronaut, tmp_path, capsys):
+    from eval.thresholds import DLIB_THRESHOLD
+    from scripts.identify import main as identify
+    chip = dlib_chip(Image.fromarray(astronaut["img"]), astronaut["points"])
+    os.makedirs(tmp_path / "g" / "eileen")
+    chip.save(tmp_path / "g" / "eileen" / "chip.png")
+    mirror, stranger = str(tmp_path / "mirror.png"), str(tmp_path / "stranger.png")
+    chip.transpose(Image.FLIP_LEFT_RIGHT).save(mirror)
+    Image.fromarray(_lfw_chips(1)[0]).save(stranger)
+    assert identify(["dlib", "--gallery", str(tmp_path / "g"), mirror, stranger]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"threshold {DLIB_THRESHOLD:.4f}: dlib's own rule, distance 0.6")
+    assert lines[1].startswith(f"{mirror}  face 0") and "  eileen " in lines[1]
+    assert lines[2].startswith(f"{stranger}  face 0") and "  unknown (best eileen " in lines[2]

@@ -456,7 +456,8 @@ def test_identify_align_names_each_face_of_a_photo_largest_first(photos, tiny_mo
         os.makedirs(gallery / person)
         shutil.copy(os.path.join(photos, "eileen", photo), gallery / person / photo)
     one, two = os.path.join(photos, "eileen", "one.jpg"), os.path.join(photos, "eileen", "two.png")
-    assert identify([tiny_model, "--gallery", str(gallery), "--align", "--top", "2", "--json", one, two]) == 0
+    assert identify([tiny_model, "--gallery", str(gallery), "--align", "--top", "2", "--json", "--threshold", "-1",
+                     one, two]) == 0
     rows = json.loads(capsys.readouterr().out)["faces"]
     assert [(r["file"], r["face"]) for r in rows] == [(one, 0), (two, 0), (two, 1)]
     assert rows[0]["name"] == "eileen" and abs(rows[0]["score"] - 1) < 1e-5
@@ -464,5 +465,78 @@ def test_identify_align_names_each_face_of_a_photo_largest_first(photos, tiny_mo
     area = [(r["box"][2] - r["box"][0]) * (r["box"][3] - r["box"][1]) for r in rows[1:]]
     assert area[0] > area[1]
     nobody = os.path.join(photos, "nobody", "floor.png")
-    assert identify([tiny_model, "--gallery", str(gallery), "--align", nobody]) == 0
+    assert identify([tiny_model, "--gallery", str(gallery), "--align", "--threshold", "-1", nobody]) == 0
     assert capsys.readouterr().out.strip().endswith(f"{nobody}  no face found")
+
+
+def _eval_folder(photos, root, people: dict[str, int], faceless, per_id=1, unknown=0):
+    """A folder for identify_eval: people[name] images each, named 0.png, 1.png ...; split() as
+    identify_eval draws it (seed 0) decides which are enrolled, and faceless(name, role) says
+    whether that image is a photo without a face (role: 'enrolled', 'mated' or 'nonmated')."""
+    import shutil
+
+    from scripts.identify_eval import split
+    layout = [(name, [f"{name}/{i}.png" for i in range(n)]) for name, n in sorted(people.items())]
+    enrolled, mated, nonmated = split(layout, per_id, unknown, 0)
+    roles = {f: "enrolled" for _, fs in enrolled for f in fs}
+    roles.update({f: "mated" for _, f in mated}, **{f: "nonmated" for _, f in nonmated})
+    face, floor = os.path.join(photos, "eileen", "one.jpg"), os.path.join(photos, "nobody", "floor.png")
+    for f, role in roles.items():
+        os.makedirs(os.path.dirname(os.path.join(root, f)), exist_ok=True)
+        shutil.copy(floor if faceless(f.split("/")[0], role) else face, os.path.join(root, f))
+    return str(root), roles
+
+
+def test_identify_eval_counts_and_names_faceless_images_and_leaves_out_probes_of_people_not_enrolled(
+        photos, tiny_model, tmp_path, capsys):
+    from scripts.identify_eval import main as identify_eval
+    # blank's enrolment image has no face, its probe has one: counted as non-mated it would be
+    # an impostor in a test that holds no one out
+    folder, roles = _eval_folder(photos, tmp_path / "people", {"ann": 2, "bob": 3, "blank": 2},
+                                 lambda name, role: (name, role) in {("blank", "enrolled"), ("bob", "mated")})
+    args = [tiny_model, folder, "--align", "--unknown_ids", "0"]
+    assert identify_eval([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    faceless_enrolled = sorted(f for f, r in roles.items() if r == "enrolled" and f.startswith("blank"))
+    faceless_probes = sorted(f for f, r in roles.items() if r == "mated" and f.startswith("bob"))
+    assert result["no_face"] == {"enrolment": faceless_enrolled, "probes": faceless_probes}
+    assert result["not_enrolled"] == {"people": ["blank"],
+                                      "probes_left_out": [f for f, r in roles.items() if r == "mated" and
+                                                          f.startswith("blank")]}
+    assert result["nonmated_probes"] == 0 and result["people_enrolled"] == 2
+    assert result["mated_probes"] == 1  # ann's one probe; bob's two have no face
+    assert identify_eval(args) == 0
+    out = capsys.readouterr().out
+    assert f"no face found in 1 enrolment image(s), left out: {os.path.join(folder, faceless_enrolled[0])}" in out
+    assert "no face found in 2 probe image(s), left out: " in out and os.path.join(folder, faceless_probes[1]) in out
+    assert "not enrolled, no enrolment image with a face: blank; their 1 probe(s) left out" in out
+
+
+def test_identify_eval_with_every_mated_probe_faceless_is_one_error_line(photos, tiny_model, tmp_path, capsys):
+    from scripts.identify_eval import main as identify_eval
+    folder, _ = _eval_folder(photos, tmp_path / "people", {"ann": 2, "bob": 2}, lambda name, role: role == "mated")
+    assert identify_eval([tiny_model, folder, "--align", "--unknown_ids", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and folder in err and "no mated probe has a face" in err
+
+
+def test_compare_align_counts_a_photos_further_faces_and_refuses_a_faceless_one_without_naming_strict(
+        photos, tiny_model, capsys):
+    from scripts.compare import main as compare
+    one, two = os.path.join(photos, "eileen", "one.jpg"), os.path.join(photos, "eileen", "two.png")
+    assert compare([tiny_model, one, two, "--align", "--threshold", "0.5"]) == 0
+    assert f"1 of 2 photos hold several faces, the largest of each used: {two} (2 faces)" in capsys.readouterr().out
+    floor = os.path.join(photos, "nobody", "floor.png")
+    assert compare([tiny_model, one, floor, "--align", "--threshold", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and floor in err and "compare needs a face in each" in err and "--strict" not in err
+    with pytest.raises(SystemExit):  # --strict would change nothing: compare refuses a faceless photo anyway
+        compare([tiny_model, one, two, "--align", "--strict"])
+    assert "unrecognized arguments: --strict" in capsys.readouterr().err
+
+
+def test_embed_align_counts_each_photos_further_faces(photos, tiny_model, tmp_path, caplog):
+    from scripts.embed import main as embed
+    assert embed([tiny_model, os.path.join(photos, "eileen"), "--out", str(tmp_path / "e.npy"), "--align"]) == 0
+    assert f"1 of 5 photos hold several faces, the largest of each used: " \
+           f"{os.path.join(photos, 'eileen', 'two.png')} (2 faces)" in caplog.text

@@ -37,7 +37,9 @@ def _gallery(root, per_person=(1, 2, 3)):
 
 
 def _run(capsys, *argv):
-    code = identify(list(argv))
+    """identify, naming everyone (--threshold -1) unless the test gives its own threshold."""
+    argv = list(argv) if any(a.startswith("--threshold") for a in argv) else [*argv, "--threshold", "-1"]
+    code = identify(argv)
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -63,7 +65,7 @@ def test_search_results_equal_mean_templates_scored_directly(tmp_path, capsys):
         assert [c["name"] for c in face["candidates"]] == [f"person{j}" for j in order]  # K=5 > 3 people
         np.testing.assert_allclose([c["score"] for c in face["candidates"]], row[order], atol=1e-4)
         assert face["name"] == f"person{order[0]}"
-    code, out, _ = _run(capsys, model, "--gallery", gallery, "--threshold", "1.01", *queries)
+    code, out, _ = _run(capsys, model, "--gallery", gallery, "--threshold", "1", *queries)
     assert out.count("unknown (best") == 2 and code == 0
 
 
@@ -179,6 +181,129 @@ def test_identify_eval_split_and_rank1_equal_a_direct_computation(tmp_path, caps
     assert result["rank1"] == pytest.approx(want)
     assert result["mated_probes"] == len(mated) and result["nonmated_probes"] == len(nonmated)
     assert set(result["tpir_at_fpir"]) == {"0.1", "0.01"} and Image.open(png).size == (1280, 480)
+
+
+@pytest.mark.parametrize("tool", ["identify", "compare"])
+@pytest.mark.parametrize("value", ["nan", "inf", "2", "-5", "1.0001"])
+def test_threshold_that_is_not_a_cosine_is_refused_in_one_line_before_any_work(tmp_path, capsys, tool, value):
+    from scripts.compare import main as compare
+    model = _model(tmp_path / "m", 0)
+    gallery = _gallery(tmp_path / "g")
+    query = _face(tmp_path / "q.png", 5)
+    argv = [model, "--gallery", gallery, query] if tool == "identify" else [model, query, query]
+    code = (identify if tool == "identify" else compare)([*argv, "--threshold", value])
+    out = capsys.readouterr()
+    assert code == 2 and out.out == "" and out.err.count("\n") == 1
+    assert f"--threshold {float(value)}" in out.err and "[-1, 1]" in out.err
+    assert not os.path.exists(os.path.join(gallery, ".shardface_gallery.npz"))  # nothing enrolled
+
+
+def test_model_without_a_known_threshold_names_no_one_and_says_how_to_get_one(tmp_path, capsys):
+    model = _model(tmp_path / "m", 0)
+    gallery = _gallery(tmp_path / "g")
+    query = _face(tmp_path / "q.png", 5)
+    code = identify([model, "--gallery", gallery, query])
+    out = capsys.readouterr()
+    assert code == 2 and out.out == "" and out.err.count("\n") == 1
+    assert model in out.err and "--threshold T" in out.err and "--threshold_from VAL.bin" in out.err
+    assert not os.path.exists(os.path.join(gallery, ".shardface_gallery.npz"))
+
+
+def test_identify_and_compare_print_the_threshold_they_used_and_where_it_came_from(tmp_path, capsys):
+    from scripts.compare import main as compare
+    model = _model(tmp_path / "m", 0)
+    gallery = _gallery(tmp_path / "g")
+    query = _face(tmp_path / "q.png", 5)
+    code, out, _ = _run(capsys, model, "--gallery", gallery, "--threshold", "0.25", query)
+    assert code == 0 and out.splitlines()[0] == "threshold 0.2500: given by --threshold"
+    code, out, _ = _run(capsys, model, "--gallery", gallery, "--threshold", "0.25", "--json", query)
+    assert json.loads(out)["threshold"] == 0.25 and json.loads(out)["threshold_source"] == "given by --threshold"
+    assert compare([model, query, query, "--threshold", "0.25"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:] == ["threshold 0.2500: given by --threshold", "same person (threshold 0.2500)"]
+    assert compare([model, query, query]) == 0  # no threshold known: the cosine, and how to decide
+    assert "no known threshold" in capsys.readouterr().out
+
+
+def test_identify_eval_gives_no_figure_the_data_cannot_support(tmp_path, capsys):
+    """4 people enrolled: rank-5 is 1 whatever the model, so n/a; 2 non-mated probes cannot
+    measure FPIR 0.1 (needs 10) or 0.01 (needs 100)."""
+    from scripts.identify_eval import main as identify_eval
+    model = _model(tmp_path / "m", 0)
+    root = _gallery(tmp_path / "g", (3, 3, 2, 2, 3))
+    args = [model, root, "--gallery_per_id", "1", "--unknown_ids", "1", "--seed", "1"]
+    assert identify_eval([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["people_enrolled"] == 4 and result["nonmated_probes"] < 10
+    assert result["rank1"] is not None and result["rank5"] is None
+    assert result["tpir_at_fpir"] == {"0.1": {"tpir": None, "threshold": None, "needs_nonmated_probes": 10},
+                                      "0.01": {"tpir": None, "threshold": None, "needs_nonmated_probes": 100}}
+    assert identify_eval(args) == 0
+    out = capsys.readouterr().out
+    assert "rank-5 n/a (needs more than 5 people enrolled)" in out
+    assert f"TPIR@FPIR 1e-01: n/a (needs >= 10 non-mated probes, has {result['nonmated_probes']})" in out
+
+
+def test_identify_eval_negative_unknown_ids_is_one_error_line(tmp_path, capsys):
+    from scripts.identify_eval import main as identify_eval
+    model = _model(tmp_path / "m", 0)
+    root = _gallery(tmp_path / "g", (2, 2))
+    assert identify_eval([model, root, "--unknown_ids", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--unknown_ids -1" in err
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_threshold_at_far_accepts_at_most_far_of_different_pairs_and_no_lower_threshold_does(seed):
+    from eval.thresholds import threshold_at_far
+    rng = np.random.default_rng(seed)
+    n = [5, 40, 1500][seed]
+    cos = np.round(rng.uniform(-1, 1, 2 * n), 2)  # ties
+    same = np.arange(2 * n) % 2 == 0
+    got = threshold_at_far(cos, same)
+    if n < 10:
+        assert got is None  # 5 different pairs cannot measure even FAR 0.1
+        return
+    far = got["far"]
+    different = cos[~same]
+    # the lowest FAR the pairs can measure, unless different pairs at cosine 1 make it unreachable
+    assert far == min(f for f in (1e-3, 1e-2, 1e-1) if n >= round(1 / f) and (different >= 1.0).mean() <= f)
+    assert (different >= got["threshold"]).mean() <= far
+    lower = different[different < got["threshold"]].max()  # the next threshold down accepts too many
+    assert (different >= lower).mean() > far
+    assert got["tar"] == pytest.approx((cos[same] >= got["threshold"]).mean())
+
+
+def test_trained_runs_threshold_is_saved_by_verification_used_by_identify_and_carried_into_onnx(tmp_path, capsys):
+    """The callback saves threshold.json beside the run's weights; identify and compare take it as
+    the MODEL's own, stated; export_onnx writes it into the .onnx, whose tools state the same."""
+    import io
+
+    from eval.callback import VerificationCallback
+    from eval.verification import write_bin
+    from scripts.compare import main as compare
+    from scripts.export_onnx import main as export_onnx
+    model = _model(tmp_path / "run", 0)
+    images = []
+    for i in range(80):  # 40 pairs, 20 of them different people: FAR 0.1 is measurable, 0.01 is not
+        buf = io.BytesIO()
+        Image.open(_face(tmp_path / "v.png", 1000 + i)).save(buf, format="PNG")
+        images.append(buf.getvalue())
+    write_bin(str(tmp_path / "v.bin"), images, [i % 2 == 0 for i in range(40)])
+    backbone = load_model(model)
+    VerificationCallback(["v"], str(tmp_path), 1, backbone, output=str(tmp_path / "run"))(7)
+    saved = json.load(open(tmp_path / "run" / "threshold.json"))["raw"]
+    assert saved["far"] == 0.1 and saved["different_pairs"] == 20 and saved["step"] == 7 and saved["val_target"] == "v"
+    gallery = _gallery(tmp_path / "g")
+    query = _face(tmp_path / "q.png", 5)
+    stated = f"threshold {saved['threshold']:.4f}: the run's own, at FAR 0.1 on v (20 different-person pairs"
+    assert identify([model, "--gallery", gallery, query]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith(stated)
+    onnx_path = str(tmp_path / "m.onnx")
+    assert export_onnx([model, onnx_path]) == 0
+    capsys.readouterr()
+    assert compare([onnx_path, query, query]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith(stated)
 
 
 def test_identify_eval_plot_is_checked_before_the_evaluation(tmp_path, capsys, monkeypatch):

@@ -94,3 +94,12 @@ def test_idx_with_two_keys_at_one_offset_is_rejected(tmp_path):
         f.write(f"2\t{reader.index[1]}\n")
     with pytest.raises(RecordIOError, match=r"t\.idx:3: keys 1 and 2 point at the same offset"):
         IndexedRecordReader(reader.idx_path, reader.rec_path)
+
+
+def test_binary_idx_is_refused_naming_the_file_not_a_unicode_error(tmp_path):
+    reader = _write(tmp_path, {0: b"\xff\xfe" * 50, 1: b"bbbb"})
+    with open(reader.rec_path, "rb") as src, open(reader.idx_path, "wb") as dst:
+        dst.write(src.read())  # the .rec given as the index: binary bytes, not UTF-8
+    with pytest.raises(RecordIOError, match=r"t\.idx:\d+: not a text index") as caught:
+        IndexedRecordReader(reader.idx_path, reader.rec_path)
+    assert "\n" not in str(caught.value)

@@ -3,9 +3,10 @@
 A resume trains with this run's resolved config (configs/base.py, the job config, the command
 line), never silently with the checkpoint's: every key whose value differs from the one the
 checkpoint recorded is named with both values. The schedule follows this run's config: a
-changed `num_epoch` (or `warmup_epoch`, `lr`, ...) re-spreads the learning rate over the new
-total, where arcface_torch keeps the total saved with its scheduler; pass the checkpoint's
-value to keep it. Keys with a rule of their own (utils.checkpoint.resume_changes, the data
+changed `num_epoch` or `max_steps` re-spreads the learning rate over the new total (said only
+when the total does change), where arcface_torch keeps the total saved with its scheduler; pass
+the checkpoint's value to keep it. `num_image` is not used (the data set's images are counted),
+and a change of it is named as such. Keys with a rule of their own (utils.checkpoint.resume_changes, the data
 position, the batch line below) and those that only say where and how long this job runs
 are left to those.
 """
@@ -24,8 +25,16 @@ NOT_COMPARED = frozenset({
     "dist_timeout_min", "skip_bad_images", "dali", "dali_aug", "save_all_states", "using_wandb", "wandb_key",
     "wandb_entity", "wandb_project", "wandb_log_all", "wandb_resume", "suffix_run_name", "save_artifacts",
     "margin", "gradient_acc", "ema", "optimizer", "batch_size"})
-SCHEDULE_KEYS = frozenset({"num_epoch", "warmup_epoch", "num_image", "lr", "lr_scheduler", "lr_power",
-                           "max_steps"})
+SPAN_KEYS = ("num_epoch", "max_steps")  # how many steps the LR schedule spans
+SHAPE_KEYS = frozenset({"warmup_epoch", "lr", "lr_scheduler", "lr_power"})  # the LR along those steps
+UNUSED = {"num_image": "not used: ShardFace counts the data set's images, so the LR schedule is unchanged"}
+
+
+def schedule_span(config, steps_per_epoch: int) -> int:
+    """The steps a run of `config` (num_epoch, max_steps) trains and its LR schedule spans,
+    at `steps_per_epoch` (train.py's total_steps)."""
+    total = int(config["num_epoch"]) * steps_per_epoch
+    return min(total, int(config["max_steps"])) if config.get("max_steps") else total
 
 
 def config_changes(saved: dict, config: dict) -> list[tuple[str, object, object]]:
@@ -37,9 +46,20 @@ def config_changes(saved: dict, config: dict) -> list[tuple[str, object, object]
 
 def log_resume_changes(meta: dict, config, world_size: int, steps_per_epoch: int, total_steps: int) -> None:
     """One warning per changed config key, and one for another world size or batch size."""
-    for key, before, now in config_changes(meta.get("config") or {}, config):
-        why = f": the LR schedule now spans {total_steps} steps" if key in SCHEDULE_KEYS else ""
-        if key == "num_epoch":
+    saved = meta.get("config") or {}
+    # the span the checkpoint's values give on this run's data and batch (a new global batch is said below)
+    span_before = schedule_span({key: saved.get(key, config[key]) for key in SPAN_KEYS}, steps_per_epoch)
+    for key, before, now in config_changes(saved, config):
+        why = ""
+        if key in SPAN_KEYS and span_before != total_steps:  # a cap above the total changes nothing
+            why = f": the LR schedule now spans {total_steps} steps"
+        elif key in SPAN_KEYS:
+            why = f": the run and its LR schedule still span {total_steps} steps"
+        elif key in SHAPE_KEYS:
+            why = ": the LR schedule follows this run's value"
+        elif key in UNUSED:
+            why = f" ({UNUSED[key]})"
+        if key == "num_epoch" and span_before != total_steps:
             why += f" (arcface_torch keeps its saved total: pass --num_epoch {before} to keep it)"
         logger.warning("config %s %r (checkpoint) -> %r (this run)%s", key, before, now, why)
     w0, b0 = int(meta.get("world_size", world_size)), int(meta.get("batch_size") or config.batch_size)

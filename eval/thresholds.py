@@ -1,0 +1,135 @@
+"""The cosine threshold a verdict is made at (`compare`'s same or different, `identify`'s name
+or `unknown`), and where it came from, which both tools print.
+
+A threshold is, in order: the one given (`--threshold T`: a cosine, finite, in [-1, 1]); the
+one fitted to a verification set (`--threshold_from VAL.bin`: the best over its pairs); the
+MODEL's own: dlib's rule (below), or a trained run's threshold at a stated FAR on its
+validation set (`threshold_at_far`, saved by training, carried into ONNX). A MODEL without a
+known threshold names no one: `identify` refuses at start.
+
+MODEL `dlib`'s own threshold is its author's rule, Euclidean distance 0.6 between two of its
+raw 128-D descriptors, turned into a cosine of the L2-normalised embeddings the tools compare.
+For descriptors a, b of norms |a|, |b|,  d^2 = |a|^2 + |b|^2 - 2 |a| |b| cos, so where both
+have norm r the rule d < 0.6 is  cos > 1 - 0.6^2 / (2 r^2).  dlib's descriptors are not unit
+vectors: their norm is 1.36 on average (1.26 to 1.54) over dlib's own descriptors of 37 real
+faces (skimage's astronaut and 36 of its LFW subset), which gives cosine 0.9027. On those 37
+faces' 666 pairs (skimage's LFW faces are 25x25, upscaled) the cosine rule and dlib's distance
+rule agree on 98.0% (they differ only where the two norms differ); the unit-norm reading,
+cosine 1 - 0.6^2 / 2 = 0.82, on 16.7%. The tools' embeddings add the mirror image's (the flip
+test), which moves a pair's cosine a little: on the same pairs the rule agrees on 94.7%."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from configs.errors import ConfigError
+from eval.weights import DLIB
+
+DLIB_DISTANCE = 0.6   # dlib's same-person rule on its raw descriptors (dlib's face_recognition example)
+DLIB_NORM = 1.36      # the mean norm of dlib's descriptors of real faces (measured: see the module docstring)
+
+
+def cosine_for_distance(distance: float, norm: float) -> float:
+    """The cosine of two vectors of norm `norm` at Euclidean distance `distance`."""
+    return 1.0 - distance ** 2 / (2.0 * norm ** 2)
+
+
+DLIB_THRESHOLD = cosine_for_distance(DLIB_DISTANCE, DLIB_NORM)
+
+
+class ThresholdError(ConfigError):
+    """A threshold that is not a cosine, or none where a verdict needs one."""
+
+
+@dataclass(frozen=True)
+class Threshold:
+    value: float     # cos >= value is "same" / a name
+    source: str      # where it came from, printed beside it
+    record: dict | None = None  # a trained run's measurement (threshold_at_far's, with val_target and step)
+
+    def line(self) -> str:
+        return f"threshold {self.value:.4f}: {self.source}"
+
+
+def checked(value: float, flag: str = "--threshold") -> float:
+    """`value` if it is a cosine score (finite, in [-1, 1]), else a ThresholdError naming it."""
+    if not math.isfinite(value) or not -1.0 <= value <= 1.0:
+        raise ThresholdError(f"{flag} {value}: not a cosine score; a threshold is a finite number in [-1, 1]")
+    return float(value)
+
+
+def model_threshold(model: str) -> Threshold | None:
+    """The MODEL's own threshold, or None where it has none."""
+    if model == DLIB:
+        return Threshold(DLIB_THRESHOLD, f"dlib's own rule, distance {DLIB_DISTANCE} between its descriptors "
+                                         f"(cosine 1 - {DLIB_DISTANCE}^2 / (2 x {DLIB_NORM}^2) at their mean norm "
+                                         f"{DLIB_NORM})")
+    return None
+
+
+def chosen_threshold(given: float | None, fitted: tuple[float, float, str, int] | None,
+                     model: str, own: Threshold | None = None) -> Threshold | None:
+    """The threshold to decide at: `given` (--threshold), else `fitted` ((threshold, accuracy,
+    .bin path, pairs) from eval.embedder.best_threshold), else `own` (the loaded model's, as
+    Embedder.threshold), else the MODEL's own by name, else None."""
+    if given is not None:
+        return Threshold(checked(given), "given by --threshold")
+    if fitted is not None:
+        value, accuracy, path, pairs = fitted
+        # fitted to these pairs: its accuracy is an upper bound, not a measure
+        return Threshold(value, f"from {path}: the best over all its {pairs} pairs, {accuracy:.4f} of them right "
+                                f"at it (best-threshold accuracy; scripts.verify reports the 10-fold accuracy, "
+                                f"each fold judged at a threshold chosen on the other 9)")
+    return own or model_threshold(model)
+
+
+def no_threshold(model: str) -> ThresholdError:
+    """The one-line refusal to name anyone under a MODEL without a known threshold."""
+    return ThresholdError(f"{model}: no known threshold for this model, so no face can be named (every face would be "
+                          f"somebody); pass --threshold T (a cosine in [-1, 1]) or --threshold_from VAL.bin (a "
+                          f"verification set of people, e.g. from scripts.make_bin: the threshold that separates "
+                          f"its pairs best)")
+
+
+# A trained run's own threshold: training's verification (eval/callback.py) finds the cosine
+# threshold at a stated false-accept rate on the first val target, and saves it beside the run's
+# weights (THRESHOLD_FILE, with the step it was measured at); export_onnx carries it into the
+# .onnx's metadata (THRESHOLD_KEY). The tools take it as the MODEL's own threshold.
+FARS = (1e-3, 1e-2, 1e-1)   # the lowest one the set's different-person pairs can measure is used
+THRESHOLD_FILE = "threshold.json"
+THRESHOLD_KEY = "shardface.threshold"
+
+
+def threshold_at_far(cosines, same, fars=FARS) -> dict | None:
+    """{threshold, far, tar, pairs, different_pairs}: the lowest cosine threshold at which at most
+    `far` of the different-person pairs are accepted (`cos >= threshold`), for the lowest `far`
+    of `fars` that the pairs can measure (at least 1 / far different-person pairs); None where
+    there are too few for any."""
+    cosines, same = np.asarray(cosines, np.float64), np.asarray(same, bool)
+    different = np.sort(cosines[~same])[::-1]
+    for far in sorted(fars):
+        if len(different) < math.ceil(1 / far - 1e-9):
+            continue
+        allowed = math.floor(far * len(different) + 1e-9)  # different pairs that may pass
+        value = -1.0 if allowed >= len(different) else float(np.nextafter(different[allowed], np.inf))
+        if value > 1.0:  # different pairs at cosine 1 (duplicates): no cosine threshold keeps this FAR
+            continue
+        return {"threshold": value, "far": far, "tar": float((cosines[same] >= value).mean()) if same.any() else 0.0,
+                "pairs": int(len(cosines)), "different_pairs": int(len(different))}
+    return None
+
+
+def saved_threshold(record: dict | None, where: str) -> Threshold | None:
+    """The Threshold of a record `threshold_at_far` made (with `val_target` and `step`), or None."""
+    if not record:
+        return None
+    try:
+        value = checked(float(record["threshold"]), f"{where}: threshold")
+        return Threshold(value, record=record,
+                         source=f"the run's own, at FAR {record['far']:g} on {record['val_target']} "
+                                f"({record['different_pairs']} different-person pairs; TAR {record['tar']:.4f} there), "
+                                f"measured at step {record['step']} ({where})")
+    except (KeyError, TypeError, ValueError):
+        raise ThresholdError(f"{where}: unreadable threshold record {record!r}") from None
