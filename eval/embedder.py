@@ -166,6 +166,7 @@ class Embedder:
     template: Template      # the crop geometry (size and five-point positions) it was trained on
     name: str               # what was loaded, for messages and derived files
     fingerprint: str        # a hash of its weights (or ONNX file): derived files record it
+    ema: bool = True        # the EMA weights were asked for (False: --no_ema); derived files record it
 
     @property
     def device(self) -> torch.device:
@@ -237,8 +238,8 @@ def load_embedder(path: str, network: str | None = None, ema: bool = True) -> Em
         return Embedder(module, DLIB_150, DLIB, fingerprint_file(model_file(DLIB_FILE)))
     module = load_model(path, network, ema)
     if isinstance(module, OnnxBackbone):
-        return Embedder(module, module.template, path, fingerprint_file(path))
-    return Embedder(module, ARCFACE_112, path, fingerprint_module(module))
+        return Embedder(module, module.template, path, fingerprint_file(path), ema)
+    return Embedder(module, ARCFACE_112, path, fingerprint_module(module), ema)
 
 
 def image_files(inputs: list[str]) -> list[str]:
