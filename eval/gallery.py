@@ -225,8 +225,9 @@ def content_key(path: str) -> str:
 def check_cache(path: str) -> None:
     """Before any work: `path` can be a gallery file (a file in an existing directory), and if
     something is there it is a ShardFace gallery file, so replacing it destroys nothing else."""
-    check_output_file(path, what="gallery file")
-    if os.path.exists(path):
+    if not os.path.isfile(path):  # a directory, a device, or nothing yet: it must be writable there
+        check_output_file(path, what="gallery file")
+    else:  # an up-to-date gallery file is only read: a read-only gallery folder is fine
         _read_header(path)
 
 
