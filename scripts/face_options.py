@@ -40,7 +40,8 @@ def detection_from(args) -> Detection:
     if args.upsample < 0:
         raise ConfigError(f"--upsample {args.upsample}: 0 or more")
     if not math.isfinite(args.min_score):
-        raise ConfigError(f"--min_score {args.min_score}: a finite number (NaN would keep every detection)")
+        raise ConfigError(f"--min_score {args.min_score}: a finite number (NaN or an infinity would turn the "
+                          "filter off or drop every face)")
     if args.max_side < 64:
         raise ConfigError(f"--max_side {args.max_side}: at least 64")
     return Detection(args.detector, args.upsample, args.landmarks, args.min_score, args.max_side)
