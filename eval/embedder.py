@@ -183,6 +183,7 @@ class Embedder:
     name: str               # what was loaded, for messages and derived files
     fingerprint: str        # a hash of its weights (or ONNX file): derived files record it
     threshold: Threshold | None = None  # its own verdict threshold (eval/thresholds.py), if it has one
+    ema: bool = True        # the EMA weights were asked for (False: --no_ema); derived files record it
 
     @property
     def device(self) -> torch.device:
@@ -254,8 +255,8 @@ def load_embedder(path: str, network: str | None = None, ema: bool = True) -> Em
         return Embedder(module, DLIB_150, DLIB, fingerprint_file(model_file(DLIB_FILE)), model_threshold(DLIB))
     module = load_model(path, network, ema)
     if isinstance(module, OnnxBackbone):
-        return Embedder(module, module.template, path, fingerprint_file(path), module.threshold)
-    return Embedder(module, ARCFACE_112, path, fingerprint_module(module), run_threshold(path, ema))
+        return Embedder(module, module.template, path, fingerprint_file(path), module.threshold, ema)
+    return Embedder(module, ARCFACE_112, path, fingerprint_module(module), run_threshold(path, ema), ema)
 
 
 def run_threshold(path: str, ema: bool = True) -> Threshold | None:

@@ -10,23 +10,35 @@ over people, not images.
 
 Without alignment every image is taken as a face crop already aligned for the model (its
 template's size, or insightface's 112x112); with `align=True` faces are found and aligned in
-photos by faces.detect (the largest face of each gallery image is enrolled).
+photos by faces.detect under a `Detection` (detector, upsampling, landmarks, minimum score,
+maximum side; the largest face of each gallery image is enrolled).
 
-Enrolment is cached in one file (default `DIR/.shardface_gallery.npz`) recording the model's
-name and fingerprint, its template, the alignment and every image's path, size and mtime.
-A later run reuses it: only images added or changed since are embedded, images removed are
-dropped, and a change of the model's weights (same MODEL, new fingerprint) or of the
-alignment embeds everything again. A file that another MODEL made is refused (its
-enrolment is not overwritten by accident): `rebuild=True` replaces it. A large enrolment
-shows progress and writes each chunk of embeddings to `CACHE.parts/` as it goes, so an
-interrupted run resumes where it stopped."""
+Enrolment is cached in one file (default `DIR/.shardface_gallery.npz`, and
+`DIR/.shardface_gallery.no_ema.npz` for the raw weights, so switching `--no_ema` back and forth
+re-enrols nothing) recording the model's name and fingerprint, the EMA choice, its template,
+the alignment and face options, and every image's path, size and content hash (its first and
+last 64 KiB with its size: a file replaced by another of the same size and time is seen). A
+later run reuses it: only images added or changed since are embedded, images removed are
+dropped, and a change of the model's weights (same MODEL, new fingerprint), of the alignment or
+of a face option embeds everything again, saying what changed. A file that another MODEL made
+is refused (its enrolment is not overwritten by accident): `rebuild=True` replaces it. A file
+that is not a gallery file at all is refused, `rebuild` or not. What is loaded is checked (one
+row per enrolled face, the model's width, finite, unit length): a damaged file is enrolled
+again, with a warning naming it. A large enrolment shows progress and saves its embeddings
+every `save_every_s` seconds in `CACHE.parts/<host>-<pid>/`, one folder per process (two runs
+enrolling one gallery never delete each other's), so an interrupted run resumes where it
+stopped and loses at most that much work."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import glob
+import hashlib
 import json
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,16 +50,25 @@ from dataset.images import IMAGE_EXTENSIONS, decode_chw, image_size
 from eval.embedder import embed_uint8
 from eval.search import make_index
 from faces.align import ARCFACE_112, Template
-from utils.atomic import publishing
+from faces.photos import Detection, no_face_message
+from utils.atomic import _alive, _host, check_output_file, publishing
 from utils.progress import Progress
 
 CACHE_NAME = ".shardface_gallery.npz"
-FORMAT = 1
+RAW_CACHE_NAME = ".shardface_gallery.no_ema.npz"
+FORMAT = 2                # 2: images keyed by content hash, face options recorded
+HASH_BLOCK = 1 << 16      # the bytes hashed at each end of an image
+SAVE_EVERY_S = 30.0       # a killed enrolment loses at most this much work (and one batch)
+COLLAPSED = 0.99          # mean cosine between different people's templates above which we warn
 logger = logging.getLogger("shardface")
 
 
 class GalleryError(DataError):
     """A gallery folder, gallery file or query that cannot be used (the message names it)."""
+
+
+class _Damaged(Exception):
+    """A gallery file whose header is ours but whose arrays cannot be trusted (the reason)."""
 
 
 @dataclass
@@ -63,7 +84,7 @@ class Face:
 class Gallery:
     names: list[str]        # one per person, sorted
     templates: np.ndarray   # people x D: each person's mean template
-    header: dict            # what made it (model, fingerprint, template, align)
+    header: dict            # what made it (model, fingerprint, template, align, face options)
     images: int             # images enrolled
 
 
@@ -117,20 +138,21 @@ def check_image(path: str, template: Template, align: bool) -> None:
                            f"pass --align to find and align the faces in photos")
 
 
-def detect_and_align(path: str, template: Template, detector: str):
+def detect_and_align(path: str, template: Template, detection: Detection):
     """[(box, PIL crop on `template`)] of a photo's faces, largest first (faces.detect)."""
     from faces.detect import aligned_faces  # dlib is loaded only when faces are searched
     return [(tuple(int(round(v)) for v in face.box), crop) for face, crop in
-            aligned_faces(path, template, detector=detector)]
+            aligned_faces(path, template, detection.detector, detection.upsample, detection.landmarks,
+                          detection.min_score, detection.max_side)]
 
 
-def face_crops(path: str, template: Template, align: bool, detector: str = "hog"):
+def face_crops(path: str, template: Template, align: bool, detection: Detection = Detection()):
     """[(box, 3 x h x w uint8 crop, the template it is aligned to)] of one image file: every
     detected face with `align`, else the image itself as one aligned crop."""
     check_image(path, template, align)
     if align:
         try:
-            found = detect_and_align(path, template, detector)
+            found = detect_and_align(path, template, detection)
         except OSError as exc:
             raise GalleryError(f"{path}: not a readable image ({exc})") from None
         return [(box, torch.from_numpy(np.asarray(crop.convert("RGB")).copy()).permute(2, 0, 1), template)
@@ -154,54 +176,112 @@ def embed_crops(embedder, crops: list[tuple[torch.Tensor, Template]], batch_size
     return np.stack(out).astype(np.float32) if out else np.zeros((0, 0), np.float32)
 
 
-def photo_faces(paths: list[str], embedder, align: bool, detector: str = "hog", batch_size: int = 64) -> list[Face]:
+def photo_faces(paths: list[str], embedder, align: bool, detection: Detection = Detection(),
+                batch_size: int = 64) -> list[Face]:
     """Every face of every photo (one per file without alignment), in order, with embeddings.
     Files are read and checked before anything is embedded."""
     found = [(path, i, box, crop, made_for) for path in paths
-             for i, (box, crop, made_for) in enumerate(face_crops(path, embedder.template, align, detector))]
+             for i, (box, crop, made_for) in enumerate(face_crops(path, embedder.template, align, detection))]
     emb = embed_crops(embedder, [(c, m) for *_, c, m in found], batch_size)
     return [Face(path, i, box, e) for (path, i, box, _, _), e in zip(found, emb)]
 
 
-def model_header(embedder, align: bool, detector: str) -> dict:
+def refuse_faceless(paths: list[str], faces: list[Face], detection: Detection) -> None:
+    """--strict: a photo in which no face was found is refused, naming it."""
+    seen = {f.path for f in faces}
+    missing = [p for p in paths if p not in seen]
+    if missing:
+        raise GalleryError(f"{no_face_message(missing, len(paths), detection)}; --strict refuses them")
+
+
+def default_cache(folder: str, ema: bool = True) -> str:
+    """The gallery file of `folder`: one for the EMA weights (the default), one for the raw ones."""
+    return os.path.join(folder, CACHE_NAME if ema else RAW_CACHE_NAME)
+
+
+def model_header(embedder, align: bool, detection: Detection = Detection()) -> dict:
     t = embedder.template
     return {"format": FORMAT, "model": _model_key(embedder.name), "fingerprint": embedder.fingerprint,
-            "template": f"{t.name} {t.size[1]}x{t.size[0]}", "align": bool(align),
-            "detector": detector if align else None}
+            "ema": bool(embedder.ema), "template": f"{t.name} {t.size[1]}x{t.size[0]}",
+            "align": bool(align), "detection": dataclasses.asdict(detection) if align else None}
 
 
 def _model_key(name: str) -> str:
     return os.path.realpath(name) if os.path.exists(name) else name
 
 
-def _stat(folder: str, rel: str) -> tuple[int, int]:
-    st = os.stat(os.path.join(folder, rel))
-    return st.st_size, st.st_mtime_ns
+def content_key(path: str) -> str:
+    """A hash of the file's size and its first and last HASH_BLOCK bytes (the whole of a file
+    up to twice that): the cache's key for an image, whatever its mtime says."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        digest.update(str(size).encode())
+        digest.update(f.read(HASH_BLOCK))
+        if size > HASH_BLOCK:
+            f.seek(max(HASH_BLOCK, size - HASH_BLOCK))
+            digest.update(f.read(HASH_BLOCK))
+    return digest.hexdigest()[:32]
 
 
-def _read_entries(path: str) -> tuple[dict, dict]:
-    """(header, {(path, size, mtime): embedding or None}) of a gallery file or part."""
+def check_cache(path: str) -> None:
+    """Before any work: `path` can be a gallery file (a file in an existing directory), and if
+    something is there it is a ShardFace gallery file, so replacing it destroys nothing else."""
+    if not os.path.isfile(path):  # a directory, a device, or nothing yet: it must be writable there
+        check_output_file(path, what="gallery file")
+    else:  # an up-to-date gallery file is only read: a read-only gallery folder is fine
+        _read_header(path)
+
+
+def _read_header(path: str) -> dict:
     try:
         with np.load(path, allow_pickle=False) as z:
             header = json.loads(str(z["header"]))
-            files, sizes, mtimes = z["files"].tolist(), z["sizes"].tolist(), z["mtimes"].tolist()
+    except Exception as exc:  # not an npz, truncated, no header: not ours, so never replaced
+        raise GalleryError(f"{path}: exists and is not a ShardFace gallery file ({type(exc).__name__}: {exc}); "
+                           f"it is left as it is: pass another --cache FILE") from None
+    if not isinstance(header, dict) or "model" not in header:
+        raise GalleryError(f"{path}: exists and is not a ShardFace gallery file (no model in its header); "
+                           f"it is left as it is: pass another --cache FILE")
+    return header
+
+
+def _read_entries(path: str, width: int) -> dict:
+    """{(path, size, content hash): embedding or None} of a gallery file or part whose header
+    matched; _Damaged (the reason) when its arrays are not one `width`-wide, finite, unit row
+    per enrolled face."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            files, sizes, hashes = z["files"], z["sizes"], z["hashes"]
             has_face, emb = z["has_face"], z["embeddings"]
-    except Exception as exc:  # not an npz, truncated, a key missing
-        raise GalleryError(f"{path}: not a ShardFace gallery file ({exc}); delete it or pass --rebuild") from None
+    except Exception as exc:
+        raise _Damaged(f"unreadable ({type(exc).__name__}: {exc})") from None
+    n = len(files)
+    if any(a.shape != (n,) for a in (files, sizes, hashes, has_face)) or has_face.dtype != bool:
+        raise _Damaged(f"its per-image arrays disagree ({n} files, {sizes.shape} sizes, {hashes.shape} hashes, "
+                       f"{has_face.shape} face flags)")
+    faces = int(has_face.sum())
+    if emb.ndim != 2 or emb.shape[0] != faces or (faces and emb.shape[1] != width):
+        raise _Damaged(f"{emb.shape} embeddings for {faces} faces of the model's width {width}")
+    if not np.isfinite(emb).all():
+        raise _Damaged(f"{int((~np.isfinite(emb).all(1)).sum())} embeddings are not finite (NaN or inf)")
+    norms = np.linalg.norm(emb, axis=1)
+    if faces and np.abs(norms - 1).max() > 1e-3:
+        raise _Damaged(f"{int((np.abs(norms - 1) > 1e-3).sum())} embeddings are not of unit length")
     entries, row = {}, 0
-    for key, face in zip(zip(files, sizes, mtimes), has_face):
+    for key, face in zip(zip(files.tolist(), sizes.tolist(), hashes.tolist()), has_face.tolist()):
         entries[key] = emb[row] if face else None
         row += int(face)
-    return header, entries
+    return entries
 
 
 def _write_entries(path: str, header: dict, keys: list, embeddings: list) -> None:
-    """Atomically: header, per-file (path, size, mtime, has_face) and the embeddings of faces."""
+    """Atomically: header, per-file (path, size, content hash, has_face) and the embeddings of faces."""
     rows = [e for e in embeddings if e is not None]
     with publishing(path) as tmp, open(tmp, "wb") as f:
         np.savez(f, header=np.array(json.dumps(header, sort_keys=True)),
                  files=np.array([k[0] for k in keys], dtype=str), sizes=np.array([k[1] for k in keys], np.int64),
-                 mtimes=np.array([k[2] for k in keys], np.int64),
+                 hashes=np.array([k[2] for k in keys], dtype=str),
                  has_face=np.array([e is not None for e in embeddings], bool),
                  embeddings=np.stack(rows).astype(np.float32) if rows else np.zeros((0, 0), np.float32))
 
@@ -210,65 +290,142 @@ def _describe(header: dict) -> str:
     return f"{header.get('model')} (fingerprint {header.get('fingerprint')})"
 
 
+def _weights(header: dict) -> str:
+    return "EMA" if header.get("ema", True) else "raw (--no_ema)"
+
+
+def changes(old: dict, new: dict) -> list[str]:
+    """What differs between the enrolment `old` and `new` that changes the embeddings, in words."""
+    said = []
+    if old.get("format") != new["format"]:
+        said.append(f"the gallery file's format ({old.get('format')}, now {new['format']})")
+    if old.get("fingerprint") != new["fingerprint"]:
+        if old.get("ema", True) != new["ema"]:
+            said.append(f"the weights chosen ({_weights(old)}, now {_weights(new)})")
+        else:
+            said.append(f"the model's weights (fingerprint {old.get('fingerprint')}, now {new['fingerprint']})")
+    if old.get("template") != new["template"]:
+        said.append(f"the template ({old.get('template')}, now {new['template']})")
+    if old.get("align") != new["align"]:
+        said.append("the alignment (--align now " + ("given)" if new["align"] else "left out)"))
+    elif new["align"] and old.get("detection") != new["detection"]:
+        was = old.get("detection") or {}
+        said.append("the face options (" + ", ".join(f"--{k} {was.get(k)}, now {v}" for k, v in
+                                                     new["detection"].items() if was.get(k) != v) + ")")
+    return said
+
+
+def model_width(embedder) -> int:
+    """The embedding width of the model: one blank crop embedded."""
+    h, w = embedder.template.size
+    return int(embed_crops(embedder, [(torch.zeros(3, h, w, dtype=torch.uint8), embedder.template)]).shape[1])
+
+
+def _part_folders(parts: str) -> list[tuple[str, bool]]:
+    """[(folder, its process is gone)] of the per-process folders under `parts`."""
+    out = []
+    for folder in sorted(glob.glob(os.path.join(glob.escape(parts), "*-*"))):
+        host, _, pid = os.path.basename(folder).rpartition("-")
+        out.append((folder, host == _host() and pid.isdigit() and not _alive(int(pid))))
+    return out
+
+
+def _resume(parts: str, header: dict, width: int) -> dict:
+    """The entries saved by interrupted (or running) enrolments of the same model and options."""
+    known = {}
+    for part in sorted(glob.glob(os.path.join(glob.escape(parts), "*-*", "part-*.npz"))):
+        try:
+            if _read_header(part) == header:
+                known.update(_read_entries(part, width))
+        except (GalleryError, _Damaged, FileNotFoundError) as exc:  # a run that just finished removed it
+            logger.debug("%s: not resumed (%s)", part, exc)
+    return known
+
+
 def enrol(folder: str, embedder, align: bool = False, cache: str | None = None, rebuild: bool = False,
-          detector: str = "hog", chunk: int = 1000, batch_size: int = 64, show_progress: bool = True) -> Gallery:
+          detection: Detection = Detection(), batch_size: int = 64, show_progress: bool = True,
+          strict: bool = False, save_every_s: float = SAVE_EVERY_S) -> Gallery:
     """The gallery of `folder` under `embedder`, from its cache file where still valid (see the
-    module docstring); the cache is written (atomically) when anything changed."""
+    module docstring); the cache is written (atomically) when anything changed. `strict`: a
+    gallery image without a face is refused (after the enrolment is saved)."""
     people = list_gallery(folder)
-    cache = cache or os.path.join(folder, CACHE_NAME)
+    cache = cache or default_cache(folder, embedder.ema)
+    check_cache(cache)
     parts = f"{cache}.parts"
-    header = model_header(embedder, align, detector)
+    header = model_header(embedder, align, detection)
     known: dict = {}
     cached: set = set()  # the files the cache holds valid embeddings of
-    if os.path.exists(cache) and not rebuild:
-        old, entries = _read_entries(cache)
-        if old.get("model") != header["model"]:
+    width = None
+    if os.path.exists(cache):
+        old = _read_header(cache)
+        if old.get("model") != header["model"] and not rebuild:
             raise GalleryError(f"{cache}: this gallery file was enrolled with model {_describe(old)}, not "
                                f"{_describe(header)}; pass --rebuild to enrol {folder} again with this model, "
                                f"or --cache FILE to keep a second gallery file")
-        if all(old.get(k) == header[k] for k in header):
-            known.update(entries)
-            cached = set(entries)
-        else:
-            changed = [k for k in ("fingerprint", "template", "align", "detector") if old.get(k) != header[k]]
-            logger.warning("%s: the model's %s changed since enrolment: enrolling every image again", cache,
-                           " and ".join(changed))
-    if rebuild and os.path.isdir(parts):
-        shutil.rmtree(parts)
-    for part in sorted(glob.glob(os.path.join(parts, "part-*.npz"))):  # an interrupted run's chunks
-        old, entries = _read_entries(part)
-        if old == header:
-            known.update(entries)
+        said = changes(old, header)
+        if said and not rebuild:
+            logger.warning("%s: %s changed since enrolment: enrolling every image again", cache, " and ".join(said))
+        elif not rebuild:
+            width = model_width(embedder)
+            try:
+                known.update(_read_entries(cache, width))
+                cached = set(known)
+            except _Damaged as exc:
+                logger.warning("%s: a damaged gallery file (%s): enrolling every image again", cache, exc)
+    if not rebuild and os.path.isdir(parts):
+        known.update(_resume(parts, header, width or model_width(embedder)))
 
-    listing = [(person, rel, *_stat(folder, rel)) for person, files in people for rel in files]
-    keys = [(rel, size, mtime) for _, rel, size, mtime in listing]
+    listing = [(rel, os.path.join(folder, rel)) for _, files in people for rel in files]
+    keys = [(rel, os.path.getsize(path), content_key(path)) for rel, path in listing]
     pending = [k for k in keys if k not in known]
     for rel, _, _ in pending:  # every header before the first embedding
         check_image(os.path.join(folder, rel), embedder.template, align)
+    own = os.path.join(parts, f"{_host()}-{os.getpid()}")
     if pending:
-        os.makedirs(parts, exist_ok=True)
-        first = len(glob.glob(os.path.join(parts, "part-*.npz")))
-        progress = Progress(len(pending), "enrolling") if show_progress else None
-        for n, start in enumerate(range(0, len(pending), chunk)):
-            batch = pending[start:start + chunk]
-            found = [face_crops(os.path.join(folder, rel), embedder.template, align, detector)[:1]
-                     for rel, _, _ in batch]
-            emb = iter(embed_crops(embedder, [(c, m) for faces in found for _, c, m in faces], batch_size))
-            rows = [next(emb) if faces else None for faces in found]
-            _write_entries(os.path.join(parts, f"part-{first + n:06d}.npz"), header, batch, rows)
-            known.update(zip(batch, rows))
-            if progress is not None:
-                progress.update(len(batch))
+        _embed_pending(folder, embedder, align, detection, header, pending, known, own, batch_size, save_every_s,
+                       Progress(len(pending), "enrolling") if show_progress else None)
     no_face = [k[0] for k in keys if known[k] is None]
-    if no_face:
-        logger.warning("%s: no face found in %d images, left out (e.g. %s)", folder, len(no_face),
-                       ", ".join(no_face[:3]))
     gallery = _pool(people, keys, known, header)
     if cached != set(keys):  # files added, changed or removed, or a new model
         _write_entries(cache, header, keys, [known[k] for k in keys])
-    if os.path.isdir(parts):
-        shutil.rmtree(parts)
+    _clean_parts(parts, own)
+    if no_face:
+        message = no_face_message([os.path.join(folder, f) for f in no_face], len(keys), detection)
+        if strict:
+            raise GalleryError(f"{message}; --strict refuses them (the enrolment is saved in {cache})")
+        logger.warning("%s; left out of the gallery", message)
+    warn_if_collapsed(gallery, cache)
     return gallery
+
+
+def _embed_pending(folder, embedder, align, detection, header, pending, known, own, batch_size, save_every_s, progress):
+    """Embed the `pending` images into `known`, saving what is new in `own` every `save_every_s` s."""
+    new_keys, new_rows, saved, last = [], [], 0, time.monotonic()
+    for start in range(0, len(pending), batch_size):
+        batch = pending[start:start + batch_size]
+        found = [face_crops(os.path.join(folder, rel), embedder.template, align, detection)[:1]
+                 for rel, _, _ in batch]
+        emb = iter(embed_crops(embedder, [(c, m) for faces in found for _, c, m in faces], batch_size))
+        rows = [next(emb) if faces else None for faces in found]
+        known.update(zip(batch, rows))
+        new_keys += batch
+        new_rows += rows
+        if time.monotonic() - last >= save_every_s and start + batch_size < len(pending):
+            os.makedirs(own, exist_ok=True)
+            _write_entries(os.path.join(own, f"part-{saved:06d}.npz"), header, new_keys, new_rows)
+            new_keys, new_rows, saved, last = [], [], saved + 1, time.monotonic()
+        if progress is not None:
+            progress.update(len(batch))
+
+
+def _clean_parts(parts: str, own: str) -> None:
+    """Remove this process's saved parts and those of processes that are gone (all now in the
+    cache, or of another model), never a live run's; then `parts` itself if empty."""
+    for folder, dead in _part_folders(parts):
+        if dead or folder == own:
+            shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.rmdir(parts)
 
 
 def _pool(people, keys, known, header) -> Gallery:
@@ -282,6 +439,26 @@ def _pool(people, keys, known, header) -> Gallery:
         names.append(person)
         templates.append(mean / max(np.linalg.norm(mean), 1e-12))
     return Gallery(names, np.stack(templates).astype(np.float32), header, len(keys))
+
+
+def mean_cross_cosine(templates: np.ndarray) -> float:
+    """The mean cosine between the templates of different people (unit rows): from the norm of
+    their sum, |sum t|^2 = n + sum over pairs i != j of t_i . t_j, so O(n D), not O(n^2 D)."""
+    n = len(templates)
+    total = templates.astype(np.float64).sum(0)
+    return float((total @ total - n) / (n * (n - 1)))
+
+
+def warn_if_collapsed(gallery: Gallery, where: str) -> None:
+    """One warning when the templates of different people are nearly the same direction: every
+    query would score alike for everyone (a collapsed or untrained model)."""
+    if len(gallery.names) < 2:
+        return
+    mean = mean_cross_cosine(gallery.templates)
+    if mean > COLLAPSED:
+        logger.warning("%s: the %d people's templates are nearly identical (mean cosine %.4f between different "
+                       "people): this model does not tell them apart, so its answers mean nothing (a collapsed "
+                       "or untrained model?)", where, len(gallery.names), mean)
 
 
 def identify(gallery: Gallery, queries: np.ndarray, k: int = 1, engine: str = "faiss"):

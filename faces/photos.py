@@ -19,6 +19,7 @@ from faces.detect import MAX_SIDE, Face, check_available, detect_faces, open_pho
 
 logger = logging.getLogger("shardface")
 SHOWN = 3  # photos named in a message
+MAX_HINTED_UPSAMPLE = 3  # each doubling costs 4x the time: beyond this, no more is suggested
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Detection:
 class Found:
     """The faces of a set of photos: `faces[path]`, largest first (empty: no face found)."""
     faces: dict[str, list[Face]] = field(default_factory=dict)
+    detection: Detection = Detection()  # how they were searched (the hints of messages suggest more)
 
     @property
     def without_face(self) -> list[str]:
@@ -81,7 +83,7 @@ def find_faces(paths: Iterable[str], detection: Detection = Detection(),
                progress: Callable[[], None] | None = None) -> Found:
     """Detect the faces of every photo (an unreadable photo is an ImageDecodeError naming it)."""
     check_available(detection.detector, detection.landmarks)
-    found = Found()
+    found = Found(detection=detection)
     for path in paths:
         found.faces[path] = detection.faces(load_photo(path))
         if progress is not None:
@@ -89,10 +91,16 @@ def find_faces(paths: Iterable[str], detection: Detection = Detection(),
     return found
 
 
-def no_face_message(paths: list[str], total: int) -> str:
+def no_face_message(paths: list[str], total: int, detection: Detection = Detection()) -> str:
+    """Names the photos, with a hint of what was not tried yet (more upsampling, the other detector)."""
     more = f" and {len(paths) - SHOWN} more" if len(paths) > SHOWN else ""
-    return (f"no face found in {len(paths)} of {total} photos: {', '.join(paths[:SHOWN])}{more} "
-            "(try --upsample 2 for small faces, or --detector mmod)")
+    hints = []
+    if detection.upsample < MAX_HINTED_UPSAMPLE:
+        hints.append(f"--upsample {detection.upsample + 1} for small faces")
+    if detection.detector != "mmod":
+        hints.append("--detector mmod")
+    hint = f" (try {', or '.join(hints)})" if hints else ""
+    return f"no face found in {len(paths)} of {total} photos: {', '.join(paths[:SHOWN])}{more}{hint}"
 
 
 def usable(found: Found, strict: bool) -> dict[str, Face]:
@@ -100,9 +108,9 @@ def usable(found: Found, strict: bool) -> dict[str, Face]:
     warning naming them."""
     missing = found.without_face
     if missing and len(missing) == len(found.faces):
-        raise DataError(no_face_message(missing, len(found.faces)))
+        raise DataError(no_face_message(missing, len(found.faces), found.detection))
     if missing:
-        message = no_face_message(missing, len(found.faces))
+        message = no_face_message(missing, len(found.faces), found.detection)
         if strict:
             raise DataError(f"{message}; --strict refuses them")
         logger.warning("%s; left out", message)

@@ -2,6 +2,8 @@
 embed, compare): one spelling, one help text, one Detection built from them."""
 from __future__ import annotations
 
+import math
+
 from configs.errors import ConfigError
 from faces.detect import DETECTORS, LANDMARKS, MAX_SIDE
 from faces.photos import Detection
@@ -40,6 +42,9 @@ def detection_from(args) -> Detection:
         raise ConfigError("--align and --resize: choose one (alignment makes crops of the model's size)")
     if args.upsample < 0:
         raise ConfigError(f"--upsample {args.upsample}: 0 or more")
+    if not math.isfinite(args.min_score):
+        raise ConfigError(f"--min_score {args.min_score}: a finite number (NaN or an infinity would turn the "
+                          "filter off or drop every face)")
     if args.max_side < 64:
         raise ConfigError(f"--max_side {args.max_side}: at least 64")
     return Detection(args.detector, args.upsample, args.landmarks, args.min_score, args.max_side)

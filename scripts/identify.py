@@ -23,22 +23,33 @@ import sys
 import numpy as np
 
 from eval.embedder import best_threshold, image_files, load_embedder
-from eval.gallery import GalleryError, check_image, enrol, identify, photo_faces
+from eval.gallery import (GalleryError, check_cache, check_image, default_cache, enrol, identify, photo_faces,
+                          refuse_faceless)
 from eval.search import ENGINES
 from eval.thresholds import chosen_threshold, no_threshold
 from eval.verification import load_bin
+from faces.detect import check_available
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
+from scripts.face_options import add_align_options, detection_from
 
 
-def add_model_args(p: ArgumentParser) -> None:
+def add_model_args(p: ArgumentParser, what: str = "the gallery and query images") -> None:
+    """MODEL, its weights, the batch size and the face options (scripts.face_options) of `what`."""
     p.add_argument("model", help="run output, checkpoint dir, model.pt (ShardFace or arcface_torch), .onnx or dlib")
     p.add_argument("--network", default=None, help="backbone name for an arcface_torch model.pt")
     p.add_argument("--no_ema", action="store_true", help="the raw weights, not the EMA")
-    p.add_argument("--align", action="store_true",
-                   help="find and align the faces in photos (default: images are aligned face crops)")
-    p.add_argument("--detector", default="hog", choices=["hog", "mmod"], help="face detector with --align")
+    add_align_options(p, what)
     p.add_argument("--batch_size", type=int, default=64, help="face crops per forward pass")
+
+
+def face_detection(args):
+    """The Detection the face options ask for (their values checked, and with --align the dlib
+    models loaded), before any work."""
+    detection = detection_from(args)
+    if args.align:
+        check_available(detection.detector, detection.landmarks)
+    return detection
 
 
 def query_files(inputs: list[str], template, align: bool) -> list[str]:
@@ -90,7 +101,8 @@ def main(argv=None) -> int:
     how.add_argument("--threshold_from", default=None, metavar="BIN",
                      help="a verification .bin: use the threshold that separates its pairs best")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of lines")
-    p.add_argument("--cache", default=None, help="the gallery file (default GALLERY/.shardface_gallery.npz)")
+    p.add_argument("--cache", default=None, help="the gallery file (default GALLERY/.shardface_gallery.npz, "
+                   "with --no_ema GALLERY/.shardface_gallery.no_ema.npz)")
     p.add_argument("--rebuild", action="store_true", help="enrol every image again, replacing the gallery file")
     p.add_argument("--engine", default="faiss", choices=ENGINES,
                    help="search engine, both exact with the same results: faiss (default, IndexFlatIP: 2.3x "
@@ -99,6 +111,9 @@ def main(argv=None) -> int:
     if args.top < 1:
         p.error(f"--top must be at least 1, got {args.top}")
     chosen_threshold(args.threshold, None, args.model)  # a threshold that is no cosine: refused before any work
+    detection = face_detection(args)
+    cache = args.cache or default_cache(args.gallery, ema=not args.no_ema)
+    check_cache(cache)
     embedder = load_embedder(args.model, args.network, ema=not args.no_ema)
     chosen = chosen_threshold(args.threshold, None, args.model, embedder.threshold)
     if chosen is None and not args.threshold_from:  # refused before the gallery is enrolled
@@ -109,9 +124,11 @@ def main(argv=None) -> int:
         fitted = (*best_threshold(pairs, embedder, args.batch_size), args.threshold_from, len(pairs[1]))
         chosen = chosen_threshold(None, fitted, args.model, embedder.threshold)
     threshold = chosen.value
-    gallery = enrol(args.gallery, embedder, args.align, args.cache, args.rebuild, args.detector,
-                    batch_size=args.batch_size, show_progress=not args.json)
-    faces = photo_faces(queries, embedder, args.align, args.detector, args.batch_size)
+    gallery = enrol(args.gallery, embedder, args.align, cache, args.rebuild, detection,
+                    batch_size=args.batch_size, show_progress=not args.json, strict=args.strict)
+    faces = photo_faces(queries, embedder, args.align, detection, args.batch_size)
+    if args.strict:
+        refuse_faceless(queries, faces, detection)
     if faces:
         scores, ids = identify(gallery, np.stack([f.embedding for f in faces]), args.top, args.engine)
     else:

@@ -94,34 +94,6 @@ def test_cache_is_reused_updated_when_the_folder_changes_and_another_model_is_re
     assert code == 0 and "person3 1.0000" in out
 
 
-def test_interrupted_enrolment_resumes_from_its_chunks(tmp_path):
-    model = _model(tmp_path / "m", 0)
-    gallery = _gallery(tmp_path / "g", (3, 3))
-    embedder = load_embedder(model)
-    import eval.gallery as g
-    real, seen = g.face_crops, []
-
-    def interrupted(path, *a):  # Ctrl-C while the fifth image is read
-        if path.endswith(os.path.join("person1", "1.png")):
-            raise KeyboardInterrupt
-        return real(path, *a)
-    g.face_crops = interrupted
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            enrol(gallery, embedder, chunk=2, show_progress=False)
-        parts = os.path.join(gallery, ".shardface_gallery.npz.parts")
-        assert len(os.listdir(parts)) == 2  # four images embedded, in two chunks
-        g.face_crops = lambda path, *a: seen.append(path) or real(path, *a)
-        resumed = enrol(gallery, embedder, chunk=2, show_progress=False)
-    finally:
-        g.face_crops = real
-    assert [os.path.basename(os.path.dirname(p)) + "/" + os.path.basename(p) for p in seen] == \
-        ["person1/1.png", "person1/2.png"]
-    assert not os.path.exists(parts)
-    fresh = enrol(gallery, embedder, cache=str(tmp_path / "fresh.npz"), show_progress=False)
-    np.testing.assert_allclose(resumed.templates, fresh.templates, atol=1e-6)
-
-
 @pytest.mark.parametrize("case,named", [
     ("empty gallery", "empty gallery"),
     ("person without images", "person folder without images"),
