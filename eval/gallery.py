@@ -51,7 +51,7 @@ from eval.embedder import embed_uint8
 from eval.search import make_index
 from faces.align import ARCFACE_112, Template
 from faces.photos import Detection, no_face_message
-from utils.atomic import _alive, _host, check_output_file, publishing
+from utils.atomic import check_output_file, host_name, process_alive, publishing
 from utils.progress import Progress
 
 CACHE_NAME = ".shardface_gallery.npz"
@@ -326,7 +326,7 @@ def _part_folders(parts: str) -> list[tuple[str, bool]]:
     out = []
     for folder in sorted(glob.glob(os.path.join(glob.escape(parts), "*-*"))):
         host, _, pid = os.path.basename(folder).rpartition("-")
-        out.append((folder, host == _host() and pid.isdigit() and not _alive(int(pid))))
+        out.append((folder, host == host_name() and pid.isdigit() and not process_alive(int(pid))))
     return out
 
 
@@ -380,7 +380,7 @@ def enrol(folder: str, embedder, align: bool = False, cache: str | None = None, 
     pending = [k for k in keys if k not in known]
     for rel, _, _ in pending:  # every header before the first embedding
         check_image(os.path.join(folder, rel), embedder.template, align)
-    own = os.path.join(parts, f"{_host()}-{os.getpid()}")
+    own = os.path.join(parts, f"{host_name()}-{os.getpid()}")
     if pending:
         _embed_pending(folder, embedder, align, detection, header, pending, known, own, batch_size, save_every_s,
                        Progress(len(pending), "enrolling") if show_progress else None)

@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     print(f"wrote {written} crops of {len(photos) - len(without)} photos with faces into {dst}; "
           f"report: {os.path.join(dst, REPORT)}")
     if without:
-        print(no_face_message(without, len(photos)))
+        print(no_face_message(without, len(photos), detection))
     return 0
 
 

@@ -37,7 +37,7 @@ class OutputError(UserError, ValueError):
     """An output that cannot be written where asked, exists without --overwrite, or is an input."""
 
 
-def _host() -> str:
+def host_name() -> str:
     return socket.gethostname().replace(os.sep, "_") or "localhost"
 
 
@@ -45,16 +45,16 @@ def staging_path(path: str) -> str:
     """Where `path` is written before it is published: a hidden name in the same directory
     (the same file system, so the rename is atomic), unique to this host and process."""
     folder, name = os.path.split(os.path.abspath(path))
-    return os.path.join(folder, f".{name}.partial-{_host()}-{os.getpid()}")
+    return os.path.join(folder, f".{name}.partial-{host_name()}-{os.getpid()}")
 
 
 def backup_path(path: str, pid: int | None = None) -> str:
     """The journal's copy (a hard link) of the earlier `path` while a set is being swapped."""
     folder, name = os.path.split(os.path.abspath(path))
-    return os.path.join(folder, f".{name}.old-{_host()}-{os.getpid() if pid is None else pid}")
+    return os.path.join(folder, f".{name}.old-{host_name()}-{os.getpid() if pid is None else pid}")
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -76,10 +76,10 @@ def remove_stale(path: str) -> list[str]:
         return removed
     for entry in entries:
         m = _STAGED.match(entry)
-        if not m or m.group("name") != name or m.group("host") not in (None, _host()):
+        if not m or m.group("name") != name or m.group("host") not in (None, host_name()):
             continue
         pid = int(m.group("pid"))
-        if pid == os.getpid() or _alive(pid):
+        if pid == os.getpid() or process_alive(pid):
             continue
         _remove_tree_or_file(os.path.join(folder, entry))
         removed.append(os.path.join(folder, entry))
@@ -135,10 +135,10 @@ def _dead_backups(paths: list[str]) -> dict[int, dict[str, str]]:
         for entry in entries:
             m = _BACKUP.match(entry)
             path = names.get((folder, m.group("name"))) if m else None
-            if path is None or m.group("host") not in (None, _host()):
+            if path is None or m.group("host") not in (None, host_name()):
                 continue
             pid = int(m.group("pid"))
-            if pid != os.getpid() and not _alive(pid):
+            if pid != os.getpid() and not process_alive(pid):
                 found.setdefault(pid, {})[path] = os.path.join(folder, entry)
     return found
 
