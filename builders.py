@@ -105,15 +105,17 @@ def build_head_optimizer(cfg, head: PartialFC | None) -> SampledRowsOptimizer | 
 
 class Distillation:
     """The run's teacher and its loss (issue #29; README 'Distillation'). `loss(head, embeddings,
-    labels, images, indices)` replaces `head(embeddings, labels)` in the step; with no head
+    labels, images, rows)` replaces `head(embeddings, labels)` in the step; with no head
     (label-free) it is the distillation loss alone."""
 
     def __init__(self, teacher, loss: DistillLoss):
         self.teacher, self.distill_loss = teacher, loss
 
     @property
-    def needs_indices(self) -> bool:
-        return self.teacher.needs_indices
+    def teacher_rows(self):
+        """What the DataLoader's workers read per record with its image (a teacher file's
+        `row`), or None: get_dataloader's `teacher_rows`."""
+        return self.teacher.teacher_rows
 
     def check_data(self, cfg, dataset) -> None:
         """A teacher file must belong to this run's data, read as this run reads it (at start,
@@ -124,8 +126,9 @@ class Distillation:
                                   f"is replaced by the next one, which would meet another image's target")
             self.teacher.check_data(cfg.rec, len(dataset), dataset.fingerprint(), data_transform(cfg))
 
-    def loss(self, head, embeddings, labels, images, indices) -> torch.Tensor:
-        targets = self.teacher.targets(images, indices[0] if indices else None)
+    def loss(self, head, embeddings, labels, images, rows) -> torch.Tensor:
+        """`rows`: what the loader's batch held after the labels (a teacher file's rows), or []."""
+        targets = self.teacher.targets(images, rows[0] if rows else None)
         return self.distill_loss(head, embeddings, labels, targets)
 
 
