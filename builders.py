@@ -143,6 +143,9 @@ def build_distillation(cfg, backbone: nn.Module, device) -> Distillation | None:
         raise ConfigError(f"config distill_loss = {cfg.distill_loss!r}: expected one of {', '.join(DISTILL_LOSSES)}")
     precision = "fp16" if cfg.fp16 else "bf16" if cfg.bf16 else None
     teacher = load_teacher(cfg.teacher, cfg.teacher_network, device, precision)
+    if getattr(teacher, "cast_once", 0):
+        logging.getLogger("shardface").info("teacher %s: the weights of %d layers cast to %s once (not by autocast "
+                                            "at every step)", teacher.name, teacher.cast_once, precision)
     projection = None
     if cfg.distill_loss == "cosine" and teacher.dim != cfg.embedding_size:
         projection = attach_projection(backbone, cfg.embedding_size, teacher.dim, cfg.seed + 29)
