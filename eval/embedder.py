@@ -61,8 +61,11 @@ class OnnxBackbone(nn.Module):
             raise CheckpointError(f"{path}: ONNX model not found")
         wanted = ("CUDAExecutionProvider", "CPUExecutionProvider")
         providers = [p for p in wanted if p in ort.get_available_providers()]
+        options = ort.SessionOptions()
+        # torch's thread count (torchrun gives each of W ranks its share), not a pool of every core per process
+        options.intra_op_num_threads = torch.get_num_threads()
         try:
-            self.session = ort.InferenceSession(path, providers=providers)
+            self.session = ort.InferenceSession(path, sess_options=options, providers=providers)
         except Exception as exc:  # onnxruntime raises its own types for every bad file
             raise CheckpointError(f"{path}: not a readable ONNX model ({str(exc).splitlines()[0]})") from None
         self.template = self._template(path, self.session.get_modelmeta().custom_metadata_map.get(TEMPLATE_KEY))

@@ -113,17 +113,17 @@ class OnlineTeacher:
                  made_for: Template = ARCFACE_112):
         self.embedder, self.device, self.precision, self.made_for = embedder, torch.device(device), precision, made_for
         module = embedder.module.eval()
-        if not isinstance(module, OnnxBackbone):  # onnxruntime places its own
+        onnx = isinstance(module, OnnxBackbone)
+        if not onnx:  # onnxruntime places its own (a GPU run refuses it: load_teacher)
             module.to(self.device)
         for p in module.parameters():
             p.requires_grad_(False)
         self.dim = self._probe()
-        self.cast_once = self._cast_weights_once() if precision is not None and not isinstance(
-            module, OnnxBackbone) else 0
+        self.cast_once = self._cast_weights_once() if precision is not None and not onnx else 0
 
     def _cast_weights_once(self) -> int:
-        """Under autocast a frozen teacher's conv, linear and PReLU weights are cast to the 16-bit type
-        at every call, every step (no grad, so autocast keeps no cache). Cast them once instead:
+        """Under autocast a frozen teacher's conv, linear and PReLU weights are cast to the 16-bit
+        type at every call, every step (no grad, so autocast keeps no cache). Cast them once instead:
         those of the layers that run under autocast (a layer the network keeps in fp32 is left),
         kept only when the teacher's targets of a probe batch stay within `_SAME_TARGETS` of
         autocast's own (the same rounding, so they agree; checked on the rank's device).

@@ -37,6 +37,17 @@ def test_onnx_teacher_serves_a_cpu_run_with_the_targets_of_its_model_pt(teacher_
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
+def test_onnx_teacher_runs_on_the_threads_torch_was_given(teacher_onnx):
+    """W ranks on one node: each rank's onnxruntime pool is its share, not one thread per core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        teacher = load_teacher(teacher_onnx, None, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    assert teacher.embedder.module.session.get_session_options().intra_op_num_threads == 1
+
+
 class _WeightCasts(TorchDispatchMode):
     """Counts the casts whose input is one of `params` (what autocast does to fp32 weights)."""
 
