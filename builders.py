@@ -107,7 +107,7 @@ def build_head_optimizer(cfg, head: PartialFC | None) -> SampledRowsOptimizer | 
 
 class Distillation:
     """The run's teacher and its loss (issue #29; README 'Distillation'). `loss(head, embeddings,
-    labels, images, indices)` replaces `head(embeddings, labels)` in the step; with no head
+    labels, images, rows)` replaces `head(embeddings, labels)` in the step; with no head
     (label-free) it is the distillation loss alone."""
 
     # the student's term must go clearly below a constant student's: this share of it, once this
@@ -167,8 +167,10 @@ class Distillation:
                            " (distill_center false: try true)")
 
     @property
-    def needs_indices(self) -> bool:
-        return self.teacher.needs_indices
+    def teacher_rows(self):
+        """What the DataLoader's workers read per record with its image (a teacher file's
+        `row`), or None: get_dataloader's `teacher_rows`."""
+        return self.teacher.teacher_rows
 
     def check_data(self, cfg, dataset) -> None:
         """A teacher file must belong to this run's data, read as this run reads it (at start,
@@ -179,8 +181,9 @@ class Distillation:
                                   f"is replaced by the next one, which would meet another image's target")
             self.teacher.check_data(cfg.rec, len(dataset), dataset.fingerprint(), data_transform(cfg))
 
-    def loss(self, head, embeddings, labels, images, indices) -> torch.Tensor:
-        targets = self.teacher.targets(images, indices[0] if indices else None)
+    def loss(self, head, embeddings, labels, images, rows) -> torch.Tensor:
+        """`rows`: what the loader's batch held after the labels (a teacher file's rows), or []."""
+        targets = self.teacher.targets(images, rows[0] if rows else None)
         return self.distill_loss(head, embeddings, labels, targets)
 
 
@@ -195,6 +198,9 @@ def build_distillation(cfg, backbone: nn.Module, device) -> Distillation | None:
         raise ConfigError(f"config distill_loss = {cfg.distill_loss!r}: expected one of {', '.join(DISTILL_LOSSES)}")
     precision = "fp16" if cfg.fp16 else "bf16" if cfg.bf16 else None
     teacher = load_teacher(cfg.teacher, cfg.teacher_network, device, precision)
+    if getattr(teacher, "cast_once", 0):
+        logging.getLogger("shardface").info("teacher %s: the weights of %d layers cast to %s once (not by autocast "
+                                            "at every step)", teacher.name, teacher.cast_once, precision)
     projection = None
     if cfg.distill_loss == "cosine" and teacher.dim != cfg.embedding_size:
         projection = attach_projection(backbone, cfg.embedding_size, teacher.dim, cfg.seed + 29)

@@ -154,13 +154,13 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     first_step = state.step
     # built once: its persistent workers (and their open record files) serve every epoch
     loader = get_dataloader(dataset, sampler, cfg.num_workers, info.device, cfg.seed,
-                            with_index=distill is not None and distill.needs_indices)
+                            teacher_rows=distill.teacher_rows if distill is not None else None)
     try:
         with stop.deferred():  # a stop signal waits for the step end from here on
             while state.step < total_steps and state.epoch < cfg.num_epoch:
                 sampler.set_epoch(state.epoch, state.batch_in_epoch)
                 dataset.set_epoch(state.epoch, cfg.seed)  # mirroring fixed by (seed, epoch, index)
-                for images, labels, *indices in loader:  # indices: only for a teacher file
+                for images, labels, *rows in loader:  # rows: a teacher file's, read by the workers
                     if state.batch_in_epoch >= steps_per_epoch * cfg.gradient_acc:
                         continue  # too few batches left for a whole step (see last_micro)
                     # on the CPU, where no device waits; label-free data has no labels to check
@@ -177,7 +177,7 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
                     with contextlib.nullcontext() if last_micro else backbone_opt.no_sync():
                         embeddings = model(images)
                         loss = head(embeddings, labels) if distill is None else \
-                            distill.loss(head, embeddings, labels, images, indices)
+                            distill.loss(head, embeddings, labels, images, rows)
                         scaled = loss / cfg.gradient_acc
                         (scaler.scale(scaled) if scaler else scaled).backward()
                     state.batch_in_epoch += 1

@@ -80,6 +80,9 @@ class DlibResNet(nn.Module):
             raise ValueError(f"dlib_resnet: input_size {input_size} (112: insightface crops; 150: dlib chips)")
         self.input_size, self.fp16, self.bf16, self.grad_checkpoint = input_size, fp16, bf16, grad_checkpoint
         self.register_buffer("pixel_mean", torch.tensor(PIXEL_MEAN))
+        # the 112 -> 150 warp, made once and moved with the module: a tensor built from the
+        # constants in each forward is a copy from host memory that waits for the device
+        self.register_buffer("front_theta", torch.tensor(FRONT_112_TO_150)[None], persistent=False)
         self.conv = nn.Conv2d(3, 32, 7, stride=2)
         self.affine = Affine(32)
         blocks, cin = [], 32
@@ -101,8 +104,7 @@ class DlibResNet(nn.Module):
         """[-1, 1] input -> dlib's scaled 150x150 chip (re-framed when the input is a 112 crop)."""
         if self.input_size != CHIP_SIZE:
             # one grid for every image: x.shape[0], not len(x), so an ONNX trace keeps the batch dynamic
-            theta = torch.tensor(FRONT_112_TO_150, dtype=x.dtype, device=x.device)[None]
-            grid = F.affine_grid(theta, [1, 3, CHIP_SIZE, CHIP_SIZE], align_corners=False)
+            grid = F.affine_grid(self.front_theta.to(x.dtype), [1, 3, CHIP_SIZE, CHIP_SIZE], align_corners=False)
             grid = grid.expand(x.shape[0], -1, -1, -1)
             # outside the crop is black, as alignment leaves it: -1 in [-1, 1]
             x = F.grid_sample(x + 1, grid, mode="bilinear", padding_mode="zeros", align_corners=False) - 1

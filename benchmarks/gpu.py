@@ -13,6 +13,9 @@ against PFC v2, and the head's accuracy with TF32 against an fp64 full softmax.
    no sampling: on WebFace42M it runs over the 51,497 sampled rows only (what it computes
    after sampling, without the sampling's own cost). Each in full fp32 and with TF32.
 3. accuracy: relative errors of the head's loss and gradients against float64, TF32 off/on.
+4. distillation: samples/s of the backbone step of 1. with an on-the-fly teacher (the same
+   network, frozen, its weights cast to fp16 once: eval/teacher.py) and the cosine loss as
+   its only loss, beside the plain step's.
 
 Run from the repository root: `.venv/bin/python benchmarks/gpu.py`. On a machine without
 CUDA it says so and exits with status 0. `--smoke` runs every part at toy sizes on whatever
@@ -83,18 +86,32 @@ def _mb(peak: int | None) -> str:
     return "n/a" if peak is None else f"{peak / MB:.0f}"
 
 
-def backbone_throughput(name: str, device: torch.device, sizes: Sizes, warmup: int, iters: int) -> dict:
+def backbone_throughput(name: str, device: torch.device, sizes: Sizes, warmup: int, iters: int,
+                        distill: bool = False) -> dict:
+    """The backbone step of part 1; `distill`: with an on-the-fly teacher of the same network
+    and the cosine distillation loss alone (label-free: no head)."""
     from backbones import get_model
     from parallel import DynamicLossScaler, Zero2Optimizer
     batch = sizes.batch
     torch.manual_seed(0)
-    model = get_model(name, num_features=D, fp16=device.type == "cuda").to(device)
+    fp16 = device.type == "cuda"
+    model = get_model(name, num_features=D, fp16=fp16).to(device)
     opt = Zero2Optimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=5e-4)
     scaler = DynamicLossScaler()
     images = torch.randn(batch, 3, 112, 112, device=device)
+    loss_of = lambda: model(images).float().square().mean()  # noqa: E731
+    if distill:
+        from eval.embedder import Embedder
+        from eval.teacher import OnlineTeacher
+        from faces.align import ARCFACE_112
+        from heads.distill import DistillLoss
+        teacher = OnlineTeacher(Embedder(get_model(name, num_features=D).eval(), ARCFACE_112, name, ""), device,
+                                "fp16" if fp16 else None)
+        cosine = DistillLoss("cosine", 1.0)
+        loss_of = lambda: cosine(None, model(images), None, teacher.targets(images, None))  # noqa: E731
 
     def step():
-        scaler.scale(model(images).float().square().mean()).backward()
+        scaler.scale(loss_of()).backward()
         if scaler.unscale_(opt):
             opt.step()
         opt.zero_grad()
@@ -103,6 +120,10 @@ def backbone_throughput(name: str, device: torch.device, sizes: Sizes, warmup: i
     del model, opt
     return {"backbone": name, "batch": batch, "samples/s": f"{batch * 1e3 * len(times) / sum(times):.0f}",
             "ms/step": f"{statistics.median(times):.1f}", "peak MB": _mb(peak)}
+
+
+def _ratio(slow: dict, fast: dict) -> str:
+    return f"{float(slow['ms/step']) / max(float(fast['ms/step']), 1e-9):.2f}"
 
 
 def _base_config():
@@ -165,8 +186,8 @@ def _process_group() -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=["backbone", "head", "accuracy"], nargs="+",
-                   default=["backbone", "head", "accuracy"])
+    p.add_argument("--only", choices=["backbone", "head", "accuracy", "distill"], nargs="+",
+                   default=["backbone", "head", "accuracy", "distill"])
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="toy sizes on any device (figures mean nothing)")
@@ -187,13 +208,31 @@ def main(argv=None) -> int:
         device = torch.device("cpu")
         print(f"CPU, torch {torch.__version__} (--smoke: toy sizes, the figures mean nothing)")
 
+    plain = {}
+    if "backbone" in args.only or "distill" in args.only:
+        plain = {name: backbone_throughput(name, device, sizes, args.warmup, args.iters) for name in sizes.backbones}
     if "backbone" in args.only:
-        rows = [backbone_throughput(name, device, sizes, args.warmup, args.iters) for name in sizes.backbones]
+        rows = list(plain.values())
         print(f"\nbackbone step ({'fp16, ' if device.type == 'cuda' else ''}ZeRO-2 SGD at W=1, no head), "
               f"batch {sizes.batch}/GPU")
         print(table(rows, list(rows[0])))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    if "distill" in args.only:
+        rows = []
+        for name in sizes.backbones:
+            with_teacher = backbone_throughput(name, device, sizes, args.warmup, args.iters, distill=True)
+            rows.append({"backbone": name, "batch": sizes.batch, "plain samples/s": plain[name]["samples/s"],
+                         "distill samples/s": with_teacher["samples/s"],
+                         "step time ratio": _ratio(with_teacher, plain[name]),
+                         "distill peak MB": with_teacher["peak MB"]})
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        print(f"\ndistillation step (the backbone step with an on-the-fly teacher of the same network"
+              f"{', its weights cast to fp16 once' if device.type == 'cuda' else ''}, cosine loss, no head), "
+              f"batch {sizes.batch}/GPU")
+        print(table(rows, list(rows[0])))
 
     if "head" in args.only:
         _process_group()

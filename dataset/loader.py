@@ -81,10 +81,11 @@ class _EpochKeys(Sampler):
 class _EpochItems(Dataset):
     """Reads `(epoch, seed, index)` keys: persistent workers keep their own copy of the dataset
     from the first epoch, so the epoch (which fixes the mirroring) travels with each index.
-    `with_index`: each item ends with its index (a precomputed teacher reads its rows by it)."""
+    `with_index`: each item ends with its index; `teacher_rows`: with `teacher_rows(index)`, read
+    here, in the worker (a teacher file's row of the record)."""
 
-    def __init__(self, dataset: Dataset, with_index: bool = False):
-        self.dataset, self.with_index = dataset, with_index
+    def __init__(self, dataset: Dataset, with_index: bool = False, teacher_rows=None):
+        self.dataset, self.with_index, self.teacher_rows = dataset, with_index, teacher_rows
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -95,7 +96,9 @@ class _EpochItems(Dataset):
         if epoch is not None and current != (epoch, seed):
             self.dataset.set_epoch(epoch, seed)
         item = self.dataset[index]
-        return (*item, index) if self.with_index else item
+        if self.with_index:
+            item = (*item, index)
+        return (*item, self.teacher_rows(index)) if self.teacher_rows is not None else item
 
 
 def _seed_worker(worker_id: int) -> None:
@@ -106,7 +109,7 @@ def _seed_worker(worker_id: int) -> None:
 
 def get_dataloader(dataset: Dataset, sampler: ResumableDistributedSampler, num_workers: int = 2,
                    device: torch.device | str = "cpu", seed: int = 0,
-                   persistent_workers: bool = True, with_index: bool = False) -> DataLoader:
+                   persistent_workers: bool = True, with_index: bool = False, teacher_rows=None) -> DataLoader:
     """Batches of `sampler.batch_size`; pinned memory and prefetching when training on GPU.
 
     Build it once and iterate it once per epoch, after `sampler.set_epoch(epoch, start_batch)`
@@ -114,10 +117,12 @@ def get_dataloader(dataset: Dataset, sampler: ResumableDistributedSampler, num_w
     open record files) survive from one epoch to the next, and every item still follows the
     current epoch's order and mirroring. A loader built anew each epoch also works (its
     workers end with it). `with_index`: batches are (images, labels, record indices).
+    `teacher_rows` (index -> tensor, a teacher file's `row`): batches end with the rows of their
+    records, read by the workers and pinned with the images.
     """
     on_gpu = torch.device(device).type == "cuda"
     g = torch.Generator().manual_seed(seed + 1000 * sampler.rank + sampler.epoch)
-    return DataLoader(_EpochItems(dataset, with_index), batch_size=sampler.batch_size,
+    return DataLoader(_EpochItems(dataset, with_index, teacher_rows), batch_size=sampler.batch_size,
                       sampler=_EpochKeys(sampler, dataset),
                       num_workers=num_workers, drop_last=True, pin_memory=on_gpu, worker_init_fn=_seed_worker,
                       generator=g, prefetch_factor=4 if num_workers > 0 and on_gpu else None,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -62,8 +62,11 @@ class OnnxBackbone(nn.Module):
             raise CheckpointError(f"{path}: ONNX model not found")
         wanted = ("CUDAExecutionProvider", "CPUExecutionProvider")
         providers = [p for p in wanted if p in ort.get_available_providers()]
+        options = ort.SessionOptions()
+        # torch's thread count (torchrun gives each of W ranks its share), not a pool of every core per process
+        options.intra_op_num_threads = torch.get_num_threads()
         try:
-            self.session = ort.InferenceSession(path, providers=providers)
+            self.session = ort.InferenceSession(path, sess_options=options, providers=providers)
         except Exception as exc:  # onnxruntime raises its own types for every bad file
             raise CheckpointError(f"{path}: not a readable ONNX model ({str(exc).splitlines()[0]})") from None
         metadata = self.session.get_modelmeta().custom_metadata_map
@@ -148,15 +151,22 @@ def refuse_non_finite_embeddings(emb: np.ndarray, where: str) -> np.ndarray:
     return emb
 
 
-def load_model(path: str, network: str | None = None, ema: bool = True) -> nn.Module:
+def tool_device() -> torch.device:
+    """Where a one-process tool runs a model: the current GPU, else the CPU. A training rank
+    passes its own device instead."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def load_model(path: str, network: str | None = None, ema: bool = True,
+               device: torch.device | None = None) -> nn.Module:
     """An eval-mode model whose forward takes N x 3 x h x w floats in [-1, 1] (112 x 112 but for
     an `.onnx` that records another template): an `.onnx` through onnxruntime, anything else
-    through eval.weights.load_backbone."""
+    through eval.weights.load_backbone, on `device` (default `tool_device()`)."""
     if path.lower().endswith(".onnx"):
         model = OnnxBackbone(path).eval()
     else:
         model = load_backbone(path, network, ema=ema)  # weights that are not finite are refused there
-        model = model.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        model = model.to(device if device is not None else tool_device())
     model.source_path = path  # named when its embeddings are not finite
     return model
 
@@ -184,6 +194,9 @@ class Embedder:
     fingerprint: str        # a hash of its weights (or ONNX file): derived files record it
     threshold: Threshold | None = None  # its own verdict threshold (eval/thresholds.py), if it has one
     ema: bool = True        # the EMA weights were asked for (False: --no_ema); derived files record it
+    # from_crops' warps, made once per (template, device, dtype): rebuilt each step, each would be
+    # a copy from host memory that waits for the device
+    _thetas: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:
@@ -197,18 +210,24 @@ class Embedder:
         x = images.float().sub(127.5).div(127.5) if images.dtype == torch.uint8 else images.float()
         if made_for.size == self.template.size and np.allclose(made_for.points, self.template.points):
             return x
-        # output pixel -> input pixel, in the normalised [-1, 1] grid coordinates of affine_grid
-        m = similarity_transform(self.template.points, made_for.points)
-        (h_out, w_out), (h_in, w_in) = self.template.size, made_for.size
-        to_px = np.array([[w_out / 2, 0, w_out / 2 - 0.5], [0, h_out / 2, h_out / 2 - 0.5], [0, 0, 1]])
-        to_grid = np.array([[2 / w_in, 0, 1 / w_in - 1], [0, 2 / h_in, 1 / h_in - 1], [0, 0, 1]])
-        theta = (to_grid @ np.vstack([m, [0, 0, 1]]) @ to_px)[:2]
-        grid = torch.nn.functional.affine_grid(
-            torch.as_tensor(theta, dtype=x.dtype, device=x.device).expand(len(x), 2, 3),
-            [len(x), 3, h_out, w_out], align_corners=False)
+        grid = torch.nn.functional.affine_grid(self._theta(made_for, x.device, x.dtype).expand(len(x), 2, 3),
+                                               [len(x), 3, *self.template.size], align_corners=False)
         # outside the crop is black, as alignment leaves it: -1 in [-1, 1]
         return torch.nn.functional.grid_sample(x + 1, grid, mode="bilinear", padding_mode="zeros",
                                                align_corners=False) - 1
+
+    def _theta(self, made_for: Template, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """1 x 2 x 3: output pixel -> input pixel, in the normalised [-1, 1] grid coordinates of
+        affine_grid, on `device`; made on the first call for each (template, device, dtype)."""
+        key = (made_for.size, np.asarray(made_for.points, np.float64).tobytes(), device, dtype)
+        if key not in self._thetas:
+            m = similarity_transform(self.template.points, made_for.points)
+            (h_out, w_out), (h_in, w_in) = self.template.size, made_for.size
+            to_px = np.array([[w_out / 2, 0, w_out / 2 - 0.5], [0, h_out / 2, h_out / 2 - 0.5], [0, 0, 1]])
+            to_grid = np.array([[2 / w_in, 0, 1 / w_in - 1], [0, 2 / h_in, 1 / h_in - 1], [0, 0, 1]])
+            theta = (to_grid @ np.vstack([m, [0, 0, 1]]) @ to_px)[:2]
+            self._thetas[key] = torch.as_tensor(theta, dtype=dtype, device=device)[None]
+        return self._thetas[key]
 
     def for_crops(self, made_for: Template = ARCFACE_112) -> nn.Module:
         """A module taking [-1, 1] crops aligned to `made_for` (the .bin sets' 112x112, IJB's):
@@ -245,15 +264,17 @@ def fingerprint_file(path: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def load_embedder(path: str, network: str | None = None, ema: bool = True) -> Embedder:
-    """The Embedder of a MODEL argument (see the module docstring)."""
+def load_embedder(path: str, network: str | None = None, ema: bool = True,
+                  device: torch.device | None = None) -> Embedder:
+    """The Embedder of a MODEL argument (see the module docstring), on `device` (default
+    `tool_device()`; an `.onnx` runs where onnxruntime places it)."""
     if path == DLIB:
         module = DlibResNet(input_size=DLIB_150.size[0])
         module.load_state_dict(dlib_state())
-        module = module.eval().to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        module = module.eval().to(device if device is not None else tool_device())
         module.source_path = DLIB
         return Embedder(module, DLIB_150, DLIB, fingerprint_file(model_file(DLIB_FILE)), model_threshold(DLIB))
-    module = load_model(path, network, ema)
+    module = load_model(path, network, ema, device)
     if isinstance(module, OnnxBackbone):
         return Embedder(module, module.template, path, fingerprint_file(path), module.threshold, ema)
     return Embedder(module, ARCFACE_112, path, fingerprint_module(module), run_threshold(path, ema), ema)

@@ -1,10 +1,11 @@
 """The teacher of distillation (issue #29): a MODEL run beside the student, or a file of its
 embeddings made beforehand by `python -m scripts.teach`.
 
-Both give `targets(images, indices)`: b x D_t float32 embeddings of the rank's batch, on the
+Both give `targets(images, rows)`: b x D_t float32 embeddings of the rank's batch, on the
 batch's device, no gradient. `images` are the student's [-1, 1] crops (made for
-ARCFACE_112, the training data's template); `indices` are their record indices in the data
-set (the loader yields them when a teacher needs them).
+ARCFACE_112, the training data's template); `rows` are a teacher file's rows of their records,
+read by the DataLoader's workers (`TeacherFile.row`, the loader's `teacher_rows`) and arriving
+with the batch, pinned; None for a teacher run on the fly.
 
 Teacher file (`.teacher`): the bytes MAGIC, a uint32 little-endian header length, a UTF-8 JSON
 header, zero padding to a multiple of 64 bytes, then `data_size` rows of `dim` float16: row i
@@ -26,6 +27,7 @@ import struct
 
 import numpy as np
 import torch
+from torch import nn
 
 from configs.errors import ConfigError
 from eval.embedder import Embedder, OnnxBackbone, load_embedder
@@ -88,10 +90,15 @@ def read_header(path: str) -> tuple[dict, int]:
     return header, offset + (-offset % ALIGN)
 
 
+_LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_AUTOCAST_CASTS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.PReLU)  # weights autocast casts per call
+_SAME_TARGETS = {"rtol": 1e-3, "atol": 1e-4}  # the teacher's forms (run, model.pt, ONNX) agree to atol 1e-4
+
+
 def _autocast(device: torch.device, precision: str | None):
     if precision is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16)
+    return torch.autocast(device_type=device.type, dtype=_LOW[precision])
 
 
 class OnlineTeacher:
@@ -100,17 +107,54 @@ class OnlineTeacher:
     are re-framed onto the teacher's (`Embedder.from_crops`), so a 150x150 dlib teacher and a
     112x112 student meet on the same faces."""
 
-    needs_indices = False
+    teacher_rows = None  # nothing for the loader to read
 
     def __init__(self, embedder: Embedder, device: torch.device, precision: str | None = None,
                  made_for: Template = ARCFACE_112):
         self.embedder, self.device, self.precision, self.made_for = embedder, torch.device(device), precision, made_for
         module = embedder.module.eval()
-        if not isinstance(module, OnnxBackbone):  # onnxruntime places its own
+        onnx = isinstance(module, OnnxBackbone)
+        if not onnx:  # onnxruntime places its own (a GPU run refuses it: load_teacher)
             module.to(self.device)
         for p in module.parameters():
             p.requires_grad_(False)
         self.dim = self._probe()
+        self.cast_once = self._cast_weights_once() if precision is not None and not onnx else 0
+
+    def _cast_weights_once(self) -> int:
+        """Under autocast a frozen teacher's conv, linear and PReLU weights are cast to the 16-bit
+        type at every call, every step (no grad, so autocast keeps no cache). Cast them once instead:
+        those of the layers that run under autocast (a layer the network keeps in fp32 is left),
+        kept only when the teacher's targets of a probe batch stay within `_SAME_TARGETS` of
+        autocast's own (the same rounding, so they agree; checked on the rank's device).
+        Returns how many layers were cast (0: autocast casts them per step, as before)."""
+        module, dtype = self.embedder.module, _LOW[self.precision]
+        seen, hooks = [], []
+        for layer in module.modules():
+            if isinstance(layer, _AUTOCAST_CASTS) and all(p.dtype == torch.float32 for p in layer.parameters(False)):
+                hooks.append(layer.register_forward_pre_hook(
+                    lambda m, args: seen.append(m) if torch.is_autocast_enabled(self.device.type) else None))
+        g = torch.Generator().manual_seed(39)
+        probe = (torch.rand(4, 3, *self.made_for.size, generator=g) * 2 - 1).to(self.device)
+        try:
+            before = self.targets(probe, None)
+        finally:
+            for h in hooks:
+                h.remove()
+        layers = list({id(m): m for m in seen}.values())
+        kept = [(p, p.data) for layer in layers for p in layer.parameters(False)]
+        for p, data in kept:
+            p.data = data.to(dtype)
+        try:
+            after = self.targets(probe, None)
+            same = bool(torch.isfinite(after).all()) and torch.allclose(after, before, **_SAME_TARGETS)
+        except RuntimeError:  # a layer fed fp32 outside autocast after all
+            same = False
+        if not same:
+            for p, data in kept:
+                p.data = data
+            return 0
+        return len(layers)
 
     @property
     def name(self) -> str:
@@ -132,7 +176,7 @@ class OnlineTeacher:
         return int(out.shape[1])
 
     @torch.no_grad()
-    def targets(self, images: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
+    def targets(self, images: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         x = self.embedder.from_crops(images, made_for=self.made_for)
         with _autocast(x.device, self.precision):
             out = self.embedder.module(x)
@@ -143,8 +187,6 @@ class TeacherFile:
     """Precomputed targets read by record index (see the module docstring). Opening it checks
     the format and that every row is finite; `check_data` refuses a file made from another data
     set, or from the same one read otherwise, naming both."""
-
-    needs_indices = True
 
     def __init__(self, path: str):
         self.path = path
@@ -166,8 +208,33 @@ class TeacherFile:
         if os.path.getsize(path) != expected:
             raise ConfigError(f"{path}: teacher file is {os.path.getsize(path)} bytes, its header says {expected} "
                               f"({self.size} x {self.dim} float16): truncated or damaged; run scripts.teach again")
-        self.rows = np.memmap(path, dtype="<f2", mode="r", offset=offset, shape=(self.size, self.dim))
+        self.offset = offset
+        self.rows = self._map()
         self._refuse_non_finite_rows()
+
+    def _map(self) -> np.memmap:
+        return np.memmap(self.path, dtype="<f2", mode="r", offset=self.offset, shape=(self.size, self.dim))
+
+    def __getstate__(self) -> dict:  # a worker started by spawn maps the file itself, not a pickled copy
+        return {k: v for k, v in self.__dict__.items() if k != "rows"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.rows = self._map()
+
+    def row(self, index: int) -> torch.Tensor:
+        """Record `index`'s row, D float32: read in a DataLoader worker (the loader's
+        `teacher_rows`), so a batch's rows arrive with its images, pinned, and the training
+        thread makes no random reads and no copy from pageable memory."""
+        return torch.from_numpy(self.rows[int(index)].astype(np.float32))
+
+    @property
+    def teacher_rows(self):
+        return self.row
+
+    def read(self, indices) -> torch.Tensor:
+        """b x D float32 rows of the records `indices`, on the CPU (what the loader's batches hold)."""
+        return torch.stack([self.row(i) for i in np.asarray(indices, dtype=np.int64).reshape(-1)])
 
     def _refuse_non_finite_rows(self) -> None:
         """At start, every row is finite: one sequential read of the file (about 1.5 s per GB on
@@ -209,9 +276,9 @@ class TeacherFile:
                               f"{self.header.get('data')} ({made[1]} records, fingerprint {made[0]}); this run's data "
                               f"{data} has {size} records, fingerprint {fingerprint}: run scripts.teach on {data}")
 
-    def targets(self, images: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        rows = self.rows[np.asarray(indices, dtype=np.int64)]
-        return torch.from_numpy(rows.astype(np.float32)).to(images.device, non_blocking=True)
+    def targets(self, images: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The batch's rows (b x D, read by the loader: `row`, `read`) on the batch's device."""
+        return rows.to(images.device, non_blocking=True)
 
 
 def teacher_statistics(teacher, dataset, samples: int, device: torch.device,
@@ -246,7 +313,16 @@ def teacher_statistics(teacher, dataset, samples: int, device: torch.device,
 
 
 def load_teacher(teacher: str, network: str | None, device: torch.device, precision: str | None = None):
-    """The teacher a config names: a teacher file, or any MODEL the tools take."""
+    """The teacher a config names: a teacher file, or any MODEL the tools take, on the rank's
+    `device`. An `.onnx` model runs in onnxruntime on the host: it serves a CPU run, but on a GPU
+    each step would copy the rank's batch to the host, waiting for the device (and
+    onnxruntime-gpu would open every rank's session on GPU 0), so there it is refused at start
+    in favour of its teacher file."""
     if is_teacher_file(teacher):
         return TeacherFile(teacher)
-    return OnlineTeacher(load_embedder(teacher, network), device, precision)
+    device = torch.device(device)
+    if teacher.lower().endswith(".onnx") and device.type != "cpu":
+        raise ConfigError(f"config teacher {teacher}: an .onnx teacher runs in onnxruntime on the host, not on "
+                          f"{device}; make its teacher file once with `python -m scripts.teach {teacher} DATA "
+                          f"OUT.teacher` (DATA: the run's rec) and train with --teacher OUT.teacher")
+    return OnlineTeacher(load_embedder(teacher, network, device=device), device, precision)

@@ -70,6 +70,9 @@ class DistillLoss:
             student = self.projection(local.float()) if self.projection is not None else local
             return cosine_distill(student, teacher)
         b = local.shape[0]
+        if gathered.shape[0] != b * self.world_size:  # its rows are sliced by rank as if every b were equal
+            raise ValueError(f"relational distillation: {gathered.shape[0]} gathered rows are not "
+                             f"{self.world_size} ranks x this rank's {b}: every rank needs the same batch size")
         rows = gathered[self.rank * b:(self.rank + 1) * b]
         value = relational_distill(rows, gathered, teacher, all_gather_no_grad(teacher.contiguous(), self.group))
         share = 1.0 / self.world_size

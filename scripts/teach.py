@@ -29,7 +29,7 @@ from builders import build_train_dataset
 from configs.base import config as BASE
 from dataset.errors import DataLayoutError
 from dataset.folders import list_images
-from eval.embedder import load_embedder, model_files
+from eval.embedder import load_embedder, model_files, tool_device
 from eval.teacher import FORMAT, OnlineTeacher, data_transform, header_bytes
 from faces.align import ARCFACE_112
 from parallel.user_errors import exits_on_user_error
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     refuse_inputs([args.out], [*model_files(args.teacher), *data_files(args.data)])
     cfg = data_config(args)
     data = build_train_dataset(cfg, train=False, normalize=False)  # as the run reads it, unaugmented
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = tool_device()  # the current GPU where there is one, explicitly
     teacher = OnlineTeacher(load_embedder(args.teacher, args.network), device, made_for=ARCFACE_112)
     header = {"data": os.path.abspath(args.data), "data_fingerprint": data.fingerprint(),
               "transform": data_transform(cfg)}

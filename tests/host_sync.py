@@ -64,3 +64,50 @@ class HostSyncCounter(TorchDispatchMode):
             if any(t is not None and t.dtype == torch.bool for t in indices):
                 self.calls.append(name + "(bool mask)")
         return func(*args, **kwargs)
+
+
+_FROM_HOST_DATA = {"tensor", "as_tensor", "asarray", "new_tensor"}  # seen by a TorchFunctionMode
+_FROM_HOST_MEMORY = ("from_numpy", "frombuffer")  # not dispatched: wrapped while counting
+
+
+class HostDataCounter(TorchFunctionMode):
+    """`with HostDataCounter() as c: ...`; `c.calls` lists each tensor made from host data
+    (Python numbers or lists, numpy arrays, buffers), in order. In a training step each one is
+    a copy from pageable host memory to the device, which waits for the stream: the host
+    stalls behind the queued work, and HostSyncCounter (and CUDA's sync debug mode, which sees
+    only the copies torch itself synchronises) cannot see it. The count on the CPU is the
+    count on a GPU: the same calls build the same tensors. `torch.from_numpy` and
+    `torch.frombuffer` reach no mode, so they are wrapped while the counter is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+        self._saved: dict = {}
+
+    def __enter__(self):
+        for name in _FROM_HOST_MEMORY:
+            self._saved[name] = real = getattr(torch, name)
+            setattr(torch, name, self._counted(name, real))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for name, real in self._saved.items():
+                setattr(torch, name, real)
+            self._saved.clear()
+
+    def _counted(self, name: str, real):
+        def counted(*args, **kwargs):
+            self.calls.append(f"torch.{name}")
+            return real(*args, **kwargs)
+        return counted
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _FROM_HOST_DATA:
+            data = args[1] if name == "new_tensor" else args[0] if args else (kwargs or {}).get("data")
+            if not torch.is_tensor(data):  # a tensor's own copy is no host data
+                self.calls.append(("Tensor." if name == "new_tensor" else "torch.") + name)
+        return func(*args, **(kwargs or {}))

@@ -100,7 +100,7 @@ def test_teacher_file_trains_relational_and_other_data_is_refused(drawn_faces, t
     teacher = OnlineTeacher(load_embedder(teacher_pt, "tiny"), torch.device("cpu"))
     images = _batch(drawn_faces, 3)
     want = torch.nn.functional.normalize(teacher.targets(images, None) + teacher.targets(images.flip(3), None))
-    torch.testing.assert_close(rows.targets(images, torch.arange(3)), want, rtol=0, atol=2e-3)
+    torch.testing.assert_close(rows.targets(images, rows.read(torch.arange(3))), want, rtol=0, atol=2e-3)
 
     out = str(tmp_path / "from_file")
     args = train_argv(drawn_faces, out, "--teacher", own, "--distill_loss", "relational", "--max_steps", "4")

@@ -309,8 +309,11 @@ def test_gpu_benchmark_runs_every_part_at_toy_sizes(kind):
     done = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke"], cwd=ROOT, env=_env(kind),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for title in ("backbone step", "head forward+backward", "head vs fp64 full softmax"):
+    for title in ("backbone step", "head forward+backward", "head vs fp64 full softmax", "distillation step"):
         assert title in done.stdout, done.stdout
+    distill = re.findall(r"\n\s*(\S+)\s+\d+\s+(\d+)\s+(\d+)\s+(\d+\.\d+)\s", done.stdout.split("distillation step")[1])
+    assert [row[0] for row in distill] == ["tiny"] and all(int(r[1]) > 0 and int(r[2]) > 0 for r in distill), \
+        done.stdout  # the plain and the distillation step's samples/s of each backbone
     rows = re.findall(r"\s(ours|pfc_v2)\s+(off|on)\s", done.stdout)  # (head, TF32) of each head row
     assert sorted(rows) == sorted([(h, t) for h in ("ours", "pfc_v2") for t in ("off", "on")] * 2), done.stdout
 

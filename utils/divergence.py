@@ -28,19 +28,34 @@ class TrainingStopped(RuntimeError):
 def check_loss(loss_value: float, step: int, scaler, max_skipped: int = 20, label_errors: int = 0) -> None:
     """Stop on a label outside the classes (`label_errors`: batches the head met with one,
     `PartialFC.take_label_errors()`), a non-finite loss (fp32/bf16) or a loss scaler that
-    keeps skipping (fp16). Every input is identical on every rank, so all ranks stop together."""
+    keeps skipping (fp16). Call on every rank at the same steps: all ranks stop together. The
+    label errors and the scaler's state are the same on every rank; the loss need not be (with
+    distillation each rank's loss holds its own term), so without a scaler the ranks agree,
+    over the CPU group, on whether every rank's loss is finite: a rank stopping alone would
+    leave the others waiting in the next collective until `dist_timeout_min`."""
     if label_errors:
         raise TrainingStopped(f"{label_errors} batch(es) up to step {step} held a label outside the classes "
                               f"(the rank that read it logged the label and its position above): fix the data "
                               f"or num_classes; the last checkpoint was written before it")
     if scaler is None:
-        if not math.isfinite(loss_value):
-            raise TrainingStopped(f"loss is {loss_value} at step {step}: training diverged (or a label "
+        finite = math.isfinite(loss_value)
+        if not _on_every_rank(finite):
+            where = f"is {loss_value}" if not finite else "is not finite on another rank"
+            raise TrainingStopped(f"loss {where} at step {step}: training diverged (or a label "
                                   f"was out of range: see any error above); resume from the last "
                                   f"checkpoint with a lower lr")
     elif scaler.skipped_in_a_row >= max_skipped:
         raise TrainingStopped(f"fp16 loss scaler skipped {scaler.skipped_in_a_row} steps in a row "
                               f"(scale {scaler.scale_value}) at step {step}: gradients stay non-finite")
+
+
+def _on_every_rank(holds: bool) -> bool:
+    """Whether `holds` on every rank (one all-reduce over the CPU group: no device sync)."""
+    if get_world_size() == 1:
+        return holds
+    flag = torch.full((1,), 0.0 if holds else 1.0)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group())
+    return flag.item() == 0.0
 
 
 @torch.no_grad()
