@@ -30,6 +30,21 @@ def train_argv(data_dir: str, output: str, *extra: str) -> list[str]:
             "--lr", "0.05", "--keep_checkpoints", "5", "--output", output, *extra]
 
 
+def shardface_messages(call) -> list[str]:
+    """What `call()` logs through the "shardface" logger, message by message (any level)."""
+    import logging
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("shardface")
+    logger.addHandler(handler)
+    try:
+        call()
+    finally:
+        logger.removeHandler(handler)
+    return [r.getMessage() for r in records]
+
+
 def checkpoint_tensors(path: str) -> dict:
     """Every tensor of a run's last checkpoint (or of the checkpoint `path`) that a resumed run
     must reproduce: backbone, EMA, and the head's rows and momentum in class order."""

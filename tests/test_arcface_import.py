@@ -452,20 +452,12 @@ def test_resume_with_another_config_than_the_checkpoints_names_each_changed_key(
                      "re-spread over 32 steps; lr 0.05 is not rescaled (2 ranks x 8 (checkpoint) -> 2 x 4 (this run))"),
 ])
 def test_resume_on_another_world_size_or_batch_says_what_changes(ranks, batch, said):
-    import logging
+    from tests.conftest import shardface_messages
     from utils.checkpoint_changes import log_resume_changes
     cfg = get_config(None, ["--batch_size", str(batch[1]), "--lr", "0.05"])
     meta = {"world_size": ranks[0], "batch_size": ranks[1], "config": {**cfg, "batch_size": ranks[1]}}
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("shardface")
-    logger.addHandler(handler)
-    try:
-        log_resume_changes(meta, cfg, batch[0], 128 // (batch[0] * batch[1]), 2 * 128 // (batch[0] * batch[1]))
-    finally:
-        logger.removeHandler(handler)
-    assert [r.getMessage() for r in records] == [said]
+    assert shardface_messages(lambda: log_resume_changes(meta, cfg, batch[0], 128 // (batch[0] * batch[1]),
+                                                         2 * 128 // (batch[0] * batch[1]))) == [said]
 
 
 def test_import_into_an_arcface_torch_run_folder_is_refused_and_leaves_it_as_it_was(one_rank, tmp_path, capsys):

@@ -321,11 +321,12 @@ def test_gpu_benchmark_runs_every_part_at_toy_sizes(kind):
 @pytest.mark.parametrize("kind", [CUDA, "cpu"])
 def test_head_profile_splits_gemm_from_the_rest(kind):
     done = subprocess.run([sys.executable, "benchmarks/head_profile.py", "--smoke", "--sweep", "--chunks", "64",
-                           "--row_blocks", "4", "--case", "Glint360K", "WebFace42M"], cwd=ROOT, env=_env(kind),
+                           "--row_blocks", "4", "--case", "WebFace42M"], cwd=ROOT, env=_env(kind),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    # each case: its step, GEMM and non-GEMM times, an op table with the GEMMs marked, a sweep row
+    # its step, GEMM and non-GEMM times, an op table with the GEMMs marked, a sweep row (the
+    # sampled case: Partial FC's path)
     steps = re.findall(r"GEMM (\d+\.\d+) ms, the rest (\d+\.\d+) ms", done.stdout)
-    assert len(steps) == 2 and all(float(g) > 0 and float(r) > 0 for g, r in steps), done.stdout
-    assert len(re.findall(r"\syes\n", done.stdout)) >= 2, done.stdout
-    assert len(re.findall(r"ours 64/4\s", done.stdout)) == 2, done.stdout
+    assert len(steps) == 1 and all(float(g) > 0 and float(r) > 0 for g, r in steps), done.stdout
+    assert len(re.findall(r"\syes\n", done.stdout)) >= 1, done.stdout
+    assert len(re.findall(r"ours 64/4\s", done.stdout)) == 1, done.stdout

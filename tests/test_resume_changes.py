@@ -1,9 +1,8 @@
 """A resume names each changed config key, and says the LR schedule changes only where it does."""
-import logging
-
 import pytest
 
 from configs import get_config
+from tests.conftest import shardface_messages
 from utils.checkpoint_changes import log_resume_changes
 
 
@@ -14,16 +13,7 @@ def _total(cfg, steps_per_epoch: int = 8) -> int:
 
 def _said(saved: dict, cfg, steps_per_epoch: int = 8) -> list[str]:
     meta = {"world_size": 1, "batch_size": cfg.batch_size, "config": {**cfg, **saved}}
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("shardface")
-    logger.addHandler(handler)
-    try:
-        log_resume_changes(meta, cfg, 1, steps_per_epoch, _total(cfg, steps_per_epoch))
-    finally:
-        logger.removeHandler(handler)
-    return [r.getMessage() for r in records]
+    return shardface_messages(lambda: log_resume_changes(meta, cfg, 1, steps_per_epoch, _total(cfg, steps_per_epoch)))
 
 
 @pytest.mark.parametrize("saved,argv,span_changes", [
