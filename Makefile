@@ -23,7 +23,9 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q -m "slow or not slow" tests
 
 # The GPU kit (tests marked gpu, on one GPU): train smoke runs, NCCL, TF32, host syncs, streams.
-test-gpu: $(STAMP)
+# On a GPU machine without internet whose python already has torch: make test-gpu PY=python3 GPU_SETUP=
+GPU_SETUP ?= $(STAMP)
+test-gpu: $(GPU_SETUP)
 	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: no CUDA device here')"
 	$(PY) -m pytest -q -m gpu -rs tests
 

@@ -32,6 +32,7 @@ COMMANDS = {
     "--resume auto": NEEDS_GPU,
     "srun torchrun --nproc_per_node 8 train.py configs/ms1mv3_r50 --resume auto --stop_after_steps 20000": NEEDS_GPU,
     "make test-gpu": NEEDS_GPU,
+    "make test-gpu PY=python3 GPU_SETUP=": NEEDS_GPU,  # its plan without a GPU: test_make_test_gpu_offline_installs_nothing
     "python benchmarks/gpu.py": RUN,  # on a CPU it says so and exits 0
     "python benchmarks/gpu.py --smoke": RUN,
     "python -m scripts.verify work_dirs/ms1mv3_r50 --bin /data/lfw.bin --bin /data/cfp_fp.bin": NEEDS_DATA,
@@ -127,3 +128,16 @@ def test_readme_commands_run_as_typed_after_make_demo(tmp_path):
         if proc.returncode != 0:
             failures.append(f"$ {command}  -> exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-1500:]}")
     assert not failures, "\n\n".join(failures)
+
+
+def test_make_test_gpu_offline_installs_nothing():
+    """On a GPU machine without internet (the lent ones), `make test-gpu PY=python3 GPU_SETUP=`
+    runs the kit with that python: no venv, no pip (make -n -B: the whole plan, nothing run)."""
+    import subprocess
+    plan = subprocess.run(["make", "-n", "-B", "test-gpu", "PY=python3", "GPU_SETUP="], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert plan.returncode == 0, plan.stderr
+    assert "pip" not in plan.stdout and "venv" not in plan.stdout
+    assert "python3 -m pytest -q -m gpu" in plan.stdout
+    default = subprocess.run(["make", "-n", "-B", "test-gpu"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "pip install" in default.stdout  # the usual target still sets up .venv first
