@@ -134,8 +134,8 @@ class Distillation:
         center = mean if cfg.distill_center else None
         self.distill_loss.center = center
         self.constant_loss = constant_student_loss(cfg.distill_loss, centred(sample, center)) if len(sample) else None
-        spread = float(torch.nn.functional.normalize(sample, dim=1).matmul(
-            torch.nn.functional.normalize(mean, dim=0)).mean()) if len(sample) else float("nan")
+        # the sample's targets are unit vectors (teacher_statistics): their mean cosine to the mean direction
+        spread = float(sample.matmul(torch.nn.functional.normalize(mean, dim=0)).mean()) if len(sample) else float("nan")
         if resumed is not None:
             logger.warning("distill_center %s now, but the checkpoint's targets were %s: the targets change from "
                            "this step", "true" if cfg.distill_center else "false",

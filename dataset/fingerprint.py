@@ -40,6 +40,13 @@ def recordio_fingerprint(reader, keys: list[int]) -> str:
                    " ".join(f"{k}:{reader.index[k]}" for k in ends), h.hexdigest())
 
 
+def file_ends(fd: int, size: int, block: int) -> bytes:
+    """The first `block` bytes of the open file `fd` of `size` bytes and, past them, its last
+    `block` (the whole of a file up to two blocks long): what content keys hash."""
+    head = os.pread(fd, block, 0)
+    return head + (os.pread(fd, block, max(block, size - block)) if size > block else b"")
+
+
 def folder_fingerprint(paths: list[str]) -> str:
     """`paths`: every image (`root/identity/file`), in dataset order."""
     h = hashlib.sha256()
@@ -49,9 +56,7 @@ def folder_fingerprint(paths: list[str]) -> str:
             try:
                 size = os.fstat(fd).st_size
                 h.update(f"{'/'.join(path.split(os.sep)[-2:])}\0{size}\0".encode("utf-8", "surrogateescape"))
-                h.update(os.pread(fd, _BLOCK, 0))
-                if size > _BLOCK:  # the rest of a file up to 2 blocks long, else its last block
-                    h.update(os.pread(fd, _BLOCK, max(_BLOCK, size - _BLOCK)))
+                h.update(file_ends(fd, size, _BLOCK))
             finally:
                 os.close(fd)
         except OSError as exc:

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from dataset import DataError
+from dataset.fingerprint import file_ends
 from dataset.folders import hidden, not_regular, walk_images, warn_hidden
 from dataset.images import IMAGE_EXTENSIONS, decode_chw, image_size
 from eval.embedder import embed_uint8
@@ -210,18 +211,15 @@ def _model_key(name: str) -> str:
     return os.path.realpath(name) if os.path.exists(name) else name
 
 
-def content_key(path: str) -> str:
-    """A hash of the file's size and its first and last HASH_BLOCK bytes (the whole of a file
+def content_key(path: str) -> tuple[int, str]:
+    """(size, a hash of the size and the first and last HASH_BLOCK bytes: the whole of a file
     up to twice that): the cache's key for an image, whatever its mtime says."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        digest.update(str(size).encode())
-        digest.update(f.read(HASH_BLOCK))
-        if size > HASH_BLOCK:
-            f.seek(max(HASH_BLOCK, size - HASH_BLOCK))
-            digest.update(f.read(HASH_BLOCK))
-    return digest.hexdigest()[:32]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        return size, hashlib.sha256(str(size).encode() + file_ends(fd, size, HASH_BLOCK)).hexdigest()[:32]
+    finally:
+        os.close(fd)
 
 
 def check_cache(path: str) -> None:
@@ -376,7 +374,7 @@ def enrol(folder: str, embedder, align: bool = False, cache: str | None = None, 
         known.update(_resume(parts, header, width or model_width(embedder)))
 
     listing = [(rel, os.path.join(folder, rel)) for _, files in people for rel in files]
-    keys = [(rel, os.path.getsize(path), content_key(path)) for rel, path in listing]
+    keys = [(rel, *content_key(path)) for rel, path in listing]
     pending = [k for k in keys if k not in known]
     for rel, _, _ in pending:  # every header before the first embedding
         check_image(os.path.join(folder, rel), embedder.template, align)

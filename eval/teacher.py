@@ -27,11 +27,14 @@ import struct
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from configs.errors import ConfigError
+from dataset import normalize_images
 from eval.embedder import Embedder, OnnxBackbone, load_embedder
 from faces.align import ARCFACE_112, Template
+from parallel.dist import get_rank, get_world_size
 
 MAGIC = b"SHARDFACE-TEACHER\n"
 ALIGN = 64
@@ -287,10 +290,6 @@ def teacher_statistics(teacher, dataset, samples: int, device: torch.device,
     on `device`: a teacher file's mean over all its rows (read when it was opened); an
     on-the-fly teacher's over `samples` records spread evenly over `dataset`, each rank
     embedding its 1/W of them (one all-reduce; the sample returned is the rank's own)."""
-    import torch.distributed as dist
-
-    from dataset import normalize_images
-    from parallel.dist import get_rank, get_world_size
     n = len(dataset)
     index = np.unique(np.linspace(0, n - 1, max(1, min(n, samples))).round().astype(np.int64))
     if isinstance(teacher, TeacherFile):

@@ -102,6 +102,12 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _fsync_dirs(paths: list[str]) -> None:
+    """fsync each folder holding one of `paths`, once."""
+    for folder in dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in paths):
+        fsync_dir(folder)
+
+
 def _fsync_file(path: str) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
@@ -143,13 +149,6 @@ def _dead_backups(paths: list[str]) -> dict[int, dict[str, str]]:
     return found
 
 
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
 def _restore(paths: list[str], backups: dict[str, str]) -> None:
     """Put the earlier set back: each backed-up file onto its name (the key last); a file of
     the set that had no backup (new with this set) is removed."""
@@ -171,7 +170,7 @@ def recover_set(paths: list[str]) -> bool:
     the key is missing the swap was cut short, and the earlier set is put back (True); where
     the key is the earlier one or a new one, the set is whole and the backups are removed."""
     restored = False
-    for pid, backups in sorted(_dead_backups(paths).items()):
+    for _, backups in sorted(_dead_backups(paths).items()):
         key = paths[-1]
         if not os.path.lexists(key) and not restored:
             _restore(paths, backups)
@@ -180,8 +179,7 @@ def recover_set(paths: list[str]) -> bool:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(backup)
     if restored:
-        for folder in dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in paths):
-            fsync_dir(folder)
+        _fsync_dirs(paths)
     return restored
 
 
@@ -207,8 +205,7 @@ def publishing_set(paths: list[str]) -> Iterator[list[str]]:
                 except OSError:  # a file system without hard links: no journal (the key still goes last)
                     continue
                 backups[path] = backup_path(path)
-        for folder in dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in paths):
-            fsync_dir(folder)
+        _fsync_dirs(paths)
         *others, key = paths
         try:
             with contextlib.suppress(FileNotFoundError):
@@ -227,8 +224,7 @@ def publishing_set(paths: list[str]) -> Iterator[list[str]]:
         for tmp in temps:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
-    for folder in dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in paths):
-        fsync_dir(folder)
+    _fsync_dirs(paths)
 
 
 _RENAME_EXCHANGE = 2  # linux/fs.h
@@ -242,9 +238,7 @@ def _exchange(a: str, b: str) -> bool:
     except (AttributeError, OSError):
         return False
     at_cwd = -100
-    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    return False
+    return renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE) == 0
 
 
 def recover_dir(path: str) -> bool:
