@@ -10,13 +10,14 @@ from torch import nn
 from backbones import get_model
 from configs.errors import ConfigError
 from dataset import build_dataset
-from eval.teacher import TeacherFile, data_transform, load_teacher, teacher_statistics
-from eval.weights import init_backbone_from
+from distill.teacher import load_teacher, teacher_statistics
+from distill.teacher_file import TeacherFile, data_transform
+from infer.weights import init_backbone_from
 from faces.folder_dataset import build_aligned_dataset
 from heads import PartialFC, SampledRowsOptimizer
-from heads.distill import DistillLoss, attach_projection
+from distill.head import DistillLoss, attach_projection
 from losses import build_margin
-from losses.distill import DISTILL_LOSSES, centred, constant_student_loss
+from distill.losses import DISTILL_LOSSES, centred, constant_student_loss
 from parallel.ddp import DDPOptimizer
 from parallel.zero import Zero2Optimizer
 from utils.checkpoint import find_checkpoint
@@ -123,7 +124,7 @@ class Distillation:
     def prepare(self, cfg, dataset, device, resumed: dict | None) -> None:
         """Before the first step: the centre of the teacher's targets (`distill_center`), the
         checkpoint's when resuming one that has it (so a resume keeps it), else measured
-        (eval.teacher.teacher_statistics); and the loss a constant student would get."""
+        (distill.teacher.teacher_statistics); and the loss a constant student would get."""
         saved = (resumed or {}).get("distill")
         if saved is not None and bool(saved.get("center") is not None) == bool(cfg.distill_center):
             center = saved["center"]
@@ -190,7 +191,7 @@ class Distillation:
 def build_distillation(cfg, backbone: nn.Module, device) -> Distillation | None:
     """None without `cfg.teacher`. Otherwise the teacher (checked at start: it runs on its
     input and gives N x D), and for the cosine loss with D_t != embedding_size a projection
-    registered on the backbone (heads.distill.attach_projection): call before
+    registered on the backbone (distill.head.attach_projection): call before
     build_data_parallel, after init_backbone."""
     if not cfg.teacher:
         return None

@@ -118,8 +118,8 @@ def teacher_memory(cfg) -> dict[str, float]:
         return {}
     import os
 
-    from eval.teacher import TeacherFile, is_teacher_file
-    from eval.weights import load_backbone_state
+    from distill.teacher_file import TeacherFile, is_teacher_file
+    from infer.weights import load_backbone_state
     if is_teacher_file(cfg.teacher):
         return {"teacher targets": cfg.batch_size * TeacherFile(cfg.teacher).dim * F32}
     if cfg.teacher.lower().endswith(".onnx"):  # onnxruntime's weights; its activations are not modelled

@@ -38,7 +38,7 @@ import common  # noqa: F401,I001
 import torch
 
 from dataset.drawn_faces import identity_images
-from eval.embedder import load_model
+from infer.model import load_module
 from eval.verification import load_bin, test, write_bin
 from scripts.make_drawn_faces import verification_pairs
 
@@ -85,7 +85,7 @@ def common_heldout(path: str, tiny: bool) -> None:
 
 
 def accuracy(run: str, val: str) -> float:
-    return test(load_bin(val), load_model(run), 64).accuracy_flip
+    return test(load_bin(val), load_module(run), 64).accuracy_flip
 
 
 def train_all(args, work: str) -> None:

@@ -37,11 +37,11 @@ def main() -> None:
     args = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
-    from eval.embedder import load_embedder
+    from infer.model import load_model
     from eval.verification import embed
     chips = torch.randint(0, 256, (args.images, 3, 150, 150), dtype=torch.uint8,
                           generator=torch.Generator().manual_seed(0))
-    embedder = load_embedder("dlib")
+    embedder = load_model("dlib")
     rows = []
     for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
         module = embedder.module.to(device)
@@ -54,7 +54,7 @@ def main() -> None:
         rows.append((f"torch port ({device}, batch {args.batch})", _rate(ours, args.images, args.rounds)))
     try:
         import dlib
-        from eval.weights import DLIB_FILE
+        from infer.weights import DLIB_FILE
         from faces.models import model_file
         net = dlib.face_recognition_model_v1(model_file(DLIB_FILE))
         hwc = [np.ascontiguousarray(c.permute(1, 2, 0).numpy()) for c in chips]

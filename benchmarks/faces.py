@@ -75,7 +75,7 @@ def redetected_eye_error(crop: Image.Image) -> float | None:
     faces = detect_faces(big, upsample=0, landmarks="68")
     if not faces:
         return None
-    eyes = faces[0].landmarks[:2] / 4 + 0.375  # pixel centres of the 4x image back at 112
+    eyes = faces[0].points[:2] / 4 + 0.375  # pixel centres of the 4x image back at 112
     return float(np.linalg.norm(eyes - ARCFACE_112.points[:2], axis=1).mean())
 
 

@@ -14,7 +14,7 @@ against PFC v2, and the head's accuracy with TF32 against an fp64 full softmax.
    after sampling, without the sampling's own cost). Each in full fp32 and with TF32.
 3. accuracy: relative errors of the head's loss and gradients against float64, TF32 off/on.
 4. distillation: samples/s of the backbone step of 1. with an on-the-fly teacher (the same
-   network, frozen, its weights cast to fp16 once: eval/teacher.py) and the cosine loss as
+   network, frozen, its weights cast to fp16 once: distill/teacher.py) and the cosine loss as
    its only loss, beside the plain step's.
 
 Run from the repository root: `.venv/bin/python benchmarks/gpu.py`. On a machine without
@@ -101,11 +101,11 @@ def backbone_throughput(name: str, device: torch.device, sizes: Sizes, warmup: i
     images = torch.randn(batch, 3, 112, 112, device=device)
     loss_of = lambda: model(images).float().square().mean()  # noqa: E731
     if distill:
-        from eval.embedder import Embedder
-        from eval.teacher import OnlineTeacher
+        from infer.model import Model
+        from distill.teacher import OnlineTeacher
         from faces.align import ARCFACE_112
-        from heads.distill import DistillLoss
-        teacher = OnlineTeacher(Embedder(get_model(name, num_features=D).eval(), ARCFACE_112, name, ""), device,
+        from distill.head import DistillLoss
+        teacher = OnlineTeacher(Model(get_model(name, num_features=D).eval(), ARCFACE_112, name, ""), device,
                                 "fp16" if fp16 else None)
         cosine = DistillLoss("cosine", 1.0)
         loss_of = lambda: cosine(None, model(images), None, teacher.targets(images, None))  # noqa: E731

@@ -1,4 +1,4 @@
-"""Exact 1:N search: ours (eval.search.ExactIndex, float32 and float16 storage) against faiss-cpu's
+"""Exact 1:N search: ours (infer.search.ExactIndex, float32 and float16 storage) against faiss-cpu's
 IndexFlatIP on a gallery of --size x --dim random unit vectors, --queries queries at once, top --k.
 
 Each engine runs in its own process (so its memory is its own): the gallery is generated and
@@ -31,7 +31,7 @@ def _run(engine: str, size: int, dim: int, queries: int, k: int, repeat: int, th
     import faiss
     import torch
 
-    from eval.search import make_index
+    from infer.search import make_index
     torch.set_num_threads(threads)
     faiss.omp_set_num_threads(threads)
     rng = np.random.default_rng(0)

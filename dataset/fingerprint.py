@@ -8,7 +8,7 @@ for WebFace42M's 42M keys: the .rec is not read through). Folders: for every ima
 its relative path as `identity/file`, its size and its first and last `_BLOCK` bytes, so the
 same names holding other people's photos differ (two small reads per file, which the check at
 start has just read: about 2 s per 100k images on 2 cores). Neither depends on where the set lies:
-a moved copy resumes where it stopped. A teacher file (eval/teacher.py) records it too.
+a moved copy resumes where it stopped. A teacher file (distill/teacher.py) records it too.
 """
 from __future__ import annotations
 

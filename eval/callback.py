@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from eval.thresholds import THRESHOLD_FILE, threshold_at_far
+from infer.thresholds import THRESHOLD_FILE, threshold_at_far
 from eval.verification import NFOLDS, VerificationDataError, bin_path, l2_normalize, load_bin, test
 from parallel.dist import barrier
 from utils.checkpoint import atomic_write_text
@@ -21,7 +21,7 @@ class VerificationCallback:
     as well when there is one. Every rank constructs and calls it at the same steps
     (gathering the EMA model is collective); every rank checks that the sets exist, only rank 0
     (`is_main`) loads them and evaluates, the others wait for it. With `output`, the cosine
-    threshold at a stated FAR on the first set (eval.thresholds.threshold_at_far, flip-fused
+    threshold at a stated FAR on the first set (infer.thresholds.threshold_at_far, flip-fused
     embeddings as the tools make them) is saved there as threshold.json, for the raw weights and
     the EMA's, with the step: the run's own threshold, which the tools and export_onnx take."""
 

@@ -3,7 +3,7 @@ definitions, Maze et al. 2018; NIST FRVT 1:N):
 
 - a *mated* probe has its identity in the gallery; its rank is the place of its best-placed
   mate in the probe's sorted candidate list (0 = first; equal scores go to the lower gallery
-  index first, as eval.search orders them);
+  index first, as infer.search orders them);
 - closed set: rank-k accuracy = the fraction of mated probes whose rank is below k; the CMC
   curve is rank-k accuracy for k = 1, 2, ...;
 - open set at a threshold t (a candidate is returned when its score is >= t):

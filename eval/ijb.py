@@ -18,7 +18,7 @@ import torch
 from PIL import Image, ImageDraw
 from sklearn.metrics import roc_curve
 
-from eval.verification import embed_batches
+from infer.embed import embed_batches
 from faces.align import ARCFACE_112, align
 from utils.atomic import publishing
 

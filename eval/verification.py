@@ -12,14 +12,15 @@ import io
 import os
 import pickle
 from dataclasses import dataclass
-from typing import Iterable
-
 import numpy as np
 import torch
 from PIL import Image
 
 from dataset.errors import DataError
-from dataset.images import normalize_images, to_rgb
+from dataset.images import to_rgb
+from faces.align import ARCFACE_112
+from infer.embed import embed, l2_normalize
+from infer.model import as_model
 from utils.atomic import publishing
 
 
@@ -168,29 +169,6 @@ def evaluate(embeddings, actual_issame, nrof_folds: int = 10):
     return tpr, fpr, accuracy, val, val_std, far
 
 
-def l2_normalize(x: np.ndarray) -> np.ndarray:
-    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
-
-
-@torch.no_grad()
-def embed_batches(batches: Iterable[torch.Tensor], backbone: torch.nn.Module) -> np.ndarray:
-    """Embeddings of batches of uint8 images (normalised to [-1, 1] here) in eval mode on the
-    backbone's device; the backbone's train/eval mode is restored afterwards."""
-    device = next(backbone.parameters()).device
-    was_training = backbone.training
-    backbone.eval()
-    try:
-        out = [backbone(normalize_images(batch.to(device))).float().cpu() for batch in batches]
-    finally:
-        backbone.train(was_training)
-    return torch.cat(out).numpy()
-
-
-def embed(images: torch.Tensor, backbone: torch.nn.Module, batch_size: int) -> np.ndarray:
-    """Embeddings of a uint8 image tensor; the result does not depend on batch_size."""
-    return embed_batches(images.split(batch_size), backbone)
-
-
 @dataclass(frozen=True)
 class VerificationResult:
     accuracy: float         # 10-fold accuracy with the images alone
@@ -215,3 +193,18 @@ def test(data_set, backbone: torch.nn.Module, batch_size: int, nfolds: int = NFO
 
 def bin_path(val_dir: str, name: str) -> str:
     return os.path.join(val_dir, name if name.endswith(".bin") else f"{name}.bin")
+
+
+def best_threshold(data_set, model, batch_size: int = 64, flip: bool = True) -> tuple[float, float]:
+    """(cosine threshold, accuracy): the threshold that best separates a verification set's
+    pairs (as `load_bin` returns it: insightface 112x112 crops, re-framed onto the template of
+    `model`, an infer Model or a bare 112x112 module), with flip-fused embeddings unless
+    flip=False; `cos >= threshold` is "same"."""
+    (images, _), issame = data_set
+    emb = as_model(model).embed_crops(images, ARCFACE_112, flip, batch_size).astype(np.float64)
+    cos = np.sum(emb[0::2] * emb[1::2], axis=1)
+    same = np.asarray(issame, dtype=bool)
+    candidates = np.unique(cos)
+    accuracy = [np.mean((cos >= t) == same) for t in candidates]
+    best = int(np.argmax(accuracy))
+    return float(candidates[best]), float(accuracy[best])

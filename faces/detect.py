@@ -27,12 +27,15 @@ MAX_SIDE = 1600
 
 @dataclass(frozen=True)
 class Face:
-    """One face: `box` (x0, y0, x1, y1) in photo pixels, `landmarks` 5 x 2 (x, y) in insightface's
+    """One face: `box` (x0, y0, x1, y1) in photo pixels, `points` 5 x 2 (x, y) in insightface's
     order (left eye, right eye, nose tip, left mouth corner, right mouth corner, "left" being the
-    photo's left), `score` the detector's confidence (HOG: SVM margin, MMOD: CNN score; > 0 kept)."""
+    photo's left), `score` the detector's confidence (HOG: SVM margin, MMOD: CNN score; > 0 kept),
+    `shape` dlib's own landmarks in its predictor's order (5 or 68 x 2), from which dlib cuts its
+    face chip (faces.dlib_chip)."""
     box: tuple[float, float, float, float]
-    landmarks: np.ndarray
+    points: np.ndarray
     score: float
+    shape: np.ndarray | None = None
 
     @property
     def area(self) -> float:
@@ -102,7 +105,7 @@ def detect_faces(img: Image.Image | np.ndarray, detector: str = "hog", upsample:
         rect = dlib.rectangle(*(int(round(v)) for v in box))
         shape = predictor(pixels, rect)
         parts = np.array([(p.x, p.y) for p in shape.parts()], np.float64)
-        faces.append(Face(box, derive(parts), score))
+        faces.append(Face(box, derive(parts), score, parts))
     return sorted(faces, key=lambda f: (-f.area, -f.score))
 
 
@@ -119,4 +122,4 @@ def aligned_faces(photo: str | Image.Image, template: Template, detector: str = 
     first; [] when none is found."""
     img = open_photo(photo) if isinstance(photo, str) else to_rgb(photo)
     faces = detect_faces(img, detector, upsample, landmarks, min_score, max_side)
-    return [(face, align(img, face.landmarks, template)) for face in faces]
+    return [(face, align(img, face.points, template)) for face in faces]

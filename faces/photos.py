@@ -118,7 +118,7 @@ def usable(found: Found, strict: bool) -> dict[str, Face]:
 
 
 def aligned_image(path: str, face: Face, template: Template) -> Image.Image:
-    return align(load_photo(path), face.landmarks, template)
+    return align(load_photo(path), face.points, template)
 
 
 def aligned_png(path: str, face: Face, template: Template) -> bytes:

@@ -169,7 +169,7 @@ class PartialFC(nn.Module):
     def gather(self, local_embeddings: torch.Tensor) -> torch.Tensor:
         """The global batch's raw embeddings, as forward gathers them (backward: the gradient of
         every rank's rows summed and scaled by W). Another loss over the global batch
-        (heads/distill.py) passes the result to forward as `gathered`: one all-gather serves both."""
+        (distill/head.py) passes the result to forward as `gathered`: one all-gather serves both."""
         return all_gather_rows(local_embeddings, self.group, grad_scale=float(self.world_size))
 
     def forward(self, local_embeddings: torch.Tensor, local_labels: torch.Tensor,

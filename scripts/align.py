@@ -32,7 +32,7 @@ from faces.detect import check_available
 from faces.photos import Detection, load_photo, no_face_message
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from scripts.face_options import add_detection_options, detection_from
+from scripts.options import add_detection_options, detection_from
 from utils.atomic import OutputError, check_output_dir, publishing_dir
 from utils.progress import Progress
 
@@ -73,7 +73,7 @@ def report_row(photo: str, count: int, number: int | None, crop: str, face=None)
     if face is None:
         return [photo, count] + [""] * (len(COLUMNS) - 2)
     return [photo, count, number, crop, f"{face.score:.4f}"] + [f"{v:.1f}" for v in face.box] + \
-        [f"{v:.2f}" for v in face.landmarks.ravel()]
+        [f"{v:.2f}" for v in face.points.ravel()]
 
 
 def align_into(src: str, photos: list[str], out: str, detection: Detection, side: int, largest_only: bool,
@@ -101,7 +101,7 @@ def align_into(src: str, photos: list[str], out: str, detection: Detection, side
                         raise RuntimeError(f"align: two faces named {crop}")
                     crops.add(crop)
                     os.makedirs(os.path.dirname(os.path.join(out, crop)) or out, exist_ok=True)
-                    align(img, face.landmarks, template).save(os.path.join(out, crop))
+                    align(img, face.points, template).save(os.path.join(out, crop))
                     written += 1
                 report.writerow(report_row(photo, len(faces), number, crop, face))
             progress.update()

@@ -6,7 +6,7 @@ Embeddings as scripts.embed makes them (flip test, L2-normalised). --threshold-f
 verification set (a .bin, e.g. from scripts.make_bin) and takes the cosine threshold that
 separates its pairs best, printing it and its accuracy on those same pairs (the best-threshold
 accuracy, fitted to them: usually above the 10-fold accuracy scripts.verify reports).
-Without either, the MODEL's own threshold decides (eval/thresholds.py: dlib's distance 0.6; a
+Without either, the MODEL's own threshold decides (infer/thresholds.py: dlib's distance 0.6; a
 trained run's, at a stated FAR on its validation set, saved by training and carried by export_onnx);
 the threshold used and where it came from are printed.
 With --align the two images are photos: the largest face of each is aligned to the model's
@@ -22,20 +22,20 @@ import sys
 
 import numpy as np
 
-from eval.embedder import best_threshold, embed_files, load_embedder
-from eval.thresholds import chosen_threshold
-from eval.verification import load_bin
 from dataset import DataError
+from eval.verification import best_threshold, load_bin
 from faces.photos import find_faces, no_face_message
+from infer.photos import embed_files
+from infer.thresholds import chosen_threshold
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from scripts.face_options import add_align_options, detection_from
+from scripts.options import add_align_options, add_model_options, face_detection, model_from
 
 
 @exits_on_user_error
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("model", help="run output, checkpoint dir, model.pt (ShardFace or arcface_torch), .onnx or dlib")
+    add_model_options(p)
     p.add_argument("image_a", help="the first face image (aligned: 112x112; dlib 150x150 chips)")
     p.add_argument("image_b", help="the second face image")
     how = p.add_mutually_exclusive_group()
@@ -44,14 +44,12 @@ def main(argv=None) -> int:
                           "(default: the MODEL's own; dlib: its distance 0.6)")
     how.add_argument("--threshold_from", default=None, metavar="BIN",
                      help="a verification .bin: use the threshold that separates its pairs best")
-    p.add_argument("--network", default=None, help="backbone name for an arcface_torch model.pt")
-    p.add_argument("--no_ema", action="store_true", help="the raw weights, not the EMA")
     p.add_argument("--resize", action="store_true", help="resize images that are not the model's crop size (not alignment)")
     add_align_options(p, "the two images", strict=False)  # a photo without a face is always refused
     args = p.parse_args(argv)
     threshold = chosen_threshold(args.threshold, None, args.model)  # a threshold that is no cosine: refused at start
-    detection = detection_from(args) if args.align else None
-    model = load_embedder(args.model, args.network, ema=not args.no_ema)
+    detection = face_detection(args)
+    model = model_from(args, detection)
     threshold = threshold or model.threshold
     pair = [args.image_a, args.image_b]
     faces = None
@@ -62,10 +60,10 @@ def main(argv=None) -> int:
         if found.several_faces():
             print(found.several_faces())
         faces = found.largest()
-    a, b = embed_files(pair, model, resize=args.resize, faces=faces)
+    a, b = embed_files(pair, model, args.batch_size, resize=args.resize, faces=faces)
     if args.threshold_from:
         pairs = load_bin(args.threshold_from)
-        threshold = chosen_threshold(None, (*best_threshold(pairs, model), args.threshold_from, len(pairs[1])),
+        threshold = chosen_threshold(None, (*best_threshold(pairs, model, args.batch_size), args.threshold_from, len(pairs[1])),
                                      args.model)
     cosine = float(np.dot(a.astype(np.float64), b.astype(np.float64)))
     print(f"cosine similarity {cosine:.4f}")

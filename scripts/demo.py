@@ -20,7 +20,7 @@ import torch
 from backbones import get_model
 from configs import get_config
 from eval.verification import load_bin, test
-from eval.weights import load_backbone
+from infer.weights import load_backbone
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 

@@ -26,7 +26,7 @@ from easydict import EasyDict
 
 from builders import build_train_dataset
 from configs.base import config as BASE
-from eval.weights import load_backbone
+from infer.weights import load_backbone
 from losses.subcenter import dominant_subcenters, drop_subcenters, far_from_dominant
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser

@@ -25,11 +25,12 @@ import sys
 import numpy as np
 
 from dataset import DataError
-from eval.embedder import embed_files, image_files, load_embedder, model_files
+from infer.model import model_files
+from infer.photos import embed_files, image_files
 from faces.photos import find_faces, usable
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from scripts.face_options import add_align_options, detection_from
+from scripts.options import add_align_options, add_model_options, face_detection, model_from
 from utils.atomic import OutputError, check_output_file, publishing_set, refuse_inputs
 from utils.progress import Progress
 
@@ -39,14 +40,10 @@ logger = logging.getLogger("shardface")
 @exits_on_user_error
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("model", help="run output, checkpoint dir, model.pt (ShardFace or arcface_torch), .onnx or dlib")
+    add_model_options(p)
     p.add_argument("inputs", nargs="+", help="image files and folders")
     p.add_argument("--out", required=True, help="the .npy file to write; the file list goes beside it (.txt)")
-    p.add_argument("--network", default=None, help="backbone name for an arcface_torch model.pt "
-                                                   "(default: from the training config)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT.npy and its .txt")
-    p.add_argument("--batch_size", type=int, default=64, help="images per forward pass")
-    p.add_argument("--no_ema", action="store_true", help="the raw weights, not the EMA")
     p.add_argument("--resize", action="store_true",
                    help="resize images that are not the model's crop size (112x112; dlib 150x150) instead of "
                         "refusing them (resizing is not alignment; see README 'Your own images')")
@@ -66,15 +63,15 @@ def main(argv=None) -> int:
         raise DataError(f"{broken!r}: a file name with a line break cannot be listed one per line in "
                         f"{listing}; rename it")
     refuse_inputs([out, listing], [*paths, *model_files(args.model)])
-    detection = detection_from(args) if args.align else None
-    embedder = load_embedder(args.model, args.network, ema=not args.no_ema)
+    detection = face_detection(args)
+    model = model_from(args, detection)
     if args.align:
         found = find_faces(paths, detection, Progress(len(paths), "finding faces").update)
         faces = usable(found, args.strict)
         if found.several_faces():
             logger.warning("%s", found.several_faces())
         paths = [path for path in paths if path in faces]
-    embeddings = embed_files(paths, embedder, args.batch_size, args.resize, flip=not args.no_flip,
+    embeddings = embed_files(paths, model, args.batch_size, args.resize, flip=not args.no_flip,
                              faces=faces if args.align else None)  # a batch of crops at a time
     # one set, the listing published last: an emb.npy without its emb.txt is an interrupted run
     with publishing_set([out, listing]) as (tmp_out, tmp_listing):

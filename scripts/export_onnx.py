@@ -21,12 +21,13 @@ import warnings
 import numpy as np
 import torch
 
-from eval.embedder import TEMPLATE_KEY, OnnxBackbone, load_embedder, model_files, template_json
-from eval.thresholds import THRESHOLD_KEY
-from eval.weights import DLIB
 from faces.align import ARCFACE_112, Template
+from infer.model import model_files, model_kind
+from infer.onnx import TEMPLATE_KEY, template_json
+from infer.thresholds import THRESHOLD_KEY
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
+from scripts.options import add_model_options, model_from
 from utils.atomic import check_output_file, publishing, refuse_inputs
 from utils.checkpoint import CheckpointError
 
@@ -34,7 +35,7 @@ from utils.checkpoint import CheckpointError
 def export(model: torch.nn.Module, output: str, opset: int = 17, template: Template = ARCFACE_112,
            parity: bool = False, threshold: dict | None = None) -> None:
     """Write `model` to `output` with its crop template in the metadata, and the run's own
-    threshold where it has one (eval.thresholds: THRESHOLD_KEY), published atomically
+    threshold where it has one (infer.thresholds: THRESHOLD_KEY), published atomically
     (utils.atomic): with `parity`, the file is checked against torch (`check_parity`) before it
     replaces anything."""
     import onnx
@@ -105,20 +106,19 @@ def output_path(checkpoint: str, output: str | None) -> str:
 @exits_on_user_error
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__)
-    p.add_argument("checkpoint", help="run output, checkpoint dir, our model.pt, insightface model.pt or dlib")
+    add_model_options(p, batch_size=None)
     p.add_argument("output", nargs="?", default=None,
                    help="the .onnx file, or a directory for model.onnx (default: model.onnx in the run's directory)")
-    p.add_argument("--network", default=None, help="backbone name (default: from the training config)")
-    p.add_argument("--no_ema", action="store_true", help="export the raw weights, not the EMA")
     p.add_argument("--opset", type=int, default=17, help="ONNX opset version (default 17)")
     args = p.parse_args(argv)
-    if args.checkpoint == DLIB and args.output is None:
+    kind = model_kind(args.model)
+    if kind == "dlib" and args.output is None:
         raise CheckpointError("dlib has no run directory to export into: pass OUT (e.g. dlib.onnx)")
-    output = output_path(args.checkpoint, args.output)
-    refuse_inputs([output], model_files(args.checkpoint))
-    embedder = load_embedder(args.checkpoint, args.network, ema=not args.no_ema)
-    if isinstance(embedder.module, OnnxBackbone):
-        raise CheckpointError(f"{args.checkpoint}: already an ONNX model")
+    if kind == "onnx":
+        raise CheckpointError(f"{args.model}: already an ONNX model")
+    output = output_path(args.model, args.output)
+    refuse_inputs([output], model_files(args.model))
+    embedder = model_from(args)
     model = embedder.module.cpu()
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     check_output_file(output)

@@ -3,11 +3,11 @@
 `python -m scripts.identify MODEL --gallery DIR [--align] [--top K] [--threshold T | --threshold-from VAL.bin] QUERY...`
 
 The gallery is one folder per person; each person is scored by the mean template of their
-images (eval/gallery.py). The enrolment is cached in DIR/.shardface_gallery.npz and updated
+images (infer/enrolment.py). The enrolment is cached in DIR/.shardface_gallery.npz and updated
 when images are added, changed or removed; a gallery file of another MODEL is refused
 (--rebuild replaces it). One line per face of each query: the file, the face (index and box),
 the best person and their cosine score, or `unknown` when the score is below the threshold.
-The threshold used and where it came from are printed first (eval/thresholds.py): --threshold,
+The threshold used and where it came from are printed first (infer/thresholds.py): --threshold,
 --threshold_from, or the MODEL's own (dlib's distance 0.6; a trained run's, at a stated FAR on
 its validation set, saved by training and carried by export_onnx); a MODEL with none names no one."""
 from __future__ import annotations
@@ -22,34 +22,15 @@ import sys
 
 import numpy as np
 
-from eval.embedder import best_threshold, image_files, load_embedder
-from eval.gallery import (GalleryError, check_cache, check_image, default_cache, enrol, identify, photo_faces,
-                          refuse_faceless)
-from eval.search import ENGINES
-from eval.thresholds import chosen_threshold, no_threshold
-from eval.verification import load_bin
-from faces.detect import check_available
+from eval.verification import best_threshold, load_bin
+from infer.enrolment import (GalleryError, check_cache, check_image, default_cache, enrol, identify, photo_faces,
+                             refuse_faceless)
+from infer.photos import image_files
+from infer.search import ENGINES
+from infer.thresholds import chosen_threshold, no_threshold
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from scripts.face_options import add_align_options, detection_from
-
-
-def add_model_args(p: ArgumentParser, what: str = "the gallery and query images") -> None:
-    """MODEL, its weights, the batch size and the face options (scripts.face_options) of `what`."""
-    p.add_argument("model", help="run output, checkpoint dir, model.pt (ShardFace or arcface_torch), .onnx or dlib")
-    p.add_argument("--network", default=None, help="backbone name for an arcface_torch model.pt")
-    p.add_argument("--no_ema", action="store_true", help="the raw weights, not the EMA")
-    add_align_options(p, what)
-    p.add_argument("--batch_size", type=int, default=64, help="face crops per forward pass")
-
-
-def face_detection(args):
-    """The Detection the face options ask for (their values checked, and with --align the dlib
-    models loaded), before any work."""
-    detection = detection_from(args)
-    if args.align:
-        check_available(detection.detector, detection.landmarks)
-    return detection
+from scripts.options import add_align_options, add_model_options, face_detection, model_from
 
 
 def query_files(inputs: list[str], template, align: bool) -> list[str]:
@@ -90,7 +71,8 @@ def format_row(row: dict, threshold, top: int) -> str:
 @exits_on_user_error
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_args(p)
+    add_model_options(p)
+    add_align_options(p, "the gallery and query images")
     p.add_argument("queries", nargs="+", help="query photos or folders of them")
     p.add_argument("--gallery", required=True, help="folder with one folder of images per person")
     p.add_argument("--top", type=int, default=1, help="candidates to list per face (default 1)")
@@ -114,7 +96,7 @@ def main(argv=None) -> int:
     detection = face_detection(args)
     cache = args.cache or default_cache(args.gallery, ema=not args.no_ema)
     check_cache(cache)
-    embedder = load_embedder(args.model, args.network, ema=not args.no_ema)
+    embedder = model_from(args, detection)
     chosen = chosen_threshold(args.threshold, None, args.model, embedder.threshold)
     if chosen is None and not args.threshold_from:  # refused before the gallery is enrolled
         raise no_threshold(args.model)
@@ -124,11 +106,11 @@ def main(argv=None) -> int:
         fitted = (*best_threshold(pairs, embedder, args.batch_size), args.threshold_from, len(pairs[1]))
         chosen = chosen_threshold(None, fitted, args.model, embedder.threshold)
     threshold = chosen.value
-    gallery = enrol(args.gallery, embedder, args.align, cache, args.rebuild, detection,
+    gallery = enrol(args.gallery, embedder, args.align, cache, args.rebuild,
                     batch_size=args.batch_size, show_progress=not args.json, strict=args.strict)
-    faces = photo_faces(queries, embedder, args.align, detection, args.batch_size)
+    faces = photo_faces(queries, embedder, args.align, args.batch_size)
     if args.strict:
-        refuse_faceless(queries, faces, detection)
+        refuse_faceless(queries, faces, embedder)
     if faces:
         scores, ids = identify(gallery, np.stack([f.embedding for f in faces]), args.top, args.engine)
     else:

@@ -25,14 +25,12 @@ import sys
 
 import numpy as np
 
-from eval.embedder import load_embedder
-from eval.gallery import GalleryError, check_image, list_gallery, photo_faces, refuse_faceless
+from infer.enrolment import GalleryError, check_image, list_gallery, photo_faces, refuse_faceless
 from eval.identification import (FPIR_LEVELS, cmc, det_curve, mate_ranks, nonmated_needed, plot_cmc_det,
                                  tpir_at_fpir)
-from faces.photos import Detection
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from scripts.identify import add_model_args, face_detection
+from scripts.options import add_align_options, add_model_options, face_detection, model_from
 from utils.atomic import check_output_file
 
 
@@ -52,7 +50,7 @@ def split(people: list[tuple[str, list[str]]], per_id: int, unknown: int, seed: 
 
 
 def evaluate(embedder, folder: str, align: bool, per_id: int, unknown: int, seed: int,
-             detection: Detection = Detection(), batch_size: int = 64, max_rank: int = 20, strict: bool = False):
+             batch_size: int = 64, max_rank: int = 20, strict: bool = False):
     people = list_gallery(folder)
     if unknown < 0:
         raise GalleryError(f"--unknown_ids {unknown}: the number of people held out, 0 or more")
@@ -65,9 +63,9 @@ def evaluate(embedder, folder: str, align: bool, per_id: int, unknown: int, seed
     for f in files:  # every header before the first embedding
         check_image(os.path.join(folder, f), embedder.template, align)
     faces, paths = {}, [os.path.join(folder, f) for f in files]
-    found = photo_faces(paths, embedder, align, detection, batch_size)
+    found = photo_faces(paths, embedder, align, batch_size)
     if strict:
-        refuse_faceless(paths, found, detection)
+        refuse_faceless(paths, found, embedder)
     for face in found:
         if face.index == 0:  # the largest face of each image
             faces[os.path.relpath(face.path, folder)] = face.embedding
@@ -139,7 +137,8 @@ def report_lines(result: dict, folder: str, per_id: int, unknown: int) -> list[s
 @exits_on_user_error
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_args(p, "the folder's images")
+    add_model_options(p)
+    add_align_options(p, "the folder's images")
     p.add_argument("folder", help="one folder of images per person")
     p.add_argument("--gallery_per_id", type=int, default=1, help="images enrolled per person (default 1)")
     p.add_argument("--unknown_ids", type=int, default=None,
@@ -155,9 +154,9 @@ def main(argv=None) -> int:
         check_output_file(args.plot, overwrite=args.overwrite, what="--plot")
     unknown = args.unknown_ids if args.unknown_ids is not None else max(1, len(list_gallery(args.folder)) // 10)
     detection = face_detection(args)
-    embedder = load_embedder(args.model, args.network, ema=not args.no_ema)
+    embedder = model_from(args, detection)
     result, (ranks, mate, non) = evaluate(embedder, args.folder, args.align, args.gallery_per_id, unknown, args.seed,
-                                          detection, args.batch_size, strict=args.strict)
+                                          args.batch_size, strict=args.strict)
     if args.plot:
         fpir, fnir = det_curve(ranks, mate, non) if len(non) else (np.zeros(0), None)
         plot_cmc_det(np.array(result["cmc"]), fpir, fnir, args.plot, f"{os.path.basename(args.folder)}: "

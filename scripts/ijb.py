@@ -11,30 +11,27 @@ if not __package__:  # run as a file (python scripts/x.py): import as `python -m
 
 import sys
 
-from eval.embedder import load_embedder
 from eval.ijb import evaluate_ijb
 from eval.ijb_1n import evaluate_ijb_1n
 from faces.align import ARCFACE_112
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
+from scripts.options import add_model_options, model_from
 
 
 @exits_on_user_error
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint", help="run output, checkpoint dir, our model.pt, insightface model.pt, "
-                                          "an exported .onnx (run by onnxruntime) or dlib")
+    add_model_options(p)
     p.add_argument("--root", required=True, help="IJB directory with meta/ and loose_crop/")
     p.add_argument("--target", default="IJBC", choices=["IJBB", "IJBC"], help="which benchmark ROOT holds (default IJBC)")
-    p.add_argument("--network", default=None, help="backbone name (default: from the training config)")
-    p.add_argument("--batch_size", type=int, default=64, help="face crops per forward pass (default 64)")
     p.add_argument("--roc", default=None, help="PNG path for the ROC plot (1:1)")
     p.add_argument("--protocol", default="1:1", choices=["1:1", "1:N"],
                    help="1:1 verification (default) or 1:N identification with the mixed probes")
     args = p.parse_args(argv)
     if args.protocol == "1:N" and args.roc:
         p.error("--roc draws the 1:1 ROC; it has no meaning with --protocol 1:N")
-    backbone = load_embedder(args.checkpoint, args.network).for_crops(ARCFACE_112)  # IJB crops are aligned to it
+    backbone = model_from(args).for_crops(ARCFACE_112)  # IJB crops are aligned to it
     if args.protocol == "1:N":
         for gallery, m in evaluate_ijb_1n(args.root, backbone, args.target.lower(), args.batch_size).items():
             tpir = "  ".join(f"TPIR@FPIR {f:.0e}: {t:.4f}" for f, t in m.get("tpir", {}).items())

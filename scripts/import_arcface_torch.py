@@ -28,7 +28,7 @@ import torch
 
 from builders import build_backbone, build_head, build_head_optimizer
 from configs import ConfigError, get_config
-from eval.weights import state_mismatch
+from infer.weights import state_mismatch
 from heads.sharding import class_shard
 from parallel.user_errors import exits_on_user_error
 from utils.atomic import check_output_dir

@@ -27,7 +27,7 @@ from faces.align import ARCFACE_112
 from faces.photos import align_groups, aligned_png
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from scripts.face_options import add_align_options, detection_from
+from scripts.options import add_align_options, detection_from
 from utils.atomic import check_output_file, refuse_inputs
 from utils.progress import Progress
 

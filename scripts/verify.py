@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Verify a trained backbone on LFW-format .bin sets and print a table of results (10-fold accuracy).
-`python -m scripts.verify RUN_OR_CHECKPOINT --bin lfw.bin [--bin cfp_fp.bin ...]`.
+`python -m scripts.verify MODEL --bin lfw.bin [--bin cfp_fp.bin ...]`.
 
 The .bin sets hold insightface's 112x112 crops; a model made for another crop (MODEL `dlib`,
-150x150 dlib chips) sees them re-framed onto its template (eval.embedder.Embedder.from_crops):
+150x150 dlib chips) sees them re-framed onto its template (infer.model.Model.from_crops):
 what falls outside the 112 crop is black, which costs some accuracy (README 'Your own images')."""
 from __future__ import annotations
 
@@ -15,24 +15,21 @@ if not __package__:  # run as a file (python scripts/x.py): import as `python -m
 import os
 import sys
 
-from eval.embedder import load_embedder, refuse_non_finite_embeddings
 from eval.verification import NFOLDS, load_bin, test
 from faces.align import ARCFACE_112
+from infer.embed import refuse_non_finite_embeddings
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
+from scripts.options import add_model_options, model_from
 
 
 @exits_on_user_error
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint", help="run output, checkpoint dir, our model.pt, insightface model.pt, "
-                                          "an exported .onnx (run by onnxruntime) or dlib")
+    add_model_options(p, batch_size=128)
     p.add_argument("--bin", action="append", required=True, help="a .bin file (repeatable)")
-    p.add_argument("--network", default=None, help="backbone name (default: from the training config)")
-    p.add_argument("--batch_size", type=int, default=128, help="pairs per forward pass (default 128)")
-    p.add_argument("--no_ema", action="store_true", help="the raw weights, not the EMA")
     args = p.parse_args(argv)
-    embedder = load_embedder(args.checkpoint, args.network, ema=not args.no_ema)
+    embedder = model_from(args)
     model = embedder.for_crops(ARCFACE_112)
     if model is not embedder.module:
         print(f"{embedder.name} takes {embedder.template.name} crops: the sets' {ARCFACE_112.name} crops are re-framed onto it")
@@ -40,7 +37,7 @@ def main(argv=None) -> int:
     for path in args.bin:
         r = test(load_bin(path, min_pairs=NFOLDS), model, args.batch_size)
         for emb in (r.embeddings, r.embeddings_flip):  # NaN distances would verify as chance
-            refuse_non_finite_embeddings(emb, f"{args.checkpoint} on {path}")
+            refuse_non_finite_embeddings(emb, f"{args.model} on {path}")
         rows.append((os.path.basename(path), r.accuracy, r.accuracy_flip, r.std_flip, r.xnorm))
     print(f"{'set':<20} {'acc':>8} {'acc-flip':>9} {'std':>7} {'XNorm':>8}")
     for name, acc, acc_flip, std_flip, xnorm in rows:

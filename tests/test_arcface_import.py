@@ -16,7 +16,7 @@ import torch
 import train
 from backbones import get_model
 from configs import get_config
-from eval.weights import load_backbone_state
+from infer.weights import load_backbone_state
 from losses import build_margin
 from parallel.zero import Zero2Optimizer
 from scripts import import_arcface_torch

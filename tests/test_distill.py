@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 from heads import PartialFC
-from heads.distill import DistillLoss
+from distill.head import DistillLoss
 from losses import CosFace
-from losses.distill import cosine_distill, relational_distill
+from distill.losses import cosine_distill, relational_distill
 from tests.distributed import run_distributed
 
 

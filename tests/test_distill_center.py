@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train
-from losses.distill import centred, constant_student_loss, cosine_distill, relational_distill
+from distill.losses import centred, constant_student_loss, cosine_distill, relational_distill
 from tests.conftest import train_argv
 from tests.distributed import run_distributed
 
@@ -63,7 +63,7 @@ def test_uncentred_a_constant_student_beats_one_that_tells_identities_apart_cent
 def _centre(rank, world_size, data, teacher, samples=40):
     from builders import build_train_dataset
     from configs import get_config
-    from eval.teacher import load_teacher, teacher_statistics
+    from distill.teacher import load_teacher, teacher_statistics
     cfg = get_config("configs/demo.py", ["--rec", data, "--num_classes", "16"])
     dataset = build_train_dataset(cfg)
     mean, sample = teacher_statistics(load_teacher(teacher, "tiny", torch.device("cpu")), dataset, samples,
@@ -84,7 +84,7 @@ def test_teacher_centre_is_the_same_measured_on_one_rank_or_two(drawn_faces, tea
 
 
 def test_teacher_file_mean_is_its_rows_mean(tmp_path):
-    from eval.teacher import FORMAT, TeacherFile, header_bytes
+    from distill.teacher_file import FORMAT, TeacherFile, header_bytes
     rows = np.random.default_rng(0).standard_normal((50, 8)).astype("<f2")
     path = str(tmp_path / "t.teacher")
     with open(path, "wb") as f:
@@ -109,8 +109,8 @@ def test_the_centre_is_checkpointed_and_a_resume_keeps_it(drawn_faces, teacher_p
     torch.testing.assert_close(saved["center"], expected, rtol=1e-5, atol=1e-6)
     assert saved["center"].device.type == "cpu"
     assert 0 < saved["constant_loss"] < 2
-    import eval.teacher
-    monkeypatch.setattr(eval.teacher, "teacher_statistics", lambda *a, **k: pytest.fail("measured again on resume"))
+    import distill.teacher
+    monkeypatch.setattr(distill.teacher, "teacher_statistics", lambda *a, **k: pytest.fail("measured again on resume"))
     import builders
     monkeypatch.setattr(builders, "teacher_statistics", lambda *a, **k: pytest.fail("measured again on resume"))
     assert train.main(_argv(drawn_faces, out, teacher_pt, "--max_steps", "4", "--resume", "true")) == 0
@@ -120,7 +120,7 @@ def test_the_centre_is_checkpointed_and_a_resume_keeps_it(drawn_faces, teacher_p
 
 def test_log_shows_the_term_beside_a_constant_students_and_warns_once_when_not_clearly_below(caplog):
     from builders import Distillation
-    from heads.distill import DistillLoss
+    from distill.head import DistillLoss
     loss = DistillLoss("cosine", 1.0)
     distill = Distillation(teacher=None, loss=loss)
     distill.constant_loss = 0.1
@@ -137,7 +137,7 @@ def test_log_shows_the_term_beside_a_constant_students_and_warns_once_when_not_c
 def _nearest_same_identity(model_pt: str | None, data: str, labels: list[int]) -> float:
     """The share of images whose nearest other image (cosine) is of the same identity."""
     from dataset import build_dataset, normalize_images
-    from eval.weights import load_backbone
+    from infer.weights import load_backbone
     if model_pt is None:  # the untrained network, as a run starts
         from backbones import get_model
         torch.manual_seed(0)
@@ -158,7 +158,7 @@ def _oracle_teacher_file(data: str, path: str, dim: int = 32) -> list[int]:
     from builders import build_train_dataset
     from configs import get_config
     from dataset import build_dataset
-    from eval.teacher import FORMAT, data_transform, header_bytes
+    from distill.teacher_file import FORMAT, data_transform, header_bytes
     cfg = get_config("configs/demo.py", ["--rec", data, "--num_classes", "16"])
     records = build_train_dataset(cfg)  # the records in the order a label-free run reads them
     labelled = build_dataset(data, 16, train=False, normalize=False)

@@ -10,8 +10,9 @@ import train
 from backbones import get_model
 from configs.errors import ConfigError
 from dataset import build_dataset, normalize_images
-from eval.embedder import Embedder, load_embedder
-from eval.teacher import OnlineTeacher, TeacherFile
+from infer.model import Model, load_model
+from distill.teacher import OnlineTeacher
+from distill.teacher_file import TeacherFile
 from faces.align import ARCFACE_112
 from scripts.export_onnx import main as export_onnx
 from scripts.teach import main as teach
@@ -58,7 +59,7 @@ def test_projection_is_trained_and_checkpointed_but_not_exported(distilled):
     assert "distill_projection.weight" in optimizer["state"]  # its momentum, by name (any W)
     exported = torch.load(os.path.join(distilled["full"], "model.pt"))
     assert not [k for k in exported if "distill" in k]
-    load_embedder(distilled["full"])  # the run loads as a MODEL without it
+    load_model(distilled["full"])  # the run loads as a MODEL without it
 
 
 def _batch(data, n=6):
@@ -72,7 +73,7 @@ def test_one_teacher_as_run_model_pt_and_onnx_gives_the_same_targets(distilled, 
     shutil.copytree(distilled["full"], run)
     export_onnx([run, str(tmp_path / "t.onnx")])
     images = _batch(drawn_faces)
-    targets = [OnlineTeacher(load_embedder(m), torch.device("cpu")).targets(images, None)
+    targets = [OnlineTeacher(load_model(m), torch.device("cpu")).targets(images, None)
                for m in (run, os.path.join(run, "model.pt"), str(tmp_path / "t.onnx"))]
     assert targets[0].shape == (6, 128)
     for other in targets[1:]:
@@ -97,7 +98,7 @@ def test_teacher_file_trains_relational_and_other_data_is_refused(drawn_faces, t
     rows = TeacherFile(own)
     assert rows.rows.shape == (128, 64) and rows.rows.dtype == "float16"
     # the row of record i is the teacher's flip-fused embedding of record i
-    teacher = OnlineTeacher(load_embedder(teacher_pt, "tiny"), torch.device("cpu"))
+    teacher = OnlineTeacher(load_model(teacher_pt, "tiny"), torch.device("cpu"))
     images = _batch(drawn_faces, 3)
     want = torch.nn.functional.normalize(teacher.targets(images, None) + teacher.targets(images.flip(3), None))
     torch.testing.assert_close(rows.targets(images, rows.read(torch.arange(3))), want, rtol=0, atol=2e-3)
@@ -117,13 +118,13 @@ def test_teacher_file_trains_relational_and_other_data_is_refused(drawn_faces, t
 def test_teacher_that_does_not_take_its_input_is_one_error_at_start():
     net = get_model("tiny", num_features=32)  # 112x112 only: its fc is sized for 7x7 maps
     with pytest.raises(ConfigError, match="does not take its 150x150 input"):
-        OnlineTeacher(Embedder(net, ARCFACE_112.scaled(150), "t150", "x"), torch.device("cpu"))
+        OnlineTeacher(Model(net, ARCFACE_112.scaled(150), "t150", "x"), torch.device("cpu"))
 
 
 def test_teacher_that_does_not_give_n_by_d_embeddings_is_one_error_at_start():
     maps = torch.nn.Conv2d(3, 4, 3)  # feature maps, not embeddings
     with pytest.raises(ConfigError, match=r"returns shape \(2, 4, 110, 110\)"):
-        OnlineTeacher(Embedder(maps, ARCFACE_112, "maps", "x"), torch.device("cpu"))
+        OnlineTeacher(Model(maps, ARCFACE_112, "maps", "x"), torch.device("cpu"))
 
 
 def test_teacher_on_another_template_gets_its_own_crops():
@@ -139,7 +140,7 @@ def test_teacher_on_another_template_gets_its_own_crops():
             seen.append(tuple(x.shape))
             return x.mean(dim=(2, 3)) * self.w
 
-    teacher = OnlineTeacher(Embedder(Probe(), ARCFACE_112.scaled(150), "p", "x"), torch.device("cpu"))
+    teacher = OnlineTeacher(Model(Probe(), ARCFACE_112.scaled(150), "p", "x"), torch.device("cpu"))
     assert teacher.dim == 3 and seen[-1] == (2, 3, 150, 150)
     teacher.targets(torch.zeros(5, 3, 112, 112), None)
     assert seen[-1] == (5, 3, 150, 150)

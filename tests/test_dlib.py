@@ -14,8 +14,8 @@ from PIL import Image
 
 from backbones import get_model
 from backbones.dlib_resnet import DlibResNet, add_prev
-from eval.embedder import Embedder, load_embedder
-from eval.weights import DLIB_FILE, dlib_state
+from infer.model import Model, load_model
+from infer.weights import DLIB_FILE, dlib_state
 from faces.align import ARCFACE_112, align
 from faces.dlib_chip import DLIB_150, DLIB_150_SHAPE5, chip_transform, dlib_chip
 from faces.dlib_format import DlibFormatError, read_network, state_dict_for
@@ -41,7 +41,7 @@ def cosine(a, b) -> float:
     return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
 
 
-def embed_chip(embedder: Embedder, chip: Image.Image) -> np.ndarray:
+def embed_chip(embedder: Model, chip: Image.Image) -> np.ndarray:
     x = torch.from_numpy(np.asarray(chip).copy()).permute(2, 0, 1)[None]
     with torch.no_grad():
         return embedder.module(embedder.from_crops(x, embedder.template)).cpu().numpy()[0]
@@ -62,7 +62,7 @@ def test_dlib_chip_is_dlibs_own_chip_pixel_for_pixel(astronaut, zoom):
 
 
 def test_torch_port_gives_dlibs_descriptor_on_the_astronaut_photo(astronaut):
-    embedder = load_embedder("dlib")
+    embedder = load_model("dlib")
     assert embedder.template is DLIB_150 and embedder.name == "dlib"
     out = embed_chip(embedder, dlib_chip(Image.fromarray(astronaut["img"]), astronaut["points"]))
     assert out.shape == (128,)
@@ -77,7 +77,7 @@ def test_chip_of_the_insightface_points_template_is_close_to_dlibs(astronaut):
     dlib's own chip transform, so the residual is the two templates' disagreement alone."""
     to_photo = chip_transform(astronaut["points"])
     landmarks = DLIB_150.points @ to_photo[:, :2].T + to_photo[:, 2]
-    embedder = load_embedder("dlib")
+    embedder = load_model("dlib")
     photo = Image.fromarray(astronaut["img"])
     by_five = embed_chip(embedder, align(photo, landmarks, DLIB_150))
     by_shape = embed_chip(embedder, align(photo, astronaut["points"], DLIB_150_SHAPE5))
@@ -90,7 +90,7 @@ def test_reframed_112_crop_costs_dlib_little_against_its_own_chip(astronaut):
     (forehead and chin fall outside it: black). The crop here is cut with the chip's own
     geometry, so only the framing is measured: 0.995 cosine, 0.14 in dlib's distance units
     (its same-person threshold is 0.6) on this photo."""
-    embedder = load_embedder("dlib")
+    embedder = load_model("dlib")
     photo = Image.fromarray(astronaut["img"])
     to_photo = chip_transform(astronaut["points"])
     crop = align(photo, DLIB_150.points @ to_photo[:, :2].T + to_photo[:, 2], ARCFACE_112)
@@ -174,7 +174,7 @@ def test_add_prev_sums_top_left_aligned_with_zeros_outside_the_smaller():
 
 def test_112_front_is_the_embedders_reframing_of_insightface_crops():
     chip_net, crop_net = DlibResNet(input_size=150), get_model("dlib_resnet")
-    embedder = Embedder(chip_net, DLIB_150, "test", "")
+    embedder = Model(chip_net, DLIB_150, "test", "")
     crops = torch.randint(0, 256, (2, 3, 112, 112), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     expected = chip_net.chip(embedder.from_crops(crops, ARCFACE_112))
     torch.testing.assert_close(crop_net.chip(crops.float().sub(127.5).div(127.5)), expected, rtol=0, atol=1e-5)
@@ -185,7 +185,7 @@ def test_export_onnx_of_dlib_agrees_with_torch_and_records_its_chip(tmp_path):
     from scripts.export_onnx import main as export_onnx
     out = tmp_path / "dlib.onnx"
     assert export_onnx(["dlib", str(out)]) == 0
-    onnx_embedder, torch_embedder = load_embedder(str(out)), load_embedder("dlib")
+    onnx_embedder, torch_embedder = load_model(str(out)), load_model("dlib")
     assert onnx_embedder.template.name == DLIB_150.name and onnx_embedder.template.size == (150, 150)
     np.testing.assert_allclose(onnx_embedder.template.points, DLIB_150.points)
     x = torch.rand(4, 3, 150, 150, generator=torch.Generator().manual_seed(1)) * 2 - 1
@@ -205,7 +205,7 @@ def test_export_onnx_refusals_write_nothing(tmp_path, monkeypatch):
 
 
 def test_onnx_template_metadata_is_checked(tmp_path):
-    from eval.embedder import TEMPLATE_KEY, OnnxBackbone
+    from infer.onnx import OnnxBackbone, TEMPLATE_KEY
     from utils.checkpoint import CheckpointError
     with pytest.raises(CheckpointError, match=rf"x.onnx: unreadable {TEMPLATE_KEY} metadata"):
         OnnxBackbone._template(str(tmp_path / "x.onnx"), json.dumps({"name": "t", "size": [150]}))
@@ -253,7 +253,7 @@ def test_export_onnx_of_dlib_resnet_on_112_crops_keeps_the_batch_dynamic(tmp_pat
     model = get_model("dlib_resnet").eval()
     export(model, str(tmp_path / "ft.onnx"))
     assert check_parity(model, str(tmp_path / "ft.onnx"), batches=(1, 3)) <= 1e-4
-    template = load_embedder(str(tmp_path / "ft.onnx")).template
+    template = load_model(str(tmp_path / "ft.onnx")).template
     assert template.name == ARCFACE_112.name and template.size == (112, 112)
     np.testing.assert_allclose(template.points, ARCFACE_112.points)
 
@@ -267,7 +267,7 @@ def _lfw_chips(count: int) -> list[np.ndarray]:
 
 
 def test_dlib_threshold_is_dlibs_distance_rule_turned_into_a_cosine(astronaut):
-    from eval.thresholds import DLIB_DISTANCE, DLIB_NORM, DLIB_THRESHOLD, cosine_for_distance
+    from infer.thresholds import DLIB_DISTANCE, DLIB_NORM, DLIB_THRESHOLD, cosine_for_distance
     rec = dlib.face_recognition_model_v1(model_file(DLIB_FILE))
     chip = np.asarray(dlib_chip(Image.fromarray(astronaut["img"]), astronaut["points"]))
     chips = [chip, np.ascontiguousarray(chip[:, ::-1])] + _lfw_chips(10)
@@ -287,7 +287,7 @@ def test_dlib_threshold_is_dlibs_distance_rule_turned_into_a_cosine(astronaut):
 
 
 def test_identify_dlib_calls_a_stranger_unknown_at_dlibs_own_threshold(astronaut, tmp_path, capsys):
-    from eval.thresholds import DLIB_THRESHOLD
+    from infer.thresholds import DLIB_THRESHOLD
     from scripts.identify import main as identify
     chip = dlib_chip(Image.fromarray(astronaut["img"]), astronaut["points"])
     os.makedirs(tmp_path / "g" / "eileen")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import backbones
-from eval.weights import load_backbone
+from infer.weights import load_backbone
 from utils.checkpoint import CheckpointError
 
 

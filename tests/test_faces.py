@@ -76,25 +76,25 @@ def _redetected_eyes(crop: Image.Image) -> np.ndarray:
     """The eye centres found again in a 112x112 crop (searched 4x upscaled, 68-point model)."""
     faces = detect_faces(crop.resize((448, 448), Image.BICUBIC), upsample=0, landmarks="68")
     assert faces, "no face found again in the crop"
-    return faces[0].landmarks[:2] / 4 + 0.375  # pixel centres at 448 -> at 112
+    return faces[0].points[:2] / 4 + 0.375  # pixel centres at 448 -> at 112
 
 
 def test_a_face_is_found_with_five_landmarks_in_insightface_order(head_faces):
     assert len(head_faces) == 1
     face = head_faces[0]
     x0, y0, x1, y1 = face.box
-    left_eye, right_eye, nose, mouth_left, mouth_right = face.landmarks
+    left_eye, right_eye, nose, mouth_left, mouth_right = face.points
     assert face.score > 0 and 60 < x1 - x0 < 130
-    assert all(x0 <= x <= x1 and y0 <= y <= y1 for x, y in face.landmarks)
+    assert all(x0 <= x <= x1 and y0 <= y <= y1 for x, y in face.points)
     assert left_eye[0] < nose[0] < right_eye[0] and mouth_left[0] < nose[0] < mouth_right[0]
     assert max(left_eye[1], right_eye[1]) < nose[1] < min(mouth_left[1], mouth_right[1])
     # against the 68-point model's five points: the eyes agree; the mouth corners, which the
     # 5-point model does not see, differ most on this broad smile, yet the two alignments put
     # the 68-point model's points within a few pixels of each other at 112
-    reference = detect_faces(_head(), landmarks="68")[0].landmarks
-    assert np.abs(face.landmarks[:2] - reference[:2]).max() < 2
+    reference = detect_faces(_head(), landmarks="68")[0].points
+    assert np.abs(face.points[:2] - reference[:2]).max() < 2
     h = np.c_[reference, np.ones(5)]
-    by_5, by_68 = (similarity_transform(p, ARCFACE_112.points) for p in (face.landmarks, reference))
+    by_5, by_68 = (similarity_transform(p, ARCFACE_112.points) for p in (face.points, reference))
     assert np.linalg.norm(h @ by_5.T - h @ by_68.T, axis=1).mean() < 4
 
 
@@ -102,12 +102,12 @@ def test_aligned_crop_puts_eyes_within_pixels_of_the_template_and_a_resize_misse
     from skimage import data
     portrait = Image.fromarray(data.astronaut())  # the whole 512x512 portrait, as a user has it
     face = detect_faces(portrait, upsample=0)[0]
-    for photo, landmarks in ((head, head_faces[0].landmarks), (portrait, face.landmarks)):
+    for photo, landmarks in ((head, head_faces[0].points), (portrait, face.points)):
         crop = align(photo, landmarks, ARCFACE_112)
         assert crop.size == (112, 112)
         assert np.linalg.norm(_redetected_eyes(crop) - ARCFACE_112.points[:2], axis=1).max() < 4
     # --resize squeezes the portrait into 112x112: the eyes land where the resize maps them
-    resized = (face.landmarks[:2] + 0.5) * 112 / 512 - 0.5
+    resized = (face.points[:2] + 0.5) * 112 / 512 - 0.5
     assert np.linalg.norm(resized - ARCFACE_112.points[:2], axis=1).min() > 20
 
 
@@ -135,7 +135,7 @@ def test_a_missing_model_file_or_unknown_detector_fails_at_once():
 def test_mmod_detector_finds_the_face_where_hog_does(head, head_faces):
     faces = detect_faces(head, detector="mmod", upsample=0)
     assert len(faces) == 1
-    assert np.abs(faces[0].landmarks - head_faces[0].landmarks).max() < 6
+    assert np.abs(faces[0].points - head_faces[0].points).max() < 6
 
 
 # ----- scripts.align -------------------------------------------------------------------------------
@@ -298,7 +298,7 @@ def test_training_set_align_true_yields_aligned_faces_of_photos_with_one(photos,
     image, label = data[0]
     assert image.dtype == torch.uint8 and tuple(image.shape) == (3, 112, 112)
     path = data.samples[0][0]
-    expected = np.asarray(align(Image.open(path).convert("RGB"), data.faces[path].landmarks, ARCFACE_112))
+    expected = np.asarray(align(Image.open(path).convert("RGB"), data.faces[path].points, ARCFACE_112))
     got = image.permute(1, 2, 0).numpy()
     assert np.array_equal(got, expected) or np.array_equal(got, expected[:, ::-1])  # mirrored half the time
     cfg.resize = True
@@ -326,8 +326,9 @@ def test_teach_align_makes_the_rows_of_an_align_true_runs_faces_and_a_resize_fil
     from builders import Distillation, build_train_dataset
     from configs import get_config
     from configs.errors import ConfigError
-    from eval.embedder import load_embedder
-    from eval.teacher import OnlineTeacher, TeacherFile
+    from infer.model import load_model
+    from distill.teacher import OnlineTeacher
+    from distill.teacher_file import TeacherFile
     from scripts.teach import main as teach
     aligned_file, resized_file = str(tmp_path / "aligned.teacher"), str(tmp_path / "resized.teacher")
     assert teach([tiny_model, photos, aligned_file, "--align", "--num_workers", "0"]) == 0
@@ -337,7 +338,7 @@ def test_teach_align_makes_the_rows_of_an_align_true_runs_faces_and_a_resize_fil
     data = build_train_dataset(cfg, train=False)
     rows = TeacherFile(aligned_file)
     Distillation(rows, None).check_data(cfg, data)
-    teacher = OnlineTeacher(load_embedder(tiny_model), torch.device("cpu"))
+    teacher = OnlineTeacher(load_model(tiny_model), torch.device("cpu"))
     face = data[0][0][None]
     want = torch.nn.functional.normalize(teacher.targets(face, None) + teacher.targets(face.flip(3), None))
     torch.testing.assert_close(rows.targets(face, rows.read([0])), want, rtol=0, atol=2e-3)
@@ -413,7 +414,7 @@ def test_a_photo_stored_sideways_with_exif_orientation_is_turned_upright(head, h
     head.rotate(90, expand=True).save(path, quality=95, exif=exif)
     found = aligned_faces(path, ARCFACE_112)
     assert len(found) == 1
-    assert np.abs(found[0][0].landmarks - head_faces[0].landmarks).max() < 3
+    assert np.abs(found[0][0].points - head_faces[0].points).max() < 3
 
 
 def test_train_py_align_true_trains_on_a_folder_of_raw_photos(photos, tmp_path):

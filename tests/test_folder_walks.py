@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 
 from dataset.folders import list_identity_folders, list_images
-from eval.embedder import image_files
-from eval.gallery import list_gallery
+from infer.photos import image_files
+from infer.enrolment import list_gallery
 from scripts.align import photos_under
 
 

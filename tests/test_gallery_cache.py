@@ -14,9 +14,9 @@ import pytest
 import torch
 from PIL import Image
 
-import eval.gallery as g
-from eval.embedder import Embedder, load_embedder
-from eval.gallery import enrol
+import infer.enrolment as g
+from infer.model import Model, load_model
+from infer.enrolment import enrol
 from faces.align import ARCFACE_112
 from faces.photos import Detection, find_faces, usable
 from dataset import DataError
@@ -71,7 +71,7 @@ def _uncompressed(path, seed):
 
 
 def test_an_image_replaced_by_another_of_the_same_size_and_mtime_is_embedded_again(tmp_path):
-    embedder = load_embedder(_model(tmp_path / "m", 0))
+    embedder = load_model(_model(tmp_path / "m", 0))
     gallery = _gallery(tmp_path / "g")
     target = tmp_path / "g" / "person1" / "0.png"
     _uncompressed(target, 1)
@@ -105,7 +105,7 @@ def _damage(cache, how):
 
 @pytest.mark.parametrize("how", ["a NaN row", "too few rows", "too wide rows", "a row not of unit length"])
 def test_a_damaged_cache_is_enrolled_again_saying_so(tmp_path, caplog, how):
-    embedder = load_embedder(_model(tmp_path / "m", 0))
+    embedder = load_model(_model(tmp_path / "m", 0))
     gallery = _gallery(tmp_path / "g")
     first = enrol(gallery, embedder, show_progress=False)
     cache = os.path.join(gallery, ".shardface_gallery.npz")
@@ -122,8 +122,8 @@ def test_a_damaged_cache_is_enrolled_again_saying_so(tmp_path, caplog, how):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = """
 import os, signal, sys, time
-import eval.gallery as g
-from eval.embedder import load_embedder
+import infer.enrolment as g
+from infer.model import load_model
 model, gallery, at, how, flag = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
 real, calls = g.face_crops, []
 def hook(*a):
@@ -136,7 +136,7 @@ def hook(*a):
             time.sleep(0.05)
     return real(*a)
 g.face_crops = hook
-g.enrol(gallery, load_embedder(model), batch_size=1, save_every_s=0, show_progress=False)
+g.enrol(gallery, load_model(model), batch_size=1, save_every_s=0, show_progress=False)
 """
 
 
@@ -148,7 +148,7 @@ def _enrolling(model, gallery, at: int, how: str, flag: str = "-") -> subprocess
 
 def test_a_killed_enrolment_resumes_from_what_it_saved(tmp_path):
     model = _model(tmp_path / "m", 0)
-    embedder = load_embedder(model)
+    embedder = load_model(model)
     gallery = _gallery(tmp_path / "g", (3, 3))
     proc = _enrolling(model, gallery, 5, "kill")  # four images embedded and saved
     assert proc.wait(timeout=120) == -signal.SIGKILL
@@ -163,7 +163,7 @@ def test_a_killed_enrolment_resumes_from_what_it_saved(tmp_path):
 
 def test_two_enrolments_of_one_gallery_keep_each_others_saved_parts(tmp_path):
     model = _model(tmp_path / "m", 0)
-    embedder = load_embedder(model)
+    embedder = load_model(model)
     gallery = _gallery(tmp_path / "g", (3, 3))
     flag = str(tmp_path / "go")
     proc = _enrolling(model, gallery, 3, "pause", flag)  # paused after two images, saved
@@ -185,13 +185,13 @@ def test_two_enrolments_of_one_gallery_keep_each_others_saved_parts(tmp_path):
 
 def test_the_ema_choice_keeps_its_own_gallery_file_and_is_named_when_it_changes(tmp_path, caplog):
     path = _model(tmp_path / "m", 0)
-    ema = load_embedder(path)
+    ema = load_model(path)
     torch.manual_seed(5)
     with torch.no_grad():  # the raw weights of the same MODEL: other values
-        raw_module = load_embedder(path).module
+        raw_module = load_model(path).module
         for p in raw_module.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    raw = Embedder(raw_module, ema.template, ema.name, "raw-weights", ema=False)
+    raw = Model(raw_module, ema.template, ema.name, "raw-weights", ema=False)
     gallery = _gallery(tmp_path / "g")
     enrol(gallery, ema, show_progress=False)
     with caplog.at_level(logging.WARNING, "shardface"):
@@ -233,9 +233,9 @@ class _Collapsed(torch.nn.Module):
 
 def test_a_gallery_of_nearly_identical_templates_is_warned_about(tmp_path, caplog):
     gallery = _gallery(tmp_path / "g")
-    collapsed = Embedder(_Collapsed().eval(), ARCFACE_112, "collapsed", "c0")
+    collapsed = Model(_Collapsed().eval(), ARCFACE_112, "collapsed", "c0")
     with caplog.at_level(logging.WARNING, "shardface"):
-        enrol(gallery, Embedder(_Projection().eval(), ARCFACE_112, "projection", "p0"), cache=str(tmp_path / "a.npz"),
+        enrol(gallery, Model(_Projection().eval(), ARCFACE_112, "projection", "p0"), cache=str(tmp_path / "a.npz"),
               show_progress=False)
         assert "nearly identical" not in caplog.text
         enrol(gallery, collapsed, cache=str(tmp_path / "b.npz"), show_progress=False)

@@ -104,7 +104,7 @@ def _astronaut_crops(n: int) -> torch.Tensor:
 
 def _dlib_student(**kw):
     from backbones.dlib_resnet import DlibResNet
-    from eval.weights import dlib_state
+    from infer.weights import dlib_state
     net = DlibResNet(input_size=112, **kw)
     net.load_state_dict(dlib_state())
     return net
@@ -138,17 +138,17 @@ def test_dlib_resnet_student_in_16_bits_matches_fp32_on_the_cpu(kind, precision)
 
 @pytest.mark.parametrize("kind", [CUDA, "cpu"])
 def test_gallery_enrolment_with_the_model_on_the_device_matches_the_cpu(kind, teacher_pt, tmp_path):
-    from eval.embedder import load_embedder
-    from eval.gallery import enrol
+    from infer.model import load_model
+    from infer.enrolment import enrol
     crops = ((_astronaut_crops(6) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
     gallery = tmp_path / "gallery"
     for i, crop in enumerate(crops):
         (gallery / f"person{i % 3}").mkdir(parents=True, exist_ok=True)
         Image.fromarray(crop.permute(1, 2, 0).numpy()).save(gallery / f"person{i % 3}" / f"{i}.png")
-    on_device = load_embedder(teacher_pt, "tiny", device=_device(kind))
+    on_device = load_model(teacher_pt, "tiny", device=_device(kind))
     assert on_device.device.type == kind
     got = enrol(str(gallery), on_device, cache=str(tmp_path / "device.npz"), show_progress=False)
-    want = enrol(str(gallery), load_embedder(teacher_pt, "tiny", device=torch.device("cpu")),
+    want = enrol(str(gallery), load_model(teacher_pt, "tiny", device=torch.device("cpu")),
                  cache=str(tmp_path / "cpu.npz"), show_progress=False)
     assert got.names == want.names == ["person0", "person1", "person2"] and got.images == 6
     np.testing.assert_allclose(got.templates, want.templates, atol=5e-3)  # cuDNN may run convolutions in TF32

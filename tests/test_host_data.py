@@ -8,8 +8,8 @@ import torch
 
 from backbones import get_model
 from dataset import ResumableDistributedSampler, build_dataset, get_dataloader
-from eval.embedder import Embedder
-from eval.teacher import TeacherFile
+from infer.model import Model
+from distill.teacher_file import TeacherFile
 from faces.dlib_chip import DLIB_150
 from scripts.teach import main as teach
 from tests.host_sync import HostDataCounter
@@ -61,7 +61,7 @@ def test_teacher_reframing_makes_no_tensor_from_host_data_after_the_first_batch(
         def forward(self, x):
             return x.mean(dim=(2, 3)) * self.w
 
-    embedder = Embedder(Means(), DLIB_150, "means", "x")
+    embedder = Model(Means(), DLIB_150, "means", "x")
     x = torch.rand(3, 3, 112, 112) * 2 - 1
     first = embedder.from_crops(x)
     with HostDataCounter() as c:

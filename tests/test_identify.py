@@ -9,8 +9,9 @@ import torch
 from PIL import Image
 
 from backbones import get_model
-from eval.embedder import embed_files, load_embedder, load_model
-from eval.gallery import enrol
+from infer.model import load_model, load_module
+from infer.photos import embed_files
+from infer.enrolment import enrol
 from scripts.identify import main as identify
 
 
@@ -52,7 +53,7 @@ def test_search_results_equal_mean_templates_scored_directly(tmp_path, capsys):
     assert code == 0
     faces = json.loads(out)["faces"]
     # independently: scripts.embed's embeddings, mean per person, cosine, sorted by score
-    emb = lambda files: embed_files(files, load_model(model), show_progress=False)  # noqa: E731
+    emb = lambda files: embed_files(files, load_module(model), show_progress=False)  # noqa: E731
     templates = []
     for p in range(3):
         folder = os.path.join(gallery, f"person{p}")
@@ -72,7 +73,7 @@ def test_search_results_equal_mean_templates_scored_directly(tmp_path, capsys):
 def test_cache_is_reused_updated_when_the_folder_changes_and_another_model_is_refused(tmp_path, capsys):
     model, other = _model(tmp_path / "m", 0), _model(tmp_path / "other", 1)
     gallery = _gallery(tmp_path / "g")
-    embedder = load_embedder(model)
+    embedder = load_model(model)
     first = enrol(gallery, embedder, show_progress=False)
     cache = os.path.join(gallery, ".shardface_gallery.npz")
     stamp = os.stat(cache).st_mtime_ns
@@ -146,7 +147,7 @@ def test_identify_eval_split_and_rank1_equal_a_direct_computation(tmp_path, caps
     people = [(f"person{p}", sorted(f"person{p}/{i}.png" for i in range(n))) for p, n in enumerate((3, 3, 2, 1, 3))]
     enrolled, mated, nonmated = split(people, 2, 1, 0)
     assert len(enrolled) == 4 and len(nonmated) in (1, 2, 3) and all(len(f) <= 2 for _, f in enrolled)
-    emb = lambda fs: embed_files([os.path.join(root, f) for f in fs], load_model(model), show_progress=False)  # noqa
+    emb = lambda fs: embed_files([os.path.join(root, f) for f in fs], load_module(model), show_progress=False)  # noqa
     templates = np.stack([e / np.linalg.norm(e) for e in (emb(fs).mean(0) for _, fs in enrolled)])
     best = np.argmax(emb([f for _, f in mated]) @ templates.T, axis=1)
     want = np.mean([enrolled[b][0] == name for b, (name, _) in zip(best, mated)])
@@ -227,7 +228,7 @@ def test_identify_eval_negative_unknown_ids_is_one_error_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_threshold_at_far_accepts_at_most_far_of_different_pairs_and_no_lower_threshold_does(seed):
-    from eval.thresholds import threshold_at_far
+    from infer.thresholds import threshold_at_far
     rng = np.random.default_rng(seed)
     n = [5, 40, 1500][seed]
     cos = np.round(rng.uniform(-1, 1, 2 * n), 2)  # ties
@@ -262,7 +263,7 @@ def test_trained_runs_threshold_is_saved_by_verification_used_by_identify_and_ca
         Image.open(_face(tmp_path / "v.png", 1000 + i)).save(buf, format="PNG")
         images.append(buf.getvalue())
     write_bin(str(tmp_path / "v.bin"), images, [i % 2 == 0 for i in range(40)])
-    backbone = load_model(model)
+    backbone = load_module(model)
     VerificationCallback(["v"], str(tmp_path), 1, backbone, output=str(tmp_path / "run"))(7)
     saved = json.load(open(tmp_path / "run" / "threshold.json"))["raw"]
     assert saved["far"] == 0.1 and saved["different_pairs"] == 20 and saved["step"] == 7 and saved["val_target"] == "v"
@@ -282,7 +283,7 @@ def test_identify_eval_plot_is_checked_before_the_evaluation(tmp_path, capsys, m
     from scripts import identify_eval as tool
     model = _model(tmp_path / "m", 0)
     root = _gallery(tmp_path / "g", (3, 3, 2, 1, 3))
-    monkeypatch.setattr(tool, "load_embedder", lambda *a, **k: pytest.fail("evaluated before checking --plot"))
+    monkeypatch.setattr(tool, "model_from", lambda *a, **k: pytest.fail("evaluated before checking --plot"))
     (tmp_path / "curves.png").write_bytes(b"an earlier plot")
     (tmp_path / "plots").mkdir()
     for plot, said in ((tmp_path / "curves.png", "exists; pass --overwrite to replace it"),

@@ -11,7 +11,7 @@ import train
 from configs import get_config
 from configs.errors import ConfigError
 from dataset import FolderFaceDataset, build_dataset
-from eval.teacher import TeacherFile
+from distill.teacher_file import TeacherFile
 from parallel.user_errors import exits_on_user_error
 from scripts.teach import main as teach
 from tests.conftest import jpeg, train_argv

@@ -6,7 +6,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # lowest first; a module may import its own layer's package and any earlier layer
-LAYERS = [["configs"], ["parallel"], ["utils"], ["backbones", "losses"], ["heads"], ["dataset"], ["faces"], ["eval"],
+LAYERS = [["configs"], ["parallel"], ["utils"], ["backbones", "losses"], ["heads"], ["dataset"], ["faces"], ["infer"], ["distill"], ["eval"],
           ["builders", "planner", "train"], ["scripts"]]
 OURS = {name for layer in LAYERS for name in layer}
 
@@ -40,3 +40,10 @@ def _sources():
 def test_module_imports_only_from_its_layer_or_below(top, path):
     upward = sorted(n for n in _imported_tops(os.path.join(ROOT, path)) if _level(n) > _level(top))
     assert not upward, f"{path} ({top}) imports from a higher layer: {upward}"
+
+
+@pytest.mark.parametrize("path", ["builders.py", "planner.py"])
+def test_training_builds_models_and_teachers_through_infer_not_eval(path):
+    """Training loads models and teachers through infer/ and distill/; of eval/ it runs only the
+    verification protocol (train.py's callback)."""
+    assert "eval" not in _imported_tops(os.path.join(ROOT, path))

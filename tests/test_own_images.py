@@ -332,7 +332,8 @@ def test_model_pt_and_its_onnx_export_embed_alike_and_verify_takes_onnx(tmp_path
     import json
 
     from backbones import get_model
-    from eval.embedder import embed_files, image_files, load_model
+    from infer.model import load_module
+    from infer.photos import embed_files, image_files
     from scripts.export_onnx import export
     from scripts.verify import main as verify
     torch.manual_seed(0)
@@ -348,13 +349,13 @@ def test_model_pt_and_its_onnx_export_embed_alike_and_verify_takes_onnx(tmp_path
     export(model, onnx_path)
     held = _identities(tmp_path / "held", range(3), 5)
     files = image_files([held])
-    a = embed_files(files, load_model(pt), batch_size=4)
-    b = embed_files(files, load_model(onnx_path), batch_size=6)
+    a = embed_files(files, load_module(pt), batch_size=4)
+    b = embed_files(files, load_module(onnx_path), batch_size=6)
     assert a.shape == (15, 64) and np.abs(a - b).max() < 1e-4
     bare = tmp_path / "arcface_torch"  # an arcface_torch model.pt: "module." keys, no config, --network
     bare.mkdir()
     torch.save({f"module.{k}": v for k, v in model.state_dict().items()}, bare / "model.pt")
-    c = embed_files(files, load_model(str(bare / "model.pt"), "tiny"), batch_size=15)
+    c = embed_files(files, load_module(str(bare / "model.pt"), "tiny"), batch_size=15)
     assert np.abs(a - c).max() < 1e-5
     val = str(tmp_path / "v.bin")
     make_bin([held, val, "--pairs", "10"])
@@ -365,15 +366,15 @@ def test_model_pt_and_its_onnx_export_embed_alike_and_verify_takes_onnx(tmp_path
 
 
 def test_unreadable_onnx_and_missing_inputs_are_one_line_errors(tmp_path, capsys):
-    from eval.embedder import load_model
+    from infer.model import load_module
     from scripts.embed import main as embed
     from utils.checkpoint import CheckpointError
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not a model")
     with pytest.raises(CheckpointError, match=r"bad.onnx: not a readable ONNX model"):
-        load_model(str(bad))
+        load_module(str(bad))
     with pytest.raises(CheckpointError, match=r"gone.onnx: ONNX model not found"):
-        load_model(str(tmp_path / "gone.onnx"))
+        load_module(str(tmp_path / "gone.onnx"))
     out = str(tmp_path / "e.npy")
     assert embed([str(bad), str(tmp_path / "nowhere.jpg"), "--out", out]) == 2
     assert re.match(r"error: .*nowhere.jpg: no such image file or folder\n$", capsys.readouterr().err)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import train
-from heads.distill import DistillLoss
+from distill.head import DistillLoss
 from tests.conftest import train_argv
 from tests.distributed import run_distributed
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from eval.search import ExactIndex, FaissIndex, make_index
+from infer.search import ExactIndex, FaissIndex, make_index
 
 
 def brute_force(gallery: np.ndarray, queries: np.ndarray, k: int):

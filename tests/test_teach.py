@@ -13,7 +13,7 @@ import train
 from builders import Distillation, build_train_dataset
 from configs import get_config
 from configs.errors import ConfigError
-from eval.teacher import MAGIC, TeacherFile, header_bytes
+from distill.teacher_file import MAGIC, TeacherFile, header_bytes
 from parallel.user_errors import exits_on_user_error
 from scripts.teach import main as teach
 from tests.conftest import train_argv
@@ -161,8 +161,8 @@ def test_teacher_file_with_non_finite_rows_is_refused_at_open_naming_them(made, 
 
 
 def test_teach_refuses_a_teacher_whose_embedding_of_a_record_is_not_finite(folder, tmp_path):
-    from eval.embedder import Embedder
-    from eval.teacher import OnlineTeacher
+    from infer.model import Model
+    from distill.teacher import OnlineTeacher
     from faces.align import ARCFACE_112
     from scripts.teach import write_teacher_file
 
@@ -176,7 +176,7 @@ def test_teach_refuses_a_teacher_whose_embedding_of_a_record_is_not_finite(folde
 
     cfg = get_config("configs/demo.py", ["--rec", folder, "--num_classes", "0", "--teacher", "nan"])
     data = build_train_dataset(cfg, train=False)
-    teacher = OnlineTeacher(Embedder(NanTeacher(), ARCFACE_112, "nan", "x"), torch.device("cpu"))
+    teacher = OnlineTeacher(Model(NanTeacher(), ARCFACE_112, "nan", "x"), torch.device("cpu"))
     out = str(tmp_path / "nan.teacher")
     with pytest.raises(CheckpointError, match=f"^teacher nan: its embedding of record 0 of {folder} is not finite"):
         write_teacher_file(teacher, data, {"data": folder}, out, batch_size=4, num_workers=0)

@@ -8,8 +8,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from backbones import get_model
 from configs.errors import ConfigError
-from eval.embedder import Embedder, load_embedder
-from eval.teacher import OnlineTeacher, load_teacher
+from infer.model import Model, load_model
+from distill.teacher import OnlineTeacher, load_teacher
 from faces.align import ARCFACE_112
 from scripts.export_onnx import main as export_onnx
 
@@ -45,7 +45,7 @@ def test_onnx_teacher_runs_on_the_threads_torch_was_given(teacher_onnx):
         teacher = load_teacher(teacher_onnx, None, torch.device("cpu"))
     finally:
         torch.set_num_threads(threads)
-    assert teacher.embedder.module.session.get_session_options().intra_op_num_threads == 1
+    assert teacher.model.module.session.get_session_options().intra_op_num_threads == 1
 
 
 class _WeightCasts(TorchDispatchMode):
@@ -82,8 +82,8 @@ def test_frozen_teacher_casts_its_weights_once_and_keeps_autocasts_targets(preci
         return get_model("tiny", num_features=32).eval() if network == "tiny" else _Fp32Fc().eval()
 
     reference = build()  # fp32 weights, cast by autocast at each call
-    teacher = OnlineTeacher(Embedder(build(), ARCFACE_112, network, "x"), torch.device("cpu"), precision)
-    module = teacher.embedder.module
+    teacher = OnlineTeacher(Model(build(), ARCFACE_112, network, "x"), torch.device("cpu"), precision)
+    module = teacher.model.module
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     convs = [m for m in module.modules() if isinstance(m, nn.Conv2d)]
     assert teacher.cast_once >= len(convs) > 0 and all(m.weight.dtype == low for m in convs)
@@ -100,9 +100,9 @@ def test_frozen_teacher_casts_its_weights_once_and_keeps_autocasts_targets(preci
 
 def test_teacher_in_fp32_is_left_as_it_is(teacher_pt):
     teacher = load_teacher(teacher_pt, "tiny", torch.device("cpu"))
-    assert teacher.cast_once == 0 and all(p.dtype == torch.float32 for p in teacher.embedder.module.parameters())
+    assert teacher.cast_once == 0 and all(p.dtype == torch.float32 for p in teacher.model.module.parameters())
 
 
 def test_teacher_is_loaded_on_the_device_it_is_given(teacher_pt):
-    embedder = load_embedder(teacher_pt, "tiny", device=torch.device("cpu"))
+    embedder = load_model(teacher_pt, "tiny", device=torch.device("cpu"))
     assert embedder.device == torch.device("cpu")

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from dataset import DataError, build_dataset
-from eval.embedder import embed_files, image_files, load_model
+from infer.model import load_module
+from infer.photos import embed_files, image_files
 from eval.verification import VerificationDataError, load_bin, write_bin
 from scripts.compare import main as compare
 from scripts.embed import main as embed
@@ -99,7 +100,7 @@ def test_onnx_with_non_finite_weights_is_refused(tmp_path):
     import onnx
     from onnx import numpy_helper
     path = str(tmp_path / "m.onnx")
-    export(load_model(tiny_model(tmp_path)), path)
+    export(load_module(tiny_model(tmp_path)), path)
     graph = onnx.load(path)
     init = next(i for i in graph.graph.initializer if numpy_helper.to_array(i).dtype == np.float32)
     w = numpy_helper.to_array(init).copy()
@@ -107,7 +108,7 @@ def test_onnx_with_non_finite_weights_is_refused(tmp_path):
     init.CopyFrom(numpy_helper.from_array(w, init.name))
     onnx.save(graph, path)
     with pytest.raises(CheckpointError, match=rf"m.onnx: weight '{re.escape(init.name)}' has 1 non-finite"):
-        load_model(path)
+        load_module(path)
 
 
 class NanOutput(nn.Module):
@@ -161,18 +162,18 @@ def test_onnx_whose_output_is_a_feature_map_is_refused_naming_the_shape(tmp_path
     export(FeatureMap(), path)
     with pytest.raises(CheckpointError, match=r"fmap.onnx: its output 'embedding' has shape \['batch', 4, 56, 56\], "
                                               r"not N x D"):
-        load_model(path)
+        load_module(path)
 
 
 def test_onnx_with_a_fixed_batch_of_one_embeds_as_the_dynamic_one(tmp_path):
-    model = load_model(tiny_model(tmp_path))
+    model = load_module(tiny_model(tmp_path))
     dynamic, fixed = str(tmp_path / "dynamic.onnx"), str(tmp_path / "fixed.onnx")
     export(model, dynamic)
     torch.onnx.export(model.cpu(), torch.zeros(1, 3, 112, 112), fixed, input_names=["data"],
                       output_names=["embedding"], opset_version=17, dynamo=False)
     files = image_files([photos(tmp_path / "faces", ids=2, per_id=3)])
-    a = embed_files(files, load_model(dynamic), batch_size=4)
-    b = embed_files(files, load_model(fixed), batch_size=4)
+    a = embed_files(files, load_module(dynamic), batch_size=4)
+    b = embed_files(files, load_module(fixed), batch_size=4)
     assert a.shape == (6, 64) and np.abs(a - b).max() < 1e-5
 
 

@@ -37,8 +37,9 @@ from utils.atomic import fsync_dir, publishing
 logger = logging.getLogger("shardface")
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
 # submodules of the training backbone that only training uses (distillation's projection,
-# heads/distill.py): checkpointed with it, left out of model.pt and of every weights reader
-TRAINING_ONLY = ("distill_projection",)
+# distill/head.py): checkpointed with it, left out of model.pt and of every weights reader
+DISTILL_PROJECTION = "distill_projection"  # distill.head registers it on the backbone
+TRAINING_ONLY = (DISTILL_PROJECTION,)
 
 
 def exported(weights: dict | None) -> dict | None:

@@ -1,6 +1,6 @@
 """Distillation losses between a student's and a teacher's embeddings (issue #29).
 
-Both are pure functions of the rows they are given; heads/distill.py decides which rows
+Both are pure functions of the rows they are given; distill/head.py decides which rows
 each rank passes, so that W ranks equal one process with the global batch.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ over people, not images.
 
 Without alignment every image is taken as a face crop already aligned for the model (its
 template's size, or insightface's 112x112); with `align=True` faces are found and aligned in
-photos by faces.detect under a `Detection` (detector, upsampling, landmarks, minimum score,
+photos by faces.detect under the model's `Detection` (detector, upsampling, landmarks, minimum score,
 maximum side; the largest face of each gallery image is enrolled).
 
 Enrolment is cached in one file (default `DIR/.shardface_gallery.npz`, and
@@ -45,13 +45,14 @@ import numpy as np
 import torch
 
 from dataset import DataError
+from dataset.errors import ImageDecodeError
 from dataset.fingerprint import file_ends
 from dataset.folders import hidden, not_regular, walk_images, warn_hidden
 from dataset.images import IMAGE_EXTENSIONS, decode_chw, image_size
-from eval.embedder import embed_uint8
-from eval.search import make_index
 from faces.align import ARCFACE_112, Template
-from faces.photos import Detection, no_face_message
+from faces.photos import load_photo, no_face_message
+from infer.photos import face_crop
+from infer.search import make_index
 from utils.atomic import check_output_file, host_name, process_alive, publishing
 from utils.progress import Progress
 
@@ -73,8 +74,8 @@ class _Damaged(Exception):
 
 
 @dataclass
-class Face:
-    """One face of a photo: where it is and its embedding."""
+class EmbeddedFace:
+    """One face found in a photo (or a crop file's one face): where it is and its embedding."""
     path: str
     index: int                            # 0 = the largest face of the photo
     box: tuple[int, int, int, int]        # x0, y0, x1, y1 in photo pixels (the whole crop without alignment)
@@ -82,7 +83,7 @@ class Face:
 
 
 @dataclass
-class Gallery:
+class Enrolment:
     names: list[str]        # one per person, sorted
     templates: np.ndarray   # people x D: each person's mean template
     header: dict            # what made it (model, fingerprint, template, align, face options)
@@ -139,60 +140,52 @@ def check_image(path: str, template: Template, align: bool) -> None:
                            f"pass --align to find and align the faces in photos")
 
 
-def detect_and_align(path: str, template: Template, detection: Detection):
-    """[(box, PIL crop on `template`)] of a photo's faces, largest first (faces.detect)."""
-    from faces.detect import aligned_faces  # dlib is loaded only when faces are searched
-    return [(tuple(int(round(v)) for v in face.box), crop) for face, crop in
-            aligned_faces(path, template, detection.detector, detection.upsample, detection.landmarks,
-                          detection.min_score, detection.max_side)]
-
-
-def face_crops(path: str, template: Template, align: bool, detection: Detection = Detection()):
-    """[(box, 3 x h x w uint8 crop, the template it is aligned to)] of one image file: every
-    detected face with `align`, else the image itself as one aligned crop."""
-    check_image(path, template, align)
+def face_crops(path: str, model, align: bool) -> list[tuple[tuple[int, int, int, int], torch.Tensor, Template]]:
+    """[(box, 3 x h x w uint8 crop, the template it is aligned to)] of one image file: every face
+    found (under `model.detection`) cut to the model's crop with `align`, else the image itself as
+    one aligned crop."""
+    check_image(path, model.template, align)
     if align:
         try:
-            found = detect_and_align(path, template, detection)
-        except OSError as exc:
-            raise GalleryError(f"{path}: not a readable image ({exc})") from None
-        return [(box, torch.from_numpy(np.asarray(crop.convert("RGB")).copy()).permute(2, 0, 1), template)
-                for box, crop in found]
+            image = load_photo(path)
+        except ImageDecodeError as exc:
+            raise GalleryError(str(exc)) from None
+        return [(tuple(int(round(v)) for v in face.box), face_crop(model, image, face), model.template)
+                for face in model.detection.faces(image)]
     with open(path, "rb") as f:
-        chw = decode_chw(f.read(), path)
-    return [((0, 0, int(chw.shape[2]), int(chw.shape[1])), chw, _made_for(chw.shape[1:], template))]
+        image = decode_chw(f.read(), path)
+    return [((0, 0, int(image.shape[2]), int(image.shape[1])), image, _made_for(image.shape[1:], model.template))]
 
 
-def embed_crops(embedder, crops: list[tuple[torch.Tensor, Template]], batch_size: int = 64) -> np.ndarray:
+def embed_crops(model, crops: list[tuple[torch.Tensor, Template]], batch_size: int = 64) -> np.ndarray:
     """N x D: each crop's embedding plus its mirror image's, L2-normalised, crops re-framed onto
-    the embedder's template by `Embedder.from_crops`."""
+    the model's template by `Model.from_crops`."""
     out = [None] * len(crops)
     groups: dict[str, list[int]] = {}
     for i, (_, made_for) in enumerate(crops):
         groups.setdefault(made_for.name, []).append(i)
-    for rows in groups.values():  # the flip test and its checks are embed_uint8's, as in every tool
-        module = embedder.for_crops(crops[rows[0]][1])
-        for i, row in zip(rows, embed_uint8(torch.stack([crops[i][0] for i in rows]), module, batch_size)):
+    for rows in groups.values():
+        embedded = model.embed_crops(torch.stack([crops[i][0] for i in rows]), crops[rows[0]][1], batch_size=batch_size)
+        for i, row in zip(rows, embedded):
             out[i] = row
     return np.stack(out).astype(np.float32) if out else np.zeros((0, 0), np.float32)
 
 
-def photo_faces(paths: list[str], embedder, align: bool, detection: Detection = Detection(),
-                batch_size: int = 64) -> list[Face]:
+def photo_faces(paths: list[str], model, align: bool, batch_size: int = 64) -> list[EmbeddedFace]:
     """Every face of every photo (one per file without alignment), in order, with embeddings.
     Files are read and checked before anything is embedded."""
     found = [(path, i, box, crop, made_for) for path in paths
-             for i, (box, crop, made_for) in enumerate(face_crops(path, embedder.template, align, detection))]
-    emb = embed_crops(embedder, [(c, m) for *_, c, m in found], batch_size)
-    return [Face(path, i, box, e) for (path, i, box, _, _), e in zip(found, emb)]
+             for i, (box, crop, made_for) in enumerate(face_crops(path, model, align))]
+    emb = embed_crops(model, [(c, m) for *_, c, m in found], batch_size)
+    return [EmbeddedFace(path, i, box, e) for (path, i, box, _, _), e in zip(found, emb)]
 
 
-def refuse_faceless(paths: list[str], faces: list[Face], detection: Detection) -> None:
+def refuse_faceless(paths: list[str], faces: list[EmbeddedFace], model) -> None:
     """--strict: a photo in which no face was found is refused, naming it."""
     seen = {f.path for f in faces}
     missing = [p for p in paths if p not in seen]
     if missing:
-        raise GalleryError(f"{no_face_message(missing, len(paths), detection)}; --strict refuses them")
+        raise GalleryError(f"{no_face_message(missing, len(paths), model.detection)}; --strict refuses them")
 
 
 def default_cache(folder: str, ema: bool = True) -> str:
@@ -200,11 +193,15 @@ def default_cache(folder: str, ema: bool = True) -> str:
     return os.path.join(folder, CACHE_NAME if ema else RAW_CACHE_NAME)
 
 
-def model_header(embedder, align: bool, detection: Detection = Detection()) -> dict:
-    t = embedder.template
-    return {"format": FORMAT, "model": _model_key(embedder.name), "fingerprint": embedder.fingerprint,
-            "ema": bool(embedder.ema), "template": f"{t.name} {t.size[1]}x{t.size[0]}",
-            "align": bool(align), "detection": dataclasses.asdict(detection) if align else None}
+def model_header(model, align: bool) -> dict:
+    """What a gallery file records of how its embeddings were made."""
+    return {"format": FORMAT, "model": _model_key(model.name), "fingerprint": model.fingerprint,
+            "ema": bool(model.ema), "template": model.crop_name if align else _crops_name(model.template),
+            "align": bool(align), "detection": dataclasses.asdict(model.detection) if align else None}
+
+
+def _crops_name(t: Template) -> str:
+    return f"{t.name} {t.size[1]}x{t.size[0]}"
 
 
 def _model_key(name: str) -> str:
@@ -313,10 +310,10 @@ def changes(old: dict, new: dict) -> list[str]:
     return said
 
 
-def model_width(embedder) -> int:
+def model_width(model) -> int:
     """The embedding width of the model: one blank crop embedded."""
-    h, w = embedder.template.size
-    return int(embed_crops(embedder, [(torch.zeros(3, h, w, dtype=torch.uint8), embedder.template)]).shape[1])
+    h, w = model.template.size
+    return int(embed_crops(model, [(torch.zeros(3, h, w, dtype=torch.uint8), model.template)]).shape[1])
 
 
 def _part_folders(parts: str) -> list[tuple[str, bool]]:
@@ -340,17 +337,17 @@ def _resume(parts: str, header: dict, width: int) -> dict:
     return known
 
 
-def enrol(folder: str, embedder, align: bool = False, cache: str | None = None, rebuild: bool = False,
-          detection: Detection = Detection(), batch_size: int = 64, show_progress: bool = True,
-          strict: bool = False, save_every_s: float = SAVE_EVERY_S) -> Gallery:
-    """The gallery of `folder` under `embedder`, from its cache file where still valid (see the
+def enrol(folder: str, model, align: bool = False, cache: str | None = None, rebuild: bool = False,
+          batch_size: int = 64, show_progress: bool = True,
+          strict: bool = False, save_every_s: float = SAVE_EVERY_S) -> Enrolment:
+    """The gallery of `folder` under `model`, from its cache file where still valid (see the
     module docstring); the cache is written (atomically) when anything changed. `strict`: a
     gallery image without a face is refused (after the enrolment is saved)."""
     people = list_gallery(folder)
-    cache = cache or default_cache(folder, embedder.ema)
+    cache = cache or default_cache(folder, model.ema)
     check_cache(cache)
     parts = f"{cache}.parts"
-    header = model_header(embedder, align, detection)
+    header = model_header(model, align)
     known: dict = {}
     cached: set = set()  # the files the cache holds valid embeddings of
     width = None
@@ -364,23 +361,23 @@ def enrol(folder: str, embedder, align: bool = False, cache: str | None = None, 
         if said and not rebuild:
             logger.warning("%s: %s changed since enrolment: enrolling every image again", cache, " and ".join(said))
         elif not rebuild:
-            width = model_width(embedder)
+            width = model_width(model)
             try:
                 known.update(_read_entries(cache, width))
                 cached = set(known)
             except _Damaged as exc:
                 logger.warning("%s: a damaged gallery file (%s): enrolling every image again", cache, exc)
     if not rebuild and os.path.isdir(parts):
-        known.update(_resume(parts, header, width or model_width(embedder)))
+        known.update(_resume(parts, header, width or model_width(model)))
 
     listing = [(rel, os.path.join(folder, rel)) for _, files in people for rel in files]
     keys = [(rel, *content_key(path)) for rel, path in listing]
     pending = [k for k in keys if k not in known]
     for rel, _, _ in pending:  # every header before the first embedding
-        check_image(os.path.join(folder, rel), embedder.template, align)
+        check_image(os.path.join(folder, rel), model.template, align)
     own = os.path.join(parts, f"{host_name()}-{os.getpid()}")
     if pending:
-        _embed_pending(folder, embedder, align, detection, header, pending, known, own, batch_size, save_every_s,
+        _embed_pending(folder, model, align, header, pending, known, own, batch_size, save_every_s,
                        Progress(len(pending), "enrolling") if show_progress else None)
     no_face = [k[0] for k in keys if known[k] is None]
     gallery = _pool(people, keys, known, header)
@@ -388,7 +385,7 @@ def enrol(folder: str, embedder, align: bool = False, cache: str | None = None, 
         _write_entries(cache, header, keys, [known[k] for k in keys])
     _clean_parts(parts, own)
     if no_face:
-        message = no_face_message([os.path.join(folder, f) for f in no_face], len(keys), detection)
+        message = no_face_message([os.path.join(folder, f) for f in no_face], len(keys), model.detection)
         if strict:
             raise GalleryError(f"{message}; --strict refuses them (the enrolment is saved in {cache})")
         logger.warning("%s; left out of the gallery", message)
@@ -396,14 +393,14 @@ def enrol(folder: str, embedder, align: bool = False, cache: str | None = None, 
     return gallery
 
 
-def _embed_pending(folder, embedder, align, detection, header, pending, known, own, batch_size, save_every_s, progress):
+def _embed_pending(folder, model, align, header, pending, known, own, batch_size, save_every_s, progress):
     """Embed the `pending` images into `known`, saving what is new in `own` every `save_every_s` s."""
     new_keys, new_rows, saved, last = [], [], 0, time.monotonic()
     for start in range(0, len(pending), batch_size):
         batch = pending[start:start + batch_size]
-        found = [face_crops(os.path.join(folder, rel), embedder.template, align, detection)[:1]
+        found = [face_crops(os.path.join(folder, rel), model, align)[:1]
                  for rel, _, _ in batch]
-        emb = iter(embed_crops(embedder, [(c, m) for faces in found for _, c, m in faces], batch_size))
+        emb = iter(embed_crops(model, [(c, m) for faces in found for _, c, m in faces], batch_size))
         rows = [next(emb) if faces else None for faces in found]
         known.update(zip(batch, rows))
         new_keys += batch
@@ -426,7 +423,7 @@ def _clean_parts(parts: str, own: str) -> None:
         os.rmdir(parts)
 
 
-def _pool(people, keys, known, header) -> Gallery:
+def _pool(people, keys, known, header) -> Enrolment:
     names, templates, row = [], [], 0
     for person, files in people:
         faces = [known[k] for k in keys[row:row + len(files)] if known[k] is not None]
@@ -436,7 +433,7 @@ def _pool(people, keys, known, header) -> Gallery:
         mean = np.mean(faces, axis=0)
         names.append(person)
         templates.append(mean / max(np.linalg.norm(mean), 1e-12))
-    return Gallery(names, np.stack(templates).astype(np.float32), header, len(keys))
+    return Enrolment(names, np.stack(templates).astype(np.float32), header, len(keys))
 
 
 def mean_cross_cosine(templates: np.ndarray) -> float:
@@ -447,7 +444,7 @@ def mean_cross_cosine(templates: np.ndarray) -> float:
     return float((total @ total - n) / (n * (n - 1)))
 
 
-def warn_if_collapsed(gallery: Gallery, where: str) -> None:
+def warn_if_collapsed(gallery: Enrolment, where: str) -> None:
     """One warning when the templates of different people are nearly the same direction: every
     query would score alike for everyone (a collapsed or untrained model)."""
     if len(gallery.names) < 2:
@@ -459,8 +456,8 @@ def warn_if_collapsed(gallery: Gallery, where: str) -> None:
                        "or untrained model?)", where, len(gallery.names), mean)
 
 
-def identify(gallery: Gallery, queries: np.ndarray, k: int = 1, engine: str = "faiss"):
-    """(scores, person indices), Q x k, best first (eval.search's order; -1 beyond the gallery)."""
+def identify(gallery: Enrolment, queries: np.ndarray, k: int = 1, engine: str = "faiss"):
+    """(scores, person indices), Q x k, best first (infer.search's order; -1 beyond the gallery)."""
     index = make_index(gallery.templates.shape[1], engine)
     index.add(gallery.templates)
     return index.search(queries, k)

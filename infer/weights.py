@@ -24,7 +24,10 @@ logger = logging.getLogger("shardface")
 
 
 def _embedding_size(state: dict) -> int | None:
-    """The last BatchNorm of every registered backbone is its embedding BatchNorm."""
+    """A guess for weights that come without a config (an arcface_torch model.pt): the width of
+    the last BatchNorm, which is the embedding's in insightface's networks (iresnet, mbf). A
+    network that ends otherwise (dlib_resnet ends in a linear layer) is sized by its config; a
+    wrong guess is refused by `state_mismatch`, naming the key."""
     bn = [k for k in state if k.endswith("running_mean")]
     return int(state[bn[-1]].numel()) if bn else None
 
@@ -80,7 +83,7 @@ def load_backbone(path: str, network: str | None = None, ema: bool = True) -> nn
     network = network or config.get("network")
     if not network:
         raise CheckpointError(f"{path}: no training config beside it names the network; pass --network")
-    model = get_model(network, num_features=_embedding_size(state) or config.get("embedding_size", 512))
+    model = get_model(network, num_features=config.get("embedding_size") or _embedding_size(state) or 512)
     problem = state_mismatch(state, model.state_dict())
     if problem:
         raise CheckpointError(f"{path} is not a '{network}' checkpoint: {problem}")

@@ -1,12 +1,36 @@
-"""The face-finding options the tools share (scripts.align, and `--align` in pack_rec, make_bin,
-embed, compare): one spelling, one help text, one Detection built from them."""
+"""The options the tools share, declared once: MODEL and its weights (`add_model_options`, every
+tool that uses a trained model) and the face-finding options (scripts.align, and `--align` in
+pack_rec, make_bin, embed, compare, identify, identify_eval): one spelling, one help text, one
+Model and one Detection built from them."""
 from __future__ import annotations
 
 import math
 
 from configs.errors import ConfigError
-from faces.detect import DETECTORS, LANDMARKS, MAX_SIDE
+from faces.detect import DETECTORS, LANDMARKS, MAX_SIDE, check_available
 from faces.photos import Detection
+from infer.model import MODEL_HELP, Model, load_model
+
+
+def add_model_options(p, batch_size: int | None = 64, what: str = "MODEL") -> None:
+    """MODEL (positional; `what` names it in the usage line), --network, --no_ema and, for a tool
+    that embeds (batch_size not None), --batch_size."""
+    p.add_argument("model", metavar=what, help=MODEL_HELP)
+    p.add_argument("--network", default=None, help="backbone name for a model.pt without a training config beside "
+                                                   "it (arcface_torch's; default: from the training config)")
+    p.add_argument("--no_ema", action="store_true", help="the raw weights, not the EMA")
+    if batch_size is not None:
+        p.add_argument("--batch_size", type=int, default=batch_size,
+                       help=f"face crops per forward pass (default {batch_size})")
+
+
+def model_from(args, detection: Detection | None = None, device=None) -> Model:
+    """The Model the MODEL options name, on `device` (default: the current GPU, else the CPU),
+    finding faces with `detection` (the face options')."""
+    if getattr(args, "batch_size", 1) < 1:
+        raise ConfigError(f"--batch_size {args.batch_size}: at least 1")
+    return load_model(args.model, args.network, ema=not args.no_ema, device=device,
+                      detection=detection or Detection())
 
 
 def add_detection_options(p) -> None:
@@ -48,3 +72,13 @@ def detection_from(args) -> Detection:
     if args.max_side < 64:
         raise ConfigError(f"--max_side {args.max_side}: at least 64")
     return Detection(args.detector, args.upsample, args.landmarks, args.min_score, args.max_side)
+
+
+def face_detection(args) -> Detection:
+    """The Detection the face options ask for (their values checked, and with --align the dlib
+    models loaded, so a missing model file is one line at start), before any work."""
+    if not getattr(args, "align", True):
+        return Detection()  # no face is searched
+    detection = detection_from(args)
+    check_available(detection.detector, detection.landmarks)
+    return detection

@@ -19,13 +19,15 @@ cosine 1 - 0.6^2 / 2 = 0.82, on 16.7%. The tools' embeddings add the mirror imag
 test), which moves a pair's cosine a little: on the same pairs the rule agrees on 94.7%."""
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from configs.errors import ConfigError
-from eval.weights import DLIB
+from infer.weights import DLIB
 
 DLIB_DISTANCE = 0.6   # dlib's same-person rule on its raw descriptors (dlib's face_recognition example)
 DLIB_NORM = 1.36      # the mean norm of dlib's descriptors of real faces (measured: see the module docstring)
@@ -72,8 +74,8 @@ def model_threshold(model: str) -> Threshold | None:
 def chosen_threshold(given: float | None, fitted: tuple[float, float, str, int] | None,
                      model: str, own: Threshold | None = None) -> Threshold | None:
     """The threshold to decide at: `given` (--threshold), else `fitted` ((threshold, accuracy,
-    .bin path, pairs) from eval.embedder.best_threshold), else `own` (the loaded model's, as
-    Embedder.threshold), else the MODEL's own by name, else None."""
+    .bin path, pairs) from infer.model.best_threshold), else `own` (the loaded model's, as
+    Model.threshold), else the MODEL's own by name, else None."""
     if given is not None:
         return Threshold(checked(given), "given by --threshold")
     if fitted is not None:
@@ -133,3 +135,30 @@ def saved_threshold(record: dict | None, where: str) -> Threshold | None:
                                 f"measured at step {record['step']} ({where})")
     except (KeyError, TypeError, ValueError):
         raise ThresholdError(f"{where}: unreadable threshold record {record!r}") from None
+
+
+def run_threshold(path: str, ema: bool = True) -> Threshold | None:
+    """The threshold training saved beside the weights at `path` (a run output, a checkpoint dir,
+    or the run's model.pt: the latest checkpoint's weights, the EMA's where there is one), if it
+    was measured at the step of those weights; else None."""
+    from utils.checkpoint import CHECKPOINT_NAME, find_checkpoint
+    run = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    ckpt = find_checkpoint(run)
+    if ckpt is not None and os.path.abspath(ckpt) == os.path.abspath(run):  # a checkpoint dir: its run holds the file
+        run = os.path.dirname(os.path.abspath(ckpt))
+    file = os.path.join(run, THRESHOLD_FILE)
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file) as f:
+            records = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ThresholdError(f"{file}: unreadable ({exc})") from None
+    if not isinstance(records, dict):
+        raise ThresholdError(f"{file}: not a threshold record")
+    want_ema = ema if os.path.isdir(path) else True  # model.pt holds the EMA's weights where there is one
+    record = records.get("ema") if want_ema and records.get("ema") else records.get("raw")
+    named = CHECKPOINT_NAME.match(os.path.basename(ckpt)) if ckpt else None
+    if record is None or (named and isinstance(record, dict) and record.get("step") != int(named.group(1))):
+        return None  # measured on other weights than these
+    return saved_threshold(record, file)

@@ -1,0 +1,243 @@
+"""A trained face model, ready to use: `load_model(MODEL)` resolves any form of one once (a run
+or checkpoint directory, a `model.pt` of ShardFace or of arcface_torch with `network`, an
+exported `.onnx`, or `dlib`) into a `Model` that knows the crop its network wants and its own
+threshold, finds faces, embeds photos and compares them:
+
+    model = load_model("dlib")
+    model.faces("group.jpg")                  # [Face], largest first: .box, .points, .score
+    model.embed(["a.jpg", pil_image, array])  # N x D float32, unit rows: each photo's largest face
+    model.compare("a.jpg", "b.jpg")           # the cosine of the two photos' largest faces
+    model.threshold                           # its own verdict threshold, or None
+
+Every Model's module takes N x 3 x h x w float RGB in [-1, 1] ((x - 127.5) / 127.5, as
+arcface_torch), h x w being its template's size: a network that wants other pixel scaling
+converts inside its module, so tools, training's evaluation, ONNX export and a distillation
+teacher all feed it alike. Crops made for another template (the 112x112 `.bin` sets, a student's
+batch) are re-framed onto the model's template by `Model.from_crops`.
+
+MODEL `dlib` is dlib's face descriptor (face-recognition-models' .dat, read by
+faces.dlib_format into backbones.dlib_resnet): 128-D on dlib's 150x150 chip, cut from a photo
+exactly as dlib cuts it from its 5-point shape (faces.dlib_chip), so its embeddings are
+face_recognition's `face_encodings`."""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import nn
+
+from backbones.dlib_resnet import DlibResNet
+from faces.align import ARCFACE_112, Template, align, similarity_transform
+from faces.detect import Face
+from faces.dlib_chip import DLIB_150, dlib_chip
+from faces.models import model_file
+from faces.photos import Detection
+from infer.embed import embed_uint8, module_device
+from infer.onnx import OnnxBackbone
+from infer.thresholds import Threshold, model_threshold, run_threshold
+from infer.weights import DLIB, DLIB_FILE, dlib_state, load_backbone
+
+MODEL_HELP = "run output, checkpoint dir, model.pt (ShardFace or arcface_torch), .onnx or dlib"
+KINDS = ("dlib", "onnx", "weights")
+
+
+def tool_device() -> torch.device:
+    """Where a one-process tool runs a model: the current GPU, else the CPU. A training rank
+    passes its own device instead."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def model_kind(spec: str) -> str:
+    """What a MODEL argument names, decided here once: `dlib`, an `.onnx` file, or trained weights
+    (a run or checkpoint directory, a model.pt or another state dict)."""
+    if spec == DLIB:
+        return "dlib"
+    return "onnx" if spec.lower().endswith(".onnx") else "weights"
+
+
+def model_files(spec: str) -> list[str]:
+    """The files of the MODEL `spec` (an output must never be one of them): what loading it
+    reads (a weights file and the config.json beside it; a checkpoint's files), and for a run
+    output also the run's own config.json, latest and exported model.pt."""
+    if model_kind(spec) == "dlib":
+        return [model_file(DLIB_FILE)]
+    return _model_files(spec)
+
+
+def _model_files(path: str) -> list[str]:
+    """The files of the model at `path` (an output must never be one of them): what loading it
+    reads (a weights file and the config.json beside it; a checkpoint's files), and for a run
+    output also the run's own config.json, latest and exported model.pt."""
+    if not os.path.isdir(path):
+        return [path, os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")]
+    from utils.checkpoint import find_checkpoint
+    ckpt = find_checkpoint(path) or path
+    run = [os.path.join(path, f) for f in ("config.json", "latest", "model.pt")]
+    return run + ([os.path.join(ckpt, f) for f in os.listdir(ckpt)] if os.path.isdir(ckpt) else [])
+
+
+@dataclass
+class Model:
+    """A frozen face-embedding network, the crop it wants, and what derived files record of it."""
+    module: nn.Module       # eval mode; N x 3 x h x w float in [-1, 1] -> N x D
+    template: Template      # the crop geometry (size and five-point positions) it was trained on
+    name: str               # the MODEL it was loaded from, for messages and derived files
+    fingerprint: str        # a hash of its weights (or ONNX file): derived files record it
+    threshold: Threshold | None = None  # its own verdict threshold (infer/thresholds.py), if it has one
+    ema: bool = True        # the EMA weights were asked for (False: --no_ema); derived files record it
+    kind: str = "weights"   # model_kind(name): "dlib", "onnx" or "weights"
+    detection: Detection = Detection()  # how `faces` and `embed` find faces in photos
+    # from_crops' warps, made once per (template, device, dtype): rebuilt each step, each would be
+    # a copy from host memory that waits for the device
+    _thetas: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def device(self) -> torch.device:
+        """Where its input goes: its weights' device (the CPU for the ONNX form)."""
+        return module_device(self.module)
+
+    @property
+    def crop_name(self) -> str:
+        """The crop this model's photos are cut to, as derived files record it."""
+        t = self.template
+        return ("dlib's own chip" if self.kind == "dlib" else t.name) + f" {t.size[1]}x{t.size[0]}"
+
+    def crop(self, photo: Image.Image, face: Face) -> Image.Image:
+        """The face's crop for this model: MODEL `dlib` cuts dlib's own chip from dlib's 5-point
+        shape (as dlib and face_recognition do; from the 68-point model's landmarks, its five
+        points on the same chip's template); any other the five-point alignment to its template."""
+        if self.kind == "dlib" and face.shape is not None and len(face.shape) == 5:
+            return dlib_chip(photo, face.shape, size=self.template.size[0])
+        return align(photo, face.points, self.template)
+
+    def from_crops(self, images: torch.Tensor, made_for: Template = ARCFACE_112) -> torch.Tensor:
+        """uint8 (or [-1, 1] float) N x 3 x H x W crops aligned to `made_for` -> float in [-1, 1]
+        on this model's template and device (a similarity warp between the two templates;
+        the identity when they are the same)."""
+        images = images.to(self.device)
+        x = images.float().sub(127.5).div(127.5) if images.dtype == torch.uint8 else images.float()
+        if made_for.size == self.template.size and np.allclose(made_for.points, self.template.points):
+            return x
+        grid = torch.nn.functional.affine_grid(self._theta(made_for, x.device, x.dtype).expand(len(x), 2, 3),
+                                               [len(x), 3, *self.template.size], align_corners=False)
+        # outside the crop is black, as alignment leaves it: -1 in [-1, 1]
+        return torch.nn.functional.grid_sample(x + 1, grid, mode="bilinear", padding_mode="zeros",
+                                               align_corners=False) - 1
+
+    def _theta(self, made_for: Template, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """1 x 2 x 3: output pixel -> input pixel, in the normalised [-1, 1] grid coordinates of
+        affine_grid, on `device`; made on the first call for each (template, device, dtype)."""
+        key = (made_for.size, np.asarray(made_for.points, np.float64).tobytes(), device, dtype)
+        if key not in self._thetas:
+            m = similarity_transform(self.template.points, made_for.points)
+            (h_out, w_out), (h_in, w_in) = self.template.size, made_for.size
+            to_px = np.array([[w_out / 2, 0, w_out / 2 - 0.5], [0, h_out / 2, h_out / 2 - 0.5], [0, 0, 1]])
+            to_grid = np.array([[2 / w_in, 0, 1 / w_in - 1], [0, 2 / h_in, 1 / h_in - 1], [0, 0, 1]])
+            theta = (to_grid @ np.vstack([m, [0, 0, 1]]) @ to_px)[:2]
+            self._thetas[key] = torch.as_tensor(theta, dtype=dtype, device=device)[None]
+        return self._thetas[key]
+
+    def for_crops(self, made_for: Template = ARCFACE_112) -> nn.Module:
+        """A module taking [-1, 1] crops aligned to `made_for` (the .bin sets' 112x112, IJB's):
+        this model's module behind `from_crops` (the module itself when the templates agree)."""
+        if made_for.size == self.template.size and np.allclose(made_for.points, self.template.points):
+            return self.module
+        return _Reframed(self, made_for)
+
+
+
+    # the Python API (infer.photos holds the pipeline under it)
+
+    def faces(self, photo) -> list[Face]:
+        """The faces of one photo (a path, a PIL image or an H x W x 3 uint8 array), largest first."""
+        from infer.photos import photo_faces
+        return photo_faces(photo, self.detection)
+
+    def embed(self, photos, align: bool = True, flip: bool = True, batch_size: int = 64) -> np.ndarray:
+        """N x D float32 unit rows, one per photo (paths, PIL images or H x W x 3 uint8 arrays):
+        with `align`, the embedding of the photo's largest face (a photo without one is a
+        DataError naming it); without, the photo is taken as a crop aligned for this model. `flip`
+        adds the mirror image's embedding (verification's flip test; dlib's own descriptor is
+        single-view: flip=False)."""
+        from infer.photos import embed_photos
+        return embed_photos(self, list(photos), align, flip, batch_size)
+
+    def compare(self, a, b, align: bool = True, flip: bool = True) -> float:
+        """The cosine similarity of two photos' largest faces (of two crops without `align`)."""
+        emb = self.embed([a, b], align, flip).astype(np.float64)
+        return float(emb[0] @ emb[1])
+
+    def embed_crops(self, crops: torch.Tensor, made_for: Template | None = None, flip: bool = True,
+                    batch_size: int = 64) -> np.ndarray:
+        """N x D unit rows of N x 3 x h x w uint8 crops aligned to `made_for` (default this model's
+        template; others are re-framed onto it)."""
+        return embed_uint8(crops, self.for_crops(made_for or self.template), batch_size, flip, self.name)
+
+    def with_detection(self, detection: Detection) -> "Model":
+        """This model, finding faces with `detection` (the tools' face options)."""
+        self.detection = detection
+        return self
+
+
+class _Reframed(nn.Module):
+    def __init__(self, model: Model, made_for: Template):
+        super().__init__()
+        self.model, self.made_for, self.inner = model, made_for, model.module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.model.from_crops(x, self.made_for))
+
+
+def load_module(spec: str, network: str | None = None, ema: bool = True,
+                device: torch.device | None = None) -> nn.Module:
+    """The eval-mode network of a MODEL other than `dlib`: an `.onnx` through onnxruntime,
+    trained weights through infer.weights.load_backbone on `device` (default `tool_device()`)."""
+    if model_kind(spec) == "onnx":
+        return OnnxBackbone(spec).eval()
+    model = load_backbone(spec, network, ema=ema)  # weights that are not finite are refused there
+    return model.to(device if device is not None else tool_device())
+
+
+def load_model(spec: str, network: str | None = None, ema: bool = True, device: torch.device | None = None,
+               detection: Detection = Detection()) -> Model:
+    """The Model of a MODEL argument (see the module docstring), on `device` (default
+    `tool_device()`; an `.onnx` runs where onnxruntime places it), finding faces with `detection`."""
+    kind = model_kind(spec)
+    if kind == "dlib":
+        module = DlibResNet(input_size=DLIB_150.size[0])
+        module.load_state_dict(dlib_state())
+        module = module.eval().to(device if device is not None else tool_device())
+        return Model(module, DLIB_150, spec, fingerprint_file(model_file(DLIB_FILE)), model_threshold(spec),
+                     kind=kind, detection=detection)
+    module = load_module(spec, network, ema, device)
+    if kind == "onnx":
+        return Model(module, module.template, spec, fingerprint_file(spec), module.threshold, ema, kind, detection)
+    return Model(module, ARCFACE_112, spec, fingerprint_module(module), run_threshold(spec, ema), ema, kind, detection)
+
+
+def as_model(module: nn.Module | Model) -> Model:
+    """A bare module (as `load_module` returns) is taken for a 112x112 insightface-crop network."""
+    if isinstance(module, Model):
+        return module
+    return Model(module, ARCFACE_112, "the model", "")
+
+
+def fingerprint_module(module: nn.Module) -> str:
+    """A short hash of every parameter and buffer (names, shapes, values)."""
+    digest = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        digest.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def fingerprint_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]

@@ -1,0 +1,116 @@
+"""MODEL form `.onnx`: an exported model (scripts/export_onnx.py) run by onnxruntime behind the
+module interface the rest of the code takes. Its crop template and its threshold travel in the
+file's metadata (`TEMPLATE_KEY`, infer.thresholds.THRESHOLD_KEY)."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+from torch import nn
+
+from faces.align import ARCFACE_112, Template
+from infer.thresholds import THRESHOLD_KEY, Threshold, saved_threshold
+from utils.checkpoint import CheckpointError
+
+TEMPLATE_KEY = "shardface.template"  # ONNX metadata: the crop template the model takes (JSON)
+
+
+def template_json(template: Template) -> str:
+    return json.dumps({"name": template.name, "size": list(template.size),
+                       "points": np.asarray(template.points).tolist()})
+
+
+class OnnxBackbone(nn.Module):
+    """An exported model (scripts/export_onnx.py: input `data`, N x 3 x h x w float32 RGB in
+    [-1, 1]) run by onnxruntime behind the module interface the evaluation code takes. Its crop
+    template is the one its metadata records (`TEMPLATE_KEY`); a model without it is taken for
+    insightface's 112x112 crop, and must be 112x112. It holds no weights of its own: it takes
+    inputs on any device and returns its output on theirs. Refused at load, naming what is wrong: weights
+    that are not finite, an output that is not N x D. A model exported with a fixed batch size is
+    fed batches of that size."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        import onnxruntime as ort  # only the ONNX form needs it
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: ONNX model not found")
+        wanted = ("CUDAExecutionProvider", "CPUExecutionProvider")
+        providers = [p for p in wanted if p in ort.get_available_providers()]
+        options = ort.SessionOptions()
+        # torch's thread count (torchrun gives each of W ranks its share), not a pool of every core per process
+        options.intra_op_num_threads = torch.get_num_threads()
+        try:
+            self.session = ort.InferenceSession(path, sess_options=options, providers=providers)
+        except Exception as exc:  # onnxruntime raises its own types for every bad file
+            raise CheckpointError(f"{path}: not a readable ONNX model ({str(exc).splitlines()[0]})") from None
+        metadata = self.session.get_modelmeta().custom_metadata_map
+        self.template = self._template(path, metadata.get(TEMPLATE_KEY))
+        self.threshold = self._threshold(path, metadata.get(THRESHOLD_KEY))
+        inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
+        if len(inputs) != 1 or list(inputs[0].shape[1:]) != [3, *self.template.size]:
+            raise CheckpointError(f"{path}: expected one input of shape N x 3 x {self.template.size[0]} x "
+                                  f"{self.template.size[1]} (as scripts.export_onnx writes), got "
+                                  f"{[(i.name, i.shape) for i in inputs]}")
+        if len(outputs[0].shape) != 2:
+            raise CheckpointError(f"{path}: its output '{outputs[0].name}' has shape {outputs[0].shape}, not "
+                                  f"N x D (one embedding per image); export the embedding, not a feature map")
+        _refuse_non_finite_onnx(path)
+        self.input_name = inputs[0].name
+        batch = inputs[0].shape[0]
+        self.fixed_batch = batch if isinstance(batch, int) and batch > 0 else None
+        self.path = path
+
+    @staticmethod
+    def _template(path: str, recorded: str | None) -> Template:
+        if recorded is None:
+            return ARCFACE_112
+        try:
+            t = json.loads(recorded)
+            template = Template(str(t["name"]), (int(t["size"][0]), int(t["size"][1])),
+                                np.asarray(t["points"], np.float64).reshape(5, 2))
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise CheckpointError(f"{path}: unreadable {TEMPLATE_KEY} metadata ({exc})") from None
+        if min(template.size) < 1 or not np.isfinite(template.points).all():
+            raise CheckpointError(f"{path}: {TEMPLATE_KEY} metadata names no usable crop: {recorded}")
+        return template
+
+    @staticmethod
+    def _threshold(path: str, recorded: str | None) -> Threshold | None:
+        if recorded is None:
+            return None
+        try:
+            record = json.loads(recorded)
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: unreadable {THRESHOLD_KEY} metadata ({exc})") from None
+        return saved_threshold(record, f"{path} metadata")
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.detach().float().cpu().numpy()
+        n = len(x)
+        step = self.fixed_batch or max(n, 1)
+        parts = []
+        for start in range(0, n, step):
+            chunk = x[start:start + step]
+            if len(chunk) < step:  # a fixed batch size: pad the last chunk, keep its rows only
+                chunk = np.concatenate([chunk, np.zeros((step - len(chunk), *chunk.shape[1:]), chunk.dtype)])
+            parts.append(self.session.run(None, {self.input_name: chunk})[0][:min(step, n - start)])
+        out = np.concatenate(parts) if parts else np.zeros((0, 0), np.float32)
+        if out.ndim != 2 or out.shape[0] != n:
+            raise CheckpointError(f"{self.path}: output of shape {out.shape} for {n} images; expected {n} x D")
+        return torch.from_numpy(out).to(images.device)
+
+
+def _refuse_non_finite_onnx(path: str) -> None:
+    import onnx
+    from onnx import numpy_helper
+    try:
+        graph = onnx.load(path).graph
+    except Exception as exc:
+        raise CheckpointError(f"{path}: not a readable ONNX model ({str(exc).splitlines()[0]})") from None
+    for init in graph.initializer:
+        w = numpy_helper.to_array(init)
+        if np.issubdtype(w.dtype, np.floating) and not np.isfinite(w).all():
+            raise CheckpointError(f"{path}: weight '{init.name}' has {int((~np.isfinite(w)).sum())} non-finite "
+                                  f"(NaN or inf) values of {w.size}; the model is unusable")
