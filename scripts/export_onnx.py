@@ -118,12 +118,12 @@ def main(argv=None) -> int:
         raise CheckpointError(f"{args.model}: already an ONNX model")
     output = output_path(args.model, args.output)
     refuse_inputs([output], model_files(args.model))
-    embedder = model_from(args)
-    model = embedder.module.cpu()
+    model = model_from(args)
+    module = model.module.cpu()
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     check_output_file(output)
-    own = embedder.threshold.record if embedder.threshold is not None else None
-    export(model, output, args.opset, embedder.template, parity=True, threshold=own)
+    own = model.threshold.record if model.threshold is not None else None
+    export(module, output, args.opset, model.template, parity=True, threshold=own)
     print(f"exported {output}" + (f" with the run's threshold {own['threshold']:.4f} (at FAR {own['far']:g})"
                                    if own else ""))
     return 0

@@ -49,7 +49,7 @@ def split(people: list[tuple[str, list[str]]], per_id: int, unknown: int, seed: 
     return enrolled, mated, nonmated
 
 
-def evaluate(embedder, folder: str, align: bool, per_id: int, unknown: int, seed: int,
+def evaluate(model, folder: str, align: bool, per_id: int, unknown: int, seed: int,
              batch_size: int = 64, max_rank: int = 20, strict: bool = False):
     people = list_gallery(folder)
     if unknown < 0:
@@ -61,11 +61,11 @@ def evaluate(embedder, folder: str, align: bool, per_id: int, unknown: int, seed
         raise GalleryError(f"{folder}: no person has more than --gallery_per_id {per_id} images, so no mated probes")
     files = sorted({f for _, fs in enrolled for f in fs} | {f for _, f in mated + nonmated})
     for f in files:  # every header before the first embedding
-        check_image(os.path.join(folder, f), embedder.template, align)
+        check_image(os.path.join(folder, f), model.template, align)
     faces, paths = {}, [os.path.join(folder, f) for f in files]
-    found = photo_faces(paths, embedder, align, batch_size)
+    found = photo_faces(paths, model, align, batch_size)
     if strict:
-        refuse_faceless(paths, found, embedder)
+        refuse_faceless(paths, found, model)
     for face in found:
         if face.index == 0:  # the largest face of each image
             faces[os.path.relpath(face.path, folder)] = face.embedding
@@ -154,8 +154,8 @@ def main(argv=None) -> int:
         check_output_file(args.plot, overwrite=args.overwrite, what="--plot")
     unknown = args.unknown_ids if args.unknown_ids is not None else max(1, len(list_gallery(args.folder)) // 10)
     detection = face_detection(args)
-    embedder = model_from(args, detection)
-    result, (ranks, mate, non) = evaluate(embedder, args.folder, args.align, args.gallery_per_id, unknown, args.seed,
+    model = model_from(args, detection)
+    result, (ranks, mate, non) = evaluate(model, args.folder, args.align, args.gallery_per_id, unknown, args.seed,
                                           args.batch_size, strict=args.strict)
     if args.plot:
         fpir, fnir = det_curve(ranks, mate, non) if len(non) else (np.zeros(0), None)
