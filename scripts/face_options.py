@@ -1,5 +1,7 @@
 """The face-finding options the tools share (scripts.align, and `--align` in pack_rec, make_bin,
-embed, compare): one spelling, one help text, one Detection built from them."""
+embed, compare): one spelling, one help text, one Detection built from them; and how many
+processes find faces (--workers) and which share of the photos this machine takes (--rank,
+--world)."""
 from __future__ import annotations
 
 import math
@@ -7,6 +9,7 @@ import math
 from configs.errors import ConfigError
 from faces.detect import DETECTORS, LANDMARKS, MAX_SIDE
 from faces.photos import Detection
+from faces.workers import check_workers, default_workers
 
 
 def add_detection_options(p) -> None:
@@ -48,3 +51,23 @@ def detection_from(args) -> Detection:
     if args.max_side < 64:
         raise ConfigError(f"--max_side {args.max_side}: at least 64")
     return Detection(args.detector, args.upsample, args.landmarks, args.min_score, args.max_side)
+
+
+def add_workers_option(p) -> None:
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes finding faces (default: the cores this process may use, divided among "
+                        "torchrun's ranks on this machine; 1 runs in this process); the output is the same "
+                        "whatever their number")
+
+
+def workers_from(args) -> int:
+    return default_workers() if args.workers is None else check_workers(args.workers)
+
+
+def add_rank_options(p, what: str) -> None:
+    """--rank and --world, for a tool of which each of many machines does a share: `what` each
+    rank does (torchrun's RANK and WORLD_SIZE where the options are not given)."""
+    p.add_argument("--rank", type=int, default=None,
+                   help=f"this machine's rank among --world (default: torchrun's RANK); each rank {what}")
+    p.add_argument("--world", type=int, default=None,
+                   help="how many ranks share the photos (default: torchrun's WORLD_SIZE, else 1)")
