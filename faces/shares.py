@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import glob
 import hashlib
 import json
 import os
@@ -147,9 +148,13 @@ class Parts:
             if not missing:
                 return [found[r] for r in range(self.world)]
             if time.monotonic() >= deadline:
+                others = sorted(glob.glob(glob.escape(self.root.rsplit(".parts-", 1)[0]) + ".parts-*"))
+                others = [o for o in others if o != self.root]
+                seen = f" ({', '.join(others)} came from another photo list or other options)" if others else ""
                 raise PartError(f"{self.root}: no complete part of rank {', '.join(map(str, missing))} of "
                                 f"{self.world} after {timeout_s:.0f} s; run every rank with the same photos, "
-                                "output and options (what was done is kept: a run again redoes only missing parts)")
+                                f"output and options{seen} (what was done is kept: a run again redoes only "
+                                "missing parts)")
             time.sleep(poll_s)
 
     def join(self, out: str, items: Sequence[str], report: str) -> dict:
