@@ -104,6 +104,14 @@ def map_photos(fn: Callable[[T], R], items: Iterable[T], workers: int,
         pool.close()
 
 
+def warm_up(fn: Callable, workers: int) -> None:
+    """Start the process the workers are forked from now (with more than one worker), so that it
+    imports what `fn` needs while this one does other work (lists and checks the photos);
+    `map_photos` then finds it ready. The imports take seconds (torch)."""
+    if workers > 1 and not multiprocessing.current_process().daemon:
+        _context(fn)
+
+
 def _preload(fn) -> list[str]:
     """The modules the forkserver imports before it forks workers: `fn`'s, or where that is the
     program's main module (run again in each worker as `__mp_main__`, and runpy warns when it

@@ -39,7 +39,7 @@ from faces.align import ARCFACE_112, Template, align
 from faces.detect import check_available
 from faces.photos import Detection, load_photo, no_face_message
 from faces.shares import WAIT_MIN_S, Parts, launch_rank, list_key, share_of
-from faces.workers import map_photos
+from faces.workers import map_photos, warm_up
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 from scripts.face_options import add_detection_options, add_rank_options, add_workers_option, detection_from, \
@@ -190,6 +190,7 @@ def main(argv=None) -> int:
     if args.size < 16:
         raise ConfigError(f"--size {args.size}: crops need at least 16 pixels")
     detection = detection_from(args)
+    warm_up(align_photo, workers)  # the workers' imports, while the photos are listed and checked
     check_available(detection.detector, detection.landmarks)  # a missing model file: one line, at start
     photos = photos_under(src)
     check_files((os.path.join(src, ph) for ph in photos), resize=True)  # unreadable files, before any output
