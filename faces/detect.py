@@ -10,6 +10,7 @@ than the detectors' 80 pixels (HOG) or about 40 (MMOD)."""
 from __future__ import annotations
 
 import functools
+import pickle
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +52,9 @@ def _dlib():
     return dlib
 
 
+_FROM_PARENT: dict[str, bytes] = {}  # detectors a worker process was handed, pickled (see models_for_workers)
+
+
 @functools.lru_cache(maxsize=None)
 def face_detector(name: str):
     """dlib's detector `name` ("hog" or "mmod"), loaded once per process."""
@@ -58,8 +62,21 @@ def face_detector(name: str):
         raise ValueError(f"detector {name!r}: one of {', '.join(DETECTORS)}")
     dlib = _dlib()
     if name == "hog":
-        return dlib.get_frontal_face_detector()
+        handed = _FROM_PARENT.pop(name, None)
+        return pickle.loads(handed) if handed is not None else dlib.get_frontal_face_detector()
     return dlib.cnn_face_detection_model_v1(model_file("mmod_human_face_detector.dat"))
+
+
+def models_for_workers(detector: str | None) -> dict[str, bytes]:
+    """What a worker process takes from this one to start faster: dlib's HOG detector, pickled
+    (building it takes 1.5 s, unpickling its 155 KB a few ms; the landmark models and MMOD load
+    from their files as fast as they unpickle, or do not pickle). Empty unless `detector` is hog."""
+    return {"hog": pickle.dumps(face_detector("hog"))} if detector == "hog" else {}
+
+
+def use_models_from_parent(models: dict[str, bytes]) -> None:
+    """In a worker process: take `models_for_workers`' detectors when they are first needed."""
+    _FROM_PARENT.update(models)
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,6 +12,7 @@ from dataset.faces import FolderFaceDataset, SkipCounter
 from dataset.folders import list_identity_folders, list_images
 from faces.align import ARCFACE_112
 from faces.photos import Detection, align_groups, aligned_chw
+from faces.workers import default_workers
 from utils.progress import Progress
 
 logger = logging.getLogger("shardface")
@@ -19,8 +20,8 @@ logger = logging.getLogger("shardface")
 
 class AlignedFolderDataset(FolderFaceDataset):
     """One sub-folder of photos per identity (labels as FolderFaceDataset; `label_free`: every
-    photo under the folder, label 0). At start every photo is searched for faces (with progress;
-    on every rank, so for large folders run scripts.align once and train on its output instead);
+    photo under the folder, label 0). At start every photo is searched for faces (with progress, on
+    every core; on every rank, so for large folders run scripts.align once and train on its output instead);
     photos without a face are left out and named, or refused with `strict`. Items are 3x112x112 crops of each photo's largest face, aligned by
     the five-point similarity transform, mirrored as every training set mirrors."""
 
@@ -30,7 +31,7 @@ class AlignedFolderDataset(FolderFaceDataset):
         self.classes, groups = ([], [list_images(root_dir)]) if label_free else list_identity_folders(root_dir)
         total = sum(len(g) for g in groups)
         groups, self.faces = align_groups(groups, detection, strict, Progress(total, "finding faces").update,
-                                          self.classes or [root_dir])
+                                          self.classes or [root_dir], default_workers())
         self.samples = [(path, label) for label, paths in enumerate(groups) for path in paths]
         if not self.samples:
             raise DataLayoutError(f"{root_dir}: no photo with a face")

@@ -4,6 +4,7 @@ training. A photo without a face is left out with a warning naming it, or, `stri
 before anything is written."""
 from __future__ import annotations
 
+import functools
 import io
 import logging
 from dataclasses import dataclass, field
@@ -15,7 +16,9 @@ from PIL import Image
 
 from dataset.errors import DataError, ImageDecodeError
 from faces.align import Template, align
-from faces.detect import MAX_SIDE, Face, check_available, detect_faces, open_photo
+from faces.detect import (MAX_SIDE, Face, check_available, detect_faces, models_for_workers, open_photo,
+                          use_models_from_parent)
+from faces.workers import map_photos
 
 logger = logging.getLogger("shardface")
 SHOWN = 3  # photos named in a message
@@ -33,6 +36,11 @@ class Detection:
 
     def faces(self, img: Image.Image) -> list[Face]:
         return detect_faces(img, self.detector, self.upsample, self.landmarks, self.min_score, self.max_side)
+
+    def worker_setup(self) -> Callable[[], None]:
+        """For faces.workers.map_photos: each worker takes this process's detector instead of
+        building it again."""
+        return functools.partial(use_models_from_parent, models_for_workers(self.detector))
 
 
 @dataclass
@@ -79,15 +87,21 @@ def load_photo(path: str) -> Image.Image:
         raise ImageDecodeError(f"{path}: cannot read image ({exc})") from None
 
 
+def photo_faces(path: str, detection: Detection) -> list[Face]:
+    """The faces of the photo at `path` (a worker's task in `find_faces`)."""
+    return detection.faces(load_photo(path))
+
+
 def find_faces(paths: Iterable[str], detection: Detection = Detection(),
-               progress: Callable[[], None] | None = None) -> Found:
-    """Detect the faces of every photo (an unreadable photo is an ImageDecodeError naming it)."""
+               progress: Callable[[], None] | None = None, workers: int = 1) -> Found:
+    """Detect the faces of every photo on `workers` processes (faces.workers: the same result
+    whatever their number); an unreadable photo is an ImageDecodeError naming it."""
     check_available(detection.detector, detection.landmarks)
+    paths = list(paths)
     found = Found(detection=detection)
-    for path in paths:
-        found.faces[path] = detection.faces(load_photo(path))
-        if progress is not None:
-            progress()
+    for faces, path in zip(map_photos(functools.partial(photo_faces, detection=detection), paths, workers,
+                                      progress, setup=detection.worker_setup()), paths):
+        found.faces[path] = faces
     return found
 
 
@@ -137,12 +151,14 @@ def aligned_chw(path: str, face: Face, template: Template, mirror: bool = False)
 
 
 def align_groups(groups: list[list[str]], detection: Detection, strict: bool,
-                 progress: Callable[[], None] | None = None,
-                 names: list[str] | None = None) -> tuple[list[list[str]], dict[str, Face]]:
+                 progress: Callable[[], None] | None = None, names: list[str] | None = None,
+                 workers: int = 1, found: Found | None = None) -> tuple[list[list[str]], dict[str, Face]]:
     """Identity groups of photos -> (the groups without photos where no face was found, each kept
-    photo's largest face). An identity left without a photo is a DataError naming it: dropping it
-    would renumber every later label."""
-    found = find_faces((p for g in groups for p in g), detection, progress)
+    photo's largest face), from `found` where the faces were found already (faces.ranked). An
+    identity left without a photo is a DataError naming it: dropping it would renumber every
+    later label."""
+    if found is None:
+        found = find_faces((p for g in groups for p in g), detection, progress, workers)
     faces = usable(found, strict)
     kept = [[p for p in g if p in faces] for g in groups]
     for label, (before, after) in enumerate(zip(groups, kept)):

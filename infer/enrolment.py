@@ -1,4 +1,4 @@
-"""1:N identification in a few plain functions: `enrol` a folder of people, `photo_faces` of a
+"""1:N identification in a few plain functions: `enrol` a folder of people, `embedded_faces` of a
 query photo, `identify` them against the gallery.
 
 A gallery folder holds one folder per person (its name is the person's name) with any number
@@ -50,8 +50,8 @@ from dataset.fingerprint import file_ends
 from dataset.folders import hidden, not_regular, walk_images, warn_hidden
 from dataset.images import IMAGE_EXTENSIONS, decode_chw, image_size
 from faces.align import ARCFACE_112, Template
-from faces.photos import load_photo, no_face_message
-from infer.photos import face_crop
+from faces.photos import no_face_message
+from infer.photos import stream_crops
 from infer.search import make_index
 from utils.atomic import check_output_file, host_name, process_alive, publishing
 from utils.progress import Progress
@@ -140,21 +140,28 @@ def check_image(path: str, template: Template, align: bool) -> None:
                            f"pass --align to find and align the faces in photos")
 
 
-def face_crops(path: str, model, align: bool) -> list[tuple[tuple[int, int, int, int], torch.Tensor, Template]]:
-    """[(box, 3 x h x w uint8 crop, the template it is aligned to)] of one image file: every face
-    found (under `model.detection`) cut to the model's crop with `align`, else the image itself as
-    one aligned crop."""
-    check_image(path, model.template, align)
-    if align:
-        try:
-            image = load_photo(path)
-        except ImageDecodeError as exc:
-            raise GalleryError(str(exc)) from None
-        return [(tuple(int(round(v)) for v in face.box), face_crop(model, image, face), model.template)
-                for face in model.detection.faces(image)]
+def file_crops(path: str, model) -> list[tuple[tuple[int, int, int, int], torch.Tensor, Template]]:
+    """An image file taken as a crop already aligned (for the model, or insightface's 112x112), as
+    its one face: [(box, 3 x h x w uint8 crop, its template)]."""
     with open(path, "rb") as f:
         image = decode_chw(f.read(), path)
     return [((0, 0, int(image.shape[2]), int(image.shape[1])), image, _made_for(image.shape[1:], model.template))]
+
+
+def photos_crops(paths: list[str], model, align: bool, workers: int = 1, largest_only: bool = False):
+    """(path, [(box, 3 x h x w uint8 crop, the template it is aligned to)]) of each image file, in
+    order: with `align` the faces found (under `model.detection`, on `workers` processes) cut to
+    the model's crop, every one or the largest; else the image itself as one aligned crop."""
+    if not align:
+        for path in paths:
+            yield path, file_crops(path, model)
+        return
+    try:
+        for path, faces, crops in stream_crops(paths, model, workers, largest_only=largest_only):
+            yield path, [(tuple(int(round(v)) for v in face.box), crop, model.template)
+                         for face, crop in zip(faces, crops)]
+    except ImageDecodeError as exc:
+        raise GalleryError(str(exc)) from None
 
 
 def embed_crops(model, crops: list[tuple[torch.Tensor, Template]], batch_size: int = 64) -> np.ndarray:
@@ -171,11 +178,13 @@ def embed_crops(model, crops: list[tuple[torch.Tensor, Template]], batch_size: i
     return np.stack(out).astype(np.float32) if out else np.zeros((0, 0), np.float32)
 
 
-def photo_faces(paths: list[str], model, align: bool, batch_size: int = 64) -> list[EmbeddedFace]:
+def embedded_faces(paths: list[str], model, align: bool, batch_size: int = 64, workers: int = 1) -> list[EmbeddedFace]:
     """Every face of every photo (one per file without alignment), in order, with embeddings.
     Files are read and checked before anything is embedded."""
-    found = [(path, i, box, crop, made_for) for path in paths
-             for i, (box, crop, made_for) in enumerate(face_crops(path, model, align))]
+    for path in paths:
+        check_image(path, model.template, align)
+    found = [(path, i, box, crop, made_for) for path, crops in photos_crops(paths, model, align, workers)
+             for i, (box, crop, made_for) in enumerate(crops)]
     emb = embed_crops(model, [(c, m) for *_, c, m in found], batch_size)
     return [EmbeddedFace(path, i, box, e) for (path, i, box, _, _), e in zip(found, emb)]
 
@@ -339,7 +348,7 @@ def _resume(parts: str, header: dict, width: int) -> dict:
 
 def enrol(folder: str, model, align: bool = False, cache: str | None = None, rebuild: bool = False,
           batch_size: int = 64, show_progress: bool = True,
-          strict: bool = False, save_every_s: float = SAVE_EVERY_S) -> Enrolment:
+          strict: bool = False, save_every_s: float = SAVE_EVERY_S, workers: int = 1) -> Enrolment:
     """The gallery of `folder` under `model`, from its cache file where still valid (see the
     module docstring); the cache is written (atomically) when anything changed. `strict`: a
     gallery image without a face is refused (after the enrolment is saved)."""
@@ -378,7 +387,7 @@ def enrol(folder: str, model, align: bool = False, cache: str | None = None, reb
     own = os.path.join(parts, f"{host_name()}-{os.getpid()}")
     if pending:
         _embed_pending(folder, model, align, header, pending, known, own, batch_size, save_every_s,
-                       Progress(len(pending), "enrolling") if show_progress else None)
+                       Progress(len(pending), "enrolling") if show_progress else None, workers)
     no_face = [k[0] for k in keys if known[k] is None]
     gallery = _pool(people, keys, known, header)
     if cached != set(keys):  # files added, changed or removed, or a new model
@@ -393,13 +402,16 @@ def enrol(folder: str, model, align: bool = False, cache: str | None = None, reb
     return gallery
 
 
-def _embed_pending(folder, model, align, header, pending, known, own, batch_size, save_every_s, progress):
-    """Embed the `pending` images into `known`, saving what is new in `own` every `save_every_s` s."""
+def _embed_pending(folder, model, align, header, pending, known, own, batch_size, save_every_s, progress,
+                   workers=1):
+    """Embed the `pending` images into `known`, saving what is new in `own` every `save_every_s` s;
+    faces are found on `workers` processes while the batch before is embedded."""
     new_keys, new_rows, saved, last = [], [], 0, time.monotonic()
+    crops = photos_crops([os.path.join(folder, rel) for rel, _, _ in pending], model, align, workers,
+                         largest_only=True)
     for start in range(0, len(pending), batch_size):
         batch = pending[start:start + batch_size]
-        found = [face_crops(os.path.join(folder, rel), model, align)[:1]
-                 for rel, _, _ in batch]
+        found = [next(crops)[1][:1] for _ in batch]
         emb = iter(embed_crops(model, [(c, m) for faces in found for _, c, m in faces], batch_size))
         rows = [next(emb) if faces else None for faces in found]
         known.update(zip(batch, rows))

@@ -80,6 +80,21 @@ def _model_files(path: str) -> list[str]:
     return run + ([os.path.join(ckpt, f) for f in os.listdir(ckpt)] if os.path.isdir(ckpt) else [])
 
 
+@dataclass(frozen=True)
+class Cropper:
+    """How a model's crops are cut: MODEL `dlib` (`dlib_chip`) cuts dlib's own chip from dlib's
+    5-point shape, as dlib and face_recognition do (from the 68-point model's landmarks, their
+    five points on the same chip's template); any other model the five-point alignment to its
+    template."""
+    template: Template
+    dlib_chip: bool = False
+
+    def __call__(self, photo: Image.Image, face: Face) -> Image.Image:
+        if self.dlib_chip and face.shape is not None and len(face.shape) == 5:
+            return dlib_chip(photo, face.shape, size=self.template.size[0])
+        return align(photo, face.points, self.template)
+
+
 @dataclass
 class Model:
     """A frozen face-embedding network, the crop it wants, and what derived files record of it."""
@@ -106,13 +121,14 @@ class Model:
         t = self.template
         return ("dlib's own chip" if self.kind == "dlib" else t.name) + f" {t.size[1]}x{t.size[0]}"
 
+    @property
+    def cropper(self) -> "Cropper":
+        """How this model's crops are cut from a photo (picklable: worker processes cut them)."""
+        return Cropper(self.template, dlib_chip=self.kind == "dlib")
+
     def crop(self, photo: Image.Image, face: Face) -> Image.Image:
-        """The face's crop for this model: MODEL `dlib` cuts dlib's own chip from dlib's 5-point
-        shape (as dlib and face_recognition do; from the 68-point model's landmarks, its five
-        points on the same chip's template); any other the five-point alignment to its template."""
-        if self.kind == "dlib" and face.shape is not None and len(face.shape) == 5:
-            return dlib_chip(photo, face.shape, size=self.template.size[0])
-        return align(photo, face.points, self.template)
+        """The face's crop for this model (`Cropper`)."""
+        return self.cropper(photo, face)
 
     def from_crops(self, images: torch.Tensor, made_for: Template = ARCFACE_112) -> torch.Tensor:
         """uint8 (or [-1, 1] float) N x 3 x H x W crops aligned to `made_for` -> float in [-1, 1]
@@ -154,8 +170,8 @@ class Model:
 
     def faces(self, photo) -> list[Face]:
         """The faces of one photo (a path, a PIL image or an H x W x 3 uint8 array), largest first."""
-        from infer.photos import photo_faces
-        return photo_faces(photo, self.detection)
+        from infer.photos import faces_in
+        return faces_in(photo, self.detection)
 
     def embed(self, photos, align: bool = True, flip: bool = True, batch_size: int = 64) -> np.ndarray:
         """N x D float32 unit rows, one per photo (paths, PIL images or H x W x 3 uint8 arrays):

@@ -8,7 +8,10 @@ embedded a batch at a time by infer.embed. Inputs that are files already cropped
 (no alignment) are read at the model's template size, or refused by name before any work."""
 from __future__ import annotations
 
+import functools
 import os
+from typing import Callable, Iterator
+
 import numpy as np
 import torch
 from PIL import Image
@@ -18,8 +21,9 @@ from dataset.folders import not_regular, regular_file, walk_images
 from dataset.geometry import check_files
 from dataset.images import IMAGE_EXTENSIONS, decode_chw, to_rgb
 from faces.detect import Face, check_available
-from faces.photos import Detection, load_photo
-from infer.model import Model, as_model
+from faces.photos import Detection, Found, load_photo
+from faces.workers import map_photos
+from infer.model import Cropper, Model, as_model
 from utils.progress import Progress
 
 
@@ -64,7 +68,7 @@ def open_image(photo, index: int = 0) -> Image.Image:
     raise DataError(f"{photo_name(photo, index)}: a photo is a file path, a PIL image or a uint8 array")
 
 
-def photo_faces(photo, detection: Detection = Detection(), index: int = 0) -> list[Face]:
+def faces_in(photo, detection: Detection = Detection(), index: int = 0) -> list[Face]:
     """The faces of one photo, largest first."""
     check_available(detection.detector, detection.landmarks)
     return detection.faces(open_image(photo, index))
@@ -138,3 +142,40 @@ def embed_photos(model: Model, photos: list, align: bool = True, flip: bool = Tr
     if not crops:
         return np.zeros((0, 0), np.float32)
     return model.embed_crops(torch.stack(crops), flip=flip, batch_size=batch_size)
+
+
+def photo_crops(path: str, detection: Detection, cropper: Cropper,
+                largest_only: bool = True) -> tuple[list[Face], list[np.ndarray]]:
+    """A worker's task: the faces of the photo at `path`, largest first, and the crops (H x W x 3
+    uint8) of the largest (`largest_only`) or of every one."""
+    image = load_photo(path)
+    faces = detection.faces(image)
+    return faces, [np.asarray(cropper(image, face)) for face in (faces[:1] if largest_only else faces)]
+
+
+def stream_crops(paths: list[str], model: Model, workers: int = 1, progress: Callable[[], None] | None = None,
+                 largest_only: bool = True) -> Iterator[tuple[str, list[Face], list[torch.Tensor]]]:
+    """(path, faces, 3 x h x w uint8 crops) of each photo, in order, found and cut by `workers`
+    processes (faces.workers) while the caller embeds what came back."""
+    check_available(model.detection.detector, model.detection.landmarks)
+    task = functools.partial(photo_crops, detection=model.detection, cropper=model.cropper, largest_only=largest_only)
+    for path, (faces, crops) in zip(paths, map_photos(task, paths, workers, progress,
+                                                      setup=model.detection.worker_setup())):
+        yield path, faces, [torch.from_numpy(np.array(c)).permute(2, 0, 1).contiguous() for c in crops]
+
+
+def embed_photo_files(paths: list[str], model: Model, workers: int = 1, batch_size: int = 64, flip: bool = True,
+                      progress: Callable[[], None] | None = None) -> tuple[np.ndarray, Found]:
+    """(one row per photo with a face, in order: its largest face's embedding; every photo's
+    faces): a batch is embedded as soon as its crops are back, while the workers go on finding
+    the next ones, so the model never waits for one photo at a time."""
+    found, rows, batch = Found(detection=model.detection), [], []
+    for path, faces, crops in stream_crops(paths, model, workers, progress):
+        found.faces[path] = faces
+        batch += crops
+        if len(batch) == batch_size:
+            rows.append(model.embed_crops(torch.stack(batch), flip=flip, batch_size=batch_size))
+            batch = []
+    if batch:
+        rows.append(model.embed_crops(torch.stack(batch), flip=flip, batch_size=batch_size))
+    return (np.concatenate(rows) if rows else np.zeros((0, 0), np.float32)), found

@@ -8,7 +8,13 @@ DST/align_report.csv (CSV, one row per face; a photo without a face is one row w
 the other columns empty) lists every photo: faces found, face number (1 = largest), crop file,
 detector score, box x0,y0,x1,y1 and the five points (left eye, right eye, nose tip, left and
 right mouth corner; x,y in the photo's pixels). Photos without a face are counted and named at
-the end. DST is written beside itself under a temporary name and appears complete or not at all."""
+the end. DST is written beside itself under a temporary name and appears complete or not at all.
+
+The photos are shared by --workers processes (default: every core this process may use); the
+output is the same, byte for byte, whatever their number. Many machines: under torchrun, or
+with --rank R --world W on machines sharing DST's folder, each rank aligns its share of the
+sorted photos into DST.parts-<key>/rank-R-of-W, and rank 0 joins the parts into DST, the same
+files one process writes (faces/shares.py)."""
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
@@ -17,9 +23,11 @@ if not __package__:  # run as a file (python scripts/x.py): import as `python -m
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import csv
+import functools
 import os
 import re
 import sys
+import time
 from collections import Counter
 
 from configs.errors import ConfigError
@@ -27,12 +35,15 @@ from dataset import DataError, DataLayoutError
 from dataset.folders import walk_images
 from dataset.geometry import check_files
 from dataset.images import IMAGE_EXTENSIONS
-from faces.align import ARCFACE_112, align
+from faces.align import ARCFACE_112, Template, align
 from faces.detect import check_available
 from faces.photos import Detection, load_photo, no_face_message
+from faces.shares import WAIT_MIN_S, Parts, launch_rank, list_key, share_of
+from faces.workers import map_photos, warm_up
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from scripts.options import add_detection_options, detection_from
+from scripts.options import add_detection_options, add_rank_options, add_workers_option, detection_from, \
+    workers_from
 from utils.atomic import OutputError, check_output_dir, publishing_dir
 from utils.progress import Progress
 
@@ -76,36 +87,72 @@ def report_row(photo: str, count: int, number: int | None, crop: str, face=None)
         [f"{v:.2f}" for v in face.points.ravel()]
 
 
+def align_photo(item: tuple[str, str], src: str, out: str, detection: Detection, template: Template,
+                largest_only: bool) -> list[tuple[list, str]]:
+    """One photo's faces: their crops written into `out` and, per face, (report row, crop file);
+    one row with no crop for a photo without a face. `item` is (photo, crop name stem)."""
+    photo, stem = item
+    img = load_photo(os.path.join(src, photo))
+    faces = detection.faces(img)
+    if not faces:
+        return [(report_row(photo, 0, None, ""), "")]
+    rows = []
+    for number, face in enumerate(faces, 1):
+        crop = "" if largest_only and number > 1 else stem + (".png" if number == 1 else f".face{number}.png")
+        if crop:
+            os.makedirs(os.path.dirname(os.path.join(out, crop)) or out, exist_ok=True)
+            align(img, face.points, template).save(os.path.join(out, crop))
+        rows.append((report_row(photo, len(faces), number, crop, face), crop))
+    return rows
+
+
 def align_into(src: str, photos: list[str], out: str, detection: Detection, side: int, largest_only: bool,
-               progress: Progress) -> tuple[int, list[str]]:
-    """Crops and the report of every photo into the folder `out`; -> (crops written, photos
-    without a face)."""
-    template = ARCFACE_112.scaled(side)
-    stems, written, without, crops = crop_stems(photos), 0, [], set()
+               progress: Progress | None, workers: int = 1,
+               names: dict[str, str] | None = None) -> tuple[int, list[str]]:
+    """Crops and the report of every photo into the folder `out`, on `workers` processes (the
+    same files whatever their number); -> (crops written, photos without a face). `names`: the
+    crop stems of the whole list (crop_stems), where `photos` is one rank's share of it."""
+    one = functools.partial(align_photo, src=src, out=out, detection=detection, template=ARCFACE_112.scaled(side),
+                            largest_only=largest_only)
+    stems, written, without, crops = names or crop_stems(photos), 0, [], set()
     with open(os.path.join(out, REPORT), "w", newline="") as f:
         report = csv.writer(f)
         report.writerow(COLUMNS)
-        for photo in photos:
-            path = os.path.join(src, photo)
-            img = load_photo(path)
-            faces = detection.faces(img)
-            if not faces:
-                without.append(path)
-                report.writerow(report_row(photo, 0, None, ""))
-            for number, face in enumerate(faces, 1):
-                if largest_only and number > 1:
-                    crop = ""
-                else:
-                    crop = stems[photo] + (".png" if number == 1 else f".face{number}.png")
-                    if crop in crops:  # crop_stems makes names unique: this would be its bug, not data
-                        raise RuntimeError(f"align: two faces named {crop}")
+        for rows in map_photos(one, [(p, stems[p]) for p in photos], workers, progress and progress.update,
+                               name=lambda item: os.path.join(src, item[0]), setup=detection.worker_setup()):
+            for row, crop in rows:
+                if crop in crops:  # crop_stems makes names unique: this would be its bug, not data
+                    raise RuntimeError(f"align: two faces named {crop}")
+                if crop:
                     crops.add(crop)
-                    os.makedirs(os.path.dirname(os.path.join(out, crop)) or out, exist_ok=True)
-                    align(img, face.points, template).save(os.path.join(out, crop))
                     written += 1
-                report.writerow(report_row(photo, len(faces), number, crop, face))
-            progress.update()
+                report.writerow(row)
+            if rows[0][0][1] == 0:  # the faces column: no face
+                without.append(os.path.join(src, rows[0][0][0]))
     return written, without
+
+
+def align_ranked(src: str, photos: list[str], dst: str, detection: Detection, side: int, largest_only: bool,
+                 workers: int, rank: int, world: int) -> tuple[int, list[str]] | None:
+    """Rank `rank` of `world` aligns its share of `photos` into its part beside `dst`; rank 0
+    then waits for every part and publishes their join as `dst`, what one process writes
+    (faces.shares). -> (crops written, photos without a face) on rank 0, None on the others."""
+    parts = Parts(dst, list_key(photos, detection, side, largest_only), world)
+    start, mine = time.monotonic(), share_of(len(photos), rank, world)
+    share = photos[mine.start:mine.end]
+    if parts.manifest(rank, photos) is None:  # else done by an earlier run of this job: kept
+        progress = Progress(len(share), f"aligning (rank 0's share of {world})") if rank == 0 else None
+        with parts.writing(rank, photos) as part:
+            crops, without = align_into(src, share, part.folder, detection, side, largest_only, progress, workers,
+                                        names=crop_stems(photos))
+            part.summary.update(crops=crops, without=[os.path.relpath(p, src) for p in without])
+    if rank != 0:
+        return None
+    parts.wait(photos, max(WAIT_MIN_S, time.monotonic() - start))
+    with publishing_dir(dst) as tmp:
+        summary = parts.join(tmp, photos, REPORT)
+    parts.remove()
+    return summary["crops"], [os.path.join(src, p) for p in summary["without"]]
 
 
 @exits_on_user_error
@@ -121,7 +168,12 @@ def main(argv=None) -> int:
                         "in a photo are usually other people); the report still lists every face")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing OUTPUT (the old one stays until the new one is complete)")
+    add_workers_option(p)
+    add_rank_options(p, "aligns its share of the sorted photos into a part folder beside OUTPUT; rank 0 "
+                        "joins the parts into OUTPUT")
     args = p.parse_args(argv)
+    rank, world = launch_rank(args.rank, args.world)
+    workers = workers_from(args)
     src, dst = args.source, args.output.rstrip(os.sep) or args.output
     if not os.path.isdir(src):
         raise DataLayoutError(f"{src}: photo folder not found")
@@ -138,12 +190,20 @@ def main(argv=None) -> int:
     if args.size < 16:
         raise ConfigError(f"--size {args.size}: crops need at least 16 pixels")
     detection = detection_from(args)
+    warm_up(align_photo, workers)  # the workers' imports, while the photos are listed and checked
     check_available(detection.detector, detection.landmarks)  # a missing model file: one line, at start
     photos = photos_under(src)
     check_files((os.path.join(src, ph) for ph in photos), resize=True)  # unreadable files, before any output
-    with publishing_dir(dst) as tmp:  # utils.atomic: staged beside DST, swapped in when complete
-        written, without = align_into(src, photos, tmp, detection, args.size, args.largest,
-                                      Progress(len(photos), "aligning"))
+    if world > 1:
+        done = align_ranked(src, photos, dst, detection, args.size, args.largest, workers, rank, world)
+        if done is None:
+            print(f"rank {rank} of {world}: its share of the {len(photos)} photos is aligned; rank 0 writes {dst}")
+            return 0
+        written, without = done
+    else:
+        with publishing_dir(dst) as tmp:  # utils.atomic: staged beside DST, swapped in when complete
+            written, without = align_into(src, photos, tmp, detection, args.size, args.largest,
+                                          Progress(len(photos), "aligning"), workers)
     print(f"wrote {written} crops of {len(photos) - len(without)} photos with faces into {dst}; "
           f"report: {os.path.join(dst, REPORT)}")
     if without:

@@ -29,7 +29,7 @@ from infer.photos import embed_files
 from infer.thresholds import chosen_threshold
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from scripts.options import add_align_options, add_model_options, face_detection, model_from
+from scripts.options import add_align_options, add_model_options, face_detection, model_from, workers_from
 
 
 @exits_on_user_error
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     pair = [args.image_a, args.image_b]
     faces = None
     if args.align:
-        found = find_faces(pair, detection)
+        found = find_faces(pair, detection, workers=workers_from(args) if args.workers else 1)  # two photos: no pool unless asked
         if found.without_face:
             raise DataError(f"{no_face_message(found.without_face, len(found.faces))}: compare needs a face in each")
         if found.several_faces():

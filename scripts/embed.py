@@ -26,11 +26,11 @@ import numpy as np
 
 from dataset import DataError
 from infer.model import model_files
-from infer.photos import embed_files, image_files
-from faces.photos import find_faces, usable
+from infer.photos import embed_files, embed_photo_files, image_files
+from faces.photos import usable
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from scripts.options import add_align_options, add_model_options, face_detection, model_from
+from scripts.options import add_align_options, add_model_options, face_detection, model_from, workers_from
 from utils.atomic import OutputError, check_output_file, publishing_set, refuse_inputs
 from utils.progress import Progress
 
@@ -65,14 +65,15 @@ def main(argv=None) -> int:
     refuse_inputs([out, listing], [*paths, *model_files(args.model)])
     detection = face_detection(args)
     model = model_from(args, detection)
-    if args.align:
-        found = find_faces(paths, detection, Progress(len(paths), "finding faces").update)
+    if args.align:  # faces found on every core, each batch embedded as it comes back
+        embeddings, found = embed_photo_files(paths, model, workers_from(args), args.batch_size, not args.no_flip,
+                                              Progress(len(paths), "finding and embedding faces").update)
         faces = usable(found, args.strict)
         if found.several_faces():
             logger.warning("%s", found.several_faces())
         paths = [path for path in paths if path in faces]
-    embeddings = embed_files(paths, model, args.batch_size, args.resize, flip=not args.no_flip,
-                             faces=faces if args.align else None)  # a batch of crops at a time
+    else:
+        embeddings = embed_files(paths, model, args.batch_size, args.resize, flip=not args.no_flip)
     # one set, the listing published last: an emb.npy without its emb.txt is an interrupted run
     with publishing_set([out, listing]) as (tmp_out, tmp_listing):
         with open(tmp_out, "wb") as f:

@@ -23,14 +23,14 @@ import sys
 import numpy as np
 
 from eval.verification import best_threshold, load_bin
-from infer.enrolment import (GalleryError, check_cache, check_image, default_cache, enrol, identify, photo_faces,
+from infer.enrolment import (GalleryError, check_cache, check_image, default_cache, embedded_faces, enrol, identify,
                              refuse_faceless)
 from infer.photos import image_files
 from infer.search import ENGINES
 from infer.thresholds import chosen_threshold, no_threshold
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from scripts.options import add_align_options, add_model_options, face_detection, model_from
+from scripts.options import add_align_options, add_model_options, face_detection, model_from, workers_from
 
 
 def query_files(inputs: list[str], template, align: bool) -> list[str]:
@@ -106,9 +106,10 @@ def main(argv=None) -> int:
         fitted = (*best_threshold(pairs, embedder, args.batch_size), args.threshold_from, len(pairs[1]))
         chosen = chosen_threshold(None, fitted, args.model, embedder.threshold)
     threshold = chosen.value
-    gallery = enrol(args.gallery, embedder, args.align, cache, args.rebuild,
-                    batch_size=args.batch_size, show_progress=not args.json, strict=args.strict)
-    faces = photo_faces(queries, embedder, args.align, args.batch_size)
+    workers = workers_from(args)
+    gallery = enrol(args.gallery, embedder, args.align, cache, args.rebuild, batch_size=args.batch_size,
+                    show_progress=not args.json, strict=args.strict, workers=workers)
+    faces = embedded_faces(queries, embedder, args.align, args.batch_size, workers)
     if args.strict:
         refuse_faceless(queries, faces, embedder)
     if faces:

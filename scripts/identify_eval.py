@@ -25,12 +25,12 @@ import sys
 
 import numpy as np
 
-from infer.enrolment import GalleryError, check_image, list_gallery, photo_faces, refuse_faceless
+from infer.enrolment import GalleryError, check_image, embedded_faces, list_gallery, refuse_faceless
 from eval.identification import (FPIR_LEVELS, cmc, det_curve, mate_ranks, nonmated_needed, plot_cmc_det,
                                  tpir_at_fpir)
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from scripts.options import add_align_options, add_model_options, face_detection, model_from
+from scripts.options import add_align_options, add_model_options, face_detection, model_from, workers_from
 from utils.atomic import check_output_file
 
 
@@ -50,7 +50,7 @@ def split(people: list[tuple[str, list[str]]], per_id: int, unknown: int, seed: 
 
 
 def evaluate(model, folder: str, align: bool, per_id: int, unknown: int, seed: int,
-             batch_size: int = 64, max_rank: int = 20, strict: bool = False):
+             batch_size: int = 64, max_rank: int = 20, strict: bool = False, workers: int = 1):
     people = list_gallery(folder)
     if unknown < 0:
         raise GalleryError(f"--unknown_ids {unknown}: the number of people held out, 0 or more")
@@ -63,7 +63,7 @@ def evaluate(model, folder: str, align: bool, per_id: int, unknown: int, seed: i
     for f in files:  # every header before the first embedding
         check_image(os.path.join(folder, f), model.template, align)
     faces, paths = {}, [os.path.join(folder, f) for f in files]
-    found = photo_faces(paths, model, align, batch_size)
+    found = embedded_faces(paths, model, align, batch_size, workers)
     if strict:
         refuse_faceless(paths, found, model)
     for face in found:
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     detection = face_detection(args)
     model = model_from(args, detection)
     result, (ranks, mate, non) = evaluate(model, args.folder, args.align, args.gallery_per_id, unknown, args.seed,
-                                          args.batch_size, strict=args.strict)
+                                          args.batch_size, strict=args.strict, workers=workers_from(args))
     if args.plot:
         fpir, fnir = det_curve(ranks, mate, non) if len(non) else (np.zeros(0), None)
         plot_cmc_det(np.array(result["cmc"]), fpir, fnir, args.plot, f"{os.path.basename(args.folder)}: "

@@ -27,7 +27,7 @@ from faces.align import ARCFACE_112
 from faces.photos import align_groups, aligned_png
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from scripts.options import add_align_options, detection_from
+from scripts.options import add_align_options, detection_from, workers_from
 from utils.atomic import check_output_file, refuse_inputs
 from utils.progress import Progress
 
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     names, groups = list_identity_folders(args.folder)
     if args.align:
         groups, faces = align_groups(groups, detection_from(args), args.strict,
-                                     Progress(sum(map(len, groups)), "finding faces").update, names)
+                                     Progress(sum(map(len, groups)), "finding faces").update, names, workers_from(args))
     try:
         pairs, issame = draw_pairs(groups, args.pairs, args.seed)
     except ValueError as exc:  # too few pairs

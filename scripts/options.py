@@ -1,7 +1,8 @@
 """The options the tools share, declared once: MODEL and its weights (`add_model_options`, every
-tool that uses a trained model) and the face-finding options (scripts.align, and `--align` in
-pack_rec, make_bin, embed, compare, identify, identify_eval): one spelling, one help text, one
-Model and one Detection built from them."""
+tool that uses a trained model), the face-finding options (scripts.align, and `--align` in
+pack_rec, make_bin, embed, compare, identify, identify_eval), how many processes find faces
+(--workers) and which share of the photos this machine takes (--rank, --world): one spelling,
+one help text, one Model and one Detection built from them."""
 from __future__ import annotations
 
 import math
@@ -9,6 +10,7 @@ import math
 from configs.errors import ConfigError
 from faces.detect import DETECTORS, LANDMARKS, MAX_SIDE, check_available
 from faces.photos import Detection
+from faces.workers import check_workers, default_workers
 from infer.model import MODEL_HELP, Model, load_model
 
 
@@ -59,6 +61,7 @@ def add_align_options(p, what: str, strict: bool = True) -> None:
     if strict:
         p.add_argument("--strict", action="store_true", help="with --align, refuse photos without a face")
     add_detection_options(p)
+    add_workers_option(p)
 
 
 def detection_from(args) -> Detection:
@@ -82,3 +85,23 @@ def face_detection(args) -> Detection:
     detection = detection_from(args)
     check_available(detection.detector, detection.landmarks)
     return detection
+
+
+def add_workers_option(p) -> None:
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes finding faces (default: the cores this process may use, divided among "
+                        "torchrun's ranks on this machine; 1 runs in this process); the output is the same "
+                        "whatever their number")
+
+
+def workers_from(args) -> int:
+    return default_workers() if args.workers is None else check_workers(args.workers)
+
+
+def add_rank_options(p, what: str) -> None:
+    """--rank and --world, for a tool of which each of many machines does a share: `what` each
+    rank does (torchrun's RANK and WORLD_SIZE where the options are not given)."""
+    p.add_argument("--rank", type=int, default=None,
+                   help=f"this machine's rank among --world (default: torchrun's RANK); each rank {what}")
+    p.add_argument("--world", type=int, default=None,
+                   help="how many ranks share the photos (default: torchrun's WORLD_SIZE, else 1)")

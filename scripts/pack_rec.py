@@ -21,6 +21,7 @@ import os
 import sys
 from collections import defaultdict
 
+from configs.errors import ConfigError
 from dataset import DataError, DataLayoutError, list_identity_folders
 from dataset.folders import regular_file
 from dataset.geometry import check_files
@@ -28,9 +29,11 @@ from dataset.images import stored_bytes
 from dataset.pack import write_insightface_rec
 from faces.align import ARCFACE_112
 from faces.photos import align_groups, aligned_png
+from faces.ranked import find_faces_ranked
+from faces.shares import launch_rank
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from scripts.options import add_align_options, detection_from
+from scripts.options import add_align_options, add_rank_options, face_detection, workers_from
 from utils.atomic import check_output_dir, check_output_file, refuse_inputs
 from utils.progress import Progress
 
@@ -73,7 +76,13 @@ def main(argv=None) -> int:
                         "expect aligned crops (insightface's five-point template): resizing is not "
                         "alignment, so align first where you can (README 'Your own images')")
     add_align_options(p, "the images")
+    add_rank_options(p, "finds the faces of its share of the sorted photos (--align) into a part beside "
+                        "OUT_DIR; rank 0 packs them all")
     args = p.parse_args(argv)
+    rank, world = launch_rank(args.rank, args.world)
+    if world > 1 and not args.align:
+        raise ConfigError(f"--world {world} (or torchrun's WORLD_SIZE): only --align's face finding is shared "
+                          "among machines; without --align pack in one process")
     outputs = [os.path.join(args.output, n) for n in ("train.rec", "train.idx", "property")]
     check_output_dir(args.output)
     if os.path.isdir(args.output):
@@ -84,8 +93,14 @@ def main(argv=None) -> int:
     refuse_inputs(outputs, [args.source, *(path for g in groups for path in g)])
     if args.align:
         names = list_identity_folders(args.source)[0] if os.path.isdir(args.source) else None
-        groups, faces = align_groups(groups, detection_from(args), args.strict,
-                                     Progress(total, "finding faces").update, names)
+        detection = face_detection(args)
+        what = "finding faces" + (f" (rank 0's share of {world})" if world > 1 else "")
+        found = find_faces_ranked([p for g in groups for p in g], detection, args.output, rank, world,
+                                  Progress(total, what).update if rank == 0 else None, workers_from(args))
+        if found is None:
+            print(f"rank {rank} of {world}: the faces of its share are in the part beside {args.output}; rank 0 packs")
+            return 0
+        groups, faces = align_groups(groups, detection, args.strict, names=names, found=found)
         total = sum(len(g) for g in groups)
 
         def stored(path: str) -> bytes:

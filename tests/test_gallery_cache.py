@@ -24,13 +24,13 @@ from tests.test_identify import _face, _gallery, _model, _run
 
 
 def _enrolled(gallery, embedder, **kw):
-    """(gallery, the images embedded) of one enrolment, counted at face_crops."""
-    real, seen = g.face_crops, []
-    g.face_crops = lambda path, *a: seen.append(os.path.relpath(path, gallery)) or real(path, *a)
+    """(gallery, the images embedded) of one enrolment, counted at file_crops."""
+    real, seen = g.file_crops, []
+    g.file_crops = lambda path, *a: seen.append(os.path.relpath(path, gallery)) or real(path, *a)
     try:
         return enrol(gallery, embedder, show_progress=False, **kw), seen
     finally:
-        g.face_crops = real
+        g.file_crops = real
 
 
 @pytest.mark.parametrize("rebuild", [False, True])
@@ -53,13 +53,13 @@ def test_a_directory_as_cache_is_refused_before_anything_is_enrolled(tmp_path, c
     gallery = _gallery(tmp_path / "g")
     folder = tmp_path / "somewhere"
     os.makedirs(folder)
-    real, seen = g.face_crops, []
-    g.face_crops = lambda *a: seen.append(a) or real(*a)
+    real, seen = g.file_crops, []
+    g.file_crops = lambda *a: seen.append(a) or real(*a)
     try:
         code, out, err = _run(capsys, model, "--gallery", gallery, "--cache", str(folder), "--rebuild",
                               _face(tmp_path / "q.png", 5))
     finally:
-        g.face_crops = real
+        g.file_crops = real
     assert code == 2 and err.count("\n") == 1 and str(folder) in err and "directory" in err
     assert seen == [] and not os.path.exists(f"{folder}.parts") and os.listdir(folder) == []
 
@@ -125,7 +125,7 @@ import os, signal, sys, time
 import infer.enrolment as g
 from infer.model import load_model
 model, gallery, at, how, flag = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
-real, calls = g.face_crops, []
+real, calls = g.file_crops, []
 def hook(*a):
     calls.append(a)
     if len(calls) == at and how == "kill":  # no `finally` runs, as in a real kill
@@ -135,7 +135,7 @@ def hook(*a):
         while not os.path.exists(flag):
             time.sleep(0.05)
     return real(*a)
-g.face_crops = hook
+g.file_crops = hook
 g.enrol(gallery, load_model(model), batch_size=1, save_every_s=0, show_progress=False)
 """
 

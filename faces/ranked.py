@@ -1,0 +1,63 @@
+"""Finding the faces of one photo list on many machines (`pack_rec --align` under torchrun, or
+`--rank R --world W` by hand): each rank finds the faces of its share of the list (faces.shares)
+on its own cores and writes them, exactly, into its part beside the output; rank 0 waits for
+every part and reads them back into the `Found` one process would have made, so what it then
+writes is byte for byte what one process writes. Detection is nearly all of the work (the warp
+and the packing are a few per cent), so W machines take about 1/W of the time."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Callable
+
+import numpy as np
+
+from faces.detect import Face
+from faces.photos import Detection, Found, find_faces
+from faces.shares import WAIT_MIN_S, PartError, Parts, list_key, share_of
+
+FACES = "faces.json"
+
+
+def _record(face: Face) -> dict:
+    """A face as JSON: floats written in full (repr), so it reads back bit for bit."""
+    return {"box": list(face.box), "points": face.points.tolist(), "score": face.score,
+            "shape": None if face.shape is None else face.shape.tolist()}
+
+
+def _face(record: dict) -> Face:
+    shape = record["shape"]
+    return Face(tuple(record["box"]), np.asarray(record["points"], np.float64), record["score"],
+                None if shape is None else np.asarray(shape, np.float64))
+
+
+def find_faces_ranked(paths: list[str], detection: Detection, output: str, rank: int, world: int,
+                      progress: Callable[[], None] | None = None, workers: int = 1) -> Found | None:
+    """The faces of every photo of `paths`, found by `world` ranks: rank `rank` finds its share's
+    into its part beside `output`; rank 0 returns every photo's (what `find_faces` returns), the
+    others None. With world 1 this is `find_faces` itself."""
+    if world == 1:
+        return find_faces(paths, detection, progress, workers)
+    parts = Parts(output, list_key(paths, detection), world)
+    start, mine = time.monotonic(), share_of(len(paths), rank, world)
+    share = paths[mine.start:mine.end]
+    if parts.manifest(rank, paths) is None:  # else done by an earlier run of this job: kept
+        found = find_faces(share, detection, progress if rank == 0 else None, workers)
+        with parts.writing(rank, paths) as part, open(os.path.join(part.folder, FACES), "w") as f:
+            json.dump([[path, [_record(face) for face in found.faces[path]]] for path in share], f)
+    if rank != 0:
+        return None
+    parts.wait(paths, max(WAIT_MIN_S, time.monotonic() - start))
+    found = Found(detection=detection)
+    for r in range(world):
+        part = share_of(len(paths), r, world)
+        path = os.path.join(parts.folder(r), FACES)
+        with open(path) as f:
+            rows = json.load(f)
+        if [p for p, _ in rows] != paths[part.start:part.end]:
+            raise PartError(f"{path}: its photos are not rank {r}'s share of the list; remove {parts.root} "
+                            "and run every rank again")
+        found.faces.update((p, [_face(record) for record in faces]) for p, faces in rows)
+    parts.remove()
+    return found
