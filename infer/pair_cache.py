@@ -146,10 +146,12 @@ class FacesCache:
                 shapes[i, :len(f.shape)] = f.shape
         with publishing(self.path) as tmp, open(tmp, "wb") as out:
             np.savez(out, header=np.array(json.dumps({"kind": FACES_KIND, "format": FORMAT})),
-                     keys=np.array(keys, dtype=str), sizes=np.array([entries[k][0] for k in keys], np.int64).reshape(-1, 2),
+                     keys=np.array(keys, dtype=str),
+                     sizes=np.array([entries[k][0] for k in keys], np.int64).reshape(-1, 2),
                      has_face=np.array([f is not None for f in faces], bool),
                      boxes=np.array([f.box if f else (0.0,) * 4 for f in faces], np.float64).reshape(-1, 4),
-                     points=np.array([f.points if f else np.zeros((5, 2)) for f in faces], np.float64).reshape(-1, 5, 2),
+                     points=np.array([f.points if f else np.zeros((5, 2)) for f in faces],
+                                     np.float64).reshape(-1, 5, 2),
                      scores=np.array([f.score if f else 0.0 for f in faces], np.float64),
                      shape_len=np.array([len(f.shape) if f is not None and f.shape is not None else 0 for f in faces],
                                         np.int64),
@@ -176,7 +178,8 @@ class EmbeddingCache:
             emb, flip = z["emb"], z["emb_flip"]
             if emb.shape != flip.shape or emb.ndim != 2 or len(emb) != len(z["keys"]) or not np.isfinite(emb).all() \
                     or not np.isfinite(flip).all():
-                raise _Damaged(f"arrays of shapes {emb.shape}, {flip.shape} for {len(z['keys'])} entries, or not finite")
+                raise _Damaged(f"arrays of shapes {emb.shape}, {flip.shape} for {len(z['keys'])} entries, "
+                               "or not finite")
             return {k: (emb[i], flip[i]) for i, k in enumerate(z["keys"].tolist())}
         except (_Damaged, KeyError, ValueError) as exc:
             logger.warning("%s: an unreadable embeddings cache (%s): embedding every photo again", self.path, exc)

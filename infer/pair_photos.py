@@ -70,8 +70,11 @@ class PairFaces:
             fallback = set(self.fallbacks)
             in_pairs = "" if pairs is None else \
                 f" (in {sum(a in fallback or b in fallback for a, b in pairs)} of {len(pairs)} pairs)"
+            tried = {option.split()[0] for option, _, _ in self.recovered}
+            untried = [o for o in ("--retry_upsample N", "--retry_mmod") if o.split()[0] not in tried]
+            hint = f" ({' or '.join(untried)} may find more)" if untried else ""
             lines.append(f"no face found in {len(self.fallbacks)} of {len(self.faces)} photos{in_pairs}: each is "
-                         "cut at a fallback face, the set's median face at its place and scale in the photo:")
+                         f"cut at a fallback face, the set's median face at its place and scale in the photo{hint}:")
             lines += [f"  {p}" for p in self.fallbacks[:SHOWN]]
             if len(self.fallbacks) > SHOWN:
                 lines.append(f"  and {len(self.fallbacks) - SHOWN} more")
@@ -104,17 +107,19 @@ def pair_faces(photos: list[str], detection: Detection = Detection(), retries: R
     of giving them the fallback. Unreadable photos are an ImageDecodeError naming them."""
     cache = cache if cache is not None else FacesCache(None)
     content = {p: content_key(p) for p in photos}
-    found, searched = _search(photos, detection, content, cache, "finding faces", show_progress)
     recovered = []
-    for option, again in retries.searches(detection):
-        missing = [p for p in photos if found[p][1] is None]
-        if not missing:
-            break
-        more, n = _search(missing, again, content, cache, f"finding faces ({option})", show_progress)
-        searched += n
-        found.update({p: v for p, v in more.items() if v[1] is not None})
-        recovered.append((option, sum(v[1] is not None for v in more.values()), len(missing)))
-    cache.save()
+    try:  # what was searched is kept, even when a photo cannot be read or the run is interrupted
+        found, searched = _search(photos, detection, content, cache, "finding faces", show_progress)
+        for option, again in retries.searches(detection):
+            missing = [p for p in photos if found[p][1] is None]
+            if not missing:
+                break
+            more, n = _search(missing, again, content, cache, f"finding faces ({option})", show_progress)
+            searched += n
+            found.update({p: v for p, v in more.items() if v[1] is not None})
+            recovered.append((option, sum(v[1] is not None for v in more.values()), len(missing)))
+    finally:
+        cache.save()
     total_searches = len(photos) + sum(tried for _, _, tried in recovered)
     missing = [p for p in photos if found[p][1] is None]
     if missing:
@@ -151,19 +156,22 @@ def pair_embeddings(model, photos: list[str], faces: PairFaces, cache: Embedding
     todo = [p for p in photos if cache.get(keys[p]) is None]
     progress = Progress(len(todo), "embedding") if show_progress and len(todo) > batch_size else None
     saved = time.monotonic()
-    for start in range(0, len(todo), batch_size):
-        chunk = todo[start:start + batch_size]
-        crops = torch.stack([face_crop(model, load_photo(p), faces.faces[p]) for p in chunk])
-        emb = refuse_non_finite_embeddings(embed(crops, model.module, batch_size), model.name)
-        flip = refuse_non_finite_embeddings(embed(torch.flip(crops, dims=[3]), model.module, batch_size), model.name)
-        for p, a, b in zip(chunk, emb, flip):
-            cache.put(keys[p], a, b)
-        if progress is not None:
-            progress.update(len(chunk))
-        if time.monotonic() - saved > SAVE_EVERY_S:
-            cache.save()
-            saved = time.monotonic()
-    cache.save()
+    try:
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start:start + batch_size]
+            crops = torch.stack([face_crop(model, load_photo(p), faces.faces[p]) for p in chunk])
+            emb = refuse_non_finite_embeddings(embed(crops, model.module, batch_size), model.name)
+            flip = refuse_non_finite_embeddings(embed(torch.flip(crops, dims=[3]), model.module, batch_size),
+                                                model.name)
+            for p, a, b in zip(chunk, emb, flip):
+                cache.put(keys[p], a, b)
+            if progress is not None:
+                progress.update(len(chunk))
+            if time.monotonic() - saved > SAVE_EVERY_S:
+                cache.save()
+                saved = time.monotonic()
+    finally:
+        cache.save()
     rows = [cache.get(keys[p]) for p in photos]
     return PairEmbeddings(np.stack([r[0] for r in rows]).astype(np.float32),
                           np.stack([r[1] for r in rows]).astype(np.float32), len(todo))

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image, ImageDraw, ImageEnhance
 
 import faces.photos
-from eval.pairs import PairListError, check_images, contiguous_folds, read_pair_list
+from eval.pairs import PairListError, contiguous_folds, read_pair_list
 from eval.verification import _folds, load_bin
 from faces.align import ARCFACE_112, align, similarity_transform
 from faces.detect import Face
@@ -22,7 +22,7 @@ from faces.photos import Detection, load_photo
 from infer.embed import embed
 from infer.model import load_model
 from infer.pair_cache import EmbeddingCache, FacesCache, cache_paths
-from infer.pair_photos import Retries, pair_embeddings, pair_faces
+from infer.pair_photos import pair_embeddings, pair_faces
 from scripts.make_bin import main as make_bin
 from scripts.verify import main as verify
 from tests.test_faces import _head
@@ -117,7 +117,7 @@ def test_plain_list_read_in_order_with_verification_folds(tmp_path):
     assert got.pairs[-1] == (os.path.join("F", "x y/1.jpg"), os.path.join("F", "z w/2.jpg"))
     assert got.issame == [bool(i % 2) for i in range(22)] + [True]
     assert got.folds == contiguous_folds(23) == _kfold(23)
-    assert got.photos[:3] == [os.path.join("F", "p0/a.jpg"), os.path.join("F", "p0/b.png"), os.path.join("F", "p1/a.jpg")]
+    assert got.photos[:3] == [os.path.join("F", p) for p in ("p0/a.jpg", "p0/b.png", "p1/a.jpg")]
 
 
 LFW_HEAD = ["10\t1", "A\t1\t2", "A\t1\tB\t1"]
@@ -151,7 +151,8 @@ def test_lfw_list_of_the_wrong_length_or_mix_is_refused(tmp_path):
 
 
 def test_missing_images_are_one_error_line_before_any_work(lfw, tmp_path, capsys, counted):
-    pairs = _lfw_list(tmp_path / "pairs.txt", same=["Eileen 1 9"] + SAME[1:], diff=DIFF[:4] + ["Nobody 1 Wall 1"] + DIFF[5:])
+    pairs = _lfw_list(tmp_path / "pairs.txt", same=["Eileen 1 9"] + SAME[1:],
+                      diff=DIFF[:4] + ["Nobody 1 Wall 1"] + DIFF[5:])
     out = str(tmp_path / "v.bin")
     assert make_bin([lfw, out, "--pairs_list", pairs, "--align"]) == 2
     err = capsys.readouterr().err.strip()
@@ -178,9 +179,8 @@ def test_fallback_of_a_one_face_set_cuts_that_face_s_chip_alike_in_any_photo_siz
     centre, centre2 = np.array([(w - 1) / 2, (h - 1) / 2]), np.array([(2 * w - 1) / 2, (2 * h - 1) / 2])
     assert np.allclose(bigger.shape, (same.shape - centre) * 2 + centre2, atol=1e-6)
     no_shape = Fallback.of([(Face(face.box, face.points, face.score, None), photo.size)]).face(photo.size)
-    assert no_shape.shape is None and np.allclose(  # fitted to the five points: the same alignment
-        similarity_transform(ARCFACE_112.points, no_shape.points), similarity_transform(ARCFACE_112.points, face.points),
-        atol=0.1)  # within a tenth of a pixel
+    to_112 = [similarity_transform(ARCFACE_112.points, f.points) for f in (no_shape, face)]
+    assert no_shape.shape is None and np.allclose(*to_112, atol=0.1)  # fitted to the five points: within 0.1 px
 
 
 def test_make_bin_writes_every_pair_in_list_order_and_names_the_fallbacks(lfw, tmp_path, capsys, monkeypatch):
@@ -208,6 +208,25 @@ def test_make_bin_writes_every_pair_in_list_order_and_names_the_fallbacks(lfw, t
             assert np.array_equal(images[2 * i + j].permute(1, 2, 0).numpy(), crop)
     assert make_bin([lfw, out, "--pairs_list", pairs, "--align", "--strict", "--overwrite"]) == 2
     assert "--strict refuses them" in capsys.readouterr().err
+
+
+def test_make_bin_from_a_plain_list_of_crops_stores_them_in_list_order(tmp_path):
+    rng = np.random.default_rng(0)
+    os.makedirs(tmp_path / "crops")
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 256, (112, 112, 3), dtype=np.uint8)).save(tmp_path / "crops" / f"{i}.png")
+    order = [(i % 4, (i * 3 + 1) % 4, i % 2) for i in range(11)]
+    (tmp_path / "list.txt").write_text("".join(f"{a}.png {b}.png {s}\n" for a, b, s in order))
+    out = str(tmp_path / "v.bin")
+    assert make_bin([str(tmp_path / "crops"), out, "--pairs_list", str(tmp_path / "list.txt")]) == 0
+    (images, _), issame = load_bin(out)
+    assert issame == [bool(s) for _, _, s in order]
+    for i, (a, b, _) in enumerate(order):
+        for j, name in enumerate((a, b)):
+            expected = np.asarray(Image.open(tmp_path / "crops" / f"{name}.png"))
+            assert np.array_equal(images[2 * i + j].permute(1, 2, 0).numpy(), expected)
+    assert make_bin([str(tmp_path / "crops"), out, "--pairs_list", str(tmp_path / "list.txt"), "--overwrite",
+                     "--seed", "1"]) == 2
 
 
 def test_retries_recover_faces_and_say_how_many(lfw, tmp_path, capsys):
