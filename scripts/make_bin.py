@@ -1,13 +1,22 @@
 #!/usr/bin/env python
 """Write a verification set in insightface's .bin format (a pickle of (encoded images, issame),
 pair i being images 2i and 2i+1) from an image folder of identities held out of training.
-`python -m scripts.make_bin HELD_OUT_FOLDER OUT.bin [--pairs N] [--seed S]`.
+`python -m scripts.make_bin HELD_OUT_FOLDER OUT.bin [--pairs N] [--seed S]`, or the pairs of a list
+in its order: `python -m scripts.make_bin FOLDER OUT.bin --pairs_list pairs.txt --align`.
 
 Half the pairs are two images of one identity, half images of two identities, drawn without
 repeats and fixed by --seed; same and different pairs alternate, so every fold of the 10-fold
 protocol holds both kinds. scripts.verify and training's val_targets read the file as lfw.bin.
 With --align the images are photos: each photo's largest face is aligned to 112x112 first, and
-photos without a face are left out of the draw and named (refused with --strict)."""
+photos without a face are left out of the draw and named (refused with --strict).
+
+With --pairs_list (LFW's pairs.txt or a plain `path1 path2 1|0` list, eval.pairs) the pairs are
+the list's, in its order, so verification's 10 folds are the list's own (LFW view 2's 10 sets of
+600). A pair is never dropped: with --align a photo where no face is found, after the retries
+asked for (--retry_upsample, --retry_mmod), is cut at a fallback face (infer.pair_photos, as
+scripts.verify does) and named; --strict refuses such photos instead. Each photo is aligned once
+however many pairs name it; its detection is cached beside the list (infer.pair_cache), where
+scripts.verify finds it."""
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
@@ -19,15 +28,19 @@ import itertools
 import random
 import sys
 
+from configs.errors import ConfigError
 from dataset import DataError, list_identity_folders
 from dataset.geometry import check_files
 from dataset.images import stored_bytes
+from eval.pairs import check_images, read_pair_list
 from eval.verification import NFOLDS, write_bin
 from faces.align import ARCFACE_112
 from faces.photos import align_groups, aligned_png
+from infer.pair_cache import cache_paths, check_cache
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from scripts.options import add_align_options, detection_from, workers_from
+from scripts.options import (add_align_options, add_pair_list_options, detection_from, face_detection, list_faces,
+                             retries_from, workers_from)
 from utils.atomic import check_output_file, refuse_inputs
 from utils.progress import Progress
 
@@ -65,6 +78,37 @@ def draw_pairs(groups: list[list[str]], pairs: int | None, seed: int) -> tuple[l
     return order, issame
 
 
+def write_list_bin(args) -> int:
+    """--pairs_list: the list's pairs in its order (see the module docstring)."""
+    for given, name in ((args.pairs is not None, "--pairs"), (args.seed is not None, "--seed")):
+        if given:
+            raise ConfigError(f"{name} draws pairs; --pairs_list takes the list's own")
+    if not args.align and (args.retry_upsample is not None or args.retry_mmod or args.cache_dir is not None):
+        raise ConfigError("--retry_upsample, --retry_mmod and --cache_dir search photos for faces: pass --align")
+    detection = face_detection(args)
+    retries_from(args, detection)
+    check_output_file(args.output, overwrite=args.overwrite)
+    pair_list = read_pair_list(args.pairs_list, args.folder)
+    check_images(pair_list)
+    photos = pair_list.photos
+    cache = cache_paths(args.pairs_list, None, args.cache_dir)[0]
+    refuse_inputs([args.output] + ([cache] if args.align else []), photos + [args.pairs_list])
+    if args.align:
+        check_cache(cache)
+        faces = list_faces(args, pair_list, detection, args.strict).faces
+        encoded = {p: aligned_png(p, faces[p], ARCFACE_112) for p in photos}  # each photo once
+    else:
+        check_files(photos, args.resize)
+        encoded = {p: stored_bytes(p, args.resize) for p in photos}
+    issame = pair_list.issame
+    write_bin(args.output, [encoded[p] for pair in pair_list.pairs for p in pair], issame)
+    sizes = sorted({stop - start for start, stop in pair_list.folds})
+    print(f"wrote {args.output}: {len(issame)} pairs ({sum(issame)} same, {len(issame) - sum(issame)} different) "
+          f"of {args.pairs_list} in its order, its {len(pair_list.folds)} folds of "
+          f"{' or '.join(map(str, sizes))} pairs verification's folds, {len(photos)} images")
+    return 0
+
+
 @exits_on_user_error
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n")[0])
@@ -73,13 +117,24 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", type=int, default=None,
                    help=f"number of pairs, half same, half different (default {DEFAULT_PAIRS}, or as many as "
                         "the images allow; LFW has 6000)")
-    p.add_argument("--seed", type=int, default=0, help="fixes which pairs are drawn")
+    p.add_argument("--seed", type=int, default=None, help="fixes which pairs are drawn (default 0)")
+    p.add_argument("--pairs_list", default=None,
+                   help="write the pairs of this list, in its order: LFW's pairs.txt (images FOLDER/name/"
+                        "name_000n.jpg) or one `path1 path2 1|0` pair a line, paths relative to FOLDER; with --align a "
+                        "photo without a face is cut at a fallback face, never left out")
     p.add_argument("--resize", action="store_true",
                    help="resize images that are not 112x112 instead of refusing them (resizing is not "
                         "alignment; see README 'Your own images')")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT.bin")
     add_align_options(p, "the images")
+    add_pair_list_options(p)
     args = p.parse_args(argv)
+    if args.pairs_list is not None:
+        return write_list_bin(args)
+    if args.retry_upsample is not None or args.retry_mmod or args.cache_dir is not None:
+        raise ConfigError("--retry_upsample, --retry_mmod and --cache_dir are for --pairs_list (photos without a "
+                          "face are left out of a drawn set)")
+    args.seed = 0 if args.seed is None else args.seed
     if args.pairs is not None and args.pairs < NFOLDS:
         raise DataError(f"--pairs {args.pairs}: verification needs at least {NFOLDS} pairs (its folds)")
     check_output_file(args.output, overwrite=args.overwrite)

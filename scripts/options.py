@@ -11,7 +11,10 @@ from configs.errors import ConfigError
 from faces.detect import DETECTORS, LANDMARKS, MAX_SIDE, check_available
 from faces.photos import Detection
 from faces.workers import check_workers, default_workers
+from eval.pairs import PairList
 from infer.model import MODEL_HELP, Model, load_model
+from infer.pair_cache import FacesCache, cache_paths
+from infer.pair_photos import PairFaces, Retries, pair_faces
 
 
 def add_model_options(p, batch_size: int | None = 64, what: str = "MODEL") -> None:
@@ -105,3 +108,42 @@ def add_rank_options(p, what: str) -> None:
                    help=f"this machine's rank among --world (default: torchrun's RANK); each rank {what}")
     p.add_argument("--world", type=int, default=None,
                    help="how many ranks share the photos (default: torchrun's WORLD_SIZE, else 1)")
+
+
+def add_pair_list_options(p) -> None:
+    """The options of a pair list's photos that scripts.make_bin and scripts.verify share: the
+    retries for photos without a face and where the caches go."""
+    p.add_argument("--retry_upsample", type=int, default=None, metavar="N",
+                   help="search photos where no face was found again with N doublings (more than --upsample): "
+                        "finds smaller faces, at 4x the time per doubling")
+    p.add_argument("--retry_mmod", action="store_true",
+                   help="then search the photos still without a face with dlib's CNN (MMOD) detector (slower on "
+                        "a CPU, finds turned faces); a photo still without one gets a fallback face")
+    p.add_argument("--cache_dir", default=None,
+                   help="folder for the list's caches of detected faces (and verify's embeddings) (default: "
+                        "beside the list)")
+    if not any(a.dest == "workers" for a in p._actions):
+        add_workers_option(p)
+
+
+def retries_from(args, detection: Detection) -> Retries:
+    """The retries the options ask for, checked (and dlib's CNN detector loaded) before any work."""
+    if args.retry_upsample is not None and args.retry_upsample <= detection.upsample:
+        raise ConfigError(f"--retry_upsample {args.retry_upsample}: more than --upsample {detection.upsample}, "
+                          "the first search's")
+    if args.retry_mmod and detection.detector == "mmod":
+        raise ConfigError("--retry_mmod with --detector mmod: the first search used dlib's CNN detector already")
+    if args.retry_mmod:
+        check_available("mmod", detection.landmarks)
+    return Retries(args.retry_upsample, args.retry_mmod)
+
+
+def list_faces(args, pair_list: PairList, detection: Detection, strict: bool) -> PairFaces:
+    """The face of each photo of the list (detected, recovered by a retry, or the fallback), with
+    the faces cache of the options, and the report printed."""
+    path = cache_paths(args.pairs_list, None, args.cache_dir)[0]
+    faces = pair_faces(pair_list.photos, detection, retries_from(args, detection), FacesCache(path), strict,
+                       workers=workers_from(args))
+    for line in faces.report(pair_list.pairs):
+        print(line)
+    return faces

@@ -1,10 +1,20 @@
 #!/usr/bin/env python
 """Verify a trained backbone on LFW-format .bin sets and print a table of results (10-fold accuracy).
-`python -m scripts.verify MODEL --bin lfw.bin [--bin cfp_fp.bin ...]`.
+`python -m scripts.verify MODEL --bin lfw.bin [--bin cfp_fp.bin ...]`, or straight from photos:
+`python -m scripts.verify MODEL --pairs_list pairs.txt --images FOLDER`.
 
 The .bin sets hold insightface's 112x112 crops; a model made for another crop (MODEL `dlib`,
 150x150 dlib chips) sees them re-framed onto its template (infer.model.Model.from_crops):
-what falls outside the 112 crop is black, which costs some accuracy (README 'Your own images')."""
+what falls outside the 112 crop is black, which costs some accuracy (README 'Your own images').
+
+With --pairs_list (LFW's pairs.txt or a plain `path1 path2 1|0` list, eval.pairs) each photo is
+cut to the model's own crop (Model.crop: dlib's own chip for MODEL `dlib`, the 112 alignment for
+ours), so nothing is re-framed and no .bin is written; the pairs are scored in the list's order,
+on its own folds, in the same table. No pair is dropped: a photo where no face is found (after
+the retries asked for) is cut at a fallback face and named, as scripts.make_bin does (one place
+decides: infer.pair_photos); --strict refuses such photos instead. Detected faces are cached
+beside the list per photo content and face options, embeddings per model (infer.pair_cache), so
+a second model on the same list does not detect again, and a second run embeds nothing."""
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
@@ -15,25 +25,65 @@ if not __package__:  # run as a file (python scripts/x.py): import as `python -m
 import os
 import sys
 
+from configs.errors import ConfigError
+from eval.pairs import check_images, read_pair_list, score_pairs
 from eval.verification import NFOLDS, load_bin, test
 from faces.align import ARCFACE_112
 from infer.embed import refuse_non_finite_embeddings
+from infer.pair_cache import EmbeddingCache, cache_paths, check_cache
+from infer.pair_photos import pair_embeddings
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from scripts.options import add_model_options, model_from
+from scripts.options import (add_detection_options, add_model_options, add_pair_list_options, face_detection,
+                             list_faces, model_from, retries_from)
+from utils.atomic import refuse_inputs
+
+
+def verify_list(args, embedder, pair_list, detection):
+    """The list's pairs, each photo cut to the model's own crop: the VerificationResult."""
+    faces_cache, emb_cache = cache_paths(args.pairs_list, embedder.fingerprint, args.cache_dir)
+    refuse_inputs([faces_cache, emb_cache], pair_list.photos + [args.pairs_list])
+    for path in (faces_cache, emb_cache):
+        check_cache(path)
+    print(f"{embedder.name}: each photo cut to its own crop, {embedder.crop_name}")
+    faces = list_faces(args, pair_list, detection, args.strict)
+    embedded = pair_embeddings(embedder, pair_list.photos, faces, EmbeddingCache(emb_cache, embedder), args.batch_size)
+    print(embedded.report())
+    return score_pairs(pair_list, embedded.emb, embedded.emb_flip)
 
 
 @exits_on_user_error
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n")[0])
     add_model_options(p, batch_size=128)
-    p.add_argument("--bin", action="append", required=True, help="a .bin file (repeatable)")
+    p.add_argument("--bin", action="append", default=[], help="a .bin file (repeatable)")
+    p.add_argument("--pairs_list", default=None,
+                   help="verify the pairs of this list from photos: LFW's pairs.txt (images FOLDER/name/"
+                        "name_000n.jpg) or one `path1 path2 1|0` pair a line, paths relative to --images")
+    p.add_argument("--images", default=None, help="with --pairs_list, the folder of its photos")
+    p.add_argument("--strict", action="store_true",
+                   help="with --pairs_list, refuse photos without a face instead of cutting them at a fallback face")
+    add_detection_options(p)
+    add_pair_list_options(p)
     args = p.parse_args(argv)
-    embedder = model_from(args)
+    if not args.bin and args.pairs_list is None:
+        raise ConfigError("nothing to verify: pass --bin FILE or --pairs_list FILE --images FOLDER")
+    if (args.pairs_list is None) != (args.images is None):
+        raise ConfigError("--pairs_list and --images go together: the list names photos in the folder")
+    pair_list = detection = None
+    if args.pairs_list is not None:  # the list and its photos checked, the detectors loaded, before any work
+        detection = face_detection(args)
+        retries_from(args, detection)
+        pair_list = read_pair_list(args.pairs_list, args.images)
+        check_images(pair_list)
+    embedder = model_from(args, detection)
     model = embedder.for_crops(ARCFACE_112)
-    if model is not embedder.module:
+    if args.bin and model is not embedder.module:
         print(f"{embedder.name} takes {embedder.template.name} crops: the sets' {ARCFACE_112.name} crops are re-framed onto it")
     rows = []
+    if pair_list is not None:
+        r = verify_list(args, embedder, pair_list, detection)
+        rows.append((os.path.basename(args.pairs_list), r.accuracy, r.accuracy_flip, r.std_flip, r.xnorm))
     for path in args.bin:
         r = test(load_bin(path, min_pairs=NFOLDS), model, args.batch_size)
         for emb in (r.embeddings, r.embeddings_flip):  # NaN distances would verify as chance

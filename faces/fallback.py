@@ -1,0 +1,80 @@
+"""The face a photo is given where none was found, so that a pair protocol keeps every pair:
+the typical face of the set, placed in the photo where the set's faces sit, at their scale.
+
+Each found face is described by the similarity transform that carries dlib's chip frame onto
+it (fitted to dlib's 5-point shape where the faces have one, else to the five points), written
+in coordinates relative to its photo: origin at the photo's centre, unit the photo's geometric
+mean side sqrt(w * h). The fallback face of a photo is the set's median transform (per
+parameter), taken back to that photo's pixels, applied to the chip frame's points. In a set of
+centred portraits (LFW) that is a face at the centre of the photo, upright, of the set's median
+size. The fallback is an ordinary `Face`: every crop (insightface's 112, dlib's own chip) is cut
+from it as from a detected one."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from faces.align import similarity_transform
+from faces.detect import Face
+from faces.dlib_chip import DLIB_150, DLIB_150_SHAPE5
+from faces.landmarks import five_from_dlib5
+
+FALLBACK_SCORE = 0.0  # a fallback face is no detection: below any detector's kept score
+
+
+def _has_shape5(face: Face) -> bool:
+    return face.shape is not None and len(face.shape) == 5
+
+
+def _frame(size: tuple[int, int]) -> tuple[np.ndarray, float]:
+    """(centre, unit) of a w x h photo's relative coordinates (pixel centres)."""
+    w, h = size
+    return np.array([(w - 1) / 2, (h - 1) / 2]), float(np.sqrt(w * h))
+
+
+def face_transform(face: Face, size: tuple[int, int], shape5: bool) -> np.ndarray:
+    """(a, b, tx, ty): the similarity [[a, -b, tx], [b, a, ty]] from dlib's chip frame onto the
+    face in its w x h photo's relative coordinates; fitted to dlib's 5-point shape (`shape5`)
+    or to the five points."""
+    ref, target = (DLIB_150_SHAPE5.points, face.shape) if shape5 else (DLIB_150.points, face.points)
+    centre, unit = _frame(size)
+    m = similarity_transform(ref, (np.asarray(target, np.float64) - centre) / unit)
+    return np.array([m[0, 0], m[1, 0], m[0, 2], m[1, 2]])
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """The set's median face transform (a, b, tx, ty) in relative photo coordinates, fitted to
+    dlib's 5-point shape (`shape5`) or to the five points."""
+    transform: np.ndarray
+    shape5: bool
+
+    @classmethod
+    def of(cls, found: list[tuple[Face, tuple[int, int]]]) -> "Fallback":
+        """The fallback of a set from its found faces [(face, its photo's size (w, h))], at least
+        one. Where every found face has dlib's 5-point shape, the fallback is fitted to, and
+        gets, one too."""
+        if not found:
+            raise ValueError("no found face to take the fallback's place and scale from")
+        shape5 = all(_has_shape5(f) for f, _ in found)
+        return cls(np.median(np.stack([face_transform(f, s, shape5) for f, s in found]), axis=0), shape5)
+
+    def face(self, size: tuple[int, int]) -> Face:
+        """The fallback face of a w x h photo: its five points (and dlib's shape, derived as for a
+        detection) placed by the median transform, its box the chip frame's bounds."""
+        a, b, tx, ty = self.transform
+        centre, unit = _frame(size)
+        m = np.array([[a, -b, tx], [b, a, ty]]) * unit
+        m[:, 2] += centre
+
+        def place(points: np.ndarray) -> np.ndarray:
+            return np.asarray(points, np.float64) @ m[:, :2].T + m[:, 2]
+
+        h, w = DLIB_150.size
+        corners = place(np.array([[0, 0], [w, 0], [0, h], [w, h]]))
+        box = tuple(float(v) for v in (*corners.min(0), *corners.max(0)))
+        if self.shape5:
+            shape = place(DLIB_150_SHAPE5.points)
+            return Face(box, five_from_dlib5(shape), FALLBACK_SCORE, shape)
+        return Face(box, place(DLIB_150.points), FALLBACK_SCORE, None)
