@@ -55,11 +55,13 @@ def backup_path(path: str, pid: int | None = None) -> str:
 
 
 def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host (signal 0 probes it without touching it): the one
+    test of a dead writer, for staging files, journals, run locks and the gallery's part folders."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
+    except PermissionError:  # alive, owned by another user
         return True
     return True
 

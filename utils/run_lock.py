@@ -36,6 +36,7 @@ import threading
 import time
 
 from parallel.dist import from_every_rank, from_rank0, get_world_size
+from utils.atomic import process_alive
 from utils.checkpoint import CheckpointError
 
 logger = logging.getLogger("shardface")
@@ -45,16 +46,6 @@ REFRESH_S = 60.0
 SHARED_WAIT_S = 30.0  # NFS may show a new file to other clients only once their cached directory expires
 STALE_S = 10 * REFRESH_S
 _JOB_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID", "TORCHELASTIC_RUN_ID")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by another user
-        return True
-    return True
 
 
 def _describe(holder: dict) -> str:
@@ -173,7 +164,7 @@ class RunLock:
         if holder.get("host") == self.me["host"] and isinstance(pid, int):
             if pid == os.getpid() and os.path.abspath(path) not in RunLock._held_here:
                 return "left by an earlier run of this process"
-            if not _pid_alive(pid):
+            if not process_alive(pid):
                 return f"pid {pid} is not running on this host"
         if age > STALE_S:
             return f"not refreshed for {age:.0f} s (stale after {STALE_S:.0f} s)"
