@@ -87,9 +87,9 @@ def main(argv=None) -> int:
                    "with --no_ema GALLERY/.shardface_gallery.no_ema.npz)")
     p.add_argument("--rebuild", action="store_true", help="enrol every image again, replacing the gallery file")
     p.add_argument("--engine", default="auto", choices=ENGINES,
-                   help="search engine, all exact with the same results: auto (default: the faster of the two for "
-                        "the gallery's size, the number of faces and the threads, by the table in benchmarks/README.md), "
-                        "faiss (IndexFlatIP) or exact (ours, blocked torch)")
+                   help="search engine, all exact with the same results: auto (default: the faster of the two "
+                        "for the gallery's size, the number of faces and the threads, by the table in "
+                        "benchmarks/README.md), faiss (IndexFlatIP) or exact (ours, blocked torch)")
     args = p.parse_args(argv)
     if args.top < 1:
         p.error(f"--top must be at least 1, got {args.top}")
