@@ -51,14 +51,14 @@ class Gallery:
             return np.zeros((0, self.enrolment.templates.shape[1]), np.float32)
         return self.model.embed_crops(torch.stack(crops))
 
-    def identify(self, photo, top: int = 1) -> list:
+    def identify(self, photo, top: int = 1, engine: str = "auto") -> list:
         """Per face of the photo, largest first: (name or "unknown", score) of the best match; with
         top > 1, a list of the `top` best (name, score), the first replaced by "unknown" when it
-        is below the threshold."""
+        is below the threshold. `engine`: infer.search's, all exact with the same answer."""
         emb = self.embeddings(photo)
         if not len(emb):
             return []
-        scores, ids = identify(self.enrolment, emb, top)
+        scores, ids = identify(self.enrolment, emb, top, engine)
         out = []
         for s, i in zip(scores, ids):
             best = [(self.enrolment.names[j], float(v)) for v, j in zip(s, i) if j >= 0]

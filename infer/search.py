@@ -1,7 +1,7 @@
 """Exact inner-product search over a gallery: one small interface, as faiss's `Index`, over two
-engines that give the same answer.
+engines that give the same answer, and "auto", which picks the faster of them for the search.
 
-    index = make_index(dim, engine="exact")   # or "faiss"
+    index = make_index(dim, "auto", size=N, queries=Q)   # or engine "exact" / "faiss"
     index.add(gallery)                        # N x D float rows, ids 0 .. N-1 in order added
     scores, ids = index.search(queries, k)    # Q x k float32 scores, Q x k int64 ids
 
@@ -10,10 +10,17 @@ so a result never depends on the engine, the block sizes or the thread count. Wi
 than the gallery, the missing places hold score -inf and id -1 (faiss's convention).
 
 `ExactIndex` keeps the gallery in blocks (float32 or float16 storage) and scores one block
-of queries against one block of gallery rows at a time, keeping a running top-k: memory
+of gallery rows against one block of queries at a time, keeping a running top-k: memory
 beyond the gallery itself is bounded by the two block sizes, never Q x N. `FaissIndex` is
-faiss-cpu's `IndexFlatIP`, the field's standard exact engine, with the tie order made explicit
-(faiss leaves the order of equal scores to its heap)."""
+faiss-cpu's `IndexFlatIP` (float16 storage: `IndexScalarQuantizer` QT_fp16, which scores the
+same float16 values in float32), the field's standard exact engine, with the tie order made
+explicit (faiss leaves the order of equal scores to its heap).
+
+Neither engine is the faster everywhere (benchmarks/README.md, "1:N search"). faiss-cpu 1.15
+scans the whole gallery once per query below Q x D = 128000 (its distance_compute_blas_threshold:
+Q < 250 at 512-D) and calls BLAS above; ours makes one BLAS product per gallery block for any Q,
+with torch's BLAS. On one thread, faiss's scan was the faster for 1 query and its BLAS for 1000
+(float32), ours for 10 and 100. `pick_engine` reads the measured table `FASTER`."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -21,7 +28,27 @@ from typing import Protocol
 import numpy as np
 import torch
 
-ENGINES = ("exact", "faiss")
+ENGINES = ("auto", "exact", "faiss")
+
+# The faster engine at each point of `python benchmarks/search.py --grid` (a gallery of N random
+# unit 512-D vectors, Q queries searched at once, top 10), as benchmarks/README.md's table
+# "1:N search" shows it: measured 2026-11-26 on a 2-core AMD EPYC under load (load average 8.7 to
+# 3.5), so rerun it on a quiet CPU and paste its closing rule here. Per (N, Q), the engine for
+# (1 thread, float32), (all threads, float32), (1 thread, float16), (all threads, float16).
+FASTER = {
+    (10_000, 1): ("faiss", "exact", "faiss", "faiss"),
+    (10_000, 10): ("exact", "faiss", "exact", "faiss"),
+    (10_000, 100): ("exact", "exact", "exact", "exact"),
+    (10_000, 1000): ("faiss", "faiss", "exact", "exact"),
+    (100_000, 1): ("faiss", "exact", "faiss", "faiss"),
+    (100_000, 10): ("exact", "faiss", "exact", "faiss"),
+    (100_000, 100): ("exact", "exact", "exact", "exact"),
+    (100_000, 1000): ("faiss", "faiss", "exact", "exact"),
+    (1_000_000, 1): ("faiss", "exact", "faiss", "faiss"),
+    (1_000_000, 10): ("exact", "faiss", "exact", "faiss"),
+    (1_000_000, 100): ("exact", "exact", "exact", "exact"),
+    (1_000_000, 1000): ("faiss", "faiss", "exact", "exact"),
+}
 
 
 class Index(Protocol):
@@ -51,26 +78,35 @@ def _order(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tenso
 
 
 def _block_top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top k columns of each row of a Q x B score block, ties at the k-th place resolved to the
-    lower column. torch.topk picks among equal scores arbitrarily, so the rows where the k-th
-    score is shared beyond the k places (rare with real embeddings) are sorted stably instead."""
-    k = min(k, scores.shape[1])
-    values, cols = torch.topk(scores, k, dim=1)
-    crowded = (scores >= values[:, -1:]).sum(1) > k
+    """The k best columns of each row of a Q x B score block, equal scores at the k-th place
+    resolved to the lower column (the order within the k is left to `_order`). torch.topk picks
+    among equal scores arbitrarily, so it is asked for k + 1: a row whose k-th and (k+1)-th
+    scores are equal (rare with real embeddings) has a tie across the cut, and is sorted stably
+    instead. That costs no second pass over the block."""
+    if k >= scores.shape[1]:
+        return scores, torch.arange(scores.shape[1]).expand(len(scores), -1)
+    values, cols = torch.topk(scores, k + 1, dim=1)
+    crowded = values[:, k - 1] == values[:, k]
     if bool(crowded.any()):
         rows = crowded.nonzero().squeeze(1)
-        order = torch.argsort(scores[rows], dim=1, descending=True, stable=True)[:, :k]
-        cols[rows] = order
-        values[rows] = scores[rows].gather(1, order)
-    return values, cols
+        cols[rows] = torch.argsort(scores[rows], dim=1, descending=True, stable=True)[:, :k + 1]
+        values[rows] = scores[rows].gather(1, cols[rows])
+    return values[:, :k], cols[:, :k]
 
 
 class ExactIndex:
     """Blocked exact search in torch on the CPU (see the module docstring). `dtype` float16
-    halves the gallery's memory; scores are always accumulated in float32."""
+    halves the gallery's memory; scores are always accumulated in float32.
 
-    def __init__(self, dim: int, dtype: torch.dtype = torch.float32, gallery_block: int = 32768,
-                 query_block: int = 256):
+    A search reads each gallery block once, whatever the number of queries: the block (made
+    float32 in one reused buffer when stored as float16) is scored against each block of queries
+    in turn, and every query keeps a running top k. Scores are computed as gallery x queries
+    (B x Q: with torch's MKL on a 2-core AMD EPYC the faster layout, 1.4x for 1000 queries by 8192
+    rows), then laid out as Q x B for torch.topk along contiguous rows. Both score tiles are reused, so a search
+    allocates no memory per block (a fresh tile of several MB costs its page faults every time)."""
+
+    def __init__(self, dim: int, dtype: torch.dtype = torch.float32, gallery_block: int = 8192,
+                 query_block: int = 512):
         self.dim, self.dtype = dim, dtype
         self.gallery_block, self.query_block = gallery_block, query_block
         self.blocks: list[torch.Tensor] = []
@@ -93,34 +129,43 @@ class ExactIndex:
     def search(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
-        q_all = torch.as_tensor(_check_rows(x, self.dim, "search"), dtype=torch.float32)
-        out_s = torch.full((len(q_all), k), -torch.inf)
-        out_i = torch.full((len(q_all), k), -1, dtype=torch.int64)
-        for qs in range(0, len(q_all), self.query_block):
-            q = q_all[qs:qs + self.query_block]
-            best_s = torch.full((len(q), 0), -torch.inf)
-            best_i = torch.zeros((len(q), 0), dtype=torch.int64)
-            offset = 0
-            for block in self.blocks:
-                g = block if block.dtype == torch.float32 else block.float()
-                s, cols = _block_top(q @ g.T, k)
-                best_s, best_i = _order(torch.cat([best_s, s], 1), torch.cat([best_i, cols + offset], 1), k)
-                offset += len(block)
-            n = best_s.shape[1]
-            out_s[qs:qs + len(q), :n], out_i[qs:qs + len(q), :n] = best_s, best_i
-        return out_s.numpy(), out_i.numpy()
+        q_all = torch.as_tensor(_check_rows(x, self.dim, "search"), dtype=torch.float32).contiguous()
+        best_s = torch.full((len(q_all), k), -torch.inf)
+        best_i = torch.full((len(q_all), k), -1, dtype=torch.int64)
+        if not len(q_all) or not self.blocks:
+            return best_s.numpy(), best_i.numpy()
+        rows = len(self.blocks[0])  # every block but the last is full
+        tile = min(self.query_block, len(q_all)) * rows
+        by_gallery, by_query = torch.empty(tile), torch.empty(tile)
+        as_float = torch.empty(rows, self.dim) if self.dtype != torch.float32 else None
+        offset = 0
+        for block in self.blocks:
+            g = block if as_float is None else as_float[:len(block)].copy_(block)
+            for qs in range(0, len(q_all), self.query_block):
+                q = q_all[qs:qs + self.query_block]
+                n = len(g) * len(q)
+                scores = torch.mm(g, q.T, out=by_gallery[:n].view(len(g), len(q)))
+                scores = by_query[:n].view(len(q), len(g)).copy_(scores.T)
+                s, cols = _block_top(scores, k)
+                mine = slice(qs, qs + len(q))
+                best_s[mine], best_i[mine] = _order(torch.cat([best_s[mine], s], 1),
+                                                    torch.cat([best_i[mine], cols + offset], 1), k)
+            offset += len(block)
+        return best_s.numpy(), best_i.numpy()
 
 
 class FaissIndex:
-    """faiss-cpu's exact IndexFlatIP, with equal scores ordered by the lower id. faiss returns a
+    """faiss-cpu's exact IndexFlatIP (`fp16`: IndexScalarQuantizer QT_fp16, float16 storage scored
+    in float32), with equal scores ordered by the lower id. faiss returns a
     true top-k set by score, but which of several equal scores at the k-th place it keeps is
     its heap's choice: so it is asked for more places until the k-th score is strictly above
     the last one returned (or the whole gallery is returned), and the answer is sorted."""
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, fp16: bool = False):
         import faiss  # only this engine needs it
         self.dim = dim
-        self.index = faiss.IndexFlatIP(dim)
+        self.index = (faiss.IndexScalarQuantizer(dim, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
+                      if fp16 else faiss.IndexFlatIP(dim))
 
     @property
     def ntotal(self) -> int:
@@ -149,12 +194,30 @@ class FaissIndex:
         return out_s, out_i
 
 
-def make_index(dim: int, engine: str = "exact", fp16: bool = False) -> Index:
-    """An empty index of `engine` ("exact": ours, "faiss": IndexFlatIP) for `dim`-D vectors."""
+def _nearest(value: int, measured) -> int:
+    """The measured point nearest to `value` on a log scale (sizes and counts grow by factors)."""
+    return min(measured, key=lambda m: (abs(np.log(max(value, 1) / m)), m))
+
+
+def pick_engine(size: int, queries: int, threads: int, fp16: bool = False) -> str:
+    """The engine FASTER names for the measured point nearest to a search of `queries` queries
+    in a gallery of `size` rows on `threads` threads (1, or more: the table's 'all')."""
+    n = _nearest(size, {n for n, _ in FASTER})
+    q = _nearest(queries, {q for m, q in FASTER if m == n})
+    return FASTER[n, q][(threads > 1) + 2 * fp16]
+
+
+def make_index(dim: int, engine: str = "exact", fp16: bool = False, size: int | None = None,
+               queries: int | None = None) -> Index:
+    """An empty index of `engine` for `dim`-D vectors: "exact" (ours), "faiss" (IndexFlatIP) or
+    "auto", the faster of the two by `pick_engine` for a gallery of `size` rows searched with
+    `queries` queries at once on torch's thread count."""
+    if engine == "auto":
+        if size is None or queries is None:
+            raise ValueError("engine auto picks by the gallery's size and the number of queries: give size and queries")
+        engine = pick_engine(size, queries, torch.get_num_threads(), fp16)
     if engine == "exact":
         return ExactIndex(dim, torch.float16 if fp16 else torch.float32)
     if engine == "faiss":
-        if fp16:
-            raise ValueError("fp16 storage is an option of the exact engine, not of faiss's IndexFlatIP")
-        return FaissIndex(dim)
+        return FaissIndex(dim, fp16)
     raise ValueError(f"unknown search engine {engine!r}; choose one of {', '.join(ENGINES)}")

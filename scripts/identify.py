@@ -86,9 +86,10 @@ def main(argv=None) -> int:
     p.add_argument("--cache", default=None, help="the gallery file (default GALLERY/.shardface_gallery.npz, "
                    "with --no_ema GALLERY/.shardface_gallery.no_ema.npz)")
     p.add_argument("--rebuild", action="store_true", help="enrol every image again, replacing the gallery file")
-    p.add_argument("--engine", default="faiss", choices=ENGINES,
-                   help="search engine, both exact with the same results: faiss (default, IndexFlatIP: 2.3x "
-                        "faster at 1M x 512 on 2 cores) or exact (ours, blocked torch)")
+    p.add_argument("--engine", default="auto", choices=ENGINES,
+                   help="search engine, all exact with the same results: auto (default: the faster of the two "
+                        "for the gallery's size, the number of faces and the threads, by the table in "
+                        "benchmarks/README.md), faiss (IndexFlatIP) or exact (ours, blocked torch)")
     args = p.parse_args(argv)
     if args.top < 1:
         p.error(f"--top must be at least 1, got {args.top}")

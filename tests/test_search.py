@@ -1,10 +1,11 @@
 """Gallery search: every engine equals a brute-force sort (ties to the lower id, k beyond the
-gallery padded with -inf / -1), whatever the block sizes and storage."""
+gallery padded with -inf / -1), whatever the block sizes and storage; "auto" answers as both do
+and picks the engine its measured table names."""
 import numpy as np
 import pytest
 import torch
 
-from infer.search import ExactIndex, FaissIndex, make_index
+from infer.search import FASTER, ExactIndex, FaissIndex, make_index, pick_engine
 
 
 def brute_force(gallery: np.ndarray, queries: np.ndarray, k: int):
@@ -28,6 +29,7 @@ ENGINES = {
     "exact-fp16": lambda d: ExactIndex(d, torch.float16, gallery_block=16, query_block=5),
     "exact-one-block": lambda d: ExactIndex(d),
     "faiss": lambda d: FaissIndex(d),
+    "faiss-fp16": lambda d: FaissIndex(d, fp16=True),
 }
 
 
@@ -44,7 +46,6 @@ def test_search_equals_brute_force_with_ties_and_k_beyond_the_gallery(engine, n,
     assert index.ntotal == n and scores.dtype == np.float32 and ids.dtype == np.int64
     np.testing.assert_array_equal(ids, want_i)
     np.testing.assert_array_equal(scores, want_s)
-
 
 
 def test_faiss_engine_asks_again_until_ties_at_the_kth_place_are_settled_by_the_lower_id():
@@ -108,3 +109,56 @@ def test_wrong_shapes_and_k_are_refused_by_name():
         index.search(np.zeros((1, 8), np.float32), 0)
     with pytest.raises(ValueError, match="unknown search engine"):
         make_index(8, "annoy")
+
+
+SIZES, QUERIES = (10_000, 100_000, 1_000_000), (1, 10, 100, 1000)  # benchmarks/search.py --grid
+
+
+def test_the_rule_covers_the_measured_grid_with_an_engine_per_threads_and_storage():
+    assert set(FASTER) == {(n, q) for n in SIZES for q in QUERIES}
+    assert all(len(picks) == 4 and set(picks) <= {"exact", "faiss"} for picks in FASTER.values())
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+@pytest.mark.parametrize("threads", [1, 2, 16])
+def test_the_rule_picks_the_table_entry_of_the_nearest_measured_point(threads, fp16):
+    column = (threads > 1) + 2 * fp16  # (1 thread, all) x (float32, float16)
+    nearest_size = {10_000: 10_000, 1: 10_000, 31_000: 10_000, 32_000: 100_000, 300_000: 100_000,
+                    317_000: 1_000_000, 50_000_000: 1_000_000}
+    nearest_queries = {1: 1, 0: 1, 3: 1, 4: 10, 31: 10, 32: 100, 316: 100, 317: 1000, 10**6: 1000}
+    for size, n in nearest_size.items():
+        for queries, q in nearest_queries.items():
+            assert pick_engine(size, queries, threads, fp16) == FASTER[n, q][column], (size, queries)
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_auto_builds_the_engine_the_rule_picks_for_this_process_threads(fp16):
+    for size, queries in FASTER:
+        index = make_index(8, "auto", fp16, size=size, queries=queries)
+        engine = pick_engine(size, queries, torch.get_num_threads(), fp16)
+        assert isinstance(index, ExactIndex if engine == "exact" else FaissIndex)
+        if engine == "exact":
+            assert index.dtype == (torch.float16 if fp16 else torch.float32)
+    with pytest.raises(ValueError, match="give size and queries"):
+        make_index(8, "auto")
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_auto_answers_exactly_as_both_engines_with_ties_to_the_lower_id(fp16):
+    """Whatever auto picks at each measured point, the answer is the brute-force sort, and so
+    the same as either engine's."""
+    rng = np.random.default_rng(7)
+    gallery, queries = tied_gallery(rng, 50, 4), tied_gallery(rng, 9, 4)
+    want_s, want_i = brute_force(gallery, queries, 6)
+    for engine in ("exact", "faiss"):
+        index = make_index(4, engine, fp16)
+        index.add(gallery)
+        scores, ids = index.search(queries, 6)
+        np.testing.assert_array_equal(ids, want_i)
+        np.testing.assert_array_equal(scores, want_s)
+    for size, n in FASTER:
+        index = make_index(4, "auto", fp16, size=size, queries=n)
+        index.add(gallery)
+        scores, ids = index.search(queries, 6)
+        np.testing.assert_array_equal(ids, want_i)
+        np.testing.assert_array_equal(scores, want_s)
