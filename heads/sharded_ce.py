@@ -19,13 +19,17 @@ K_j x D rows of the gradient that tile j then writes, and are read before they a
 overwritten); later blocks of `row_block` rows in one block buffer. So a global batch of at
 most D rows costs no memory beyond the weight gradient.
 
-No pass over the shard's C x D values beyond the three GEMMs but these two: the weight rows'
+No pass over the shard's C x D values beyond the three GEMMs but these: the weight rows'
 norms (one pass, forward) and the normalisation's radial correction g_j -= r_j inv_j^2 w_j,
 applied to each tile's gradient rows right after the GEMM that wrote them (with the fused head
 optimizer, inside its row step, where it replaces SGD's and Adam's own weight-decay pass).
-r_j = sum_i dcos_ij cos_ij comes from the tile (rows x K_j), never from <g_j, w_j> (K_j x D):
-on the exp(logit) path the block in the gradient's buffer keeps its logits beside their
-exponentials where both fit (2 x rows <= D), other blocks take them back as log(exp(logit)).
+r_j = sum_i dcos_ij cos_ij is taken from the tile (rows x K_j values) where that moves fewer
+bytes than <g_j, w_j> over the rows (2 x K_j x D): the tile's product and column sum move
+4 x rows x K_j, so where the batch is one block of 2 x rows <= D. On the exp(logit) path that
+needs the logits beside their exponentials: the block kept in the gradient's buffer keeps both
+there (2 x rows floats per row of the gradient fit in D), the fused head in a second tile.
+Otherwise (a global batch of more than D / 2 rows, or sampled rows, whose block buffer has no
+room for logits) r_j = <g_j, w_j> of the complete gradient rows, in the last block's dW step.
 
 The last block's gradient pass runs in backward, with the incoming gradient folded into its
 row scale: with one block (a global batch of at most D rows), nothing else touches the weight
@@ -118,8 +122,13 @@ def _put(tile: torch.Tensor, pos: torch.Tensor, has: torch.Tensor, value: torch.
     tile.scatter_(1, col, torch.where(has, value, old)[:, None])
 
 
-def _log_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    return torch.log(x, out=out)
+def _row_dots(a: torch.Tensor, b: torch.Tensor, rows: int = 1024) -> torch.Tensor:
+    """<a_j, b_j> for every row j, a slice of rows at a time: vecdot forms the elementwise
+    product of its whole inputs first (a tile of K x D floats, 16 MB at K = 8192, D = 512)."""
+    out = a.new_empty(a.shape[0])
+    for r0 in range(0, a.shape[0], rows):
+        torch.linalg.vecdot(a[r0:r0 + rows], b[r0:r0 + rows], out=out[r0:r0 + rows])
+    return out
 
 
 class _Shard:
@@ -194,7 +203,7 @@ class ShardedMarginCE(torch.autograd.Function):
         t_logit = t_logit.detach()
         rows = {n: v.detach() for n, v in rows.items()}
 
-        walk = _Walk(emb_n, shard, labels, has, cos_y, t_logit, margin, rows, plan, group,
+        walk = _Walk(emb_n, shard, labels, has, t_logit, margin, rows, plan, group,
                      grads and not plan.fused)
         if grads:
             walk.d_t_dcos = d_t[0]
@@ -227,7 +236,7 @@ class ShardedMarginCE(torch.autograd.Function):
 class _Walk:
     """One pass over row blocks x class tiles (see the module docstring)."""
 
-    def __init__(self, emb_n, shard: _Shard, labels, has, cos_y, t_logit, margin: MarginLoss, rows,
+    def __init__(self, emb_n, shard: _Shard, labels, has, t_logit, margin: MarginLoss, rows,
                  plan: HeadPlan, group, grads: bool):
         self.emb_n, self.shard, self.labels, self.has = emb_n, shard, labels, has
         self.t_logit, self.margin, self.rows, self.plan, self.group = t_logit, margin, rows, plan, group
@@ -259,10 +268,12 @@ class _Walk:
             self.exp_clamp = (math.exp(lo) * (1 + 1e-6), math.exp(hi) * (1 - 1e-6))
         if self.exp_scale is not None:
             self.exp_t = torch.exp(t_logit)
-            self.s_cos_y = cos_y * self.exp_scale  # the target's logit before its margin
-        # the weight's radial term needs each logit beside its exponential: the block kept in the
-        # gradient's buffer keeps both where they fit there (2 x rows <= D); others take log(exp)
-        self.keep_logits = in_grad and self.exp_scale is not None and 2 * first <= D
+        # the weight's radial term from the tile where that moves fewer bytes than the rows' dot
+        # products (one block, 2 x rows <= D); on the exp path the logits are kept beside their
+        # exponentials for it: in the gradient's buffer, or a second tile (fused)
+        small = 2 * B <= D and (plan.fused or len(self.blocks) == 1)
+        self.keep_logits = in_grad and self.exp_scale is not None and small
+        self.radial_from_tile = small and (self.exp_scale is None or self.keep_logits or plan.fused)
         self.step_rows = None
         self._scratch_bufs: dict[str, torch.Tensor] = {}
         if grads:
@@ -272,9 +283,6 @@ class _Walk:
                 self.grad_weight = torch.empty(shard.weight.shape, dtype=torch.float32, device=emb_n.device)
             else:  # unsampled rows get an exact zero
                 self.grad_weight = torch.zeros(shard.weight.shape, dtype=torch.float32, device=emb_n.device)
-            # sum_i dcos_ij cos_ij of the blocks before the last (their gradients are formed in forward)
-            self.radial = torch.zeros(n_rows, dtype=torch.float32, device=emb_n.device) \
-                if len(self.blocks) > 1 else None
             self.d_target = torch.zeros(B, dtype=torch.float32, device=emb_n.device)
             later = max((r1 - r0 for r0, r1 in self.blocks[1 if in_grad else 0:]), default=0)
             self.cos_buf = torch.empty(later * n_rows, dtype=torch.float32, device=emb_n.device)
@@ -399,29 +407,25 @@ class _Walk:
             if r0 > 0:
                 self.grad_emb[:r0].mul_(grad_loss)
                 self.d_target[:r0].mul_(grad_loss)
-                self.radial.mul_(grad_loss)
             self._gradient(r0, r1, _slice_rows(self.rows, r0, r1), self.log_z[r0:r1], scale=grad_loss)
 
     def _exp_dcos(self, x: torch.Tensor, logits: torch.Tensor | None, r0: int, r1: int, c0: int,
                   row_scale: torch.Tensor, dcos_y: torch.Tensor, in_place: bool):
         """On the exp path: d loss / d cos of a tile from its exp(logit) `x` (times the row scale
-        coef * s / Z_i; the target column dcos_y; clamped logits 0), and s * sum_i dcos_ij cos_ij
-        from its logits (kept, or log(x), the target's put back to s cos_y)."""
+        coef * s / Z_i; the target column dcos_y; clamped logits 0), and, given the tile's logits
+        (s cos), sum_i dcos_ij cos_ij (else None)."""
         n, width = x.shape
-        targets = self._targets(r0, r1, c0, width)
         clamped = None if self.clamp is None else \
             (x <= self.exp_clamp[0]).logical_or_(x >= self.exp_clamp[1])
-        if logits is None:  # x holds exp(t) at the target: its logit without the margin is s cos_y
-            logits = _log_into(x, self._scratch("logits", n, width))
-            _put(logits, *targets, self.s_cos_y[r0:r1])
         dcos = x.mul_(row_scale) if in_place else torch.mul(x, row_scale, out=self._scratch("dcos", n, width))
         if clamped is not None:
             dcos.masked_fill_(clamped, 0.0)
-        _put(dcos, *targets, dcos_y)
-        return dcos, logits.mul_(dcos).sum(0)
+        _put(dcos, *self._targets(r0, r1, c0, width), dcos_y)
+        return dcos, None if logits is None else logits.mul_(dcos).sum(0).div_(self.exp_scale)
 
     def _general_dcos(self, cos_sub: torch.Tensor, r0: int, r1: int, c0: int, rows, log_z, coef, dcos_y):
-        """Any margin: d loss / d cos of a tile from its cosines, and sum_i dcos_ij cos_ij."""
+        """Any margin: d loss / d cos of a tile from its cosines, and sum_i dcos_ij cos_ij where
+        the radial term comes from the tile (else None)."""
         n, width = cos_sub.shape
         cos, arg = self._class_cos(cos_sub)
         logits = self._logits(cos, r0, r1, c0, rows)
@@ -434,7 +438,7 @@ class _Walk:
             dsub = torch.zeros_like(cos_sub).view(n, -1, self.k)
             dsub.scatter_(2, arg[..., None], dcos[..., None])
             dcos = dsub.view(n, width)
-        return dcos, cos_sub.mul_(dcos).sum(0)  # the cosines are not needed after this
+        return dcos, cos_sub.mul_(dcos).sum(0) if self.radial_from_tile else None  # cosines no longer needed
 
     def _gradient(self, r0: int, r1: int, rows, log_z: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         """Softmax gradient of the block, tile by tile, into dE and dW (or, fused, into the
@@ -465,12 +469,9 @@ class _Walk:
             if fused:  # recomputed: nothing of the forward's tiles was kept
                 raw = self._cosines_into(self._gemm_in(e), w, self._scratch("raw", n, width))
                 if self.exp_scale is not None:
-                    x = self._scratch("x", n, width)
-                    torch.mul(raw, inv * self.exp_scale, out=raw)
-                    if self.clamp is not None:
-                        raw.clamp_(*self.clamp)
-                    torch.exp(raw, out=x)
-                    dcos, radial = self._exp_dcos(x, raw, r0, r1, c0, row_scale, dcos_y, True)
+                    logits = self._scratch("logits", n, width) if self.radial_from_tile else None
+                    self._exp_logits(raw, inv, logits)
+                    dcos, radial = self._exp_dcos(raw, logits, r0, r1, c0, row_scale, dcos_y, True)
                 else:
                     dcos, radial = self._general_dcos(raw.mul_(inv), r0, r1, c0, rows, log_z, coef, dcos_y)
             elif self.exp_scale is not None:
@@ -480,15 +481,12 @@ class _Walk:
             else:  # (in the first block, a view of the gradient rows this tile writes below)
                 dcos, radial = self._general_dcos(self._kept(r0, rr.start, width, n), r0, r1, c0, rows,
                                                   log_z, coef, dcos_y)
-            if self.exp_scale is not None:
-                radial.div_(self.exp_scale)  # the sum was over logits, s cos
             dcos.mul_(inv)  # now d loss / d (e . w_j)
             if c0 == 0:
                 torch.mm(dcos, w, out=grad_e)
             else:
                 grad_e.addmm_(dcos, w)
             if not last:  # an earlier block: add to the tile's rows; the correction comes last
-                self.radial[rr] += radial
                 if shard_rows is not None:
                     self.grad_weight.index_add_(0, shard_rows, dcos.t() @ e)
                 elif r0 == 0:
@@ -496,21 +494,29 @@ class _Walk:
                 else:
                     self.grad_weight[rr].addmm_(dcos.t(), e)
                 continue
-            if earlier:
-                radial += self.radial[rr]
-            # d cos_ij / d w_j = inv_j e_i - cos_ij inv_j^2 w_j: g_j = inv_j sum_i dcos_ij e_i + decay_j w_j
-            decay = radial.mul_(inv).mul_(inv).neg_()
+            # d cos_ij / d w_j = inv_j e_i - cos_ij inv_j^2 w_j: g_j = inv_j sum_i dcos_ij e_i + decay_j w_j,
+            # decay_j = -inv_j^2 sum_i dcos_ij cos_ij = -inv_j^2 <g_j, w_j> (g_j before the correction)
             if fused:  # the tile's gradient is complete: step its rows now and drop it
-                self.step_rows(rr if shard_rows is None else shard_rows, dcos.t() @ e, decay)
-            elif shard_rows is None:
+                g = dcos.t() @ e
+                self.step_rows(rr if shard_rows is None else shard_rows, g, self._decay(radial, g, w, inv))
+                continue
+            if shard_rows is None:
                 g = self.grad_weight[rr]
                 if earlier:  # the earlier blocks' sum, formed at scale 1
                     g.mul_(scale).addmm_(dcos.t(), e)
                 else:
                     torch.mm(dcos.t(), e, out=g)
-                g.addcmul_(w, decay[:, None])
             else:
-                g = (dcos.t() @ e).addcmul_(w, decay[:, None])
+                g = dcos.t() @ e
                 if earlier:
                     g.addcmul_(self.grad_weight[shard_rows], scale)
+            g.addcmul_(w, self._decay(radial, g, w, inv)[:, None])
+            if shard_rows is not None:
                 self.grad_weight.index_copy_(0, shard_rows, g)
+
+    @staticmethod
+    def _decay(radial: torch.Tensor | None, g: torch.Tensor, w: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+        """-inv_j^2 sum_i dcos_ij cos_ij, from the tile's sum, or as <g_j, w_j> of the complete rows."""
+        if radial is None:
+            radial = _row_dots(g, w)
+        return radial.mul_(inv).mul_(inv).neg_()
