@@ -24,7 +24,10 @@ class SampledRowsOptimizer(WrappedOptimizer):
     With a fused head (`PartialFC(fused_optimizer=True)`) the head calls `step_rows` for each
     tile of rows during backward, as soon as that tile's gradient is complete, so no weight
     gradient exists; `step()` then has nothing left to do. Set the learning rate before the
-    forward pass.
+    forward pass. The head hands over the tile's gradient without its normalisation's radial
+    term decay_j w_j, which `step_rows` adds in the same pass as the optimizer's own L2 weight
+    decay (SGD's and Adam's coupled `weight_decay`, which torch would otherwise add in a pass
+    and a copy of its own).
     """
 
     def __init__(self, head: PartialFC, optimizer_class=torch.optim.SGD, **defaults):
@@ -59,9 +62,10 @@ class SampledRowsOptimizer(WrappedOptimizer):
         self._scalars = None
 
     @torch.no_grad()
-    def step_rows(self, rows: slice | torch.Tensor, grad: torch.Tensor) -> None:
-        """One optimizer step of `weight[rows]` with gradient `grad` (one tile of a fused head, or
-        the sampled rows): the rows and their state are stepped as their own parameter."""
+    def step_rows(self, rows: slice | torch.Tensor, grad: torch.Tensor, decay: torch.Tensor | None = None) -> None:
+        """One optimizer step of `weight[rows]` with gradient `grad` + decay_j weight_j (`decay`:
+        one value per row, or None; one tile of a fused head, or the sampled rows): the rows and
+        their state are stepped as their own parameter. `grad` may be modified."""
         weight = self.head.weight
         full_state = self.optimizer.state.setdefault(weight, {})
         if self._scalars is None:  # every tile of this step starts from the state before it
@@ -72,26 +76,42 @@ class SampledRowsOptimizer(WrappedOptimizer):
         # rows are gathered, stepped and written back
         view = isinstance(rows, slice)
         part = nn.Parameter(weight[rows] if view else weight[rows].clone())
+        group = self.optimizer.param_groups[0]
+        weight_decay = group.get("weight_decay", 0.0)
+        folded = decay is not None and not torch.is_tensor(weight_decay) and weight_decay != 0 \
+            and _coupled_decay(self.optimizer, group)
+        if decay is not None:  # one pass for the head's radial term and the optimizer's L2 decay
+            grad.addcmul_(part.detach(), (decay + weight_decay if folded else decay)[:, None])
         part.grad = grad.to(weight.dtype)
         state = {k: v.clone() if torch.is_tensor(v) else v for k, v in self._scalars.items()}
         state.update({k: full_state[k][rows] if view else full_state[k][rows].clone() for k in self._row_keys})
         self.optimizer.state[part] = state
-        group = self.optimizer.param_groups[0]
         group["params"] = [part]
+        if folded:
+            group["weight_decay"] = 0.0
         try:
             self.optimizer.step()
         finally:
             group["params"] = [weight]
-        if not _same(part, weight[rows]):
+            group["weight_decay"] = weight_decay
+        if not (view and _same(part, weight[rows])):
             weight[rows] = part
         for k, v in self.optimizer.state.pop(part).items():
             if _per_row(v, part):
                 if k not in full_state:
                     full_state[k] = torch.zeros_like(weight, dtype=v.dtype)
-                if not _same(v, full_state[k][rows]):
+                if not (view and _same(v, full_state[k][rows])):
                     full_state[k][rows] = v
             else:
                 full_state[k] = v
+
+
+def _coupled_decay(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """The optimizer adds weight_decay * param to the gradient before anything else (L2, as
+    torch's SGD and Adam do unless decoupled or maximising), so it can be added beforehand."""
+    if group.get("maximize", False) or group.get("decoupled_weight_decay", False):
+        return False
+    return type(optimizer) in (torch.optim.SGD, torch.optim.Adam)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

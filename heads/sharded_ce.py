@@ -19,11 +19,25 @@ K_j x D rows of the gradient that tile j then writes, and are read before they a
 overwritten); later blocks of `row_block` rows in one block buffer. So a global batch of at
 most D rows costs no memory beyond the weight gradient.
 
-So the loss and both gradients are ready when forward returns; backward only scales them
-by the incoming gradient. Under `torch.no_grad()` only the statistics are formed. The
-margin (losses/base.py) shapes each logit elementwise; the target cosines of the global
-batch are all-reduced up front, so every rank knows every row's target logit, and the
-per-row context of the margin (norm statistics, CurricularFace's t) is the same everywhere.
+No pass over the shard's C x D values beyond the three GEMMs but these: the weight rows'
+norms (one pass, forward) and the normalisation's radial correction g_j -= r_j inv_j^2 w_j,
+applied to each tile's gradient rows right after the GEMM that wrote them (with the fused head
+optimizer, inside its row step, where it replaces SGD's and Adam's own weight-decay pass).
+r_j = sum_i dcos_ij cos_ij is taken from the tile (rows x K_j values) where that moves fewer
+bytes than <g_j, w_j> over the rows (2 x K_j x D): the tile's product and column sum move
+4 x rows x K_j, so where the batch is one block of 2 x rows <= D. On the exp(logit) path that
+needs the logits beside their exponentials: the block kept in the gradient's buffer keeps both
+there (2 x rows floats per row of the gradient fit in D), the fused head in a second tile.
+Otherwise (a global batch of more than D / 2 rows, or sampled rows, whose block buffer has no
+room for logits) r_j = <g_j, w_j> of the complete gradient rows, in the last block's dW step.
+
+The last block's gradient pass runs in backward, with the incoming gradient folded into its
+row scale: with one block (a global batch of at most D rows), nothing else touches the weight
+gradient; earlier blocks' sums are scaled in the last block's dW step. Under `torch.no_grad()`
+only the statistics are formed. The margin (losses/base.py) shapes each logit elementwise;
+the target cosines of the global batch are all-reduced up front, so every rank knows every
+row's target logit, and the per-row context of the margin (norm statistics, CurricularFace's
+t) is the same everywhere.
 
 Nothing here waits on the device: no `nonzero`, `unique`, `.item()` or boolean indexing;
 rows without a target on this rank are handled with gathers and scatters that write an
@@ -61,8 +75,8 @@ class HeadPlan:
 
     `fused`: no weight gradient is ever held. Forward forms only the statistics; backward
     recomputes each tile's cosines for the whole batch (a fourth GEMM), and as soon as a
-    tile's weight gradient is complete hands it to `step_rows(rows, grad)` (the head
-    optimizer's update of those rows), then drops it."""
+    tile's weight gradient is complete hands it to `step_rows(rows, grad, decay)` (the head
+    optimizer's update of those rows with gradient grad + decay_j w_j), then drops it."""
     tile: int = 8192
     row_block: int = 128
     precision: str = "fp32"
@@ -97,15 +111,6 @@ def rows_of_classes(classes: torch.Tensor, k: int) -> torch.Tensor:
     return (classes[:, None] * k + torch.arange(k, device=classes.device)).reshape(-1)
 
 
-def _row_dots(a: torch.Tensor, b: torch.Tensor, rows: int = 1024) -> torch.Tensor:
-    """<a_j, b_j> for every row j, a slice of rows at a time: vecdot forms the elementwise
-    product of its whole inputs first (a tile of K x D floats, 16 MB at K = 8192, D = 512)."""
-    out = a.new_empty(a.shape[0])
-    for r0 in range(0, a.shape[0], rows):
-        torch.linalg.vecdot(a[r0:r0 + rows], b[r0:r0 + rows], out=out[r0:r0 + rows])
-    return out
-
-
 def _slice_rows(rows: dict[str, torch.Tensor], r0: int, r1: int) -> dict[str, torch.Tensor]:
     return {name: (v[r0:r1] if v.dim() else v) for name, v in rows.items()}
 
@@ -117,15 +122,26 @@ def _put(tile: torch.Tensor, pos: torch.Tensor, has: torch.Tensor, value: torch.
     tile.scatter_(1, col, torch.where(has, value, old)[:, None])
 
 
+def _row_dots(a: torch.Tensor, b: torch.Tensor, rows: int = 1024) -> torch.Tensor:
+    """<a_j, b_j> for every row j, a slice of rows at a time: vecdot forms the elementwise
+    product of its whole inputs first (a tile of K x D floats, 16 MB at K = 8192, D = 512)."""
+    out = a.new_empty(a.shape[0])
+    for r0 in range(0, a.shape[0], rows):
+        torch.linalg.vecdot(a[r0:r0 + rows], b[r0:r0 + rows], out=out[r0:r0 + rows])
+    return out
+
+
 class _Shard:
-    """The classes this rank computes this step: the whole shard or a sampled index."""
+    """The classes this rank computes this step: the whole shard or a sampled index. The rows'
+    inverse norms are computed once per step: for the whole shard up front, for a sample by the
+    first walk over each tile (the statistics), and reused by the gradient's."""
 
     def __init__(self, weight: torch.Tensor, index: torch.Tensor | None, k: int):
         self.weight, self.index, self.k = weight, index, k
         self.classes = weight.shape[0] // k if index is None else index.numel()
-        # one pass over the shard's rows for their norms; with sampling, per tile instead
         self.inv_norm = None if index is not None else \
             torch.linalg.vector_norm(weight.float(), dim=1).clamp_min_(EPS).reciprocal_()
+        self._sampled_inv: dict[int, torch.Tensor] = {}
 
     def tile(self, c0: int, c1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(weight rows of classes [c0, c1) as fp32, their inverse norms, their shard rows)."""
@@ -135,7 +151,10 @@ class _Shard:
             return w, self.inv_norm[c0 * k:c1 * k], None
         rows = rows_of_classes(self.index[c0:c1], k)
         w = self.weight[rows].float()
-        return w, torch.linalg.vector_norm(w, dim=1).clamp_min_(EPS).reciprocal_(), rows
+        inv = self._sampled_inv.get(c0)
+        if inv is None:
+            inv = self._sampled_inv[c0] = torch.linalg.vector_norm(w, dim=1).clamp_min_(EPS).reciprocal_()
+        return w, inv, rows
 
     def target_cos(self, emb_n: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """cos of each row's target class where it lives on this rank, else 0 (max over
@@ -165,7 +184,6 @@ class ShardedMarginCE(torch.autograd.Function):
                 step_rows=None):
         world = get_world_size(group)
         grads = any(ctx.needs_input_grad[:3])
-        B = emb_n.shape[0]
         k = margin.subcenters
         shard = _Shard(weight, index, k)
         has = labels >= 0
@@ -189,45 +207,37 @@ class ShardedMarginCE(torch.autograd.Function):
                      grads and not plan.fused)
         if grads:
             walk.d_t_dcos = d_t[0]
-        log_z = walk.run()
+        log_z = walk.run()  # every block's statistics; every block's gradient but the last's
         loss = (log_z - t_logit).mean()
 
-        if grads and plan.fused:
-            if step_rows is None:
+        if grads:
+            if plan.fused and step_rows is None:
                 raise RuntimeError("PartialFC(fused_optimizer=True) needs its SampledRowsOptimizer: "
                                    "create one for the head before the first backward")
-            walk.grads, walk.log_z, walk.step_rows = True, log_z, step_rows
-            ctx.walk, ctx.d_t = walk, d_t
-        elif grads:
-            # the target column's gradient went into the GEMMs through dcos_y; the norm's
-            # share (MagFace) comes from the rank that owns the target only
-            ctx.grads = (walk.grad_emb, walk.grad_weight.to(weight.dtype),
-                         walk.d_target * d_t[1] if margin.uses_norms else None)
+            walk.log_z, walk.step_rows = log_z, step_rows if plan.fused else None
+            ctx.walk, ctx.d_t, ctx.weight_dtype = walk, d_t, weight.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        if hasattr(ctx, "walk"):  # fused: the weight's update happens here, tile by tile
-            walk, d_t = ctx.walk, ctx.d_t
-            del ctx.walk, ctx.d_t
-            walk.fused_backward(grad_loss.float())
-            grad_norm = walk.d_target * d_t[1] if len(d_t) > 1 else None
-            return walk.grad_emb, grad_norm, None, None, None, None, None, None, None
-        grad_emb, grad_weight, grad_norm = ctx.grads
-        ctx.grads = None  # the returned gradient is then the only reference: autograd keeps it, no copy
-        # scaled in place on the device, never compared on the host (that would wait on a GPU)
-        grad_emb.mul_(grad_loss)
-        grad_weight.mul_(grad_loss.to(grad_weight.dtype))
-        if grad_norm is not None:
-            grad_norm = grad_norm * grad_loss
-        return grad_emb, grad_norm, grad_weight, None, None, None, None, None, None
+        walk, d_t = ctx.walk, ctx.d_t
+        del ctx.walk, ctx.d_t
+        walk.finish(grad_loss.float())  # fused: the weight's update happens here, tile by tile
+        # the target column's gradient went into the GEMMs through dcos_y; the norm's share
+        # (MagFace) comes from the rank that owns the target only
+        grad_norm = walk.d_target * d_t[1] if len(d_t) > 1 else None
+        grad_weight = None
+        if walk.step_rows is None:
+            grad_weight = walk.grad_weight.to(ctx.weight_dtype)
+            walk.grad_weight = None  # the returned gradient is then the only reference: no copy
+        return walk.grad_emb, grad_norm, grad_weight, None, None, None, None, None, None
 
 
 class _Walk:
     """One pass over row blocks x class tiles (see the module docstring)."""
 
-    def __init__(self, emb_n, shard: _Shard, labels, has, t_logit, margin: MarginLoss, rows, plan: HeadPlan,
-                 group, grads: bool):
+    def __init__(self, emb_n, shard: _Shard, labels, has, t_logit, margin: MarginLoss, rows,
+                 plan: HeadPlan, group, grads: bool):
         self.emb_n, self.shard, self.labels, self.has = emb_n, shard, labels, has
         self.t_logit, self.margin, self.rows, self.plan, self.group = t_logit, margin, rows, plan, group
         self.grads = grads
@@ -258,7 +268,14 @@ class _Walk:
             self.exp_clamp = (math.exp(lo) * (1 + 1e-6), math.exp(hi) * (1 - 1e-6))
         if self.exp_scale is not None:
             self.exp_t = torch.exp(t_logit)
+        # the weight's radial term from the tile where that moves fewer bytes than the rows' dot
+        # products (one block, 2 x rows <= D); on the exp path the logits are kept beside their
+        # exponentials for it: in the gradient's buffer, or a second tile (fused)
+        small = 2 * B <= D and (plan.fused or len(self.blocks) == 1)
+        self.keep_logits = in_grad and self.exp_scale is not None and small
+        self.radial_from_tile = small and (self.exp_scale is None or self.keep_logits or plan.fused)
         self.step_rows = None
+        self._scratch_bufs: dict[str, torch.Tensor] = {}
         if grads:
             n_rows = shard.classes * self.k
             self.grad_emb = torch.empty_like(emb_n)
@@ -266,7 +283,6 @@ class _Walk:
                 self.grad_weight = torch.empty(shard.weight.shape, dtype=torch.float32, device=emb_n.device)
             else:  # unsampled rows get an exact zero
                 self.grad_weight = torch.zeros(shard.weight.shape, dtype=torch.float32, device=emb_n.device)
-            self.radial = torch.zeros(n_rows, dtype=torch.float32, device=emb_n.device)
             self.d_target = torch.zeros(B, dtype=torch.float32, device=emb_n.device)
             later = max((r1 - r0 for r0, r1 in self.blocks[1 if in_grad else 0:]), default=0)
             self.cos_buf = torch.empty(later * n_rows, dtype=torch.float32, device=emb_n.device)
@@ -278,8 +294,27 @@ class _Walk:
             return self.grad_weight[pos:pos + width].view(-1)[:n * width].view(n, width)
         return self.cos_buf[pos * n:(pos + width) * n].view(n, width)
 
+    def _kept_logits(self, pos: int, width: int, n: int) -> torch.Tensor:
+        """With `keep_logits`: the first block's logits, beside their exponentials in the same
+        gradient rows (2 n x width floats fit in those width x D rows)."""
+        return self.grad_weight[pos:pos + width].view(-1)[n * width:2 * n * width].view(n, width)
+
+    def _scratch(self, name: str, n: int, width: int) -> torch.Tensor:
+        """A tile-sized buffer, one per name, reused by every tile of the step."""
+        buf = self._scratch_bufs.get(name)
+        if buf is None or buf.numel() < n * width:
+            buf = self._scratch_bufs[name] = torch.empty(n * self.K * self.k, dtype=torch.float32,
+                                                         device=self.emb_n.device)
+        return buf[:n * width].view(n, width)
+
     def _gemm_in(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(torch.bfloat16) if self.plan.precision == "bf16" else x
+
+    def _cosines_into(self, e: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out = e . w_j for the tile (the logits GEMM, in the plan's precision)."""
+        if e.dtype == torch.float32:
+            return torch.mm(e, self._gemm_in(w).t(), out=out)
+        return out.copy_(e @ self._gemm_in(w).t())
 
     def _class_cos(self, cos_sub: torch.Tensor):
         """Class cosines from sub-centre cosines (max over k) and the argmax, or as is."""
@@ -288,12 +323,13 @@ class _Walk:
         vals, arg = cos_sub.view(cos_sub.shape[0], -1, self.k).max(2)
         return vals, arg
 
-    def _exp_logits(self, raw: torch.Tensor, inv: torch.Tensor) -> None:
-        """e . w_j (a tile) -> exp(other logit) in place, for margins with linear other logits."""
-        raw.mul_(inv * self.exp_scale)
+    def _exp_logits(self, raw: torch.Tensor, inv: torch.Tensor, logits: torch.Tensor | None = None) -> None:
+        """e . w_j (a tile) -> exp(other logit), in place, for margins with linear other logits;
+        the logits themselves (s cos, clamped) into `logits` when given."""
+        logits = raw.mul_(inv * self.exp_scale) if logits is None else torch.mul(raw, inv * self.exp_scale, out=logits)
         if self.clamp is not None:
-            raw.clamp_(*self.clamp)
-        raw.exp_()
+            logits.clamp_(*self.clamp)
+        torch.exp(logits, out=raw)
 
     def _targets(self, r0: int, r1: int, c0: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(column of each row's target in the tile starting at class c0, whether it is there)."""
@@ -308,14 +344,15 @@ class _Walk:
         return logits
 
     def run(self) -> torch.Tensor:
+        """Every block's statistics, and the gradient of every block but the last (see `finish`)."""
         B = self.emb_n.shape[0]
         log_z = torch.empty(B, dtype=torch.float32, device=self.emb_n.device)
         with _tf32(self.plan.precision == "tf32"):
             for r0, r1 in self.blocks:
                 rows = _slice_rows(self.rows, r0, r1)
                 log_z[r0:r1] = self._exchange(self._statistics(r0, r1, rows))
-                if self.grads:
-                    self._gradient(r0, r1, rows, log_z[r0:r1], last=r1 == B)
+                if self.grads and r1 < B:
+                    self._gradient(r0, r1, rows, log_z[r0:r1])
         return log_z
 
     def _statistics(self, r0: int, r1: int, rows):
@@ -323,22 +360,22 @@ class _Walk:
         n = r1 - r0
         lse = torch.full((n,), float("-inf"), device=e.device)  # log-sum-exp of the shard's logits
         total = torch.zeros(n, device=e.device)  # or, with exp_scale, the sum of exp(logit)
+        keep_logits = r0 == 0 and self.keep_logits
         pos = 0
         for c0, c1 in self.tiles:
             w, inv, _ = self.shard.tile(c0, c1)
             width = (c1 - c0) * self.k
             if self.grads:
-                cos_sub = self._kept(r0, pos, width, n)
-                torch.mm(e, self._gemm_in(w).t(), out=cos_sub) if e.dtype == torch.float32 else \
-                    cos_sub.copy_(e @ self._gemm_in(w).t())
+                cos_sub = self._cosines_into(e, w, self._kept(r0, pos, width, n))
             else:
                 cos_sub = (e @ self._gemm_in(w).t()).float()
-            pos += width
             if self.exp_scale is not None:  # exp(s cos) (what is kept), the target column exp(t)
-                self._exp_logits(cos_sub, inv)
+                self._exp_logits(cos_sub, inv, self._kept_logits(pos, width, n) if keep_logits else None)
                 _put(cos_sub, *self._targets(r0, r1, c0, width), self.exp_t[r0:r1])
                 total.add_(cos_sub.sum(1))
+                pos += width
                 continue
+            pos += width
             cos_sub.mul_(inv)  # |cos| <= 1 up to rounding; the target's cosine is clamped by the margin
             cos, _ = self._class_cos(cos_sub)
             logits = self._logits(cos, r0, r1, c0, rows)
@@ -353,97 +390,133 @@ class _Walk:
         all_gather_flat(gathered, local.contiguous(), group=self.group)
         return torch.logsumexp(gathered.view(self.world, -1), dim=0)
 
-    def fused_backward(self, grad_loss: torch.Tensor) -> None:
-        """The fused path's backward: the whole batch as one block, cosines recomputed per
-        tile, each tile's weight gradient handed to `step_rows` as soon as it is complete."""
+    def finish(self, grad_loss: torch.Tensor) -> None:
+        """Backward: the last block's gradient pass with the incoming gradient in its row scale
+        (fused: the whole batch as one block, cosines recomputed per tile, each tile's weight
+        gradient handed to `step_rows` as soon as it is complete). Blocks before the last were
+        formed at scale 1 in forward: their rows of dE are scaled here (b x D), their sum in
+        the weight gradient in the last block's dW step, tile by tile."""
         B = self.emb_n.shape[0]
-        self.grad_emb = torch.empty_like(self.emb_n)
-        self.d_target = torch.zeros(B, dtype=torch.float32, device=self.emb_n.device)
         with _tf32(self.plan.precision == "tf32"):
-            self._gradient(0, B, self.rows, self.log_z, last=True, scale=grad_loss)
+            if self.step_rows is not None:
+                self.grad_emb = torch.empty_like(self.emb_n)
+                self.d_target = torch.zeros(B, dtype=torch.float32, device=self.emb_n.device)
+                self._gradient(0, B, self.rows, self.log_z, scale=grad_loss)
+                return
+            r0, r1 = self.blocks[-1]
+            if r0 > 0:
+                self.grad_emb[:r0].mul_(grad_loss)
+                self.d_target[:r0].mul_(grad_loss)
+            self._gradient(r0, r1, _slice_rows(self.rows, r0, r1), self.log_z[r0:r1], scale=grad_loss)
 
-    def _gradient(self, r0: int, r1: int, rows, log_z: torch.Tensor, last: bool,
-                  scale: torch.Tensor | None = None) -> None:
+    def _exp_dcos(self, x: torch.Tensor, logits: torch.Tensor | None, r0: int, r1: int, c0: int,
+                  row_scale: torch.Tensor, dcos_y: torch.Tensor, in_place: bool):
+        """On the exp path: d loss / d cos of a tile from its exp(logit) `x` (times the row scale
+        coef * s / Z_i; the target column dcos_y; clamped logits 0), and, given the tile's logits
+        (s cos), sum_i dcos_ij cos_ij (else None)."""
+        n, width = x.shape
+        clamped = None if self.clamp is None else \
+            (x <= self.exp_clamp[0]).logical_or_(x >= self.exp_clamp[1])
+        dcos = x.mul_(row_scale) if in_place else torch.mul(x, row_scale, out=self._scratch("dcos", n, width))
+        if clamped is not None:
+            dcos.masked_fill_(clamped, 0.0)
+        _put(dcos, *self._targets(r0, r1, c0, width), dcos_y)
+        return dcos, None if logits is None else logits.mul_(dcos).sum(0).div_(self.exp_scale)
+
+    def _general_dcos(self, cos_sub: torch.Tensor, r0: int, r1: int, c0: int, rows, log_z, coef, dcos_y):
+        """Any margin: d loss / d cos of a tile from its cosines, and sum_i dcos_ij cos_ij where
+        the radial term comes from the tile (else None)."""
+        n, width = cos_sub.shape
+        cos, arg = self._class_cos(cos_sub)
+        logits = self._logits(cos, r0, r1, c0, rows)
+        grad = self.margin.other_grad(cos, rows)
+        dl = logits.sub_(log_z[:, None]).exp_()  # softmax; times coef = d loss / d logit
+        # d loss / d cos (the target column is put below)
+        dcos = dl.mul_(coef * grad) if isinstance(grad, float) else dl.mul_(coef).mul_(grad)
+        _put(dcos, *self._targets(r0, r1, c0, width // self.k), dcos_y)
+        if arg is not None:
+            dsub = torch.zeros_like(cos_sub).view(n, -1, self.k)
+            dsub.scatter_(2, arg[..., None], dcos[..., None])
+            dcos = dsub.view(n, width)
+        return dcos, cos_sub.mul_(dcos).sum(0) if self.radial_from_tile else None  # cosines no longer needed
+
+    def _gradient(self, r0: int, r1: int, rows, log_z: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         """Softmax gradient of the block, tile by tile, into dE and dW (or, fused, into the
-        head optimizer's update of each tile)."""
+        head optimizer's update of each tile). `scale`: the incoming gradient (the last block,
+        in backward); None for earlier blocks (scale 1, in forward)."""
         n = r1 - r0
         B = self.emb_n.shape[0]
         coef = 1.0 / B if scale is None else scale / B
         fused = self.step_rows is not None
+        last = r1 == B
+        earlier = r0 > 0  # blocks before this one have added to the weight gradient
         e = self.emb_n[r0:r1]
         # target column: d loss / d t = coef * (p_t - 1), through the margin into cos_y
         has = self.has[r0:r1]
         d_t = torch.where(has, (torch.exp(self.t_logit[r0:r1] - log_z) - 1.0) * coef, 0.0)
         self.d_target[r0:r1] = d_t
         dcos_y = d_t * self.d_t_dcos[r0:r1]
-        first = r0 == 0
         grad_e = self.grad_emb[r0:r1]
+        in_grad = r0 == 0 and self.first_in_grad and not fused  # kept values alias this tile's rows of g
         if self.exp_scale is not None:  # kept exp(logit) -> coef * softmax * s = d loss / d cos
             row_scale = torch.exp(-log_z).mul_(coef * self.exp_scale)[:, None]
         pos = 0
         for c0, c1 in self.tiles:
             w, inv, shard_rows = self.shard.tile(c0, c1)
             width = (c1 - c0) * self.k
+            rr = slice(pos, pos + width)
+            pos += width
             if fused:  # recomputed: nothing of the forward's tiles was kept
-                cos_sub = (self._gemm_in(e) @ self._gemm_in(w).t()).float()
+                raw = self._cosines_into(self._gemm_in(e), w, self._scratch("raw", n, width))
                 if self.exp_scale is not None:
-                    self._exp_logits(cos_sub, inv)
+                    logits = self._scratch("logits", n, width) if self.radial_from_tile else None
+                    self._exp_logits(raw, inv, logits)
+                    dcos, radial = self._exp_dcos(raw, logits, r0, r1, c0, row_scale, dcos_y, True)
                 else:
-                    cos_sub.mul_(inv)
+                    dcos, radial = self._general_dcos(raw.mul_(inv), r0, r1, c0, rows, log_z, coef, dcos_y)
+            elif self.exp_scale is not None:
+                logits = self._kept_logits(rr.start, width, n) if r0 == 0 and self.keep_logits else None
+                dcos, radial = self._exp_dcos(self._kept(r0, rr.start, width, n), logits, r0, r1, c0,
+                                              row_scale, dcos_y, not in_grad)
             else:  # (in the first block, a view of the gradient rows this tile writes below)
-                cos_sub = self._kept(r0, pos, width, n)
-            if self.exp_scale is not None:  # in place, unless cos_sub is a view of the rows of g
-                aliases_g = r0 == 0 and self.first_in_grad and not fused
-                clamped = None if self.clamp is None else \
-                    (cos_sub <= self.exp_clamp[0]).logical_or_(cos_sub >= self.exp_clamp[1])
-                dcos, arg = torch.mul(cos_sub, row_scale) if aliases_g else cos_sub.mul_(row_scale), None
-                if clamped is not None:
-                    dcos.masked_fill_(clamped, 0.0)
-            else:
-                cos, arg = self._class_cos(cos_sub)
-                logits = self._logits(cos, r0, r1, c0, rows)
-                grad = self.margin.other_grad(cos, rows)
-                dl = logits.sub_(log_z[:, None]).exp_()  # softmax; times coef = d loss / d logit
-                # d loss / d cos (the target column is put below)
-                dcos = dl.mul_(coef * grad) if isinstance(grad, float) else dl.mul_(coef).mul_(grad)
-            _put(dcos, *self._targets(r0, r1, c0, c1 - c0), dcos_y)
-            if arg is not None:
-                dsub = torch.zeros_like(cos_sub).view(n, -1, self.k)
-                dsub.scatter_(2, arg[..., None], dcos[..., None])
-                dcos = dsub.view(n, width)
-            # sum_i dcos_ij cos_ij, for the weight's normalisation (with exp_scale: from the
-            # finished gradient rows instead, below, as no cosine is kept)
-            radial = None if self.exp_scale is not None else (dcos * cos_sub).sum(0)
+                dcos, radial = self._general_dcos(self._kept(r0, rr.start, width, n), r0, r1, c0, rows,
+                                                  log_z, coef, dcos_y)
             dcos.mul_(inv)  # now d loss / d (e . w_j)
             if c0 == 0:
                 torch.mm(dcos, w, out=grad_e)
             else:
                 grad_e.addmm_(dcos, w)
-            rr = slice(pos, pos + width)
+            if not last:  # an earlier block: add to the tile's rows; the correction comes last
+                if shard_rows is not None:
+                    self.grad_weight.index_add_(0, shard_rows, dcos.t() @ e)
+                elif r0 == 0:
+                    torch.mm(dcos.t(), e, out=self.grad_weight[rr])
+                else:
+                    self.grad_weight[rr].addmm_(dcos.t(), e)
+                continue
+            # d cos_ij / d w_j = inv_j e_i - cos_ij inv_j^2 w_j: g_j = inv_j sum_i dcos_ij e_i + decay_j w_j,
+            # decay_j = -inv_j^2 sum_i dcos_ij cos_ij = -inv_j^2 <g_j, w_j> (g_j before the correction)
             if fused:  # the tile's gradient is complete: step its rows now and drop it
                 g = dcos.t() @ e
-                if radial is None:
-                    radial = _row_dots(g, w)
-                g.addcmul_(w, (radial * inv * inv).neg_()[:, None])
-                self.step_rows(rr if shard_rows is None else shard_rows, g)
-                pos += width
+                self.step_rows(rr if shard_rows is None else shard_rows, g, self._decay(radial, g, w, inv))
                 continue
-            if radial is not None:
-                self.radial[rr] += radial
             if shard_rows is None:
                 g = self.grad_weight[rr]
-                torch.mm(dcos.t(), e, out=g) if first else g.addmm_(dcos.t(), e)
-                if last:  # d cos_ij / d w_j = inv_j e_i - cos_ij inv_j^2 w_j
-                    # sum_i dcos_ij cos_ij = <g_j, w_j>, as g_j = inv_j sum_i dcos_ij e_i
-                    radial = _row_dots(g, w) if self.exp_scale is not None else self.radial[rr]
-                    g.addcmul_(w, (radial * inv * inv).neg_()[:, None])
+                if earlier:  # the earlier blocks' sum, formed at scale 1
+                    g.mul_(scale).addmm_(dcos.t(), e)
+                else:
+                    torch.mm(dcos.t(), e, out=g)
             else:
                 g = dcos.t() @ e
-                if last:
-                    if self.exp_scale is None:
-                        radial = self.radial[rr]
-                    else:  # <complete gradient rows, w>: earlier blocks' sums are in grad_weight
-                        radial = _row_dots(g if first else g + self.grad_weight[shard_rows], w)
-                    g.addcmul_(w, (radial * inv * inv).neg_()[:, None])
-                self.grad_weight.index_add_(0, shard_rows, g)
-            pos += width
+                if earlier:
+                    g.addcmul_(self.grad_weight[shard_rows], scale)
+            g.addcmul_(w, self._decay(radial, g, w, inv)[:, None])
+            if shard_rows is not None:
+                self.grad_weight.index_copy_(0, shard_rows, g)
+
+    @staticmethod
+    def _decay(radial: torch.Tensor | None, g: torch.Tensor, w: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+        """-inv_j^2 sum_i dcos_ij cos_ij, from the tile's sum, or as <g_j, w_j> of the complete rows."""
+        if radial is None:
+            radial = _row_dots(g, w)
+        return radial.mul_(inv).mul_(inv).neg_()

@@ -399,7 +399,8 @@ def _fused_worker(rank, world_size, optimizer, sample_rate, fused):
     with torch.no_grad():
         head.weight.copy_(torch.randn(num_classes, D, generator=torch.Generator().manual_seed(3))[shard.start:shard.end])
     cls, kw = {"sgd": (torch.optim.SGD, dict(lr=0.5, momentum=0.9, weight_decay=0.05)),
-               "adamw": (torch.optim.AdamW, dict(lr=0.05, weight_decay=0.05))}[optimizer]
+               "adamw": (torch.optim.AdamW, dict(lr=0.05, weight_decay=0.05)),
+               "adam": (torch.optim.Adam, dict(lr=0.05, weight_decay=0.05))}[optimizer]
     opt = SampledRowsOptimizer(head, cls, **kw)
     g = torch.Generator().manual_seed(4)
     grads = []
@@ -414,10 +415,13 @@ def _fused_worker(rank, world_size, optimizer, sample_rate, fused):
     return head.weight.detach(), {k: v for k, v in opt.state[head.weight].items()}, grads
 
 
-@pytest.mark.parametrize("optimizer,sample_rate", [("sgd", 1.0), ("adamw", 1.0), ("sgd", 0.4)])
-def test_fused_head_optimizer_equals_the_unfused_step(optimizer, sample_rate):
-    fused = run_distributed(_fused_worker, 2, optimizer, sample_rate, True)
-    plain = run_distributed(_fused_worker, 2, optimizer, sample_rate, False)
+# world size 1: 4 rows <= D / 2, the weight's radial term from the tile (the fused head keeps its
+# logits in a second tile); 2: 8 rows, from the rows' dot products
+@pytest.mark.parametrize("optimizer,sample_rate,world_size", [("sgd", 1.0, 2), ("adamw", 1.0, 2), ("sgd", 0.4, 2),
+                                                              ("adam", 0.4, 2), ("sgd", 1.0, 1), ("adamw", 0.4, 1)])
+def test_fused_head_optimizer_equals_the_unfused_step(optimizer, sample_rate, world_size):
+    fused = run_distributed(_fused_worker, world_size, optimizer, sample_rate, True)
+    plain = run_distributed(_fused_worker, world_size, optimizer, sample_rate, False)
     for (w_f, s_f, g_f), (w_p, s_p, g_p) in zip(fused, plain):
         torch.testing.assert_close(w_f, w_p, rtol=1e-6, atol=1e-6)
         assert s_f.keys() == s_p.keys()
@@ -460,8 +464,8 @@ def test_head_under_no_grad_forms_only_the_logits():
 
     head = PartialFC(ArcFace(s=16.0, margin=0.5), D, 40, chunk_size=10, row_block=16)
     emb, labels = torch.randn(6, D, requires_grad=True), torch.randint(0, 40, (6,))
-    with CountGEMMs() as with_grad:
-        head(emb, labels)
+    with CountGEMMs() as with_grad:  # the last block's dE and dW are formed in backward
+        head(emb, labels).backward()
     with torch.no_grad(), CountGEMMs() as without:
         head(emb, labels)
     assert without.n == 4 and with_grad.n == 12  # 4 tiles: logits; + dE and dW per tile
