@@ -94,7 +94,34 @@ def check_cache(path: str) -> None:
     check_output_file(path, what="cache file")
 
 
-class FacesCache:
+class _Cache:
+    """Entries by key, read from `path` at start; `save` publishes them merged with whatever
+    another run added to the file since (its subclass says how entries are read and written)."""
+    path: str | None
+    entries: dict
+    added: int
+
+    def _load(self) -> dict:
+        raise NotImplementedError
+
+    def get(self, key: str):
+        return self.entries.get(key)
+
+    def put(self, key: str, *value) -> None:
+        self.entries[key] = value
+        self.added += 1
+
+    def _merged(self) -> list[str] | None:
+        """The keys to write (the file's entries and this run's), or None when nothing is new."""
+        if self.path is None or not self.added:
+            return None
+        entries = self._load()
+        entries.update(self.entries)
+        self.entries, self.added = entries, 0
+        return list(entries)
+
+
+class FacesCache(_Cache):
     """(photo content, detection options) -> (photo size (w, h), its largest face or None)."""
 
     def __init__(self, path: str | None):
@@ -123,21 +150,12 @@ class FacesCache:
             entries[key] = (size, face)
         return entries
 
-    def get(self, key: str):
-        return self.entries.get(key)
-
-    def put(self, key: str, size: tuple[int, int], face: Face | None) -> None:
-        self.entries[key] = (size, face)
-        self.added += 1
-
     def save(self) -> None:
         """Publish the entries, with any another run added to the file since it was read."""
-        if self.path is None or not self.added:
+        keys = self._merged()
+        if keys is None:
             return
-        entries = self._load()
-        entries.update(self.entries)
-        self.entries, self.added = entries, 0
-        keys = list(entries)
+        entries = self.entries
         faces = [entries[k][1] for k in keys]
         longest = max([len(f.shape) for f in faces if f is not None and f.shape is not None] or [0])
         shapes = np.zeros((len(keys), longest, 2))
@@ -158,7 +176,7 @@ class FacesCache:
                      shapes=shapes)
 
 
-class EmbeddingCache:
+class EmbeddingCache(_Cache):
     """(photo content, face) -> (raw embedding of the crop, of its mirror image), for one model."""
 
     def __init__(self, path: str | None, model):
@@ -185,20 +203,11 @@ class EmbeddingCache:
             logger.warning("%s: an unreadable embeddings cache (%s): embedding every photo again", self.path, exc)
             return {}
 
-    def get(self, key: str):
-        return self.entries.get(key)
-
-    def put(self, key: str, emb: np.ndarray, emb_flip: np.ndarray) -> None:
-        self.entries[key] = (emb, emb_flip)
-        self.added += 1
-
     def save(self) -> None:
-        if self.path is None or not self.added:
+        keys = self._merged()
+        if keys is None:
             return
-        entries = self._load()
-        entries.update(self.entries)
-        self.entries, self.added = entries, 0
-        keys = list(entries)
+        entries = self.entries
         with publishing(self.path) as tmp, open(tmp, "wb") as out:
             np.savez(out, header=np.array(json.dumps(self.header)), keys=np.array(keys, dtype=str),
                      emb=np.stack([entries[k][0] for k in keys]).astype(np.float32),

@@ -271,10 +271,11 @@ def test_a_second_model_reuses_the_detections_and_a_second_run_the_embeddings(lf
     pairs = _lfw_list(tmp_path / "pairs.txt")
     cache = tmp_path / "cache"
     os.makedirs(cache)
-    assert make_bin([lfw, str(tmp_path / "v.bin"), "--pairs_list", pairs, "--align", "--cache_dir", str(cache)]) == 0
+    assert make_bin([lfw, str(tmp_path / "v.bin"), "--pairs_list", pairs, "--align", "--cache_dir", str(cache),
+                     "--workers", "1"]) == 0  # searched in this process, where `counted` sees them
     assert len(counted) == 9 and "faces: 9 photo searches run, 0 answered by the cache" in capsys.readouterr().out
     a, b = _model(str(tmp_path / "a"), 2), _model(str(tmp_path / "b"), 3)
-    assert verify([a, "--pairs_list", pairs, "--images", lfw, "--cache_dir", str(cache)]) == 0
+    assert verify([a, "--pairs_list", pairs, "--images", lfw, "--cache_dir", str(cache), "--workers", "1"]) == 0
     said = capsys.readouterr().out
     assert len(counted) == 9 and "faces: 0 photo searches run, 9 answered by the cache" in said
     assert "embeddings: 9 photos embedded, 0 from the cache" in said
