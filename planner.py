@@ -59,7 +59,8 @@ def head_memory(num_classes: int, world: int, batch: int, dim: int, *, subcenter
         first = min(B, dim) if sample_rate >= 1 else 0
         r = min(row_block, B - first)
         parts["head kept cosines"] = r * n_used * subcenters * F32
-        parts["head tile buffers"] = 4 * max(first, r) * tile * F32 + (2 * tile * dim * F32 if sample_rate < 1 else 0)
+        # a block's tile and its gradient (the radial term is taken from the tile: issue #37)
+        parts["head tile buffers"] = 2 * max(first, r) * tile * F32 + (2 * tile * dim * F32 if sample_rate < 1 else 0)
     parts["head embeddings"] = 4 * B * dim * F32  # gathered, normalised, their gradient, target rows
     return parts
 
