@@ -10,14 +10,14 @@ from torch import nn
 from backbones import get_model
 from configs.errors import ConfigError
 from dataset import build_dataset
+from distill.head import DistillLoss, attach_projection
+from distill.losses import DISTILL_LOSSES, centred, constant_student_loss
 from distill.teacher import load_teacher, teacher_statistics
 from distill.teacher_file import TeacherFile, data_transform
-from infer.weights import init_backbone_from
 from faces.folder_dataset import build_aligned_dataset
 from heads import PartialFC, SampledRowsOptimizer
-from distill.head import DistillLoss, attach_projection
+from infer.weights import init_backbone_from
 from losses import build_margin
-from distill.losses import DISTILL_LOSSES, centred, constant_student_loss
 from parallel.ddp import DDPOptimizer
 from parallel.zero import Zero2Optimizer
 from utils.checkpoint import find_checkpoint
