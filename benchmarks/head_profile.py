@@ -9,9 +9,17 @@ The profile (torch.profiler over --iters steps after --warmup) prints per step:
   to issue it (on a GPU: wall clock of the steps with no synchronisation between them, so
   host time >= step time means the launches, not the kernels, set the pace);
 - the time in the three GEMMs (matrix-product kernels / ops) and in everything else, by op,
-  the largest first, with the number of launches.
+  the largest first, with the number of launches;
+- the passes over the shard's C x D values by op (tests/shard_passes.py; the GEMMs apart), and
+  what each costs in bytes at 1M classes per rank, D = 512, fp32, where memory sets the pace.
 
-Run from the repository root: `.venv/bin/python benchmarks/head_profile.py [--case Glint360K]`.
+`--harness`: instead, one rank of benchmarks/head.py's side-by-side run on the CPU (W = 2
+ranks x b = 128 rows, 100k classes: 50,000 classes per rank, chunk_size 2048, row_block 128,
+one thread), with the three bare GEMMs at the same shapes (its limit) timed in turn beside
+it: the ratio that run measures, and its non-GEMM time by op, in one process.
+
+Run from the repository root: `.venv/bin/python benchmarks/head_profile.py [--case Glint360K]`
+or `.venv/bin/python benchmarks/head_profile.py --harness`.
 `--smoke` shrinks the classes 500-fold (what `make test` runs, so the script cannot rot).
 """
 from __future__ import annotations
@@ -32,13 +40,18 @@ GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::matmu
 GEMM_KERNELS = ("gemm", "cutlass", "cublas", "sm90_xmma", "nvjet")
 
 
+# benchmarks/head.py's default run, one rank of it: 2 ranks x 128 rows, 100k classes
+HARNESS = {"ranks": 2, "batch": 128, "classes": 100_000, "chunk_size": 2048, "row_block": 128}
+BYTES_PER_PASS = 1_000_000 * D * 4  # bytes of one pass over a 1M-class fp32 shard at D = 512
+
+
 def build(case: str, method: str, device, gpus: int, batch: int, divisor: int, chunk: int, row_block: int):
     from heads import PartialFC, SampledRowsOptimizer
     from losses import CombinedMarginLoss
     from pfc_v2_reference import PFCv2Reference
-    classes, rate = HEAD_CASES[case]
+    classes, rate = HEAD_CASES[case] if case != "harness" else (HARNESS["classes"] // HARNESS["ranks"], 1.0)
     classes //= divisor
-    per_rank = -(-classes // gpus)
+    per_rank = -(-classes // gpus) if case != "harness" else classes
     torch.manual_seed(0)
     margin = CombinedMarginLoss(64.0, 1.0, 0.5, 0.0)
     if method == "pfc_v2":
@@ -54,7 +67,40 @@ def build(case: str, method: str, device, gpus: int, batch: int, divisor: int, c
         if opt is not None:
             opt.zero_grad()
         head(emb, labels).backward()
+    step.head, step.rows = head, gpus * batch
     return step, per_rank
+
+
+def bare_gemms(classes: int, rows: int, device):
+    """The three products of an exact head at the same shapes, bare (benchmarks/head.py's limit)."""
+    weight = torch.normal(0, 0.01, (classes, D), device=device)
+    emb = torch.randn(rows, D, device=device)
+
+    def step():
+        logits = emb @ weight.t()
+        logits.mul_(1e-3)  # stands in for the softmax gradient, in place
+        emb.grad = logits @ weight
+        weight.grad = logits.t() @ emb
+    return step
+
+
+def shard_passes(step) -> dict[str, float] | None:
+    """Passes over the shard's rows by op in one step (tests/shard_passes.py), or None where the
+    shapes would let the counter take the batch's rows for weight rows."""
+    from tests.shard_passes import GEMMS, ShardPassCounter
+    head = step.head
+    if not hasattr(head, "plan"):
+        return None
+    k, tile = head.subcenters, head.plan.tile
+    used = head.num_sample if head.sample_rate < 1 else head.num_local
+    weight_rows = {head.num_local * k, used * k} | {min(tile, used - c0) * k for c0 in range(0, used, tile)}
+    if weight_rows & {step.rows, step.rows * k, min(step.rows, D), head.plan.row_block} or D in weight_rows:
+        return None
+    with ShardPassCounter(D, weight_rows, head.num_local * k) as count:
+        step()
+    passes = count.passes
+    return {"GEMM (all)": sum(v for op, v in passes.items() if op in GEMMS),
+            **{op: v for op, v in passes.items() if op not in GEMMS}}
 
 
 def host_ms(step, device, iters: int) -> float:
@@ -116,6 +162,50 @@ def profile_case(args, device) -> None:
     rows = [{"op": k, "ms/step": f"{v[0]:.3f}", "calls/step": f"{v[1]:.0f}", "GEMM": "yes" if k in gemm else ""}
             for k, v in sorted({**gemm, **rest}.items(), key=lambda kv: -kv[1][0])[:args.top]]
     print(table(rows, ["op", "ms/step", "calls/step", "GEMM"]))
+    print_passes(step)
+
+
+def print_passes(step) -> None:
+    passes = shard_passes(step)
+    if passes is None:
+        return
+    print("passes over the shard by op (ops touching its C x D values, in units of them; gathers and scatters\n"
+          "by the rows they move), and the bytes of those values at 1M classes x D=512 in fp32: what each op\n"
+          "moves at least on a GPU, where memory sets the pace (an in-place op reads and writes them):")
+    rows = [{"op": op, "passes/step": f"{p:.2f}", "GB at 1M classes": f"{p * BYTES_PER_PASS / 1e9:.1f}"}
+            for op, p in sorted(passes.items(), key=lambda kv: -kv[1])]
+    print(table(rows, ["op", "passes/step", "GB at 1M classes"]))
+
+
+def harness(args, device) -> None:
+    """One rank of benchmarks/head.py, with its limit (the three bare GEMMs) timed in turn."""
+    torch.set_num_threads(1)
+    batch = HARNESS["ranks"] * HARNESS["batch"]
+    step, per_rank = build("harness", "ours", device, 1, batch, args.divisor, HARNESS["chunk_size"],
+                           HARNESS["row_block"])
+    limit = bare_gemms(per_rank, batch, device)
+    ours_t, limit_t = [], []
+    for it in range(args.warmup + args.iters):  # in turn, so both see the same machine
+        for fn, into in ((limit, limit_t), (step, ours_t)):
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if it >= args.warmup:
+                into.append((time.perf_counter() - start) * 1e3)
+    ratios = sorted(o / g for o, g in zip(ours_t, limit_t))
+    gemm, rest = by_op(step, device, args.iters)
+    g_ms, r_ms = sum(v[0] for v in gemm.values()), sum(v[0] for v in rest.values())
+    print(f"\nbenchmarks/head.py's one rank: {per_rank:,} classes, {batch} x {D}, chunk_size "
+          f"{HARNESS['chunk_size']}, row_block {HARNESS['row_block']}, {torch.get_num_threads()} thread")
+    print(f"the three bare GEMMs {statistics.median(limit_t):.1f} ms, ours {statistics.median(ours_t):.1f} ms: "
+          f"ours/limit {statistics.median(ratios):.3f} (steps in turn: {ratios[0]:.3f}-{ratios[-1]:.3f})")
+    print(f"ours by op (torch.profiler, self time): GEMM {g_ms:.2f} ms, the rest {r_ms:.2f} ms "
+          f"({r_ms / max(g_ms, 1e-9):.2f}x GEMM)")
+    rows = [{"op": k, "ms/step": f"{v[0]:.3f}", "calls/step": f"{v[1]:.0f}", "GEMM": "yes" if k in gemm else ""}
+            for k, v in sorted({**gemm, **rest}.items(), key=lambda kv: -kv[1][0])[:args.top]]
+    print(table(rows, ["op", "ms/step", "calls/step", "GEMM"]))
+    print_passes(step)
 
 
 def sweep(args, device) -> None:
@@ -154,11 +244,18 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="step time over --chunks x --row_blocks, PFC v2 beside")
     p.add_argument("--chunks", type=int, nargs="+", default=[8192, 32768, 1 << 20])
     p.add_argument("--row_blocks", type=int, nargs="+", default=[128, 512, 1024])
+    p.add_argument("--harness", action="store_true",
+                   help="one rank of benchmarks/head.py on the CPU (one thread) beside its three bare GEMMs")
     p.add_argument("--smoke", action="store_true", help="classes / 500, 2 steps (figures mean nothing)")
     args = p.parse_args(argv)
     args.divisor = 500 if args.smoke else 1
     if args.smoke:
         args.warmup, args.iters, args.gpus, args.batch = 1, 2, 2, 8
+    if args.harness:
+        _process_group()
+        print(f"CPU, torch {torch.__version__}")
+        harness(args, torch.device("cpu"))
+        return 0
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
