@@ -12,10 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dataset.errors import DataError
 from infer.enrolment import enrol, identify
 from infer.model import Model
-from infer.photos import chw, face_crop, open_image, photo_name
+from infer.photos import image_crops, open_image, photo_name
 from infer.thresholds import chosen_threshold, no_threshold
 
 UNKNOWN = "unknown"
@@ -39,14 +38,7 @@ class Gallery:
 
     def embeddings(self, photo, index: int = 0) -> np.ndarray:
         """F x D: the photo's faces, largest first (with `align`; without, the photo as one crop)."""
-        image = open_image(photo, index)
-        if not self.align:
-            if tuple(image.size[::-1]) != tuple(self.model.template.size):
-                raise DataError(f"{photo_name(photo, index)}: a {image.size[0]}x{image.size[1]} image is not a crop "
-                                f"aligned for {self.model.name}; this gallery was made with align=False")
-            crops = [chw(image)]
-        else:
-            crops = [face_crop(self.model, image, face) for face in self.model.detection.faces(image)]
+        crops = image_crops(self.model, open_image(photo, index), self.align, photo_name(photo, index))
         if not crops:
             return np.zeros((0, self.enrolment.templates.shape[1]), np.float32)
         return self.model.embed_crops(torch.stack(crops))

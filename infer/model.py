@@ -193,11 +193,6 @@ class Model:
         template; others are re-framed onto it)."""
         return embed_uint8(crops, self.for_crops(made_for or self.template), batch_size, flip, self.name)
 
-    def with_detection(self, detection: Detection) -> "Model":
-        """This model, finding faces with `detection` (the tools' face options)."""
-        self.detection = detection
-        return self
-
 
 class _Reframed(nn.Module):
     def __init__(self, model: Model, made_for: Template):

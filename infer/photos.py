@@ -79,8 +79,8 @@ def face_crop(model: Model, image: Image.Image, face: Face) -> torch.Tensor:
     return chw(model.crop(image, face))
 
 
-def chw(image: Image.Image) -> torch.Tensor:
-    """An RGB PIL image as a 3 x h x w uint8 tensor."""
+def chw(image: Image.Image | np.ndarray) -> torch.Tensor:
+    """An RGB PIL image (or H x W x 3 uint8 array) as a 3 x h x w uint8 tensor."""
     return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()  # np.array: writable, torch shares it
 
 
@@ -119,6 +119,21 @@ def embed_files(paths: list[str], model, batch_size: int = 64, resize: bool = Fa
     return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
 
 
+def image_crops(model: Model, image: Image.Image, align: bool, name: str,
+                largest_only: bool = False) -> list[torch.Tensor]:
+    """The crops of one RGB photo for `model`, 3 x h x w uint8: its faces' (the largest only, or
+    every one, largest first) with `align`; without, the photo itself as one crop (of the model's size, else a DataError naming
+    it as `name`)."""
+    if align:
+        faces = model.detection.faces(image)
+        return [face_crop(model, image, face) for face in (faces[:1] if largest_only else faces)]
+    if tuple(image.size[::-1]) != tuple(model.template.size):
+        h, w = model.template.size
+        raise DataError(f"{name}: a {image.size[0]}x{image.size[1]} image is not a {w}x{h} crop aligned for "
+                        f"{model.name}; pass align=True to find and align its face")
+    return [chw(image)]
+
+
 def embed_photos(model: Model, photos: list, align: bool = True, flip: bool = True,
                  batch_size: int = 64) -> np.ndarray:
     """The Python API's embedding (`Model.embed`): one row per photo, its largest face with
@@ -127,18 +142,10 @@ def embed_photos(model: Model, photos: list, align: bool = True, flip: bool = Tr
         check_available(model.detection.detector, model.detection.landmarks)
     crops = []
     for i, photo in enumerate(photos):
-        image = open_image(photo, i)
-        if not align:
-            if tuple(image.size[::-1]) != tuple(model.template.size):
-                h, w = model.template.size
-                raise DataError(f"{photo_name(photo, i)}: a {image.size[0]}x{image.size[1]} image is not a {w}x{h} "
-                                f"crop aligned for {model.name}; pass align=True to find and align its face")
-            crops.append(chw(image))
-            continue
-        faces = model.detection.faces(image)
-        if not faces:
+        found = image_crops(model, open_image(photo, i), align, photo_name(photo, i), largest_only=True)
+        if not found:
             raise DataError(f"{photo_name(photo, i)}: no face found")
-        crops.append(face_crop(model, image, faces[0]))
+        crops.append(found[0])
     if not crops:
         return np.zeros((0, 0), np.float32)
     return model.embed_crops(torch.stack(crops), flip=flip, batch_size=batch_size)
@@ -161,7 +168,7 @@ def stream_crops(paths: list[str], model: Model, workers: int = 1, progress: Cal
     task = functools.partial(photo_crops, detection=model.detection, cropper=model.cropper, largest_only=largest_only)
     for path, (faces, crops) in zip(paths, map_photos(task, paths, workers, progress,
                                                       setup=model.detection.worker_setup())):
-        yield path, faces, [torch.from_numpy(np.array(c)).permute(2, 0, 1).contiguous() for c in crops]
+        yield path, faces, [chw(c) for c in crops]
 
 
 def embed_photo_files(paths: list[str], model: Model, workers: int = 1, batch_size: int = 64, flip: bool = True,
