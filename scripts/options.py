@@ -122,8 +122,6 @@ def add_pair_list_options(p) -> None:
     p.add_argument("--cache_dir", default=None,
                    help="folder for the list's caches of detected faces (and verify's embeddings) (default: "
                         "beside the list)")
-    if not any(a.dest == "workers" for a in p._actions):
-        add_workers_option(p)
 
 
 def retries_from(args, detection: Detection) -> Retries:

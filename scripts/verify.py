@@ -34,8 +34,8 @@ from infer.pair_cache import EmbeddingCache, cache_paths, check_cache
 from infer.pair_photos import pair_embeddings
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from scripts.options import (add_detection_options, add_model_options, add_pair_list_options, face_detection,
-                             list_faces, model_from, retries_from)
+from scripts.options import (add_detection_options, add_model_options, add_pair_list_options, add_workers_option,
+                             face_detection, list_faces, model_from, retries_from)
 from utils.atomic import refuse_inputs
 
 
@@ -64,6 +64,7 @@ def main(argv=None) -> int:
     p.add_argument("--strict", action="store_true",
                    help="with --pairs_list, refuse photos without a face instead of cutting them at a fallback face")
     add_detection_options(p)
+    add_workers_option(p)
     add_pair_list_options(p)
     args = p.parse_args(argv)
     if not args.bin and args.pairs_list is None:
