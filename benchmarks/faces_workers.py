@@ -85,12 +85,12 @@ def stage_seconds(folder: str, photos: list[str], detection: Detection, model: s
         import numpy as np
         import torch
 
-        from eval.embedder import embed_uint8, load_embedder  # moves to infer/ with the tools
-        embedder = load_embedder(model)
+        from infer.model import load_model
+        loaded = load_model(model)
         images = torch.from_numpy(np.stack([np.asarray(c) for c in crops])).permute(0, 3, 1, 2).contiguous()
-        embed_uint8(images[:8], embedder)  # warm-up
+        loaded.embed_crops(images[:8], made_for=template)  # warm-up
         t = time.perf_counter()
-        embed_uint8(images, embedder)
+        loaded.embed_crops(images, made_for=template)
         spent["embedding"] += time.perf_counter() - t
     return spent
 

@@ -61,6 +61,7 @@ SHARDFACE_ONLY = {  # the same keys, then the margin
     "ms1mv3_r50_magface": ('r50', 93431, 1.0, 0.1, 128, 'sgd', 20, 0, (1.0, 0.5, 0.0), 'magface'),
     "ms1mv3_r50_subcenter_arcface": ('r50', 93431, 1.0, 0.1, 128, 'sgd', 20, 0, (1.0, 0.5, 0.0),
                                      'subcenter_arcface'),
+    "real_faces": ('mbf', 298, 1.0, 0.1, 64, 'sgd', 10, 1, (1.0, 0.0, 0.35), 'combined'),
 }
 
 

@@ -1,0 +1,232 @@
+#!/usr/bin/env python
+"""Models trained here on real people, verified on LFW's own protocol (issue #36 item 4, #40).
+
+    .venv/bin/python benchmarks/real_faces.py --celeb CELEB_ID_FOLDER --lfw LFW_FOLDER \\
+        --pairs_list pairs.txt [--arms ...] [--seeds 1 2] [--work work_dirs/real_faces]
+
+The setting, fixed before the first run (configs/real_faces.py; nothing tuned on a result):
+- **data**: the CelebA photos (one sub-folder per person) and the photos of the LFW people who
+  appear in no pair of pairs.txt, aligned once with `scripts.align` (2 workers) into 112 crops,
+  then packed with `scripts.pack_rec`: `rec_celeb` (CelebA's people, labelled) and `rec_all`
+  (every face, for label-free training). LFW people who appear in the pairs are never trained on.
+- **teacher**: MODEL `dlib`, through `scripts.teach` teacher files of each packed set.
+- **arms** (ARMS below): the demo network and `mbf`, margin alone, margin + distillation and
+  label-free, with centred targets and without; `r18` from scratch; `dlib_resnet` fine-tuned from
+  `dlib` (`init_backbone dlib`) with a new head. Each arm with each seed is one 2-rank run of
+  train.py; a finished run is kept and not trained again, so the lot spans sessions.
+- **verification**: LFW view 2, all 6,000 pairs from the photos, each model's own crop, faces
+  found as `benchmarks/lfw_anchor.py` finds them (HOG, then --retry_upsample 2, --retry_mmod, then
+  the fallback face; cached beside the list): 10-fold accuracy and its std over the folds, single
+  view and flip test. CelebA's people are numbers: an overlap with LFW's cannot be ruled out.
+- `--speed`: each network's embedding speed (112 crops, or dlib's 150 chips, batches of 64) on
+  one thread and on all, beside its accuracy. Time it on a quiet machine.
+
+Every run made is reported, with its wall time; `--evaluate` prints the table of the finished
+runs without training. Research data: nothing of LFW or CelebA is written into the repository
+(the work folder is under the ignored work_dirs/ by default).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import common  # noqa: F401,I001
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = "configs/real_faces.py"
+SEEDS = (1, 2)
+# arm: (network, the packed set, extra train.py options; TEACHER: the set's teacher file)
+ARMS = {
+    "demo margin": ("tiny", "celeb", ["--embedding_size", "128"]),
+    "demo margin + cosine (centred)": ("tiny", "celeb", ["--embedding_size", "128", "--teacher", "TEACHER"]),
+    "demo label-free, raw": ("tiny", "all", ["--embedding_size", "128", "--teacher", "TEACHER",
+                                             "--distill_center", "false"]),
+    "demo label-free, centred": ("tiny", "all", ["--embedding_size", "128", "--teacher", "TEACHER"]),
+    "mbf margin": ("mbf", "celeb", []),
+    "mbf margin + cosine": ("mbf", "celeb", ["--teacher", "TEACHER"]),
+    "mbf margin + relational": ("mbf", "celeb", ["--teacher", "TEACHER", "--distill_loss", "relational"]),
+    "mbf label-free, raw": ("mbf", "all", ["--teacher", "TEACHER", "--distill_center", "false"]),
+    "mbf label-free, centred": ("mbf", "all", ["--teacher", "TEACHER"]),
+    "r18 margin": ("r18", "celeb", []),
+    "dlib_resnet fine-tuned": ("dlib_resnet", "celeb", ["--init_backbone", "dlib", "--embedding_size", "128"]),
+}
+
+
+def sh(*args: str, log: str | None = None) -> None:
+    """Runs a command from the repository root; its output into `log` (or shown)."""
+    out = open(log, "w") if log else None
+    try:
+        done = subprocess.run(list(args), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT if out else None)
+    finally:
+        if out:
+            out.close()
+    if done.returncode != 0:
+        tail = open(log).read()[-2000:] if log else ""
+        raise SystemExit(f"{' '.join(args)} failed ({done.returncode}){': ' + log if log else ''}\n{tail}")
+
+
+def paired_people(pairs_list: str) -> set[str]:
+    """The LFW people named in pairs.txt (never trained on)."""
+    names = set()
+    with open(pairs_list) as f:
+        for line in f.read().splitlines()[1:]:
+            fields = line.split()
+            names.update(fields[0::2][:2] if len(fields) == 4 else fields[:1])
+    return names
+
+
+def prepare(args, work: str) -> dict[str, str]:
+    """The packed sets and their teacher files (made once): {"celeb"|"all": rec, "<set>.teacher": file}."""
+    photos, crops = os.path.join(work, "photos"), os.path.join(work, "crops")
+    if not os.path.isdir(crops):
+        os.makedirs(photos, exist_ok=True)
+        for person in sorted(os.listdir(args.celeb)):
+            os.symlink(os.path.abspath(os.path.join(args.celeb, person)), os.path.join(photos, f"celeb_{person}"))
+        paired = paired_people(args.pairs_list)
+        unpaired = [p for p in sorted(os.listdir(args.lfw)) if p not in paired]
+        for person in unpaired:
+            os.symlink(os.path.abspath(os.path.join(args.lfw, person)), os.path.join(photos, f"lfw_{person}"))
+        print(f"aligning {len(os.listdir(args.celeb))} CelebA people and {len(unpaired)} LFW people in no pair",
+              flush=True)
+        t = time.perf_counter()
+        sh(sys.executable, "-m", "scripts.align", photos, crops, "--largest", "--workers", str(args.workers))
+        print(f"aligned in {time.perf_counter() - t:.0f} s", flush=True)
+    sets = {}
+    for name, keep in (("celeb", "celeb_"), ("all", "")):
+        rec = os.path.join(work, f"rec_{name}")
+        if not os.path.isfile(os.path.join(rec, "property")):
+            src = crops
+            if keep:
+                src = os.path.join(work, f"crops_{name}")
+                os.makedirs(src, exist_ok=True)
+                for person in sorted(os.listdir(crops)):
+                    if person.startswith(keep) and not os.path.exists(os.path.join(src, person)):
+                        os.symlink(os.path.abspath(os.path.join(crops, person)), os.path.join(src, person))
+            sh(sys.executable, "-m", "scripts.pack_rec", src, rec)
+        teacher = os.path.join(work, f"{name}.teacher")
+        if not os.path.isfile(teacher):
+            sh(sys.executable, "-m", "scripts.teach", "dlib", rec, teacher, "--num_workers", "1")
+        sets[name], sets[f"{name}.teacher"] = rec, teacher
+    return sets
+
+
+def classes_of(rec: str) -> int:
+    with open(os.path.join(rec, "property")) as f:
+        return int(f.read().split(",")[0])
+
+
+def run_dir(work: str, arm: str, seed: int) -> str:
+    return os.path.join(work, "runs", arm.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
+                        + f"_seed{seed}")
+
+
+def train(work: str, sets: dict[str, str], arm: str, seed: int, nproc: int) -> None:
+    out = run_dir(work, arm, seed)
+    if os.path.isfile(os.path.join(out, "wall_s.txt")):
+        return
+    network, data, extra = ARMS[arm]
+    extra = [sets[f"{data}.teacher"] if e == "TEACHER" else e for e in extra]
+    classes = "0" if data == "all" else str(classes_of(sets[data]))
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone"]
+    os.makedirs(out, exist_ok=True)
+    print(f"training {arm}, seed {seed} -> {out}", flush=True)
+    t = time.perf_counter()
+    sh(*launch, "train.py", CONFIG, "--network", network, "--rec", sets[data], "--num_classes", classes,
+       "--seed", str(seed), "--output", out, "--overwrite", "true", *extra, log=os.path.join(out, "console.log"))
+    with open(os.path.join(out, "wall_s.txt"), "w") as f:
+        f.write(f"{time.perf_counter() - t:.0f}\n")
+
+
+def lfw_scores(args, run: str) -> tuple[float, float, float, float]:
+    """(acc, std, acc-flip, std-flip) of a run's model on all the list's pairs, from the photos."""
+    from eval.pairs import read_pair_list, score_pairs
+    from faces.photos import Detection
+    from infer.model import load_model
+    from infer.pair_cache import EmbeddingCache, FacesCache, cache_paths
+    from infer.pair_photos import Retries, pair_embeddings, pair_faces
+    pair_list = read_pair_list(args.pairs_list, args.lfw)
+    model = load_model(run, detection=Detection())
+    faces_cache, emb_cache = cache_paths(args.pairs_list, model.fingerprint, args.cache_dir)
+    faces = pair_faces(pair_list.photos, model.detection, Retries(upsample=2, mmod=True), FacesCache(faces_cache),
+                       workers=args.workers)
+    emb = pair_embeddings(model, pair_list.photos, faces, EmbeddingCache(emb_cache, model), show_progress=False)
+    r = score_pairs(pair_list, emb.emb, emb.emb_flip)
+    return r.accuracy, r.std, r.accuracy_flip, r.std_flip
+
+
+def speed(network_run: str, threads: int, images: int = 256, batch: int = 64) -> float:
+    """Images per second of the run's model on `threads` threads (the median of 3 passes)."""
+    from infer.model import load_model
+    torch.set_num_threads(threads)
+    model = load_model(network_run)
+    h, w = model.template.size
+    crops = torch.randint(0, 256, (images, 3, h, w), dtype=torch.uint8)
+    model.embed_crops(crops[:batch], flip=False)
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        model.embed_crops(crops, flip=False, batch_size=batch)
+        times.append(time.perf_counter() - t)
+    return images / statistics.median(times)
+
+
+def report(args, work: str) -> None:
+    rows = []
+    for arm in ARMS:
+        for seed in args.seeds:
+            run = run_dir(work, arm, seed)
+            if not os.path.isfile(os.path.join(run, "wall_s.txt")):
+                continue
+            wall = int(open(os.path.join(run, "wall_s.txt")).read())
+            rows.append((arm, seed, wall, *lfw_scores(args, run), run))
+    anchor = lfw_scores(args, "dlib")
+    print(f"\nLFW view 2, all {6000} pairs from the photos (10-fold mean and std over the folds; CelebA's "
+          "people may overlap LFW's):")
+    print("| arm | seed | train min | acc | std | acc-flip | std |\n|---|---|---|---|---|---|---|")
+    print(f"| MODEL dlib (the teacher) | - | - | {anchor[0]:.4f} | {anchor[1]:.4f} | {anchor[2]:.4f} | {anchor[3]:.4f} |")
+    for arm, seed, wall, acc, std, acc_f, std_f, _ in rows:
+        print(f"| {arm} | {seed} | {wall / 60:.0f} | {acc:.4f} | {std:.4f} | {acc_f:.4f} | {std_f:.4f} |")
+    if args.speed:
+        print("\nembedding speed, images/s (batches of 64, no flip): 1 thread / all threads")
+        seen = {}
+        for arm, seed, *_, run in rows:
+            network = ARMS[arm][0]
+            if network not in seen:
+                seen[network] = (speed(run, 1), speed(run, os.cpu_count() or 1))
+        seen["dlib (MODEL dlib)"] = (speed("dlib", 1), speed("dlib", os.cpu_count() or 1))
+        for network, (one, every) in seen.items():
+            print(f"- {network}: {one:.0f} / {every:.0f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--celeb", required=True, help="CelebA photos, one sub-folder per person")
+    p.add_argument("--lfw", required=True, help="LFW's folder: FOLDER/name/name_000n.jpg")
+    p.add_argument("--pairs_list", required=True, help="LFW's pairs.txt (view 2)")
+    p.add_argument("--work", default=os.path.join(ROOT, "work_dirs", "real_faces"))
+    p.add_argument("--cache_dir", default=None, help="the LFW faces' and embeddings' cache (default: beside the list)")
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), metavar="ARM")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    p.add_argument("--nproc", type=int, default=2, help="gloo ranks per run")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="face-finding processes")
+    p.add_argument("--evaluate", action="store_true", help="only the table of the finished runs")
+    p.add_argument("--speed", action="store_true", help="also each network's embedding speed (time it quietly)")
+    args = p.parse_args()
+    work = os.path.abspath(args.work)
+    if not args.evaluate:
+        sets = prepare(args, work)
+        print(json.dumps({k: classes_of(v) for k, v in sets.items() if not k.endswith(".teacher")}), "classes", flush=True)
+        for seed in args.seeds:  # every arm's first seed before any second
+            for arm in args.arms:
+                train(work, sets, arm, seed, args.nproc)
+    report(args, work)
+
+
+if __name__ == "__main__":
+    main()
