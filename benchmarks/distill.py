@@ -11,6 +11,8 @@ Setting (not tuned on any student's result): drawn faces (scripts.make_drawn_fac
   other identities), `--student_steps` steps each, no warm-up, the same seed and schedule:
   none (margin loss alone), cosine and relational (both from a teacher file of scripts.teach,
   distill_weight 1); unchanged from the first run, so "none" also checks that run's figure;
+  each student once per seed of `--seeds` (default 2048, the seed of the runs before issue 40,
+  and 1), so that training's variance stands beside the differences;
 - verification: 10-fold accuracy (flip test) on the .bin of the large set's held-out
   identities (1000 pairs of 100), which neither the teacher nor any student trained on, and on
   a larger common set (6000 pairs of 600 identities of drawing seed 2, the same whatever the
@@ -67,6 +69,14 @@ def train(data: str, ids: int, out: str, *extra: str) -> tuple[int, list[float]]
     return steps, [float(v) for v in re.findall(r"([0-9.]+) samples/s", log)]
 
 
+LOSSES = ("none", "cosine", "relational")
+SEEDS = (2048, 1)  # 2048: the demo's (configs/base.py), the seed of the runs before issue 40
+
+
+def student_dir(loss: str, seed: int) -> str:
+    return f"student_{loss}" if seed == SEEDS[0] else f"student_{loss}_seed{seed}"
+
+
 def student(steps: int) -> list[str]:
     """The students' schedule: `steps` steps, no warm-up, poly decay to 0 at the last step."""
     return ["--max_steps", str(steps), "--num_epoch", "1000", "--warmup_epoch", "0",
@@ -101,10 +111,11 @@ def train_all(args, work: str) -> None:
     sh("-m", "scripts.teach", teacher, small, teacher_file, "--num_workers", "1", "--overwrite")
     val = os.path.join(big, "drawn_faces_val.bin")
     print(f"teacher: {accuracy(teacher, val):.4f} after {steps} steps", flush=True)  # seen before any student
-    for loss in ("none", "cosine", "relational"):
-        out = os.path.join(work, f"student_{loss}")
-        extra = [] if loss == "none" else ["--teacher", teacher_file, "--distill_loss", loss]
-        train(small, args.student_ids, out, *student(args.student_steps), *batch, *extra)
+    for seed in args.seeds:
+        for loss in LOSSES:
+            out = os.path.join(work, student_dir(loss, seed))
+            extra = [] if loss == "none" else ["--teacher", teacher_file, "--distill_loss", loss]
+            train(small, args.student_ids, out, *student(args.student_steps), *batch, *extra, "--seed", str(seed))
 
     speed = {"without": [], "online teacher": []}
     for _ in range(3):  # alternating, so a slow spell of the machine touches both
@@ -117,7 +128,7 @@ def train_all(args, work: str) -> None:
           f"({speed['without']:.1f} vs {speed['online teacher']:.1f} samples/s)")
 
 
-def report(work: str, tiny: bool) -> None:
+def report(work: str, tiny: bool, seeds=SEEDS) -> None:
     """Every run of `work` on both verification sets."""
     sets = {"its own": os.path.join(work, "big", "drawn_faces_val.bin"),
             "common": os.path.join(work, "common_heldout.bin")}
@@ -126,12 +137,16 @@ def report(work: str, tiny: bool) -> None:
     for name, path in sets.items():
         (_, issame) = load_bin(path)
         print(f"- {name}: {path}, {len(issame)} pairs")
-    print("| model | steps | train identities | its own set | common set |\n|---|---|---|---|---|")
-    for run in ("teacher", "student_none", "student_cosine", "student_relational"):
+    print("| model | seed | steps | train identities | its own set | common set |\n|---|---|---|---|---|---|")
+    runs = [("teacher", "-")] + [(student_dir(loss, seed), seed) for seed in seeds for loss in LOSSES]
+    for run, seed in runs:
         out = os.path.join(work, run)
+        if not os.path.isfile(os.path.join(out, "training.log")):
+            continue  # a seed not trained in this work folder
         steps = re.findall(r"step (\d+)/\d+", open(os.path.join(out, "training.log")).read())[-1]
         ids = json.load(open(os.path.join(out, "config.json")))["num_classes"]
-        print(f"| {run.replace('_', ' ')} | {steps} | {ids} | "
+        name = run.replace(f"_seed{seed}", "").replace("_", " ")
+        print(f"| {name} | {seed} | {steps} | {ids} | "
               + " | ".join(f"{accuracy(out, path):.4f}" for path in sets.values()) + " |")
 
 
@@ -142,6 +157,8 @@ def main() -> int:
     p.add_argument("--teacher_epochs", type=int, default=8, help="teacher epochs (the demo's)")
     p.add_argument("--student_ids", type=int, default=40, help="identities of the students' set")
     p.add_argument("--student_steps", type=int, default=300, help="steps of every student")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
+                   help="the students' seeds (every student trained once per seed; the teacher once)")
     p.add_argument("--work", default=None, help="working directory (default: a temporary one)")
     p.add_argument("--evaluate", action="store_true", help="only verify the runs already in --work")
     args = p.parse_args()
@@ -153,7 +170,7 @@ def main() -> int:
     work = args.work or tempfile.mkdtemp(prefix="distill_bench_")
     if not args.evaluate:
         train_all(args, work)
-    report(work, args.tiny)
+    report(work, args.tiny, args.seeds)
     return 0
 
 
