@@ -15,9 +15,12 @@ the same pairs, and the cost of the .bin path, in one run.
   --pairs_list ... --align` writes), re-framed onto dlib's chip by Model.for_crops, as
   `scripts.verify dlib --bin` does: the black bands outside the 112 crop cost what they cost.
 
-Every score is the pair list's 10-fold accuracy (each fold judged at the threshold best on the
-other nine) of the single view (dlib's descriptor is single-view); flip-test figures of ours are
-printed beside it. Faces are cached beside the list (`--cache_dir`), so a second run detects
+Every score is a 10-fold accuracy (each fold judged at the threshold best on the other nine) of
+the single view (dlib's descriptor is single-view); flip-test figures of ours are printed beside
+it. Over all the pairs the folds are the list's own (view 2's); a row over a subset of the pairs
+(those with faces) splits that subset into 10 contiguous folds of its own, the same for every
+row over the same subset, so such rows compare with each other. "Faceless pairs as misses" is
+the subset's accuracy times the share of pairs in it (each missed pair counted wrong). Faces are cached beside the list (`--cache_dir`), so a second run detects
 nothing; dlib's own pipeline runs afresh each time. LFW is for research use: nothing of it is
 written into the repository.
 """

@@ -6,7 +6,7 @@
 
 The setting, fixed before the first run (configs/real_faces.py; nothing tuned on a result):
 - **data**: the CelebA photos (one sub-folder per person) and the photos of the LFW people who
-  appear in no pair of pairs.txt, aligned once with `scripts.align` (2 workers) into 112 crops,
+  appear in no pair of pairs.txt, aligned once with `scripts.align` (`--workers`: every core) into 112 crops,
   then packed with `scripts.pack_rec`: `rec_celeb` (CelebA's people, labelled) and `rec_all`
   (every face, for label-free training). LFW people who appear in the pairs are never trained on.
 - **teacher**: MODEL `dlib`, through `scripts.teach` teacher files of each packed set.
@@ -19,7 +19,7 @@ The setting, fixed before the first run (configs/real_faces.py; nothing tuned on
   the fallback face; cached beside the list): 10-fold accuracy and its std over the folds, single
   view and flip test. CelebA's people are numbers: an overlap with LFW's cannot be ruled out.
 - `--speed`: each network's embedding speed (112 crops, or dlib's 150 chips, batches of 64) on
-  one thread and on all, beside its accuracy. Time it on a quiet machine.
+  one thread and on all, against MODEL dlib's, training nothing. Time it on a quiet machine.
 
 Every run made is reported, with its wall time; `--evaluate` prints the table of the finished
 runs without training. Research data: nothing of LFW or CelebA is written into the repository
@@ -86,12 +86,13 @@ def prepare(args, work: str) -> dict[str, str]:
     photos, crops = os.path.join(work, "photos"), os.path.join(work, "crops")
     if not os.path.isdir(crops):
         os.makedirs(photos, exist_ok=True)
-        for person in sorted(os.listdir(args.celeb)):
-            os.symlink(os.path.abspath(os.path.join(args.celeb, person)), os.path.join(photos, f"celeb_{person}"))
         paired = paired_people(args.pairs_list)
         unpaired = [p for p in sorted(os.listdir(args.lfw)) if p not in paired]
-        for person in unpaired:
-            os.symlink(os.path.abspath(os.path.join(args.lfw, person)), os.path.join(photos, f"lfw_{person}"))
+        links = [(os.path.join(args.celeb, p), f"celeb_{p}") for p in sorted(os.listdir(args.celeb))]
+        links += [(os.path.join(args.lfw, p), f"lfw_{p}") for p in unpaired]
+        for target, name in links:  # (kept from an align that did not finish)
+            if not os.path.lexists(os.path.join(photos, name)):
+                os.symlink(os.path.abspath(target), os.path.join(photos, name))
         print(f"aligning {len(os.listdir(args.celeb))} CelebA people and {len(unpaired)} LFW people in no pair",
               flush=True)
         t = time.perf_counter()
@@ -136,11 +137,27 @@ def train(work: str, sets: dict[str, str], arm: str, seed: int, nproc: int) -> N
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone"]
     os.makedirs(out, exist_ok=True)
     print(f"training {arm}, seed {seed} -> {out}", flush=True)
+    # a run stopped before its end (Ctrl-C, which reaches the ranks too, or a rank's stop request)
+    # continues from its last checkpoint when the benchmark runs again; its wall time is the sum of
+    # its attempts' (an attempt ended by killing this process is not counted)
+    attempts = os.path.join(out, "attempts_s.txt")
     t = time.perf_counter()
-    sh(*launch, "train.py", CONFIG, "--network", network, "--rec", sets[data], "--num_classes", classes,
-       "--seed", str(seed), "--output", out, "--overwrite", "true", *extra, log=os.path.join(out, "console.log"))
+    try:
+        sh(*launch, "train.py", CONFIG, "--network", network, "--rec", sets[data], "--num_classes", classes,
+           "--seed", str(seed), "--output", out, "--resume", "auto", *extra,
+           log=os.path.join(out, f"console{len(_attempts(attempts))}.log"))
+    finally:
+        with open(attempts, "a") as f:
+            f.write(f"{time.perf_counter() - t:.0f}\n")
+    with open(os.path.join(out, "training.log")) as f:
+        if "done: " not in f.read():  # train.py exits 0 too when a stop request ends it early
+            raise SystemExit(f"{out}: stopped before its last step; run the benchmark again to continue it")
     with open(os.path.join(out, "wall_s.txt"), "w") as f:
-        f.write(f"{time.perf_counter() - t:.0f}\n")
+        f.write(f"{sum(_attempts(attempts)):.0f}\n")
+
+
+def _attempts(path: str) -> list[float]:
+    return [float(v) for v in open(path).read().split()] if os.path.isfile(path) else []
 
 
 def lfw_scores(args, run: str) -> tuple[float, float, float, float]:
@@ -160,20 +177,38 @@ def lfw_scores(args, run: str) -> tuple[float, float, float, float]:
     return r.accuracy, r.std, r.accuracy_flip, r.std_flip
 
 
-def speed(network_run: str, threads: int, images: int = 256, batch: int = 64) -> float:
-    """Images per second of the run's model on `threads` threads (the median of 3 passes)."""
-    from infer.model import load_model
+def speed(module: torch.nn.Module, size: int, threads: int, images: int = 256, batch: int = 64) -> float:
+    """Images per second of `module` on size x size crops (infer.embed.embed: uint8 crops in,
+    embeddings out, as every tool embeds) on `threads` threads, the median of 3 passes after a warm-up."""
+    from infer.embed import embed
     torch.set_num_threads(threads)
-    model = load_model(network_run)
-    h, w = model.template.size
-    crops = torch.randint(0, 256, (images, 3, h, w), dtype=torch.uint8)
-    model.embed_crops(crops[:batch], flip=False)
+    crops = torch.randint(0, 256, (images, 3, size, size), dtype=torch.uint8)
+    embed(crops[:batch], module, batch)
     times = []
     for _ in range(3):
         t = time.perf_counter()
-        model.embed_crops(crops, flip=False, batch_size=batch)
+        embed(crops, module, batch)
         times.append(time.perf_counter() - t)
     return images / statistics.median(times)
+
+
+def speeds() -> None:
+    """Each arm's network (untrained: speed is the architecture's) beside MODEL dlib, 1 thread and all."""
+    import backbones
+    from infer.model import load_model
+    cores = os.cpu_count() or 1
+    nets = {"dlib (MODEL dlib, 150 chips)": (load_model("dlib").module, 150)}
+    for network, _, extra in ARMS.values():
+        name = network if "--embedding_size" not in extra else f"{network} ({extra[extra.index('--embedding_size') + 1]}-D)"
+        if name not in nets:
+            dim = int(extra[extra.index("--embedding_size") + 1]) if "--embedding_size" in extra else 512
+            nets[name] = (backbones.get_model(network, num_features=dim).eval(), 112)
+    print(f"\nembedding speed on this CPU, images/s (batches of 64, no flip): 1 thread / {cores} threads, x MODEL dlib")
+    base = None
+    for name, (module, size) in nets.items():
+        one, every = speed(module, size, 1), speed(module, size, cores)
+        base = base or one
+        print(f"- {name}: {one:.0f} / {every:.0f}  (x{one / base:.1f} on 1 thread)")
 
 
 def report(args, work: str) -> None:
@@ -185,23 +220,15 @@ def report(args, work: str) -> None:
                 continue
             wall = int(open(os.path.join(run, "wall_s.txt")).read())
             rows.append((arm, seed, wall, *lfw_scores(args, run), run))
+    from eval.pairs import read_pair_list
+    pairs = len(read_pair_list(args.pairs_list, args.lfw).pairs)
     anchor = lfw_scores(args, "dlib")
-    print(f"\nLFW view 2, all {6000} pairs from the photos (10-fold mean and std over the folds; CelebA's "
+    print(f"\nLFW view 2, all {pairs} pairs from the photos (10-fold mean and std over the folds; CelebA's "
           "people may overlap LFW's):")
     print("| arm | seed | train min | acc | std | acc-flip | std |\n|---|---|---|---|---|---|---|")
     print(f"| MODEL dlib (the teacher) | - | - | {anchor[0]:.4f} | {anchor[1]:.4f} | {anchor[2]:.4f} | {anchor[3]:.4f} |")
     for arm, seed, wall, acc, std, acc_f, std_f, _ in rows:
         print(f"| {arm} | {seed} | {wall / 60:.0f} | {acc:.4f} | {std:.4f} | {acc_f:.4f} | {std_f:.4f} |")
-    if args.speed:
-        print("\nembedding speed, images/s (batches of 64, no flip): 1 thread / all threads")
-        seen = {}
-        for arm, seed, *_, run in rows:
-            network = ARMS[arm][0]
-            if network not in seen:
-                seen[network] = (speed(run, 1), speed(run, os.cpu_count() or 1))
-        seen["dlib (MODEL dlib)"] = (speed("dlib", 1), speed("dlib", os.cpu_count() or 1))
-        for network, (one, every) in seen.items():
-            print(f"- {network}: {one:.0f} / {every:.0f}")
 
 
 def main() -> None:
@@ -216,9 +243,12 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2, help="gloo ranks per run")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="face-finding processes")
     p.add_argument("--evaluate", action="store_true", help="only the table of the finished runs")
-    p.add_argument("--speed", action="store_true", help="also each network's embedding speed (time it quietly)")
+    p.add_argument("--speed", action="store_true", help="only each network's embedding speed (time it quietly)")
     args = p.parse_args()
     work = os.path.abspath(args.work)
+    if args.speed:
+        speeds()
+        return
     if not args.evaluate:
         sets = prepare(args, work)
         print(json.dumps({k: classes_of(v) for k, v in sets.items() if not k.endswith(".teacher")}), "classes", flush=True)

@@ -6,7 +6,9 @@ astronaut fixture: heads turned, a photo holding two, a wall without a face."""
 import os
 
 import numpy as np
+import pytest
 
+import faces.workers
 from infer.enrolment import enrol
 from infer.model import load_model
 from scripts.embed import main as embed_tool
@@ -15,21 +17,34 @@ from tests.test_align_workers import photos  # noqa: F401  (photos: the fixture)
 from tests.tool_files import tiny_model
 
 
+@pytest.fixture
+def pools(monkeypatch) -> list[int]:
+    """The worker count of every pool started (one worker runs in this process, without a pool)."""
+    started, real = [], faces.workers._Pool
+
+    def counting(fn, items, workers, *args):
+        started.append(workers)
+        return real(fn, items, workers, *args)
+    monkeypatch.setattr(faces.workers, "_Pool", counting)
+    return started
+
+
 def _bytes(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
 
 
-def test_make_bin_align_writes_the_same_bin_with_one_and_two_workers(photos, tmp_path, capsys):  # noqa: F811
+def test_make_bin_align_writes_the_same_bin_with_one_and_two_workers(photos, tmp_path, capsys, pools):  # noqa: F811
     out = {}
     for workers in ("1", "2"):
         dst = str(tmp_path / f"w{workers}.bin")
         assert make_bin([photos, dst, "--align", "--pairs", "10", "--workers", workers]) == 0
         out[workers] = (_bytes(dst), capsys.readouterr().out.replace(dst, "OUT"))
     assert out["1"] == out["2"]
+    assert pools and set(pools) == {2}  # the second run did use two processes
 
 
-def test_make_bin_align_of_a_pair_list_is_the_same_with_one_and_two_workers(photos, tmp_path, capsys):  # noqa: F811
+def test_make_bin_align_of_a_pair_list_is_the_same_with_one_and_two_workers(photos, tmp_path, capsys, pools):  # noqa: F811
     """The list names the wall (no face: a fallback crop) and the photo holding two faces."""
     listing = tmp_path / "pairs.txt"
     listing.write_text("p/h0.png p/h1.png 1\np/two.png q/wall.png 0\nq/m0.jpg q/m1.jpg 1\np/h2.png q/a.jpg 0\n"
@@ -45,10 +60,11 @@ def test_make_bin_align_of_a_pair_list_is_the_same_with_one_and_two_workers(phot
         said = capsys.readouterr().out.replace(dst, "OUT").replace(cache, "CACHE")
         out[workers] = (_bytes(dst), said)
     assert out["1"] == out["2"]
+    assert pools and set(pools) == {2}  # the second run did use two processes
     assert "wall.png" in out["1"][1]  # the fallback is named, with either count
 
 
-def test_embed_align_writes_the_same_arrays_and_listing_with_one_and_two_workers(photos, tmp_path):  # noqa: F811
+def test_embed_align_writes_the_same_arrays_and_listing_with_one_and_two_workers(photos, tmp_path, pools):  # noqa: F811
     model = tiny_model(str(tmp_path / "run"))
     out = {}
     for workers in ("1", "2"):
@@ -56,6 +72,7 @@ def test_embed_align_writes_the_same_arrays_and_listing_with_one_and_two_workers
         assert embed_tool([model, photos, "--out", dst, "--align", "--workers", workers, "--batch_size", "2"]) == 0
         out[workers] = (_bytes(dst), _bytes(dst[:-len(".npy")] + ".txt"))
     assert out["1"] == out["2"]
+    assert pools and set(pools) == {2}  # the second run did use two processes
     assert len(np.load(str(tmp_path / "w1.npy"))) >= 7  # every photo with a face, both faces of two.png
 
 
@@ -64,7 +81,7 @@ def _npz(path: str) -> dict[str, bytes]:
         return {key: f[key].tobytes() for key in f.files}
 
 
-def test_a_gallery_enrolled_with_two_workers_is_the_one_enrolled_with_one(photos, tmp_path):  # noqa: F811
+def test_a_gallery_enrolled_with_two_workers_is_the_one_enrolled_with_one(photos, tmp_path, pools):  # noqa: F811
     """The same gallery file (its arrays: a zip's entries carry the time they were written) and
     the same templates."""
     model = load_model(tiny_model(str(tmp_path / "run")))
@@ -74,4 +91,5 @@ def test_a_gallery_enrolled_with_two_workers_is_the_one_enrolled_with_one(photos
         gallery = enrol(photos, model, align=True, cache=cache, show_progress=False, workers=workers)
         got[workers] = (_npz(cache), gallery.names, gallery.templates.tobytes(), gallery.images)
     assert got[1] == got[2]
+    assert pools and set(pools) == {2}
     assert got[1][1] == ["p", "q"] and got[1][3] >= 7
