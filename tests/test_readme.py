@@ -35,6 +35,9 @@ COMMANDS = {
     "make test-gpu PY=python3 GPU_SETUP=": NEEDS_GPU,  # its plan without a GPU: test_make_test_gpu_offline_installs_nothing
     "python benchmarks/gpu.py": RUN,  # on a CPU it says so and exits 0
     "python benchmarks/gpu.py --smoke": RUN,
+    "python benchmarks/lfw_anchor.py --images LFW --pairs_list pairs.txt": "LFW (research data, not shipped); "
+    "tests/test_lfw_anchor.py runs it on a small LFW-layout fixture (slow)",
+    "python benchmarks/real_faces.py --celeb CELEB --lfw LFW --pairs_list pairs.txt": NEEDS_DATA,
     "python -m scripts.verify work_dirs/ms1mv3_r50 --bin /data/lfw.bin --bin /data/cfp_fp.bin": NEEDS_DATA,
     "python -m scripts.ijb work_dirs/ms1mv3_r50 --root /data/IJB_release/IJBC --target IJBC --roc roc.png": NEEDS_DATA,
     "python -m scripts.export_onnx work_dirs/ms1mv3_r50": NEEDS_DATA,
