@@ -1,37 +1,21 @@
 """Models trained here on real people (benchmarks/real_faces.py, issue #36): CelebA's in-the-wild
 photos of 299 people, aligned and packed by this project's tools, 2 CPU ranks. Fixed before the
-first run and not tuned on any result: the demo's recipe (CosFace s=32 m=0.35, SGD, poly decay,
-EMA) for 10 epochs, whatever the network; the benchmark sets rec, num_classes, network, seed
-and the distillation of each arm."""
+first run and not tuned on any result: the demo's recipe (configs/demo.py: CosFace s=32 m=0.35,
+SGD, poly decay, EMA) for 10 epochs, whatever the network; the benchmark sets rec, num_classes,
+network, seed and the distillation of each arm."""
 from easydict import EasyDict as edict
 
+from configs.demo import config as demo
+
 config = edict()
+config.update(demo)                   # the demo's recipe; what differs:
 config.network = "mbf"
 config.embedding_size = 512
-config.margin_list = (1.0, 0.0, 0.35)
-config.scale = 32.0
-config.chunk_size = 256
-config.optimizer = "sgd"
-config.lr = 0.1
-config.momentum = 0.9
-config.weight_decay = 5e-4
-config.max_grad_norm = 5.0
-config.batch_size = 64
 config.rec = "work_dirs/real_faces/rec_celeb"  # benchmarks/real_faces.py packs it there (research data: never committed)
 config.num_classes = 298              # CelebA's 299 people less one with no face found (the benchmark passes the packed count)
 config.num_image = 6000
 config.num_epoch = 10
-config.warmup_epoch = 1
-config.lr_scheduler = "poly"
-config.lr_power = 2.0
-config.clip_head = True
-config.straight_through = False
-config.num_workers = 1
-config.ema = True
-config.ema_decay = 0.999
-config.ema_tau = 100.0
 config.val_targets = []               # LFW is verified after training, from the photos, on its own pairs
 config.verbose = 100000
-config.frequent = 10
-config.checkpoint_interval = 50   # a stopped run loses at most 50 steps (minutes of mbf on a CPU)
+config.checkpoint_interval = 50       # a stopped run loses at most 50 steps (minutes of mbf on a CPU)
 config.output = "work_dirs/real_faces/runs/manual"  # the benchmark names each run's own
