@@ -44,25 +44,19 @@ def stage_seconds(folder: str, photos: list[str], detection: Detection, model: s
     spent = collections.Counter()
     boxes, predictor = detect._boxes, detect.landmark_predictor
 
-    def timed_boxes(*args):
-        t = time.perf_counter()
-        try:
-            return boxes(*args)
-        finally:
-            spent["detection"] += time.perf_counter() - t
-
-    def timed_predictor(points):
-        real = predictor(points)
-
+    def timed(fn, stage: str):
         def run(*args):
             t = time.perf_counter()
             try:
-                return real(*args)
+                return fn(*args)
             finally:
-                spent["landmarks"] += time.perf_counter() - t
+                spent[stage] += time.perf_counter() - t
         return run
 
-    detect._boxes, detect.landmark_predictor = timed_boxes, timed_predictor
+    def timed_predictor(points):
+        return timed(predictor(points), "landmarks")
+
+    detect._boxes, detect.landmark_predictor = timed(boxes, "detection"), timed_predictor
     crops = []
     try:
         template = ARCFACE_112

@@ -160,18 +160,28 @@ def _attempts(path: str) -> list[float]:
     return [float(v) for v in open(path).read().split()] if os.path.isfile(path) else []
 
 
-def lfw_scores(args, run: str) -> tuple[float, float, float, float]:
-    """(acc, std, acc-flip, std-flip) of a run's model on all the list's pairs, from the photos."""
-    from eval.pairs import read_pair_list, score_pairs
+def lfw_faces(args):
+    """(the pair list, every photo's face): found once (faces cached beside the list, as the
+    anchor's), the same for every model."""
+    from eval.pairs import read_pair_list
     from faces.photos import Detection
-    from infer.model import load_model
-    from infer.pair_cache import EmbeddingCache, FacesCache, cache_paths
-    from infer.pair_photos import Retries, pair_embeddings, pair_faces
+    from infer.pair_cache import FacesCache, cache_paths
+    from infer.pair_photos import Retries, pair_faces
     pair_list = read_pair_list(args.pairs_list, args.lfw)
-    model = load_model(run, detection=Detection())
-    faces_cache, emb_cache = cache_paths(args.pairs_list, model.fingerprint, args.cache_dir)
-    faces = pair_faces(pair_list.photos, model.detection, Retries(upsample=2, mmod=True), FacesCache(faces_cache),
+    faces_cache = cache_paths(args.pairs_list, None, args.cache_dir)[0]
+    faces = pair_faces(pair_list.photos, Detection(), Retries(upsample=2, mmod=True), FacesCache(faces_cache),
                        workers=args.workers)
+    return pair_list, faces
+
+
+def lfw_scores(args, pair_list, faces, run: str) -> tuple[float, float, float, float]:
+    """(acc, std, acc-flip, std-flip) of a run's model on all the list's pairs, from the photos."""
+    from eval.pairs import score_pairs
+    from infer.model import load_model
+    from infer.pair_cache import EmbeddingCache, cache_paths
+    from infer.pair_photos import pair_embeddings
+    model = load_model(run)
+    emb_cache = cache_paths(args.pairs_list, model.fingerprint, args.cache_dir)[1]
     emb = pair_embeddings(model, pair_list.photos, faces, EmbeddingCache(emb_cache, model), show_progress=False)
     r = score_pairs(pair_list, emb.emb, emb.emb_flip)
     return r.accuracy, r.std, r.accuracy_flip, r.std_flip
@@ -212,6 +222,7 @@ def speeds() -> None:
 
 
 def report(args, work: str) -> None:
+    pair_list, faces = lfw_faces(args)
     rows = []
     for arm in ARMS:
         for seed in args.seeds:
@@ -219,11 +230,9 @@ def report(args, work: str) -> None:
             if not os.path.isfile(os.path.join(run, "wall_s.txt")):
                 continue
             wall = int(open(os.path.join(run, "wall_s.txt")).read())
-            rows.append((arm, seed, wall, *lfw_scores(args, run), run))
-    from eval.pairs import read_pair_list
-    pairs = len(read_pair_list(args.pairs_list, args.lfw).pairs)
-    anchor = lfw_scores(args, "dlib")
-    print(f"\nLFW view 2, all {pairs} pairs from the photos (10-fold mean and std over the folds; CelebA's "
+            rows.append((arm, seed, wall, *lfw_scores(args, pair_list, faces, run), run))
+    anchor = lfw_scores(args, pair_list, faces, "dlib")
+    print(f"\nLFW view 2, all {len(pair_list.pairs)} pairs from the photos (10-fold mean and std over the folds; CelebA's "
           "people may overlap LFW's):")
     print("| arm | seed | train min | acc | std | acc-flip | std |\n|---|---|---|---|---|---|---|")
     print(f"| MODEL dlib (the teacher) | - | - | {anchor[0]:.4f} | {anchor[1]:.4f} | {anchor[2]:.4f} | {anchor[3]:.4f} |")
