@@ -199,6 +199,8 @@ class Run:
         if head is not None and (problem := check_labels(labels, cfg.num_classes)):
             self.logger.error("%s (the head stops every rank)", problem)
         images = normalize_images(images.to(self.info.device, non_blocking=True))
+        if cfg.channels_last:  # the parameters keep their layout (ZeRO's flat shards): only activations change
+            images = images.contiguous(memory_format=torch.channels_last)
         labels = labels.to(self.info.device, non_blocking=True)
         lr = cfg.lr * lr_factor(self.state.step, self.schedule_steps_total, self.warmup_steps, cfg.lr_scheduler,
                                 cfg.lr_power)

@@ -93,6 +93,28 @@ def test_gradient_checkpointing_gives_identical_gradients():
             torch.testing.assert_close(a.grad, b.grad, msg=name)
 
 
+@pytest.mark.parametrize("name", ["tiny", "mbf", "r18"])
+def test_channels_last_batch_gives_the_same_embedding_and_gradients(name):
+    """config.channels_last: the batch in NHWC memory, the parameters as they are (their
+    gradients stay contiguous, as ZeRO's flat shards need); in float64, the sums' order aside."""
+    torch.manual_seed(0)
+    model = backbones.get_model(name, num_features=64).double().train()
+    x = torch.randn(3, 3, 112, 112, dtype=torch.float64)
+    grads = []
+    for batch in (x, x.contiguous(memory_format=torch.channels_last)):
+        model.zero_grad()
+        out = model(batch)
+        out.square().sum().backward()
+        grads.append((out.detach(), [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(grads[1][0], grads[0][0])
+    for (pname, param), a, b in zip(model.named_parameters(), grads[0][1], grads[1][1]):
+        if a is None:  # a parameter the forward does not use (r18's)
+            assert b is None, pname
+            continue
+        assert b.is_contiguous(), pname
+        torch.testing.assert_close(b, a, msg=pname)
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "r2060" else n
                                   for n in sorted(LARGE)])
 def test_large_network_forward_gives_num_features_embedding_on_meta(name):

@@ -62,6 +62,32 @@ def test_ddp_and_zero2_train_the_same_model(runs):
         torch.testing.assert_close(b[key], value, rtol=1e-3, atol=2e-4, msg=key)
 
 
+def _run_recording_conv_layouts(rank, world_size, args):
+    """train.main, returning whether each convolution's input was channels-last (the first step's)."""
+    layouts = {}
+
+    def record(module, inputs):
+        if isinstance(module, torch.nn.Conv2d) and module not in layouts:
+            layouts[module] = inputs[0].is_contiguous(memory_format=torch.channels_last)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
+    try:
+        assert train.main(args) == 0
+    finally:
+        handle.remove()
+    return sorted(set(layouts.values()))
+
+
+def test_channels_last_reaches_every_convolution_and_trains_the_same_losses(runs, drawn_faces, tmp_path):
+    # the same math in another memory order (gradients equal: tests/test_backbones.py); over
+    # steps, this batch-8 BatchNorm network amplifies the last bits (the DDP comparison's note),
+    # so the run is held to the uninterrupted run's first losses
+    out = str(tmp_path / "nhwc")
+    args = argv(drawn_faces, out, "--channels_last", "true", "--stop_after_steps", "3")
+    assert run_distributed(_run_recording_conv_layouts, 2, args) == [[True], [True]]
+    torch.testing.assert_close(torch.tensor(losses_in_log(out)), torch.tensor(losses_in_log(runs["full"])[:3]),
+                               rtol=1e-4, atol=0)
+
+
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_checkpoint_resumes_on_another_number_of_ranks(runs, drawn_faces, tmp_path, world_size):
     out = str(tmp_path / "resharded")
