@@ -2,6 +2,9 @@ import functools
 import gzip
 import json
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -113,6 +116,15 @@ def test_channels_last_batch_gives_the_same_embedding_and_gradients(name):
             continue
         assert b.is_contiguous(), pname
         torch.testing.assert_close(b, a, msg=pname)
+
+
+def test_channels_last_benchmark_runs():
+    """benchmarks/channels_last.py at its smoke size (so that the script cannot rot)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "benchmarks/channels_last.py", "--smoke", "--networks", "tiny"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^ *tiny( +[0-9.]+){6}$", done.stdout, re.M), done.stdout
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "r2060" else n
