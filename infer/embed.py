@@ -24,15 +24,22 @@ def module_device(module: nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
+def _layout(x: torch.Tensor, nhwc: bool) -> torch.Tensor:
+    return x.contiguous(memory_format=torch.channels_last) if nhwc and x.dim() == 4 else x
+
+
 @torch.no_grad()
 def embed_batches(batches: Iterable[torch.Tensor], module: nn.Module) -> np.ndarray:
     """Embeddings of batches of uint8 images (normalised to [-1, 1] here) in eval mode on the
     module's device; the module's train/eval mode is restored afterwards."""
     device = module_device(module)
+    # on the CPU, convolutions over channels-last batches are 1.1-1.3x faster, the same math
+    # (benchmarks/channels_last.py); a module without weights (the ONNX form) takes them as given
+    nhwc = device.type == "cpu" and next(module.parameters(), None) is not None
     was_training = module.training
     module.eval()
     try:
-        out = [module(normalize_images(batch.to(device))).float().cpu() for batch in batches]
+        out = [module(_layout(normalize_images(batch.to(device)), nhwc)).float().cpu() for batch in batches]
     finally:
         module.train(was_training)
     return torch.cat(out).numpy()
