@@ -96,7 +96,7 @@ def test_gradient_checkpointing_gives_identical_gradients():
             torch.testing.assert_close(a.grad, b.grad, msg=name)
 
 
-@pytest.mark.parametrize("name", ["tiny", "mbf", "r18"])
+@pytest.mark.parametrize("name", ["tiny"] + [pytest.param(n, marks=pytest.mark.slow) for n in ("mbf", "r18")])
 def test_channels_last_batch_gives_the_same_embedding_and_gradients(name):
     """config.channels_last: the batch in NHWC memory, the parameters as they are (their
     gradients stay contiguous, as ZeRO's flat shards need); in float64, the sums' order aside."""
