@@ -14,7 +14,7 @@ config.grad_checkpoint = False        # recompute backbone activations in backwa
 config.fp16 = False                   # fp16 autocast + dynamic loss scaling
 config.bf16 = False                   # bf16 autocast, no loss scaling
 config.channels_last = False         # the batch in channels-last (NHWC) memory: the same math; on the
-                                      # CPU, tiny and mbf train ~1.4x faster, r18 no faster (benchmarks/README)
+                                      # CPU, mbf trains ~1.3x faster, tiny ~1.1x (benchmarks/README)
 config.init_backbone = ""             # new run from these backbone weights, fresh head (fine-tuning):
                                       # a model.pt, arcface_torch checkpoint_gpu_<r>.pt, checkpoint or run
                                       # dir (its EMA weights if any); ignored (logged) when resuming

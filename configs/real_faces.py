@@ -17,7 +17,7 @@ config.num_image = 6000
 config.num_epoch = 10
 config.val_targets = []               # LFW is verified after training, from the photos, on its own pairs
 config.verbose = 100000
-config.channels_last = True          # the batch in NHWC: the same math, mbf ~1.4x faster on a CPU (set after the demo
+config.channels_last = True          # the batch in NHWC: the same math, mbf ~1.3x faster on a CPU (set after the demo
                                       # network's arms and mbf margin seed 1's first 117 steps had run without it)
 config.checkpoint_interval = 50       # a stopped run loses at most 50 steps (minutes of mbf on a CPU)
 config.output = "work_dirs/real_faces/runs/manual"  # the benchmark names each run's own

@@ -20,8 +20,8 @@ POSITIVE_FLOAT = ("scale", "lr", "ema_tau", "dist_timeout_min", "magface_l_a", "
 NON_NEGATIVE_FLOAT = ("weight_decay", "max_grad_norm", "lr_power", "arcface_m", "cosface_m", "adaface_m",
                       "adaface_h", "magface_l_m", "magface_u_m", "magface_lambda_g", "curricularface_m",
                       "distill_weight")
-BOOL = ("grad_checkpoint", "fp16", "bf16", "channels_last", "zero", "ema", "skip_bad_images", "resize", "align", "align_strict",
-        "overwrite", "reset_ema",
+BOOL = ("grad_checkpoint", "fp16", "bf16", "channels_last", "zero", "ema", "skip_bad_images", "resize", "align",
+        "align_strict", "overwrite", "reset_ema",
         "reset_margin", "head_fused_optimizer", "clip_head", "straight_through", "magface_easy_margin",
         "dali", "dali_aug", "save_all_states", "using_wandb", "wandb_log_all", "save_artifacts")
 OPTIONAL_STR = ("wandb_key", "wandb_entity", "wandb_project", "suffix_run_name", "teacher_network")  # None or a string
