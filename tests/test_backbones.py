@@ -118,6 +118,7 @@ def test_channels_last_batch_gives_the_same_embedding_and_gradients(name):
         torch.testing.assert_close(b, a, msg=pname)
 
 
+@pytest.mark.slow
 def test_channels_last_benchmark_runs():
     """benchmarks/channels_last.py at its smoke size (so that the script cannot rot)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
