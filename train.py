@@ -198,9 +198,11 @@ class Run:
         # on the CPU, where no device waits; label-free data has no labels to check
         if head is not None and (problem := check_labels(labels, cfg.num_classes)):
             self.logger.error("%s (the head stops every rank)", problem)
-        images = normalize_images(images.to(self.info.device, non_blocking=True))
-        if cfg.channels_last:  # the parameters keep their layout (ZeRO's flat shards): only activations change
+        images = images.to(self.info.device, non_blocking=True)
+        if cfg.channels_last:  # the parameters keep their layout (ZeRO's flat shards): only activations change;
+            # the uint8 batch is a quarter of the float one to copy, and normalising keeps its layout
             images = images.contiguous(memory_format=torch.channels_last)
+        images = normalize_images(images)
         labels = labels.to(self.info.device, non_blocking=True)
         lr = cfg.lr * lr_factor(self.state.step, self.schedule_steps_total, self.warmup_steps, cfg.lr_scheduler,
                                 cfg.lr_power)

@@ -39,7 +39,7 @@ def embed_batches(batches: Iterable[torch.Tensor], module: nn.Module) -> np.ndar
     was_training = module.training
     module.eval()
     try:
-        out = [module(_layout(normalize_images(batch.to(device)), nhwc)).float().cpu() for batch in batches]
+        out = [module(normalize_images(_layout(batch.to(device), nhwc))).float().cpu() for batch in batches]
     finally:
         module.train(was_training)
     return torch.cat(out).numpy()
