@@ -4,7 +4,8 @@ against PFC v2, and the head's accuracy with TF32 against an fp64 full softmax.
 
 1. backbone: samples/s of r50 and r100 at batch 128 per GPU, fp16 autocast with dynamic loss
    scaling: forward, backward and a ZeRO-2 SGD step at world size 1 (the per-GPU work of a
-   data-parallel job, without its communication and without the head).
+   data-parallel job, without its communication and without the head); each also with the
+   batch in channels-last memory (`config.channels_last`), side by side.
 2. head: forward+backward time (median) and peak memory (torch.cuda.max_memory_allocated
    over the timed steps, the weight included) at the shapes one rank of an 8-GPU job sees:
    the global batch of 8 x 128 embeddings (D=512, fp32) against its class shard.
@@ -87,9 +88,10 @@ def _mb(peak: int | None) -> str:
 
 
 def backbone_throughput(name: str, device: torch.device, sizes: Sizes, warmup: int, iters: int,
-                        distill: bool = False) -> dict:
+                        distill: bool = False, channels_last: bool = False) -> dict:
     """The backbone step of part 1; `distill`: with an on-the-fly teacher of the same network
-    and the cosine distillation loss alone (label-free: no head)."""
+    and the cosine distillation loss alone (label-free: no head); `channels_last`: the batch in
+    NHWC, the parameters as they are (what `config.channels_last` does in train.py)."""
     from backbones import get_model
     from parallel import DynamicLossScaler, Zero2Optimizer
     batch = sizes.batch
@@ -99,6 +101,8 @@ def backbone_throughput(name: str, device: torch.device, sizes: Sizes, warmup: i
     opt = Zero2Optimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=5e-4)
     scaler = DynamicLossScaler()
     images = torch.randn(batch, 3, 112, 112, device=device)
+    if channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
     loss_of = lambda: model(images).float().square().mean()  # noqa: E731
     if distill:
         from infer.model import Model
@@ -212,9 +216,15 @@ def main(argv=None) -> int:
     if "backbone" in args.only or "distill" in args.only:
         plain = {name: backbone_throughput(name, device, sizes, args.warmup, args.iters) for name in sizes.backbones}
     if "backbone" in args.only:
-        rows = list(plain.values())
+        rows = []
+        for name, row in plain.items():
+            nhwc = backbone_throughput(name, device, sizes, args.warmup, args.iters, channels_last=True)
+            rows.append({**row, "channels_last samples/s": nhwc["samples/s"],
+                         "NCHW/NHWC step time": _ratio(row, nhwc), "channels_last peak MB": nhwc["peak MB"]})
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         print(f"\nbackbone step ({'fp16, ' if device.type == 'cuda' else ''}ZeRO-2 SGD at W=1, no head), "
-              f"batch {sizes.batch}/GPU")
+              f"batch {sizes.batch}/GPU; channels_last: the batch in NHWC")
         print(table(rows, list(rows[0])))
     if device.type == "cuda":
         torch.cuda.empty_cache()

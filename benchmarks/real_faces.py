@@ -55,6 +55,10 @@ ARMS = {
     "mbf label-free, centred": ("mbf", "all", ["--teacher", "TEACHER"]),
     "r18 margin": ("r18", "celeb", []),
     "dlib_resnet fine-tuned": ("dlib_resnet", "celeb", ["--init_backbone", "dlib", "--embedding_size", "128"]),
+    # the recipe's lr 0.1 destroyed dlib's network (no BatchNorm: embeddings grew to ~1e7, LFW at
+    # chance); a tenth of it, fixed before this arm's first run, the usual fine-tuning rate
+    "dlib_resnet fine-tuned, lr 0.01": ("dlib_resnet", "celeb", ["--init_backbone", "dlib", "--embedding_size", "128",
+                                                                 "--lr", "0.01"]),
 }
 
 

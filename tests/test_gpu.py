@@ -81,7 +81,7 @@ print("opened", len(paths), "files; step", state.step)
 """
 
 # cuda: every precision with both data-parallel optimizers, on an IResNet (BatchNorm, PReLU,
-# autocast); cpu: one case, the demo's tiny CNN
+# autocast), fp16 and bf16 with the batch in channels-last memory; cpu: one case, the demo's tiny CNN
 TRAIN_CASES = [pytest.param("cuda", p, z, marks=pytest.mark.gpu, id=f"cuda-{p}-{'zero2' if z else 'ddp'}")
                for p in ("fp32", "fp16", "bf16") for z in (True, False)] + \
               [pytest.param("cpu", "fp32", True, id="cpu-fp32-zero2")]
@@ -94,7 +94,8 @@ def test_train_runs_on_the_device_and_its_files_open_on_a_cpu_only_host(drawn_fa
     argv = train_argv(drawn_faces, out, "--max_steps", str(SMOKE_STEPS), "--checkpoint_interval", "3",
                       "--num_workers", "2", "--network", "r18" if kind == "cuda" else "tiny",
                       "--zero", str(zero).lower(), "--fp16", str(precision == "fp16").lower(),
-                      "--bf16", str(precision == "bf16").lower())
+                      "--bf16", str(precision == "bf16").lower(),
+                      "--channels_last", str(precision != "fp32").lower())  # NHWC on tensor cores
     done = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, env=_env(kind), capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -77,13 +77,15 @@ def _run_recording_conv_layouts(rank, world_size, args):
     return sorted(set(layouts.values()))
 
 
-def test_channels_last_reaches_every_convolution_and_trains_the_same_losses(runs, drawn_faces, tmp_path):
-    # the same math in another memory order (gradients equal: tests/test_backbones.py); over
-    # steps, this batch-8 BatchNorm network amplifies the last bits (the DDP comparison's note),
-    # so the run is held to the uninterrupted run's first losses
-    out = str(tmp_path / "nhwc")
-    args = argv(drawn_faces, out, "--channels_last", "true", "--stop_after_steps", "3")
-    assert run_distributed(_run_recording_conv_layouts, 2, args) == [[True], [True]]
+@pytest.mark.parametrize("flag,nhwc", [((), True), (("--channels_last", "false"), False)], ids=["default", "nchw"])
+def test_the_batch_layout_reaches_every_convolution_and_trains_the_same_losses(runs, drawn_faces, tmp_path, flag,
+                                                                               nhwc):
+    # channels-last by default; the same math in either memory order (gradients equal:
+    # tests/test_backbones.py); over steps, this batch-8 BatchNorm network amplifies the last
+    # bits (the DDP comparison's note), so the run is held to the uninterrupted run's first losses
+    out = str(tmp_path / "run")
+    args = argv(drawn_faces, out, *flag, "--stop_after_steps", "3")
+    assert run_distributed(_run_recording_conv_layouts, 2, args) == [[nhwc], [nhwc]]
     torch.testing.assert_close(torch.tensor(losses_in_log(out)), torch.tensor(losses_in_log(runs["full"])[:3]),
                                rtol=1e-4, atol=0)
 
