@@ -35,7 +35,7 @@ from utils.checkpoint_changes import log_resume_changes
 from utils.checkpoint_foreign import refuse_arcface_torch_output
 from utils.checkpointer import Checkpointer
 from utils.data_position import follow_data
-from utils.divergence import TrainingStopped, check_labels, check_loss
+from utils.divergence import EmbeddingNormWatch, TrainingStopped, check_labels, check_loss
 from utils.progress import ProgressLogger, SkipReport
 from utils.run_lock import RunLock
 from utils.schedule import lr_factor, schedule_steps, set_lr
@@ -185,6 +185,7 @@ class Run:
                                        * cfg.gradient_acc, writer, first_step=self.state.step,
                                        poll_limit_s=self.stop.grace_s if info.device.type != "cpu" else None)
         self.skips = SkipReport(self.dataset, cfg.frequent, writer, enabled=cfg.skip_bad_images)
+        self.norms = EmbeddingNormWatch(writer) if info.is_main else None  # rank 0's batches: a warning, no stop
         self.first_step = self.state.step
         # built once: its persistent workers (and their open record files) serve every epoch
         self.loader = get_dataloader(self.dataset, self.sampler, cfg.num_workers, info.device, cfg.seed,
@@ -209,6 +210,8 @@ class Run:
         set_lr(self.optimizers, lr)  # before forward: a fused head steps in backward
         with contextlib.nullcontext() if last_micro else self.backbone_opt.no_sync():
             embeddings = self.model(images)
+            if self.norms is not None:
+                self.norms.add(embeddings)
             loss = head(embeddings, labels) if distill is None else distill.loss(head, embeddings, labels, images, rows)
             scaled = loss / cfg.gradient_acc
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
@@ -241,6 +244,8 @@ class Run:
                        label_errors=self.head.take_label_errors() if self.head is not None else 0)
             if progress.due(step):
                 progress(step, self.state.epoch, loss_value, lr, scaler.scale_value if scaler else None)
+                if self.norms is not None:
+                    self.norms(step)
                 if self.distill is not None:
                     self.distill.report(step, self.total_steps)
         self.skips(step)

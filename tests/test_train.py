@@ -10,7 +10,7 @@ import torch
 
 import train
 from tests.conftest import TRAIN_STEPS as STEPS
-from tests.conftest import checkpoint_tensors
+from tests.conftest import checkpoint_tensors, shardface_messages
 from tests.conftest import train_argv as argv
 from tests.distributed import run_distributed
 from utils.checkpoint import CheckpointError, resolve_checkpoint
@@ -143,6 +143,35 @@ def test_exploding_weights_are_never_saved_though_finite(drawn_faces, tmp_path):
                    if v.is_floating_point() and "running" not in k) ** 0.5
         assert norm < 100, (ckpt, norm)  # 31 at start
     assert "exploded: the backbone's weight norm is" in open(os.path.join(out, "training.log")).read()
+
+
+def test_embedding_norm_is_logged_and_its_growth_warned_of_once():
+    """EmbeddingNormWatch: the mean norm of the added batches per report; one warning when it
+    passes NORM_GROWTH_WARN times the first report's, naming the step and the factor."""
+    from utils.divergence import NORM_GROWTH_WARN, EmbeddingNormWatch
+    watch, calls = EmbeddingNormWatch(), []
+
+    def report(step, scale):
+        for _ in range(2):
+            watch.add(torch.full((4, 8), scale / 8 ** 0.5))  # rows of norm `scale`
+        calls.append(watch(step))
+    steady = shardface_messages(lambda: [report(step, 3.0 * (1 + step / 10)) for step in (1, 2, 3)])
+    assert steady == [] and calls == pytest.approx([3.3, 3.6, 3.9])  # a healthy drift: no warning
+    grown = shardface_messages(lambda: [report(step, 3.3 * NORM_GROWTH_WARN * f) for step, f in ((4, 0.9), (5, 2), (6, 50))])
+    assert len(grown) == 1 and "mean norm is 660 at step 5, 200 times its 3.3 at step 1" in grown[0], grown
+    assert "lower lr" in grown[0]
+    assert watch(7) is None  # nothing added since the last report
+
+
+def test_a_batchnorm_ended_network_keeps_its_embedding_norm(runs):
+    """train.py writes rank 0's embedding norm each logged step; the demo network ends in
+    BatchNorm1d over 128 features, so its norm stays near sqrt(128) x the BN scale, no warning."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(os.path.join(runs["full"], "tensorboard"))
+    events.Reload()
+    norms = [e.value for e in events.Scalars("train/embedding_norm")]
+    assert len(norms) == STEPS and all(0.5 < v / 128 ** 0.5 < 2 for v in norms), norms
+    assert "mean norm" not in open(os.path.join(runs["full"], "training.log")).read()
 
 
 def checkpoint_tensors_plain(path):

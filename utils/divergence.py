@@ -8,9 +8,18 @@ multiplies the weights by orders of magnitude per step, and weights around 1e26 
 still give a finite loss through the normalised head, yet poison every later step. A healthy
 run moves the backbone's norm by a few times at most (the demo: 31.1 at start, 31.1 after 12
 steps); lr 1e6 multiplies it by 1.5e5 in one step.
+
+A network with no BatchNorm at its end (`dlib_resnet`) can diverge more quietly: each layer's
+weights grow a few times, which no weight-norm limit flags, while the embeddings grow by their
+product. Fine-tuning dlib's network at lr 0.1 took its embedding norm from 1.55 to 2.9e9, every
+face pointing one way (LFW at chance), with the loss finite throughout. `EmbeddingNormWatch`
+warns when the embeddings' mean norm grows `NORM_GROWTH_WARN` times over the run's first
+logged value (a network ending in BatchNorm keeps it near sqrt(D) x its scale: mbf 20.7 and the
+demo network 10.4 after training).
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -18,7 +27,10 @@ import torch.distributed as dist
 
 from parallel.dist import cpu_group, get_world_size
 
+logger = logging.getLogger("shardface")
+
 EXPLODED_FACTOR = 1000.0  # backbone weight norm over its norm at start beyond which the weights count as diverged
+NORM_GROWTH_WARN = 100.0  # embedding norm over its first logged value beyond which the run is warned of
 
 
 class TrainingStopped(RuntimeError):
@@ -127,6 +139,42 @@ def check_weights(step: int, backbone: torch.nn.Module, head: torch.nn.Module | 
         what = "are not finite" if not finite else f"give loss {loss} on the last batch"
         raise TrainingStopped(f"the weights after step {step} {what}: training diverged and they are not "
                               f"saved; resume from the last checkpoint with a lower lr")
+
+
+class EmbeddingNormWatch:
+    """The mean L2 norm of the embeddings (this rank's batches): collected on the device each
+    step (`add`), read by the host once per report (`__call__`, when the loss is read too),
+    written to tensorboard as train/embedding_norm, and one warning when it first exceeds
+    `NORM_GROWTH_WARN` times the first value this process logged (a resumed run measures from
+    where it resumed)."""
+
+    def __init__(self, writer=None, growth_warn: float = NORM_GROWTH_WARN):
+        self.writer, self.growth_warn = writer, growth_warn
+        self.pending: list[torch.Tensor] = []
+        self.first: tuple[int, float] | None = None  # (step, mean norm) of the first report
+        self.warned = False
+
+    def add(self, embeddings: torch.Tensor) -> None:
+        self.pending.append(torch.linalg.vector_norm(embeddings.detach().float(), dim=1).mean())
+
+    def __call__(self, step: int) -> float | None:
+        """The mean norm since the last call (None when nothing was added), warned of as above."""
+        if not self.pending:
+            return None
+        value = float(torch.stack(self.pending).mean().cpu())
+        self.pending.clear()
+        if self.writer is not None:
+            self.writer.add_scalar("train/embedding_norm", value, step)
+        if self.first is None:
+            self.first = (step, value)
+        elif not self.warned and not value <= self.growth_warn * self.first[1]:
+            self.warned = True
+            first_step, first = self.first
+            logger.warning("the embeddings' mean norm is %.3g at step %d, %.3g times its %.3g at step %d, though "
+                           "the loss is finite: the backbone is diverging (a network with no BatchNorm at its end, "
+                           "such as dlib_resnet, does so at a rate its BatchNorm-ended peers take); stop it and "
+                           "start again with a lower lr", value, step, value / max(first, 1e-30), first, first_step)
+        return value
 
 
 def check_labels(labels, num_classes: int) -> str | None:
