@@ -157,7 +157,8 @@ def test_embedding_norm_is_logged_and_its_growth_warned_of_once():
         calls.append(watch(step))
     steady = shardface_messages(lambda: [report(step, 3.0 * (1 + step / 10)) for step in (1, 2, 3)])
     assert steady == [] and calls == pytest.approx([3.3, 3.6, 3.9])  # a healthy drift: no warning
-    grown = shardface_messages(lambda: [report(step, 3.3 * NORM_GROWTH_WARN * f) for step, f in ((4, 0.9), (5, 2), (6, 50))])
+    grown = shardface_messages(lambda: [report(step, 3.3 * NORM_GROWTH_WARN * f)
+                                        for step, f in ((4, 0.9), (5, 2), (6, 50))])
     assert len(grown) == 1 and "mean norm is 660 at step 5, 200 times its 3.3 at step 1" in grown[0], grown
     assert "lower lr" in grown[0]
     assert watch(7) is None  # nothing added since the last report

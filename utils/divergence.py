@@ -170,10 +170,10 @@ class EmbeddingNormWatch:
         elif not self.warned and not value <= self.growth_warn * self.first[1]:
             self.warned = True
             first_step, first = self.first
-            logger.warning("the embeddings' mean norm is %.3g at step %d, %.3g times its %.3g at step %d, though "
-                           "the loss is finite: the backbone is diverging (a network with no BatchNorm at its end, "
-                           "such as dlib_resnet, does so at a rate its BatchNorm-ended peers take); stop it and "
-                           "start again with a lower lr", value, step, value / max(first, 1e-30), first, first_step)
+            logger.warning("the embeddings' mean norm is %.3g at step %d, %.3g times its %.3g at step %d: the "
+                           "backbone is diverging though the loss is finite (a network with no BatchNorm at its "
+                           "end, such as dlib_resnet, does so quietly); stop it and start again with a lower lr",
+                           value, step, value / max(first, 1e-30), first, first_step)
         return value
 
 
