@@ -99,3 +99,16 @@ def test_more_ranks_than_classes_is_refused_at_start_on_every_rank_and_by_the_pl
                           capture_output=True, text=True)
     assert zero.returncode == 2 and "--gpus 0: a job needs at least one rank" in zero.stderr
     assert "ZeroDivisionError" not in zero.stderr
+
+
+def test_channels_last_scratch_is_planned_per_sample_only_when_on():
+    """The measured GPU cost of channels-last batches (planner.CHANNELS_LAST_SCRATCH_PER_SAMPLE)
+    is one part of the plan, proportional to the batch, and absent in NCHW; nothing else moves."""
+    from configs import get_config
+    from planner import CHANNELS_LAST_SCRATCH_PER_SAMPLE, plan
+    part = "backbone channels-last scratch"
+    on = plan(get_config("configs/demo.py", ["--batch_size", "64"]), 2)
+    doubled = plan(get_config("configs/demo.py", ["--batch_size", "128"]), 2)
+    off = plan(get_config("configs/demo.py", ["--batch_size", "64", "--channels_last", "false"]), 2)
+    assert on.parts[part] == 64 * CHANNELS_LAST_SCRATCH_PER_SAMPLE and doubled.parts[part] == 2 * on.parts[part]
+    assert part not in off.parts and on.total - off.total == on.parts[part]
