@@ -61,7 +61,7 @@ COMMANDS = {
     "python -m scripts.embed dlib photos/held_out --align --no_flip --out dlib.npy": NEEDS_DATA,
     "python -m scripts.export_onnx dlib dlib.onnx": "tests/test_dlib.py runs it (slow: a minute on 2 CPU cores)",
     "python train.py configs/demo.py --rec data/mine --num_classes 34 --network dlib_resnet "
-    "--embedding_size 128 --init_backbone dlib --output work_dirs/mine_dlib": NEEDS_DATA,
+    "--embedding_size 128 --init_backbone dlib --lr 0.01 --output work_dirs/mine_dlib": NEEDS_DATA,
     "torchrun --nproc_per_node 8 train.py configs/ms1mv3_r50 --num_epoch 25 --output work_dirs/ms1mv3_r50 --resume true":
         NEEDS_GPU,
     "torchrun --nproc_per_node 8 train.py configs/my_faces --init_backbone ms1mv3_r50/model.pt": NEEDS_GPU,
