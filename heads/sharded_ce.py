@@ -286,6 +286,8 @@ class _Walk:
         self.step_rows = None
         self._scratch_bufs: dict[str, torch.Tensor] = {}
         self._block_targets: dict[tuple[int, int], tuple] = {}
+        self._inv_s: dict[int, torch.Tensor] = {}  # a tile's inv_j * s (the exp path), by class c0
+        self._decay_scales: dict[bool, torch.Tensor] = {}  # the whole shard's -inv_j^2 [/ s]
         if grads:
             n_rows = shard.classes * self.k
             self.grad_emb = torch.empty_like(emb_n)
@@ -333,10 +335,13 @@ class _Walk:
         vals, arg = cos_sub.view(cos_sub.shape[0], -1, self.k).max(2)
         return vals, arg
 
-    def _exp_logits(self, raw: torch.Tensor, inv: torch.Tensor, logits: torch.Tensor | None = None) -> None:
-        """e . w_j (a tile) -> exp(other logit), in place, for margins with linear other logits;
-        the logits themselves (s cos, clamped) into `logits` when given."""
-        logits = raw.mul_(inv * self.exp_scale) if logits is None else torch.mul(raw, inv * self.exp_scale, out=logits)
+    def _exp_logits(self, raw: torch.Tensor, inv: torch.Tensor, c0: int, logits: torch.Tensor | None = None) -> None:
+        """e . w_j (the tile of classes from c0) -> exp(other logit), in place, for margins with
+        linear other logits; the logits themselves (s cos, clamped) into `logits` when given."""
+        inv_s = self._inv_s.get(c0)
+        if inv_s is None:  # once a step, not at every block and pass
+            inv_s = self._inv_s[c0] = inv * self.exp_scale
+        logits = raw.mul_(inv_s) if logits is None else torch.mul(raw, inv_s, out=logits)
         if self.clamp is not None:
             logits.clamp_(*self.clamp)
         torch.exp(logits, out=raw)
@@ -389,7 +394,7 @@ class _Walk:
             else:
                 cos_sub = (e @ self._gemm_in(w).t()).float()
             if self.exp_scale is not None:  # exp(s cos) (what is kept), the target column exp(t)
-                self._exp_logits(cos_sub, inv, self._kept_logits(pos, width, n) if keep_logits else None)
+                self._exp_logits(cos_sub, inv, c0, self._kept_logits(pos, width, n) if keep_logits else None)
                 _put(cos_sub, *self._targets(r0, r1, c0, width), self.exp_t[r0:r1])
                 total.add_(cos_sub.sum(1))
                 pos += width
@@ -432,7 +437,7 @@ class _Walk:
                   row_scale: torch.Tensor, dcos_y: torch.Tensor, in_place: bool):
         """On the exp path: d loss / d cos of a tile from its exp(logit) `x` (times the row scale
         coef * s / Z_i; the target column dcos_y; clamped logits 0), and, given the tile's logits
-        (s cos), sum_i dcos_ij cos_ij (else None)."""
+        (s cos), s sum_i dcos_ij cos_ij (else None; `_decay` divides by s)."""
         n, width = x.shape
         clamped = None if self.clamp is None else \
             (x <= self.exp_clamp[0]).logical_or_(x >= self.exp_clamp[1])
@@ -440,7 +445,7 @@ class _Walk:
         if clamped is not None:
             dcos.masked_fill_(clamped, 0.0)
         _put(dcos, *self._targets(r0, r1, c0, width), dcos_y)
-        return dcos, None if logits is None else logits.mul_(dcos).sum(0).div_(self.exp_scale)
+        return dcos, None if logits is None else logits.mul_(dcos).sum(0)
 
     def _general_dcos(self, cos_sub: torch.Tensor, r0: int, r1: int, c0: int, rows, log_z, coef, dcos_y):
         """Any margin: d loss / d cos of a tile from its cosines, and sum_i dcos_ij cos_ij where
@@ -489,7 +494,7 @@ class _Walk:
                 raw = self._cosines_into(self._gemm_in(e), w, self._scratch("raw", n, width))
                 if self.exp_scale is not None:
                     logits = self._scratch("logits", n, width) if self.radial_from_tile else None
-                    self._exp_logits(raw, inv, logits)
+                    self._exp_logits(raw, inv, c0, logits)
                     dcos, radial = self._exp_dcos(raw, logits, r0, r1, c0, row_scale, dcos_y, True)
                 else:
                     dcos, radial = self._general_dcos(raw.mul_(inv), r0, r1, c0, rows, log_z, coef, dcos_y)
@@ -517,7 +522,7 @@ class _Walk:
             # decay_j = -inv_j^2 sum_i dcos_ij cos_ij = -inv_j^2 <g_j, w_j> (g_j before the correction)
             if fused:  # the tile's gradient is complete: step its rows now and drop it
                 g = dcos.t() @ e
-                self.step_rows(rr if shard_rows is None else shard_rows, g, self._decay(radial, g, w, inv))
+                self.step_rows(rr if shard_rows is None else shard_rows, g, self._decay(radial, g, w, inv, rr))
                 continue
             if shard_rows is None:
                 g = self.grad_weight[rr]
@@ -529,13 +534,21 @@ class _Walk:
                 g = dcos.t() @ e
                 if earlier:
                     g.addcmul_(self.grad_weight[shard_rows], scale)
-            g.addcmul_(w, self._decay(radial, g, w, inv)[:, None])
+            g.addcmul_(w, self._decay(radial, g, w, inv, rr)[:, None])
             if shard_rows is not None:
                 self.grad_weight.index_copy_(0, shard_rows, g)
 
-    @staticmethod
-    def _decay(radial: torch.Tensor | None, g: torch.Tensor, w: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-        """-inv_j^2 sum_i dcos_ij cos_ij, from the tile's sum, or as <g_j, w_j> of the complete rows."""
+    def _decay(self, radial: torch.Tensor | None, g: torch.Tensor, w: torch.Tensor, inv: torch.Tensor,
+               rr: slice) -> torch.Tensor:
+        """-inv_j^2 sum_i dcos_ij cos_ij, from the tile's sum (`_exp_dcos`': s times it), or as
+        <g_j, w_j> of the complete rows (the tile's shard rows `rr`, when not sampled)."""
+        from_logits = radial is not None and self.exp_scale is not None
         if radial is None:
             radial = _row_dots(g, w)
-        return radial.mul_(inv).mul_(inv).neg_()
+        per = -1.0 / self.exp_scale if from_logits else -1.0
+        if self.shard.index is not None:
+            return radial.mul_(inv.square().mul_(per))
+        scale = self._decay_scales.get(from_logits)
+        if scale is None:  # the whole shard's, once a step: one kernel a tile
+            scale = self._decay_scales[from_logits] = self.shard.inv_norm.square().mul_(per)
+        return radial.mul_(scale[rr])
