@@ -5,6 +5,9 @@
 - arcface_torch's PFC v2 algorithm (benchmarks/pfc_v2_reference.py);
 - the limit: the three bare GEMMs any exact head must do at the same shapes (logits B x n,
   dE = G @ W, dW = G^T @ E), with nothing else;
+- the limit with the two collectives any class-sharded head makes besides: the embeddings
+  all-gathered before the GEMMs and their gradient reduce-scattered after (`limit+comm`: the
+  ranks then wait for each other, as every head's do);
 - at W=1: torch's `F.linear_cross_entropy` (no margin, no normalisation) at the same shapes.
 
 W=2 gloo ranks on CPU (one thread each), b=128 per rank, D=512, fp32. Each case runs in fresh
@@ -25,6 +28,7 @@ from common import MB, peak_bytes, reset_peak, rss_bytes, table
 from pfc_v2_reference import PFCv2Reference
 from heads import PartialFC, SampledRowsOptimizer
 from heads.sharding import class_shard
+from parallel.collectives import all_gather_flat, reduce_scatter_flat
 from losses import AdaFace, CombinedMarginLoss, CurricularFace, MagFace, SubCenterArcFace
 from tests.distributed import run_distributed
 
@@ -38,12 +42,19 @@ class BareGEMMs(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.normal(0, 0.01, (num_local, D)))
 
-    def step(self, emb: torch.Tensor) -> None:
+    def step(self, emb: torch.Tensor, local: torch.Tensor | None = None) -> None:
+        """The GEMMs over the global batch `emb`; given the rank's `local` rows, `emb` is first
+        all-gathered from them and its gradient reduce-scattered back to them."""
         with torch.no_grad():
+            if local is not None:
+                all_gather_flat(emb, local)
             logits = emb @ self.weight.t()
             logits.mul_(1e-3)  # stands in for the softmax gradient, in place
             emb.grad = logits @ self.weight
             self.weight.grad = logits.t() @ emb
+            if local is not None:
+                local.grad = torch.empty_like(local)
+                reduce_scatter_flat(local.grad, emb.grad)
 
 
 MARGINS = {"arcface": lambda: CombinedMarginLoss(64.0, 1.0, 0.5, 0.0),
@@ -56,7 +67,7 @@ def _head(method: str, num_classes: int, world: int, chunk: int, row_block: int)
     margin = MARGINS[method.split(":")[1]]() if method.startswith("margin:") else MARGINS["arcface"]()
     if method == "pfc_v2":
         return PFCv2Reference(margin, D, num_classes)
-    if method in ("limit", "linear_ce"):
+    if method in ("limit", "limit+comm", "linear_ce"):
         return BareGEMMs(class_shard(num_classes, world, torch.distributed.get_rank() if world > 1 else 0).size)
     fused = {"fused_optimizer": True} if method == "fused" else {}
     return PartialFC(margin, D, num_classes, chunk_size=chunk, row_block=row_block, validate=False, **fused)
@@ -67,7 +78,7 @@ def _case(rank, world_size, method, num_classes, chunk, row_block, iters, batch)
     torch.manual_seed(rank)
     head = _head(method, num_classes, world_size, chunk, row_block)
     emb = torch.randn(batch, D, requires_grad=True)
-    emb_global = torch.randn(world_size * batch, D) if method == "limit" else None
+    emb_global = torch.randn(world_size * batch, D) if method.startswith("limit") else None
     labels = torch.randint(0, num_classes, (batch,))
     opt = SampledRowsOptimizer(head, torch.optim.SGD, lr=0.1, momentum=0.9) if method == "fused" else None
     weight_bytes = head.weight.numel() * 4
@@ -80,6 +91,8 @@ def _case(rank, world_size, method, num_classes, chunk, row_block, iters, batch)
         t = time.perf_counter()
         if method == "limit":  # the products over the global batch, as every rank of a head does
             head.step(emb_global)
+        elif method == "limit+comm":
+            head.step(emb_global, emb.detach())
         elif method == "linear_ce":
             F.linear_cross_entropy(emb, head.weight, labels, options=_linear_ce_options()).backward()
         else:
@@ -88,6 +101,47 @@ def _case(rank, world_size, method, num_classes, chunk, row_block, iters, batch)
     del opt
     # the weight plus the largest growth of the process during a step
     return statistics.median(times[1:]), peak_bytes() - resting + weight_bytes, weight_bytes
+
+
+def _paired(rank, world_size, num_classes, chunk, row_block, steps, batch):
+    """limit, limit+comm and ours built in the same processes and stepped in turn (the order
+    rotating), so that each of ours steps has the limit's beside it on the same machine state."""
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)
+    heads = {m: _head(m, num_classes, world_size, chunk, row_block) for m in ("limit", "limit+comm", "ours")}
+    emb = torch.randn(batch, D, requires_grad=True)
+    emb_global = torch.randn(world_size * batch, D)
+    labels = torch.randint(0, num_classes, (batch,))
+    order = list(heads)
+    times = {m: [] for m in heads}
+    for it in range(steps + 1):
+        for m in order[it % 3:] + order[:it % 3]:
+            heads[m].weight.grad, emb.grad = None, None
+            t = time.perf_counter()
+            if m == "ours":
+                heads[m](emb, labels).backward()
+            else:
+                heads[m].step(emb_global, emb.detach() if m == "limit+comm" else None)
+            if it > 0:  # the first round warms up
+                times[m].append(time.perf_counter() - t)
+    return times
+
+
+def paired(num_classes, chunk, row_block, steps, world=2, batch=B) -> None:
+    results = run_distributed(_paired, world, num_classes, chunk, row_block, steps, batch, timeout=1800)
+    # a step's time is its slowest rank's (the bare limit's ranks do not wait for each other)
+    t = {m: [max(r[m][i] for r in results) for i in range(steps)] for m in results[0]}
+    print(f"\npaired, W={world} gloo ranks, 1 thread each, b={batch}/rank, D={D}, C={num_classes:,}, "
+          f"chunk_size={chunk}, row_block={row_block}, {steps} steps of each in turn in the same processes")
+    rows = []
+    for base in ("limit", "limit+comm"):
+        r = sorted(o / b for o, b in zip(t["ours"], t[base]))
+        q = statistics.quantiles(r, n=4)
+        rows.append({"baseline": base, "baseline ms": f"{statistics.median(t[base]) * 1e3:.0f}",
+                     "ours ms": f"{statistics.median(t['ours']) * 1e3:.0f}",
+                     "ours/baseline (median of steps)": f"{statistics.median(r):.3f}",
+                     "quartiles": f"{q[0]:.3f}-{q[2]:.3f}", "range": f"{r[0]:.2f}-{r[-1]:.2f}"})
+    print(table(rows, list(rows[0])))
 
 
 def _linear_ce_options():
@@ -109,29 +163,39 @@ def main(argv=None):
     p.add_argument("--row-block", type=int, default=128)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3,
-                   help="limit, ours and fused are measured in turn this many times; each ratio is the median "
+                   help="limit, limit+comm, ours and fused are measured in turn this many times; each ratio is the median "
                         "of the rounds' ratios (a shared machine drifts between processes)")
     p.add_argument("--skip-pfc", action="store_true", help="leave out the (slow) PFC v2 baseline")
     p.add_argument("--skip-w1", action="store_true", help="leave out the W=1 comparison")
+    p.add_argument("--paired", type=int, default=0, metavar="STEPS",
+                   help="instead: limit, limit+comm and ours stepped in turn in the same two processes, "
+                        "STEPS steps each, at the first --classes (no process-to-process drift)")
     p.add_argument("--margins", action="store_true",
                    help="instead: each margin head's step time against plain ArcFace at the first --classes")
     args = p.parse_args(argv)
     if args.margins:
         return compare_margins(args)
+    if args.paired:
+        return paired(args.classes[0], args.chunk, args.row_block, args.paired)
     rows = []
     for c in args.classes:
         # limit, ours and fused in turn, `rounds` times; PFC v2 (slow) once, against the median limit
-        rounds = [{m: measure(m, c, args.chunk, args.row_block, args.iters) for m in ("limit", "ours", "fused")}
+        rounds = [{m: measure(m, c, args.chunk, args.row_block, args.iters) for m in ("limit", "limit+comm", "ours", "fused")}
                   for _ in range(args.rounds)]
         floor = rounds[0]["limit"][2]
         limit_t = statistics.median(r["limit"][0] for r in rounds)
-        row = {"C": f"{c:,}", "floor MB": f"{floor / MB:.0f}", "limit ms": f"{limit_t * 1e3:.0f}"}
+        row = {"C": f"{c:,}", "floor MB": f"{floor / MB:.0f}", "limit ms": f"{limit_t * 1e3:.0f}",
+               "limit+comm ms": f"{statistics.median(r['limit+comm'][0] for r in rounds) * 1e3:.0f}"}
         for m in ("ours", "fused"):
             ratios = sorted(r[m][0] / r["limit"][0] for r in rounds)
             row[f"{m} ms"] = f"{statistics.median(r[m][0] for r in rounds) * 1e3:.0f}"
             row[f"{m}/limit"] = f"{statistics.median(ratios):.2f}"
             row[f"{m}/limit range"] = f"{ratios[0]:.2f}-{ratios[-1]:.2f}"
             row[f"{m} MB/floor"] = f"{statistics.median(r[m][1] for r in rounds) / floor:.2f}"
+            if m == "ours":
+                comm = sorted(r["ours"][0] / r["limit+comm"][0] for r in rounds)
+                row["ours/limit+comm"] = f"{statistics.median(comm):.2f}"
+                row["ours/limit+comm range"] = f"{comm[0]:.2f}-{comm[-1]:.2f}"
         if not args.skip_pfc:
             t, peak, _ = measure("pfc_v2", c, args.chunk, args.row_block, args.iters)
             row.update({"pfc_v2 ms": f"{t * 1e3:.0f}", "pfc_v2/limit": f"{t / limit_t:.2f}",
