@@ -163,8 +163,8 @@ def main(argv=None):
     p.add_argument("--row-block", type=int, default=128)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3,
-                   help="limit, limit+comm, ours and fused are measured in turn this many times; each ratio is the median "
-                        "of the rounds' ratios (a shared machine drifts between processes)")
+                   help="limit, limit+comm, ours and fused are measured in turn this many times; each ratio is "
+                        "the median of the rounds' ratios (a shared machine drifts between processes)")
     p.add_argument("--skip-pfc", action="store_true", help="leave out the (slow) PFC v2 baseline")
     p.add_argument("--skip-w1", action="store_true", help="leave out the W=1 comparison")
     p.add_argument("--paired", type=int, default=0, metavar="STEPS",
@@ -180,7 +180,8 @@ def main(argv=None):
     rows = []
     for c in args.classes:
         # limit, ours and fused in turn, `rounds` times; PFC v2 (slow) once, against the median limit
-        rounds = [{m: measure(m, c, args.chunk, args.row_block, args.iters) for m in ("limit", "limit+comm", "ours", "fused")}
+        methods = ("limit", "limit+comm", "ours", "fused")
+        rounds = [{m: measure(m, c, args.chunk, args.row_block, args.iters) for m in methods}
                   for _ in range(args.rounds)]
         floor = rounds[0]["limit"][2]
         limit_t = statistics.median(r["limit"][0] for r in rounds)
