@@ -13,6 +13,9 @@
 W=2 gloo ranks on CPU (one thread each), b=128 per rank, D=512, fp32. Each case runs in fresh
 processes with the default allocator; memory is the weight plus the peak growth of the
 resident set during a step after a warm-up step; the floor is the weight plus its gradient.
+`--paired STEPS` times the limit, limit+comm and ours instead in the same two processes, a step
+of each in turn, and gives each ratio step by step (time only): a machine that drifts between
+processes then moves both sides of a ratio alike.
 """
 from __future__ import annotations
 
