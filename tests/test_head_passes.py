@@ -8,12 +8,20 @@ The correction's coefficient sum_i dcos_ij cos_ij comes from the tile where that
 bytes: its product and column sum move 4 x rows x K values, the rows' dot products <g_j, w_j>
 2 x K x D, so the tile where the batch is one block of at most D / 2 rows, the dot products
 (a mul and a sum over the shard) beyond that."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from heads import PartialFC, SampledRowsOptimizer
 from losses import AdaFace, ArcFace, CosFace, CurricularFace, SubCenterArcFace
 from tests.shard_passes import ShardPassCounter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # D, the tile rows (16, and 12 for the last of 60 classes; a sample of 30: 16, 14) and the
 # batch's row counts (batches and row blocks) are all different, so the counter cannot take
@@ -122,3 +130,14 @@ def test_partial_fc_touches_the_sampled_rows_and_zeroes_the_rest(batch, blocks):
     if blocks > 1:
         expected.update({"index": 2 * half * blocks + half, "index_add_": half * (blocks - 1), "addcmul_": 2 * half})
     assert other == pytest.approx(expected)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile's CPU kernels need a C++ compiler")
+def test_fusion_benchmark_times_both_sides():
+    """benchmarks/head_fusion.py (the tile passes eager and compiled) runs: one round's row."""
+    done = subprocess.run([sys.executable, "benchmarks/head_fusion.py", "--smoke"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rounds = re.findall(r"\n\s+1\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\n", done.stdout)
+    assert len(rounds) == 1 and all(float(v) > 0 for v in rounds[0]), done.stdout
