@@ -39,6 +39,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,16 +149,20 @@ def file_crops(path: str, model) -> list[tuple[tuple[int, int, int, int], torch.
     return [((0, 0, int(image.shape[2]), int(image.shape[1])), image, _made_for(image.shape[1:], model.template))]
 
 
-def photos_crops(paths: list[str], model, align: bool, workers: int = 1, largest_only: bool = False):
+def photos_crops(paths: list[str], model, align: bool, workers: int = 1, largest_only: bool = False,
+                 progress: Callable[[], None] | None = None):
     """(path, [(box, 3 x h x w uint8 crop, the template it is aligned to)]) of each image file, in
     order: with `align` the faces found (under `model.detection`, on `workers` processes) cut to
-    the model's crop, every one or the largest; else the image itself as one aligned crop."""
+    the model's crop, every one or the largest; else the image itself as one aligned crop.
+    `progress()` once a file."""
     if not align:
         for path in paths:
             yield path, file_crops(path, model)
+            if progress is not None:
+                progress()
         return
     try:
-        for path, faces, crops in stream_crops(paths, model, workers, largest_only=largest_only):
+        for path, faces, crops in stream_crops(paths, model, workers, progress, largest_only=largest_only):
             yield path, [(tuple(int(round(v)) for v in face.box), crop, model.template)
                          for face, crop in zip(faces, crops)]
     except ImageDecodeError as exc:
@@ -178,15 +183,29 @@ def embed_crops(model, crops: list[tuple[torch.Tensor, Template]], batch_size: i
     return np.stack(out).astype(np.float32) if out else np.zeros((0, 0), np.float32)
 
 
-def embedded_faces(paths: list[str], model, align: bool, batch_size: int = 64, workers: int = 1) -> list[EmbeddedFace]:
-    """Every face of every photo (one per file without alignment), in order, with embeddings.
-    Files are read and checked before anything is embedded."""
+def embedded_faces(paths: list[str], model, align: bool, batch_size: int = 64, workers: int = 1,
+                   largest_only: bool = False, show_progress: bool = False) -> list[EmbeddedFace]:
+    """Every face (or the largest) of every photo (one per file without alignment), in order, with
+    embeddings. Files are read and checked before anything is embedded; then a batch is embedded
+    as soon as its crops are back, so memory holds one batch of crops, not the folder's."""
     for path in paths:
         check_image(path, model.template, align)
-    found = [(path, i, box, crop, made_for) for path, crops in photos_crops(paths, model, align, workers)
-             for i, (box, crop, made_for) in enumerate(crops)]
-    emb = embed_crops(model, [(c, m) for *_, c, m in found], batch_size)
-    return [EmbeddedFace(path, i, box, e) for (path, i, box, _, _), e in zip(found, emb)]
+    progress = Progress(len(paths), "finding and embedding faces" if align else "embedding").update \
+        if show_progress and len(paths) > batch_size else None
+    out, batch = [], []
+
+    def flush():
+        emb = embed_crops(model, [(c, m) for *_, c, m in batch], batch_size)
+        out.extend(EmbeddedFace(path, i, box, e) for (path, i, box, _, _), e in zip(batch, emb))
+        batch.clear()
+
+    for path, crops in photos_crops(paths, model, align, workers, largest_only, progress):
+        batch += [(path, i, box, crop, made_for) for i, (box, crop, made_for) in enumerate(crops)]
+        if len(batch) >= batch_size:
+            flush()
+    if batch:
+        flush()
+    return out
 
 
 def refuse_faceless(paths: list[str], faces: list[EmbeddedFace], model) -> None:

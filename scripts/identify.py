@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     workers = workers_from(args)
     gallery = enrol(args.gallery, embedder, args.align, cache, args.rebuild, batch_size=args.batch_size,
                     show_progress=not args.json, strict=args.strict, workers=workers)
-    faces = embedded_faces(queries, embedder, args.align, args.batch_size, workers)
+    faces = embedded_faces(queries, embedder, args.align, args.batch_size, workers, show_progress=not args.json)
     if args.strict:
         refuse_faceless(queries, faces, embedder)
     if faces:

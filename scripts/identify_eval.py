@@ -25,7 +25,7 @@ import sys
 
 import numpy as np
 
-from infer.enrolment import GalleryError, check_image, embedded_faces, list_gallery, refuse_faceless
+from infer.enrolment import GalleryError, embedded_faces, list_gallery, refuse_faceless
 from eval.identification import (FPIR_LEVELS, cmc, det_curve, mate_ranks, nonmated_needed, plot_cmc_det,
                                  tpir_at_fpir)
 from parallel.user_errors import exits_on_user_error
@@ -50,7 +50,8 @@ def split(people: list[tuple[str, list[str]]], per_id: int, unknown: int, seed: 
 
 
 def evaluate(model, folder: str, align: bool, per_id: int, unknown: int, seed: int,
-             batch_size: int = 64, max_rank: int = 20, strict: bool = False, workers: int = 1):
+             batch_size: int = 64, max_rank: int = 20, strict: bool = False, workers: int = 1,
+             show_progress: bool = False):
     people = list_gallery(folder)
     if unknown < 0:
         raise GalleryError(f"--unknown_ids {unknown}: the number of people held out, 0 or more")
@@ -60,15 +61,13 @@ def evaluate(model, folder: str, align: bool, per_id: int, unknown: int, seed: i
     if not mated:
         raise GalleryError(f"{folder}: no person has more than --gallery_per_id {per_id} images, so no mated probes")
     files = sorted({f for _, fs in enrolled for f in fs} | {f for _, f in mated + nonmated})
-    for f in files:  # every header before the first embedding
-        check_image(os.path.join(folder, f), model.template, align)
     faces, paths = {}, [os.path.join(folder, f) for f in files]
-    found = embedded_faces(paths, model, align, batch_size, workers)
+    found = embedded_faces(  # every header is read before the first embedding
+        paths, model, align, batch_size, workers, largest_only=True, show_progress=show_progress)
     if strict:
         refuse_faceless(paths, found, model)
-    for face in found:
-        if face.index == 0:  # the largest face of each image
-            faces[os.path.relpath(face.path, folder)] = face.embedding
+    for face in found:  # the largest face of each image
+        faces[os.path.relpath(face.path, folder)] = face.embedding
     names, templates, not_enrolled = [], [], []
     for name, fs in enrolled:
         found = [faces[f] for f in fs if f in faces]
@@ -156,7 +155,8 @@ def main(argv=None) -> int:
     detection = face_detection(args)
     model = model_from(args, detection)
     result, (ranks, mate, non) = evaluate(model, args.folder, args.align, args.gallery_per_id, unknown, args.seed,
-                                          args.batch_size, strict=args.strict, workers=workers_from(args))
+                                          args.batch_size, strict=args.strict, workers=workers_from(args),
+                                          show_progress=not args.json)
     if args.plot:
         fpir, fnir = det_curve(ranks, mate, non) if len(non) else (np.zeros(0), None)
         plot_cmc_det(np.array(result["cmc"]), fpir, fnir, args.plot, f"{os.path.basename(args.folder)}: "

@@ -293,3 +293,18 @@ def test_identify_eval_plot_is_checked_before_the_evaluation(tmp_path, capsys, m
         err = capsys.readouterr().err
         assert err.startswith(f"error: --plot {plot}") and said in err and err.count("\n") == 1
     assert (tmp_path / "curves.png").read_bytes() == b"an earlier plot"
+
+
+def test_identify_eval_embeds_batch_by_batch_with_progress_and_the_same_figures(tmp_path, capsys):
+    """A folder larger than a batch: progress with an ETA on stderr, and batches of 4 give the
+    figures one batch of all gives."""
+    from scripts.identify_eval import main as identify_eval
+    model = _model(tmp_path / "m", 0)
+    root = _gallery(tmp_path / "g", (3, 3, 2, 2, 3))
+    args = [model, root, "--gallery_per_id", "1", "--unknown_ids", "1"]
+    assert identify_eval([*args, "--batch_size", "64"]) == 0
+    whole = capsys.readouterr()
+    assert identify_eval([*args, "--batch_size", "4"]) == 0
+    batched = capsys.readouterr()
+    assert batched.out == whole.out and "rank-1" in whole.out
+    assert "embedding 13/13" in batched.err and "ETA" in batched.err and "ETA" not in whole.err
