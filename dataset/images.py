@@ -1,6 +1,7 @@
 """Image bytes -> uint8 pixels, and uint8 pixels -> the [-1, 1] floats every backbone takes."""
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
@@ -10,7 +11,6 @@ import tempfile
 import numpy as np
 import torch
 from PIL import Image
-from torchvision.io import ImageReadMode, decode_jpeg
 
 from dataset.errors import ImageDecodeError
 
@@ -145,6 +145,14 @@ def image_size(data_or_path, where: str) -> tuple[int, int]:
         raise ImageDecodeError(f"{where}: cannot read image ({exc})") from None
 
 
+def jpeg_decoder():
+    """torchvision's JPEG decoder (RGB out), imported at first use: torchvision's import takes
+    about as long as torch's own, which a process that decodes no JPEG (a tool's --help, its
+    errors, `plan`, `export_onnx`) need not pay. Loaders call it before forking their workers."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+    return functools.partial(decode_jpeg, mode=ImageReadMode.RGB)
+
+
 def decode_chw(data: bytes, where: str, mirror: bool = False,
                resize: tuple[int, int] | None = None) -> torch.Tensor:
     """-> 3xHxW uint8. JPEGs go through torchvision's libjpeg-turbo decoder (faster than
@@ -154,8 +162,7 @@ def decode_chw(data: bytes, where: str, mirror: bool = False,
     PIL's `resize_face` (one resize, whichever decoder)."""
     if data[:2] == b"\xff\xd8":
         try:
-            chw, said = _Stderr.run(decode_jpeg, torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                                    ImageReadMode.RGB)
+            chw, said = _Stderr.run(jpeg_decoder(), torch.frombuffer(bytearray(data), dtype=torch.uint8))
         except RuntimeError as exc:
             said = str(exc).splitlines()[-1]  # "decode_jpeg, <source file>:<line>, <reason>": the reason
             raise ImageDecodeError(f"{where}: cannot decode image ({said.rsplit(', ', 1)[-1]})") from None

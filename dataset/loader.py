@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from dataset.errors import DataError
+from dataset.images import jpeg_decoder
 
 
 class ResumableDistributedSampler(Sampler[int]):
@@ -121,6 +122,8 @@ def get_dataloader(dataset: Dataset, sampler: ResumableDistributedSampler, num_w
     records, read by the workers and pinned with the images.
     """
     on_gpu = torch.device(device).type == "cuda"
+    if num_workers > 0:
+        jpeg_decoder()  # imported once here, not once per worker
     g = torch.Generator().manual_seed(seed + 1000 * sampler.rank + sampler.epoch)
     return DataLoader(_EpochItems(dataset, with_index, teacher_rows), batch_size=sampler.batch_size,
                       sampler=_EpochKeys(sampler, dataset),
