@@ -145,6 +145,7 @@ def image_size(data_or_path, where: str) -> tuple[int, int]:
         raise ImageDecodeError(f"{where}: cannot read image ({exc})") from None
 
 
+@functools.cache
 def jpeg_decoder():
     """torchvision's JPEG decoder (RGB out), imported at first use: torchvision's import takes
     about as long as torch's own, which a process that decodes no JPEG (a tool's --help, its
