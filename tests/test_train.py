@@ -82,12 +82,15 @@ def test_the_batch_layout_reaches_every_convolution_and_trains_the_same_losses(r
                                                                                nhwc):
     # channels-last by default; the same math in either memory order (gradients equal:
     # tests/test_backbones.py); over steps, this batch-8 BatchNorm network amplifies the last
-    # bits (the DDP comparison's note), so the run is held to the uninterrupted run's first losses
+    # bits (the DDP comparison's note): the first step's loss, before any update, is held to the
+    # log's four decimals, the next two to the DDP comparison's 1e-3 (an AVX-512 CPU's NCHW kernels
+    # put step 3 1.8e-4 from channels-last's)
     out = str(tmp_path / "run")
     args = argv(drawn_faces, out, *flag, "--stop_after_steps", "3")
     assert run_distributed(_run_recording_conv_layouts, 2, args) == [[nhwc], [nhwc]]
-    torch.testing.assert_close(torch.tensor(losses_in_log(out)), torch.tensor(losses_in_log(runs["full"])[:3]),
-                               rtol=1e-4, atol=0)
+    got, full = torch.tensor(losses_in_log(out)), torch.tensor(losses_in_log(runs["full"])[:3])
+    torch.testing.assert_close(got[0], full[0], rtol=0, atol=1e-4)
+    torch.testing.assert_close(got, full, rtol=1e-3, atol=0)
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
