@@ -13,6 +13,9 @@ The profile (torch.profiler over --iters steps after --warmup) prints per step:
 - the passes over the shard's C x D values by op (tests/shard_passes.py; the GEMMs apart), and
   what each costs in bytes at 1M classes per rank, D = 512, fp32, where memory sets the pace.
 
+`--graph` (CUDA only): the step eager against the same forward and backward captured once in
+a CUDA graph and replayed, PFC v2 beside: how much of the step the launches cost.
+
 `--harness`: instead, one rank of benchmarks/head.py's side-by-side run on the CPU (W = 2
 ranks x b = 128 rows, 100k classes: 50,000 classes per rank, chunk_size 2048, row_block 128,
 one thread), with the three bare GEMMs at the same shapes (its limit) timed in turn beside
@@ -67,7 +70,7 @@ def build(case: str, method: str, device, gpus: int, batch: int, divisor: int, c
         if opt is not None:
             opt.zero_grad()
         head(emb, labels).backward()
-    step.head, step.rows = head, gpus * batch
+    step.head, step.rows, step.emb, step.labels = head, gpus * batch, emb, labels
     return step, per_rank
 
 
@@ -231,6 +234,59 @@ def sweep(args, device) -> None:
     print(table(rows, ["head", "ms", "vs pfc_v2", "peak MB", "host ms"]))
 
 
+def captured(step):
+    """The step's forward and backward captured in one CUDA graph (warmed up on a side stream
+    first, as capture requires): replaying it issues the whole step in one launch."""
+    head, emb, labels = step.head, step.emb, step.labels
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            head.weight.grad, emb.grad = None, None
+            head(emb, labels).backward()
+    torch.cuda.current_stream().wait_stream(side)
+    head.weight.grad, emb.grad = None, None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        head(emb, labels).backward()
+    return graph
+
+
+def graph_case(args, device) -> bool:
+    """Eager step against the same step replayed from a CUDA graph, PFC v2 beside: what the
+    launches cost. The graph's embedding gradient is checked against the eager step's. False
+    when a capture failed: that leaves the process's CUDA state unfit for more cases."""
+    rows, ok = [], True
+    for method in ("ours", "pfc_v2"):  # ours first: a capture that fails could spoil what follows
+        step, per_rank = build(args.case, method, device, args.gpus, args.batch, args.divisor, args.chunk_size,
+                               args.row_block)
+        eager, _ = _timed(step, device, args.warmup, args.iters)
+        step()
+        reference = step.emb.grad.clone()
+        row = {"data set": args.case, "head": method, "eager ms": f"{statistics.median(eager):.2f}",
+               "eager host ms": f"{host_ms(step, device, args.iters):.2f}"}
+        try:
+            graph = captured(step)
+        except Exception as e:  # noqa: BLE001  (a capture that fails is the finding, not a crash)
+            row["graph ms"] = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+            ok = False
+        else:
+            replay, _ = _timed(graph.replay, device, args.warmup, args.iters)
+            ms = statistics.median(replay)
+            sampled = step.head.weight.shape[0] > getattr(step.head, "num_sample", step.head.weight.shape[0])
+            err = (step.emb.grad - reference).abs().max() / reference.abs().max()
+            row.update({"graph ms": f"{ms:.2f}", "eager/graph": f"{statistics.median(eager) / ms:.2f}",
+                        "grad_emb rel. diff": "n/a (resampled)" if sampled else f"{err:.1e}"})
+            del graph
+        rows.append(row)
+        del step, reference
+        torch.cuda.empty_cache()
+    print(f"\n{args.case}: {per_rank:,} classes/rank, eager step against its CUDA graph replayed, fp32")
+    print(table(rows, ["data set", "head", "eager ms", "eager host ms", "graph ms", "eager/graph",
+                       "grad_emb rel. diff"]))
+    return ok
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--case", choices=sorted(HEAD_CASES), nargs="+", default=["Glint360K"])
@@ -246,6 +302,8 @@ def main(argv=None) -> int:
     p.add_argument("--row_blocks", type=int, nargs="+", default=[128, 512, 1024])
     p.add_argument("--harness", action="store_true",
                    help="one rank of benchmarks/head.py on the CPU (one thread) beside its three bare GEMMs")
+    p.add_argument("--graph", action="store_true",
+                   help="CUDA only: the step eager against the step replayed from a CUDA graph, PFC v2 beside")
     p.add_argument("--smoke", action="store_true", help="classes / 500, 2 steps (figures mean nothing)")
     args = p.parse_args(argv)
     args.divisor = 500 if args.smoke else 1
@@ -264,8 +322,17 @@ def main(argv=None) -> int:
         print(f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads")
     _process_group()
     cases = args.case
+    if args.graph and device.type != "cuda":
+        print("--graph: CUDA graphs need a CUDA device; none here")
+        return 0
     for case in cases:
         args.case = case
+        if args.graph:
+            if not graph_case(args, device) and case != cases[-1]:
+                print("a failed capture spoils this process's CUDA state: run the other cases with --case, "
+                      "one per process")
+                break
+            continue
         profile_case(args, device)
         if args.sweep:
             sweep(args, device)
