@@ -8,7 +8,8 @@
   same gradients and weights bit for bit;
 - the head against an fp64 full softmax: full fp32, TF32 (torch's global setting and the
   head's `precision="tf32"`) and bf16 logits;
-- no host synchronisation in the head under `torch.cuda.set_sync_debug_mode("error")`.
+- no host synchronisation in the head under `torch.cuda.set_sync_debug_mode("error")`, and
+  its forward and backward captured in a CUDA graph replay the eager step's gradients.
 
 Each test takes the device it runs on. The cuda cases are marked `gpu` (skipped without CUDA,
 selected by `make test-gpu`); the cheap cpu cases of the same bodies run in `make test`, so the
@@ -331,3 +332,22 @@ def test_head_profile_splits_gemm_from_the_rest(kind):
     assert len(steps) == 1 and all(float(g) > 0 and float(r) > 0 for g, r in steps), done.stdout
     assert len(re.findall(r"\syes\n", done.stdout)) >= 1, done.stdout
     assert len(re.findall(r"ours 64/4\s", done.stdout)) == 1, done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["Glint360K", "WebFace42M"])
+def test_the_head_step_replayed_from_a_cuda_graph_gives_the_eager_gradients(case):
+    """The head's forward and backward capture in one CUDA graph (no host sync, Partial FC's
+    sampling included), and a replay writes the eager step's embedding gradient."""
+    done = subprocess.run([sys.executable, "benchmarks/head_profile.py", "--smoke", "--graph", "--case", case],
+                          cwd=ROOT, env=_env("cuda"), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ours = re.search(rf"^\s*{case}\s+ours\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(.+)$",
+                     done.stdout, re.M)
+    assert ours, done.stdout  # a failed capture prints "capture failed" where the replay's ms go
+    eager_ms, replay_ms, diff = float(ours[1]), float(ours[3]), ours[5].strip()
+    assert eager_ms > 0 and replay_ms > 0
+    if case == "Glint360K":  # every class in the step: the replay must equal the eager step
+        assert float(diff) <= 1e-6, done.stdout
+    else:  # each replay samples anew, so only its running is checked
+        assert diff == "n/a (resampled)", done.stdout
