@@ -19,7 +19,8 @@ The setting, fixed before the first run (configs/real_faces.py; nothing tuned on
   the fallback face; cached beside the list): 10-fold accuracy and its std over the folds, single
   view and flip test. CelebA's people are numbers: an overlap with LFW's cannot be ruled out.
 - `--speed`: each network's embedding speed (112 crops, or dlib's 150 chips, batches of 64) on
-  one thread and on all, against MODEL dlib's, training nothing. Time it on a quiet machine.
+  one thread and on all, against MODEL dlib's, in torch and exported to onnxruntime, training
+  nothing. Time it on a quiet machine.
 
 Every run made is reported, with its wall time; `--evaluate` prints the table of the finished
 runs without training. Research data: nothing of LFW or CelebA is written into the repository
@@ -206,10 +207,25 @@ def speed(module: torch.nn.Module, size: int, threads: int, images: int = 256, b
     return images / statistics.median(times)
 
 
+def onnx_twin(module: torch.nn.Module, size: int, folder: str, name: str) -> str:
+    """`module` exported as scripts.export_onnx writes it (its crop's template in the metadata), into `folder`."""
+    from faces.align import ARCFACE_112
+    from faces.dlib_chip import DLIB_150
+    from scripts.export_onnx import export
+    path = os.path.join(folder, f"{name}.onnx")
+    export(module, path, template=DLIB_150 if size == DLIB_150.size[0] else ARCFACE_112)
+    return path
+
+
 def speeds() -> None:
-    """Each arm's network (untrained: speed is the architecture's) beside MODEL dlib, 1 thread and all."""
+    """Each arm's network (untrained: speed is the architecture's) beside MODEL dlib, 1 thread and
+    all, in torch (as `.pt` MODELs run) and in onnxruntime (as the `.onnx` scripts.export_onnx
+    writes runs)."""
+    import tempfile
+
     import backbones
     from infer.model import load_model
+    from infer.onnx import OnnxBackbone
     cores = os.cpu_count() or 1
     nets = {"dlib (MODEL dlib, 150 chips)": (load_model("dlib").module, 150)}
     for network, _, extra in ARMS.values():
@@ -217,12 +233,21 @@ def speeds() -> None:
         if name not in nets:
             dim = int(extra[extra.index("--embedding_size") + 1]) if "--embedding_size" in extra else 512
             nets[name] = (backbones.get_model(network, num_features=dim).eval(), 112)
-    print(f"\nembedding speed on this CPU, images/s (batches of 64, no flip): 1 thread / {cores} threads, x MODEL dlib")
-    base = None
-    for name, (module, size) in nets.items():
-        one, every = speed(module, size, 1), speed(module, size, cores)
-        base = base or one
-        print(f"- {name}: {one:.0f} / {every:.0f}  (x{one / base:.1f} on 1 thread)")
+    print(f"\nembedding speed on this CPU, images/s (batches of 64, no flip): 1 thread / {cores} threads, x MODEL "
+          "dlib's on 1 thread in the same runtime; torch, then onnxruntime")
+    base: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for i, (name, (module, size)) in enumerate(nets.items()):
+            path = onnx_twin(module, size, folder, f"net{i}")
+            said = []
+            for runtime in ("torch", "onnxruntime"):
+                one_every = []
+                for threads in (1, cores):
+                    torch.set_num_threads(threads)  # onnxruntime's session takes torch's count when made
+                    one_every.append(speed(module if runtime == "torch" else OnnxBackbone(path), size, threads))
+                base.setdefault(runtime, one_every[0])
+                said.append(f"{runtime} {one_every[0]:.0f} / {one_every[1]:.0f} (x{one_every[0] / base[runtime]:.1f})")
+            print(f"- {name}: " + ", ".join(said), flush=True)
 
 
 def report(args, work: str) -> None:
