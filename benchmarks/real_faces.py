@@ -12,9 +12,10 @@ The setting, fixed before the first run (configs/real_faces.py; nothing tuned on
 - **teacher**: MODEL `dlib`, through `scripts.teach` teacher files of each packed set.
 - **arms** (ARMS below): the demo network and `mbf`, margin alone, margin + distillation and
   label-free, with centred targets and without; the demo network's margin and label-free arms
-  again for 40 epochs instead of 10 (does a patient teacher help?); `r18` from scratch; `dlib_resnet` fine-tuned from
-  `dlib` (`init_backbone dlib`) with a new head. Each arm with each seed is one 2-rank run of
-  train.py; a finished run is kept and not trained again, so the lot spans sessions.
+  again for 40 epochs instead of 10 (does a patient teacher help?); `r18` from scratch;
+  `dlib_resnet` fine-tuned from `dlib` (`init_backbone dlib`) with a new head. Each arm with each
+  seed is one 2-rank run of train.py; a finished run is kept and not trained again, so the lot
+  spans sessions.
 - **verification**: LFW view 2, all 6,000 pairs from the photos, each model's own crop, faces
   found as `benchmarks/lfw_anchor.py` finds them (HOG, then --retry_upsample 2, --retry_mmod, then
   the fallback face; cached beside the list): 10-fold accuracy and its std over the folds, single
@@ -51,8 +52,8 @@ ARMS = {
                                              "--distill_center", "false"]),
     "demo label-free, centred": ("tiny", "all", ["--embedding_size", "128", "--teacher", "TEACHER"]),
     # a patient teacher (Beyer et al. 2022: distillation gains from long schedules): the same arm for
-    # 4x the epochs, with the margin head's twin as the control; 40 fixed before either ran (4x: the
-    # CPU time two seeds of both take here, ~100 min)
+    # 4x the epochs, with the margin head's twin as the control; 40 fixed before either ran, by the
+    # CPU time two seeds of both were expected to take here (~100 min; they took 53)
     "demo label-free, centred, 40 epochs": ("tiny", "all", ["--embedding_size", "128", "--teacher", "TEACHER",
                                                             "--num_epoch", "40"]),
     "demo margin, 40 epochs": ("tiny", "celeb", ["--embedding_size", "128", "--num_epoch", "40"]),
