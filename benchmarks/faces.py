@@ -20,8 +20,15 @@ from PIL import Image
 from skimage import data
 
 from faces.align import ARCFACE_112, similarity_transform
-from faces.detect import aligned_faces, detect_faces, face_detector, landmark_predictor
+from faces.detect import Detection, detect_faces, face_detector, landmark_predictor
 from faces.landmarks import dlib5_frame_and_nose, five_from_dlib5, five_from_dlib68, from_frame, to_frame
+from faces.stream import Crop, stream
+
+
+def aligned_faces(photo, template, detector: str = "hog", upsample: int = 1, landmarks: str = "5"):
+    """[(face, its aligned crop)] of one photo, largest first, through the face stream."""
+    found = next(iter(stream([photo], Detection(detector, upsample, landmarks), cut=Crop(template))))
+    return [(face, Image.fromarray(crop)) for face, crop in zip(found.faces, found.cuts)]
 
 
 def lfw(first: int, count: int) -> list[np.ndarray]:

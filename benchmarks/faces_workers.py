@@ -26,7 +26,7 @@ import common  # noqa: F401,I001
 import faces.detect as detect
 from dataset.folders import walk_images
 from faces.align import ARCFACE_112, align
-from faces.photos import Detection, load_photo
+from faces.detect import Detection, load_photo
 from faces.workers import default_workers
 from scripts.align import align_into, crop_stems
 

@@ -37,7 +37,8 @@ import torch
 from eval.pairs import check_images, read_pair_list, score_pairs
 from eval.verification import NFOLDS, evaluate
 from faces.align import ARCFACE_112
-from faces.photos import Detection, aligned_chw, load_photo
+from faces.detect import Detection, load_photo
+from faces.stream import Crop, stream
 from faces.workers import default_workers, map_photos
 from infer.embed import embed, l2_normalize
 from infer.model import load_model
@@ -112,7 +113,8 @@ def main() -> None:
                   *folds_accuracy(ours.emb[rows][sub], issame[first_found]), "-"))
 
     # the .bin path: the same faces as 112 crops, re-framed onto the chip
-    crops = torch.stack([aligned_chw(p, faces.faces[p], ARCFACE_112) for p in photos])
+    crops = torch.stack([torch.from_numpy(np.array(photo.cuts[0])).permute(2, 0, 1) for photo in
+                         stream(photos, faces=[[faces.faces[p]] for p in photos], cut=Crop(ARCFACE_112))])
     reframed = embed(crops, model.for_crops(ARCFACE_112), 64)
     lines.append((".bin path (112 crops re-framed)", len(issame), *folds_accuracy(reframed[rows], issame), "-"))
 

@@ -177,7 +177,7 @@ def lfw_faces(args):
     """(the pair list, every photo's face): found once (faces cached beside the list, as the
     anchor's), the same for every model."""
     from eval.pairs import read_pair_list
-    from faces.photos import Detection
+    from faces.detect import Detection
     from infer.pair_cache import FacesCache, cache_paths
     from infer.pair_photos import Retries, pair_faces
     pair_list = read_pair_list(args.pairs_list, args.lfw)

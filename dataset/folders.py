@@ -124,3 +124,24 @@ def list_images(root: str) -> list[str]:
     if not paths:
         raise DataLayoutError(f"{root}: no images at any depth (extensions {', '.join(IMAGE_EXTENSIONS)})")
     return paths
+
+
+def image_files(inputs: list[str]) -> list[str]:
+    """Image files and the images under folders (recursively, sorted), in the order given."""
+    files = []
+    for item in inputs:
+        if os.path.isdir(item):
+            found = sorted(walk_images(item))  # links followed, hidden folders skipped (named)
+            if not found:
+                raise DataLayoutError(f"{item}: no images ({', '.join(IMAGE_EXTENSIONS)})")
+            odd = not_regular(found)  # a FIFO named like an image would block the read forever
+            if odd is not None:
+                raise odd
+            files.extend(found)
+        elif regular_file(item):
+            files.append(item)
+        elif os.path.exists(item):
+            raise DataLayoutError(f"{item}: not a regular file (a FIFO, socket or device); only image files are read")
+        else:
+            raise DataLayoutError(f"{item}: no such image file or folder")
+    return files

@@ -20,10 +20,10 @@ def main(model_name: str, people: str, query: str, other: str | None = None) -> 
         print(f"face at {tuple(round(v) for v in face.box)}, score {face.score:.2f}")
     embedding = model.embed([query])[0]            # its largest face: a unit vector
     print(f"embedding: {embedding.shape[0]} numbers")
-    print(f"cosine to {other or query}: {model.compare(query, other or query):.4f}")
+    print(f"cosine to {other or query}: {model.compare(query, other or query).score:.4f}")
     gallery = Gallery(model, people)               # enrolled once, cached in PEOPLE
-    for name, score in gallery.identify(query):    # one answer per face
-        print(f"{name} ({score:.4f})")
+    for match in gallery.identify(query):          # one answer per face: .name (None: nobody), .score, .box
+        print(f"{match.name or 'unknown'} ({match.score:.4f})")
 
 
 if __name__ == "__main__":

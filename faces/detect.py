@@ -1,8 +1,9 @@
 """Faces in a photo: boxes from dlib's HOG detector (default) or its CNN (MMOD) detector, five
 landmarks per face in insightface's order, and the aligned crops of a photo.
 
-`detect_faces(image)` -> [Face], largest first. `aligned_faces(path, template)` -> [(Face, crop)].
-Detectors and landmark predictors are loaded once per process and kept. A photo larger than
+`detect_faces(image)` -> [Face], largest first; `Detection` names how (the tools' face options).
+Detectors and landmark predictors are loaded once per process and kept; dlib's must not run in
+two threads at once, so a lock lets threads (a web server's pool) call in turn. A photo larger than
 `max_side` pixels is searched at that size (boxes and landmarks come back in the photo's own
 pixels, the landmarks found on the full-resolution photo), so a 24-megapixel photo costs what a
 1600-pixel one does; `upsample` doubles the searched size that many times, for faces smaller
@@ -11,13 +12,15 @@ from __future__ import annotations
 
 import functools
 import pickle
+import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 from PIL import Image, ImageOps
 
+from dataset.errors import ImageDecodeError
 from dataset.images import to_rgb
-from faces.align import Template, align
 from faces.landmarks import five_from_dlib5, five_from_dlib68
 from faces.models import ModelFileError, model_file
 
@@ -32,11 +35,13 @@ class Face:
     order (left eye, right eye, nose tip, left mouth corner, right mouth corner, "left" being the
     photo's left), `score` the detector's confidence (HOG: SVM margin, MMOD: CNN score; > 0 kept),
     `shape` dlib's own landmarks in its predictor's order (5 or 68 x 2), from which dlib cuts its
-    face chip (faces.dlib_chip)."""
+    face chip (faces.dlib_chip), and `embedding` the model's unit row, where one embedded it
+    (infer.stream)."""
     box: tuple[float, float, float, float]
     points: np.ndarray
     score: float
     shape: np.ndarray | None = None
+    embedding: np.ndarray | None = None
 
     @property
     def area(self) -> float:
@@ -52,6 +57,7 @@ def _dlib():
     return dlib
 
 
+_DLIB_LOCK = threading.Lock()  # dlib's detectors and predictors are not thread-safe (dlib issues 340, 1149)
 _FROM_PARENT: dict[str, bytes] = {}  # detectors a worker process was handed, pickled (see models_for_workers)
 
 
@@ -115,28 +121,47 @@ def detect_faces(img: Image.Image | np.ndarray, detector: str = "hog", upsample:
     dlib, predictor = _dlib(), landmark_predictor(landmarks)
     derive = five_from_dlib5 if landmarks == "5" else five_from_dlib68
     faces = []
-    for box, score in _boxes(np.ascontiguousarray(searched), detector, upsample):
-        if score < min_score:
-            continue
-        box = tuple(float(v) / scale for v in box)
-        rect = dlib.rectangle(*(int(round(v)) for v in box))
-        shape = predictor(pixels, rect)
-        parts = np.array([(p.x, p.y) for p in shape.parts()], np.float64)
-        faces.append(Face(box, derive(parts), score, parts))
+    with _DLIB_LOCK:
+        for box, score in _boxes(np.ascontiguousarray(searched), detector, upsample):
+            if score < min_score:
+                continue
+            box = tuple(float(v) / scale for v in box)
+            rect = dlib.rectangle(*(int(round(v)) for v in box))
+            shape = predictor(pixels, rect)
+            parts = np.array([(p.x, p.y) for p in shape.parts()], np.float64)
+            faces.append(Face(box, derive(parts), score, parts))
     return sorted(faces, key=lambda f: (-f.area, -f.score))
 
 
-def open_photo(path: str) -> Image.Image:
-    """The photo at `path` as RGB, EXIF rotation applied (phones store portraits sideways)."""
-    with Image.open(path) as img:
-        return to_rgb(ImageOps.exif_transpose(img))
+@dataclass(frozen=True)
+class Detection:
+    """How faces are found: the detector, its upsampling, the landmark model, the score kept."""
+    detector: str = "hog"
+    upsample: int = 1
+    landmarks: str = "5"
+    min_score: float = 0.0
+    max_side: int = MAX_SIDE
+
+    def faces(self, img: Image.Image) -> list[Face]:
+        return detect_faces(img, self.detector, self.upsample, self.landmarks, self.min_score, self.max_side)
+
+    def check(self) -> None:
+        """Load the models now, so that a missing model file is one line at start."""
+        check_available(self.detector, self.landmarks)
+
+    def worker_setup(self) -> Callable[[], None]:
+        """For faces.workers.map_photos: each worker takes this process's detector instead of
+        building it again."""
+        return functools.partial(use_models_from_parent, models_for_workers(self.detector))
 
 
-def aligned_faces(photo: str | Image.Image, template: Template, detector: str = "hog", upsample: int = 1,
-                  landmarks: str = "5", min_score: float = 0.0,
-                  max_side: int = MAX_SIDE) -> list[tuple[Face, Image.Image]]:
-    """Every face of a photo (a path or a PIL image) with its crop aligned to `template`, largest
-    first; [] when none is found."""
-    img = open_photo(photo) if isinstance(photo, str) else to_rgb(photo)
-    faces = detect_faces(img, detector, upsample, landmarks, min_score, max_side)
-    return [(face, align(img, face.points, template)) for face in faces]
+def load_photo(path: str) -> Image.Image:
+    """The photo at `path` as RGB, EXIF rotation applied (phones store portraits sideways); an
+    unreadable file is an ImageDecodeError naming it."""
+    try:
+        with Image.open(path) as img:
+            return to_rgb(ImageOps.exif_transpose(img))
+    except FileNotFoundError:
+        raise ImageDecodeError(f"{path}: image file not found") from None
+    except Exception as exc:  # PIL raises many types for corrupt data
+        raise ImageDecodeError(f"{path}: cannot read image ({exc})") from None

@@ -5,13 +5,18 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
+import torch
+
 from torch.utils.data import Dataset
 
 from dataset.errors import DataLayoutError
 from dataset.faces import FolderFaceDataset, SkipCounter
 from dataset.folders import list_identity_folders, list_images
 from faces.align import ARCFACE_112
-from faces.photos import Detection, align_groups, aligned_chw
+from faces.detect import Detection
+from faces.photos import align_groups
+from faces.stream import Crop, stream
 from faces.workers import default_workers
 from utils.progress import Progress
 
@@ -41,7 +46,9 @@ class AlignedFolderDataset(FolderFaceDataset):
 
     def load(self, index: int, mirror: bool = False):
         path, label = self.samples[index]
-        return aligned_chw(path, self.faces[path], self.template, mirror), label
+        (photo,) = stream([path], faces=[[self.faces[path]]], cut=Crop(self.template))
+        pixels = photo.cuts[0][:, ::-1] if mirror else photo.cuts[0]
+        return torch.from_numpy(np.array(pixels)).permute(2, 0, 1).contiguous(), label  # a writable copy
 
 
 def build_aligned_dataset(rec: str, num_classes: int, detector: str = "hog", train: bool = True,

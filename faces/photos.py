@@ -4,43 +4,18 @@ training. A photo without a face is left out with a warning naming it, or, `stri
 before anything is written."""
 from __future__ import annotations
 
-import functools
-import io
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
-import numpy as np
-import torch
-from PIL import Image
-
-from dataset.errors import DataError, ImageDecodeError
-from faces.align import Template, align
-from faces.detect import (MAX_SIDE, Face, check_available, detect_faces, models_for_workers, open_photo,
-                          use_models_from_parent)
-from faces.workers import map_photos
+from dataset.errors import DataError
+from faces.align import ARCFACE_112, Template
+from faces.detect import Detection, Face
+from faces.stream import Crop, stream
 
 logger = logging.getLogger("shardface")
 SHOWN = 3  # photos named in a message
 MAX_HINTED_UPSAMPLE = 3  # each doubling costs 4x the time: beyond this, no more is suggested
-
-
-@dataclass(frozen=True)
-class Detection:
-    """How faces are found: the detector, its upsampling, the landmark model, the score kept."""
-    detector: str = "hog"
-    upsample: int = 1
-    landmarks: str = "5"
-    min_score: float = 0.0
-    max_side: int = MAX_SIDE
-
-    def faces(self, img: Image.Image) -> list[Face]:
-        return detect_faces(img, self.detector, self.upsample, self.landmarks, self.min_score, self.max_side)
-
-    def worker_setup(self) -> Callable[[], None]:
-        """For faces.workers.map_photos: each worker takes this process's detector instead of
-        building it again."""
-        return functools.partial(use_models_from_parent, models_for_workers(self.detector))
 
 
 @dataclass
@@ -77,31 +52,13 @@ class Found:
                 "in photos with several (the largest of each is used)")
 
 
-def load_photo(path: str) -> Image.Image:
-    """The photo as RGB (EXIF rotation applied); an unreadable file is an ImageDecodeError naming it."""
-    try:
-        return open_photo(path)
-    except FileNotFoundError:
-        raise ImageDecodeError(f"{path}: image file not found") from None
-    except Exception as exc:  # PIL raises many types for corrupt data
-        raise ImageDecodeError(f"{path}: cannot read image ({exc})") from None
-
-
-def photo_faces(path: str, detection: Detection) -> list[Face]:
-    """The faces of the photo at `path` (a worker's task in `find_faces`)."""
-    return detection.faces(load_photo(path))
-
-
 def find_faces(paths: Iterable[str], detection: Detection = Detection(),
                progress: Callable[[], None] | None = None, workers: int = 1) -> Found:
     """Detect the faces of every photo on `workers` processes (faces.workers: the same result
     whatever their number); an unreadable photo is an ImageDecodeError naming it."""
-    check_available(detection.detector, detection.landmarks)
-    paths = list(paths)
     found = Found(detection=detection)
-    for faces, path in zip(map_photos(functools.partial(photo_faces, detection=detection), paths, workers,
-                                      progress, setup=detection.worker_setup()), paths):
-        found.faces[path] = faces
+    for photo in stream(paths, detection, workers=workers, progress=progress):
+        found.faces[photo.name] = photo.faces
     return found
 
 
@@ -131,23 +88,12 @@ def usable(found: Found, strict: bool) -> dict[str, Face]:
     return found.largest()
 
 
-def aligned_image(path: str, face: Face, template: Template) -> Image.Image:
-    return align(load_photo(path), face.points, template)
-
-
-def aligned_png(path: str, face: Face, template: Template) -> bytes:
-    """The aligned crop as PNG bytes (lossless: no second compression)."""
-    buf = io.BytesIO()
-    aligned_image(path, face, template).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def aligned_chw(path: str, face: Face, template: Template, mirror: bool = False) -> torch.Tensor:
-    """The aligned crop as a 3 x h x w uint8 tensor."""
-    pixels = np.array(aligned_image(path, face, template))  # writable: torch shares it
-    if mirror:
-        pixels = pixels[:, ::-1]
-    return torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).contiguous()
+def aligned_pngs(paths: list[str], faces: dict[str, Face], template: Template = ARCFACE_112,
+                 workers: int = 1) -> Iterator[bytes]:
+    """Each photo's face (`faces[path]`) cut to `template`, as PNG bytes (lossless: no second
+    compression), in order, on `workers` processes."""
+    for photo in stream(paths, faces=[[faces[p]] for p in paths], cut=Crop(template, png=True), workers=workers):
+        yield photo.cuts[0]
 
 
 def align_groups(groups: list[list[str]], detection: Detection, strict: bool,

@@ -2,12 +2,13 @@
 
     from infer import load_model, Gallery
     model = load_model("dlib")             # or a run dir, checkpoint, model.pt, .onnx
-    model.faces("group.jpg")               # largest first: .box, .points, .score
+    model.faces("group.jpg")               # every face, largest first: .box, .points, .score, .embedding
     model.embed(["a.jpg", pil, array])     # N x D, one row per photo's largest face
-    model.compare("a.jpg", "b.jpg")        # cosine of the two photos' largest faces
-    Gallery(model, "people/").identify("query.jpg")   # [(name or "unknown", score)] per face
+    model.compare("a.jpg", "b.jpg")        # .score (cosine), .same (None: no threshold known)
+    Gallery(model, "people/").identify("query.jpg")   # [Match] per face: .name (None: nobody), .score, .box
+    model.draw("query.jpg", matches)       # a PIL picture of them
 """
-from infer.gallery import Gallery
-from infer.model import Model, load_model
+from infer.gallery import Gallery, Match
+from infer.model import Comparison, Model, load_model
 
-__all__ = ["load_model", "Model", "Gallery"]
+__all__ = ["load_model", "Model", "Gallery", "Match", "Comparison"]

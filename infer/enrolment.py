@@ -39,21 +39,19 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from dataset import DataError
 from dataset.errors import ImageDecodeError
 from dataset.fingerprint import file_ends
 from dataset.folders import hidden, not_regular, walk_images, warn_hidden
-from dataset.images import IMAGE_EXTENSIONS, decode_chw, image_size
+from dataset.images import IMAGE_EXTENSIONS, image_size
 from faces.align import ARCFACE_112, Template
 from faces.photos import no_face_message
-from infer.photos import stream_crops
 from infer.search import make_index
+from infer.stream import analyse
 from utils.atomic import check_output_file, host_name, process_alive, publishing
 from utils.progress import Progress
 
@@ -105,6 +103,9 @@ def list_gallery(folder: str) -> list[tuple[str, list[str]]]:
         if hidden(entry):
             continue
         if os.path.isdir(path):  # a link to a folder too, as in training
+            if any(c in entry for c in "\n\r"):  # it would forge a line of identify's output
+                raise GalleryError(f"{path!r}: a person's name with a line break cannot be printed one answer "
+                                   "a line; rename the folder")
             found = sorted(os.path.relpath(f, folder) for f in walk_images(path))
             if not found:
                 raise GalleryError(f"{path}: person folder without images ({', '.join(IMAGE_EXTENSIONS)})")
@@ -141,71 +142,29 @@ def check_image(path: str, template: Template, align: bool) -> None:
                            f"pass --align to find and align the faces in photos")
 
 
-def file_crops(path: str, model) -> list[tuple[tuple[int, int, int, int], torch.Tensor, Template]]:
-    """An image file taken as a crop already aligned (for the model, or insightface's 112x112), as
-    its one face: [(box, 3 x h x w uint8 crop, its template)]."""
-    with open(path, "rb") as f:
-        image = decode_chw(f.read(), path)
-    return [((0, 0, int(image.shape[2]), int(image.shape[1])), image, _made_for(image.shape[1:], model.template))]
-
-
-def photos_crops(paths: list[str], model, align: bool, workers: int = 1, largest_only: bool = False,
-                 progress: Callable[[], None] | None = None):
-    """(path, [(box, 3 x h x w uint8 crop, the template it is aligned to)]) of each image file, in
-    order: with `align` the faces found (under `model.detection`, on `workers` processes) cut to
-    the model's crop, every one or the largest; else the image itself as one aligned crop.
-    `progress()` once a file."""
-    if not align:
-        for path in paths:
-            yield path, file_crops(path, model)
-            if progress is not None:
-                progress()
-        return
-    try:
-        for path, faces, crops in stream_crops(paths, model, workers, progress, largest_only=largest_only):
-            yield path, [(tuple(int(round(v)) for v in face.box), crop, model.template)
-                         for face, crop in zip(faces, crops)]
-    except ImageDecodeError as exc:
-        raise GalleryError(str(exc)) from None
-
-
-def embed_crops(model, crops: list[tuple[torch.Tensor, Template]], batch_size: int = 64) -> np.ndarray:
-    """N x D: each crop's embedding plus its mirror image's, L2-normalised, crops re-framed onto
-    the model's template by `Model.from_crops`."""
-    out = [None] * len(crops)
-    groups: dict[str, list[int]] = {}
-    for i, (_, made_for) in enumerate(crops):
-        groups.setdefault(made_for.name, []).append(i)
-    for rows in groups.values():
-        embedded = model.embed_crops(torch.stack([crops[i][0] for i in rows]), crops[rows[0]][1], batch_size=batch_size)
-        for i, row in zip(rows, embedded):
-            out[i] = row
-    return np.stack(out).astype(np.float32) if out else np.zeros((0, 0), np.float32)
-
-
 def embedded_faces(paths: list[str], model, align: bool, batch_size: int = 64, workers: int = 1,
                    largest_only: bool = False, show_progress: bool = False) -> list[EmbeddedFace]:
     """Every face (or the largest) of every photo (one per file without alignment), in order, with
-    embeddings. Files are read and checked before anything is embedded; then a batch is embedded
-    as soon as its crops are back, so memory holds one batch of crops, not the folder's."""
+    embeddings (infer.stream). Files are read and checked before anything is embedded; then a
+    batch is embedded as soon as its crops are back, so memory holds one batch, not the folder."""
     for path in paths:
         check_image(path, model.template, align)
     progress = Progress(len(paths), "finding and embedding faces" if align else "embedding").update \
         if show_progress and len(paths) > batch_size else None
-    out, batch = [], []
-
-    def flush():
-        emb = embed_crops(model, [(c, m) for *_, c, m in batch], batch_size)
-        out.extend(EmbeddedFace(path, i, box, e) for (path, i, box, _, _), e in zip(batch, emb))
-        batch.clear()
-
-    for path, crops in photos_crops(paths, model, align, workers, largest_only, progress):
-        batch += [(path, i, box, crop, made_for) for i, (box, crop, made_for) in enumerate(crops)]
-        if len(batch) >= batch_size:
-            flush()
-    if batch:
-        flush()
+    out = []
+    for photo in _analysed(model, paths, align, workers, largest_only, batch_size, progress):
+        out += [EmbeddedFace(photo.name, i, tuple(int(round(v)) for v in face.box), face.embedding)
+                for i, face in enumerate(photo.faces) if face.embedding is not None]
     return out
+
+
+def _analysed(model, paths, align, workers, largest_only, batch_size, progress):
+    """infer.stream.analyse, an unreadable image named as a GalleryError."""
+    try:
+        yield from analyse(model, paths, workers, largest_only=largest_only, align=align, batch_size=batch_size,
+                           progress=progress)
+    except ImageDecodeError as exc:
+        raise GalleryError(str(exc)) from None
 
 
 def refuse_faceless(paths: list[str], faces: list[EmbeddedFace], model) -> None:
@@ -338,12 +297,6 @@ def changes(old: dict, new: dict) -> list[str]:
     return said
 
 
-def model_width(model) -> int:
-    """The embedding width of the model: one blank crop embedded."""
-    h, w = model.template.size
-    return int(embed_crops(model, [(torch.zeros(3, h, w, dtype=torch.uint8), model.template)]).shape[1])
-
-
 def _part_folders(parts: str) -> list[tuple[str, bool]]:
     """[(folder, its process is gone)] of the per-process folders under `parts`."""
     out = []
@@ -389,14 +342,14 @@ def enrol(folder: str, model, align: bool = False, cache: str | None = None, reb
         if said and not rebuild:
             logger.warning("%s: %s changed since enrolment: enrolling every image again", cache, " and ".join(said))
         elif not rebuild:
-            width = model_width(model)
+            width = model.dim
             try:
                 known.update(_read_entries(cache, width))
                 cached = set(known)
             except _Damaged as exc:
                 logger.warning("%s: a damaged gallery file (%s): enrolling every image again", cache, exc)
     if not rebuild and os.path.isdir(parts):
-        known.update(_resume(parts, header, width or model_width(model)))
+        known.update(_resume(parts, header, width or model.dim))
 
     listing = [(rel, os.path.join(folder, rel)) for _, files in people for rel in files]
     keys = [(rel, *content_key(path)) for rel, path in listing]
@@ -408,10 +361,10 @@ def enrol(folder: str, model, align: bool = False, cache: str | None = None, reb
         _embed_pending(folder, model, align, header, pending, known, own, batch_size, save_every_s,
                        Progress(len(pending), "enrolling") if show_progress else None, workers)
     no_face = [k[0] for k in keys if known[k] is None]
-    gallery = _pool(people, keys, known, header)
-    if cached != set(keys):  # files added, changed or removed, or a new model
+    if cached != set(keys):  # files added, changed or removed, or a new model: saved before any refusal
         _write_entries(cache, header, keys, [known[k] for k in keys])
     _clean_parts(parts, own)
+    gallery = _pool(people, keys, known, header)
     if no_face:
         message = no_face_message([os.path.join(folder, f) for f in no_face], len(keys), model.detection)
         if strict:
@@ -426,22 +379,17 @@ def _embed_pending(folder, model, align, header, pending, known, own, batch_size
     """Embed the `pending` images into `known`, saving what is new in `own` every `save_every_s` s;
     faces are found on `workers` processes while the batch before is embedded."""
     new_keys, new_rows, saved, last = [], [], 0, time.monotonic()
-    crops = photos_crops([os.path.join(folder, rel) for rel, _, _ in pending], model, align, workers,
-                         largest_only=True)
-    for start in range(0, len(pending), batch_size):
-        batch = pending[start:start + batch_size]
-        found = [next(crops)[1][:1] for _ in batch]
-        emb = iter(embed_crops(model, [(c, m) for faces in found for _, c, m in faces], batch_size))
-        rows = [next(emb) if faces else None for faces in found]
-        known.update(zip(batch, rows))
-        new_keys += batch
-        new_rows += rows
-        if time.monotonic() - last >= save_every_s and start + batch_size < len(pending):
+    photos = _analysed(model, [os.path.join(folder, rel) for rel, _, _ in pending], align, workers, True, batch_size,
+                       progress and progress.update)
+    for n, (key, photo) in enumerate(zip(pending, photos), 1):
+        row = photo.face.embedding if photo.face is not None else None
+        known[key] = row
+        new_keys.append(key)
+        new_rows.append(row)
+        if time.monotonic() - last >= save_every_s and n < len(pending):
             os.makedirs(own, exist_ok=True)
             _write_entries(os.path.join(own, f"part-{saved:06d}.npz"), header, new_keys, new_rows)
             new_keys, new_rows, saved, last = [], [], saved + 1, time.monotonic()
-        if progress is not None:
-            progress.update(len(batch))
 
 
 def _clean_parts(parts: str, own: str) -> None:

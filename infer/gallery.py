@@ -1,7 +1,7 @@
 """People to recognise, in a few lines of Python:
 
     gallery = Gallery(model, "people/")    # one folder of photos per person, enrolled once and cached
-    gallery.identify("query.jpg")          # [(name or "unknown", score)], one per face, largest first
+    gallery.identify("query.jpg")          # [Match] per face, largest first: .name, .score, .box
 
 A person is scored by their mean template (infer.enrolment: the cache, its checks and its
 resumption are the `identify` tool's, so a gallery enrolled from Python serves the tool and the
@@ -9,15 +9,41 @@ other way round). A face is named when its best score reaches the threshold: the
 the model's own; a model without one names no one (ThresholdError)."""
 from __future__ import annotations
 
-import numpy as np
-import torch
+from dataclasses import dataclass
 
+import numpy as np
+
+from faces.detect import Face
 from infer.enrolment import enrol, identify
 from infer.model import Model
-from infer.photos import image_crops, open_image, photo_name
 from infer.thresholds import chosen_threshold, no_threshold
 
-UNKNOWN = "unknown"
+
+@dataclass(frozen=True)
+class Match:
+    """A face of a query photo and who it is: `name`, or None where nobody in the gallery reaches
+    the threshold; `score`, the best person's cosine; `face` (.box, .points, .embedding); and
+    `candidates`, the `top` best (name, score), best first, whatever the threshold."""
+    name: str | None
+    score: float
+    face: Face
+    candidates: list[tuple[str, float]]
+
+    @property
+    def box(self) -> tuple[float, float, float, float]:
+        return self.face.box
+
+
+def matches(faces: list[Face], enrolment, threshold: float, top: int = 1, engine: str = "auto") -> list[Match]:
+    """Each embedded face's Match against the enrolled people (infer.search's engines, all exact)."""
+    if not faces:
+        return []
+    scores, ids = identify(enrolment, np.stack([f.embedding for f in faces]), top, engine)
+    out = []
+    for face, s, i in zip(faces, scores, ids):
+        best = [(enrolment.names[j], float(v)) for v, j in zip(s, i) if j >= 0]
+        out.append(Match(best[0][0] if best[0][1] >= threshold else None, best[0][1], face, best))
+    return out
 
 
 class Gallery:
@@ -36,25 +62,8 @@ class Gallery:
     def names(self) -> list[str]:
         return list(self.enrolment.names)
 
-    def embeddings(self, photo, index: int = 0) -> np.ndarray:
-        """F x D: the photo's faces, largest first (with `align`; without, the photo as one crop)."""
-        crops = image_crops(self.model, open_image(photo, index), self.align, photo_name(photo, index))
-        if not crops:
-            return np.zeros((0, self.enrolment.templates.shape[1]), np.float32)
-        return self.model.embed_crops(torch.stack(crops))
-
-    def identify(self, photo, top: int = 1, engine: str = "auto") -> list:
-        """Per face of the photo, largest first: (name or "unknown", score) of the best match; with
-        top > 1, a list of the `top` best (name, score), the first replaced by "unknown" when it
-        is below the threshold. `engine`: infer.search's, all exact with the same answer."""
-        emb = self.embeddings(photo)
-        if not len(emb):
-            return []
-        scores, ids = identify(self.enrolment, emb, top, engine)
-        out = []
-        for s, i in zip(scores, ids):
-            best = [(self.enrolment.names[j], float(v)) for v, j in zip(s, i) if j >= 0]
-            if best[0][1] < self.threshold.value:
-                best[0] = (UNKNOWN, best[0][1])
-            out.append(best[0] if top == 1 else best)
-        return out
+    def identify(self, photo, top: int = 1, engine: str = "auto") -> list[Match]:
+        """Each face of the photo (a path, a PIL image or an array), largest first, as a Match with
+        its `top` best candidates. `engine`: infer.search's, all exact with the same answer."""
+        (found,) = self.model.analyse([photo], align=self.align)
+        return matches(found.faces, self.enrolment, self.threshold.value, top, engine)

@@ -4,10 +4,15 @@ exported `.onnx`, or `dlib`) into a `Model` that knows the crop its network want
 threshold, finds faces, embeds photos and compares them:
 
     model = load_model("dlib")
-    model.faces("group.jpg")                  # [Face], largest first: .box, .points, .score
+    model.faces("group.jpg")                  # [Face], largest first: .box, .points, .score, .embedding
     model.embed(["a.jpg", pil_image, array])  # N x D float32, unit rows: each photo's largest face
-    model.compare("a.jpg", "b.jpg")           # the cosine of the two photos' largest faces
+    model.compare("a.jpg", "b.jpg")           # .score (cosine of the largest faces), .same (the verdict)
+    model.draw("group.jpg", faces)            # a PIL picture of the faces (or a gallery's matches)
+    model.analyse(photos, workers=4)          # the stream under all of these (infer.stream)
     model.threshold                           # its own verdict threshold, or None
+
+Every method is safe to call from several threads at once (a web server's pool): dlib's
+detector, which is not, runs under a lock (faces.detect).
 
 Every Model's module takes N x 3 x h x w float RGB in [-1, 1] ((x - 127.5) / 127.5, as
 arcface_torch), h x w being its template's size: a network that wants other pixel scaling
@@ -24,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -31,12 +37,15 @@ from PIL import Image
 from torch import nn
 
 from backbones.dlib_resnet import DlibResNet
-from faces.align import ARCFACE_112, Template, align, similarity_transform
-from faces.detect import Face
-from faces.dlib_chip import DLIB_150, dlib_chip
+from dataset.errors import DataError
+from faces.align import ARCFACE_112, Template, similarity_transform
+from faces.detect import Detection, Face
+from faces.dlib_chip import DLIB_150
 from faces.models import model_file
-from faces.photos import Detection
-from infer.embed import embed_uint8, module_device
+from faces.stream import Crop, Photo
+from infer.draw import draw
+from infer.embed import module_device
+from infer.stream import analyse, embed_crops
 from infer.onnx import OnnxBackbone
 from infer.thresholds import Threshold, model_threshold, run_threshold
 from infer.weights import DLIB, DLIB_FILE, dlib_state, load_backbone
@@ -81,18 +90,17 @@ def _model_files(path: str) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Cropper:
-    """How a model's crops are cut: MODEL `dlib` (`dlib_chip`) cuts dlib's own chip from dlib's
-    5-point shape, as dlib and face_recognition do (from the 68-point model's landmarks, their
-    five points on the same chip's template); any other model the five-point alignment to its
-    template."""
-    template: Template
-    dlib_chip: bool = False
+class Comparison:
+    """Two photos compared: the cosine of their largest faces and the verdict at `threshold`
+    (`same` is None where the model has no known threshold: no verdict is made)."""
+    score: float
+    same: bool | None
+    threshold: float | None
 
-    def __call__(self, photo: Image.Image, face: Face) -> Image.Image:
-        if self.dlib_chip and face.shape is not None and len(face.shape) == 5:
-            return dlib_chip(photo, face.shape, size=self.template.size[0])
-        return align(photo, face.points, self.template)
+    def __str__(self) -> str:
+        if self.same is None:
+            return f"cosine {self.score:.4f}: no threshold known for this model, so no verdict"
+        return f"cosine {self.score:.4f}: {'same' if self.same else 'different'} person (threshold {self.threshold:.4f})"
 
 
 @dataclass
@@ -109,6 +117,7 @@ class Model:
     # from_crops' warps, made once per (template, device, dtype): rebuilt each step, each would be
     # a copy from host memory that waits for the device
     _thetas: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _dim: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:
@@ -122,13 +131,17 @@ class Model:
         return ("dlib's own chip" if self.kind == "dlib" else t.name) + f" {t.size[1]}x{t.size[0]}"
 
     @property
-    def cropper(self) -> "Cropper":
-        """How this model's crops are cut from a photo (picklable: worker processes cut them)."""
-        return Cropper(self.template, dlib_chip=self.kind == "dlib")
+    def crop(self) -> Crop:
+        """How this model's crops are cut from a photo (faces.stream.Crop: picklable, workers cut them)."""
+        return Crop(self.template, dlib_chip=self.kind == "dlib")
 
-    def crop(self, photo: Image.Image, face: Face) -> Image.Image:
-        """The face's crop for this model (`Cropper`)."""
-        return self.cropper(photo, face)
+    @property
+    def dim(self) -> int:
+        """The embedding's width (one blank crop embedded, once)."""
+        if not self._dim:
+            h, w = self.template.size
+            self._dim.append(int(self.embed_crops(torch.zeros(1, 3, h, w, dtype=torch.uint8)).shape[1]))
+        return self._dim[0]
 
     def from_crops(self, images: torch.Tensor, made_for: Template = ARCFACE_112) -> torch.Tensor:
         """uint8 (or [-1, 1] float) N x 3 x H x W crops aligned to `made_for` -> float in [-1, 1]
@@ -166,32 +179,64 @@ class Model:
 
 
 
-    # the Python API (infer.photos holds the pipeline under it)
+    # the Python API: thin layers on the face stream (infer.stream)
 
-    def faces(self, photo) -> list[Face]:
-        """The faces of one photo (a path, a PIL image or an H x W x 3 uint8 array), largest first."""
-        from infer.photos import faces_in
-        return faces_in(photo, self.detection)
+    def analyse(self, photos, workers: int = 1, flip: bool = True, largest_only: bool = False,
+                align: bool = True, batch_size: int = 64) -> Iterator[Photo]:
+        """Each photo (a path, a PIL image or an H x W x 3 uint8 array), in order, with its faces,
+        largest first, each with `.box`, `.points`, `.score` and `.embedding` (a unit row; with
+        `flip`, of the crop and its mirror image), found on `workers` processes."""
+        return analyse(self, photos, workers, flip, largest_only, align, batch_size)
 
-    def embed(self, photos, align: bool = True, flip: bool = True, batch_size: int = 64) -> np.ndarray:
-        """N x D float32 unit rows, one per photo (paths, PIL images or H x W x 3 uint8 arrays):
-        with `align`, the embedding of the photo's largest face (a photo without one is a
-        DataError naming it); without, the photo is taken as a crop aligned for this model. `flip`
-        adds the mirror image's embedding (verification's flip test; dlib's own descriptor is
-        single-view: flip=False)."""
-        from infer.photos import embed_photos
-        return embed_photos(self, list(photos), align, flip, batch_size)
+    def faces(self, photo, flip: bool = True) -> list[Face]:
+        """Every face of one photo, largest first, each with its embedding."""
+        (found,) = self.analyse([photo], flip=flip)
+        return found.faces
 
-    def compare(self, a, b, align: bool = True, flip: bool = True) -> float:
-        """The cosine similarity of two photos' largest faces (of two crops without `align`)."""
+    def embed(self, photos, align: bool = True, flip: bool = True, batch_size: int = 64, missing: str = "raise",
+              workers: int = 1) -> np.ndarray:
+        """N x D float32 unit rows, one per photo: with `align`, the photo's largest face; without,
+        the photo taken as a crop aligned for this model. A photo without a face is a DataError
+        naming it (`missing="raise"`) or a row of NaN (`missing="nan"`). One photo (not in a
+        list) gives one row of D. `flip` adds the mirror image's embedding (verification's flip
+        test; dlib's own descriptor is single-view: flip=False)."""
+        if missing not in ("raise", "nan"):
+            raise ValueError(f"missing={missing!r}: 'raise' or 'nan'")
+        single = is_photo(photos)
+        if isinstance(photos, bytes):
+            raise DataError("bytes: not a photo (a path, a PIL image or an array, or a list of them)")
+        rows = []
+        for photo in self.analyse([photos] if single else list(photos), workers, flip, True, align, batch_size):
+            if photo.face is None and missing == "raise":
+                raise DataError(f"{photo.name}: no face found")
+            rows.append(photo.face.embedding if photo.face is not None else np.full(self.dim, np.nan, np.float32))
+        out = np.stack(rows) if rows else np.zeros((0, self.dim), np.float32)
+        return out[0] if single else out
+
+    def compare(self, a, b, align: bool = True, flip: bool = True) -> Comparison:
+        """The cosine of two photos' largest faces (of two crops without `align`), and the verdict
+        at this model's threshold (None where it has none)."""
         emb = self.embed([a, b], align, flip).astype(np.float64)
-        return float(emb[0] @ emb[1])
+        score = float(emb[0] @ emb[1])
+        value = self.threshold.value if self.threshold is not None else None
+        return Comparison(score, None if value is None else score >= value, value)
+
+    def draw(self, photo, found: list) -> Image.Image:
+        """The photo with each face's box and points drawn, and the name and score of each match
+        (`Gallery.identify`'s) where `found` holds matches (infer.draw)."""
+        return draw(photo, found)
 
     def embed_crops(self, crops: torch.Tensor, made_for: Template | None = None, flip: bool = True,
                     batch_size: int = 64) -> np.ndarray:
         """N x D unit rows of N x 3 x h x w uint8 crops aligned to `made_for` (default this model's
         template; others are re-framed onto it)."""
-        return embed_uint8(crops, self.for_crops(made_for or self.template), batch_size, flip, self.name)
+        return embed_crops(self, crops, made_for or self.template, flip, batch_size)
+
+
+def is_photo(value) -> bool:
+    """One photo, not a list of them: a path, a PIL image or an image array."""
+    return isinstance(value, (str, os.PathLike, Image.Image)) or (isinstance(value, np.ndarray) and value.ndim in (2, 3)
+                                                                  and value.dtype == np.uint8)
 
 
 class _Reframed(nn.Module):

@@ -12,23 +12,19 @@ model (infer.pair_cache), so a second model, or verify after make_bin, does not 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import time
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from dataset.errors import DataError
-from faces.detect import Face
+from faces.detect import Detection, Face
 from faces.fallback import Fallback
-from faces.photos import Detection, load_photo
-from faces.workers import map_photos
-from infer.embed import embed, refuse_non_finite_embeddings
+from faces.stream import stream
 from infer.enrolment import content_key
 from infer.pair_cache import EmbeddingCache, FacesCache, content_entry, face_key
-from infer.photos import face_crop
+from infer.stream import analyse
 from utils.progress import Progress
 
 SAVE_EVERY_S = 60.0  # an interrupted search or embedding loses at most this much work
@@ -83,26 +79,17 @@ class PairFaces:
         return lines
 
 
-def largest_face(path: str, detection: Detection) -> tuple[tuple[int, int], Face | None]:
-    """A worker's task: (the photo's size, its largest face or None)."""
-    image = load_photo(path)
-    faces = detection.faces(image)
-    return image.size, faces[0] if faces else None
-
-
 def _search(photos: list[str], detection: Detection, content: dict, cache: FacesCache, label: str,
             show_progress: bool, workers: int = 1) -> tuple[dict[str, tuple[tuple[int, int], Face | None]], int]:
     """({photo: (its size, its largest face or None)}, searches run) under `detection`, on
-    `workers` processes (faces.workers)."""
+    `workers` processes (faces.stream)."""
     variant = json.dumps(dataclasses.asdict(detection), sort_keys=True)
     keys = {p: content_entry(content[p], variant) for p in photos}
     todo = [p for p in photos if cache.get(keys[p]) is None]
     progress = Progress(len(todo), label) if show_progress and todo else None
     saved = time.monotonic()
-    task = functools.partial(largest_face, detection=detection)
-    for p, (size, face) in zip(todo, map_photos(task, todo, workers, progress and progress.update,
-                                                setup=detection.worker_setup())):
-        cache.put(keys[p], size, face)
+    for p, photo in zip(todo, stream(todo, detection, workers=workers, progress=progress and progress.update)):
+        cache.put(keys[p], photo.size, photo.face)
         if time.monotonic() - saved > SAVE_EVERY_S:
             cache.save()
             saved = time.monotonic()
@@ -166,16 +153,9 @@ def pair_embeddings(model, photos: list[str], faces: PairFaces, cache: Embedding
     progress = Progress(len(todo), "embedding") if show_progress and len(todo) > batch_size else None
     saved = time.monotonic()
     try:
-        for start in range(0, len(todo), batch_size):
-            chunk = todo[start:start + batch_size]
-            crops = torch.stack([face_crop(model, load_photo(p), faces.faces[p]) for p in chunk])
-            emb = refuse_non_finite_embeddings(embed(crops, model.module, batch_size), model.name)
-            flip = refuse_non_finite_embeddings(embed(torch.flip(crops, dims=[3]), model.module, batch_size),
-                                                model.name)
-            for p, a, b in zip(chunk, emb, flip):
-                cache.put(keys[p], a, b)
-            if progress is not None:
-                progress.update(len(chunk))
+        for p, photo in zip(todo, analyse(model, todo, faces=[[faces.faces[p]] for p in todo], batch_size=batch_size,
+                                          progress=progress and progress.update, raw=True)):
+            cache.put(keys[p], *photo.face.embedding)
             if time.monotonic() - saved > SAVE_EVERY_S:
                 cache.save()
                 saved = time.monotonic()

@@ -23,7 +23,6 @@ if not __package__:  # run as a file (python scripts/x.py): import as `python -m
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import csv
-import functools
 import os
 import re
 import sys
@@ -35,11 +34,12 @@ from dataset import DataError, DataLayoutError
 from dataset.folders import walk_images
 from dataset.geometry import check_files
 from dataset.images import IMAGE_EXTENSIONS
-from faces.align import ARCFACE_112, Template, align
-from faces.detect import check_available
-from faces.photos import Detection, load_photo, no_face_message
+from faces.align import ARCFACE_112
+from faces.detect import Detection
+from faces.photos import no_face_message
 from faces.shares import WAIT_MIN_S, Parts, launch_rank, list_key, share_of
-from faces.workers import map_photos, warm_up
+from faces.stream import Crop, stream
+from faces.workers import warm_up
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 from scripts.options import add_detection_options, add_rank_options, add_workers_option, detection_from, \
@@ -48,6 +48,7 @@ from utils.atomic import OutputError, check_output_dir, publishing_dir
 from utils.progress import Progress
 
 REPORT = "align_report.csv"
+MAX_SIZE = 1024  # crop side: 112 for insightface's networks, 150 for dlib's
 _FACE_N = re.compile(r"\.face\d+$")
 POINTS = ("left_eye", "right_eye", "nose", "mouth_left", "mouth_right")
 COLUMNS = ["photo", "faces", "face", "crop", "score", "x0", "y0", "x1", "y1"] + \
@@ -87,49 +88,43 @@ def report_row(photo: str, count: int, number: int | None, crop: str, face=None)
         [f"{v:.2f}" for v in face.points.ravel()]
 
 
-def align_photo(item: tuple[str, str], src: str, out: str, detection: Detection, template: Template,
-                largest_only: bool) -> list[tuple[list, str]]:
-    """One photo's faces: their crops written into `out` and, per face, (report row, crop file);
-    one row with no crop for a photo without a face. `item` is (photo, crop name stem)."""
-    photo, stem = item
-    img = load_photo(os.path.join(src, photo))
-    faces = detection.faces(img)
-    if not faces:
-        return [(report_row(photo, 0, None, ""), "")]
-    rows = []
-    for number, face in enumerate(faces, 1):
-        crop = "" if largest_only and number > 1 else stem + (".png" if number == 1 else f".face{number}.png")
-        if crop:
-            os.makedirs(os.path.dirname(os.path.join(out, crop)) or out, exist_ok=True)
-            align(img, face.points, template).save(os.path.join(out, crop))
-        rows.append((report_row(photo, len(faces), number, crop, face), crop))
-    return rows
-
-
 def align_into(src: str, photos: list[str], out: str, detection: Detection, side: int, largest_only: bool,
                progress: Progress | None, workers: int = 1,
                names: dict[str, str] | None = None) -> tuple[int, list[str]]:
-    """Crops and the report of every photo into the folder `out`, on `workers` processes (the
-    same files whatever their number); -> (crops written, photos without a face). `names`: the
-    crop stems of the whole list (crop_stems), where `photos` is one rank's share of it."""
-    one = functools.partial(align_photo, src=src, out=out, detection=detection, template=ARCFACE_112.scaled(side),
-                            largest_only=largest_only)
-    stems, written, without, crops = names or crop_stems(photos), 0, [], set()
-    with open(os.path.join(out, REPORT), "w", newline="") as f:
+    """Crops and the report of every photo into the folder `out`, found and cut by `workers`
+    processes (faces.stream: the same files whatever their number); -> (crops written, photos
+    without a face). `names`: the crop stems of the whole list (crop_stems), where `photos` is
+    one rank's share of it."""
+    stems, written, without = names or crop_stems(photos), 0, []
+    cut = Crop(ARCFACE_112.scaled(side), png=True)
+    found = stream([os.path.join(src, p) for p in photos], detection, cut, workers, largest_only,
+                   progress=progress and progress.update)
+    with open(os.path.join(out, REPORT), "w", newline="", encoding="utf-8", errors="surrogateescape") as f:
         report = csv.writer(f)
         report.writerow(COLUMNS)
-        for rows in map_photos(one, [(p, stems[p]) for p in photos], workers, progress and progress.update,
-                               name=lambda item: os.path.join(src, item[0]), setup=detection.worker_setup()):
-            for row, crop in rows:
-                if crop in crops:  # crop_stems makes names unique: this would be its bug, not data
-                    raise RuntimeError(f"align: two faces named {crop}")
+        for rel, photo in zip(photos, found):
+            if not photo.faces:
+                report.writerow(report_row(rel, 0, None, ""))
+                without.append(photo.name)
+            for number, face in enumerate(photo.faces, 1):
+                crop = "" if largest_only and number > 1 else stems[rel] + (".png" if number == 1 else f".face{number}.png")
                 if crop:
-                    crops.add(crop)
+                    os.makedirs(os.path.dirname(os.path.join(out, crop)) or out, exist_ok=True)
+                    with open(os.path.join(out, crop), "wb") as png:
+                        png.write(photo.cuts[number - 1])
                     written += 1
-                report.writerow(row)
-            if rows[0][0][1] == 0:  # the faces column: no face
-                without.append(os.path.join(src, rows[0][0][0]))
+                report.writerow(report_row(rel, len(photo.faces), number, crop, face))
     return written, without
+
+
+def check_names(photos: list[str], stems: dict[str, str], largest_only: bool) -> None:
+    """Before any work: every crop's file name fits the file system's 255 bytes (a photo's further
+    faces add `.faceN`)."""
+    tail = ".png" if largest_only else ".face999.png"
+    for photo in photos:
+        name = os.path.basename(stems[photo]) + tail
+        if len(os.fsencode(name)) > 255:
+            raise DataError(f"{photo}: its crops' file names ({name!r}) would be over 255 bytes; rename the photo")
 
 
 def align_ranked(src: str, photos: list[str], dst: str, detection: Detection, side: int, largest_only: bool,
@@ -187,12 +182,13 @@ def main(argv=None) -> int:
     parent = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(parent):
         raise OutputError(f"{parent}: output directory not found")
-    if args.size < 16:
-        raise ConfigError(f"--size {args.size}: crops need at least 16 pixels")
+    if not 16 <= args.size <= MAX_SIZE:
+        raise ConfigError(f"--size {args.size}: from 16 to {MAX_SIZE} pixels (a crop is size x size x 3 bytes in memory)")
     detection = detection_from(args)
-    warm_up(align_photo, workers)  # the workers' imports, while the photos are listed and checked
-    check_available(detection.detector, detection.landmarks)  # a missing model file: one line, at start
+    warm_up(stream, workers)  # the workers' imports, while the photos are listed and checked
+    detection.check()  # a missing model file: one line, at start
     photos = photos_under(src)
+    check_names(photos, crop_stems(photos), args.largest)
     check_files((os.path.join(src, ph) for ph in photos), resize=True)  # unreadable files, before any output
     if world > 1:
         done = align_ranked(src, photos, dst, detection, args.size, args.largest, workers, rank, world)

@@ -24,8 +24,9 @@ import numpy as np
 
 from dataset import DataError
 from eval.verification import best_threshold, load_bin
-from faces.photos import find_faces, no_face_message
-from infer.photos import embed_files
+from dataset.geometry import check_files
+from faces.photos import Found, no_face_message
+from infer.stream import analyse
 from infer.thresholds import chosen_threshold
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
@@ -52,15 +53,18 @@ def main(argv=None) -> int:
     model = model_from(args, detection)
     threshold = threshold or model.threshold
     pair = [args.image_a, args.image_b]
-    faces = None
-    if args.align:
-        found = find_faces(pair, detection, workers=workers_from(args) if args.workers else 1)  # two photos: no pool unless asked
-        if found.without_face:
-            raise DataError(f"{no_face_message(found.without_face, len(found.faces))}: compare needs a face in each")
-        if found.several_faces():
-            print(found.several_faces())
-        faces = found.largest()
-    a, b = embed_files(pair, model, args.batch_size, resize=args.resize, faces=faces)
+    if not args.align:
+        check_files(pair, args.resize, size=tuple(model.template.size))
+    workers = workers_from(args) if args.align and args.workers else 1  # two photos: no pool unless asked
+    photos = list(analyse(model, pair, workers, largest_only=True, align=args.align, batch_size=args.batch_size,
+                          resize=args.resize))
+    without = [p.name for p in photos if p.face is None]
+    if without:
+        raise DataError(f"{no_face_message(without, len(pair))}: compare needs a face in each")
+    several = Found({p.name: p.faces for p in photos}).several_faces()
+    if several:
+        print(several)
+    a, b = (p.face.embedding for p in photos)
     if args.threshold_from:
         pairs = load_bin(args.threshold_from)
         threshold = chosen_threshold(None, (*best_threshold(pairs, model, args.batch_size), args.threshold_from, len(pairs[1])),

@@ -25,9 +25,11 @@ import sys
 import numpy as np
 
 from dataset import DataError
+from dataset.folders import image_files
+from dataset.geometry import check_files
+from faces.photos import Found, usable
 from infer.model import model_files
-from infer.photos import embed_files, embed_photo_files, image_files
-from faces.photos import usable
+from infer.stream import analyse
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 from scripts.options import add_align_options, add_model_options, face_detection, model_from, workers_from
@@ -65,15 +67,22 @@ def main(argv=None) -> int:
     refuse_inputs([out, listing], [*paths, *model_files(args.model)])
     detection = face_detection(args)
     model = model_from(args, detection)
-    if args.align:  # faces found on every core, each batch embedded as it comes back
-        embeddings, found = embed_photo_files(paths, model, workers_from(args), args.batch_size, not args.no_flip,
-                                              Progress(len(paths), "finding and embedding faces").update)
-        faces = usable(found, args.strict)
+    if not args.align:  # every header first: crops of another size are refused before any work
+        check_files(paths, args.resize, size=tuple(model.template.size))
+    found, rows, kept = Found(detection=detection), [], []
+    progress = Progress(len(paths), "finding and embedding faces" if args.align else "embedding")
+    for photo in analyse(model, paths, workers_from(args) if args.align else 1, not args.no_flip, True, args.align,
+                         args.batch_size, progress.update, resize=args.resize):
+        found.faces[photo.name] = photo.faces
+        if photo.face is not None:  # faces found on every core, each batch embedded as it comes back
+            rows.append(photo.face.embedding)
+            kept.append(photo.name)
+    if args.align:
+        usable(found, args.strict)  # photos without a face: named, or refused with --strict
         if found.several_faces():
             logger.warning("%s", found.several_faces())
-        paths = [path for path in paths if path in faces]
-    else:
-        embeddings = embed_files(paths, model, args.batch_size, args.resize, flip=not args.no_flip)
+    paths = kept
+    embeddings = np.stack(rows) if rows else np.zeros((0, model.dim), np.float32)
     # one set, the listing published last: an emb.npy without its emb.txt is an interrupted run
     with publishing_set([out, listing]) as (tmp_out, tmp_listing):
         with open(tmp_out, "wb") as f:

@@ -6,7 +6,8 @@ The gallery is one folder per person; each person is scored by the mean template
 images (infer/enrolment.py). The enrolment is cached in DIR/.shardface_gallery.npz and updated
 when images are added, changed or removed; a gallery file of another MODEL is refused
 (--rebuild replaces it). One line per face of each query: the file, the face (index and box),
-the best person and their cosine score, or `unknown` when the score is below the threshold.
+the best person and their cosine score, or `unknown (best ...)` when the score is below the
+threshold (in --json, `"name": null`).
 The threshold used and where it came from are printed first (infer/thresholds.py): --threshold,
 --threshold_from, or the MODEL's own (dlib's distance 0.6; a trained run's, at a stated FAR on
 its validation set, saved by training and carried by export_onnx); a MODEL with none names no one."""
@@ -25,7 +26,7 @@ import numpy as np
 from eval.verification import best_threshold, load_bin
 from infer.enrolment import (GalleryError, check_cache, check_image, default_cache, embedded_faces, enrol, identify,
                              refuse_faceless)
-from infer.photos import image_files
+from dataset.folders import image_files
 from infer.search import ENGINES
 from infer.thresholds import chosen_threshold, no_threshold
 from parallel.user_errors import exits_on_user_error
@@ -46,12 +47,14 @@ def query_files(inputs: list[str], template, align: bool) -> list[str]:
 
 
 def result_rows(faces, gallery, scores, ids, threshold):
+    """One JSON row per face; `name` is null where nobody reaches the threshold (a person may be
+    called "unknown")."""
     rows = []
     for face, s, i in zip(faces, scores, ids):
         candidates = [{"name": gallery.names[j], "score": round(float(v), 6)} for v, j in zip(s, i) if j >= 0]
         known = candidates[0]["score"] >= threshold
         rows.append({"file": face.path, "face": face.index, "box": list(face.box),
-                     "name": candidates[0]["name"] if known else "unknown", "score": candidates[0]["score"],
+                     "name": candidates[0]["name"] if known else None, "score": candidates[0]["score"],
                      "candidates": candidates})
     return rows
 
@@ -59,7 +62,7 @@ def result_rows(faces, gallery, scores, ids, threshold):
 def format_row(row: dict, threshold, top: int) -> str:
     where = f"{row['file']}  face {row['face']} [{','.join(map(str, row['box']))}]"
     best = row["candidates"][0]
-    if row["name"] == "unknown":
+    if row["name"] is None:
         text = f"{where}  unknown (best {best['name']} {best['score']:.4f} < threshold {threshold:.4f})"
     else:
         text = f"{where}  {row['name']} {row['score']:.4f}"
@@ -101,7 +104,7 @@ def main(argv=None) -> int:
     chosen = chosen_threshold(args.threshold, None, args.model, embedder.threshold)
     if chosen is None and not args.threshold_from:  # refused before the gallery is enrolled
         raise no_threshold(args.model)
-    queries = query_files(args.queries, embedder.template, args.align)
+    queries = list(dict.fromkeys(query_files(args.queries, embedder.template, args.align)))  # each answered once
     if args.threshold_from:
         pairs = load_bin(args.threshold_from)  # insightface's 112x112 crops, re-framed onto the model's template
         fitted = (*best_threshold(pairs, embedder, args.batch_size), args.threshold_from, len(pairs[1]))

@@ -34,8 +34,7 @@ from dataset.geometry import check_files
 from dataset.images import stored_bytes
 from eval.pairs import check_images, read_pair_list
 from eval.verification import NFOLDS, write_bin
-from faces.align import ARCFACE_112
-from faces.photos import align_groups, aligned_png
+from faces.photos import align_groups, aligned_pngs
 from infer.pair_cache import cache_paths, check_cache
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
@@ -96,7 +95,7 @@ def write_list_bin(args) -> int:
     if args.align:
         check_cache(cache)
         faces = list_faces(args, pair_list, detection, args.strict).faces
-        encoded = {p: aligned_png(p, faces[p], ARCFACE_112) for p in photos}  # each photo once
+        encoded = dict(zip(photos, aligned_pngs(photos, faces, workers=workers_from(args))))  # each photo once
     else:
         check_files(photos, args.resize)
         encoded = {p: stored_bytes(p, args.resize) for p in photos}
@@ -154,8 +153,8 @@ def main(argv=None) -> int:
     if not args.align:
         check_files(used, args.resize)
     # each is decoded (a truncated one is named) or aligned
-    encoded = {path: aligned_png(path, faces[path], ARCFACE_112) if args.align else stored_bytes(path, args.resize)
-               for path in used}
+    encoded = dict(zip(used, aligned_pngs(used, faces, workers=workers_from(args)))) if args.align else \
+        {path: stored_bytes(path, args.resize) for path in used}
     write_bin(args.output, [encoded[path] for pair in pairs for path in pair], issame)
     print(f"wrote {args.output}: {len(issame)} pairs ({sum(issame)} same, {len(issame) - sum(issame)} "
           f"different) of {len(groups)} identities, {len(used)} images")

@@ -9,7 +9,7 @@ import math
 
 from configs.errors import ConfigError
 from faces.detect import DETECTORS, LANDMARKS, MAX_SIDE, check_available
-from faces.photos import Detection
+from faces.detect import Detection
 from faces.workers import check_workers, default_workers
 from eval.pairs import PairList
 from infer.model import MODEL_HELP, Model, load_model

@@ -27,8 +27,7 @@ from dataset.folders import regular_file
 from dataset.geometry import check_files
 from dataset.images import stored_bytes
 from dataset.pack import write_insightface_rec
-from faces.align import ARCFACE_112
-from faces.photos import align_groups, aligned_png
+from faces.photos import align_groups, aligned_pngs
 from faces.ranked import find_faces_ranked
 from faces.shares import launch_rank
 from parallel.user_errors import exits_on_user_error
@@ -102,9 +101,10 @@ def main(argv=None) -> int:
             return 0
         groups, faces = align_groups(groups, detection, args.strict, names=names, found=found)
         total = sum(len(g) for g in groups)
+        pngs = aligned_pngs([p for g in groups for p in g], faces, workers=workers_from(args))
 
-        def stored(path: str) -> bytes:
-            return aligned_png(path, faces[path], ARCFACE_112)
+        def stored(path: str) -> bytes:  # the stream's next crop: the photos come in the groups' order
+            return next(pngs)
     else:
         checking = Progress(total, "checking image headers")  # a DataError: one line (exits_on_user_error)
         check_files((path for g in groups for path in g), args.resize, progress=checking.update)

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from dataset.folders import list_identity_folders, list_images
-from infer.photos import image_files
+from dataset.folders import image_files
 from infer.enrolment import list_gallery
 from scripts.align import photos_under
 

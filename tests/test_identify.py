@@ -10,7 +10,7 @@ from PIL import Image
 
 from backbones import get_model
 from infer.model import load_model, load_module
-from infer.photos import embed_files
+from infer.model import as_model
 from infer.enrolment import enrol
 from scripts.identify import main as identify
 
@@ -53,7 +53,7 @@ def test_search_results_equal_mean_templates_scored_directly(tmp_path, capsys):
     assert code == 0
     faces = json.loads(out)["faces"]
     # independently: scripts.embed's embeddings, mean per person, cosine, sorted by score
-    emb = lambda files: embed_files(files, load_module(model), show_progress=False)  # noqa: E731
+    emb = lambda files: as_model(load_module(model)).embed(files, align=False)  # noqa: E731
     templates = []
     for p in range(3):
         folder = os.path.join(gallery, f"person{p}")
@@ -147,7 +147,7 @@ def test_identify_eval_split_and_rank1_equal_a_direct_computation(tmp_path, caps
     people = [(f"person{p}", sorted(f"person{p}/{i}.png" for i in range(n))) for p, n in enumerate((3, 3, 2, 1, 3))]
     enrolled, mated, nonmated = split(people, 2, 1, 0)
     assert len(enrolled) == 4 and len(nonmated) in (1, 2, 3) and all(len(f) <= 2 for _, f in enrolled)
-    emb = lambda fs: embed_files([os.path.join(root, f) for f in fs], load_module(model), show_progress=False)  # noqa
+    emb = lambda fs: as_model(load_module(model)).embed([os.path.join(root, f) for f in fs], align=False)  # noqa
     templates = np.stack([e / np.linalg.norm(e) for e in (emb(fs).mean(0) for _, fs in enrolled)])
     best = np.argmax(emb([f for _, f in mated]) @ templates.T, axis=1)
     want = np.mean([enrolled[b][0] == name for b, (name, _) in zip(best, mated)])

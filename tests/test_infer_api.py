@@ -71,8 +71,8 @@ def test_compare_is_the_cosine_of_the_two_embeddings_and_a_photo_without_a_face_
                                                                                        tmp_path):
     flipped = Image.open(portrait).transpose(Image.FLIP_LEFT_RIGHT)
     a, b = dlib_model.embed([portrait, flipped], flip=False).astype(np.float64)
-    assert dlib_model.compare(portrait, flipped, flip=False) == pytest.approx(float(a @ b), abs=1e-6)
-    assert dlib_model.threshold is not None and dlib_model.compare(portrait, flipped) > dlib_model.threshold.value
+    assert dlib_model.compare(portrait, flipped, flip=False).score == pytest.approx(float(a @ b), abs=1e-6)
+    assert dlib_model.threshold is not None and dlib_model.compare(portrait, flipped).score > dlib_model.threshold.value
     wall = tmp_path / "wall.png"
     Image.new("RGB", (160, 160), (120, 140, 160)).save(wall)
     with pytest.raises(Exception, match=f"{wall}: no face found"):
@@ -91,13 +91,12 @@ def test_gallery_answers_as_identify_does(tmp_path, capsys):
     gallery = Gallery(load_model(model), people, align=False, threshold=0.2)
     assert gallery.names == ["person0", "person1", "person2"]
     for query, row in zip(queries, rows):
-        (best_two,) = gallery.identify(query, top=2)
+        (match,) = gallery.identify(query, top=2)
         expected = [(c["name"], c["score"]) for c in row["candidates"]]
-        if row["name"] == "unknown":
-            expected[0] = ("unknown", expected[0][1])
-        assert [n for n, _ in best_two] == [n for n, _ in expected]
-        np.testing.assert_allclose([s for _, s in best_two], [s for _, s in expected], atol=1e-6)
-        assert gallery.identify(query)[0][0] == row["name"]
+        assert [n for n, _ in match.candidates] == [n for n, _ in expected]
+        np.testing.assert_allclose([s for _, s in match.candidates], [s for _, s in expected], atol=1e-6)
+        assert match.name == row["name"] and list(match.box) == row["box"]
+        assert gallery.identify(query)[0].name == row["name"]
 
 
 def test_the_readme_example_runs(tmp_path, portrait):

@@ -333,7 +333,8 @@ def test_model_pt_and_its_onnx_export_embed_alike_and_verify_takes_onnx(tmp_path
 
     from backbones import get_model
     from infer.model import load_module
-    from infer.photos import embed_files, image_files
+    from dataset.folders import image_files
+    from infer.model import as_model
     from scripts.export_onnx import export
     from scripts.verify import main as verify
     torch.manual_seed(0)
@@ -349,13 +350,13 @@ def test_model_pt_and_its_onnx_export_embed_alike_and_verify_takes_onnx(tmp_path
     export(model, onnx_path)
     held = _identities(tmp_path / "held", range(3), 5)
     files = image_files([held])
-    a = embed_files(files, load_module(pt), batch_size=4)
-    b = embed_files(files, load_module(onnx_path), batch_size=6)
+    a = as_model(load_module(pt)).embed(files, align=False, batch_size=4)
+    b = as_model(load_module(onnx_path)).embed(files, align=False, batch_size=6)
     assert a.shape == (15, 64) and np.abs(a - b).max() < 1e-4
     bare = tmp_path / "arcface_torch"  # an arcface_torch model.pt: "module." keys, no config, --network
     bare.mkdir()
     torch.save({f"module.{k}": v for k, v in model.state_dict().items()}, bare / "model.pt")
-    c = embed_files(files, load_module(str(bare / "model.pt"), "tiny"), batch_size=15)
+    c = as_model(load_module(str(bare / "model.pt"), "tiny")).embed(files, align=False, batch_size=15)
     assert np.abs(a - c).max() < 1e-5
     val = str(tmp_path / "v.bin")
     make_bin([held, val, "--pairs", "10"])

@@ -14,7 +14,8 @@ from torch import nn
 
 from dataset import DataError, build_dataset
 from infer.model import load_module
-from infer.photos import embed_files, image_files
+from dataset.folders import image_files
+from infer.model import as_model
 from eval.verification import VerificationDataError, load_bin, write_bin
 from scripts.compare import main as compare
 from scripts.embed import main as embed
@@ -137,7 +138,7 @@ def test_embeddings_that_are_not_finite_are_refused_naming_the_model(tmp_path, c
     assert compare([path, a, b, "--threshold", "0.3"]) == 2
     assert f"{path}: 2 of 2 embeddings are not finite" in _error(capsys)
     with pytest.raises(CheckpointError, match="embeddings are not finite"):
-        embed_files([a, b], NanOutput())
+        as_model(NanOutput()).embed([a, b], align=False)
 
 
 def test_embed_refuses_a_file_name_with_a_line_break_writing_nothing(tmp_path, capsys):
@@ -172,8 +173,8 @@ def test_onnx_with_a_fixed_batch_of_one_embeds_as_the_dynamic_one(tmp_path):
     torch.onnx.export(model.cpu(), torch.zeros(1, 3, 112, 112), fixed, input_names=["data"],
                       output_names=["embedding"], opset_version=17, dynamo=False)
     files = image_files([photos(tmp_path / "faces", ids=2, per_id=3)])
-    a = embed_files(files, load_module(dynamic), batch_size=4)
-    b = embed_files(files, load_module(fixed), batch_size=4)
+    a = as_model(load_module(dynamic)).embed(files, align=False, batch_size=4)
+    b = as_model(load_module(fixed)).embed(files, align=False, batch_size=4)
     assert a.shape == (6, 64) and np.abs(a - b).max() < 1e-5
 
 

@@ -1,0 +1,151 @@
+"""The one face stream: photos in, and out, in their order, each photo's faces (largest first:
+box, five points, score) with what was cut of them (a crop, a PNG), found and cut on `workers`
+processes (faces.workers), the same whatever their number.
+
+    for photo in stream(paths, Detection(), cut=Crop(ARCFACE_112), workers=4):
+        photo.name, photo.size, photo.faces, photo.cuts
+
+Every user of faces drives detection and cropping through `stream`: the tools, training's
+aligned folders, the pair protocols, and infer.stream, which adds each face's embedding. A
+photo is a path, a PIL image or an H x W (x 3) uint8 array. Where the faces are known already
+(`faces=`: a pair list's fallback faces, a search made before) they are cut, not searched."""
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+from PIL import Image
+
+from dataset.errors import DataError, ImageDecodeError
+from dataset.images import decode_chw, resize_face, to_rgb
+from faces.align import Template, align
+from faces.detect import Detection, Face, load_photo
+from faces.dlib_chip import dlib_chip
+from faces.workers import map_photos
+
+
+def photo_name(photo, index: int = 0) -> str:
+    """How messages name a photo: its path, or its place in the list given."""
+    return os.fsdecode(photo) if isinstance(photo, (str, os.PathLike)) else f"photo {index} ({type(photo).__name__})"
+
+
+def open_image(photo, index: int = 0) -> Image.Image:
+    """A photo (path, PIL image, H x W x 3 or H x W uint8 array) as an RGB PIL image; anything
+    else, or an empty image, is a DataError naming it."""
+    if isinstance(photo, (str, os.PathLike)):
+        image = load_photo(os.fspath(photo))
+    elif isinstance(photo, Image.Image):
+        image = to_rgb(photo)
+    elif isinstance(photo, np.ndarray):
+        if photo.dtype != np.uint8 or photo.ndim not in (2, 3) or (photo.ndim == 3 and photo.shape[2] != 3):
+            raise DataError(f"{photo_name(photo, index)}: an array photo must be H x W x 3 (RGB) or H x W uint8, "
+                            f"got {photo.dtype} of shape {photo.shape}")
+        image = to_rgb(Image.fromarray(photo))
+    else:
+        raise DataError(f"{photo_name(photo, index)}: a photo is a file path, a PIL image or a uint8 array, "
+                        f"not a {type(photo).__name__}")
+    if 0 in image.size:
+        raise DataError(f"{photo_name(photo, index)}: an empty ({image.size[0]}x{image.size[1]}) image")
+    return image
+
+
+@dataclass(frozen=True)
+class Crop:
+    """Cuts a face's crop for a template, H x W x 3 uint8: the five-point alignment, or where
+    `dlib_chip` (MODEL dlib) dlib's own chip from dlib's 5-point shape, as dlib and
+    face_recognition cut it (from the 68-point model's landmarks, the five points on the chip's
+    template). `png`: the crop's PNG bytes instead (lossless: no second compression)."""
+    template: Template
+    dlib_chip: bool = False
+    png: bool = False
+
+    def image(self, photo: Image.Image, face: Face) -> Image.Image:
+        if self.dlib_chip and face.shape is not None and len(face.shape) == 5:
+            return dlib_chip(photo, face.shape, size=self.template.size[0])
+        return align(photo, face.points, self.template)
+
+    def __call__(self, photo: Image.Image, face: Face):
+        crop = self.image(photo, face)
+        if not self.png:
+            return np.asarray(crop)
+        buf = io.BytesIO()
+        crop.save(buf, format="PNG")
+        return buf.getvalue()
+
+
+@dataclass
+class Photo:
+    """One photo's faces, largest first ([]: none found), and `cuts[i]`, the cut of `faces[i]`
+    (the largest only with `largest_only`; none without a cut)."""
+    name: str
+    index: int                     # its place in the photos given
+    size: tuple[int, int]          # (width, height)
+    faces: list[Face]
+    cuts: list
+
+    @property
+    def face(self) -> Face | None:
+        """The largest face, or None."""
+        return self.faces[0] if self.faces else None
+
+
+def whole(width: int, height: int) -> Face:
+    """The one 'face' of a photo that is a crop already: the whole image."""
+    return Face((0.0, 0.0, float(width), float(height)), np.full((5, 2), np.nan), float("nan"))
+
+
+def crop_pixels(photo, index: int = 0, resize: tuple[int, int] | None = None) -> np.ndarray:
+    """A photo that is a crop already, H x W x 3 uint8, resized to (h, w) `resize` where given: a
+    file decoded as training decodes one (dataset.images), a PIL image or array as `open_image`."""
+    if isinstance(photo, (str, os.PathLike)):
+        path = os.fspath(photo)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise ImageDecodeError(f"{path}: cannot read image ({exc.strerror or exc})") from None
+        return decode_chw(data, path, resize=resize).permute(1, 2, 0).numpy()
+    image = open_image(photo, index)
+    return np.asarray(resize_face(image, resize) if resize is not None else image)
+
+
+@dataclass(frozen=True)
+class _Task:
+    """What a worker does to one (index, photo, its known faces or None)."""
+    detection: Detection | None  # None: each photo is a crop already (its one face: `whole`)
+    cut: Callable | None
+    largest_only: bool
+    resize: tuple[int, int] | None = None  # crops already: resized to this (h, w)
+
+    def __call__(self, item) -> Photo:
+        index, photo, known = item
+        name = photo_name(photo, index)
+        if self.detection is None and known is None:
+            pixels = crop_pixels(photo, index, self.resize)
+            h, w = pixels.shape[:2]
+            return Photo(name, index, (w, h), [whole(w, h)], [pixels])
+        image = open_image(photo, index)
+        faces = list(known) if known is not None else self.detection.faces(image)
+        cuts = [self.cut(image, f) for f in (faces[:1] if self.largest_only else faces)] if self.cut else []
+        return Photo(name, index, image.size, faces, cuts)
+
+
+def stream(photos: Iterable, detection: Detection | None = Detection(), cut: Callable | None = None,
+           workers: int = 1, largest_only: bool = False, faces: list[list[Face]] | None = None,
+           progress: Callable[[], None] | None = None, resize: tuple[int, int] | None = None) -> Iterator[Photo]:
+    """Each photo's `Photo`, in order (see the module docstring). `detection` None: each photo
+    is a crop already, its one face the whole image and its cut the image (resized to `resize`
+    where given). `faces[i]`: photo i's faces, known already (not searched). `cut(image, face)`
+    runs in the workers, on every face or the largest only. `progress()` once a photo."""
+    photos = list(photos)
+    if detection is not None and faces is None:
+        detection.check()
+    if faces is not None and len(faces) != len(photos):
+        raise ValueError(f"{len(faces)} face lists for {len(photos)} photos")
+    task = _Task(detection, cut, largest_only, resize)
+    items = [(i, p, None if faces is None else faces[i]) for i, p in enumerate(photos)]
+    setup = detection.worker_setup() if detection is not None and faces is None else None
+    return map_photos(task, items, workers, progress, name=lambda item: photo_name(item[1], item[0]), setup=setup)
