@@ -14,12 +14,13 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import torch
 from PIL import Image, ImageDraw
 from sklearn.metrics import roc_curve
 
-from infer.embed import embed_batches
-from faces.align import ARCFACE_112, align
+from dataset.errors import ImageDecodeError
+from faces.detect import Face
+from infer.model import as_model
+from infer.stream import analyse
 from utils.atomic import publishing
 
 FAR_LEVELS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
@@ -53,27 +54,17 @@ def load_meta(root: str, prefix: str):
             landmarks, scores, np.array([[int(r[0]), int(r[1])] for r in pairs]), np.array([int(r[2]) for r in pairs]))
 
 
-def _aligned_faces(root: str, names, landmarks, batch_size: int):
-    """Batches of aligned faces, N x 3 x 112 x 112 uint8."""
-    for start in range(0, len(names), batch_size):
-        batch = []
-        for name, marks in zip(names[start:start + batch_size], landmarks[start:start + batch_size]):
-            path = os.path.join(root, "loose_crop", name)
-            try:
-                img = Image.open(path)
-            except (FileNotFoundError, OSError) as exc:
-                raise FileNotFoundError(f"{path}: cannot read face image ({exc})") from None
-            batch.append(torch.from_numpy(np.asarray(align(img, marks, ARCFACE_112)).copy()).permute(2, 0, 1))
-        yield torch.stack(batch)
-
-
 def image_features(root: str, names, landmarks, backbone, batch_size: int = 64) -> np.ndarray:
-    """Embedding of each aligned face plus that of its mirror image."""
-    feats = []
-    for faces in _aligned_faces(root, names, landmarks, batch_size):
-        both = embed_batches([faces, torch.flip(faces, dims=[3])], backbone)
-        feats.append(both[:len(faces)] + both[len(faces):])
-    return np.concatenate(feats)
+    """Embedding of each face aligned at its landmarks plus that of its mirror image, through the
+    face stream (infer.stream: the faces given, not searched)."""
+    paths = [os.path.join(root, "loose_crop", name) for name in names]
+    faces = [[Face((0.0, 0.0, 0.0, 0.0), np.asarray(marks, np.float64), float("nan"))] for marks in landmarks]
+    try:
+        rows = [photo.face.embedding.sum(0) for photo in analyse(as_model(backbone), paths, faces=faces,
+                                                                  batch_size=batch_size, raw=True)]
+    except ImageDecodeError as exc:
+        raise FileNotFoundError(f"cannot read face image: {exc}") from None
+    return np.stack(rows) if rows else np.zeros((0, 0), np.float32)
 
 
 def template_features(feats, templates, medias):

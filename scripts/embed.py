@@ -70,9 +70,11 @@ def main(argv=None) -> int:
     if not args.align:  # every header first: crops of another size are refused before any work
         check_files(paths, args.resize, size=tuple(model.template.size))
     found, rows, kept = Found(detection=detection), [], []
-    progress = Progress(len(paths), "finding and embedding faces" if args.align else "embedding")
+    shown = args.align or len(paths) > args.batch_size  # crops alone: a few batches go by unannounced
+    progress = Progress(len(paths), "finding and embedding faces" if args.align else "embedding").update \
+        if shown else None
     for photo in analyse(model, paths, workers_from(args) if args.align else 1, not args.no_flip, True, args.align,
-                         args.batch_size, progress.update, resize=args.resize):
+                         args.batch_size, progress, resize=args.resize):
         found.faces[photo.name] = photo.faces
         if photo.face is not None:  # faces found on every core, each batch embedded as it comes back
             rows.append(photo.face.embedding)

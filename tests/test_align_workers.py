@@ -12,10 +12,10 @@ import pytest
 from PIL import Image
 
 from dataset.errors import DataError, ImageDecodeError
-from faces.photos import Detection, find_faces
+from faces.detect import Detection
+from faces.photos import find_faces
 from faces.shares import PartError, Parts, launch_rank, list_key, share_of
 from faces.workers import WorkerDied, default_workers, map_photos
-from scripts.align import align_photo
 from scripts.align import main as align_tool
 from tests.distributed import run_distributed
 
@@ -128,11 +128,14 @@ def test_results_come_in_input_order_from_a_bounded_window_then_the_first_error(
     assert got == [i * i for i in range(13)] and len(ticks) == 13
 
 
-def _align_or_die(item, **kw):
-    """scripts.align's work on a photo, except that the worker holding DOOMED kills itself."""
-    if item[0] == DOOMED:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return align_photo(item, **kw)
+class _DieOnDoomed(Detection):
+    """The tools' detection, except that the worker handed DOOMED kills itself: it is the only
+    photo whose corner is black (rotated without a fill colour)."""
+
+    def faces(self, img):
+        if sum(img.getpixel((0, 0))) < 40:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().faces(img)
 
 
 def test_a_killed_worker_ends_align_with_one_line_naming_its_photo_and_keeps_the_earlier_output(
@@ -141,7 +144,7 @@ def test_a_killed_worker_ends_align_with_one_line_naming_its_photo_and_keeps_the
     dst = tmp_path / "crops"
     os.makedirs(dst)
     (dst / "earlier.txt").write_text("kept")
-    monkeypatch.setattr(scripts.align, "align_photo", _align_or_die)
+    monkeypatch.setattr(scripts.align, "detection_from", lambda args: _DieOnDoomed())
     assert align_tool([photos, str(dst), "--workers", "2", "--overwrite"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"error: {os.path.join(photos, DOOMED)}: the worker process on this photo was killed by "

@@ -407,14 +407,15 @@ def test_align_killed_between_moving_the_earlier_folder_aside_and_the_new_one_in
 
 
 def test_a_photo_stored_sideways_with_exif_orientation_is_turned_upright(head, head_faces, tmp_path):
-    from faces.detect import aligned_faces
+    from faces.detect import Detection
+    from faces.stream import stream
     path = str(tmp_path / "sideways.jpg")
     exif = Image.Exif()
     exif[0x0112] = 6  # "rotate 90 degrees clockwise to view": the pixels lie turned left
     head.rotate(90, expand=True).save(path, quality=95, exif=exif)
-    found = aligned_faces(path, ARCFACE_112)
-    assert len(found) == 1
-    assert np.abs(found[0][0].points - head_faces[0].points).max() < 3
+    (found,) = stream([path], Detection())
+    assert len(found.faces) == 1
+    assert np.abs(found.faces[0].points - head_faces[0].points).max() < 3
 
 
 def test_train_py_align_true_trains_on_a_folder_of_raw_photos(photos, tmp_path):

@@ -14,23 +14,24 @@ import pytest
 import torch
 from PIL import Image
 
-import infer.enrolment as g
+import faces.stream as s
 from infer.model import Model, load_model
-from infer.enrolment import enrol
+from infer.enrolment import enrol, mean_cross_cosine
 from faces.align import ARCFACE_112
-from faces.photos import Detection, find_faces, usable
+from faces.detect import Detection
+from faces.photos import find_faces, usable
 from dataset import DataError
 from tests.test_identify import _face, _gallery, _model, _run
 
 
 def _enrolled(gallery, embedder, **kw):
-    """(gallery, the images embedded) of one enrolment, counted at file_crops."""
-    real, seen = g.file_crops, []
-    g.file_crops = lambda path, *a: seen.append(os.path.relpath(path, gallery)) or real(path, *a)
+    """(gallery, the images embedded) of one enrolment, counted as the face stream reads each crop."""
+    real, seen = s.crop_pixels, []
+    s.crop_pixels = lambda path, *a: seen.append(os.path.relpath(path, gallery)) or real(path, *a)
     try:
         return enrol(gallery, embedder, show_progress=False, **kw), seen
     finally:
-        g.file_crops = real
+        s.crop_pixels = real
 
 
 @pytest.mark.parametrize("rebuild", [False, True])
@@ -53,13 +54,13 @@ def test_a_directory_as_cache_is_refused_before_anything_is_enrolled(tmp_path, c
     gallery = _gallery(tmp_path / "g")
     folder = tmp_path / "somewhere"
     os.makedirs(folder)
-    real, seen = g.file_crops, []
-    g.file_crops = lambda *a: seen.append(a) or real(*a)
+    real, seen = s.crop_pixels, []
+    s.crop_pixels = lambda *a: seen.append(a) or real(*a)
     try:
         code, out, err = _run(capsys, model, "--gallery", gallery, "--cache", str(folder), "--rebuild",
                               _face(tmp_path / "q.png", 5))
     finally:
-        g.file_crops = real
+        s.crop_pixels = real
     assert code == 2 and err.count("\n") == 1 and str(folder) in err and "directory" in err
     assert seen == [] and not os.path.exists(f"{folder}.parts") and os.listdir(folder) == []
 
@@ -122,10 +123,11 @@ def test_a_damaged_cache_is_enrolled_again_saying_so(tmp_path, caplog, how):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = """
 import os, signal, sys, time
+import faces.stream as s
 import infer.enrolment as g
 from infer.model import load_model
 model, gallery, at, how, flag = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
-real, calls = g.file_crops, []
+real, calls = s.crop_pixels, []  # called once per image read
 def hook(*a):
     calls.append(a)
     if len(calls) == at and how == "kill":  # no `finally` runs, as in a real kill
@@ -135,7 +137,7 @@ def hook(*a):
         while not os.path.exists(flag):
             time.sleep(0.05)
     return real(*a)
-g.file_crops = hook
+s.crop_pixels = hook
 g.enrol(gallery, load_model(model), batch_size=1, save_every_s=0, show_progress=False)
 """
 
@@ -246,7 +248,7 @@ def test_mean_cross_cosine_is_the_mean_over_pairs_of_different_people():
     t = np.random.default_rng(0).normal(size=(7, 5))
     t /= np.linalg.norm(t, axis=1, keepdims=True)
     pairs = [t[i] @ t[j] for i in range(7) for j in range(7) if i != j]
-    assert g.mean_cross_cosine(t) == pytest.approx(np.mean(pairs))
+    assert mean_cross_cosine(t) == pytest.approx(np.mean(pairs))
 
 
 def _head(path):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageEnhance
 
-import faces.photos
+import faces.detect
 from eval.pairs import PairListError, contiguous_folds, read_pair_list
 from eval.verification import _folds, load_bin
 from faces.align import ARCFACE_112, align, similarity_transform
@@ -18,7 +18,7 @@ from faces.detect import Face
 from faces.dlib_chip import chip_transform
 from faces.landmarks import five_from_dlib5
 from faces.fallback import Fallback
-from faces.photos import Detection, load_photo
+from faces.detect import Detection, load_photo
 from infer.embed import embed
 from infer.model import load_model
 from infer.pair_cache import EmbeddingCache, FacesCache, cache_paths
@@ -78,14 +78,14 @@ def _lfw_list(path, same=SAME, diff=DIFF) -> str:
 
 @pytest.fixture
 def counted(monkeypatch) -> list:
-    """Every face search run (faces.photos.Detection.faces calls faces.photos.detect_faces)."""
+    """Every face search run (faces.detect.Detection.faces calls faces.detect.detect_faces)."""
     calls = []
-    real = faces.photos.detect_faces
+    real = faces.detect.detect_faces
 
     def counting(img, *args, **kwargs):
         calls.append(args)
         return real(img, *args, **kwargs)
-    monkeypatch.setattr(faces.photos, "detect_faces", counting)
+    monkeypatch.setattr(faces.detect, "detect_faces", counting)
     return calls
 
 
@@ -188,8 +188,8 @@ def test_make_bin_writes_every_pair_in_list_order_and_names_the_fallbacks(lfw, t
     pairs = _lfw_list(tmp_path / "pairs.txt")
     out = str(tmp_path / "v.bin")
     aligned = []
-    real = scripts.make_bin.aligned_png
-    monkeypatch.setattr(scripts.make_bin, "aligned_png", lambda p, *a: aligned.append(p) or real(p, *a))
+    real = scripts.make_bin.aligned_pngs
+    monkeypatch.setattr(scripts.make_bin, "aligned_pngs", lambda ps, *a, **k: aligned.extend(ps) or real(ps, *a, **k))
     assert make_bin([lfw, out, "--pairs_list", pairs, "--align"]) == 0
     said = capsys.readouterr().out
     faceless = [os.path.join(lfw, n) for n in ("Wall/Wall_0001.jpg", "Tiny/Tiny_0001.jpg", "Wall/Wall_0002.jpg")]
