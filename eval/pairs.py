@@ -71,8 +71,13 @@ def contiguous_folds(n: int, nfolds: int = NFOLDS) -> list[tuple[int, int]]:
     return bounds
 
 
+def _is_number(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes superscripts ('³'), which int() refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def _lfw_image(folder: str, name: str, number: str, where: str) -> str:
-    if not number.isdigit() or int(number) < 1:
+    if not _is_number(number) or int(number) < 1:
         raise PairListError(f"{where}: image number {number!r} is not a positive whole number")
     return os.path.join(folder, name, f"{name}_{int(number):04d}.jpg")
 
@@ -130,7 +135,7 @@ def _read_plain(path: str, folder: str, rows: list[tuple[int, list[str]]]) -> Pa
 def read_pair_list(path: str, folder: str) -> PairList:
     """The pairs of the list file at `path`, images under `folder` (see the module docstring)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # an editor's BOM is not part of the header
             text = f.read()
     except FileNotFoundError:
         raise PairListError(f"{path}: pair list not found") from None
@@ -141,7 +146,7 @@ def read_pair_list(path: str, folder: str) -> PairList:
     if not rows:
         raise PairListError(f"{path}: no pairs in the list")
     first = rows[0][1]
-    if len(first) == 2 and all(v.isdigit() for v in first):
+    if len(first) == 2 and all(_is_number(v) for v in first):
         return _read_lfw(path, folder, rows)
     return _read_plain(path, folder, rows)
 
