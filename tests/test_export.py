@@ -98,3 +98,32 @@ def test_export_replaces_an_existing_out_only_with_overwrite_but_refreshes_the_r
     own.write_text("my notes\n")
     assert export_onnx([model, "--network", "tiny"]) == 2
     assert own.read_text() == "my notes\n"
+
+
+ARC = [[38.2946, 51.6963], [73.5318, 51.5014], [56.0252, 71.7366], [41.5493, 92.3655], [70.7299, 92.2041]]
+
+
+@pytest.mark.parametrize("points,why", [
+    ([[56.0, 70.0]] * 5, "its five points coincide"),
+    ([[10.0 + 20 * i, 20.0 + 15 * i] for i in range(5)], "its five points lie on one line"),
+    ([p[:] for p in ARC[:4]] + [[70.7, 192.2]], "point 5 lies outside the 112x112 crop"),
+    ([[-1.0, 51.7]] + ARC[1:], "point 1 lies outside"),
+])
+def test_onnx_whose_template_cannot_align_a_face_is_refused_naming_file_and_key(tmp_path, points, why):
+    """Five coincident points made every crop black and two people cosine 1.0000: such a file is
+    refused at load, by file and metadata key, as a non-finite one is."""
+    import json
+    import onnx
+    from infer.model import load_module
+    from infer.onnx import TEMPLATE_KEY
+    from scripts.export_onnx import export
+    path = str(tmp_path / "m.onnx")
+    export(backbones.get_model("tiny").eval(), path)
+    load_module(path)  # as exported: fine
+    proto = onnx.load(path)
+    entry = next(e for e in proto.metadata_props if e.key == TEMPLATE_KEY)
+    entry.value = json.dumps({"name": "odd", "size": [112, 112], "points": points})
+    onnx.save(proto, path)
+    with pytest.raises(CheckpointError, match=rf"m.onnx: {TEMPLATE_KEY} metadata names no usable crop \({why}") as e:
+        load_module(path)
+    assert "\n" not in str(e.value)
