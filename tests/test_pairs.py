@@ -314,3 +314,22 @@ def test_lfw_pairs_txt_with_a_utf8_bom_is_still_lfw(tmp_path):
     path.write_bytes(b"\xef\xbb\xbf" + "\n".join(["10 1"] + [x for s, d in zip(same, diff) for x in (s, d)]).encode())
     got = read_pair_list(str(path), "F")
     assert got.format == "lfw" and len(got.pairs) == 20 and got.folds == [(2 * k, 2 * k + 2) for k in range(10)]
+
+
+def test_verify_of_a_list_from_a_pipe_refuses_its_cache_place_before_searching_any_photo(lfw, tmp_path, capsys,
+                                                                                       counted):
+    """verify --pairs_list <(...): the list is /dev/fd/N, where no cache can be saved, not even by
+    root (os.access says yes to root there): refused before the photos are searched, saying how."""
+    model = _model(str(tmp_path / "m"), 0)
+    text = open(_lfw_list(tmp_path / "pairs.txt")).read().encode()
+    r, w = os.pipe()
+    try:
+        os.write(w, text)
+        os.close(w)
+        capsys.readouterr()
+        assert verify([model, "--pairs_list", f"/dev/fd/{r}", "--images", lfw]) == 2
+    finally:
+        os.close(r)
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"/dev/fd/{r}.shardface_faces.npz" in err and "--cache_dir" in err
+    assert not counted
