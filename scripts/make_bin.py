@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", type=int, default=None,
                    help=f"number of pairs, half same, half different (default {DEFAULT_PAIRS}, or as many as "
                         "the images allow; LFW has 6000)")
-    p.add_argument("--seed", type=int, default=None, help="fixes which pairs are drawn (default 0)")
+    p.add_seed(None, "fixes which pairs are drawn (default 0)")
     p.add_argument("--pairs_list", default=None,
                    help="write the pairs of this list, in its order: LFW's pairs.txt (images FOLDER/name/"
                         "name_000n.jpg) or one `path1 path2 1|0` pair a line, paths relative to FOLDER; with --align a "
