@@ -5,8 +5,9 @@ Two formats, told apart by their first line:
   `name i j` and n different pairs `name1 i name2 j`, the image of `name i` being
   `FOLDER/name/name_%04d.jpg`. Fold k is lines [k * 2n, (k + 1) * 2n) of the pairs.
 - a plain list, one pair a line: `path1 path2 1|0` (1: the same person), paths relative to
-  FOLDER; separated by tabs where a path holds a space, else by any whitespace. Blank lines and
-  lines starting with `#` are skipped. Its folds are verification's: NFOLDS contiguous runs of
+  FOLDER (an absolute path is taken as it is, and may name a photo outside FOLDER); separated
+  by tabs where a path holds a space, else by any whitespace. Blank lines and lines starting
+  with `#` are skipped. Its folds are verification's: NFOLDS contiguous runs of
   pairs, the first `n % NFOLDS` one pair longer (sklearn's KFold without shuffling).
 
 Verification scores NFOLDS contiguous folds of the pairs in order (eval.verification), so a pair

@@ -333,3 +333,15 @@ def test_verify_of_a_list_from_a_pipe_refuses_its_cache_place_before_searching_a
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and f"/dev/fd/{r}.shardface_faces.npz" in err and "--cache_dir" in err
     assert not counted
+
+
+def test_absolute_paths_of_a_plain_list_are_read_where_they_point_and_the_help_says_so(tmp_path, capsys):
+    outside = str(tmp_path / "elsewhere" / "a.jpg")
+    lines = [f"{outside} p{i}/b.jpg {i % 2}" for i in range(10)]
+    (tmp_path / "list.txt").write_text("\n".join(lines) + "\n")
+    got = read_pair_list(str(tmp_path / "list.txt"), str(tmp_path / "images"))
+    assert got.pairs[0] == (outside, str(tmp_path / "images" / "p0/b.jpg"))
+    for tool in (verify, make_bin):
+        with pytest.raises(SystemExit):
+            tool(["--help"])
+        assert "absolute path is read where it points, even outside" in " ".join(capsys.readouterr().out.split())
