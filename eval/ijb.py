@@ -83,8 +83,8 @@ def _columns(path: str, rows, kinds: tuple, what: str) -> list[list]:
                 row.append(kind(value))
             except ValueError:
                 expected = {int: "a whole number", _finite: "a finite number"}.get(kind, "a value")
-                raise DataError(f"{path}:{lineno}: field {i + 1} is {value!r}, not {expected} (a line is {what})") \
-                    from None
+                problem = f"field {i + 1} is {value!r}, not {expected} (a line is {what})"
+                raise DataError(f"{path}:{lineno}: {problem}") from None
         out.append(row)
     return out
 
@@ -212,7 +212,7 @@ def evaluate_ijb(root: str, backbone, prefix: str = "ijbc", batch_size: int = 64
     lacking = [kind for value, kind in kinds.items() if not (labels == value).any()]
     if lacking:  # TAR at a FAR needs both kinds of pair
         raise DataError(f"{os.path.join(root, 'meta', f'{prefix}_template_pair_label.txt')}: no "
-                         f"{' and no '.join(lacking)} pairs, so TAR@FAR is undefined; the third column must hold both")
+                        f"{' and no '.join(lacking)} pairs, so TAR@FAR is undefined; the third column must hold both")
     feats = image_features(root, names, landmarks, backbone, batch_size) * det_scores[:, None]
     ids, tfeats = template_features(feats, templates, medias)
     scores = pair_scores(ids, tfeats, pairs)

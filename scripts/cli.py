@@ -1,12 +1,12 @@
 """What every command-line tool in scripts/ shares: option spellings and help texts.
 
 `ArgumentParser` accepts each option with dashes or underscores (`--batch-size` and
-`--batch_size`), as train.py does for config keys, and shows the underscore spelling in
-`-h`. Every argument it is given must have a help text. A tool's `--seed` is declared with
+`--batch_size`), as train.py does for config keys, and shows the underscore spelling in `-h`.
+Every argument it is given must have a help text. A tool's `--seed` is declared with
 `add_seed`, which keeps one rule for every tool: numpy's, an integer >= 0 (Python's `random`
-takes negative seeds, numpy refuses them; train.py's `seed` key is held to the same). The tools' entry points are wrapped
-in `parallel.user_errors.exits_on_user_error`, so a config, data or checkpoint error is one
-line, `error: <message>`, with exit code 2."""
+takes negative seeds, numpy refuses them; train.py's `seed` key is held to the same). The
+tools' entry points are wrapped in `parallel.user_errors.exits_on_user_error`, so a config,
+data or checkpoint error is one line, `error: <message>`, with exit code 2."""
 from __future__ import annotations
 
 import argparse

@@ -135,7 +135,8 @@ def main(argv=None) -> int:
                    help="the .onnx file, or a directory for model.onnx (default: model.onnx in the run's directory)")
     p.add_argument("--opset", type=int, default=17, help="ONNX opset version (default 17)")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing OUT (the run's own model.onnx of an earlier export is refreshed without it)")
+                   help="replace an existing OUT (the run's own model.onnx of an earlier export is refreshed "
+                        "without it)")
     args = p.parse_args(argv)
     kind = model_kind(args.model)
     if kind == "dlib" and args.output is None:

@@ -190,7 +190,8 @@ def test_bin_of_protocol5_numpy_arrays_from_build_eval_pack_loads_as_its_bytes(t
 
 
 @pytest.mark.parametrize("damage,message", [
-    (lambda d: _renamed(d, "_frombuffer", "frombuffer"), r"refusing to load global 'numpy\._core\.numeric\.frombuffer'"),
+    (lambda d: _renamed(d, "_frombuffer", "frombuffer"),
+     r"refusing to load global 'numpy\._core\.numeric\.frombuffer'"),
     (lambda d: _renamed(_renamed(d, "numpy._core.numeric", "builtins"), "_frombuffer", "eval"),
      r"refusing to load global 'builtins\.eval'"),
     (lambda d: _renamed(_renamed(d, "numpy._core.numeric", "numpy"), "_frombuffer", "load"),
