@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from configs.errors import ConfigError
 from heads.sharding import check_world_fits, class_shard
 
 F32 = 4
@@ -180,9 +181,25 @@ def plan(cfg, gpus: int) -> Plan:
     return p
 
 
+def budget_bytes(gpu_mem_gb: float) -> float:
+    """The bytes a rank may plan for on a GPU of `gpu_mem_gb` GB: less CUDA_RESERVE. The memory
+    must be a finite number of GB above the reserve (nan made `int(nan)` fail deep in
+    `max_classes`; a negative one planned for a GPU that cannot exist)."""
+    if not (isinstance(gpu_mem_gb, (int, float)) and math.isfinite(gpu_mem_gb) and gpu_mem_gb * GB > CUDA_RESERVE):
+        raise ConfigError(f"--gpu_mem_gb {gpu_mem_gb}: expected the GPU's memory in GB, a finite number above the "
+                          f"{CUDA_RESERVE / GB:g} GB kept for CUDA, NCCL and the allocator (e.g. 80)")
+    return gpu_mem_gb * GB - CUDA_RESERVE
+
+
+def _check_budget(budget: float) -> None:
+    if not math.isfinite(budget):
+        raise ConfigError(f"memory budget {budget} bytes per rank: expected a finite number (see budget_bytes)")
+
+
 def max_classes(cfg, gpus: int, budget: float) -> int:
     """The largest num_classes whose plan fits `budget` bytes per rank (memory grows
     linearly with the classes per rank, so two points give the line)."""
+    _check_budget(budget)
     def total(c):
         cfg2 = dict(cfg)
         cfg2["num_classes"] = c
@@ -205,6 +222,7 @@ def pfc_v2_head_memory(num_classes: int, world: int, batch: int, dim: int, fp16:
 def pfc_v2_max_classes(cfg, gpus: int, budget: float) -> int:
     """The same question for arcface_torch: DDP backbone (parameters, gradient, momentum),
     the same activations, and PFC v2's head (`pfc_v2_head_memory`)."""
+    _check_budget(budget)
     params, saved = backbone_counts(cfg.network, cfg.embedding_size, cfg.batch_size, cfg.grad_checkpoint)
     fixed = 3 * params * F32 + saved * (0.5 if (cfg.fp16 or cfg.bf16) else 1.0)
     c0, c1 = gpus * 100_000, gpus * 1_100_000  # shards past the tile size: memory is linear there

@@ -5,6 +5,8 @@ from typing import Callable
 
 from torch import nn
 
+from configs.errors import ConfigError
+
 _REGISTRY: dict[str, Callable[..., nn.Module]] = {}
 
 
@@ -24,6 +26,6 @@ def list_models() -> list[str]:
 
 def get_model(name: str, **kwargs) -> nn.Module:
     """Build backbone `name`; kwargs: num_features, dropout, fp16, bf16, grad_checkpoint."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown network '{name}'; known networks: {', '.join(list_models())}")
+    if name not in _REGISTRY:  # a ConfigError (a ValueError too): the tools print it as one line
+        raise ConfigError(f"unknown network '{name}'; known networks: {', '.join(list_models())}")
     return _REGISTRY[name](**kwargs)

@@ -21,7 +21,7 @@ NON_NEGATIVE_FLOAT = ("weight_decay", "max_grad_norm", "lr_power", "arcface_m", 
                       "adaface_h", "magface_l_m", "magface_u_m", "magface_lambda_g", "curricularface_m",
                       "distill_weight")
 BOOL = ("grad_checkpoint", "fp16", "bf16", "channels_last", "zero", "ema", "skip_bad_images", "resize", "align",
-        "align_strict", "overwrite", "reset_ema",
+        "align_strict", "overwrite", "reset_ema", "distill_center",
         "reset_margin", "head_fused_optimizer", "clip_head", "straight_through", "magface_easy_margin",
         "dali", "dali_aug", "save_all_states", "using_wandb", "wandb_log_all", "save_artifacts")
 OPTIONAL_STR = ("wandb_key", "wandb_entity", "wandb_project", "suffix_run_name", "teacher_network")  # None or a string
@@ -96,6 +96,10 @@ def validate_config(cfg: dict) -> None:
         if not cfg["distill_weight"] > 0:
             raise _fail("distill_weight", cfg["distill_weight"], "with num_classes 0 the distillation loss is the "
                                                                  "only loss: expected a number > 0")
+    samples = cfg["distill_center_samples"]
+    if not _is_int(samples) or samples < 2:  # a mean over one record is that record: cosine 1.000 to it
+        raise _fail("distill_center_samples", samples, "expected an integer >= 2 (the records the teacher's mean "
+                                                        "target is measured on; one record is its own mean)")
     for key in OPTIONAL_STR:
         if cfg[key] is not None and not isinstance(cfg[key], str):
             raise _fail(key, cfg[key], "expected a string or None")

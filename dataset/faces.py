@@ -100,8 +100,9 @@ def read_property(root_dir: str) -> tuple[int, int, int]:
     if not os.path.isfile(path):
         raise DataLayoutError(f"{path}: property file not found (expected 'num_classes,112,112')")
     try:
-        num_classes, h, w = (int(v) for v in open(path).read().strip().split(","))
-    except ValueError:
+        with open(path, encoding="utf-8-sig") as f:  # an editor's BOM is not part of num_classes
+            num_classes, h, w = (int(v) for v in f.read().strip().split(","))
+    except (ValueError, UnicodeDecodeError):
         raise DataLayoutError(f"{path}: expected 'num_classes,height,width'") from None
     return num_classes, h, w
 

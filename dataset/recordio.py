@@ -9,6 +9,7 @@ Image payloads start with the header struct `IfQQ` (flag, label, id, id2); when 
 """
 from __future__ import annotations
 
+import codecs
 import os
 import struct
 from typing import NamedTuple
@@ -104,6 +105,8 @@ def read_index(idx_path: str, rec_size: int | None = None) -> dict[int, int]:
     seen: dict[int, int] = {}  # offset -> key
     with open(idx_path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
+            if lineno == 1 and raw.startswith(codecs.BOM_UTF8):  # an editor's byte-order mark, not a key
+                raw = raw[len(codecs.BOM_UTF8):]
             try:
                 line = raw.decode("ascii")
             except UnicodeDecodeError:

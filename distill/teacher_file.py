@@ -9,8 +9,12 @@ images' names and content: dataset/fingerprint.py), how its images were read (`t
 align, its detector, resize) and the teacher (name, fingerprint, template): a file made from
 other data, or from the same data read otherwise, is refused by name, and so is a file of an
 older format (its fingerprint covered names only). Rows are read by record index, so shuffling,
-resume and any world size read the right ones. A file with rows that are not finite is refused
-when it is opened, naming them; the same read gives the rows' mean (distill_center)."""
+resume and any world size read the right ones. Every row is a unit vector (to UNIT_TOLERANCE, the
+float16 rounding of a unit row is far inside it): a file with rows that are not finite, or not
+unit (all zero, or of norm 1e-4, whose targets would be constant or whose mean would centre
+nothing), is refused when it is opened, naming the file and the first rows, and scripts.teach
+refuses a teacher whose embedding of a record gives such a row; the same read gives the rows'
+mean (distill_center)."""
 from __future__ import annotations
 
 import json
@@ -31,6 +35,7 @@ ALIGN = 64
 FORMAT = 2  # 1: the data fingerprint covered image names only, and no transform was recorded
 _SCAN_BYTES = 64 << 20  # rows checked per read when a file is opened
 _FP16_EXPONENT = 0x7C00  # all exponent bits set: inf or NaN
+UNIT_TOLERANCE = 1e-2  # |norm - 1| a row may have: float16 rounds a unit row's norm by < 1e-3
 
 
 def data_transform(cfg) -> dict:
@@ -110,7 +115,7 @@ class TeacherFile:
                               f"({self.size} x {self.dim} float16): truncated or damaged; run scripts.teach again")
         self.offset = offset
         self.rows = self._map()
-        self._refuse_non_finite_rows()
+        self._check_rows()
 
     def _map(self) -> np.memmap:
         return np.memmap(self.path, dtype="<f2", mode="r", offset=self.offset, shape=(self.size, self.dim))
@@ -136,27 +141,37 @@ class TeacherFile:
         """b x D float32 rows of the records `indices`, on the CPU (what the loader's batches hold)."""
         return torch.stack([self.row(i) for i in np.asarray(indices, dtype=np.int64).reshape(-1)])
 
-    def _refuse_non_finite_rows(self) -> None:
-        """At start, every row is finite: one sequential read of the file (about 1.5 s per GB on
-        2 cores) finds a bad row before the run is accepted, rather than hours in as a NaN loss
-        that looks like divergence. An fp16 value is inf or NaN when its exponent bits are all set."""
+    def _check_rows(self) -> None:
+        """At start, every row is finite and a unit vector: one sequential read of the file (about
+        1.5 s per GB on 2 cores) finds a bad row before the run is accepted, rather than hours in as
+        a NaN loss that looks like divergence, or as targets that teach nothing (zero rows: one
+        constant target; rows of norm 1e-4: a mean near zero, so centring them does nothing). An fp16
+        value is inf or NaN when its exponent bits are all set."""
         bits = self.rows.view("<u2")
         step = max(1, _SCAN_BYTES // (2 * max(self.dim, 1)))
-        first, count = [], 0  # the first 10 bad rows are named, all are counted
+        bad = {"finite": _Named(), "unit": _Named()}  # the first 10 bad rows of each kind are named, all counted
         total = np.zeros(self.dim, np.float64)  # the same read gives the rows' mean (distill_center)
         for start in range(0, self.size, step):
             chunk = np.asarray(bits[start:start + step])
-            rows = np.flatnonzero(((chunk & _FP16_EXPONENT) == _FP16_EXPONENT).any(axis=1))
-            count += len(rows)
-            first += (rows + start)[:max(0, 10 - len(first))].tolist()
-            if not count:
-                total += chunk.view("<f2").astype(np.float64).sum(0)
+            finite = ~((chunk & _FP16_EXPONENT) == _FP16_EXPONENT).any(axis=1)
+            values = chunk.view("<f2").astype(np.float32)
+            norms = np.sqrt(np.einsum("ij,ij->i", values, values, dtype=np.float64))
+            bad["finite"].add(np.flatnonzero(~finite) + start)
+            off = np.flatnonzero(finite & ~(np.abs(norms - 1.0) <= UNIT_TOLERANCE))
+            bad["unit"].add(off + start, norms[off])
+            if not bad["finite"].count:
+                total += values.sum(0, dtype=np.float64)
         self.mean = (total / self.size).astype(np.float32)
-        if count:
-            more = ", ..." if count > len(first) else ""
-            raise ConfigError(f"{self.path}: {count} of {self.size} teacher rows are not finite (NaN or "
-                              f"inf): rows {', '.join(map(str, first))}{more}; the file is damaged or its teacher's "
+        if bad["finite"].count:
+            raise ConfigError(f"{self.path}: {bad['finite'].count} of {self.size} teacher rows are not finite (NaN or "
+                              f"inf): rows {bad['finite'].names()}; the file is damaged or its teacher's "
                               f"output was unusable: run scripts.teach again")
+        if bad["unit"].count:
+            raise ConfigError(f"{self.path}: {bad['unit'].count} of {self.size} teacher rows are not unit vectors "
+                              f"(norm 1 within {UNIT_TOLERANCE:g}, as scripts.teach writes them): rows "
+                              f"{bad['unit'].names()}, the first of norm {bad['unit'].first_value:.3g}; zero or "
+                              f"near-zero rows give constant targets: the file is damaged, not scripts.teach's, or "
+                              f"its teacher's output was unusable: run scripts.teach again")
 
     @property
     def name(self) -> str:
@@ -181,11 +196,31 @@ class TeacherFile:
         return rows.to(images.device, non_blocking=True)
 
 
+class _Named:
+    """Bad rows found by a scan: the first 10 kept to name (with the first one's value), all counted."""
+
+    def __init__(self):
+        self.first: list[int] = []
+        self.first_value: float | None = None
+        self.count = 0
+
+    def add(self, rows: np.ndarray, values: np.ndarray | None = None) -> None:
+        if len(rows) and self.first_value is None and values is not None:
+            self.first_value = float(values[0])
+        self.count += len(rows)
+        self.first += rows[:max(0, 10 - len(self.first))].tolist()
+
+    def names(self) -> str:
+        return ", ".join(map(str, self.first)) + (", ..." if self.count > len(self.first) else "")
+
+
 @torch.no_grad()
 def write_teacher_file(teacher, data, header: dict, out: str, batch_size: int = 64,
                        num_workers: int = 2) -> None:
     """Every record's row, written to a temporary file beside `out`, then published. A record
-    whose row is not finite stops it, naming the record: the file is never written."""
+    whose row is not finite, or not a unit vector (the teacher's embeddings of the record and its
+    mirror image sum to zero, or to a norm too small to normalise), stops it, naming the record:
+    the file is never written."""
     header = {**header, "format": FORMAT, "data_size": len(data), "dim": teacher.dim, "teacher": teacher.name,
               "teacher_fingerprint": teacher.model.fingerprint, "template": teacher.model.template.name,
               "rows": "L2-normalised embedding of the record plus its mirror image's, float16"}
@@ -200,6 +235,13 @@ def write_teacher_file(teacher, data, header: dict, out: str, batch_size: int = 
             if len(bad):
                 raise CheckpointError(f"teacher {teacher.name}: its embedding of record {done + int(bad[0])} of "
                                       f"{header['data']} is not finite (NaN or inf); the teacher's output is unusable")
+            norms = np.linalg.norm(rows.astype(np.float32), axis=1)
+            bad = np.flatnonzero(~(np.abs(norms - 1.0) <= UNIT_TOLERANCE))
+            if len(bad):
+                raise CheckpointError(f"teacher {teacher.name}: its embedding of record {done + int(bad[0])} of "
+                                      f"{header['data']} (plus its mirror image's) has norm "
+                                      f"{float(both[bad[0]].norm()):.3g}, no direction to normalise; the teacher's "
+                                      f"output is unusable")
             f.write(rows.tobytes())
             done += len(images)
             if progress is not None:

@@ -8,6 +8,10 @@ similarity transform; its feature is the embedding of the face plus that of its 
 weighted by the detector score; images of one media are averaged, media of one template
 summed, templates L2-normalised; pair scores are cosine similarities; TAR at each FAR is the
 highest true accept rate whose false accept rate does not exceed it.
+
+A wrong root, a missing meta file or face image (IJBFileNotFound), and a malformed meta line
+(DataError, naming the file, line and field) are each one error, before any face is embedded
+where the meta files can tell.
 """
 from __future__ import annotations
 
@@ -17,53 +21,114 @@ import numpy as np
 from PIL import Image, ImageDraw
 from sklearn.metrics import roc_curve
 
-from dataset.errors import ImageDecodeError
+from configs.errors import UserError
+from dataset.errors import DataError
 from faces.detect import Face
 from infer.model import as_model
 from infer.stream import analyse
-from utils.atomic import publishing
+from utils.atomic import check_output_file, publishing
 
 FAR_LEVELS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
 
 
-def _read_rows(path: str, min_fields: int) -> list[list[str]]:
+class IJBFileNotFound(UserError, FileNotFoundError):
+    """An IJB directory, meta file or face image that is not there (the message names it)."""
+
+
+def meta_folder(root: str) -> str:
+    """`root`/meta, or an IJBFileNotFound naming what is missing (a wrong --root, before any work)."""
+    if not os.path.isdir(root):
+        raise IJBFileNotFound(f"--root {root}: IJB directory not found (it holds meta/ and loose_crop/)")
+    meta = os.path.join(root, "meta")
+    if not os.path.isdir(meta):
+        raise IJBFileNotFound(f"--root {root}: no meta/ folder in it; --root is the IJB directory that holds "
+                              f"meta/ and loose_crop/ (e.g. IJB_release/IJBC)")
+    return meta
+
+
+def _finite(value: str) -> float:
+    number = float(value)
+    if not np.isfinite(number):
+        raise ValueError(value)
+    return number
+
+
+def _read_rows(path: str, min_fields: int) -> list[tuple[int, list[str]]]:
+    """(line number, fields) of each non-blank line, each with at least `min_fields` fields."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: IJB meta file not found")
+        raise IJBFileNotFound(f"{path}: IJB meta file not found")
     rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            fields = line.split()
-            if not fields:
-                continue
-            if len(fields) < min_fields:
-                raise ValueError(f"{path}:{lineno}: expected {min_fields} fields, got {len(fields)}")
-            rows.append(fields)
+    try:
+        with open(path, encoding="utf-8-sig") as f:  # a BOM is not part of the first name
+            for lineno, line in enumerate(f, 1):
+                fields = line.split()
+                if not fields:
+                    continue
+                if len(fields) < min_fields:
+                    raise DataError(f"{path}:{lineno}: expected {min_fields} fields, got {len(fields)}")
+                rows.append((lineno, fields))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: cannot read this IJB meta file ({exc})") from None
     return rows
 
 
-def load_meta(root: str, prefix: str):
-    meta = os.path.join(root, "meta")
-    faces = _read_rows(os.path.join(meta, f"{prefix}_face_tid_mid.txt"), 3)
-    pairs = _read_rows(os.path.join(meta, f"{prefix}_template_pair_label.txt"), 3)
-    marks = _read_rows(os.path.join(meta, f"{prefix}_name_5pts_score.txt"), 12)
+def _columns(path: str, rows, kinds: tuple, what: str) -> list[list]:
+    """Each row's first len(kinds) fields converted by `kinds` (int, _finite, str); a field that
+    does not convert is a DataError naming the file, line and field."""
+    out = []
+    for lineno, fields in rows:
+        row = []
+        for i, (kind, value) in enumerate(zip(kinds, fields)):
+            try:
+                row.append(kind(value))
+            except ValueError:
+                expected = {int: "a whole number", _finite: "a finite number"}.get(kind, "a value")
+                problem = f"field {i + 1} is {value!r}, not {expected} (a line is {what})"
+                raise DataError(f"{path}:{lineno}: {problem}") from None
+        out.append(row)
+    return out
+
+
+def read_faces(root: str, prefix: str):
+    """(image names, templates, medias, N x 5 x 2 landmarks, detector scores) of the meta files
+    <prefix>_face_tid_mid.txt and <prefix>_name_5pts_score.txt, which list the same images."""
+    meta = meta_folder(root)
+    path = os.path.join(meta, f"{prefix}_face_tid_mid.txt")
+    faces = _columns(path, _read_rows(path, 3), (str, int, int), "`image template media`")
+    marks_path = os.path.join(meta, f"{prefix}_name_5pts_score.txt")
+    marks = _columns(marks_path, _read_rows(marks_path, 12), (str,) + (_finite,) * 11,
+                     "`image`, 10 landmark coordinates and the detector score")
     if [r[0] for r in faces] != [r[0] for r in marks]:
-        raise ValueError(f"{meta}: face and landmark files list different images")
-    landmarks = np.array([[float(v) for v in r[1:11]] for r in marks]).reshape(-1, 5, 2)
-    scores = np.array([float(r[11]) for r in marks])
-    return ([r[0] for r in faces], np.array([int(r[1]) for r in faces]), np.array([int(r[2]) for r in faces]),
-            landmarks, scores, np.array([[int(r[0]), int(r[1])] for r in pairs]), np.array([int(r[2]) for r in pairs]))
+        raise DataError(f"{meta}: {os.path.basename(path)} and {os.path.basename(marks_path)} list different images")
+    return ([r[0] for r in faces], np.array([r[1] for r in faces], np.int64),
+            np.array([r[2] for r in faces], np.int64),
+            np.array([r[1:11] for r in marks], np.float64).reshape(-1, 5, 2),
+            np.array([r[11] for r in marks], np.float64))
+
+
+def load_meta(root: str, prefix: str):
+    names, templates, medias, landmarks, scores = read_faces(root, prefix)
+    path = os.path.join(root, "meta", f"{prefix}_template_pair_label.txt")
+    rows = _read_rows(path, 3)
+    pairs = _columns(path, rows, (int, int, int), "`template1 template2 label`")
+    for (lineno, _), (_, _, label) in zip(rows, pairs):
+        if label not in (0, 1):
+            raise DataError(f"{path}:{lineno}: label {label}, expected 1 (genuine) or 0 (impostor)")
+    return (names, templates, medias, landmarks, scores,
+            np.array([[a, b] for a, b, _ in pairs], np.int64).reshape(-1, 2),
+            np.array([label for _, _, label in pairs], np.int64))
 
 
 def image_features(root: str, names, landmarks, backbone, batch_size: int = 64) -> np.ndarray:
     """Embedding of each face aligned at its landmarks plus that of its mirror image, through the
     face stream (infer.stream: the faces given, not searched)."""
     paths = [os.path.join(root, "loose_crop", name) for name in names]
+    missing = next((p for p in paths if not os.path.isfile(p)), None)
+    if missing is not None:  # before any work
+        raise IJBFileNotFound(f"{missing}: face image not found (listed in the meta files)")
     faces = [[Face((0.0, 0.0, 0.0, 0.0), np.asarray(marks, np.float64), float("nan"))] for marks in landmarks]
-    try:
-        rows = [photo.face.embedding.sum(0) for photo in analyse(as_model(backbone), paths, faces=faces,
-                                                                  batch_size=batch_size, raw=True)]
-    except ImageDecodeError as exc:
-        raise FileNotFoundError(f"cannot read face image: {exc}") from None
+    rows = [photo.face.embedding.sum(0) for photo in analyse(as_model(backbone), paths, faces=faces,
+                                                              batch_size=batch_size, raw=True)]
     return np.stack(rows) if rows else np.zeros((0, 0), np.float32)
 
 
@@ -85,7 +150,7 @@ def pair_scores(ids, tfeats, pairs) -> np.ndarray:
         a = np.array([row[t] for t in pairs[:, 0]])
         b = np.array([row[t] for t in pairs[:, 1]])
     except KeyError as exc:
-        raise ValueError(f"pair file names template {exc.args[0]} that has no faces") from None
+        raise DataError(f"pair file names template {exc.args[0]} that has no faces") from None
     return np.sum(tfeats[a] * tfeats[b], axis=1)
 
 
@@ -117,25 +182,25 @@ def plot_roc(labels, scores, path: str, title: str = "ROC") -> None:
         img.save(tmp, format="PNG")
 
 
-def check_roc_path(path: str | None) -> None:
-    """Refuse an ROC path that cannot be written, before any image is embedded."""
-    if not path:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"--roc {path}: the directory {folder} does not exist; create it first")
-    if os.path.isdir(path) or not os.access(folder, os.W_OK):
-        raise ValueError(f"--roc {path}: cannot write a PNG there")
+def check_roc_path(path: str | None, overwrite: bool = False) -> None:
+    """Refuse an ROC path that cannot be written, before any image is embedded: the output rule
+    of every tool (utils.atomic.check_output_file, as identify_eval's --plot): its folder exists,
+    it is not a folder, an existing file is replaced only with `overwrite`."""
+    if path:
+        check_output_file(path, overwrite=overwrite, what="--roc")
 
 
-def evaluate_ijb(root: str, backbone, prefix: str = "ijbc", batch_size: int = 64, roc_path: str | None = None):
-    check_roc_path(roc_path)
+def evaluate_ijb(root: str, backbone, prefix: str = "ijbc", batch_size: int = 64, roc_path: str | None = None,
+                 overwrite: bool = False):
+    """TAR at each of FAR_LEVELS; with `roc_path`, its ROC plot written there (an existing file
+    replaced only with `overwrite`)."""
+    check_roc_path(roc_path, overwrite)
     names, templates, medias, landmarks, det_scores, pairs, labels = load_meta(root, prefix)
     kinds = {1: "genuine (label 1)", 0: "impostor (label 0)"}
     lacking = [kind for value, kind in kinds.items() if not (labels == value).any()]
     if lacking:  # TAR at a FAR needs both kinds of pair
-        raise ValueError(f"{os.path.join(root, 'meta', f'{prefix}_template_pair_label.txt')}: no "
-                         f"{' and no '.join(lacking)} pairs, so TAR@FAR is undefined; the third column must hold both")
+        raise DataError(f"{os.path.join(root, 'meta', f'{prefix}_template_pair_label.txt')}: no "
+                        f"{' and no '.join(lacking)} pairs, so TAR@FAR is undefined; the third column must hold both")
     feats = image_features(root, names, landmarks, backbone, batch_size) * det_scores[:, None]
     ids, tfeats = template_features(feats, templates, medias)
     scores = pair_scores(ids, tfeats, pairs)

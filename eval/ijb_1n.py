@@ -20,7 +20,7 @@ import numpy as np
 
 from dataset import DataError
 from eval.identification import FPIR_LEVELS, insightface_tpir, mate_ranks, rank_accuracy, tpir_at_fpir
-from eval.ijb import _read_rows, image_features, template_features
+from eval.ijb import image_features, read_faces, template_features
 
 GALLERIES = {"ijbc": ("G1", "G2"), "ijbb": ("S1", "S2")}
 
@@ -30,8 +30,11 @@ def read_template_subjects(path: str) -> tuple[np.ndarray, np.ndarray]:
     if not os.path.isfile(path):
         raise DataError(f"{path}: IJB 1:N meta file not found")
     subject_of: dict[int, int] = {}
-    with open(path) as f:
-        lines = f.read().splitlines()[1:]  # the header line
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            lines = f.read().splitlines()[1:]  # the header line
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: cannot read this IJB meta file ({exc})") from None
     for lineno, line in enumerate(lines, 2):
         if not line.strip():
             continue
@@ -89,16 +92,11 @@ def identification_results(template_ids, template_feats, galleries: dict, probes
 
 
 def evaluate_ijb_1n(root: str, backbone, prefix: str = "ijbc", batch_size: int = 64) -> dict:
+    names, templates, medias, landmarks, det_scores = read_faces(root, prefix)
     meta = os.path.join(root, "meta")
-    faces = _read_rows(os.path.join(meta, f"{prefix}_face_tid_mid.txt"), 3)
-    marks = _read_rows(os.path.join(meta, f"{prefix}_name_5pts_score.txt"), 12)
-    if [r[0] for r in faces] != [r[0] for r in marks]:
-        raise DataError(f"{meta}: face and landmark files list different images")
     galleries = {g: read_template_subjects(os.path.join(meta, f"{prefix}_1N_gallery_{g}.csv"))
                  for g in GALLERIES[prefix]}
     probes = read_template_subjects(os.path.join(meta, f"{prefix}_1N_probe_mixed.csv"))
-    landmarks = np.array([[float(v) for v in r[1:11]] for r in marks]).reshape(-1, 5, 2)
-    det_scores = np.array([float(r[11]) for r in marks])
-    feats = image_features(root, [r[0] for r in faces], landmarks, backbone, batch_size) * det_scores[:, None]
-    ids, tfeats = template_features(feats, np.array([int(r[1]) for r in faces]), np.array([int(r[2]) for r in faces]))
+    feats = image_features(root, names, landmarks, backbone, batch_size) * det_scores[:, None]
+    ids, tfeats = template_features(feats, templates, medias)
     return identification_results(ids, tfeats, galleries, probes)

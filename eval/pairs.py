@@ -5,8 +5,9 @@ Two formats, told apart by their first line:
   `name i j` and n different pairs `name1 i name2 j`, the image of `name i` being
   `FOLDER/name/name_%04d.jpg`. Fold k is lines [k * 2n, (k + 1) * 2n) of the pairs.
 - a plain list, one pair a line: `path1 path2 1|0` (1: the same person), paths relative to
-  FOLDER; separated by tabs where a path holds a space, else by any whitespace. Blank lines and
-  lines starting with `#` are skipped. Its folds are verification's: NFOLDS contiguous runs of
+  FOLDER (an absolute path is taken as it is, and may name a photo outside FOLDER); separated
+  by tabs where a path holds a space, else by any whitespace. Blank lines and lines starting
+  with `#` are skipped. Its folds are verification's: NFOLDS contiguous runs of
   pairs, the first `n % NFOLDS` one pair longer (sklearn's KFold without shuffling).
 
 Verification scores NFOLDS contiguous folds of the pairs in order (eval.verification), so a pair
@@ -71,8 +72,13 @@ def contiguous_folds(n: int, nfolds: int = NFOLDS) -> list[tuple[int, int]]:
     return bounds
 
 
+def _is_number(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes superscripts ('³'), which int() refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def _lfw_image(folder: str, name: str, number: str, where: str) -> str:
-    if not number.isdigit() or int(number) < 1:
+    if not _is_number(number) or int(number) < 1:
         raise PairListError(f"{where}: image number {number!r} is not a positive whole number")
     return os.path.join(folder, name, f"{name}_{int(number):04d}.jpg")
 
@@ -130,7 +136,7 @@ def _read_plain(path: str, folder: str, rows: list[tuple[int, list[str]]]) -> Pa
 def read_pair_list(path: str, folder: str) -> PairList:
     """The pairs of the list file at `path`, images under `folder` (see the module docstring)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # an editor's BOM is not part of the header
             text = f.read()
     except FileNotFoundError:
         raise PairListError(f"{path}: pair list not found") from None
@@ -141,7 +147,7 @@ def read_pair_list(path: str, folder: str) -> PairList:
     if not rows:
         raise PairListError(f"{path}: no pairs in the list")
     first = rows[0][1]
-    if len(first) == 2 and all(v.isdigit() for v in first):
+    if len(first) == 2 and all(_is_number(v) for v in first):
         return _read_lfw(path, folder, rows)
     return _read_plain(path, folder, rows)
 

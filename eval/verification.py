@@ -31,15 +31,42 @@ class VerificationDataError(DataError):
 NFOLDS = 10  # the protocol's cross-validation folds
 
 
+def _array_from_bytes(buffer, dtype, shape, order):
+    """The array a protocol-5 pickle of a numpy array names as `numpy[._]core.numeric._frombuffer`
+    (insightface's build_eval_pack pickles cv2.imencode's arrays with pickle.HIGHEST_PROTOCOL):
+    its bytes read as `dtype` and laid out as `shape` in `order`. Rebuilt here, not by numpy's
+    function, from checked arguments only: in-band bytes, a plain numeric dtype (no Python
+    objects, no fields), whole dimensions that the bytes fill exactly, and order C or F."""
+    if not isinstance(buffer, (bytes, bytearray)):
+        raise pickle.UnpicklingError(f"an array's data is a {type(buffer).__name__}, not bytes")
+    if not isinstance(dtype, np.dtype) or dtype.hasobject or dtype.kind not in "biufc" or dtype.fields is not None \
+            or dtype.subdtype is not None:  # the kind too: a pickled dtype's state can clear its object flag
+        raise pickle.UnpicklingError(f"an array of dtype {dtype!r}: only plain numeric arrays are read")
+    if not isinstance(shape, tuple) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                               for n in shape):
+        raise pickle.UnpicklingError(f"an array of shape {shape!r}")
+    if order not in ("C", "F"):
+        raise pickle.UnpicklingError(f"an array of order {order!r}")
+    if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != len(buffer):
+        raise pickle.UnpicklingError(f"an array of shape {shape} and dtype {dtype} in {len(buffer)} bytes")
+    return np.frombuffer(buffer, dtype=dtype).reshape(shape, order=order)
+
+
 class _BinUnpickler(pickle.Unpickler):
     """Unpickles only what a .bin holds (lists, tuples, bytes, bools, numpy arrays): any
-    other global a crafted file names, the way to run code, is refused."""
+    other global a crafted file names, the way to run code, is refused. Arrays come in two
+    forms: protocol 2-4's `_reconstruct` with its state, and protocol 5's `_frombuffer` (numpy 1
+    names it under numpy.core, numpy 2 under numpy._core), which `_array_from_bytes` rebuilds."""
 
     ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
                ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
                ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
+    REBUILT = {("numpy.core.numeric", "_frombuffer"): _array_from_bytes,
+               ("numpy._core.numeric", "_frombuffer"): _array_from_bytes}
 
     def find_class(self, module: str, name: str):
+        if (module, name) in self.REBUILT:
+            return self.REBUILT[module, name]
         if (module, name) not in self.ALLOWED:
             raise pickle.UnpicklingError(f"refusing to load global '{module}.{name}'")
         return super().find_class(module, name)

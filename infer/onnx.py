@@ -22,13 +22,39 @@ def template_json(template: Template) -> str:
                        "points": np.asarray(template.points).tolist()})
 
 
+MIN_SPREAD = 0.02  # the five points' spread across their narrower principal axis, in crop sides
+
+
+def template_problem(template: Template) -> str | None:
+    """Why `template` cannot align a face, or None. Its five points must be finite, inside the
+    crop, and span it in two directions: five coincident points make the similarity transform
+    divide by zero (every crop black, every face alike), collinear ones leave it undetermined
+    across the line. insightface's and dlib's templates spread 0.11 to 0.15 crop sides across
+    their narrower axis; MIN_SPREAD is far below that."""
+    height, width = template.size
+    if min(height, width) < 1:
+        return f"crop size {height}x{width}"
+    points = np.asarray(template.points, np.float64)
+    if points.shape != (5, 2) or not np.isfinite(points).all():
+        return "its five points are not finite numbers"
+    outside = ~((points >= 0).all(1) & (points[:, 0] <= width) & (points[:, 1] <= height))
+    if outside.any():
+        return f"point {int(np.flatnonzero(outside)[0]) + 1} lies outside the {width}x{height} crop"
+    spread = np.linalg.svd(points - points.mean(0), compute_uv=False) / np.sqrt(len(points))
+    if spread[-1] < MIN_SPREAD * min(height, width):
+        return ("its five points coincide" if spread[0] < MIN_SPREAD * min(height, width)
+                else "its five points lie on one line") + f" (spread {spread[-1]:.2f} pixels)"
+    return None
+
+
 class OnnxBackbone(nn.Module):
     """An exported model (scripts/export_onnx.py: input `data`, N x 3 x h x w float32 RGB in
     [-1, 1]) run by onnxruntime behind the module interface the evaluation code takes. Its crop
     template is the one its metadata records (`TEMPLATE_KEY`); a model without it is taken for
     insightface's 112x112 crop, and must be 112x112. It holds no weights of its own: it takes
     inputs on any device and returns its output on theirs. Refused at load, naming what is wrong: weights
-    that are not finite, an output that is not N x D. A model exported with a fixed batch size is
+    that are not finite, an output that is not N x D, a template that cannot align a face
+    (`template_problem`). A model exported with a fixed batch size is
     fed batches of that size."""
 
     def __init__(self, path: str):
@@ -72,8 +98,9 @@ class OnnxBackbone(nn.Module):
                                 np.asarray(t["points"], np.float64).reshape(5, 2))
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise CheckpointError(f"{path}: unreadable {TEMPLATE_KEY} metadata ({exc})") from None
-        if min(template.size) < 1 or not np.isfinite(template.points).all():
-            raise CheckpointError(f"{path}: {TEMPLATE_KEY} metadata names no usable crop: {recorded}")
+        problem = template_problem(template)
+        if problem:
+            raise CheckpointError(f"{path}: {TEMPLATE_KEY} metadata names no usable crop ({problem}): {recorded}")
         return template
 
     @staticmethod

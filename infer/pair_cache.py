@@ -27,7 +27,7 @@ import numpy as np
 
 from dataset.errors import DataError
 from faces.detect import Face
-from utils.atomic import check_output_file, publishing
+from utils.atomic import OutputError, check_output_file, publishing
 
 FORMAT = 1
 FACES_KIND = "shardface pair-list faces"
@@ -91,7 +91,11 @@ def check_cache(path: str) -> None:
         _read(path, FACES_KIND if path.endswith(".shardface_faces.npz") else EMBEDDINGS_KIND)
     except _Damaged:
         pass  # ours: rebuilt when written
-    check_output_file(path, what="cache file")
+    try:  # its folder takes a new file (as root, /dev/fd of a list `<(...)` passes os.access, not this)
+        check_output_file(path, what="cache file")
+    except OutputError as exc:
+        raise OutputError(f"{exc}; pass --cache_dir DIR (a pair list read from a pipe, such as <(...), has no "
+                          f"folder to keep its cache in)") from None
 
 
 class _Cache:

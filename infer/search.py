@@ -3,11 +3,13 @@ engines that give the same answer, and "auto", which picks the faster of them fo
 
     index = make_index(dim, "auto", size=N, queries=Q)   # or engine "exact" / "faiss"
     index.add(gallery)                        # N x D float rows, ids 0 .. N-1 in order added
-    scores, ids = index.search(queries, k)    # Q x k float32 scores, Q x k int64 ids
+    scores, ids = index.search(queries, k)    # Q x min(k, N) float32 scores, int64 ids
 
 Rows come back best first; equal scores are ordered by the lower id first, in both engines,
-so a result never depends on the engine, the block sizes or the thread count. With k larger
-than the gallery, the missing places hold score -inf and id -1 (faiss's convention).
+so a result never depends on the engine, the block sizes or the thread count. k is clamped to
+the gallery's size before anything is allocated: a k larger than the gallery (`--top
+1000000000`) gives every row, N columns, not Q x k places of nothing (faiss would pad them with
+score -inf and id -1, and allocate them).
 
 `ExactIndex` keeps the gallery in blocks (float32 or float16 storage) and scores one block
 of gallery rows against one block of queries at a time, keeping a running top-k: memory
@@ -69,6 +71,13 @@ def _check_rows(x: np.ndarray, dim: int, what: str) -> np.ndarray:
     return x
 
 
+def _clamped(k: int, ntotal: int) -> int:
+    """The places a search fills: k (at least 1) clamped to the gallery's size, before any allocation."""
+    if k < 1:
+        raise ValueError(f"k must be at least 1, got {k}")
+    return min(k, ntotal)
+
+
 def _order(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first k of each row by (score descending, id ascending): two stable sorts."""
     by_id = torch.argsort(ids, dim=1, stable=True)
@@ -127,8 +136,7 @@ class ExactIndex:
                 self.blocks.append(piece.clone())
 
     def search(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        if k < 1:
-            raise ValueError(f"k must be at least 1, got {k}")
+        k = _clamped(k, self.ntotal)
         q_all = torch.as_tensor(_check_rows(x, self.dim, "search"), dtype=torch.float32).contiguous()
         best_s = torch.full((len(q_all), k), -torch.inf)
         best_i = torch.full((len(q_all), k), -1, dtype=torch.int64)
@@ -175,12 +183,10 @@ class FaissIndex:
         self.index.add(np.ascontiguousarray(_check_rows(x, self.dim, "add"), dtype=np.float32))
 
     def search(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        if k < 1:
-            raise ValueError(f"k must be at least 1, got {k}")
+        kk = _clamped(k, self.ntotal)
         q = np.ascontiguousarray(_check_rows(x, self.dim, "search"), dtype=np.float32)
-        out_s = np.full((len(q), k), -np.inf, np.float32)
-        out_i = np.full((len(q), k), -1, np.int64)
-        kk = min(k, self.ntotal)
+        out_s = np.full((len(q), kk), -np.inf, np.float32)
+        out_i = np.full((len(q), kk), -1, np.int64)
         if kk == 0 or len(q) == 0:
             return out_s, out_i
         pending, fetch = np.arange(len(q)), min(self.ntotal, max(2 * kk, kk + 8))

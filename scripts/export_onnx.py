@@ -3,7 +3,9 @@
 150x150 for `dlib`; dynamic batch, fp32) and check onnxruntime against torch on batches of 1 and 8
 before the file replaces anything (it is published atomically; an output that is an input is
 refused). `python -m scripts.export_onnx MODEL [OUT]`: OUT is the .onnx file or a directory for
-`model.onnx`, by default the run's own directory (for `dlib`, OUT is needed). The model's crop
+`model.onnx`, by default the run's own directory (for `dlib`, OUT is needed). An existing OUT is
+replaced only with `--overwrite`, except the run's own `model.onnx` that an earlier export wrote,
+which each export refreshes (`refreshes`). The model's crop
 template is recorded in the file's metadata (`shardface.template`), so the ONNX form is fed as the
 original."""
 from __future__ import annotations
@@ -103,6 +105,28 @@ def output_path(checkpoint: str, output: str | None) -> str:
     return output
 
 
+def is_export(path: str) -> bool:
+    """Whether `path` is an ONNX model this export wrote (its metadata records the crop template)."""
+    import onnx
+    if not os.path.isfile(path):
+        return False
+    try:
+        proto = onnx.load(path, load_external_data=False)
+    except Exception:  # a photo, a text file, a damaged model: not ours to refresh
+        return False
+    return any(entry.key == TEMPLATE_KEY for entry in proto.metadata_props)
+
+
+def refreshes(model: str, output: str) -> bool:
+    """Whether the export may replace `output` without --overwrite: only the run's own `model.onnx`
+    (the default OUT of `model`: in its run or checkpoint directory, or beside its model.pt) that an
+    earlier export wrote. Anything else there (a photo, a text file, another model) is the user's."""
+    if model_kind(model) == "dlib":  # no run of its own: OUT is always the user's choice
+        return False
+    own = output_path(model, None)
+    return os.path.realpath(output) == os.path.realpath(own) and is_export(output)
+
+
 @exits_on_user_error
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__)
@@ -110,6 +134,9 @@ def main(argv=None) -> int:
     p.add_argument("output", nargs="?", default=None,
                    help="the .onnx file, or a directory for model.onnx (default: model.onnx in the run's directory)")
     p.add_argument("--opset", type=int, default=17, help="ONNX opset version (default 17)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing OUT (the run's own model.onnx of an earlier export is refreshed "
+                        "without it)")
     args = p.parse_args(argv)
     kind = model_kind(args.model)
     if kind == "dlib" and args.output is None:
@@ -118,10 +145,11 @@ def main(argv=None) -> int:
         raise CheckpointError(f"{args.model}: already an ONNX model")
     output = output_path(args.model, args.output)
     refuse_inputs([output], model_files(args.model))
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    # before the model is loaded: an existing OUT is replaced only with --overwrite, but for `refreshes`
+    check_output_file(output, overwrite=args.overwrite or refreshes(args.model, output), what="OUT")
     model = model_from(args)
     module = model.module.cpu()
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    check_output_file(output)
     own = model.threshold.record if model.threshold is not None else None
     export(module, output, args.opset, model.template, parity=True, threshold=own)
     print(f"exported {output}" + (f" with the run's threshold {own['threshold']:.4f} (at FAR {own['far']:g})"

@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     p.add_argument("--gallery_per_id", type=int, default=1, help="images enrolled per person (default 1)")
     p.add_argument("--unknown_ids", type=int, default=None,
                    help="people held out as non-mated probes (default: a tenth, at least 1)")
-    p.add_argument("--seed", type=int, default=0, help="draws the held-out people and the enrolled images")
+    p.add_seed(0, "draws the held-out people and the enrolled images (default 0)")
     p.add_argument("--plot", default=None, help="PNG path for the CMC and DET curves")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --plot file")
     p.add_argument("--json", action="store_true", help="print one JSON document")

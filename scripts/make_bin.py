@@ -116,11 +116,12 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", type=int, default=None,
                    help=f"number of pairs, half same, half different (default {DEFAULT_PAIRS}, or as many as "
                         "the images allow; LFW has 6000)")
-    p.add_argument("--seed", type=int, default=None, help="fixes which pairs are drawn (default 0)")
+    p.add_seed(None, "fixes which pairs are drawn (default 0)")
     p.add_argument("--pairs_list", default=None,
                    help="write the pairs of this list, in its order: LFW's pairs.txt (images FOLDER/name/"
-                        "name_000n.jpg) or one `path1 path2 1|0` pair a line, paths relative to FOLDER; with --align a "
-                        "photo without a face is cut at a fallback face, never left out")
+                        "name_000n.jpg) or one `path1 path2 1|0` pair a line, paths relative to FOLDER (an "
+                        "absolute path is read where it points, even outside FOLDER); with --align a photo "
+                        "without a face is cut at a fallback face, never left out")
     p.add_argument("--resize", action="store_true",
                    help="resize images that are not 112x112 instead of refusing them (resizing is not "
                         "alignment; see README 'Your own images')")

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     p.add_argument("--val_ids", type=int, default=100, help="held-out identities for the verification pairs (default 100)")
     p.add_argument("--val_per_id", type=int, default=10, help="images per held-out identity (default 10)")
     p.add_argument("--val_pairs", type=int, default=1000, help="verification pairs, half of them same-identity (default 1000)")
-    p.add_argument("--seed", type=int, default=0, help="drawing seed (default 0)")
+    p.add_seed(0, "drawing seed (default 0)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="drawing processes (default: one per CPU)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing set at --output")
     args = p.parse_args(argv)

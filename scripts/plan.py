@@ -21,7 +21,7 @@ import sys
 from configs import get_config
 from heads.sharding import class_shard
 from parallel.user_errors import exits_on_user_error
-from planner import CUDA_RESERVE, GB, max_classes, pfc_v2_max_classes, plan
+from planner import CUDA_RESERVE, GB, budget_bytes, max_classes, pfc_v2_max_classes, plan
 from scripts.cli import ArgumentParser
 
 
@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = p.parse_known_args(argv)
     if args.gpus < 1:
         p.error(f"--gpus {args.gpus}: a job needs at least one rank")
+    budget = budget_bytes(args.gpu_mem_gb)  # before the config: nan, inf, -5 named in one line
     cfg = get_config(args.config, overrides)
-    budget = args.gpu_mem_gb * GB - CUDA_RESERVE
     if args.table:
         return capacity_table(args.config, overrides, args.gpu_mem_gb, budget)
     result = plan(cfg, args.gpus)

@@ -59,7 +59,8 @@ def main(argv=None) -> int:
     p.add_argument("--bin", action="append", default=[], help="a .bin file (repeatable)")
     p.add_argument("--pairs_list", default=None,
                    help="verify the pairs of this list from photos: LFW's pairs.txt (images FOLDER/name/"
-                        "name_000n.jpg) or one `path1 path2 1|0` pair a line, paths relative to --images")
+                        "name_000n.jpg) or one `path1 path2 1|0` pair a line, paths relative to --images (an "
+                        "absolute path is read where it points, even outside --images)")
     p.add_argument("--images", default=None, help="with --pairs_list, the folder of its photos")
     p.add_argument("--strict", action="store_true",
                    help="with --pairs_list, refuse photos without a face instead of cutting them at a fallback face")

@@ -206,3 +206,16 @@ def test_dropout_is_applied_or_refused():
             torch.testing.assert_close(model(x), model(x), msg=name)
     with pytest.raises(ValueError, match="dropout 0.5: MobileFaceNet has no dropout"):
         backbones.get_model("mbf", dropout=0.5)
+
+
+def test_mistyped_network_is_one_line_listing_the_known_names_in_every_tool(tmp_path, capsys):
+    """`--network resnet18` is a config error the tools print as `error: ...`, not a traceback."""
+    from configs.errors import ConfigError
+    from scripts.export_onnx import main as export_onnx
+    with pytest.raises(ConfigError, match=r"unknown network 'resnet18'; known networks: .*r18"):
+        backbones.get_model("resnet18")
+    torch.save(backbones.get_model("tiny").state_dict(), tmp_path / "model.pt")
+    capsys.readouterr()
+    assert export_onnx([str(tmp_path / "model.pt"), str(tmp_path / "m.onnx"), "--network", "resnet18"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "unknown network 'resnet18'" in err and "r50" in err

@@ -51,6 +51,9 @@ def test_shipped_job_configs_resolve(job):
     (["--optimizer", "lamb"], "optimizer = 'lamb'"),
     (["--sample_rate", "-0.1"], r"sample_rate = -0.1: expected a number in \[0.0, 1.0\]"),
     (["--fp16", "true", "--bf16", "true"], "choose one"),
+    (["--distill_center_samples", "0"], "distill_center_samples = 0: expected an integer >= 2"),
+    (["--distill_center_samples", "-1"], "distill_center_samples = -1: expected an integer >= 2"),
+    (["--distill_center_samples", "1"], "distill_center_samples = 1: expected an integer >= 2"),
 ])
 def test_out_of_range_values_fail_at_start_naming_key_and_value(override, message):
     with pytest.raises(ConfigError, match=message):

@@ -285,3 +285,9 @@ def test_skipped_images_are_counted_across_loader_workers(tmp_path):
     sampler = ResumableDistributedSampler(len(ds), 1, 0, batch_size=4, seed=0)
     assert sum(len(y) for _, y in get_dataloader(ds, sampler, num_workers=2)) == 12
     assert ds.bad_images == 2  # each bad index read once, its neighbour taken instead
+
+
+def test_property_file_with_a_utf8_bom_reads_as_without(tmp_path):
+    from dataset.faces import read_property
+    (tmp_path / "property").write_bytes(b"\xef\xbb\xbf93431,112,112\n")
+    assert read_property(str(tmp_path)) == (93431, 112, 112)

@@ -68,3 +68,62 @@ def test_config_json_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
         save_config(cfg, str(tmp_path), atomic_write_text)
     monkeypatch.undo()
     assert (tmp_path / "config.json").read_text() == before
+
+
+def test_export_replaces_an_existing_out_only_with_overwrite_but_refreshes_the_runs_own_model_onnx(tmp_path, capsys):
+    """README: outputs are replaced only with --overwrite, except the run's own model.onnx that
+    an earlier export wrote. A photo, a text file or another model's .onnx at OUT is the user's."""
+    from scripts.export_onnx import main as export_onnx
+    torch.manual_seed(0)
+    torch.save(backbones.get_model("tiny").state_dict(), tmp_path / "model.pt")
+    model = str(tmp_path / "model.pt")
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    other = tmp_path / "other.onnx"
+    assert export_onnx([model, str(other), "--network", "tiny"]) == 0  # another model's export
+    other_bytes = other.read_bytes()
+    for out, before in ((photo, photo.read_bytes()), (other, other_bytes)):
+        capsys.readouterr()
+        assert export_onnx([model, str(out), "--network", "tiny"]) == 2
+        assert "exists; pass --overwrite" in capsys.readouterr().err
+        assert out.read_bytes() == before
+    assert export_onnx([model, str(photo), "--network", "tiny", "--overwrite"]) == 0
+    assert photo.read_bytes() != b"\x89PNG\r\n\x1a\n not really"
+    # the run's own model.onnx (beside model.pt): written, then refreshed by the next export
+    own = tmp_path / "model.onnx"
+    assert export_onnx([model, "--network", "tiny"]) == 0 and own.is_file()
+    assert export_onnx([model, "--network", "tiny"]) == 0
+    assert export_onnx([model, str(own), "--network", "tiny"]) == 0  # named explicitly: the same file
+    # ... but not a text file that sits in its place
+    own.write_text("my notes\n")
+    assert export_onnx([model, "--network", "tiny"]) == 2
+    assert own.read_text() == "my notes\n"
+
+
+ARC = [[38.2946, 51.6963], [73.5318, 51.5014], [56.0252, 71.7366], [41.5493, 92.3655], [70.7299, 92.2041]]
+
+
+@pytest.mark.parametrize("points,why", [
+    ([[56.0, 70.0]] * 5, "its five points coincide"),
+    ([[10.0 + 20 * i, 20.0 + 15 * i] for i in range(5)], "its five points lie on one line"),
+    ([p[:] for p in ARC[:4]] + [[70.7, 192.2]], "point 5 lies outside the 112x112 crop"),
+    ([[-1.0, 51.7]] + ARC[1:], "point 1 lies outside"),
+])
+def test_onnx_whose_template_cannot_align_a_face_is_refused_naming_file_and_key(tmp_path, points, why):
+    """Five coincident points made every crop black and two people cosine 1.0000: such a file is
+    refused at load, by file and metadata key, as a non-finite one is."""
+    import json
+    import onnx
+    from infer.model import load_module
+    from infer.onnx import TEMPLATE_KEY
+    from scripts.export_onnx import export
+    path = str(tmp_path / "m.onnx")
+    export(backbones.get_model("tiny").eval(), path)
+    load_module(path)  # as exported: fine
+    proto = onnx.load(path)
+    entry = next(e for e in proto.metadata_props if e.key == TEMPLATE_KEY)
+    entry.value = json.dumps({"name": "odd", "size": [112, 112], "points": points})
+    onnx.save(proto, path)
+    with pytest.raises(CheckpointError, match=rf"m.onnx: {TEMPLATE_KEY} metadata names no usable crop \({why}") as e:
+        load_module(path)
+    assert "\n" not in str(e.value)

@@ -291,3 +291,57 @@ def test_a_second_model_reuses_the_detections_and_a_second_run_the_embeddings(lf
     (cache / "pairs.txt.shardface_faces.npz").write_text("not a cache")
     assert verify([a, "--pairs_list", pairs, "--images", lfw, "--cache_dir", str(cache)]) == 2
     assert "not a ShardFace pair-list cache" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lines,where", [
+    (["10\t\u00b3"] + LFW_HEAD[1:], ":1:"),          # a superscript three: isdigit() says yes, int() no
+    (LFW_HEAD + ["A\t\u00b3\t2"], ":4:"),
+    (LFW_HEAD + ["A\t1\tB\t\u00b2"], ":4:"),
+])
+def test_unicode_digits_int_refuses_are_a_bad_line_not_a_traceback(tmp_path, lines, where):
+    path = tmp_path / "pairs.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(PairListError) as err:
+        read_pair_list(str(path), "F")
+    assert f"{path}{where}" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_lfw_pairs_txt_with_a_utf8_bom_is_still_lfw(tmp_path):
+    """An editor's byte-order mark is not part of the header: the list stays LFW's, not a plain list."""
+    same = [f"A{i} 1 {i + 2}" for i in range(10)]
+    diff = [f"A{i} {i + 1} B{i} 3" for i in range(10)]
+    path = tmp_path / "pairs.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + "\n".join(["10 1"] + [x for s, d in zip(same, diff) for x in (s, d)]).encode())
+    got = read_pair_list(str(path), "F")
+    assert got.format == "lfw" and len(got.pairs) == 20 and got.folds == [(2 * k, 2 * k + 2) for k in range(10)]
+
+
+def test_verify_of_a_list_from_a_pipe_refuses_its_cache_place_before_searching_any_photo(lfw, tmp_path, capsys,
+                                                                                       counted):
+    """verify --pairs_list <(...): the list is /dev/fd/N, where no cache can be saved, not even by
+    root (os.access says yes to root there): refused before the photos are searched, saying how."""
+    model = _model(str(tmp_path / "m"), 0)
+    text = open(_lfw_list(tmp_path / "pairs.txt")).read().encode()
+    r, w = os.pipe()
+    try:
+        os.write(w, text)
+        os.close(w)
+        capsys.readouterr()
+        assert verify([model, "--pairs_list", f"/dev/fd/{r}", "--images", lfw]) == 2
+    finally:
+        os.close(r)
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"/dev/fd/{r}.shardface_faces.npz" in err and "--cache_dir" in err
+    assert not counted
+
+
+def test_absolute_paths_of_a_plain_list_are_read_where_they_point_and_the_help_says_so(tmp_path, capsys):
+    outside = str(tmp_path / "elsewhere" / "a.jpg")
+    lines = [f"{outside} p{i}/b.jpg {i % 2}" for i in range(10)]
+    (tmp_path / "list.txt").write_text("\n".join(lines) + "\n")
+    got = read_pair_list(str(tmp_path / "list.txt"), str(tmp_path / "images"))
+    assert got.pairs[0] == (outside, str(tmp_path / "images" / "p0/b.jpg"))
+    for tool in (verify, make_bin):
+        with pytest.raises(SystemExit):
+            tool(["--help"])
+        assert "absolute path is read where it points, even outside" in " ".join(capsys.readouterr().out.split())

@@ -112,3 +112,18 @@ def test_channels_last_scratch_is_planned_per_sample_only_when_on():
     off = plan(get_config("configs/demo.py", ["--batch_size", "64", "--channels_last", "false"]), 2)
     assert on.parts[part] == 64 * CHANNELS_LAST_SCRATCH_PER_SAMPLE and doubled.parts[part] == 2 * on.parts[part]
     assert part not in off.parts and on.total - off.total == on.parts[part]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-5", "0", "1.5"])
+def test_plan_refuses_a_gpu_memory_that_is_not_a_finite_size_above_the_reserve_in_one_line(value, capsys):
+    """--gpu_mem_gb nan failed at int(nan) inside max_classes; -5 planned for an impossible GPU."""
+    from scripts.plan import main
+    assert main(["configs/demo.py", "--gpus", "2", "--gpu_mem_gb", value]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: --gpu_mem_gb {float(value)}: expected the GPU's memory")
+
+
+def test_plan_of_a_real_gpu_still_answers(capsys):
+    from scripts.plan import main
+    assert main(["configs/demo.py", "--gpus", "2", "--gpu_mem_gb", "16"]) == 0
+    assert "budget 14.5 GB" in capsys.readouterr().out

@@ -103,3 +103,14 @@ def test_binary_idx_is_refused_naming_the_file_not_a_unicode_error(tmp_path):
     with pytest.raises(RecordIOError, match=r"t\.idx:\d+: not a text index") as caught:
         IndexedRecordReader(reader.idx_path, reader.rec_path)
     assert "\n" not in str(caught.value)
+
+
+def test_idx_with_a_utf8_bom_reads_its_first_key(tmp_path):
+    """An index saved by an editor starts with a byte-order mark: it is not part of key 0."""
+    reader = _write(tmp_path, {0: b"aaaa", 1: b"bbbb"})
+    with open(reader.idx_path, "rb") as f:
+        text = f.read()
+    with open(reader.idx_path, "wb") as f:
+        f.write(b"\xef\xbb\xbf" + text)
+    again = IndexedRecordReader(reader.idx_path, reader.rec_path)
+    assert again.read(0) == b"aaaa" and again.read(1) == b"bbbb"

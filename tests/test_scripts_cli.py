@@ -102,3 +102,30 @@ def test_train_sh_without_nproc_runs_one_process_on_a_cpu(drawn_faces, tmp_path)
                           env=dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port())))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "world size 1" in open(os.path.join(out, "training.log")).read()
+
+
+def _seeded_tools(monkeypatch) -> dict:
+    """{tool: its positionals filled with placeholders} for every tool with a --seed option."""
+    found = {}
+    for tool in PARSING_TOOLS:
+        parser = _parser_of(tool, monkeypatch)
+        if any("--seed" in a.option_strings for a in parser._actions):
+            found[tool] = [f"x{i}" for i, a in enumerate(parser._actions)
+                           if not a.option_strings and a.nargs is None]
+    monkeypatch.undo()
+    return found
+
+
+def test_every_tool_refuses_a_negative_seed_in_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    """One rule for --seed in every tool, numpy's: an integer >= 0 (make_bin's random.Random took
+    -1, identify_eval's and make_drawn_faces' numpy failed on it or later)."""
+    tools = _seeded_tools(monkeypatch)
+    assert {"identify_eval", "make_bin", "make_drawn_faces"} <= set(tools)
+    monkeypatch.chdir(tmp_path)
+    for tool, positionals in tools.items():
+        capsys.readouterr()
+        rc = importlib.import_module(f"scripts.{tool}").main([*positionals, "--seed", "-1"])
+        err = capsys.readouterr().err
+        assert rc == 2 and err == "error: --seed -1: a seed is an integer >= 0 (numpy's rule, which every tool " \
+                                  "keeps)\n", (tool, err)
+    assert os.listdir(tmp_path) == []

@@ -1,5 +1,5 @@
 """Gallery search: every engine equals a brute-force sort (ties to the lower id, k beyond the
-gallery padded with -inf / -1), whatever the block sizes and storage; "auto" answers as both do
+gallery clamped to its size), whatever the block sizes and storage; "auto" answers as both do
 and picks the engine its measured table names."""
 import numpy as np
 import pytest
@@ -9,14 +9,12 @@ from infer.search import FASTER, ExactIndex, FaissIndex, make_index, pick_engine
 
 
 def brute_force(gallery: np.ndarray, queries: np.ndarray, k: int):
-    """Every score, then sort by (score descending, id ascending) with Python's sort."""
+    """Every score, then sort by (score descending, id ascending) with Python's sort: the first
+    k of each row, all of them where the gallery holds fewer."""
     scores = queries.astype(np.float64) @ gallery.astype(np.float64).T
-    out_s = np.full((len(queries), k), -np.inf)
-    out_i = np.full((len(queries), k), -1)
-    for q, row in enumerate(scores):
-        ranked = sorted(range(len(row)), key=lambda j: (-row[j], j))[:k]
-        out_s[q, :len(ranked)], out_i[q, :len(ranked)] = row[ranked], ranked
-    return out_s, out_i
+    ranked = [sorted(range(len(row)), key=lambda j: (-row[j], j))[:k] for row in scores]
+    return (np.array([row[r] for row, r in zip(scores, ranked)]).reshape(len(queries), -1),
+            np.array(ranked, np.int64).reshape(len(queries), -1))
 
 
 def tied_gallery(rng, n: int, dim: int) -> np.ndarray:
@@ -162,3 +160,33 @@ def test_auto_answers_exactly_as_both_engines_with_ties_to_the_lower_id(fp16):
         scores, ids = index.search(queries, 6)
         np.testing.assert_array_equal(ids, want_i)
         np.testing.assert_array_equal(scores, want_s)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_k_far_beyond_the_gallery_is_clamped_before_anything_is_allocated(engine):
+    """identify --top 1000000000 with two people: Q x k places would be terabytes; the answer is
+    every row of the gallery, best first, as for k = N."""
+    rng = np.random.default_rng(7)
+    gallery, queries = tied_gallery(rng, 2, 4), tied_gallery(rng, 3, 4)
+    index = ENGINES[engine](4)
+    index.add(gallery)
+    scores, ids = index.search(queries, 10 ** 12)
+    want_s, want_i = brute_force(gallery, queries, 2)
+    assert scores.shape == ids.shape == (3, 2)
+    np.testing.assert_array_equal(ids, want_i)
+    np.testing.assert_array_equal(scores, want_s)
+
+
+def test_gallery_identify_with_a_huge_top_lists_everyone_once():
+    """The path Gallery.identify(top=...) and scripts.identify share (infer.enrolment.identify)."""
+    from infer.enrolment import identify
+    rng = np.random.default_rng(3)
+    templates = rng.normal(size=(2, 8)).astype(np.float32)
+    templates /= np.linalg.norm(templates, axis=1, keepdims=True)
+
+    class Two:  # the two fields identify reads of an Enrolment
+        pass
+    gallery = Two()
+    gallery.templates, gallery.names = templates, ["ann", "bob"]
+    scores, ids = identify(gallery, templates[:1], 10 ** 12)
+    assert ids.tolist() == [[0, 1]] and scores.shape == (1, 2)

@@ -1,7 +1,7 @@
 """scripts.teach and its teacher files (issue #34): the output rule (checked before the work,
 --overwrite, never one of the files it reads), a data fingerprint of the images' content and
-the way they were read, and teacher files that are old, cut or hold non-finite rows refused at
-open in one line naming the file."""
+the way they were read, and teacher files that are old, cut or hold non-finite or non-unit rows
+(zero, near zero) refused at open in one line naming the file."""
 import os
 import shutil
 
@@ -179,5 +179,46 @@ def test_teach_refuses_a_teacher_whose_embedding_of_a_record_is_not_finite(folde
     teacher = OnlineTeacher(Model(NanTeacher(), ARCFACE_112, "nan", "x"), torch.device("cpu"))
     out = str(tmp_path / "nan.teacher")
     with pytest.raises(CheckpointError, match=f"^teacher nan: its embedding of record 0 of {folder} is not finite"):
+        write_teacher_file(teacher, data, {"data": folder}, out, batch_size=4, num_workers=0)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("scale,why", [(0.0, "all zero: one constant target"), (1e-4, "norm 1e-4: centring is a no-op"),
+                                       (1.5, "norm 1.5: not scripts.teach's")])
+def test_teacher_file_with_rows_that_are_not_unit_is_refused_at_open_naming_the_first(made, tmp_path, capsys,
+                                                                                    scale, why):
+    file = TeacherFile(made)
+    rows = np.array(file.rows, dtype=np.float32)
+    assert np.allclose(np.linalg.norm(rows, axis=1), 1.0, atol=1e-3)  # what teach writes
+    rows[3:] *= scale
+    path = _write_teacher_file(tmp_path / "scaled.teacher", file.header, rows)
+    err = _opened(capsys, path)
+    assert err.startswith(f"error: {path}: 3 of 6 teacher rows are not unit vectors"), err
+    assert "rows 3, 4, 5, the first of norm" in err and "run scripts.teach again" in err
+    rows[:] = 0.0  # every row zero: the file of a collapsed teacher
+    path = _write_teacher_file(tmp_path / "zero.teacher", file.header, rows)
+    err = _opened(capsys, path)
+    assert "6 of 6 teacher rows are not unit vectors" in err and "the first of norm 0" in err, err
+
+
+def test_teach_refuses_a_teacher_whose_embedding_of_a_record_is_zero(folder, tmp_path):
+    from infer.model import Model
+    from distill.teacher import OnlineTeacher
+    from faces.align import ARCFACE_112
+    from scripts.teach import write_teacher_file
+
+    class ZeroTeacher(torch.nn.Module):  # N x 3 embeddings, all zero: no direction to normalise
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            return x.mean(dim=(2, 3)) * self.w * 0.0
+
+    cfg = get_config("configs/demo.py", ["--rec", folder, "--num_classes", "0", "--teacher", "zero"])
+    data = build_train_dataset(cfg, train=False)
+    teacher = OnlineTeacher(Model(ZeroTeacher(), ARCFACE_112, "zero", "x"), torch.device("cpu"))
+    out = str(tmp_path / "zero.teacher")
+    with pytest.raises(CheckpointError, match=f"^teacher zero: its embedding of record 0 of {folder} .* has norm 0"):
         write_teacher_file(teacher, data, {"data": folder}, out, batch_size=4, num_workers=0)
     assert os.listdir(tmp_path) == []

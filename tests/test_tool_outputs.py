@@ -46,7 +46,8 @@ def test_export_stopped_while_writing_keeps_the_previous_onnx_whole(tmp_path, mo
     import torch
     pt = tiny_model(tmp_path)
     onnx_path = str(tmp_path / "model.onnx")
-    (tmp_path / "model.onnx").write_bytes(b"the previous export")
+    assert export_onnx([pt, onnx_path]) == 0  # the previous export, which the next one refreshes
+    previous = open(onnx_path, "rb").read()
 
     def killed_midway(model, args, path, **kw):
         with open(path, "wb") as f:
@@ -55,7 +56,7 @@ def test_export_stopped_while_writing_keeps_the_previous_onnx_whole(tmp_path, mo
     monkeypatch.setattr(torch.onnx, "export", killed_midway)
     with pytest.raises(KeyboardInterrupt):
         export_onnx([pt, onnx_path])
-    assert open(onnx_path, "rb").read() == b"the previous export"
+    assert open(onnx_path, "rb").read() == previous
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.onnx", "model.pt"]
 
 
@@ -196,3 +197,82 @@ def test_publishing_a_file_that_fails_leaves_the_earlier_file_and_no_staging_fil
             open(tmp, "w").write("half")
             raise RuntimeError("the work failed")
     assert os.listdir(tmp_path) == ["out.txt"] and path.read_text() == "earlier"
+
+
+def test_an_output_name_too_long_to_stage_is_refused_before_the_work_naming_it(tmp_path, capsys):
+    """The staging name adds `.` and `.partial-HOST-PID` to the name: a name that fits alone can
+    pass the file system's 255 bytes once staged, which failed only at the publish, after the work."""
+    from utils.atomic import OutputError, check_output_dir, check_output_file, staging_path
+    extra = len(os.path.basename(staging_path(str(tmp_path / "x")))) - 1
+    long_name = "v" * (255 - extra + 1 - len(".bin")) + ".bin"  # fits alone; its staging name does not
+    assert len(long_name) <= 255
+    with pytest.raises(OutputError, match=rf"{long_name}: a name of {len(long_name)} bytes .* limit of 255: "
+                                          rf"choose a name of at most {255 - extra} bytes"):
+        check_output_file(str(tmp_path / long_name))
+    check_output_file(str(tmp_path / long_name[len(long_name) - (255 - extra):]))  # at the limit: fine
+    with pytest.raises(OutputError, match="limit of 255"):
+        check_output_dir(str(tmp_path / long_name))
+    faces = photos(tmp_path / "faces", ids=3, per_id=4)
+    capsys.readouterr()
+    assert make_bin([faces, str(tmp_path / long_name), "--pairs", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "limit of 255" in err
+    assert sorted(os.listdir(tmp_path)) == ["faces"]
+
+
+def test_an_output_folder_that_takes_no_file_is_refused_even_for_root(tmp_path, monkeypatch):
+    """os.access says yes to root everywhere; the check creates the staging file instead."""
+    from utils import atomic
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    real_open = os.open
+
+    def refusing(path, flags, *a):
+        if os.path.dirname(path) == str(folder):
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, flags, *a)
+    monkeypatch.setattr(atomic.os, "access", lambda *a, **k: True)  # as root
+    monkeypatch.setattr(atomic.os, "open", refusing)
+    with pytest.raises(atomic.OutputError, match=r"out.bin: cannot create a file in .*ro \(Permission denied\)"):
+        atomic.check_output_file(str(folder / "out.bin"))
+    monkeypatch.undo()
+    atomic.check_output_file(str(folder / "out.bin"))
+    assert os.listdir(folder) == []  # the probe leaves nothing
+
+
+def test_pair_cache_of_a_list_read_from_a_pipe_is_refused_before_the_work(tmp_path):
+    """verify --pairs_list <(...): the list is /dev/fd/N, whose folder takes no file, not even
+    root's; the cache check says so, and how to keep a cache elsewhere."""
+    from infer.pair_cache import cache_paths, check_cache
+    from utils.atomic import OutputError
+    r, w = os.pipe()
+    try:
+        faces_cache, emb_cache = cache_paths(f"/dev/fd/{r}", "abc")
+        for path in (faces_cache, emb_cache):
+            with pytest.raises(OutputError, match=rf"cache file /dev/fd/{r}\.shardface_.*pass --cache_dir DIR"):
+                check_cache(path)
+        for path in cache_paths(f"/dev/fd/{r}", "abc", str(tmp_path)):
+            check_cache(path)  # elsewhere, fine
+    finally:
+        os.close(r), os.close(w)
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_folder_output_through_a_symlink_replaces_the_linked_folder_and_keeps_the_link(tmp_path, monkeypatch,
+                                                                                       exchange):
+    """align --overwrite DST where DST links to a folder: the folder it names gets the new crops
+    (none of the old left), the link stays a link, and no staging or backup folder is left."""
+    from utils import atomic
+    target = tmp_path / "disk" / "crops"
+    target.mkdir(parents=True)
+    (target / "old.png").write_bytes(b"old crop")
+    link = tmp_path / "crops"
+    link.symlink_to(target)
+    if not exchange:  # a system without renameat2: the journaled move aside
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    atomic.check_output_dir(str(link))
+    with atomic.publishing_dir(str(link)) as tmp:
+        open(os.path.join(tmp, "new.png"), "wb").write(b"new crop")
+    assert link.is_symlink() and os.path.realpath(link) == str(target)
+    assert os.listdir(target) == ["new.png"] and (link / "new.png").read_bytes() == b"new crop"
+    assert sorted(os.listdir(tmp_path)) == ["crops", "disk"] and os.listdir(tmp_path / "disk") == ["crops"]

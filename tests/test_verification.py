@@ -1,6 +1,7 @@
 """Verification protocol, .bin loading (py3 and py2 pickles) and the flip test."""
 import io
 import pickle
+import pickletools
 import struct
 
 import numpy as np
@@ -144,3 +145,65 @@ def test_fewer_pairs_than_folds_is_named(tmp_path):
     write_bin(str(path), [jpeg((0, 0, 0))] * 8, [True, False, True, False])
     with pytest.raises(VerificationDataError, match=r"small\.bin: 4 pairs, fewer than the 10 folds"):
         load_bin(str(path), min_pairs=verification.NFOLDS)
+
+
+# insightface's build_eval_pack.py (Python 3) pickles cv2.imencode's arrays (uint8, N x 1) with
+# pickle.HIGHEST_PROTOCOL: protocol 5 names `_frombuffer` in numpy.core.numeric (numpy 1) or
+# numpy._core.numeric (numpy 2). The bytes of both forms are made here from the installed numpy's
+# pickle, frames removed (they are optional) so a global's name can be rewritten to the other's.
+NUMERIC = {1: "numpy.core.numeric", 2: "numpy._core.numeric"}
+
+
+def _frameless(data: bytes) -> bytes:
+    ops = list(pickletools.genops(data))
+    ends = [pos for _, _, pos in ops[1:]] + [len(data)]
+    return b"".join(data[pos:end] for (op, _, pos), end in zip(ops, ends) if op.name != "FRAME")
+
+
+def _renamed(data: bytes, old: str, new: str) -> bytes:
+    """`data` with the SHORT_BINUNICODE string `old` (once) replaced by `new`."""
+    a, b = old.encode(), new.encode()
+    assert data.count(b"\x8c" + bytes([len(a)]) + a) == 1, old
+    return data.replace(b"\x8c" + bytes([len(a)]) + a, b"\x8c" + bytes([len(b)]) + b)
+
+
+def _protocol5_bin(images: list[bytes], issame: list[bool], numpy_major: int) -> bytes:
+    """A .bin as build_eval_pack writes it under numpy `numpy_major`: arrays of the encoded bytes."""
+    arrays = [np.frombuffer(b, np.uint8).copy().reshape(-1, 1) for b in images]  # cv2.imencode's shape
+    data = _frameless(pickle.dumps((arrays, issame), protocol=5))
+    installed = next(m for m, name in NUMERIC.items() if name.encode() in data)
+    globals_named = [arg for op, arg, _ in pickletools.genops(data) if op.name == "SHORT_BINUNICODE"]
+    assert NUMERIC[installed] in globals_named and "_frombuffer" in globals_named
+    return data if installed == numpy_major else _renamed(data, NUMERIC[installed], NUMERIC[numpy_major])
+
+
+@pytest.mark.parametrize("numpy_major", [1, 2])
+def test_bin_of_protocol5_numpy_arrays_from_build_eval_pack_loads_as_its_bytes(tmp_path, numpy_major):
+    images = [jpeg((250, 10, 10)), jpeg((10, 250, 10)), jpeg((10, 10, 250)), jpeg((10, 10, 250), size=96)]
+    path = tmp_path / "insightface.bin"
+    path.write_bytes(_protocol5_bin(images, [False, True], numpy_major))
+    assert NUMERIC[numpy_major].encode() in path.read_bytes()
+    write_bin(str(tmp_path / "ours.bin"), images, [False, True])  # the same images as bytes
+    (data, flipped), issame = load_bin(str(path))
+    (want, _), _ = load_bin(str(tmp_path / "ours.bin"))
+    assert issame == [False, True] and torch.equal(data, want) and torch.equal(flipped, torch.flip(want, dims=[3]))
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda d: _renamed(d, "_frombuffer", "frombuffer"),
+     r"refusing to load global 'numpy\._core\.numeric\.frombuffer'"),
+    (lambda d: _renamed(_renamed(d, "numpy._core.numeric", "builtins"), "_frombuffer", "eval"),
+     r"refusing to load global 'builtins\.eval'"),
+    (lambda d: _renamed(_renamed(d, "numpy._core.numeric", "numpy"), "_frombuffer", "load"),
+     r"refusing to load global 'numpy\.load'"),
+    (lambda d: _renamed(d, "u1", "O8"), r"an array of dtype dtype\('O'\): only plain numeric arrays"),
+    (lambda d: _renamed(d, "u1", "u2"), r"an array of shape \(6, 1\) and dtype uint16 in 6 bytes"),
+])
+def test_bin_with_any_other_global_or_array_form_is_still_refused(tmp_path, damage, message):
+    """Only the two `_frombuffer` names are taken, and rebuilt from checked arguments: every other
+    global (numpy's own loaders included) is refused, and so is an object array."""
+    data = _protocol5_bin([b"\x00\x01\x02\x03\x04\x05"], [True], 2)
+    path = tmp_path / "odd.bin"
+    path.write_bytes(damage(data))
+    with pytest.raises(VerificationDataError, match=r"odd\.bin: not a \(bins, issame_list\) pickle \(" + message):
+        load_bin(str(path))
