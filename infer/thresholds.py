@@ -56,7 +56,10 @@ class Threshold:
 
 
 def checked(value: float, flag: str = "--threshold") -> float:
-    """`value` if it is a cosine score (finite, in [-1, 1]), else a ThresholdError naming it."""
+    """`value` if it is a cosine score (a finite real number in [-1, 1]: not a string or a bool),
+    else a ThresholdError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise ThresholdError(f"{flag} {value!r}: a threshold is a number in [-1, 1], not a {type(value).__name__}")
     if not math.isfinite(value) or not -1.0 <= value <= 1.0:
         raise ThresholdError(f"{flag} {value}: not a cosine score; a threshold is a finite number in [-1, 1]")
     return float(value)
@@ -128,7 +131,7 @@ def saved_threshold(record: dict | None, where: str) -> Threshold | None:
     if not record:
         return None
     try:
-        value = checked(float(record["threshold"]), f"{where}: threshold")
+        value = checked(record["threshold"], f"{where}: threshold")
         return Threshold(value, record=record,
                          source=f"the run's own, at FAR {record['far']:g} on {record['val_target']} "
                                 f"({record['different_pairs']} different-person pairs; TAR {record['tar']:.4f} there), "
