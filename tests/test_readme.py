@@ -52,7 +52,7 @@ COMMANDS = {
     "python -m scripts.ijb work_dirs/ms1mv3_r50 --root /data/IJB_release/IJBC --target IJBC --roc roc.png": NEEDS_DATA,
     "python -m scripts.export_onnx work_dirs/ms1mv3_r50": NEEDS_DATA,
     "python -m scripts.export_onnx insightface_r100/model.pt r100.onnx --network r100": NEEDS_DATA,
-    "python -m scripts.align photos aligned --largest": NEEDS_DATA,
+    "python -m scripts.align photos aligned": NEEDS_DATA,
     "python -m scripts.embed dlib photos --align --out emb.npy": NEEDS_DATA,
     "python -m scripts.compare dlib a.jpg b.jpg --align": NEEDS_DATA,
     "python -m scripts.identify dlib --gallery people --align group.jpg": NEEDS_DATA,
