@@ -59,7 +59,7 @@ def init_backbone(cfg, backbone: nn.Module) -> str | None:
 
 def build_head(cfg, device: torch.device | str = "cpu") -> PartialFC | None:
     """The class-sharded margin head on `device`; None for label-free training (`num_classes` 0,
-    README 'Distillation'), where the distillation loss is the step's only loss."""
+    docs/distillation.md), where the distillation loss is the step's only loss."""
     if cfg.num_classes == 0:
         return None
     if cfg.head_fused_optimizer:
@@ -107,7 +107,7 @@ def build_head_optimizer(cfg, head: PartialFC | None) -> SampledRowsOptimizer | 
 
 
 class Distillation:
-    """The run's teacher and its loss (issue #29; README 'Distillation'). `loss(head, embeddings,
+    """The run's teacher and its loss (issue #29; docs/distillation.md). `loss(head, embeddings,
     labels, images, rows)` replaces `head(embeddings, labels)` in the step; with no head
     (label-free) it is the distillation loss alone."""
 

@@ -21,7 +21,7 @@ GB = 1e9
 STATE_PER_PARAM = {"sgd": 1, "adamw": 2}  # fp32 tensors of optimizer state per parameter
 CUDA_RESERVE = 1.5e9  # CUDA context, NCCL buffers, allocator slack: kept free on the GPU
 # channels-last batches (config.channels_last) raised the backbone step's peak by 1479 MiB (r50)
-# and 1476 MiB (r100) at batch 128, fp16, on an H100 (benchmarks/README.md, GPU): the same for
+# and 1476 MiB (r100) at batch 128, fp16, on an H100 (benchmarks/runs/gpu.md): the same for
 # both depths, so not saved activations (those are layout-free: the same bytes either way on the
 # CPU); taken here as scratch growing with the batch, from that one batch size
 CHANNELS_LAST_SCRATCH_PER_SAMPLE = 1477 * 2**20 / 128

@@ -46,14 +46,14 @@ config.chunk_size = 32768             # classes per GEMM tile of the head; 0 = w
 config.row_block = 512                # rows per block beyond the first embedding_size rows (kept
                                       # free in the weight gradient): row_block x shard floats. On a
                                       # GPU each block x tile costs ~25 launches: 8192/128 was
-                                      # launch-bound, 3x slower on an H100 (benchmarks/README.md)
+                                      # launch-bound, 3x slower on an H100 (benchmarks/runs/gpu.md)
 config.head_precision = "fp32"        # logits GEMM: fp32 | tf32 (GPU) | bf16; statistics stay fp32
 config.head_fused_optimizer = False   # step the head's rows inside backward: no weight gradient held
                                       # (needs gradient_acc 1, no fp16, clip_head False)
 config.clip_head = False              # False: the backbone alone is clipped (arcface_torch); True: the
                                       # head joins the global norm
 
-# distillation (README "Distillation")
+# distillation (docs/distillation.md)
 config.teacher = ""                   # MODEL run beside the student (run dir, checkpoint, model.pt, .onnx,
                                       # dlib) or a teacher file of scripts.teach; "" = no distillation
 config.teacher_network = None         # backbone name of an arcface_torch model.pt teacher
@@ -95,7 +95,7 @@ config.skip_bad_images = False        # count and skip undecodable images instea
 config.resize = False                 # resize images that are not 112x112 (bilinear) instead of refusing
                                       # them; models expect aligned crops, and resizing is not alignment
 config.align = False                  # rec is a folder of raw photos: find each photo's largest face at
-                                      # start and train on it aligned to 112x112 (README 'Your own images')
+                                      # start and train on it aligned to 112x112 (docs/photos.md)
 config.align_detector = "hog"         # with align: dlib's "hog" or "mmod" face detector
 config.align_strict = False           # with align: refuse photos without a face instead of leaving them out
 config.seed = 2048

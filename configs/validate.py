@@ -89,7 +89,7 @@ def validate_config(cfg: dict) -> None:
         raise _fail("val_targets", cfg["val_targets"], "expected a list of .bin names")
     if not isinstance(cfg["teacher"], str):
         raise _fail("teacher", cfg["teacher"], "expected a MODEL or teacher file path, or '' for none")
-    if cfg["num_classes"] == 0:  # label-free (README 'Distillation'): the teacher's loss is the only one
+    if cfg["num_classes"] == 0:  # label-free (docs/distillation.md): the teacher's loss is the only one
         if not cfg["teacher"]:
             raise _fail("num_classes", 0, "label-free training needs a teacher (--teacher MODEL or teacher file): "
                                           "without one there is no loss to train")

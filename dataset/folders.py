@@ -111,7 +111,7 @@ def list_identity_folders(root: str) -> tuple[list[str], list[list[str]]]:
 
 
 def list_images(root: str) -> list[str]:
-    """Every image under `root`, at any depth, for label-free training (README 'Distillation').
+    """Every image under `root`, at any depth, for label-free training (docs/distillation.md).
     The order: a folder's own images (sorted), then each sub-folder's (sorted names), depth
     first; for a folder of identity sub-folders this is `list_identity_folders`' order, so one
     teacher file serves both readings of it."""

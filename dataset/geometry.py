@@ -17,7 +17,7 @@ SHOWN = 3  # offending files named in a message
 RESIZE_HINT = ("for photos, pass --align to find and align the faces (pack_rec, make_bin, embed, compare; "
                "`--align true` to train.py on an image folder; or scripts.align first) onto the network's "
                "five-point template (insightface's 112x112; dlib's 150x150 chip for MODEL dlib), or --resize "
-               "to resize them (`--resize true` to train.py): resizing is not alignment (README 'Your own images')")
+               "to resize them (`--resize true` to train.py): resizing is not alignment (docs/photos.md)")
 
 
 def size_refusal(bad: list[tuple[str, tuple[int, int]]], count: int, checked: str,

@@ -15,7 +15,7 @@ In that frame each of the five points is `[1, u, v] @ FROM_NOSE_BASE` for the no
 the least-squares fit of the 68-point model's five points on 188 real faces (the 94 faces of
 scikit-image's LFW subset that dlib's HOG detector finds, upscaled, and their mirror images;
 `python benchmarks/faces.py --fit` prints them again). What the substitution costs is measured
-there too and stated in README ('Your own images')."""
+there too and stated in benchmarks/README.md ('Faces')."""
 from __future__ import annotations
 
 import numpy as np

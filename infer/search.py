@@ -18,7 +18,7 @@ faiss-cpu's `IndexFlatIP` (float16 storage: `IndexScalarQuantizer` QT_fp16, whic
 same float16 values in float32), the field's standard exact engine, with the tie order made
 explicit (faiss leaves the order of equal scores to its heap).
 
-Neither engine is the faster everywhere (benchmarks/README.md, "1:N search"). faiss-cpu 1.15
+Neither engine is the faster everywhere (benchmarks/runs/search_grid.md). faiss-cpu 1.15
 scans the whole gallery once per query below Q x D = 128000 (its distance_compute_blas_threshold:
 Q < 250 at 512-D) and calls BLAS above; ours makes one BLAS product per gallery block for any Q,
 with torch's BLAS. On one thread, faiss's scan was the faster for 1 query and its BLAS for 1000
@@ -33,7 +33,7 @@ import torch
 ENGINES = ("auto", "exact", "faiss")
 
 # The faster engine at each point of `python benchmarks/search.py --grid` (a gallery of N random
-# unit 512-D vectors, Q queries searched at once, top 10), as benchmarks/README.md's table
+# unit 512-D vectors, Q queries searched at once, top 10), as benchmarks/runs/search_grid.md's table
 # "1:N search" shows it: measured 2026-11-26 on a quiet 2-core AMD EPYC (rerun it on another
 # machine and paste its closing rule here). Per (N, Q), the engine for
 # (1 thread, float32), (all threads, float32), (1 thread, float16), (all threads, float16).

@@ -144,7 +144,7 @@ class Zero2Optimizer(WrappedOptimizer):
     fp32 gradients of its 1/W of every per-dtype flat buffer (`parallel.flat`). Parameters
     stay whole on every rank (as views into the flat buffers), so the module runs unchanged.
 
-    `exchange` picks how gradients and parameters travel (see benchmarks/README.md):
+    `exchange` picks how gradients and parameters travel (see benchmarks/README.md, ZeRO-2):
       * "collective" (the default except under gloo): every gradient bucket is a segment of
         the layout and rank r owns its r-th 1/W (Megatron-LM's distributed optimizer).
         Parameters' `.grad` are views of a persistent bucket buffer, so autograd accumulates

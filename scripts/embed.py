@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT.npy and its .txt")
     p.add_argument("--resize", action="store_true",
                    help="resize images that are not the model's crop size (112x112; dlib 150x150) instead of "
-                        "refusing them (resizing is not alignment; see README 'Your own images')")
+                        "refusing them (resizing is not alignment; see docs/photos.md)")
     p.add_argument("--no_flip", action="store_true",
                    help="each image's own embedding, without its mirror image's (dlib's descriptor is single-view)")
     add_align_options(p, "the inputs")

@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     p.add_argument("--engine", default="auto", choices=ENGINES,
                    help="search engine, all exact with the same results: auto (default: the faster of the two "
                         "for the gallery's size, the number of faces and the threads, by the table in "
-                        "benchmarks/README.md), faiss (IndexFlatIP) or exact (ours, blocked torch)")
+                        "benchmarks/runs/search_grid.md), faiss (IndexFlatIP) or exact (ours, blocked torch)")
     args = p.parse_args(argv)
     if args.top < 1:
         p.error(f"--top must be at least 1, got {args.top}")

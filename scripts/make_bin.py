@@ -124,7 +124,7 @@ def main(argv=None) -> int:
                         "without a face is cut at a fallback face, never left out")
     p.add_argument("--resize", action="store_true",
                    help="resize images that are not 112x112 instead of refusing them (resizing is not "
-                        "alignment; see README 'Your own images')")
+                        "alignment; see docs/photos.md)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT.bin")
     add_align_options(p, "the images")
     add_pair_list_options(p)

@@ -47,7 +47,7 @@ def add_detection_options(p) -> None:
                         "80 pixels (HOG) at 4x the time per doubling")
     p.add_argument("--landmarks", choices=sorted(LANDMARKS), default="5",
                    help="dlib's 5-point model (public domain; the default) or its 68-point model (trained "
-                        "on iBUG 300-W, whose licence excludes commercial use); README 'Your own images'")
+                        "on iBUG 300-W, whose licence excludes commercial use); docs/photos.md")
     p.add_argument("--min_score", type=float, default=0.0, help="drop detections scoring below this")
     p.add_argument("--max_side", type=int, default=MAX_SIDE,
                    help="search photos larger than this (longer side, pixels) at this size; landmarks "

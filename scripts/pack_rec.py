@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     p.add_argument("--resize", action="store_true",
                    help="resize images that are not 112x112 (bilinear) instead of refusing them. Models "
                         "expect aligned crops (insightface's five-point template): resizing is not "
-                        "alignment, so align first where you can (README 'Your own images')")
+                        "alignment, so align first where you can (docs/photos.md)")
     add_align_options(p, "the images")
     add_rank_options(p, "finds the faces of its share of the sorted photos (--align) into a part beside "
                         "OUT_DIR; rank 0 packs them all")

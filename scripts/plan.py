@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, required=True, help="world size (ranks)")
     p.add_argument("--gpu_mem_gb", type=float, default=80.0, help="memory of one GPU in GB (default 80)")
     p.add_argument("--table", action="store_true",
-                   help="print README's capacity table (r50, r100; 8 and 64 GPUs; ours vs PFC v2)")
+                   help="print docs/heads.md's capacity table (r50, r100; 8 and 64 GPUs; ours vs PFC v2)")
     args, overrides = p.parse_known_args(argv)
     if args.gpus < 1:
         p.error(f"--gpus {args.gpus}: a job needs at least one rank")

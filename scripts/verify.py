@@ -5,7 +5,7 @@
 
 The .bin sets hold insightface's 112x112 crops; a model made for another crop (MODEL `dlib`,
 150x150 dlib chips) sees them re-framed onto its template (infer.model.Model.from_crops):
-what falls outside the 112 crop is black, which costs some accuracy (README 'Your own images').
+what falls outside the 112 crop is black, which costs some accuracy (docs/photos.md).
 
 With --pairs_list (LFW's pairs.txt or a plain `path1 path2 1|0` list, eval.pairs) each photo is
 cut to the model's own crop (Model.crop: dlib's own chip for MODEL `dlib`, the 112 alignment for

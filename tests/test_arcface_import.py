@@ -208,7 +208,8 @@ def test_logged_lr_of_step_n_is_the_rate_it_used_and_readme_says_arcface_torch_l
         if n < STEPS:
             assert polynomial_lr_warmup(n, CUT, SCHEDULE) == pytest.approx(one_rank["lrs"][n], abs=1e-12), n
     assert logged[4] != pytest.approx(polynomial_lr_warmup(4, CUT, SCHEDULE), abs=1e-4)  # so they differ
-    readme = " ".join(open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read().split())
+    readme = " ".join(open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "arcface_torch.md"))
+                      .read().split())
     assert ("the `lr` logged at step n is the rate step n trained with, where arcface_torch logs it after "
             "`scheduler.step()`, so its line for step n shows the rate of step n + 1") in readme
 

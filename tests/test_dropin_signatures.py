@@ -1,4 +1,4 @@
-"""README's drop-in claims, held to arcface_torch's signatures written down here by hand: a
+"""docs/arcface_torch.md's drop-in claims, held to arcface_torch's signatures written down here by hand: a
 call that works positionally there means the same here, and what ShardFace adds is
 keyword-only (so no positional call can land in an extra by mistake)."""
 import inspect

@@ -307,7 +307,7 @@ def test_training_set_align_true_yields_aligned_faces_of_photos_with_one(photos,
 
 
 def test_training_set_align_true_label_free_takes_every_photo_with_a_face_under_the_folder(photos):
-    """num_classes 0 (README 'Distillation'): the sub-folders are not people; a folder whose one
+    """num_classes 0 (docs/distillation.md): the sub-folders are not people; a folder whose one
     photo has no face ('nobody') is no error, as an identity without a photo would be."""
     from configs import get_config
     from builders import build_train_dataset

@@ -1,4 +1,4 @@
-"""On a GPU the head's step is launch-bound (benchmarks/README.md "GPU"): its time follows the
+"""On a GPU the head's step is launch-bound (benchmarks/runs/gpu.md): its time follows the
 kernels the host launches, not only the bytes they move. This test counts a step's kernels (the
 dispatched ops that are not views) on the meta device, which takes the choices of a GPU (any
 device but the CPU does) and computes nothing, at the shapes of one rank of an 8-GPU job (the

@@ -1,4 +1,4 @@
-"""Label-free training (issue #29, README 'Distillation'): `num_classes 0` with a teacher trains
+"""Label-free training (issue #29, docs/distillation.md): `num_classes 0` with a teacher trains
 on the distillation loss alone, with no margin head, on data without identities."""
 import os
 import re

@@ -1,4 +1,4 @@
-"""The one-way layering README states: a package imports only from packages in layers below it."""
+"""The one-way layering docs/architecture.md states: a package imports only from packages in layers below it."""
 import ast
 import os
 

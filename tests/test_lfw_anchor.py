@@ -1,6 +1,6 @@
 """benchmarks/lfw_anchor.py (MODEL dlib on a pair list from the photos, beside dlib's own pipeline
 and the .bin path) runs end to end on the small LFW-layout fixture of tests/test_pairs.py, so it
-cannot rot (`make test-all`); its figures there mean nothing. The real run takes LFW's paths (benchmarks/README)."""
+cannot rot (`make test-all`); its figures there mean nothing. The real run takes LFW's paths (benchmarks/runs/real_faces.md)."""
 import os
 import subprocess
 import sys

@@ -35,13 +35,12 @@ def test_train_dash_h_by_file_path_from_another_directory_exits_0_writing_nothin
 
 def test_help_and_readme_agree_that_arcface_torch_takes_its_schedule_from_num_image(capsys):
     # arcface_torch: warmup and total steps are num_image // global batch (times the epochs);
-    # ShardFace counts the data set's images instead: --help and README's differences say both
+    # ShardFace counts the data set's images instead: --help and docs/arcface_torch.md say both
     assert train.main(["--help"]) == 0
     text = capsys.readouterr().out
     line = text[text.index("  --num_image "):].split("\n  --")[0]
     assert "informational" not in line
     assert "arcface_torch's warmup and total steps come from it; ShardFace" in line
     assert "counts the data set's images instead" in line
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    section = readme[readme.index("## Coming from arcface_torch"):]
+    section = open(os.path.join(ROOT, "docs", "arcface_torch.md")).read()
     assert "the schedule counts the images of the data set (a warning names a config `num_image`" in section

@@ -420,7 +420,7 @@ def _load_head(ckpt: str, head, head_opt) -> None:
 
 
 def resume_changes(ckpt: str, saved: dict, saved_margin: dict, margin_loss, config) -> bool:
-    """The rule for config changes at resume (README, Checkpoints), one line each. Returns whether
+    """The rule for config changes at resume (docs/training.md, Resuming), one line each. Returns whether
     the checkpoint's margin statistics are loaded.
     - another margin type: refused when either margin keeps running statistics (adaface,
       curricularface), unless `reset_margin` (they start afresh); between state-less margins
