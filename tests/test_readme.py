@@ -20,7 +20,7 @@ LINKED = DOCS + ["benchmarks/README.md"] + sorted(
     os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "benchmarks", "runs", "*.md")))
 # Files a link may name before they are committed: the lead generates this picture with
 # Model.draw (README 'Python'); drop the entry once it is in the tree.
-PENDING = {"docs/astronaut_found.png"}
+PENDING: set[str] = set()  # files a link may name before they are committed
 RUN = None  # run as typed
 NEEDS_GPU = "needs GPUs"
 NEEDS_DATA = "needs a data set or run this machine does not have"
@@ -244,3 +244,31 @@ def test_make_test_gpu_offline_installs_nothing():
     assert "python3 -m pytest -q -m gpu" in plan.stdout
     default = subprocess.run(["make", "-n", "-B", "test-gpu"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert "pip install" in default.stdout  # the usual target still sets up .venv first
+
+
+def _python_block() -> str:
+    """The README's Python section's code block, as the README holds it."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text[text.index("\n## Python\n"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_readmes_python_block_runs_as_written(tmp_path, monkeypatch):
+    """Its own code, run on the files it names: skimage's astronaut (public domain), two photos
+    of her and a gallery of one person."""
+    pytest.importorskip("dlib")
+    from PIL import Image
+    from skimage import data
+    photo = Image.fromarray(data.astronaut())
+    photo.save(tmp_path / "astronaut.jpg", quality=95)
+    photo.save(tmp_path / "a.jpg", quality=95)
+    photo.transpose(Image.FLIP_LEFT_RIGHT).save(tmp_path / "b.jpg", quality=95)
+    os.makedirs(tmp_path / "people" / "eileen")
+    photo.rotate(3).save(tmp_path / "people" / "eileen" / "1.jpg", quality=95)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(ROOT)
+    scope: dict = {}
+    exec(compile(_python_block(), "README.md", "exec"), scope)
+    assert scope["result"].same is True and scope["rows"].shape == (2, 128)
+    assert scope["matches"][0].name == "eileen" and scope["matches"][0].box == scope["faces"][0].box
+    assert Image.open(tmp_path / "found.png").size == photo.size
