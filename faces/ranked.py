@@ -39,7 +39,7 @@ def find_faces_ranked(paths: list[str], detection: Detection, output: str, rank:
     others None. With world 1 this is `find_faces` itself."""
     if world == 1:
         return find_faces(paths, detection, progress, workers)
-    parts = Parts(output, list_key(paths, detection), world)
+    parts = Parts(output, list_key(paths, detection, root=""), world)
     start, mine = time.monotonic(), share_of(len(paths), rank, world)
     share = paths[mine.start:mine.end]
     if parts.manifest(rank, paths) is None:  # else done by an earlier run of this job: kept

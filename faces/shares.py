@@ -2,12 +2,14 @@
 writes what it makes of it into a part folder beside the output, and rank 0 joins the parts
 into exactly what one process writes.
 
-- `launch_rank(rank, world)`: --rank/--world where given, else torchrun's RANK/WORLD_SIZE.
+- `launch_rank(rank, world)`: --rank/--world where given, else torchrun's RANK/WORLD_SIZE (only
+  where torchrun started the process).
 - `share_of(count, rank, world)`: rank r takes n_r = N // W + (r < N % W) items from
   (N // W) * r + min(r, N % W), the split of the head's classes (`heads.sharding.class_shard`).
-- `list_key(items, *shaping)`: a hash of the list and of what shapes the output (options). The
-  parts live in `<output>.parts-<key>/rank-<r>-of-<W>`, so a part made from another list, other
-  options or another world size is never taken for one of this job.
+- `list_key(items, *shaping, root=)`: a hash of the list, of its files' sizes and times, and of
+  what shapes the output (options). The parts live in `<output>.parts-<key>/rank-<r>-of-<W>`, so
+  a part made from another list, a replaced photo, other options or another world size is never
+  taken for one of this job.
 - `Parts.writing(rank, share)`: a rank's part is filled under a staging name and published
   whole (utils.atomic.publishing_dir), its manifest `part.json` written last. A rank that finds
   its part complete (a job run again after another rank failed) keeps it.
@@ -32,6 +34,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -50,13 +53,22 @@ class PartError(UserError, RuntimeError):
 
 
 def launch_rank(rank: int | None = None, world: int | None = None, env=None) -> tuple[int, int]:
-    """(rank, world size) from --rank/--world where given (both or neither), else from
-    torchrun's RANK and WORLD_SIZE, else (0, 1)."""
+    """(rank, world size) from --rank/--world where given (both or neither), else from RANK and
+    WORLD_SIZE where torchrun started this process (it sets TORCHELASTIC_RUN_ID), else (0, 1):
+    variables left set in a shell are named and ignored, never taken for a share to wait on."""
     env = os.environ if env is None else env
     if (rank is None) != (world is None):
         raise ConfigError("--rank and --world: give both (or neither, to take torchrun's RANK and WORLD_SIZE)")
     if rank is None:
-        rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+        try:
+            rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+        except ValueError:
+            raise ConfigError(f"RANK={env.get('RANK')!r} WORLD_SIZE={env.get('WORLD_SIZE')!r}: not whole numbers") from None
+        if world > 1 and "TORCHELASTIC_RUN_ID" not in env:
+            print(f"RANK={rank} and WORLD_SIZE={world} are set, but torchrun did not start this process: running "
+                  "as one process (pass --rank R --world W to share the photos among machines by hand)",
+                  file=sys.stderr, flush=True)
+            rank, world = 0, 1
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"--rank {rank} --world {world}: the world is at least 1 and the rank in [0, world)")
     return rank, world
@@ -67,12 +79,17 @@ def share_of(count: int, rank: int, world: int) -> Range:
     return class_shard(count, world, rank)
 
 
-def list_key(items: Sequence[str], *shaping) -> str:
-    """16 hex digits of the SHA-256 of the items (in order) and of `shaping` (what else decides
-    the output: options, as their repr)."""
+def list_key(items: Sequence[str], *shaping, root: str | None = None) -> str:
+    """16 hex digits of the SHA-256 of the items (in order), of each item's file (size and
+    modification time: a photo replaced under the same name gives another key) where `root`
+    names their folder ("" for paths as they are), and of `shaping` (what else decides the
+    output: options, as their repr)."""
     h = hashlib.sha256()
     for item in items:
         h.update(item.encode("utf-8", "surrogateescape") + b"\0")
+        if root is not None:
+            st = os.stat(os.path.join(root, item))
+            h.update(f"{st.st_size}:{st.st_mtime_ns}\0".encode())
     h.update(repr(shaping).encode())
     return h.hexdigest()[:16]
 
@@ -138,6 +155,7 @@ class Parts:
         shares; a PartError naming the missing ranks after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         found: dict[int, dict] = {}
+        said = False
         while True:
             for rank in range(self.world):
                 if rank not in found:
@@ -148,14 +166,27 @@ class Parts:
             if not missing:
                 return [found[r] for r in range(self.world)]
             if time.monotonic() >= deadline:
-                others = sorted(glob.glob(glob.escape(self.root.rsplit(".parts-", 1)[0]) + ".parts-*"))
-                others = [o for o in others if o != self.root]
-                seen = f" ({', '.join(others)} came from another photo list or other options)" if others else ""
                 raise PartError(f"{self.root}: no complete part of rank {', '.join(map(str, missing))} of "
                                 f"{self.world} after {timeout_s:.0f} s; run every rank with the same photos, "
-                                f"output and options{seen} (what was done is kept: a run again redoes only "
-                                "missing parts)")
+                                f"output, options and world size{self._others()} (what was done is kept: a run "
+                                "again redoes only missing parts)")
+            if not said and timeout_s > 0:
+                print(f"waiting up to {timeout_s:.0f} s for the part of rank {', '.join(map(str, missing))} of "
+                      f"{self.world} in {self.root}", file=sys.stderr, flush=True)
+                said = True
             time.sleep(poll_s)
+
+    def _others(self) -> str:
+        """What else is beside this job's parts: parts of other lists or options, or of this
+        list under another world size, in words ("" where nothing is)."""
+        lists = [o for o in sorted(glob.glob(glob.escape(self.root.rsplit(".parts-", 1)[0]) + ".parts-*"))
+                 if o != self.root]
+        worlds = [f for f in sorted(glob.glob(os.path.join(glob.escape(self.root), "rank-*-of-*")))
+                  if not f.endswith(f"-of-{self.world}")]
+        said = [f"{', '.join(lists)} came from another photo list or other options"] if lists else []
+        said += [f"{', '.join(os.path.basename(f) for f in worlds)} in {self.root} came from another world size"] \
+            if worlds else []
+        return f" ({'; '.join(said)})" if said else ""
 
     def join(self, out: str, items: Sequence[str], report: str) -> dict:
         """Every part's files into the folder `out` and their CSV `report`s concatenated into

@@ -132,7 +132,7 @@ def align_ranked(src: str, photos: list[str], dst: str, detection: Detection, si
     """Rank `rank` of `world` aligns its share of `photos` into its part beside `dst`; rank 0
     then waits for every part and publishes their join as `dst`, what one process writes
     (faces.shares). -> (crops written, photos without a face) on rank 0, None on the others."""
-    parts = Parts(dst, list_key(photos, detection, side, largest_only), world)
+    parts = Parts(dst, list_key(photos, detection, side, largest_only, root=src), world)
     start, mine = time.monotonic(), share_of(len(photos), rank, world)
     share = photos[mine.start:mine.end]
     if parts.manifest(rank, photos) is None:  # else done by an earlier run of this job: kept

@@ -238,7 +238,8 @@ def test_rank_and_worker_options_are_checked_in_one_line(photos, tmp_path, capsy
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: {message}")
     assert os.listdir(tmp_path) == []
-    assert launch_rank(env={"RANK": "3", "WORLD_SIZE": "4"}) == (3, 4) and launch_rank(env={}) == (0, 1)
+    torchrun = {"RANK": "3", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "job"}
+    assert launch_rank(env=torchrun) == (3, 4) and launch_rank(env={}) == (0, 1)
 
 
 def test_default_workers_are_the_cores_shared_among_the_ranks_of_this_machine():
@@ -277,3 +278,51 @@ def test_pack_rec_shares_only_face_finding_among_machines(photos, tmp_path, caps
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "only --align's face finding is shared" in err
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_rank_variables_left_in_a_shell_are_named_and_align_runs_as_one_process(photos, one_process, tmp_path,
+                                                                              monkeypatch, capsys):
+    """RANK and WORLD_SIZE without torchrun (no TORCHELASTIC_RUN_ID) once made align take half
+    the photos and wait 600 s in silence for a rank that never comes."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    dst = str(tmp_path / "crops")
+    assert align_tool([photos, dst, "--workers", "1"]) == 0
+    assert _tree(dst) == one_process
+    assert "RANK=0 and WORLD_SIZE=2 are set, but torchrun did not start this process" in capsys.readouterr().err
+
+
+def test_a_photo_replaced_under_its_name_is_aligned_again_not_taken_from_a_finished_part(photos, tmp_path):
+    import shutil
+    src = tmp_path / "photos"
+    shutil.copytree(photos, src)
+    dst = str(tmp_path / "crops")
+    assert align_tool([str(src), dst, "--rank", "1", "--world", "2", "--workers", "1"]) == 0
+    one = os.path.join("q", "a.png")  # in rank 1's share of the sorted photos
+    Image.open(src / "p" / "h2.png").save(src / one)  # another photo under the same name
+    os.utime(src / one, ns=(1, 1))
+    assert align_tool([str(src), dst, "--rank", "1", "--world", "2", "--workers", "1"]) == 0
+    assert align_tool([str(src), dst, "--rank", "0", "--world", "2", "--workers", "1"]) == 0
+    fresh = str(tmp_path / "fresh")
+    assert align_tool([str(src), fresh, "--workers", "1"]) == 0
+    assert _tree(dst) == _tree(fresh)
+
+
+def test_a_part_of_another_world_size_is_named_when_the_wait_ends(tmp_path):
+    items = [f"f{i}" for i in range(7)]
+    _write_part(Parts(str(tmp_path / "out"), list_key(items), 3), 1, items)
+    two = Parts(str(tmp_path / "out"), list_key(items), 2)
+    _write_part(two, 0, items)
+    with pytest.raises(PartError, match=r"no complete part of rank 1 of 2 after 0 s; .*rank-1-of-3 in \S+ came "
+                                        r"from another world size"):
+        two.wait(items, 0.1, poll_s=0.02)
+
+
+def test_rank_0_says_what_it_waits_for_and_how_long(tmp_path, capsys):
+    items = [f"f{i}" for i in range(4)]
+    parts = Parts(str(tmp_path / "out"), list_key(items), 2)
+    _write_part(parts, 0, items)
+    with pytest.raises(PartError):
+        parts.wait(items, 0.2, poll_s=0.05)
+    assert f"waiting up to 0 s for the part of rank 1 of 2 in {parts.root}" in capsys.readouterr().err
