@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from backbones import get_model
+from checkpoint.folders import find_checkpoint
 from configs.errors import ConfigError
 from dataset import build_dataset
 from distill.head import DistillLoss, attach_projection
@@ -20,7 +21,6 @@ from infer.weights import init_backbone_from
 from losses import build_margin
 from parallel.ddp import DDPOptimizer
 from parallel.zero import Zero2Optimizer
-from utils.checkpoint import find_checkpoint
 
 logger = logging.getLogger("shardface")
 

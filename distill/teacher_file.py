@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from checkpoint.files import CheckpointError
 from configs.errors import ConfigError
 from utils.atomic import publishing
-from utils.checkpoint import CheckpointError
 from utils.progress import Progress
 
 MAGIC = b"SHARDFACE-TEACHER\n"

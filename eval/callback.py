@@ -7,10 +7,10 @@ import os
 
 import numpy as np
 
-from infer.thresholds import THRESHOLD_FILE, threshold_at_far
+from checkpoint.files import atomic_write_text
 from eval.verification import NFOLDS, VerificationDataError, bin_path, l2_normalize, load_bin, test
+from infer.thresholds import THRESHOLD_FILE, threshold_at_far
 from parallel.dist import barrier
-from utils.checkpoint import atomic_write_text
 
 logger = logging.getLogger("shardface")
 

@@ -141,7 +141,7 @@ def run_threshold(path: str, ema: bool = True) -> Threshold | None:
     """The threshold training saved beside the weights at `path` (a run output, a checkpoint dir,
     or the run's model.pt: the latest checkpoint's weights, the EMA's where there is one), if it
     was measured at the step of those weights; else None."""
-    from utils.checkpoint import CHECKPOINT_NAME, find_checkpoint
+    from checkpoint.folders import CHECKPOINT_NAME, find_checkpoint
     run = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     ckpt = find_checkpoint(run)
     if ckpt is not None and os.path.abspath(ckpt) == os.path.abspath(run):  # a checkpoint dir: its run holds the file

@@ -50,7 +50,7 @@ def checkpoint_tensors(path: str) -> dict:
     must reproduce: backbone, EMA, and the head's rows and momentum in class order."""
     import os
 
-    from utils.checkpoint import resolve_checkpoint
+    from checkpoint.folders import resolve_checkpoint
     ckpt = resolve_checkpoint(path)
     out = {f"backbone.{k}": v for k, v in torch.load(os.path.join(ckpt, "backbone.pt")).items()}
     out.update({f"ema.{k}": v for k, v in torch.load(os.path.join(ckpt, "ema.pt"))["state"].items()})

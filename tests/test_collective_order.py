@@ -9,12 +9,14 @@ still runs (gloo), the wrapper only writes down what was asked for.
 import torch
 from torch import nn
 
+from checkpoint.load import load_checkpoint
+from checkpoint.save import save_checkpoint
+from checkpoint.state import TrainState
 from heads import PartialFC, SampledRowsOptimizer
 from losses import CombinedMarginLoss
 from parallel import DynamicLossScaler, ShardedEMA, Zero2Optimizer
 from tests.collective_log import recording
 from tests.distributed import run_distributed
-from utils.checkpoint import TrainState, load_checkpoint, save_checkpoint
 
 WORLD = 8
 NUM_CLASSES, D, B = 50, 16, 4  # 50 % 8 != 0: uneven class shards

@@ -101,7 +101,7 @@ def _argv(data, out, teacher, *extra):
 
 
 def test_the_centre_is_checkpointed_and_a_resume_keeps_it(drawn_faces, teacher_pt, tmp_path, monkeypatch):
-    from utils.checkpoint import resolve_checkpoint
+    from checkpoint.folders import resolve_checkpoint
     out = str(tmp_path / "run")
     assert train.main(_argv(drawn_faces, out, teacher_pt, "--max_steps", "2")) == 0
     saved = torch.load(os.path.join(resolve_checkpoint(out), "meta.pt"))["distill"]

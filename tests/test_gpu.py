@@ -72,7 +72,7 @@ for path in paths:
     assert found <= {"cpu"}, f"{path} holds tensors on {sorted(found)}"
 from builders import build_backbone, build_data_parallel, build_head, build_head_optimizer
 from configs import get_config
-from utils.checkpoint import load_checkpoint
+from checkpoint.load import load_checkpoint
 cfg = get_config(argv[0], argv[1:])
 backbone, head = build_backbone(cfg), build_head(cfg)
 _, backbone_opt = build_data_parallel(cfg, backbone)
@@ -105,7 +105,7 @@ def test_train_runs_on_the_device_and_its_files_open_on_a_cpu_only_host(drawn_fa
     losses = re.findall(r"loss ([0-9.]+|nan|inf) ", log)
     assert len(losses) == SMOKE_STEPS and all(v not in ("nan", "inf") for v in losses), losses
     assert bool(re.search(r"loss [0-9.]+ .*scale \d+", log)) == (precision == "fp16")  # the loss scaler ran
-    from utils.checkpoint import resolve_checkpoint
+    from checkpoint.folders import resolve_checkpoint
     assert resolve_checkpoint(out).endswith(f"checkpoint-{SMOKE_STEPS:08d}")
     assert os.path.isfile(os.path.join(out, "model.pt"))
 

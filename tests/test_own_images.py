@@ -366,9 +366,9 @@ def test_model_pt_and_its_onnx_export_embed_alike_and_verify_takes_onnx(tmp_path
 
 
 def test_unreadable_onnx_and_missing_inputs_are_one_line_errors(tmp_path, capsys):
+    from checkpoint.files import CheckpointError
     from infer.model import load_module
     from scripts.embed import main as embed
-    from utils.checkpoint import CheckpointError
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not a model")
     with pytest.raises(CheckpointError, match=r"bad.onnx: not a readable ONNX model"):

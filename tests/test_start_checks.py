@@ -94,8 +94,8 @@ def test_differences_between_ranks_name_each_key_its_values_and_rank_ranges():
 
 
 def _train_cli_patient_1s(rank, world_size, args_per_rank):
-    import utils.run_lock
-    utils.run_lock.SHARED_WAIT_S = 1.0  # a local disk shows the lock at once: no network file system to wait for
+    import checkpoint.run_lock
+    checkpoint.run_lock.SHARED_WAIT_S = 1.0  # a local disk shows the lock at once: no network file system to wait for
     return _train_cli(rank, world_size, args_per_rank)
 
 

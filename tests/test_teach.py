@@ -11,6 +11,7 @@ import torch
 
 import train
 from builders import Distillation, build_train_dataset
+from checkpoint.files import CheckpointError
 from configs import get_config
 from configs.errors import ConfigError
 from distill.teacher_file import MAGIC, TeacherFile, header_bytes
@@ -18,7 +19,6 @@ from parallel.user_errors import exits_on_user_error
 from scripts.teach import main as teach
 from tests.conftest import train_argv
 from tests.tool_files import photos, tiny_model
-from utils.checkpoint import CheckpointError
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 import train
+from checkpoint.files import CheckpointError
+from checkpoint.folders import resolve_checkpoint
 from tests.conftest import TRAIN_STEPS as STEPS
 from tests.conftest import checkpoint_tensors, shardface_messages
 from tests.conftest import train_argv as argv
 from tests.distributed import run_distributed
-from utils.checkpoint import CheckpointError, resolve_checkpoint
 
 def _run(rank, world_size, args):
     return train.main(args)
@@ -133,7 +134,7 @@ def test_exploding_weights_are_never_saved_though_finite(drawn_faces, tmp_path):
     """lr 1e6 multiplies the backbone's weights by ~1e5 per step: still finite, and the
     normalised head still gives a finite loss, but no checkpoint may keep them (the rule in
     utils/divergence.py); every checkpoint left has the weights' scale of the start."""
-    from utils.checkpoint import list_checkpoints
+    from checkpoint.folders import list_checkpoints
     out = str(tmp_path / "exploded")
     sane = ("--max_steps", "2", "--checkpoint_interval", "2", "--ema", "false")
     assert train.main(argv(drawn_faces, out, *sane)) == 0  # a checkpoint of the start's scale, at step 2

@@ -5,9 +5,12 @@ import logging
 import os
 import shutil
 
+from checkpoint.files import CheckpointError
+from checkpoint.folders import find_checkpoint, list_checkpoints
+from checkpoint.load import load_checkpoint
+from checkpoint.save import save_checkpoint
+from checkpoint.state import TrainState, new_run_id
 from parallel.dist import barrier, from_rank0
-from utils.checkpoint import (CheckpointError, TrainState, find_checkpoint, list_checkpoints, load_checkpoint,
-                              new_run_id, save_checkpoint)
 from utils.divergence import check_weights, weight_norm
 
 logger = logging.getLogger("shardface")
@@ -25,7 +28,7 @@ def start_logs_over(output: str) -> None:
 
 
 class Checkpointer:
-    """Saves the run's checkpoints (see utils/checkpoint.py) and `model.pt`, the backbone
+    """Saves the run's checkpoints (see the checkpoint package) and `model.pt`, the backbone
     weights for export (EMA weights when EMA is on). Every method is collective: all ranks
     call it at the same step. `save` remembers the last step it saved, so the final save
     right after an interval save of the same step writes nothing."""
