@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from builders import (build_backbone, build_data_parallel, build_distillation, build_head, build_head_optimizer,
-                      build_train_dataset, init_backbone)
+from builders import (build_backbone, build_data_parallel, build_head, build_head_optimizer, build_train_dataset,
+                      init_backbone)
 from checkpoint.changes import log_resume_changes
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.data_position import follow_data
@@ -30,6 +30,7 @@ from configs.per_rank import SECRET_KEYS, rank_independent
 from configs.validate import warmup_problem
 from dataset import ResumableDistributedSampler, get_dataloader, normalize_images
 from dataset.errors import DataError
+from distill.run import build_distillation
 from eval.callback import VerificationCallback
 from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
 from parallel.agreement import check_same_on_every_rank

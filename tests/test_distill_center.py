@@ -111,16 +111,16 @@ def test_the_centre_is_checkpointed_and_a_resume_keeps_it(drawn_faces, teacher_p
     assert 0 < saved["constant_loss"] < 2
     import distill.teacher
     monkeypatch.setattr(distill.teacher, "teacher_statistics", lambda *a, **k: pytest.fail("measured again on resume"))
-    import builders
-    monkeypatch.setattr(builders, "teacher_statistics", lambda *a, **k: pytest.fail("measured again on resume"))
+    import distill.run
+    monkeypatch.setattr(distill.run, "teacher_statistics", lambda *a, **k: pytest.fail("measured again on resume"))
     assert train.main(_argv(drawn_faces, out, teacher_pt, "--max_steps", "4", "--resume", "true")) == 0
     again = torch.load(os.path.join(resolve_checkpoint(out), "meta.pt"))["distill"]
     assert torch.equal(again["center"], saved["center"]) and again["constant_loss"] == saved["constant_loss"]
 
 
 def test_log_shows_the_term_beside_a_constant_students_and_warns_once_when_not_clearly_below(caplog):
-    from builders import Distillation
     from distill.head import DistillLoss
+    from distill.run import Distillation
     loss = DistillLoss("cosine", 1.0)
     distill = Distillation(teacher=None, loss=loss)
     distill.constant_loss = 0.1

@@ -323,10 +323,11 @@ def test_teach_align_makes_the_rows_of_an_align_true_runs_faces_and_a_resize_fil
     """scripts.teach reads the data as the run does (builders.build_train_dataset): with --align,
     row i is the teacher's embedding of the run's aligned face i; a file made from the same photos
     resized is refused by the align true run, naming both readings."""
-    from builders import Distillation, build_train_dataset
+    from builders import build_train_dataset
     from configs import get_config
     from configs.errors import ConfigError
     from infer.model import load_model
+    from distill.run import Distillation
     from distill.teacher import OnlineTeacher
     from distill.teacher_file import TeacherFile
     from scripts.teach import main as teach

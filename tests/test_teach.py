@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import train
-from builders import Distillation, build_train_dataset
+from builders import build_train_dataset
 from checkpoint.files import CheckpointError
 from configs import get_config
 from configs.errors import ConfigError
+from distill.run import Distillation
 from distill.teacher_file import MAGIC, TeacherFile, header_bytes
 from parallel.user_errors import exits_on_user_error
 from scripts.teach import main as teach
