@@ -11,7 +11,7 @@ from configs import get_config
 from dataset import ResumableDistributedSampler, get_dataloader, normalize_images
 from distill.run import build_distillation
 from parallel import ShardedEMA
-from tests.conftest import train_argv
+from tests.train_runs import train_argv
 
 
 def distill_step(data: str, teacher: str, device: torch.device, *extra: str):

@@ -454,7 +454,7 @@ def test_resume_with_another_config_than_the_checkpoints_names_each_changed_key(
 ])
 def test_resume_on_another_world_size_or_batch_says_what_changes(ranks, batch, said):
     from checkpoint.changes import log_resume_changes
-    from tests.conftest import shardface_messages
+    from tests.log_capture import shardface_messages
     cfg = get_config(None, ["--batch_size", str(batch[1]), "--lr", "0.05"])
     meta = {"world_size": ranks[0], "batch_size": ranks[1], "config": {**cfg, "batch_size": ranks[1]}}
     assert shardface_messages(lambda: log_resume_changes(meta, cfg, batch[0], 128 // (batch[0] * batch[1]),

@@ -13,7 +13,7 @@ from checkpoint.files import CheckpointError, safe_load
 from checkpoint.folders import find_checkpoint, list_checkpoints, prune_checkpoints, resolve_checkpoint
 from checkpoint.load import read_backbone_weights
 from dataset.pack import write_insightface_rec
-from tests.conftest import train_argv
+from tests.train_runs import train_argv
 
 
 def _fake_checkpoint(output, step, run_id):

@@ -7,7 +7,7 @@ from checkpoint.data_position import follow_data
 from checkpoint.state import TrainState
 from dataset import build_dataset
 from dataset.pack import write_insightface_rec
-from tests.conftest import jpeg
+from tests.tool_files import jpeg
 
 
 def _folders(root, counts):

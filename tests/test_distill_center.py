@@ -10,8 +10,8 @@ import torch
 
 import train
 from distill.losses import centred, constant_student_loss, cosine_distill, relational_distill
-from tests.conftest import train_argv
 from tests.distributed import run_distributed
+from tests.train_runs import train_argv
 
 SHARED, OWN = 0.95, 0.3  # a teacher's targets: mostly one direction, a little of each identity's own
 

@@ -17,9 +17,9 @@ from faces.align import ARCFACE_112
 from infer.model import Model, load_model
 from scripts.export_onnx import main as export_onnx
 from scripts.teach import main as teach
-from tests.conftest import jpeg, train_argv
-from tests.conftest import checkpoint_tensors
 from tests.distributed import run_distributed
+from tests.tool_files import jpeg
+from tests.train_runs import checkpoint_tensors, train_argv
 
 STEPS = 8
 

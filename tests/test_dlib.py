@@ -215,7 +215,7 @@ def test_onnx_template_metadata_is_checked(tmp_path):
 @pytest.mark.slow
 def test_init_backbone_dlib_fine_tunes_dlibs_network_on_112_crops(drawn_faces, tmp_path):
     import train
-    from tests.conftest import train_argv
+    from tests.train_runs import train_argv
     seen = []
     real = train.build_backbone
 

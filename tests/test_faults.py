@@ -13,7 +13,7 @@ import time
 import pytest
 
 from checkpoint.folders import resolve_checkpoint
-from tests.conftest import train_argv
+from tests.train_runs import train_argv
 
 
 def _launch(data_dir, output, *extra, console=None):

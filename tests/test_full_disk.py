@@ -11,8 +11,8 @@ from checkpoint import files as checkpoint_files
 from checkpoint.files import NoSpaceError
 from checkpoint.folders import find_checkpoint, list_checkpoints
 from checkpoint.load import read_backbone_weights
-from tests.conftest import train_argv
 from tests.distributed import run_distributed
+from tests.train_runs import train_argv
 
 
 class _FillingFile:
@@ -69,11 +69,11 @@ def _save_with_rank1_disk_full(rank, world_size, output):
 
     from checkpoint.save import save_checkpoint
     from checkpoint.state import TrainState
-    from tests.test_collective_order import _build, _step
-    parts = _build(rank, "collective")
-    _step(parts)
+    from tests.tiny_zero_run import build_parts, train_step
+    parts = build_parts(rank, "collective")
+    train_step(parts)
     save_checkpoint(output, TrainState(step=1, run_id="r"), **parts, rank=rank, world_size=world_size)
-    _step(parts)
+    train_step(parts)
     with _pytest.MonkeyPatch.context() as mp:
         if rank == 1:  # only rank 1's file system share is full: rank 0 must not wait for it
             fill_disk_at(mp, "rng-rank1.pt", room=10)

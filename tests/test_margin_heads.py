@@ -247,7 +247,7 @@ def test_adaface_non_target_cosines_past_its_clamp_carry_no_gradient(chunk, rate
 @pytest.fixture(scope="module")
 def subcenter_run(drawn_faces, tmp_path_factory):
     import train
-    from tests.conftest import train_argv
+    from tests.train_runs import train_argv
     out = str(tmp_path_factory.mktemp("subcenter") / "run")
     assert train.main(train_argv(drawn_faces, out, "--max_steps", "2", "--margin", "subcenter_arcface",
                                  "--subcenter_k", "2", "--ema", "false")) == 0

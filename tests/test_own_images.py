@@ -405,8 +405,8 @@ def test_undecodable_sampled_record_fails_at_start_unless_skipped(tmp_path):
 def test_ijb_takes_an_onnx_model_and_finds_the_constructed_tar(tmp_path, capsys):
     from scripts.export_onnx import export
     from scripts.ijb import main as ijb
-    from tests.test_ijb import MeanColour, _make_fixture
-    _make_fixture(tmp_path)
+    from tests.ijb_fixture import MeanColour, make_ijb_fixture
+    make_ijb_fixture(tmp_path)
     onnx_path = str(tmp_path / "mean_colour.onnx")
     export(MeanColour(), onnx_path)
     ijb([onnx_path, "--root", str(tmp_path), "--target", "IJBC", "--batch-size", "16"])

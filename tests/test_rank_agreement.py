@@ -8,8 +8,8 @@ import torch
 
 import train
 from distill.head import DistillLoss
-from tests.conftest import train_argv
 from tests.distributed import run_distributed
+from tests.train_runs import train_argv
 
 POISONED_STEP = 2
 

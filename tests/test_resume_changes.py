@@ -3,7 +3,7 @@ import pytest
 
 from checkpoint.changes import log_resume_changes
 from configs import get_config
-from tests.conftest import shardface_messages
+from tests.log_capture import shardface_messages
 
 
 def _total(cfg, steps_per_epoch: int = 8) -> int:

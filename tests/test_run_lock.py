@@ -17,7 +17,7 @@ from checkpoint.files import CheckpointError
 from checkpoint.folders import find_checkpoint
 from checkpoint.load import read_backbone_weights
 from checkpoint.run_lock import LOCK_NAME, STALE_S, RunLock
-from tests.conftest import train_argv
+from tests.train_runs import train_argv
 
 
 def _snapshot(output):

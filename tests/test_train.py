@@ -11,10 +11,12 @@ import torch
 import train
 from checkpoint.files import CheckpointError
 from checkpoint.folders import resolve_checkpoint
-from tests.conftest import TRAIN_STEPS as STEPS
-from tests.conftest import checkpoint_tensors, shardface_messages
-from tests.conftest import train_argv as argv
 from tests.distributed import run_distributed
+from tests.log_capture import shardface_messages
+from tests.train_runs import TRAIN_STEPS as STEPS
+from tests.train_runs import checkpoint_tensors
+from tests.train_runs import train_argv as argv
+
 
 def _run(rank, world_size, args):
     return train.main(args)
@@ -196,7 +198,7 @@ def test_corrupt_checkpoint_is_a_clear_error(drawn_faces, tmp_path, runs):
 
 def test_images_skipped_on_every_rank_are_reported(tmp_path):
     from dataset.pack import write_insightface_rec
-    from tests.conftest import jpeg
+    from tests.tool_files import jpeg
     data = str(tmp_path / "with_bad")
     ids = [[jpeg((16 * c, 100, 200 - 8 * c)) for _ in range(8)] for c in range(16)]
     for c in (2, 7, 11):  # one undecodable image in three identities, never neighbours
