@@ -14,6 +14,9 @@ from parallel.dist import barrier, from_rank0
 from utils.divergence import check_weights, weight_norm
 
 logger = logging.getLogger("shardface")
+# what a run writes beside its checkpoints, of its weights: an overwrite deletes them with the
+# checkpoints (threshold.json: eval/callback.py's, infer.thresholds.THRESHOLD_FILE)
+RUN_FILES = ("latest", "model.pt", "threshold.json")
 
 
 def start_logs_over(output: str) -> None:
@@ -76,7 +79,7 @@ class Checkpointer:
             if self.rank == 0:
                 for _, path in leftovers:
                     shutil.rmtree(path)
-                for name in ("latest", "model.pt"):
+                for name in RUN_FILES:
                     if os.path.exists(os.path.join(self.output, name)):
                         os.remove(os.path.join(self.output, name))
                 start_logs_over(self.output)

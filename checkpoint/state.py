@@ -2,6 +2,7 @@
 the config as plain values, and the backbone parts that only training uses."""
 from __future__ import annotations
 
+import hashlib
 import random
 import uuid
 from dataclasses import dataclass
@@ -20,6 +21,20 @@ def exported(weights: dict | None) -> dict | None:
     if weights is None:
         return None
     return {k: v for k, v in weights.items() if k.split(".", 1)[0] not in TRAINING_ONLY}
+
+
+def weights_fingerprint(weights: dict) -> str:
+    """A short hash of a backbone state dict (names, shapes, values), taken as the fp32 network
+    that reads it holds them: for the weights a MODEL loads, it equals that Model's fingerprint
+    (infer.model.fingerprint_module of the eval-mode fp32 network). Files derived from a
+    model's weights record it (threshold.json)."""
+    digest = hashlib.sha256()
+    for name, t in sorted(weights.items()):
+        t = t.detach().cpu()
+        t = t.float() if t.is_floating_point() else t
+        digest.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        digest.update(t.contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def new_run_id() -> str:
