@@ -34,10 +34,13 @@ class Distillation:
 
     def prepare(self, cfg, dataset, device, resumed: dict | None) -> None:
         """Before the first step: the centre of the teacher's targets (`distill_center`), the
-        checkpoint's when resuming one that has it (so a resume keeps it), else measured
-        (distill.teacher.teacher_statistics); and the loss a constant student would get."""
+        checkpoint's when resuming one that has it from this teacher (so a resume keeps it), else
+        measured (distill.teacher.teacher_statistics); and the loss a constant student would get."""
         saved = (resumed or {}).get("distill")
-        if saved is not None and bool(saved.get("center") is not None) == bool(cfg.distill_center):
+        measured_on = (saved or {}).get("teacher")  # None in a checkpoint from before it was recorded
+        other_teacher = measured_on is not None and not self._is_teacher(measured_on)
+        same_centring = saved is not None and bool(saved.get("center") is not None) == bool(cfg.distill_center)
+        if same_centring and not other_teacher:
             center = saved["center"]
             self.distill_loss.center = None if center is None else center.to(device)
             self.constant_loss = saved.get("constant_loss")
@@ -48,7 +51,12 @@ class Distillation:
         self.constant_loss = constant_student_loss(cfg.distill_loss, centred(sample, center)) if len(sample) else None
         # the sample's targets are unit vectors (teacher_statistics): their mean cosine to the mean direction
         spread = float(sample.matmul(torch.nn.functional.normalize(mean, dim=0)).mean()) if len(sample) else float("nan")
-        if resumed is not None:
+        if other_teacher:
+            logger.warning("teacher %s (fingerprint %s) now, but the checkpoint's centre and constant-student loss "
+                           "came from teacher %s (fingerprint %s): measured again for this teacher", self.teacher.name,
+                           self.teacher.fingerprint or "unknown", measured_on.get("name"),
+                           measured_on.get("fingerprint") or "unknown")
+        elif resumed is not None:
             logger.warning("distill_center %s now, but the checkpoint's targets were %s: the targets change from "
                            "this step", "true" if cfg.distill_center else "false",
                            "not centred" if cfg.distill_center else "centred")
@@ -57,11 +65,20 @@ class Distillation:
                     "centred (distill_center true)" if center is not None else "not centred", cfg.distill_loss,
                     self.constant_loss if self.constant_loss is not None else float("nan"))
 
+    def _is_teacher(self, recorded: dict) -> bool:
+        """Whether `recorded` (a checkpoint's "teacher") names this run's teacher: by fingerprint
+        where both have one (a moved file or a renamed run is the same teacher), else by name."""
+        if recorded.get("fingerprint") and self.teacher.fingerprint:
+            return recorded["fingerprint"] == self.teacher.fingerprint
+        return recorded.get("name") == self.teacher.name
+
     def checkpoint_meta(self) -> dict:
-        """What a resume needs to give the same targets (joins the checkpoint's meta.pt)."""
+        """What a resume needs to give the same targets (joins the checkpoint's meta.pt): the
+        centre, the constant student's loss, and the teacher they were measured on."""
         center = self.distill_loss.center
         return {"distill": {"center": None if center is None else center.detach().cpu(),
-                            "constant_loss": self.constant_loss}}
+                            "constant_loss": self.constant_loss,
+                            "teacher": {"name": self.teacher.name, "fingerprint": self.teacher.fingerprint}}}
 
     def report(self, step: int, total_steps: int) -> None:
         """At a log step: the distillation term beside a constant student's loss; a warning,

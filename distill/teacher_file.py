@@ -162,6 +162,11 @@ class TeacherFile:
     def name(self) -> str:
         return f"{self.path} (teacher {self.header.get('teacher')})"
 
+    @property
+    def fingerprint(self) -> str:
+        """The fingerprint of the teacher that made the rows ("" in a header without one)."""
+        return str(self.header.get("teacher_fingerprint") or "")
+
     def check_data(self, data: str, size: int, fingerprint: str, transform: dict) -> None:
         """The run's data (`data` path, record count, fingerprint, `data_transform`) is the one
         this file was made from, read the same way."""

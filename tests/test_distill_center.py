@@ -118,6 +118,34 @@ def test_the_centre_is_checkpointed_and_a_resume_keeps_it(drawn_faces, teacher_p
     assert torch.equal(again["center"], saved["center"]) and again["constant_loss"] == saved["constant_loss"]
 
 
+def test_a_resume_with_another_teacher_measures_its_centre_again_and_says_so(drawn_faces, teacher_pt, tmp_path):
+    """The checkpoint records which teacher its centre came from (name, fingerprint); a resume
+    under another teacher measures that teacher's centre and constant-student loss, in one line."""
+    from backbones import get_model
+    from checkpoint.folders import resolve_checkpoint
+    from infer.model import load_model
+    out, other = str(tmp_path / "run"), str(tmp_path / "other" / "model.pt")
+    assert train.main(_argv(drawn_faces, out, teacher_pt, "--max_steps", "2")) == 0
+    first = torch.load(os.path.join(resolve_checkpoint(out), "meta.pt"))["distill"]
+    assert first["teacher"] == {"name": teacher_pt, "fingerprint": load_model(teacher_pt, "tiny").fingerprint}
+    torch.manual_seed(6)
+    os.makedirs(os.path.dirname(other))
+    torch.save(get_model("tiny", num_features=64).state_dict(), other)
+    assert train.main(_argv(drawn_faces, out, other, "--max_steps", "4", "--resume", "true")) == 0
+    said = open(os.path.join(out, "training.log")).read().splitlines()
+    again = torch.load(os.path.join(resolve_checkpoint(out), "meta.pt"))["distill"]
+    expected, _ = _centre(0, 1, drawn_faces, other, samples=24)
+    torch.testing.assert_close(again["center"], expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(again["center"], first["center"], atol=1e-3)
+    assert again["constant_loss"] != first["constant_loss"]
+    assert again["teacher"] == {"name": other, "fingerprint": load_model(other, "tiny").fingerprint}
+    lines = [m.split("] ", 1)[-1] for m in said if "came from teacher" in m]  # less the time and rank
+    assert lines == [f"teacher {other} (fingerprint {again['teacher']['fingerprint']}) now, but the checkpoint's "
+                     f"centre and constant-student loss came from teacher {teacher_pt} (fingerprint "
+                     f"{first['teacher']['fingerprint']}): measured again for this teacher"]
+    assert not [m for m in said if "the targets change from this step" in m]  # the centring did not change
+
+
 def test_log_shows_the_term_beside_a_constant_students_and_warns_once_when_not_clearly_below(caplog):
     from distill.head import DistillLoss
     from distill.run import Distillation
