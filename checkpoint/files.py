@@ -61,3 +61,17 @@ def safe_load(path: str):
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
         raise CheckpointError(f"{path}: corrupt or unreadable checkpoint file ({type(exc).__name__}: {exc})") from None
+
+
+def load_dict(path: str, *keys: str) -> dict:
+    """The dict a checkpoint file holds, with every one of `keys`: one CheckpointError naming the
+    file (and the missing key) when it holds something else."""
+    obj = safe_load(path)
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: holds a {type(obj).__name__}, not the dict a checkpoint file holds "
+                              f"(damaged, or not written by ShardFace)")
+    missing = [key for key in keys if key not in obj]
+    if missing:
+        raise CheckpointError(f"{path}: no {', '.join(repr(k) for k in missing)} entry in it (damaged, or not "
+                              f"written by ShardFace)")
+    return obj

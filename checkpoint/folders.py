@@ -113,6 +113,9 @@ def resolve_checkpoint(path: str, ema_optional: bool = False) -> str:
         newest = f" (the newest, {found[-1][1]}, lacks {', '.join(lacks)})" if lacks else ""
         if "ema.pt" in lacks:
             newest += "; --reset_ema true resumes without it, restarting the EMA from the loaded weights"
+        exported_model = os.path.join(path, "model.pt")
+        if os.path.isfile(exported_model):  # a run whose checkpoints were deleted to save space
+            newest += f"; its exported model.pt is there: pass {exported_model} for its weights"
         raise CheckpointError(f"{path}: not a checkpoint (no meta.pt), and no intact checkpoint-* directory in it"
                               f"{newest}")
     return ckpt

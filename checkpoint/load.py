@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from checkpoint.files import CheckpointError, safe_load
+from checkpoint.files import CheckpointError, load_dict, safe_load
 from checkpoint.folders import HEAD_FILE, resolve_checkpoint
 from checkpoint.state import TrainState, exported, new_run_id, set_rng_state
 
@@ -18,11 +18,15 @@ def read_backbone_weights(path: str, ema: bool = True) -> tuple[dict, dict]:
     """(backbone state dict, training config) of the checkpoint at `path` (a checkpoint
     directory or a run output): the EMA weights when the checkpoint has them and `ema`."""
     ckpt = resolve_checkpoint(path)
-    config = safe_load(os.path.join(ckpt, "meta.pt")).get("config", {})
+    config = load_dict(os.path.join(ckpt, "meta.pt")).get("config") or {}
     ema_path = os.path.join(ckpt, "ema.pt")
     if ema and os.path.isfile(ema_path):
-        return exported(safe_load(ema_path)["state"]), config
-    return exported(safe_load(os.path.join(ckpt, "backbone.pt"))), config
+        weights = load_dict(ema_path, "state")["state"]
+        if not isinstance(weights, dict):
+            raise CheckpointError(f"{ema_path}: its 'state' is a {type(weights).__name__}, not a state dict "
+                                  f"(damaged, or not written by ShardFace)")
+        return exported(weights), config
+    return exported(load_dict(os.path.join(ckpt, "backbone.pt"))), config
 
 
 def _load_head(ckpt: str, head, head_opt) -> None:
@@ -36,7 +40,7 @@ def _load_head(ckpt: str, head, head_opt) -> None:
         lo, hi = max(a, start), min(b, end)
         if lo >= hi:
             continue
-        part = safe_load(path)
+        part = load_dict(path, "num_classes", "weight", "state")
         if part["num_classes"] != head.num_classes:
             raise CheckpointError(f"{path}: head of {part['num_classes']} classes, this run has {head.num_classes}")
         k = part.get("subcenters", 1)
@@ -96,7 +100,7 @@ def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=No
     `config`, its `optimizer` must be the checkpoint's, and a missing ema.pt of a run that
     had EMA on is an error unless `config.reset_ema`."""
     ckpt = resolve_checkpoint(path, ema_optional=bool(config is not None and config.reset_ema))
-    meta = safe_load(os.path.join(ckpt, "meta.pt"))
+    meta = load_dict(os.path.join(ckpt, "meta.pt"), "step", "epoch", "batch_in_epoch", "world_size", "num_classes")
     saved_config = meta.get("config") or {}
     num_classes = head.num_classes if head is not None else 0  # 0: label-free, no head
     if meta["num_classes"] != num_classes:
@@ -107,7 +111,7 @@ def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=No
                               f"--optimizer {saved_config['optimizer']}")
     keep_margin = resume_changes(ckpt, saved_config, meta.get("margin") or {},
                                  head.margin_loss if head is not None else None, config)
-    weights = safe_load(os.path.join(ckpt, "backbone.pt"))  # a corrupt file is reported as such
+    weights = load_dict(os.path.join(ckpt, "backbone.pt"))  # a corrupt file is reported as such
     try:
         backbone.load_state_dict(weights)
     except RuntimeError as exc:
@@ -116,7 +120,7 @@ def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=No
     if ema is not None:
         ema_path = os.path.join(ckpt, "ema.pt")
         if os.path.isfile(ema_path):
-            saved = safe_load(ema_path)
+            saved = load_dict(ema_path, "state", "updates")
             ema.load_state_dict(saved["state"], updates=saved["updates"])
         elif saved_config.get("ema") and not (config is not None and config.reset_ema):
             raise CheckpointError(f"{ema_path} is missing, but the checkpoint was trained with ema on: restore "
