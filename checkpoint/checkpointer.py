@@ -49,9 +49,9 @@ class Checkpointer:
     def start(self, resume, overwrite: bool = False, batch_size: int | None = None) -> TrainState:
         """Where this run begins. `resume` True: from the output's latest checkpoint (an error
         if none); "auto": from it if there is one, else fresh; False: fresh, and an output that
-        already holds checkpoints is refused unless `overwrite`, which deletes them first
-        (so a second run can never prune or overwrite the first one's checkpoints) and starts
-        its logs over (`start_logs_over`)."""
+        already holds checkpoints is refused unless `overwrite`, which deletes them and the
+        earlier run's RUN_FILES first (so a second run can never prune or overwrite the first
+        one's checkpoints, nor take its threshold) and starts its logs over (`start_logs_over`)."""
         ema_optional = bool(self.config is not None and self.config.reset_ema)
         existing = find_checkpoint(self.output, ema_optional) if os.path.isdir(self.output) else None
         barrier()  # every rank has looked before rank 0 may delete anything

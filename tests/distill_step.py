@@ -1,7 +1,8 @@
-"""A training step with distillation, built from a config by builders.py and distill/run.py as train.py
-builds it, for the checks that count what one step does (tests/test_host_data.py on the CPU, the GPU kit's
-sync-debug run): backbone -> [head] + distillation loss -> backward -> clip -> optimizers -> EMA,
-fed batches from the run's own DataLoader (rows of a teacher file arrive with them)."""
+"""A training step with distillation, built from a config by builders.py and distill/run.py as
+train.py builds it, for the checks that count what one step does (tests/test_host_data.py on the
+CPU, the GPU kit's sync-debug run): backbone -> [head] + distillation loss -> backward -> clip ->
+optimizers -> EMA, fed batches from the run's own DataLoader (rows of a teacher file arrive with
+them)."""
 from __future__ import annotations
 
 import torch

@@ -26,8 +26,8 @@ def _masked(head: Image.Image) -> Image.Image:
 
 
 def lfw_folder(root) -> str:
-    """`root` as an LFW-layout folder: Eileen and Mirror (three photos of a face each), Wall (two photos
-    without a face), Tiny (a face found only with --retry_upsample 2), Masked (only by MMOD)."""
+    """`root` as an LFW-layout folder: Eileen and Mirror (three photos of a face each), Wall (two
+    photos without a face), Tiny (a face found only with --retry_upsample 2), Masked (only by MMOD)."""
     head = astronaut_head()
     photos = {"Eileen": [head, ImageEnhance.Brightness(head).enhance(0.7),
                          head.rotate(12, resample=Image.BILINEAR, fillcolor=GREY)],
