@@ -15,8 +15,14 @@ import sys
 
 import torch
 
-from builders import (build_backbone, build_data_parallel, build_distillation, build_head, build_head_optimizer,
-                      build_train_dataset, init_backbone)
+from builders import (build_backbone, build_data_parallel, build_head, build_head_optimizer, build_train_dataset,
+                      init_backbone)
+from checkpoint.changes import log_resume_changes
+from checkpoint.checkpointer import Checkpointer
+from checkpoint.data_position import follow_data
+from checkpoint.files import atomic_write_text
+from checkpoint.foreign import refuse_arcface_torch_output
+from checkpoint.run_lock import RunLock
 from configs import format_config, get_config, save_config
 from configs.compat import compat_notes
 from configs.describe import describe_keys
@@ -24,20 +30,15 @@ from configs.per_rank import SECRET_KEYS, rank_independent
 from configs.validate import warmup_problem
 from dataset import ResumableDistributedSampler, get_dataloader, normalize_images
 from dataset.errors import DataError
+from distill.run import build_distillation
 from eval.callback import VerificationCallback
 from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
 from parallel.agreement import check_same_on_every_rank
 from parallel.dist import open_log_file
 from parallel.stop import StopSignal
 from parallel.user_errors import exits_on_user_error
-from utils.checkpoint import atomic_write_text
-from utils.checkpoint_changes import log_resume_changes
-from utils.checkpoint_foreign import refuse_arcface_torch_output
-from utils.checkpointer import Checkpointer
-from utils.data_position import follow_data
 from utils.divergence import EmbeddingNormWatch, TrainingStopped, check_labels, check_loss
 from utils.progress import ProgressLogger, SkipReport
-from utils.run_lock import RunLock
 from utils.schedule import lr_factor, schedule_steps, set_lr
 from utils.seed import seed_everything
 from utils.wandb_logging import check_wandb_login, finish_wandb, start_wandb, tee_writer

@@ -171,7 +171,7 @@ def format_config(cfg: dict) -> str:
 
 def save_config(cfg: dict, output: str, write_text: Callable[[str, str], None]) -> str:
     """Write the resolved config as `output/config.json` with `write_text(path, text)`, an
-    atomic writer (utils.checkpoint.atomic_write_text; utils sits above configs), so a crash
+    atomic writer (checkpoint.files.atomic_write_text; checkpoint sits above configs), so a crash
     mid-write never leaves a torn config.json beside model.pt. Returns its path."""
     path = os.path.join(output, "config.json")
     write_text(path, json.dumps(dict(cfg), indent=2, sort_keys=True, default=list))

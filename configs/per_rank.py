@@ -5,7 +5,7 @@ from __future__ import annotations
 # key -> why it may differ per rank
 PER_RANK_KEYS = {
     "output": "one shared directory may be mounted at another path on each node; that every rank sees the same "
-              "directory is checked on the directory itself (utils/run_lock.py)",
+              "directory is checked on the directory itself (checkpoint/run_lock.py)",
     "num_workers": "loader processes are a node's CPU resource; a sample's pixels and mirroring depend only on "
                    "(seed, epoch, index), never on which worker read it",
 }

@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from checkpoint.state import DISTILL_PROJECTION
 from distill.losses import DISTILL_LOSSES, centred, cosine_distill, relational_distill
 from parallel.collectives import all_gather_no_grad, all_gather_rows
 from parallel.dist import get_rank, get_world_size
-from utils.checkpoint import DISTILL_PROJECTION
 
-PROJECTION = DISTILL_PROJECTION  # training-only: utils.checkpoint.exported leaves it out of model.pt
+PROJECTION = DISTILL_PROJECTION  # training-only: checkpoint.state.exported leaves it out of model.pt
 
 
 def attach_projection(backbone: nn.Module, student_dim: int, teacher_dim: int, seed: int) -> nn.Linear:

@@ -94,6 +94,11 @@ class OnlineTeacher:
     def name(self) -> str:
         return self.model.name
 
+    @property
+    def fingerprint(self) -> str:
+        """Its weights' (infer.model.Model.fingerprint): what its targets are made of."""
+        return self.model.fingerprint
+
     def _probe(self) -> int:
         """At start: the teacher takes its template's input and returns N x D. One clear error
         otherwise, not a failure inside the first step."""

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from checkpoint.files import CheckpointError
 from configs.errors import ConfigError
 from utils.atomic import publishing
-from utils.checkpoint import CheckpointError
 from utils.progress import Progress
 
 MAGIC = b"SHARDFACE-TEACHER\n"
@@ -176,6 +176,11 @@ class TeacherFile:
     @property
     def name(self) -> str:
         return f"{self.path} (teacher {self.header.get('teacher')})"
+
+    @property
+    def fingerprint(self) -> str:
+        """The fingerprint of the teacher that made the rows ("" in a header without one)."""
+        return str(self.header.get("teacher_fingerprint") or "")
 
     def check_data(self, data: str, size: int, fingerprint: str, transform: dict) -> None:
         """The run's data (`data` path, record count, fingerprint, `data_transform`) is the one

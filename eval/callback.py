@@ -7,10 +7,11 @@ import os
 
 import numpy as np
 
-from infer.thresholds import THRESHOLD_FILE, threshold_at_far
+from checkpoint.files import atomic_write_text
+from checkpoint.state import exported, weights_fingerprint
 from eval.verification import NFOLDS, VerificationDataError, bin_path, l2_normalize, load_bin, test
+from infer.thresholds import THRESHOLD_FILE, threshold_at_far
 from parallel.dist import barrier
-from utils.checkpoint import atomic_write_text
 
 logger = logging.getLogger("shardface")
 
@@ -23,7 +24,8 @@ class VerificationCallback:
     (`is_main`) loads them and evaluates, the others wait for it. With `output`, the cosine
     threshold at a stated FAR on the first set (infer.thresholds.threshold_at_far, flip-fused
     embeddings as the tools make them) is saved there as threshold.json, for the raw weights and
-    the EMA's, with the step: the run's own threshold, which the tools and export_onnx take."""
+    the EMA's, with the step and the weights' fingerprint: the run's own threshold, which the tools
+    and export_onnx take for those weights only."""
 
     def __init__(self, val_targets, val_dir: str, every: int, backbone, ema=None, summary_writer=None,
                  is_main: bool = True, batch_size: int = 128, output: str | None = None):
@@ -57,7 +59,7 @@ class VerificationCallback:
             for name, data in self.sets.items():
                 result = test(data, model, self.batch_size)
                 if name == next(iter(self.sets)):  # the first set gives the run's threshold
-                    thresholds["ema" if prefix else "raw"] = self._threshold(result, data[1], name, step)
+                    thresholds["ema" if prefix else "raw"] = self._threshold(result, data[1], name, step, model)
                 key = f"{prefix}{name}"
                 self.last[key] = result.accuracy_flip
                 self.best[key] = max(self.best.get(key, 0.0), result.accuracy_flip)
@@ -74,7 +76,7 @@ class VerificationCallback:
         return dict(self.last)
 
     @staticmethod
-    def _threshold(result, issame, name: str, step: int) -> dict | None:
+    def _threshold(result, issame, name: str, step: int, model) -> dict | None:
         emb = l2_normalize(result.embeddings + result.embeddings_flip).astype(np.float64)
         record = threshold_at_far(np.sum(emb[0::2] * emb[1::2], axis=1), issame)
         if record is None:
@@ -83,4 +85,6 @@ class VerificationCallback:
             return None
         logger.info("[%s][%d] threshold %.4f at FAR %g (TAR %.4f), saved as the run's own", name, step,
                     record["threshold"], record["far"], record["tar"])
-        return {**record, "val_target": name, "step": step}
+        # the weights it was measured on: a reader takes it only for these (infer.thresholds.run_threshold)
+        return {**record, "val_target": name, "step": step,
+                "fingerprint": weights_fingerprint(exported(model.state_dict()))}

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from utils.checkpoint import CheckpointError
+from checkpoint.files import CheckpointError
 
 _INF, _NINF, _NAN = 32000, 32001, 32002
 

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from checkpoint.files import CheckpointError
 from dataset.images import normalize_images
-from utils.checkpoint import CheckpointError
 
 
 def l2_normalize(x: np.ndarray) -> np.ndarray:

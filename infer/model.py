@@ -83,7 +83,7 @@ def _model_files(path: str) -> list[str]:
     output also the run's own config.json, latest and exported model.pt."""
     if not os.path.isdir(path):
         return [path, os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")]
-    from utils.checkpoint import find_checkpoint
+    from checkpoint.folders import find_checkpoint
     ckpt = find_checkpoint(path) or path
     run = [os.path.join(path, f) for f in ("config.json", "latest", "model.pt")]
     return run + ([os.path.join(ckpt, f) for f in os.listdir(ckpt)] if os.path.isdir(ckpt) else [])

@@ -10,9 +10,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from checkpoint.files import CheckpointError
 from faces.align import ARCFACE_112, Template
 from infer.thresholds import THRESHOLD_KEY, Threshold, saved_threshold
-from utils.checkpoint import CheckpointError
 
 TEMPLATE_KEY = "shardface.template"  # ONNX metadata: the crop template the model takes (JSON)
 

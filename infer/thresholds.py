@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from checkpoint.state import weights_fingerprint
 from configs.errors import ConfigError
-from infer.weights import DLIB
+from infer.weights import DLIB, load_backbone_state
 
 DLIB_DISTANCE = 0.6   # dlib's same-person rule on its raw descriptors (dlib's face_recognition example)
 DLIB_NORM = 1.36      # the mean norm of dlib's descriptors of real faces (measured: see the module docstring)
@@ -100,7 +101,8 @@ def no_threshold(model: str) -> ThresholdError:
 
 # A trained run's own threshold: training's verification (eval/callback.py) finds the cosine
 # threshold at a stated false-accept rate on the first val target, and saves it beside the run's
-# weights (THRESHOLD_FILE, with the step it was measured at); export_onnx carries it into the
+# weights (THRESHOLD_FILE, with the step it was measured at and the weights' fingerprint,
+# checkpoint.state.weights_fingerprint); export_onnx carries it into the
 # .onnx's metadata (THRESHOLD_KEY). The tools take it as the MODEL's own threshold.
 FARS = (1e-3, 1e-2, 1e-1)   # the lowest one the set's different-person pairs can measure is used
 THRESHOLD_FILE = "threshold.json"
@@ -140,11 +142,13 @@ def saved_threshold(record: dict | None, where: str) -> Threshold | None:
         raise ThresholdError(f"{where}: unreadable threshold record {record!r}") from None
 
 
-def run_threshold(path: str, ema: bool = True) -> Threshold | None:
+def run_threshold(path: str, ema: bool = True, fingerprint: str | None = None) -> Threshold | None:
     """The threshold training saved beside the weights at `path` (a run output, a checkpoint dir,
     or the run's model.pt: the latest checkpoint's weights, the EMA's where there is one), if it
-    was measured at the step of those weights; else None."""
-    from utils.checkpoint import CHECKPOINT_NAME, find_checkpoint
+    was measured on those weights: at their step, and, where the record names the weights'
+    fingerprint, on weights of that fingerprint (`fingerprint`: theirs, when the caller has it;
+    else read from `path`); else None (an earlier run's file in the same folder is not theirs)."""
+    from checkpoint.folders import CHECKPOINT_NAME, find_checkpoint
     run = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     ckpt = find_checkpoint(run)
     if ckpt is not None and os.path.abspath(ckpt) == os.path.abspath(run):  # a checkpoint dir: its run holds the file
@@ -164,4 +168,9 @@ def run_threshold(path: str, ema: bool = True) -> Threshold | None:
     named = CHECKPOINT_NAME.match(os.path.basename(ckpt)) if ckpt else None
     if record is None or (named and isinstance(record, dict) and record.get("step") != int(named.group(1))):
         return None  # measured on other weights than these
+    measured_on = record.get("fingerprint") if isinstance(record, dict) else None
+    if measured_on is not None:
+        these = fingerprint or weights_fingerprint(load_backbone_state(path, ema)[0])
+        if measured_on != these:
+            return None  # measured on other weights at the same step: an earlier run's in this folder
     return saved_threshold(record, file)

@@ -13,9 +13,10 @@ from torch import nn
 
 from backbones import get_model
 from backbones.dlib_resnet import DlibResNet
+from checkpoint.files import CheckpointError, safe_load
+from checkpoint.load import read_backbone_weights
 from faces.dlib_format import read_network, state_dict_for
 from faces.models import model_file
-from utils.checkpoint import CheckpointError, read_backbone_weights, safe_load
 
 DLIB = "dlib"  # the MODEL / init_backbone name of dlib's face descriptor
 DLIB_FILE = "dlib_face_recognition_resnet_model_v1.dat"

@@ -25,13 +25,14 @@ import torch
 from easydict import EasyDict
 
 from builders import build_train_dataset
+from checkpoint.files import CheckpointError, safe_load
+from checkpoint.folders import resolve_checkpoint
 from configs.base import config as BASE
 from infer.weights import load_backbone
 from losses.subcenter import dominant_subcenters, drop_subcenters, far_from_dominant
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 from utils.atomic import OutputError, check_output_file, publishing_set, refuse_inputs
-from utils.checkpoint import CheckpointError, resolve_checkpoint, safe_load
 
 
 def full_head_weight(checkpoint: str) -> tuple[torch.Tensor, int]:

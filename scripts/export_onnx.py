@@ -23,6 +23,7 @@ import warnings
 import numpy as np
 import torch
 
+from checkpoint.files import CheckpointError
 from faces.align import ARCFACE_112, Template
 from infer.model import model_files, model_kind
 from infer.onnx import TEMPLATE_KEY, template_json
@@ -31,7 +32,6 @@ from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 from scripts.options import add_model_options, model_from
 from utils.atomic import check_output_file, publishing, refuse_inputs
-from utils.checkpoint import CheckpointError
 
 
 def export(model: torch.nn.Module, output: str, opset: int = 17, template: Template = ARCFACE_112,

@@ -27,14 +27,17 @@ import sys
 import torch
 
 from builders import build_backbone, build_head, build_head_optimizer
+from checkpoint.files import CheckpointError, safe_load
+from checkpoint.folders import list_checkpoints
+from checkpoint.foreign import ARCFACE_RANK_FILE as RANK_FILE
+from checkpoint.foreign import arcface_torch_rank_files, config_overrides
+from checkpoint.save import save_checkpoint
+from checkpoint.state import TrainState, new_run_id
 from configs import ConfigError, get_config
-from infer.weights import state_mismatch
 from heads.sharding import class_shard
+from infer.weights import state_mismatch
 from parallel.user_errors import exits_on_user_error
 from utils.atomic import check_output_dir
-from utils.checkpoint import CheckpointError, TrainState, list_checkpoints, new_run_id, safe_load, save_checkpoint
-from utils.checkpoint_foreign import ARCFACE_RANK_FILE as RANK_FILE
-from utils.checkpoint_foreign import arcface_torch_rank_files, config_overrides
 
 KEYS = ("epoch", "global_step", "state_dict_backbone", "state_dict_softmax_fc", "state_optimizer",
         "state_lr_scheduler")

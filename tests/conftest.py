@@ -1,63 +1,13 @@
-"""Shared test helpers and fixtures. Helpers are imported (`from tests.conftest import jpeg`);
-fixtures are found by pytest. Tests marked `gpu` need CUDA: without it they are skipped (so
-`make test` needs no GPU); `make test-gpu` selects only them."""
+"""Shared fixtures, found by pytest. It is never imported: helpers live in modules of their own
+(tests/train_runs.py, tests/tool_files.py, ...; tests/test_test_modules.py holds this). Tests
+marked `gpu` need CUDA: without it they are skipped (so `make test` needs no GPU); `make
+test-gpu` selects only them."""
 from __future__ import annotations
-
-import io
 
 import pytest
 import torch
-from PIL import Image
 
 from scripts.make_drawn_faces import main as make_drawn_faces
-
-TRAIN_STEPS = 12  # 8 steps per epoch at W=2, b=8 on `drawn_faces`: crosses an epoch boundary
-
-
-def jpeg(color, size: int = 112) -> bytes:
-    """A solid-colour JPEG."""
-    buf = io.BytesIO()
-    Image.new("RGB", (size, size), color).save(buf, format="JPEG", quality=95)
-    return buf.getvalue()
-
-
-def train_argv(data_dir: str, output: str, *extra: str) -> list[str]:
-    """train.py arguments for a 12-step run of the demo config on the `drawn_faces` fixture."""
-    return ["configs/demo.py", "--rec", data_dir, "--num_classes", "16", "--batch_size", "8",
-            "--num_workers", "0", "--frequent", "1", "--verbose", "0", "--val_targets", "[]",
-            "--checkpoint_interval", "4", "--num_epoch", "3", "--warmup_epoch", "0",
-            "--max_steps", str(TRAIN_STEPS), "--chunk_size", "5", "--ema", "true", "--ema_tau", "2",
-            "--lr", "0.05", "--keep_checkpoints", "5", "--output", output, *extra]
-
-
-def shardface_messages(call) -> list[str]:
-    """What `call()` logs through the "shardface" logger, message by message (any level)."""
-    import logging
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("shardface")
-    logger.addHandler(handler)
-    try:
-        call()
-    finally:
-        logger.removeHandler(handler)
-    return [r.getMessage() for r in records]
-
-
-def checkpoint_tensors(path: str) -> dict:
-    """Every tensor of a run's last checkpoint (or of the checkpoint `path`) that a resumed run
-    must reproduce: backbone, EMA, and the head's rows and momentum in class order."""
-    import os
-
-    from utils.checkpoint import resolve_checkpoint
-    ckpt = resolve_checkpoint(path)
-    out = {f"backbone.{k}": v for k, v in torch.load(os.path.join(ckpt, "backbone.pt")).items()}
-    out.update({f"ema.{k}": v for k, v in torch.load(os.path.join(ckpt, "ema.pt"))["state"].items()})
-    heads = sorted(f for f in os.listdir(ckpt) if f.startswith("head-"))
-    out["head"] = torch.cat([torch.load(os.path.join(ckpt, f))["weight"] for f in heads])
-    out["head_momentum"] = torch.cat([torch.load(os.path.join(ckpt, f))["state"]["momentum_buffer"] for f in heads])
-    return out
 
 
 @pytest.fixture(scope="session")

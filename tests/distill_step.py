@@ -1,17 +1,18 @@
-"""A training step with distillation, built from a config by builders.py as train.py builds it,
-for the checks that count what one step does (tests/test_host_data.py on the CPU, the GPU kit's
-sync-debug run): backbone -> [head] + distillation loss -> backward -> clip -> optimizers -> EMA,
-fed batches from the run's own DataLoader (rows of a teacher file arrive with them)."""
+"""A training step with distillation, built from a config by builders.py and distill/run.py as
+train.py builds it, for the checks that count what one step does (tests/test_host_data.py on the
+CPU, the GPU kit's sync-debug run): backbone -> [head] + distillation loss -> backward -> clip ->
+optimizers -> EMA, fed batches from the run's own DataLoader (rows of a teacher file arrive with
+them)."""
 from __future__ import annotations
 
 import torch
 
-from builders import (build_backbone, build_data_parallel, build_distillation, build_head, build_head_optimizer,
-                      build_train_dataset)
+from builders import build_backbone, build_data_parallel, build_head, build_head_optimizer, build_train_dataset
 from configs import get_config
 from dataset import ResumableDistributedSampler, get_dataloader, normalize_images
+from distill.run import build_distillation
 from parallel import ShardedEMA
-from tests.conftest import train_argv
+from tests.train_runs import train_argv
 
 
 def distill_step(data: str, teacher: str, device: torch.device, *extra: str):

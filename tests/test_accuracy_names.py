@@ -8,7 +8,7 @@ import torch
 
 from backbones import get_model
 from scripts.compare import main as compare
-from tests.conftest import jpeg
+from tests.tool_files import jpeg
 
 
 def test_compare_names_its_accuracy_the_best_threshold_one_over_all_pairs_not_verifys_10_fold(drawn_faces, tmp_path, capsys):

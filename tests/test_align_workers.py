@@ -9,7 +9,6 @@ import time
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from dataset.errors import DataError, ImageDecodeError
 from faces.detect import Detection
@@ -17,6 +16,7 @@ from faces.photos import find_faces
 from faces.shares import PartError, Parts, launch_rank, list_key, share_of
 from faces.workers import WorkerDied, default_workers, map_photos
 from scripts.align import main as align_tool
+from tests.astronaut import align_photos
 from tests.distributed import run_distributed
 
 DOOMED = os.path.join("q", "m1.jpg")  # the photo whose worker kills itself in the kill test
@@ -24,25 +24,7 @@ DOOMED = os.path.join("q", "m1.jpg")  # the photo whose worker kills itself in t
 
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory) -> str:
-    """p/: the head turned three ways and a photo holding it twice; q/: two mirrored heads, a
-    wall (no face), and a.jpg beside a.png (crops named by the whole file name)."""
-    from skimage import data
-    root = tmp_path_factory.mktemp("photos")
-    head = Image.fromarray(data.astronaut()).crop((120, 20, 320, 240))
-    os.makedirs(root / "p")
-    os.makedirs(root / "q")
-    for i in range(3):
-        head.rotate(4 * i, resample=Image.BILINEAR, fillcolor=(90, 90, 90)).save(root / "p" / f"h{i}.png")
-    two = Image.new("RGB", (360, 240), (90, 90, 90))
-    two.paste(head, (0, 10))
-    two.paste(head.resize((120, 132), Image.BILINEAR), (220, 60))
-    two.save(root / "p" / "two.png")
-    for i in range(2):
-        head.transpose(Image.FLIP_LEFT_RIGHT).rotate(-3 * i).save(root / "q" / f"m{i}.jpg", quality=95)
-    Image.new("RGB", (160, 160), (120, 140, 160)).save(root / "q" / "wall.png")
-    head.save(root / "q" / "a.jpg", quality=90)
-    head.save(root / "q" / "a.png")
-    return str(root)
+    return align_photos(tmp_path_factory.mktemp("photos"))
 
 
 def _tree(folder) -> dict[str, bytes]:

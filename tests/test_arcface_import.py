@@ -15,13 +15,14 @@ import torch
 
 import train
 from backbones import get_model
+from checkpoint.files import CheckpointError
+from checkpoint.folders import resolve_checkpoint
 from configs import get_config
 from infer.weights import load_backbone_state
 from losses import build_margin
 from parallel.zero import Zero2Optimizer
 from scripts import import_arcface_torch
 from tests.distributed import run_distributed
-from utils.checkpoint import CheckpointError, resolve_checkpoint
 from utils.schedule import lr_factor
 
 BASE_LR, IMAGES, CLASSES, DIM = 0.05, 128, 16, 128
@@ -453,8 +454,8 @@ def test_resume_with_another_config_than_the_checkpoints_names_each_changed_key(
                      "re-spread over 32 steps; lr 0.05 is not rescaled (2 ranks x 8 (checkpoint) -> 2 x 4 (this run))"),
 ])
 def test_resume_on_another_world_size_or_batch_says_what_changes(ranks, batch, said):
-    from tests.conftest import shardface_messages
-    from utils.checkpoint_changes import log_resume_changes
+    from checkpoint.changes import log_resume_changes
+    from tests.log_capture import shardface_messages
     cfg = get_config(None, ["--batch_size", str(batch[1]), "--lr", "0.05"])
     meta = {"world_size": ranks[0], "batch_size": ranks[1], "config": {**cfg, "batch_size": ranks[1]}}
     assert shardface_messages(lambda: log_resume_changes(meta, cfg, batch[0], 128 // (batch[0] * batch[1]),

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import train
-from tests.conftest import train_argv
+from checkpoint.files import CheckpointError, safe_load
+from checkpoint.folders import find_checkpoint, list_checkpoints, prune_checkpoints, resolve_checkpoint
+from checkpoint.load import read_backbone_weights
 from dataset.pack import write_insightface_rec
-from utils.checkpoint import (CheckpointError, find_checkpoint, list_checkpoints, prune_checkpoints,
-                              read_backbone_weights, resolve_checkpoint, safe_load)
+from tests.train_runs import train_argv
 
 
 def _fake_checkpoint(output, step, run_id):
@@ -176,15 +177,15 @@ def test_resume_with_another_optimizer_names_both(drawn_faces, eight_steps, tmp_
 def test_full_disk_names_the_path(tmp_path, monkeypatch):
     import errno
 
-    from utils import checkpoint
+    from checkpoint import files as checkpoint_files
 
     def no_space(obj, f):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.torch, "save", no_space)
+    monkeypatch.setattr(checkpoint_files.torch, "save", no_space)
     target = str(tmp_path / "backbone.pt")
     with pytest.raises(CheckpointError, match=rf"{target}: cannot write \(No space left on device\); free space"):
-        checkpoint.atomic_save({}, target)
+        checkpoint_files.atomic_save({}, target)
 
 
 def test_resume_with_another_global_batch_says_what_it_does_to_the_schedule(drawn_faces, eight_steps, tmp_path):

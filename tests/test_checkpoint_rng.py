@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from utils.checkpoint import atomic_save, cuda_state_to_restore, rng_state, safe_load, set_rng_state
+from checkpoint.files import atomic_save, safe_load
+from checkpoint.state import cuda_state_to_restore, rng_state, set_rng_state
 
 
 def _draws() -> tuple:

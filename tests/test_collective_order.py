@@ -6,48 +6,14 @@ collective more, or another shape, would hang NCCL or mix up its buckets.
 The real torch.distributed functions are wrapped inside each spawned rank: the collective
 still runs (gloo), the wrapper only writes down what was asked for.
 """
-import torch
-from torch import nn
-
-from heads import PartialFC, SampledRowsOptimizer
-from losses import CombinedMarginLoss
-from parallel import DynamicLossScaler, ShardedEMA, Zero2Optimizer
+from checkpoint.load import load_checkpoint
+from checkpoint.save import save_checkpoint
+from checkpoint.state import TrainState
 from tests.collective_log import recording
 from tests.distributed import run_distributed
-from utils.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from tests.tiny_zero_run import build_parts, train_step
 
 WORLD = 8
-NUM_CLASSES, D, B = 50, 16, 4  # 50 % 8 != 0: uneven class shards
-
-
-def _build(rank, exchange):
-    torch.manual_seed(0)  # the same backbone on every rank
-    backbone = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 40), nn.BatchNorm1d(40), nn.PReLU(40),
-                             nn.Linear(40, D), nn.BatchNorm1d(D))
-    head = PartialFC(CombinedMarginLoss(16.0, 1.0, 0.5, 0.0), D, NUM_CLASSES, sample_rate=0.5, chunk_size=3)
-    # 8 KB buckets: the backbone (35 KB) spans five, two reductions in flight
-    opt = Zero2Optimizer(backbone, torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=5e-4, bucket_cap_mb=0.008,
-                         max_inflight_buckets=2, exchange=exchange)
-    head_opt = SampledRowsOptimizer(head, torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=5e-4)
-    ema = ShardedEMA(backbone, 0.9, 1.0, optimizer=opt)
-    torch.manual_seed(100 + rank)  # each rank its own data and Partial FC sample
-    return dict(backbone=backbone, backbone_opt=opt, head=head, head_opt=head_opt, ema=ema,
-                scaler=DynamicLossScaler(init_scale=2.0 ** 8))
-
-
-def _step(parts):
-    x = torch.randn(B, 3, 8, 8)
-    labels = torch.randint(0, NUM_CLASSES, (B,))
-    opt, head, scaler = parts["backbone_opt"], parts["head"], parts["scaler"]
-    loss = head(parts["backbone"](x), labels)
-    scaler.scale(loss).backward()
-    if scaler.unscale_(opt, extra_params=head.parameters()):
-        opt.clip_grad_norm_(5.0, extra_params=head.parameters())
-        opt.step()
-        parts["head_opt"].step()
-        parts["ema"].update()
-    opt.zero_grad()
-    parts["head_opt"].zero_grad()
 
 
 def _train_save_resume(rank, world_size, output):
@@ -55,14 +21,14 @@ def _train_save_resume(rank, world_size, output):
     for exchange in ("collective", "p2p"):  # the NCCL default, then gloo's
         out = f"{output}/{exchange}"
         with recording() as (log, p2p):
-            parts = _build(rank, exchange)
+            parts = build_parts(rank, exchange)
             for _ in range(2):
-                _step(parts)
+                train_step(parts)
             save_checkpoint(out, TrainState(step=2), **parts, rank=rank, world_size=world_size)
-            resumed = _build(rank, exchange)
+            resumed = build_parts(rank, exchange)
             state, _ = load_checkpoint(out, **resumed, rank=rank, world_size=world_size)
             assert state.step == 2
-            _step(resumed)
+            train_step(resumed)
         logs[exchange] = (log, p2p)
     return logs
 

@@ -3,11 +3,11 @@ that tell data sets apart, and the rule applied on resume (runs: tests/test_chec
 import logging
 import shutil
 
+from checkpoint.data_position import follow_data
+from checkpoint.state import TrainState
 from dataset import build_dataset
 from dataset.pack import write_insightface_rec
-from tests.conftest import jpeg
-from utils.checkpoint import TrainState
-from utils.data_position import follow_data
+from tests.tool_files import jpeg
 
 
 def _folders(root, counts):

@@ -8,8 +8,8 @@ from dataset import (DataLayoutError, ImageDecodeError, LabelError, MXFaceDatase
                      build_dataset, get_dataloader, normalize_images)
 from dataset.pack import write_insightface_rec
 from dataset.recordio import IRHeader, RecordWriter, pack
+from tests.tool_files import jpeg
 from utils.atomic import OutputError
-from tests.conftest import jpeg
 
 COLORS = [(200, 30, 30), (30, 200, 30), (30, 30, 200)]
 

@@ -10,8 +10,8 @@ import torch
 
 import train
 from distill.losses import centred, constant_student_loss, cosine_distill, relational_distill
-from tests.conftest import train_argv
 from tests.distributed import run_distributed
+from tests.train_runs import train_argv
 
 SHARED, OWN = 0.95, 0.3  # a teacher's targets: mostly one direction, a little of each identity's own
 
@@ -102,7 +102,7 @@ def _argv(data, out, teacher, *extra):
 
 
 def test_the_centre_is_checkpointed_and_a_resume_keeps_it(drawn_faces, teacher_pt, tmp_path, monkeypatch):
-    from utils.checkpoint import resolve_checkpoint
+    from checkpoint.folders import resolve_checkpoint
     out = str(tmp_path / "run")
     assert train.main(_argv(drawn_faces, out, teacher_pt, "--max_steps", "2")) == 0
     saved = torch.load(os.path.join(resolve_checkpoint(out), "meta.pt"))["distill"]
@@ -112,16 +112,44 @@ def test_the_centre_is_checkpointed_and_a_resume_keeps_it(drawn_faces, teacher_p
     assert 0 < saved["constant_loss"] < 2
     import distill.teacher
     monkeypatch.setattr(distill.teacher, "teacher_statistics", lambda *a, **k: pytest.fail("measured again on resume"))
-    import builders
-    monkeypatch.setattr(builders, "teacher_statistics", lambda *a, **k: pytest.fail("measured again on resume"))
+    import distill.run
+    monkeypatch.setattr(distill.run, "teacher_statistics", lambda *a, **k: pytest.fail("measured again on resume"))
     assert train.main(_argv(drawn_faces, out, teacher_pt, "--max_steps", "4", "--resume", "true")) == 0
     again = torch.load(os.path.join(resolve_checkpoint(out), "meta.pt"))["distill"]
     assert torch.equal(again["center"], saved["center"]) and again["constant_loss"] == saved["constant_loss"]
 
 
+def test_a_resume_with_another_teacher_measures_its_centre_again_and_says_so(drawn_faces, teacher_pt, tmp_path):
+    """The checkpoint records which teacher its centre came from (name, fingerprint); a resume
+    under another teacher measures that teacher's centre and constant-student loss, in one line."""
+    from backbones import get_model
+    from checkpoint.folders import resolve_checkpoint
+    from infer.model import load_model
+    out, other = str(tmp_path / "run"), str(tmp_path / "other" / "model.pt")
+    assert train.main(_argv(drawn_faces, out, teacher_pt, "--max_steps", "2")) == 0
+    first = torch.load(os.path.join(resolve_checkpoint(out), "meta.pt"))["distill"]
+    assert first["teacher"] == {"name": teacher_pt, "fingerprint": load_model(teacher_pt, "tiny").fingerprint}
+    torch.manual_seed(6)
+    os.makedirs(os.path.dirname(other))
+    torch.save(get_model("tiny", num_features=64).state_dict(), other)
+    assert train.main(_argv(drawn_faces, out, other, "--max_steps", "4", "--resume", "true")) == 0
+    said = open(os.path.join(out, "training.log")).read().splitlines()
+    again = torch.load(os.path.join(resolve_checkpoint(out), "meta.pt"))["distill"]
+    expected, _ = _centre(0, 1, drawn_faces, other, samples=24)
+    torch.testing.assert_close(again["center"], expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(again["center"], first["center"], atol=1e-3)
+    assert again["constant_loss"] != first["constant_loss"]
+    assert again["teacher"] == {"name": other, "fingerprint": load_model(other, "tiny").fingerprint}
+    lines = [m.split("] ", 1)[-1] for m in said if "came from teacher" in m]  # less the time and rank
+    assert lines == [f"teacher {other} (fingerprint {again['teacher']['fingerprint']}) now, but the checkpoint's "
+                     f"centre and constant-student loss came from teacher {teacher_pt} (fingerprint "
+                     f"{first['teacher']['fingerprint']}): measured again for this teacher"]
+    assert not [m for m in said if "the targets change from this step" in m]  # the centring did not change
+
+
 def test_log_shows_the_term_beside_a_constant_students_and_warns_once_when_not_clearly_below(caplog):
-    from builders import Distillation
     from distill.head import DistillLoss
+    from distill.run import Distillation
     loss = DistillLoss("cosine", 1.0)
     distill = Distillation(teacher=None, loss=loss)
     distill.constant_loss = 0.1

@@ -8,18 +8,18 @@ import torch
 
 import train
 from backbones import get_model
+from checkpoint.folders import resolve_checkpoint
 from configs.errors import ConfigError
 from dataset import build_dataset, normalize_images
-from infer.model import Model, load_model
 from distill.teacher import OnlineTeacher
 from distill.teacher_file import TeacherFile
 from faces.align import ARCFACE_112
+from infer.model import Model, load_model
 from scripts.export_onnx import main as export_onnx
 from scripts.teach import main as teach
-from tests.conftest import jpeg, train_argv
 from tests.distributed import run_distributed
-from tests.conftest import checkpoint_tensors
-from utils.checkpoint import resolve_checkpoint
+from tests.tool_files import jpeg
+from tests.train_runs import checkpoint_tensors, train_argv
 
 STEPS = 8
 

@@ -205,8 +205,8 @@ def test_export_onnx_refusals_write_nothing(tmp_path, monkeypatch):
 
 
 def test_onnx_template_metadata_is_checked(tmp_path):
+    from checkpoint.files import CheckpointError
     from infer.onnx import OnnxBackbone, TEMPLATE_KEY
-    from utils.checkpoint import CheckpointError
     with pytest.raises(CheckpointError, match=rf"x.onnx: unreadable {TEMPLATE_KEY} metadata"):
         OnnxBackbone._template(str(tmp_path / "x.onnx"), json.dumps({"name": "t", "size": [150]}))
     assert OnnxBackbone._template("x.onnx", None) is ARCFACE_112
@@ -215,7 +215,7 @@ def test_onnx_template_metadata_is_checked(tmp_path):
 @pytest.mark.slow
 def test_init_backbone_dlib_fine_tunes_dlibs_network_on_112_crops(drawn_faces, tmp_path):
     import train
-    from tests.conftest import train_argv
+    from tests.train_runs import train_argv
     seen = []
     real = train.build_backbone
 

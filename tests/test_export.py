@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import backbones
+from checkpoint.files import CheckpointError
 from infer.weights import load_backbone
-from utils.checkpoint import CheckpointError
 
 
 # r18 (11 s) in make test-all: mbf covers the same export path in make test
@@ -54,8 +54,8 @@ def test_corrupt_config_json_beside_model_is_named_and_network_gets_around_it(tm
 
 
 def test_config_json_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    from checkpoint.files import atomic_write_text
     from configs import get_config, save_config
-    from utils.checkpoint import atomic_write_text
     cfg = get_config("configs/demo.py", [])
     save_config(cfg, str(tmp_path), atomic_write_text)
     before = (tmp_path / "config.json").read_text()

@@ -15,24 +15,12 @@ from PIL import Image, ImageEnhance
 from faces.align import ARCFACE_112, align, similarity_transform
 from faces.detect import Face, check_available, detect_faces
 from faces.models import ModelFileError, model_file
-
-
-def _head() -> Image.Image:
-    from skimage import data
-    return Image.fromarray(data.astronaut()).crop((120, 20, 320, 240))  # 200x220, face about 90 px
-
-
-def _two_faces(head: Image.Image) -> Image.Image:
-    """The head twice: as it is (left) and at 60% (right, a face of about 54 px)."""
-    photo = Image.new("RGB", (360, 240), (90, 90, 90))
-    photo.paste(head, (0, 10))
-    photo.paste(head.resize((120, 132), Image.BILINEAR), (220, 60))
-    return photo
+from tests.astronaut import astronaut_head, two_faces_photo
 
 
 @pytest.fixture(scope="session")
 def head() -> Image.Image:
-    return _head()
+    return astronaut_head()
 
 
 @pytest.fixture(scope="session")
@@ -45,8 +33,9 @@ def photos(tmp_path_factory) -> str:
     """photos/eileen: four photos of her face (one with a second, smaller copy of it) and one
     without a face; photos/mirror: four mirrored photos; photos/nobody: one photo, no face."""
     root = tmp_path_factory.mktemp("photos")
-    head = _head()
-    variants = {"one.jpg": head, "two.png": _two_faces(head), "dark.png": ImageEnhance.Brightness(head).enhance(0.7),
+    head = astronaut_head()
+    variants = {"one.jpg": head, "two.png": two_faces_photo(head),
+                "dark.png": ImageEnhance.Brightness(head).enhance(0.7),
                 "turned.png": head.rotate(12, resample=Image.BILINEAR, fillcolor=(90, 90, 90))}
     for person, flip in (("eileen", False), ("mirror", True)):
         os.makedirs(root / person)
@@ -91,7 +80,7 @@ def test_a_face_is_found_with_five_landmarks_in_insightface_order(head_faces):
     # against the 68-point model's five points: the eyes agree; the mouth corners, which the
     # 5-point model does not see, differ most on this broad smile, yet the two alignments put
     # the 68-point model's points within a few pixels of each other at 112
-    reference = detect_faces(_head(), landmarks="68")[0].points
+    reference = detect_faces(astronaut_head(), landmarks="68")[0].points
     assert np.abs(face.points[:2] - reference[:2]).max() < 2
     h = np.c_[reference, np.ones(5)]
     by_5, by_68 = (similarity_transform(p, ARCFACE_112.points) for p in (face.points, reference))
@@ -112,7 +101,7 @@ def test_aligned_crop_puts_eyes_within_pixels_of_the_template_and_a_resize_misse
 
 
 def test_several_faces_come_largest_first(head):
-    faces = detect_faces(_two_faces(head))
+    faces = detect_faces(two_faces_photo(head))
     assert len(faces) == 2 and faces[0].area > 2 * faces[1].area
     assert faces[0].box[2] < 220 <= faces[1].box[0]  # the large face is the left one
 
@@ -323,12 +312,13 @@ def test_teach_align_makes_the_rows_of_an_align_true_runs_faces_and_a_resize_fil
     """scripts.teach reads the data as the run does (builders.build_train_dataset): with --align,
     row i is the teacher's embedding of the run's aligned face i; a file made from the same photos
     resized is refused by the align true run, naming both readings."""
-    from builders import Distillation, build_train_dataset
+    from builders import build_train_dataset
     from configs import get_config
     from configs.errors import ConfigError
-    from infer.model import load_model
+    from distill.run import Distillation
     from distill.teacher import OnlineTeacher
     from distill.teacher_file import TeacherFile
+    from infer.model import load_model
     from scripts.teach import main as teach
     aligned_file, resized_file = str(tmp_path / "aligned.teacher"), str(tmp_path / "resized.teacher")
     assert teach([tiny_model, photos, aligned_file, "--align", "--num_workers", "0"]) == 0
@@ -366,7 +356,7 @@ def test_align_writes_one_crop_file_per_reported_face_whatever_the_names(head, t
     os.makedirs(tmp_path / "src" / "p")
     for name in ("a.jpg", "a.png", "a_jpg.png", "k.face2.jpg"):
         head.save(tmp_path / "src" / "p" / name)
-    _two_faces(head).save(tmp_path / "src" / "p" / "k.jpg")
+    two_faces_photo(head).save(tmp_path / "src" / "p" / "k.jpg")
     dst = str(tmp_path / "dst")
     assert align_tool([str(tmp_path / "src"), dst]) == 0
     rows = [r for r in _report(dst) if r["crop"]]
@@ -398,8 +388,8 @@ def test_align_overwrite_swaps_folders_and_cleans_what_killed_runs_left(photos, 
 def test_align_killed_between_moving_the_earlier_folder_aside_and_the_new_one_in_keeps_it(photos, tmp_path):
     """Where no atomic exchange is available: a kill after the earlier DST was moved to its
     journaled backup leaves no DST; the next run puts the earlier one back before it starts."""
-    from utils import atomic
     from tests.tool_files import dead_pid
+    from utils import atomic
     dst, backup = tmp_path / "dst", tmp_path / f".dst.old-{socket.gethostname()}-{dead_pid()}"
     os.makedirs(backup)
     (backup / "earlier").write_text("x")

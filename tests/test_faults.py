@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from tests.conftest import train_argv
-from utils.checkpoint import resolve_checkpoint
+from checkpoint.folders import resolve_checkpoint
+from tests.train_runs import train_argv
 
 
 def _launch(data_dir, output, *extra, console=None):

@@ -7,10 +7,12 @@ import os
 import pytest
 
 import train
-from tests.conftest import train_argv
+from checkpoint import files as checkpoint_files
+from checkpoint.files import NoSpaceError
+from checkpoint.folders import find_checkpoint, list_checkpoints
+from checkpoint.load import read_backbone_weights
 from tests.distributed import run_distributed
-from utils import checkpoint
-from utils.checkpoint import NoSpaceError, find_checkpoint, list_checkpoints, read_backbone_weights
+from tests.train_runs import train_argv
 
 
 class _FillingFile:
@@ -42,7 +44,7 @@ def fill_disk_at(monkeypatch, fragment: str, room: int = 1000) -> None:
     def opening(path, mode="r", *args, **kw):
         f = open(path, mode, *args, **kw)
         return _FillingFile(f, room) if fragment in path and "w" in mode else f
-    monkeypatch.setattr(checkpoint, "open", opening, raising=False)
+    monkeypatch.setattr(checkpoint_files, "open", opening, raising=False)
 
 
 def test_full_disk_during_a_checkpoint_names_file_and_space_and_removes_the_partial_save(
@@ -65,12 +67,13 @@ def test_full_disk_during_a_checkpoint_names_file_and_space_and_removes_the_part
 def _save_with_rank1_disk_full(rank, world_size, output):
     import pytest as _pytest
 
-    from tests.test_collective_order import _build, _step
-    from utils.checkpoint import TrainState, save_checkpoint
-    parts = _build(rank, "collective")
-    _step(parts)
+    from checkpoint.save import save_checkpoint
+    from checkpoint.state import TrainState
+    from tests.tiny_zero_run import build_parts, train_step
+    parts = build_parts(rank, "collective")
+    train_step(parts)
     save_checkpoint(output, TrainState(step=1, run_id="r"), **parts, rank=rank, world_size=world_size)
-    _step(parts)
+    train_step(parts)
     with _pytest.MonkeyPatch.context() as mp:
         if rank == 1:  # only rank 1's file system share is full: rank 0 must not wait for it
             fill_disk_at(mp, "rng-rank1.pt", room=10)

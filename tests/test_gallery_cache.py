@@ -15,13 +15,13 @@ import torch
 from PIL import Image
 
 import faces.stream as s
-from infer.model import Model, load_model
-from infer.enrolment import enrol, mean_cross_cosine
+from dataset import DataError
 from faces.align import ARCFACE_112
 from faces.detect import Detection
 from faces.photos import find_faces, usable
-from dataset import DataError
-from tests.test_identify import _face, _gallery, _model, _run
+from infer.enrolment import enrol, mean_cross_cosine
+from infer.model import Model, load_model
+from tests.gallery_files import gallery_folder, noise_face, run_identify, seeded_model
 
 
 def _enrolled(gallery, embedder, **kw):
@@ -36,29 +36,29 @@ def _enrolled(gallery, embedder, **kw):
 
 @pytest.mark.parametrize("rebuild", [False, True])
 def test_a_cache_path_that_is_not_a_gallery_file_is_refused_and_left_alone(tmp_path, capsys, rebuild):
-    model = _model(tmp_path / "m", 0)
-    gallery = _gallery(tmp_path / "g")
+    model = seeded_model(tmp_path / "m", 0)
+    gallery = gallery_folder(tmp_path / "g")
     photo = tmp_path / "PHOTO.jpg"
     Image.new("RGB", (64, 48), (200, 10, 10)).save(photo)
     before = photo.read_bytes()
     flag = ["--rebuild"] if rebuild else []
-    query = _face(tmp_path / "q.png", 5)
-    code, out, err = _run(capsys, model, "--gallery", gallery, "--cache", str(photo), *flag, query)
+    query = noise_face(tmp_path / "q.png", 5)
+    code, out, err = run_identify(capsys, model, "--gallery", gallery, "--cache", str(photo), *flag, query)
     assert code == 2 and out == "" and err.count("\n") == 1 and str(photo) in err
     assert "not a ShardFace gallery file" in err and "delete" not in err
     assert photo.read_bytes() == before
 
 
 def test_a_directory_as_cache_is_refused_before_anything_is_enrolled(tmp_path, capsys):
-    model = _model(tmp_path / "m", 0)
-    gallery = _gallery(tmp_path / "g")
+    model = seeded_model(tmp_path / "m", 0)
+    gallery = gallery_folder(tmp_path / "g")
     folder = tmp_path / "somewhere"
     os.makedirs(folder)
     real, seen = s.crop_pixels, []
     s.crop_pixels = lambda *a: seen.append(a) or real(*a)
     try:
-        code, out, err = _run(capsys, model, "--gallery", gallery, "--cache", str(folder), "--rebuild",
-                              _face(tmp_path / "q.png", 5))
+        code, out, err = run_identify(capsys, model, "--gallery", gallery, "--cache", str(folder), "--rebuild",
+                                      noise_face(tmp_path / "q.png", 5))
     finally:
         s.crop_pixels = real
     assert code == 2 and err.count("\n") == 1 and str(folder) in err and "directory" in err
@@ -72,8 +72,8 @@ def _uncompressed(path, seed):
 
 
 def test_an_image_replaced_by_another_of_the_same_size_and_mtime_is_embedded_again(tmp_path):
-    embedder = load_model(_model(tmp_path / "m", 0))
-    gallery = _gallery(tmp_path / "g")
+    embedder = load_model(seeded_model(tmp_path / "m", 0))
+    gallery = gallery_folder(tmp_path / "g")
     target = tmp_path / "g" / "person1" / "0.png"
     _uncompressed(target, 1)
     enrol(gallery, embedder, show_progress=False)
@@ -106,8 +106,8 @@ def _damage(cache, how):
 
 @pytest.mark.parametrize("how", ["a NaN row", "too few rows", "too wide rows", "a row not of unit length"])
 def test_a_damaged_cache_is_enrolled_again_saying_so(tmp_path, caplog, how):
-    embedder = load_model(_model(tmp_path / "m", 0))
-    gallery = _gallery(tmp_path / "g")
+    embedder = load_model(seeded_model(tmp_path / "m", 0))
+    gallery = gallery_folder(tmp_path / "g")
     first = enrol(gallery, embedder, show_progress=False)
     cache = os.path.join(gallery, ".shardface_gallery.npz")
     _damage(cache, how)
@@ -149,9 +149,9 @@ def _enrolling(model, gallery, at: int, how: str, flag: str = "-") -> subprocess
 
 
 def test_a_killed_enrolment_resumes_from_what_it_saved(tmp_path):
-    model = _model(tmp_path / "m", 0)
+    model = seeded_model(tmp_path / "m", 0)
     embedder = load_model(model)
-    gallery = _gallery(tmp_path / "g", (3, 3))
+    gallery = gallery_folder(tmp_path / "g", (3, 3))
     proc = _enrolling(model, gallery, 5, "kill")  # four images embedded and saved
     assert proc.wait(timeout=120) == -signal.SIGKILL
     parts = os.path.join(gallery, ".shardface_gallery.npz.parts")
@@ -164,9 +164,9 @@ def test_a_killed_enrolment_resumes_from_what_it_saved(tmp_path):
 
 
 def test_two_enrolments_of_one_gallery_keep_each_others_saved_parts(tmp_path):
-    model = _model(tmp_path / "m", 0)
+    model = seeded_model(tmp_path / "m", 0)
     embedder = load_model(model)
-    gallery = _gallery(tmp_path / "g", (3, 3))
+    gallery = gallery_folder(tmp_path / "g", (3, 3))
     flag = str(tmp_path / "go")
     proc = _enrolling(model, gallery, 3, "pause", flag)  # paused after two images, saved
     try:
@@ -186,7 +186,7 @@ def test_two_enrolments_of_one_gallery_keep_each_others_saved_parts(tmp_path):
 
 
 def test_the_ema_choice_keeps_its_own_gallery_file_and_is_named_when_it_changes(tmp_path, caplog):
-    path = _model(tmp_path / "m", 0)
+    path = seeded_model(tmp_path / "m", 0)
     ema = load_model(path)
     torch.manual_seed(5)
     with torch.no_grad():  # the raw weights of the same MODEL: other values
@@ -194,7 +194,7 @@ def test_the_ema_choice_keeps_its_own_gallery_file_and_is_named_when_it_changes(
         for p in raw_module.parameters():
             p.add_(0.1 * torch.randn_like(p))
     raw = Model(raw_module, ema.template, ema.name, "raw-weights", ema=False)
-    gallery = _gallery(tmp_path / "g")
+    gallery = gallery_folder(tmp_path / "g")
     enrol(gallery, ema, show_progress=False)
     with caplog.at_level(logging.WARNING, "shardface"):
         _, seen = _enrolled(gallery, raw)
@@ -234,7 +234,7 @@ class _Collapsed(torch.nn.Module):
 
 
 def test_a_gallery_of_nearly_identical_templates_is_warned_about(tmp_path, caplog):
-    gallery = _gallery(tmp_path / "g")
+    gallery = gallery_folder(tmp_path / "g")
     collapsed = Model(_Collapsed().eval(), ARCFACE_112, "collapsed", "c0")
     with caplog.at_level(logging.WARNING, "shardface"):
         enrol(gallery, Model(_Projection().eval(), ARCFACE_112, "projection", "p0"), cache=str(tmp_path / "a.npz"),
@@ -251,23 +251,23 @@ def test_mean_cross_cosine_is_the_mean_over_pairs_of_different_people():
     assert mean_cross_cosine(t) == pytest.approx(np.mean(pairs))
 
 
-def _head(path):
+def astronaut_head(path):
     from skimage import data
     Image.fromarray(data.astronaut()).crop((120, 20, 320, 240)).save(path)  # 200x220, face about 90 px
     return str(path)
 
 
 def test_face_options_are_recorded_and_a_change_enrols_again_saying_which(tmp_path, capsys, caplog):
-    model = _model(tmp_path / "m", 0)
+    model = seeded_model(tmp_path / "m", 0)
     for person in ("a", "b"):
         os.makedirs(tmp_path / "g" / person)
-        _head(tmp_path / "g" / person / "1.png")
+        astronaut_head(tmp_path / "g" / person / "1.png")
     gallery, query = str(tmp_path / "g"), str(tmp_path / "g" / "a" / "1.png")
-    code, out, _ = _run(capsys, model, "--gallery", gallery, "--align", query)
+    code, out, _ = run_identify(capsys, model, "--gallery", gallery, "--align", query)
     assert code == 0 and "face 0" in out
     with caplog.at_level(logging.WARNING, "shardface"):
-        code, out, _ = _run(capsys, model, "--gallery", gallery, "--align", "--upsample", "0", "--max_side", "900",
-                            query)
+        code, out, _ = run_identify(capsys, model, "--gallery", gallery, "--align", "--upsample", "0", "--max_side",
+                                    "900", query)
     assert code == 0 and "face 0" in out
     assert "the face options (--upsample 1, now 0, --max_side" in caplog.text
     assert "enrolling every image again" in caplog.text
@@ -275,12 +275,12 @@ def test_face_options_are_recorded_and_a_change_enrols_again_saying_which(tmp_pa
 
 @pytest.mark.parametrize("tool", ["identify", "embed"])
 def test_a_min_score_that_is_not_finite_is_one_error_line(tmp_path, capsys, tool):
-    model = _model(tmp_path / "m", 0)
-    gallery = _gallery(tmp_path / "g")
-    query = _face(tmp_path / "q.png", 5)
+    model = seeded_model(tmp_path / "m", 0)
+    gallery = gallery_folder(tmp_path / "g")
+    query = noise_face(tmp_path / "q.png", 5)
     if tool == "identify":
         argv = [model, "--gallery", gallery, "--align", "--min_score", "nan", query]
-        code, out, err = _run(capsys, *argv)
+        code, out, err = run_identify(capsys, *argv)
     else:
         from scripts.embed import main as embed
         code = embed([model, query, "--out", str(tmp_path / "out"), "--align", "--min_score", "nan"])
@@ -301,12 +301,12 @@ def test_no_face_hint_suggests_only_what_was_not_tried(tmp_path):
 
 
 def test_strict_refuses_a_query_photo_without_a_face(tmp_path, capsys):
-    model = _model(tmp_path / "m", 0)
+    model = seeded_model(tmp_path / "m", 0)
     os.makedirs(tmp_path / "g" / "a")
-    _head(tmp_path / "g" / "a" / "1.png")
+    astronaut_head(tmp_path / "g" / "a" / "1.png")
     blank = str(tmp_path / "blank.png")
     Image.new("RGB", (80, 80), (128, 128, 128)).save(blank)
-    code, out, _ = _run(capsys, model, "--gallery", str(tmp_path / "g"), "--align", blank)
+    code, out, _ = run_identify(capsys, model, "--gallery", str(tmp_path / "g"), "--align", blank)
     assert code == 0 and "no face found" in out
-    code, out, err = _run(capsys, model, "--gallery", str(tmp_path / "g"), "--align", "--strict", blank)
+    code, out, err = run_identify(capsys, model, "--gallery", str(tmp_path / "g"), "--align", "--strict", blank)
     assert code == 2 and err.count("\n") == 1 and blank in err and "--strict" in err

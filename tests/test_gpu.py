@@ -30,22 +30,13 @@ from torch import nn
 from heads import PartialFC, SampledRowsOptimizer
 from losses import CombinedMarginLoss
 from tests.collective_log import recording
-from tests.conftest import train_argv
+from tests.devices import CUDA, device_of, env_for
 from tests.distributed import run_distributed
 from tests.fp64_head import M2, S, head_errors_against_fp64
+from tests.train_runs import train_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE_STEPS = 6
-CUDA = pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")
-
-
-def _device(kind: str) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
-
-
-def _env(kind: str) -> dict:
-    """A subprocess's environment: the cpu cases hide any GPU, so they run on the CPU anywhere."""
-    return dict(os.environ, CUDA_VISIBLE_DEVICES="") if kind == "cpu" else dict(os.environ)
 
 
 # ----- train.py on the device, its files opened on a CPU-only host -------------------------------
@@ -72,7 +63,7 @@ for path in paths:
     assert found <= {"cpu"}, f"{path} holds tensors on {sorted(found)}"
 from builders import build_backbone, build_data_parallel, build_head, build_head_optimizer
 from configs import get_config
-from utils.checkpoint import load_checkpoint
+from checkpoint.load import load_checkpoint
 cfg = get_config(argv[0], argv[1:])
 backbone, head = build_backbone(cfg), build_head(cfg)
 _, backbone_opt = build_data_parallel(cfg, backbone)
@@ -97,7 +88,7 @@ def test_train_runs_on_the_device_and_its_files_open_on_a_cpu_only_host(drawn_fa
                       "--zero", str(zero).lower(), "--fp16", str(precision == "fp16").lower(),
                       "--bf16", str(precision == "bf16").lower(),
                       "--channels_last", str(precision != "fp32").lower())  # NHWC on tensor cores
-    done = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, env=_env(kind), capture_output=True,
+    done = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, env=env_for(kind), capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     log = open(os.path.join(out, "training.log")).read()
@@ -105,11 +96,11 @@ def test_train_runs_on_the_device_and_its_files_open_on_a_cpu_only_host(drawn_fa
     losses = re.findall(r"loss ([0-9.]+|nan|inf) ", log)
     assert len(losses) == SMOKE_STEPS and all(v not in ("nan", "inf") for v in losses), losses
     assert bool(re.search(r"loss [0-9.]+ .*scale \d+", log)) == (precision == "fp16")  # the loss scaler ran
-    from utils.checkpoint import resolve_checkpoint
+    from checkpoint.folders import resolve_checkpoint
     assert resolve_checkpoint(out).endswith(f"checkpoint-{SMOKE_STEPS:08d}")
     assert os.path.isfile(os.path.join(out, "model.pt"))
 
-    opened = subprocess.run([sys.executable, "-c", _OPEN_ON_CPU, out, *argv], cwd=ROOT, env=_env("cpu"),
+    opened = subprocess.run([sys.executable, "-c", _OPEN_ON_CPU, out, *argv], cwd=ROOT, env=env_for("cpu"),
                             capture_output=True, text=True, timeout=300)
     assert opened.returncode == 0, opened.stderr[-3000:]
     assert f"step {SMOKE_STEPS}" in opened.stdout, opened.stdout
@@ -250,7 +241,7 @@ def test_world_size_one_group_runs_the_multi_rank_paths(kind, monkeypatch):
 def _fp64_errors(kind: str, **kw) -> dict:
     if kind == "cpu":  # the same check at a size two CPU cores do in a second
         kw.update(classes=3000, batch=128, dim=128)
-    return head_errors_against_fp64(_device(kind), **kw)
+    return head_errors_against_fp64(device_of(kind), **kw)
 
 
 @pytest.mark.parametrize("chunk", [None, 1024])
@@ -281,7 +272,7 @@ def test_head_with_bf16_logits_stays_close_to_fp64_full_softmax(kind):
 @pytest.mark.parametrize("chunk", [None, 1024])
 @pytest.mark.parametrize("sample_rate", [1.0, 0.3])
 def test_head_forward_and_backward_never_synchronise_the_host(chunk, sample_rate, fused):
-    device = _device("cuda")
+    device = device_of("cuda")
     torch.manual_seed(0)
     head = PartialFC(CombinedMarginLoss(S, 1.0, M2, 0.0), 128, 8000, sample_rate, chunk_size=chunk, validate=False,
                      fused_optimizer=fused).to(device)
@@ -308,7 +299,7 @@ def test_head_forward_and_backward_never_synchronise_the_host(chunk, sample_rate
 
 @pytest.mark.parametrize("kind", [CUDA, "cpu"])
 def test_gpu_benchmark_runs_every_part_at_toy_sizes(kind):
-    done = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke"], cwd=ROOT, env=_env(kind),
+    done = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke"], cwd=ROOT, env=env_for(kind),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for title in ("backbone step", "head forward+backward", "head vs fp64 full softmax", "distillation step"):
@@ -323,7 +314,7 @@ def test_gpu_benchmark_runs_every_part_at_toy_sizes(kind):
 @pytest.mark.parametrize("kind", [CUDA, "cpu"])
 def test_head_profile_splits_gemm_from_the_rest(kind):
     done = subprocess.run([sys.executable, "benchmarks/head_profile.py", "--smoke", "--sweep", "--chunks", "64",
-                           "--row_blocks", "4", "--case", "WebFace42M"], cwd=ROOT, env=_env(kind),
+                           "--row_blocks", "4", "--case", "WebFace42M"], cwd=ROOT, env=env_for(kind),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # its step, GEMM and non-GEMM times, an op table with the GEMMs marked, a sweep row (the
@@ -340,7 +331,7 @@ def test_the_head_step_replayed_from_a_cuda_graph_gives_the_eager_gradients(case
     """The head's forward and backward capture in one CUDA graph (no host sync, Partial FC's
     sampling included), and a replay writes the eager step's embedding gradient."""
     done = subprocess.run([sys.executable, "benchmarks/head_profile.py", "--smoke", "--graph", "--case", case],
-                          cwd=ROOT, env=_env("cuda"), capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=env_for("cuda"), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ours = re.search(rf"^\s*{case}\s+ours\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(.+)$",
                      done.stdout, re.M)

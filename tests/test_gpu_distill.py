@@ -21,16 +21,17 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import train_argv
+from tests.devices import CUDA, device_of, env_for
 from tests.distill_step import distill_step
 from tests.host_sync import HostDataCounter, HostSyncCounter
-from tests.test_gpu import CUDA, ROOT, _device, _env
+from tests.train_runs import train_argv
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 2
 
 
 def _python(kind: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(kind), capture_output=True, text=True,
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env_for(kind), capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -117,7 +118,7 @@ def _cosine(a: torch.Tensor, b: torch.Tensor, dim: int = -1) -> torch.Tensor:
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 @pytest.mark.parametrize("kind", [CUDA, "cpu"])
 def test_dlib_resnet_student_in_16_bits_matches_fp32_on_the_cpu(kind, precision):
-    device = _device(kind)
+    device = device_of(kind)
     x = _astronaut_crops(16 if kind == "cuda" else 2)
     reference = _dlib_student()
     want = reference(x)
@@ -145,7 +146,7 @@ def test_gallery_enrolment_with_the_model_on_the_device_matches_the_cpu(kind, te
     for i, crop in enumerate(crops):
         (gallery / f"person{i % 3}").mkdir(parents=True, exist_ok=True)
         Image.fromarray(crop.permute(1, 2, 0).numpy()).save(gallery / f"person{i % 3}" / f"{i}.png")
-    on_device = load_model(teacher_pt, "tiny", device=_device(kind))
+    on_device = load_model(teacher_pt, "tiny", device=device_of(kind))
     assert on_device.device.type == kind
     got = enrol(str(gallery), on_device, cache=str(tmp_path / "device.npz"), show_progress=False)
     want = enrol(str(gallery), load_model(teacher_pt, "tiny", device=torch.device("cpu")),
@@ -169,7 +170,7 @@ def test_distillation_step_never_synchronises_the_host_nor_copies_host_data(kind
         from scripts.teach import main as teach
         teacher = str(tmp_path / "tiny.teacher")
         assert teach([teacher_pt, drawn_faces, teacher, "--network", "tiny", "--num_workers", "0"]) == 0
-    device = _device(kind)
+    device = device_of(kind)
     step, batches = distill_step(drawn_faces, teacher, device, *extra)
     step(next(batches))  # warm-up: optimizer state, allocator pools, cuDNN's choices, the cached warps
     batch = next(batches)

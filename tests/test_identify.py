@@ -5,51 +5,19 @@ import os
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
-from backbones import get_model
-from infer.model import load_model, load_module
-from infer.model import as_model
 from infer.enrolment import enrol
+from infer.model import as_model, load_model, load_module
 from scripts.identify import main as identify
-
-
-def _model(folder, seed):
-    torch.manual_seed(seed)
-    os.makedirs(folder, exist_ok=True)
-    torch.save(get_model("tiny", num_features=32).eval().state_dict(), os.path.join(folder, "model.pt"))
-    json.dump({"network": "tiny"}, open(os.path.join(folder, "config.json"), "w"))
-    return os.path.join(folder, "model.pt")
-
-
-def _face(path, seed):
-    rng = np.random.default_rng(seed)
-    Image.fromarray(rng.integers(0, 256, (112, 112, 3), dtype=np.uint8)).save(path)
-    return str(path)
-
-
-def _gallery(root, per_person=(1, 2, 3)):
-    for p, n in enumerate(per_person):
-        os.makedirs(root / f"person{p}")
-        for i in range(n):
-            _face(root / f"person{p}" / f"{i}.png", 10 * p + i)
-    return str(root)
-
-
-def _run(capsys, *argv):
-    """identify, naming everyone (--threshold -1) unless the test gives its own threshold."""
-    argv = list(argv) if any(a.startswith("--threshold") for a in argv) else [*argv, "--threshold", "-1"]
-    code = identify(argv)
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from tests.gallery_files import gallery_folder, noise_face, run_identify, seeded_model
 
 
 def test_search_results_equal_mean_templates_scored_directly(tmp_path, capsys):
-    model = _model(tmp_path / "m", 0)
-    gallery = _gallery(tmp_path / "g")
-    queries = [str(tmp_path / "g" / "person1" / "0.png"), _face(tmp_path / "q.png", 99)]
-    code, out, _ = _run(capsys, model, "--gallery", gallery, "--top", "5", "--json", *queries)
+    model = seeded_model(tmp_path / "m", 0)
+    gallery = gallery_folder(tmp_path / "g")
+    queries = [str(tmp_path / "g" / "person1" / "0.png"), noise_face(tmp_path / "q.png", 99)]
+    code, out, _ = run_identify(capsys, model, "--gallery", gallery, "--top", "5", "--json", *queries)
     assert code == 0
     faces = json.loads(out)["faces"]
     # independently: scripts.embed's embeddings, mean per person, cosine, sorted by score
@@ -66,13 +34,13 @@ def test_search_results_equal_mean_templates_scored_directly(tmp_path, capsys):
         assert [c["name"] for c in face["candidates"]] == [f"person{j}" for j in order]  # K=5 > 3 people
         np.testing.assert_allclose([c["score"] for c in face["candidates"]], row[order], atol=1e-4)
         assert face["name"] == f"person{order[0]}"
-    code, out, _ = _run(capsys, model, "--gallery", gallery, "--threshold", "1", *queries)
+    code, out, _ = run_identify(capsys, model, "--gallery", gallery, "--threshold", "1", *queries)
     assert out.count("unknown (best") == 2 and code == 0
 
 
 def test_cache_is_reused_updated_when_the_folder_changes_and_another_model_is_refused(tmp_path, capsys):
-    model, other = _model(tmp_path / "m", 0), _model(tmp_path / "other", 1)
-    gallery = _gallery(tmp_path / "g")
+    model, other = seeded_model(tmp_path / "m", 0), seeded_model(tmp_path / "other", 1)
+    gallery = gallery_folder(tmp_path / "g")
     embedder = load_model(model)
     first = enrol(gallery, embedder, show_progress=False)
     cache = os.path.join(gallery, ".shardface_gallery.npz")
@@ -80,18 +48,19 @@ def test_cache_is_reused_updated_when_the_folder_changes_and_another_model_is_re
     again = enrol(gallery, embedder, show_progress=False)
     assert os.stat(cache).st_mtime_ns == stamp and first.names == again.names  # nothing re-embedded or written
     np.testing.assert_array_equal(first.templates, again.templates)
-    _face(tmp_path / "g" / "person0" / "new.png", 77)
+    noise_face(tmp_path / "g" / "person0" / "new.png", 77)
     os.remove(tmp_path / "g" / "person2" / "2.png")
     os.makedirs(tmp_path / "g" / "person3")
-    _face(tmp_path / "g" / "person3" / "a.png", 78)
+    noise_face(tmp_path / "g" / "person3" / "a.png", 78)
     updated = enrol(gallery, embedder, show_progress=False)
     fresh = enrol(gallery, embedder, cache=str(tmp_path / "fresh.npz"), show_progress=False)
     assert updated.names == fresh.names == ["person0", "person1", "person2", "person3"]
     np.testing.assert_allclose(updated.templates, fresh.templates, atol=1e-6)
-    code, _, err = _run(capsys, other, "--gallery", gallery, str(tmp_path / "g" / "person3" / "a.png"))
+    code, _, err = run_identify(capsys, other, "--gallery", gallery, str(tmp_path / "g" / "person3" / "a.png"))
     assert code == 2 and err.count("\n") == 1
     assert cache in err and os.path.realpath(model) in err and "--rebuild" in err
-    code, out, _ = _run(capsys, other, "--gallery", gallery, "--rebuild", str(tmp_path / "g" / "person3" / "a.png"))
+    code, out, _ = run_identify(capsys, other, "--gallery", gallery, "--rebuild",
+                                str(tmp_path / "g" / "person3" / "a.png"))
     assert code == 0 and "person3 1.0000" in out
 
 
@@ -105,21 +74,21 @@ def test_cache_is_reused_updated_when_the_folder_changes_and_another_model_is_re
     ("query of the wrong size", "pass --align"),
 ])
 def test_bad_input_is_one_error_line_naming_it(tmp_path, capsys, case, named):
-    model = _model(tmp_path / "m", 0)
+    model = seeded_model(tmp_path / "m", 0)
     g = tmp_path / "g"
-    query = _face(tmp_path / "q.png", 1)
+    query = noise_face(tmp_path / "q.png", 1)
     if case == "empty gallery":
         os.makedirs(g)
         where = str(g)
     else:
-        _gallery(g, (1,))
+        gallery_folder(g, (1,))
         where = str(g / "person0" / "0.png")
     if case == "person without images":
         os.makedirs(g / "nobody")
         (g / "nobody" / "notes.txt").write_text("x")
         where = str(g / "nobody")
     elif case == "image outside a person folder":
-        where = _face(g / "loose.png", 3)
+        where = noise_face(g / "loose.png", 3)
     elif case == "query not an image":
         where = query = str(tmp_path / "q.jpg")
         open(query, "w").write("text")
@@ -131,7 +100,7 @@ def test_bad_input_is_one_error_line_naming_it(tmp_path, capsys, case, named):
     elif case == "query of the wrong size":
         where = query
         Image.new("RGB", (90, 60)).save(query)
-    code, out, err = _run(capsys, model, "--gallery", str(g), query)
+    code, out, err = run_identify(capsys, model, "--gallery", str(g), query)
     assert code == 2 and out == "" and err.startswith("error: ") and err.count("\n") == 1
     assert where in err and named in err
 
@@ -139,8 +108,8 @@ def test_bad_input_is_one_error_line_naming_it(tmp_path, capsys, case, named):
 def test_identify_eval_split_and_rank1_equal_a_direct_computation(tmp_path, capsys):
     from scripts.identify_eval import main as identify_eval
     from scripts.identify_eval import split
-    model = _model(tmp_path / "m", 0)
-    root = _gallery(tmp_path / "g", (3, 3, 2, 1, 3))
+    model = seeded_model(tmp_path / "m", 0)
+    root = gallery_folder(tmp_path / "g", (3, 3, 2, 1, 3))
     png = str(tmp_path / "curves.png")
     assert identify_eval([model, root, "--gallery_per_id", "2", "--unknown_ids", "1", "--json", "--plot", png]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -160,9 +129,9 @@ def test_identify_eval_split_and_rank1_equal_a_direct_computation(tmp_path, caps
 @pytest.mark.parametrize("value", ["nan", "inf", "2", "-5", "1.0001"])
 def test_threshold_that_is_not_a_cosine_is_refused_in_one_line_before_any_work(tmp_path, capsys, tool, value):
     from scripts.compare import main as compare
-    model = _model(tmp_path / "m", 0)
-    gallery = _gallery(tmp_path / "g")
-    query = _face(tmp_path / "q.png", 5)
+    model = seeded_model(tmp_path / "m", 0)
+    gallery = gallery_folder(tmp_path / "g")
+    query = noise_face(tmp_path / "q.png", 5)
     argv = [model, "--gallery", gallery, query] if tool == "identify" else [model, query, query]
     code = (identify if tool == "identify" else compare)([*argv, "--threshold", value])
     out = capsys.readouterr()
@@ -172,9 +141,9 @@ def test_threshold_that_is_not_a_cosine_is_refused_in_one_line_before_any_work(t
 
 
 def test_model_without_a_known_threshold_names_no_one_and_says_how_to_get_one(tmp_path, capsys):
-    model = _model(tmp_path / "m", 0)
-    gallery = _gallery(tmp_path / "g")
-    query = _face(tmp_path / "q.png", 5)
+    model = seeded_model(tmp_path / "m", 0)
+    gallery = gallery_folder(tmp_path / "g")
+    query = noise_face(tmp_path / "q.png", 5)
     code = identify([model, "--gallery", gallery, query])
     out = capsys.readouterr()
     assert code == 2 and out.out == "" and out.err.count("\n") == 1
@@ -184,12 +153,12 @@ def test_model_without_a_known_threshold_names_no_one_and_says_how_to_get_one(tm
 
 def test_identify_and_compare_print_the_threshold_they_used_and_where_it_came_from(tmp_path, capsys):
     from scripts.compare import main as compare
-    model = _model(tmp_path / "m", 0)
-    gallery = _gallery(tmp_path / "g")
-    query = _face(tmp_path / "q.png", 5)
-    code, out, _ = _run(capsys, model, "--gallery", gallery, "--threshold", "0.25", query)
+    model = seeded_model(tmp_path / "m", 0)
+    gallery = gallery_folder(tmp_path / "g")
+    query = noise_face(tmp_path / "q.png", 5)
+    code, out, _ = run_identify(capsys, model, "--gallery", gallery, "--threshold", "0.25", query)
     assert code == 0 and out.splitlines()[0] == "threshold 0.2500: given by --threshold"
-    code, out, _ = _run(capsys, model, "--gallery", gallery, "--threshold", "0.25", "--json", query)
+    code, out, _ = run_identify(capsys, model, "--gallery", gallery, "--threshold", "0.25", "--json", query)
     assert json.loads(out)["threshold"] == 0.25 and json.loads(out)["threshold_source"] == "given by --threshold"
     assert compare([model, query, query, "--threshold", "0.25"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -202,8 +171,8 @@ def test_identify_eval_gives_no_figure_the_data_cannot_support(tmp_path, capsys)
     """4 people enrolled: rank-5 is 1 whatever the model, so n/a; 2 non-mated probes cannot
     measure FPIR 0.1 (needs 10) or 0.01 (needs 100)."""
     from scripts.identify_eval import main as identify_eval
-    model = _model(tmp_path / "m", 0)
-    root = _gallery(tmp_path / "g", (3, 3, 2, 2, 3))
+    model = seeded_model(tmp_path / "m", 0)
+    root = gallery_folder(tmp_path / "g", (3, 3, 2, 2, 3))
     args = [model, root, "--gallery_per_id", "1", "--unknown_ids", "1", "--seed", "1"]
     assert identify_eval([*args, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -219,8 +188,8 @@ def test_identify_eval_gives_no_figure_the_data_cannot_support(tmp_path, capsys)
 
 def test_identify_eval_negative_unknown_ids_is_one_error_line(tmp_path, capsys):
     from scripts.identify_eval import main as identify_eval
-    model = _model(tmp_path / "m", 0)
-    root = _gallery(tmp_path / "g", (2, 2))
+    model = seeded_model(tmp_path / "m", 0)
+    root = gallery_folder(tmp_path / "g", (2, 2))
     assert identify_eval([model, root, "--unknown_ids", "-1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--unknown_ids -1" in err
@@ -256,19 +225,19 @@ def test_trained_runs_threshold_is_saved_by_verification_used_by_identify_and_ca
     from eval.verification import write_bin
     from scripts.compare import main as compare
     from scripts.export_onnx import main as export_onnx
-    model = _model(tmp_path / "run", 0)
+    model = seeded_model(tmp_path / "run", 0)
     images = []
     for i in range(80):  # 40 pairs, 20 of them different people: FAR 0.1 is measurable, 0.01 is not
         buf = io.BytesIO()
-        Image.open(_face(tmp_path / "v.png", 1000 + i)).save(buf, format="PNG")
+        Image.open(noise_face(tmp_path / "v.png", 1000 + i)).save(buf, format="PNG")
         images.append(buf.getvalue())
     write_bin(str(tmp_path / "v.bin"), images, [i % 2 == 0 for i in range(40)])
     backbone = load_module(model)
     VerificationCallback(["v"], str(tmp_path), 1, backbone, output=str(tmp_path / "run"))(7)
     saved = json.load(open(tmp_path / "run" / "threshold.json"))["raw"]
     assert saved["far"] == 0.1 and saved["different_pairs"] == 20 and saved["step"] == 7 and saved["val_target"] == "v"
-    gallery = _gallery(tmp_path / "g")
-    query = _face(tmp_path / "q.png", 5)
+    gallery = gallery_folder(tmp_path / "g")
+    query = noise_face(tmp_path / "q.png", 5)
     stated = f"threshold {saved['threshold']:.4f}: the run's own, at FAR 0.1 on v (20 different-person pairs"
     assert identify([model, "--gallery", gallery, query]) == 0
     assert capsys.readouterr().out.splitlines()[0].startswith(stated)
@@ -281,8 +250,8 @@ def test_trained_runs_threshold_is_saved_by_verification_used_by_identify_and_ca
 
 def test_identify_eval_plot_is_checked_before_the_evaluation(tmp_path, capsys, monkeypatch):
     from scripts import identify_eval as tool
-    model = _model(tmp_path / "m", 0)
-    root = _gallery(tmp_path / "g", (3, 3, 2, 1, 3))
+    model = seeded_model(tmp_path / "m", 0)
+    root = gallery_folder(tmp_path / "g", (3, 3, 2, 1, 3))
     monkeypatch.setattr(tool, "model_from", lambda *a, **k: pytest.fail("evaluated before checking --plot"))
     (tmp_path / "curves.png").write_bytes(b"an earlier plot")
     (tmp_path / "plots").mkdir()
@@ -299,8 +268,8 @@ def test_identify_eval_embeds_batch_by_batch_with_progress_and_the_same_figures(
     """A folder larger than a batch: progress with an ETA on stderr, and batches of 4 give the
     figures one batch of all gives."""
     from scripts.identify_eval import main as identify_eval
-    model = _model(tmp_path / "m", 0)
-    root = _gallery(tmp_path / "g", (3, 3, 2, 2, 3))
+    model = seeded_model(tmp_path / "m", 0)
+    root = gallery_folder(tmp_path / "g", (3, 3, 2, 2, 3))
     args = [model, root, "--gallery_per_id", "1", "--unknown_ids", "1"]
     assert identify_eval([*args, "--batch_size", "64"]) == 0
     whole = capsys.readouterr()

@@ -1,61 +1,17 @@
 """IJB 1:1 evaluation on a generated fixture whose TAR@FAR is known by construction."""
-import os
-
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from eval.ijb import evaluate_ijb
 from faces.align import ARCFACE_112, align, similarity_transform
+from tests.ijb_fixture import MeanColour, make_ijb_fixture
 
 ARCFACE_TEMPLATE = ARCFACE_112.points
 
 
-class MeanColour(torch.nn.Module):
-    """Embedding = mean of the normalised image per channel: a solid colour 0.5 + 0.4u
-    embeds to 0.8u, so pair scores are the cosines between the chosen directions u."""
-
-    def __init__(self):
-        super().__init__()
-        self.dummy = torch.nn.Parameter(torch.zeros(1))
-
-    def forward(self, x):
-        return x.mean(dim=(2, 3)) + 0 * self.dummy
-
-
-def _pair_directions(cos, rng):
-    q, _ = np.linalg.qr(rng.normal(size=(3, 3)))
-    return q[:, 0], cos * q[:, 0] + np.sqrt(1 - cos ** 2) * q[:, 1]
-
-
-def _make_fixture(root):
-    """30 pairs: 7 genuine at cos 1, 1 genuine at 0.5, 2 genuine at -0.9; 20 impostors of
-    which 2 score above 0.5. Hence TAR = 0.7 at FAR <= 1e-2 and 0.8 at FAR 1e-1."""
-    rng = np.random.default_rng(0)
-    genuine = [1.0] * 7 + [0.5] + [-0.9] * 2
-    impostor = [0.6, 0.55] + list(np.linspace(-0.5, 0.4, 18))
-    os.makedirs(root / "meta"); os.makedirs(root / "loose_crop")
-    faces, marks, pairs = [], [], []
-    template = 0
-    for cos, label in [(c, 1) for c in genuine] + [(c, 0) for c in impostor]:
-        for u in _pair_directions(cos, rng):
-            colour = tuple(int(round(255 * (0.5 + 0.4 * v))) for v in u)
-            for media in range(2):  # two media, one image each: media averaging is exercised
-                name = f"{template}_{media}.png"
-                Image.new("RGB", (150, 150), colour).save(root / "loose_crop" / name)
-                faces.append(f"{name} {template} {template * 10 + media}")
-                pts = ARCFACE_TEMPLATE + 15 + rng.normal(0, 1, ARCFACE_TEMPLATE.shape)
-                marks.append(name + " " + " ".join(f"{v:.3f}" for v in pts.ravel()) + f" {rng.uniform(0.6, 1):.3f}")
-            template += 1
-        pairs.append(f"{template - 2} {template - 1} {label}")
-    (root / "meta" / "ijbc_face_tid_mid.txt").write_text("\n".join(faces) + "\n")
-    (root / "meta" / "ijbc_name_5pts_score.txt").write_text("\n".join(marks) + "\n")
-    (root / "meta" / "ijbc_template_pair_label.txt").write_text("\n".join(pairs) + "\n")
-
-
 def test_tar_at_far_matches_construction(tmp_path):
-    _make_fixture(tmp_path)
+    make_ijb_fixture(tmp_path)
     roc = tmp_path / "roc.png"
     tars = evaluate_ijb(str(tmp_path), MeanColour(), "ijbc", batch_size=16, roc_path=str(roc))
     assert tars[1e-6] == pytest.approx(0.7) and tars[1e-2] == pytest.approx(0.7)
@@ -94,7 +50,7 @@ def test_missing_meta_file_is_named(tmp_path):
 
 
 def test_roc_path_in_a_missing_directory_is_refused_before_embedding(tmp_path):
-    _make_fixture(tmp_path)
+    make_ijb_fixture(tmp_path)
     class NeverCalled(MeanColour):
         def forward(self, x):
             raise AssertionError("embedded images before checking the output")
@@ -103,7 +59,7 @@ def test_roc_path_in_a_missing_directory_is_refused_before_embedding(tmp_path):
 
 
 def test_pairs_without_impostors_are_named_not_a_zero_size_error(tmp_path):
-    _make_fixture(tmp_path)
+    make_ijb_fixture(tmp_path)
     pairs = tmp_path / "meta" / "ijbc_template_pair_label.txt"
     pairs.write_text("".join(line.rsplit(" ", 1)[0] + " 1\n" for line in pairs.read_text().splitlines()))
     with pytest.raises(ValueError, match=r"ijbc_template_pair_label.txt: no impostor \(label 0\) pairs"):

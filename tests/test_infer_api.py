@@ -11,8 +11,8 @@ import pytest
 from PIL import Image
 
 from infer import Gallery, load_model
-from tests.test_faces import _head, _two_faces
-from tests.test_identify import _face, _gallery, _model
+from tests.astronaut import astronaut_head, two_faces_photo
+from tests.gallery_files import gallery_folder, noise_face, seeded_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 dlib = pytest.importorskip("dlib")
@@ -59,7 +59,7 @@ def test_paths_pil_images_and_arrays_give_the_same_embeddings(dlib_model, portra
 
 
 def test_faces_come_largest_first_with_box_points_and_score(dlib_model):
-    faces = dlib_model.faces(_two_faces(_head()))
+    faces = dlib_model.faces(two_faces_photo(astronaut_head()))
     assert len(faces) == 2
     (x0, y0, x1, y1), (u0, v0, u1, v1) = faces[0].box, faces[1].box
     assert (x1 - x0) * (y1 - y0) > (u1 - u0) * (v1 - v0) and x0 < u0  # the full-size head is on the left
@@ -83,9 +83,9 @@ def test_compare_is_the_cosine_of_the_two_embeddings_and_a_photo_without_a_face_
 
 def test_gallery_answers_as_identify_does(tmp_path, capsys):
     from scripts.identify import main as identify
-    model = _model(tmp_path / "m", 0)
-    people = _gallery(tmp_path / "g")
-    queries = [str(tmp_path / "g" / "person1" / "0.png"), _face(tmp_path / "q.png", 99)]
+    model = seeded_model(tmp_path / "m", 0)
+    people = gallery_folder(tmp_path / "g")
+    queries = [str(tmp_path / "g" / "person1" / "0.png"), noise_face(tmp_path / "q.png", 99)]
     assert identify([model, "--gallery", people, "--threshold", "0.2", "--top", "2", "--json", *queries]) == 0
     rows = json.loads(capsys.readouterr().out)["faces"]
     gallery = Gallery(load_model(model), people, align=False, threshold=0.2)
@@ -102,7 +102,7 @@ def test_gallery_answers_as_identify_does(tmp_path, capsys):
 def test_the_readme_example_runs(tmp_path, portrait):
     people = tmp_path / "people" / "eileen"
     os.makedirs(people)
-    _head().save(people / "one.jpg")
+    astronaut_head().save(people / "one.jpg")
     out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "use_a_model.py"), "dlib",
                           str(tmp_path / "people"), portrait], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

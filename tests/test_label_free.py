@@ -8,15 +8,16 @@ import pytest
 import torch
 
 import train
+from checkpoint.folders import resolve_checkpoint
 from configs import get_config
 from configs.errors import ConfigError
 from dataset import FolderFaceDataset, build_dataset
 from distill.teacher_file import TeacherFile
 from parallel.user_errors import exits_on_user_error
 from scripts.teach import main as teach
-from tests.conftest import jpeg, train_argv
 from tests.distributed import run_distributed
-from utils.checkpoint import resolve_checkpoint
+from tests.tool_files import jpeg
+from tests.train_runs import train_argv
 
 
 def _write(path, colour):

@@ -8,7 +8,7 @@ import pytest
 from dataset import MXFaceDataset, RecordIOError, ResumableDistributedSampler, get_dataloader
 from dataset.pack import write_insightface_rec
 from dataset.recordio import IRHeader, RecordWriter, pack
-from tests.conftest import jpeg
+from tests.tool_files import jpeg
 
 IMAGE = jpeg((120, 60, 30))
 

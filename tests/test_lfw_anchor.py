@@ -1,20 +1,26 @@
 """benchmarks/lfw_anchor.py (MODEL dlib on a pair list from the photos, beside dlib's own pipeline
-and the .bin path) runs end to end on the small LFW-layout fixture of tests/test_pairs.py, so it
-cannot rot (`make test-all`); its figures there mean nothing. The real run takes LFW's paths (benchmarks/runs/real_faces.md)."""
+and the .bin path) runs end to end on the small LFW-layout folder of tests/lfw_folder.py, so it
+cannot rot (`make test-all`); its figures there mean nothing. The real run takes LFW's paths
+(benchmarks/runs/real_faces.md)."""
 import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.test_pairs import _lfw_list, lfw  # noqa: F401  (lfw: the fixture)
+from tests.lfw_folder import lfw_folder, lfw_list
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(scope="module")
+def lfw(tmp_path_factory) -> str:
+    return lfw_folder(tmp_path_factory.mktemp("lfw"))
+
+
 @pytest.mark.slow  # ~20 s: it guards a benchmark (make test-all runs it)
-def test_the_anchor_scores_every_pair_and_names_what_dlib_s_own_pipeline_misses(lfw, tmp_path):  # noqa: F811
-    listing = _lfw_list(tmp_path / "pairs.txt")
+def test_the_anchor_scores_every_pair_and_names_what_dlib_s_own_pipeline_misses(lfw, tmp_path):
+    listing = lfw_list(tmp_path / "pairs.txt")
     done = subprocess.run([sys.executable, "benchmarks/lfw_anchor.py", "--images", lfw, "--pairs_list", listing,
                            "--cache_dir", str(tmp_path), "--workers", "1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)

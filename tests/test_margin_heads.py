@@ -175,8 +175,10 @@ class _CurricularWithTwoCentres(CurricularFace):
 
 
 def _checkpoint_worker(rank, world_size, output, save):
+    from checkpoint.load import load_checkpoint
+    from checkpoint.save import save_checkpoint
+    from checkpoint.state import TrainState
     from parallel.ddp import DDPOptimizer
-    from utils.checkpoint import TrainState, load_checkpoint, save_checkpoint
     torch.manual_seed(0)
     backbone = torch.nn.Linear(4, D)
     backbone_opt = DDPOptimizer(backbone, torch.optim.SGD, lr=0.1)
@@ -245,7 +247,7 @@ def test_adaface_non_target_cosines_past_its_clamp_carry_no_gradient(chunk, rate
 @pytest.fixture(scope="module")
 def subcenter_run(drawn_faces, tmp_path_factory):
     import train
-    from tests.conftest import train_argv
+    from tests.train_runs import train_argv
     out = str(tmp_path_factory.mktemp("subcenter") / "run")
     assert train.main(train_argv(drawn_faces, out, "--max_steps", "2", "--margin", "subcenter_arcface",
                                  "--subcenter_k", "2", "--ema", "false")) == 0
@@ -298,7 +300,7 @@ def test_drop_subcenters_reads_the_data_as_the_run_did(tmp_path):
 
 
 def test_drop_subcenters_on_a_checkpoint_directory_reads_meta_config(subcenter_run, tmp_path):
+    from checkpoint.folders import find_checkpoint
     from scripts import drop_subcenters
-    from utils.checkpoint import find_checkpoint
     assert drop_subcenters.main([find_checkpoint(subcenter_run), "--out", str(tmp_path / "clean")]) == 0
     assert torch.load(tmp_path / "clean" / "head_dominant.pt").shape == (16, 128)  # one centre per class

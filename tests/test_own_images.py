@@ -367,9 +367,9 @@ def test_model_pt_and_its_onnx_export_embed_alike_and_verify_takes_onnx(tmp_path
 
 
 def test_unreadable_onnx_and_missing_inputs_are_one_line_errors(tmp_path, capsys):
+    from checkpoint.files import CheckpointError
     from infer.model import load_module
     from scripts.embed import main as embed
-    from utils.checkpoint import CheckpointError
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not a model")
     with pytest.raises(CheckpointError, match=r"bad.onnx: not a readable ONNX model"):
@@ -406,8 +406,8 @@ def test_undecodable_sampled_record_fails_at_start_unless_skipped(tmp_path):
 def test_ijb_takes_an_onnx_model_and_finds_the_constructed_tar(tmp_path, capsys):
     from scripts.export_onnx import export
     from scripts.ijb import main as ijb
-    from tests.test_ijb import MeanColour, _make_fixture
-    _make_fixture(tmp_path)
+    from tests.ijb_fixture import MeanColour, make_ijb_fixture
+    make_ijb_fixture(tmp_path)
     onnx_path = str(tmp_path / "mean_colour.onnx")
     export(MeanColour(), onnx_path)
     ijb([onnx_path, "--root", str(tmp_path), "--target", "IJBC", "--batch-size", "16"])

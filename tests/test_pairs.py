@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 import pytest
-from PIL import Image, ImageDraw, ImageEnhance
+from PIL import Image
 
 import faces.detect
 from eval.pairs import PairListError, contiguous_folds, read_pair_list
@@ -16,64 +16,22 @@ from eval.verification import _folds, load_bin
 from faces.align import ARCFACE_112, align, similarity_transform
 from faces.detect import Face
 from faces.dlib_chip import chip_transform
-from faces.landmarks import five_from_dlib5
 from faces.fallback import Fallback
 from faces.detect import Detection, load_photo
+from faces.landmarks import five_from_dlib5
 from infer.embed import embed
 from infer.model import load_model
 from infer.pair_cache import EmbeddingCache, FacesCache, cache_paths
 from infer.pair_photos import pair_embeddings, pair_faces
 from scripts.make_bin import main as make_bin
 from scripts.verify import main as verify
-from tests.test_faces import _head
-from tests.test_identify import _model
-
-GREY = (90, 90, 90)
-
-
-def _small(head: Image.Image) -> Image.Image:
-    """The head at a quarter of its size in a small photo: a face HOG finds only upsampled twice."""
-    photo = Image.new("RGB", (80, 80), GREY)
-    photo.paste(head.resize((50, 55), Image.BILINEAR), (15, 12))
-    return photo
-
-
-def _masked(head: Image.Image) -> Image.Image:
-    """The head with its mouth and chin covered: HOG finds no face, dlib's CNN does."""
-    photo = head.copy()
-    ImageDraw.Draw(photo).rectangle((56, 115, 145, 150), fill=GREY)
-    return photo
+from tests.gallery_files import seeded_model
+from tests.lfw_folder import DIFF, SAME, lfw_folder, lfw_list
 
 
 @pytest.fixture(scope="module")
 def lfw(tmp_path_factory) -> str:
-    """An LFW-layout folder: Eileen and Mirror (three photos of a face each), Wall (two photos
-    without a face), Tiny (a face found only with --retry_upsample 2), Masked (only by MMOD)."""
-    root = tmp_path_factory.mktemp("lfw")
-    head = _head()
-    photos = {"Eileen": [head, ImageEnhance.Brightness(head).enhance(0.7),
-                         head.rotate(12, resample=Image.BILINEAR, fillcolor=GREY)],
-              "Wall": [Image.new("RGB", head.size, (120, 140, 160)), Image.new("RGB", head.size, (200, 180, 160))],
-              "Tiny": [_small(head)], "Masked": [_masked(head)]}
-    photos["Mirror"] = [p.transpose(Image.FLIP_LEFT_RIGHT) for p in photos["Eileen"]]
-    for name, images in photos.items():
-        os.makedirs(root / name)
-        for i, image in enumerate(images, 1):
-            image.save(root / name / f"{name}_{i:04d}.jpg", quality=95)
-    return str(root)
-
-
-SAME = ["Eileen 1 2", "Eileen 1 3", "Eileen 2 3", "Mirror 1 2", "Mirror 1 3", "Mirror 2 3", "Wall 1 2",
-        "Eileen 3 1", "Mirror 3 2", "Eileen 2 1"]
-DIFF = ["Eileen 1 Mirror 1", "Eileen 2 Wall 1", "Tiny 1 Eileen 3", "Mirror 3 Wall 2", "Mirror 2 Tiny 1",
-        "Eileen 3 Mirror 2", "Wall 1 Mirror 1", "Eileen 1 Tiny 1", "Mirror 1 Eileen 2", "Wall 2 Eileen 1"]
-
-
-def _lfw_list(path, same=SAME, diff=DIFF) -> str:
-    """An LFW pairs.txt of 10 folds, each one same pair and one different pair."""
-    lines = ["10\t1"] + [line.replace(" ", "\t") for s, d in zip(same, diff) for line in (s, d)]
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
+    return lfw_folder(tmp_path_factory.mktemp("lfw"))
 
 
 @pytest.fixture
@@ -151,7 +109,7 @@ def test_lfw_list_of_the_wrong_length_or_mix_is_refused(tmp_path):
 
 
 def test_missing_images_are_one_error_line_before_any_work(lfw, tmp_path, capsys, counted):
-    pairs = _lfw_list(tmp_path / "pairs.txt", same=["Eileen 1 9"] + SAME[1:],
+    pairs = lfw_list(tmp_path / "pairs.txt", same=["Eileen 1 9"] + SAME[1:],
                       diff=DIFF[:4] + ["Nobody 1 Wall 1"] + DIFF[5:])
     out = str(tmp_path / "v.bin")
     assert make_bin([lfw, out, "--pairs_list", pairs, "--align"]) == 2
@@ -160,7 +118,7 @@ def test_missing_images_are_one_error_line_before_any_work(lfw, tmp_path, capsys
     assert os.path.join(lfw, "Eileen", "Eileen_0009.jpg") in err and "(line 2)" in err
     assert not os.path.exists(out) and not counted
     assert not [f for f in os.listdir(tmp_path) if f != "pairs.txt"]  # no cache either
-    model = _model(str(tmp_path / "m"), 0)
+    model = seeded_model(str(tmp_path / "m"), 0)
     assert verify([model, "--pairs_list", pairs, "--images", lfw]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "Eileen_0009.jpg" in err and not counted
@@ -185,7 +143,7 @@ def test_fallback_of_a_one_face_set_cuts_that_face_s_chip_alike_in_any_photo_siz
 
 def test_make_bin_writes_every_pair_in_list_order_and_names_the_fallbacks(lfw, tmp_path, capsys, monkeypatch):
     import scripts.make_bin
-    pairs = _lfw_list(tmp_path / "pairs.txt")
+    pairs = lfw_list(tmp_path / "pairs.txt")
     out = str(tmp_path / "v.bin")
     aligned = []
     real = scripts.make_bin.aligned_pngs
@@ -230,7 +188,7 @@ def test_make_bin_from_a_plain_list_of_crops_stores_them_in_list_order(tmp_path)
 
 
 def test_retries_recover_faces_and_say_how_many(lfw, tmp_path, capsys):
-    pairs = _lfw_list(tmp_path / "pairs.txt")
+    pairs = lfw_list(tmp_path / "pairs.txt")
     out = str(tmp_path / "v.bin")
     assert make_bin([lfw, out, "--pairs_list", pairs, "--align", "--retry_upsample", "2"]) == 0
     said = capsys.readouterr().out
@@ -247,9 +205,9 @@ def test_retries_recover_faces_and_say_how_many(lfw, tmp_path, capsys):
 
 
 def test_verify_from_photos_equals_verify_from_the_list_bin_for_a_112_model(lfw, tmp_path, capsys):
-    pairs = _lfw_list(tmp_path / "pairs.txt")
+    pairs = lfw_list(tmp_path / "pairs.txt")
     out = str(tmp_path / "v.bin")
-    model_path = _model(str(tmp_path / "m"), 1)
+    model_path = seeded_model(str(tmp_path / "m"), 1)
     assert make_bin([lfw, out, "--pairs_list", pairs, "--align"]) == 0
     capsys.readouterr()
     before = sorted(os.listdir(tmp_path))
@@ -268,13 +226,13 @@ def test_verify_from_photos_equals_verify_from_the_list_bin_for_a_112_model(lfw,
 
 
 def test_a_second_model_reuses_the_detections_and_a_second_run_the_embeddings(lfw, tmp_path, capsys, counted):
-    pairs = _lfw_list(tmp_path / "pairs.txt")
+    pairs = lfw_list(tmp_path / "pairs.txt")
     cache = tmp_path / "cache"
     os.makedirs(cache)
     assert make_bin([lfw, str(tmp_path / "v.bin"), "--pairs_list", pairs, "--align", "--cache_dir", str(cache),
                      "--workers", "1"]) == 0  # searched in this process, where `counted` sees them
     assert len(counted) == 9 and "faces: 9 photo searches run, 0 answered by the cache" in capsys.readouterr().out
-    a, b = _model(str(tmp_path / "a"), 2), _model(str(tmp_path / "b"), 3)
+    a, b = seeded_model(str(tmp_path / "a"), 2), seeded_model(str(tmp_path / "b"), 3)
     assert verify([a, "--pairs_list", pairs, "--images", lfw, "--cache_dir", str(cache), "--workers", "1"]) == 0
     said = capsys.readouterr().out
     assert len(counted) == 9 and "faces: 0 photo searches run, 9 answered by the cache" in said

@@ -8,23 +8,23 @@ import torch
 
 import train
 from distill.head import DistillLoss
-from tests.conftest import train_argv
 from tests.distributed import run_distributed
+from tests.train_runs import train_argv
 
 POISONED_STEP = 2
 
 
 def _nan_on_rank_one(rank, world_size, args):
     """A test hook: rank 1's loss (and only rank 1's) is NaN at step POISONED_STEP, a logging step."""
-    import builders
+    import distill.run
     if rank == 1:
-        real, calls = builders.Distillation.loss, []
+        real, calls = distill.run.Distillation.loss, []
 
         def poisoned(self, *a):
             calls.append(None)
             loss = real(self, *a)
             return loss * float("nan") if len(calls) == POISONED_STEP else loss
-        builders.Distillation.loss = poisoned
+        distill.run.Distillation.loss = poisoned
     start = time.monotonic()
     code = train.main(args)
     return code, time.monotonic() - start

@@ -1,9 +1,9 @@
 """A resume names each changed config key, and says the LR schedule changes only where it does."""
 import pytest
 
+from checkpoint.changes import log_resume_changes
 from configs import get_config
-from tests.conftest import shardface_messages
-from utils.checkpoint_changes import log_resume_changes
+from tests.log_capture import shardface_messages
 
 
 def _total(cfg, steps_per_epoch: int = 8) -> int:

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 import train
-from tests.conftest import train_argv
-from utils.checkpoint import CheckpointError, find_checkpoint, read_backbone_weights
-from utils.run_lock import LOCK_NAME, STALE_S, RunLock
+from checkpoint.files import CheckpointError
+from checkpoint.folders import find_checkpoint
+from checkpoint.load import read_backbone_weights
+from checkpoint.run_lock import LOCK_NAME, STALE_S, RunLock
+from tests.train_runs import train_argv
 
 
 def _snapshot(output):

@@ -94,8 +94,8 @@ def test_export_into_a_directory_writes_model_onnx_there(tmp_path):
 
 @pytest.mark.slow
 def test_train_sh_without_nproc_runs_one_process_on_a_cpu(drawn_faces, tmp_path):
-    from tests.conftest import train_argv
     from tests.distributed import free_port
+    from tests.train_runs import train_argv
     out = str(tmp_path / "run")
     argv = train_argv(drawn_faces, out, "--max_steps", "2")
     proc = subprocess.run(["scripts/train.sh", *argv], cwd=ROOT, capture_output=True, text=True, timeout=300,

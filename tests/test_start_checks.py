@@ -68,8 +68,8 @@ def _train_cli(rank, world_size, args_per_rank):
 @pytest.mark.slow  # two spawned ranks importing train.py: ~15 s on 2 cores
 def test_ranks_started_with_another_lr_refuse_on_every_rank_naming_key_values_and_ranks(drawn_faces, tmp_path,
                                                                                          capfd, monkeypatch):
-    from tests.conftest import train_argv
     from tests.distributed import run_distributed
+    from tests.train_runs import train_argv
     monkeypatch.delenv("SHARDFACE_DEBUG", raising=False)
     out = str(tmp_path / "run")
     args = [train_argv(drawn_faces, out), train_argv(drawn_faces, out, "--lr", "0.2", "--num_workers", "1")]
@@ -94,8 +94,8 @@ def test_differences_between_ranks_name_each_key_its_values_and_rank_ranges():
 
 
 def _train_cli_patient_1s(rank, world_size, args_per_rank):
-    import utils.run_lock
-    utils.run_lock.SHARED_WAIT_S = 1.0  # a local disk shows the lock at once: no network file system to wait for
+    import checkpoint.run_lock
+    checkpoint.run_lock.SHARED_WAIT_S = 1.0  # a local disk shows the lock at once: no network file system to wait for
     return _train_cli(rank, world_size, args_per_rank)
 
 
@@ -106,8 +106,8 @@ def test_ranks_writing_different_output_directories_refuse_at_start_naming_ranks
     not find rank 0's lock in its own output, so both refuse before anything is written."""
     import socket
 
-    from tests.conftest import train_argv
     from tests.distributed import run_distributed
+    from tests.train_runs import train_argv
     monkeypatch.delenv("SHARDFACE_DEBUG", raising=False)
     out0, out1 = str(tmp_path / "node0" / "run"), str(tmp_path / "node1" / "run")
     args = [train_argv(drawn_faces, out0), train_argv(drawn_faces, out1)]
@@ -132,7 +132,7 @@ def _snapshot(folder):
 
 
 def test_a_refused_resume_or_start_writes_nothing_in_the_output(drawn_faces, tmp_path, monkeypatch, capsys):
-    from tests.conftest import train_argv
+    from tests.train_runs import train_argv
     out = str(tmp_path / "run")
     assert train.main(train_argv(drawn_faces, out, "--stop_after_steps", "2", "--ema", "false")) == 0
     before = _snapshot(out)
@@ -155,7 +155,7 @@ def test_wandb_without_an_api_key_is_one_line_at_start_and_writes_nothing(drawn_
     """No key in the environment, no ~/.netrc, online mode: refused before the output exists."""
     import subprocess
 
-    from tests.conftest import train_argv
+    from tests.train_runs import train_argv
     pytest.importorskip("wandb")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     home, out = tmp_path / "home", str(tmp_path / "run")

@@ -10,15 +10,16 @@ import pytest
 import torch
 
 import train
-from builders import Distillation, build_train_dataset
+from builders import build_train_dataset
+from checkpoint.files import CheckpointError
 from configs import get_config
 from configs.errors import ConfigError
+from distill.run import Distillation
 from distill.teacher_file import MAGIC, TeacherFile, header_bytes
 from parallel.user_errors import exits_on_user_error
 from scripts.teach import main as teach
-from tests.conftest import train_argv
 from tests.tool_files import photos, tiny_model
-from utils.checkpoint import CheckpointError
+from tests.train_runs import train_argv
 
 
 @pytest.fixture(scope="module")
@@ -161,9 +162,9 @@ def test_teacher_file_with_non_finite_rows_is_refused_at_open_naming_them(made, 
 
 
 def test_teach_refuses_a_teacher_whose_embedding_of_a_record_is_not_finite(folder, tmp_path):
-    from infer.model import Model
     from distill.teacher import OnlineTeacher
     from faces.align import ARCFACE_112
+    from infer.model import Model
     from scripts.teach import write_teacher_file
 
     class NanTeacher(torch.nn.Module):  # N x 3 embeddings, all NaN (the start probe checks shapes)

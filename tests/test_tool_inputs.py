@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
+from checkpoint.files import CheckpointError
 from dataset import DataError, build_dataset
-from infer.model import load_module
-from dataset.folders import image_files
-from infer.model import as_model
 from eval.verification import VerificationDataError, load_bin, write_bin
+from dataset.folders import image_files
+from infer.model import as_model, load_module
 from scripts.compare import main as compare
 from scripts.embed import main as embed
 from scripts.export_onnx import check_parity, export
@@ -25,7 +25,6 @@ from scripts.make_bin import main as make_bin
 from scripts.pack_rec import main as pack_rec
 from scripts.verify import main as verify
 from tests.tool_files import noise_jpeg, photos, tiny_model, truncated_jpeg
-from utils.checkpoint import CheckpointError
 
 
 @contextlib.contextmanager

@@ -9,11 +9,14 @@ import pytest
 import torch
 
 import train
-from tests.conftest import TRAIN_STEPS as STEPS
-from tests.conftest import checkpoint_tensors, shardface_messages
-from tests.conftest import train_argv as argv
+from checkpoint.files import CheckpointError
+from checkpoint.folders import resolve_checkpoint
 from tests.distributed import run_distributed
-from utils.checkpoint import CheckpointError, resolve_checkpoint
+from tests.log_capture import shardface_messages
+from tests.train_runs import TRAIN_STEPS as STEPS
+from tests.train_runs import checkpoint_tensors
+from tests.train_runs import train_argv as argv
+
 
 def _run(rank, world_size, args):
     return train.main(args)
@@ -133,7 +136,7 @@ def test_exploding_weights_are_never_saved_though_finite(drawn_faces, tmp_path):
     """lr 1e6 multiplies the backbone's weights by ~1e5 per step: still finite, and the
     normalised head still gives a finite loss, but no checkpoint may keep them (the rule in
     utils/divergence.py); every checkpoint left has the weights' scale of the start."""
-    from utils.checkpoint import list_checkpoints
+    from checkpoint.folders import list_checkpoints
     out = str(tmp_path / "exploded")
     sane = ("--max_steps", "2", "--checkpoint_interval", "2", "--ema", "false")
     assert train.main(argv(drawn_faces, out, *sane)) == 0  # a checkpoint of the start's scale, at step 2
@@ -195,7 +198,7 @@ def test_corrupt_checkpoint_is_a_clear_error(drawn_faces, tmp_path, runs):
 
 def test_images_skipped_on_every_rank_are_reported(tmp_path):
     from dataset.pack import write_insightface_rec
-    from tests.conftest import jpeg
+    from tests.tool_files import jpeg
     data = str(tmp_path / "with_bad")
     ids = [[jpeg((16 * c, 100, 200 - 8 * c)) for _ in range(8)] for c in range(16)]
     for c in (2, 7, 11):  # one undecodable image in three identities, never neighbours

@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch.distributed as dist
 
+from checkpoint.files import CheckpointError
 from configs.errors import ConfigError, UserError
 from dataset.errors import DataError
 from parallel.user_errors import EXIT_USER_ERROR, one_line, report_user_error
-from tests.conftest import train_argv
 from tests.distributed import free_port
-from utils.checkpoint import CheckpointError
+from tests.train_runs import train_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

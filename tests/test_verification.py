@@ -10,7 +10,7 @@ import torch
 
 from eval import verification
 from eval.verification import VerificationDataError, embed, evaluate, load_bin, write_bin
-from tests.conftest import jpeg
+from tests.tool_files import jpeg
 
 
 def _pairs(n_pairs, bad_same):

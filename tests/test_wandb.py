@@ -7,7 +7,7 @@ import re
 import pytest
 
 import train
-from tests.conftest import train_argv
+from tests.train_runs import train_argv
 
 wandb = pytest.importorskip("wandb")
 

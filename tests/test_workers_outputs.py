@@ -1,7 +1,7 @@
 """The other tools that find faces write the same bytes with one worker process and with two:
 make_bin --align (drawn pairs and a pair list), embed --align, and a gallery's enrolment
-(scripts.align and pack_rec --align: tests/test_align_workers.py). The photos are that file's
-astronaut fixture: heads turned, a photo holding two, a wall without a face."""
+(scripts.align and pack_rec --align: tests/test_align_workers.py). The photos are those of that
+file (tests/astronaut.py's align_photos): heads turned, a photo holding two, a wall without a face."""
 
 import os
 
@@ -13,8 +13,13 @@ from infer.enrolment import enrol
 from infer.model import load_model
 from scripts.embed import main as embed_tool
 from scripts.make_bin import main as make_bin
-from tests.test_align_workers import photos  # noqa: F401  (photos: the fixture)
+from tests.astronaut import align_photos
 from tests.tool_files import tiny_model
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> str:
+    return align_photos(tmp_path_factory.mktemp("photos"))
 
 
 @pytest.fixture
@@ -34,7 +39,7 @@ def _bytes(path: str) -> bytes:
         return f.read()
 
 
-def test_make_bin_align_writes_the_same_bin_with_one_and_two_workers(photos, tmp_path, capsys, pools):  # noqa: F811
+def test_make_bin_align_writes_the_same_bin_with_one_and_two_workers(photos, tmp_path, capsys, pools):
     out = {}
     for workers in ("1", "2"):
         dst = str(tmp_path / f"w{workers}.bin")
@@ -44,7 +49,7 @@ def test_make_bin_align_writes_the_same_bin_with_one_and_two_workers(photos, tmp
     assert pools and set(pools) == {2}  # the second run did use two processes
 
 
-def test_make_bin_align_of_a_pair_list_is_the_same_with_one_and_two_workers(photos, tmp_path, capsys, pools):  # noqa: F811
+def test_make_bin_align_of_a_pair_list_is_the_same_with_one_and_two_workers(photos, tmp_path, capsys, pools):
     """The list names the wall (no face: a fallback crop) and the photo holding two faces."""
     listing = tmp_path / "pairs.txt"
     listing.write_text("p/h0.png p/h1.png 1\np/two.png q/wall.png 0\nq/m0.jpg q/m1.jpg 1\np/h2.png q/a.jpg 0\n"
@@ -64,7 +69,7 @@ def test_make_bin_align_of_a_pair_list_is_the_same_with_one_and_two_workers(phot
     assert "wall.png" in out["1"][1]  # the fallback is named, with either count
 
 
-def test_embed_align_writes_the_same_arrays_and_listing_with_one_and_two_workers(photos, tmp_path, pools):  # noqa: F811
+def test_embed_align_writes_the_same_arrays_and_listing_with_one_and_two_workers(photos, tmp_path, pools):
     model = tiny_model(str(tmp_path / "run"))
     out = {}
     for workers in ("1", "2"):
@@ -81,7 +86,7 @@ def _npz(path: str) -> dict[str, bytes]:
         return {key: f[key].tobytes() for key in f.files}
 
 
-def test_a_gallery_enrolled_with_two_workers_is_the_one_enrolled_with_one(photos, tmp_path, pools):  # noqa: F811
+def test_a_gallery_enrolled_with_two_workers_is_the_one_enrolled_with_one(photos, tmp_path, pools):
     """The same gallery file (its arrays: a zip's entries carry the time they were written) and
     the same templates."""
     model = load_model(tiny_model(str(tmp_path / "run")))

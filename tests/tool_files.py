@@ -29,6 +29,13 @@ def truncated_jpeg(seed: int = 99) -> bytes:
     return data[:len(data) // 2]
 
 
+def jpeg(color, size: int = 112) -> bytes:
+    """A solid-colour JPEG."""
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), color).save(buf, format="JPEG", quality=95)
+    return buf.getvalue()
+
+
 def photos(root, ids: int = 3, per_id: int = 4, first_seed: int = 0) -> str:
     """`root/id<i>/<j>.jpg`: 112x112 noise JPEGs, one sub-folder per identity."""
     for i in range(ids):

@@ -13,8 +13,8 @@ import os
 import re
 import shlex
 
+from checkpoint.files import CheckpointError
 from configs import parse_overrides
-from utils.checkpoint import CheckpointError
 
 ARCFACE_RANK_FILE = re.compile(r"^checkpoint_gpu_(\d+)\.pt$")
 _RUN_KEYS = ("output", "resume", "overwrite")  # a train.py command's own, not the run's config

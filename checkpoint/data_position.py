@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from utils.checkpoint import TrainState
+from checkpoint.state import TrainState
 
 logger = logging.getLogger("shardface")
 

@@ -35,9 +35,9 @@ import socket
 import threading
 import time
 
+from checkpoint.files import CheckpointError
 from parallel.dist import from_every_rank, from_rank0, get_world_size
 from utils.atomic import process_alive
-from utils.checkpoint import CheckpointError
 
 logger = logging.getLogger("shardface")
 

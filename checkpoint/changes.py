@@ -6,15 +6,15 @@ checkpoint recorded is named with both values. The schedule follows this run's c
 changed `num_epoch` or `max_steps` re-spreads the learning rate over the new total (said only
 when the total does change), where arcface_torch keeps the total saved with its scheduler; pass
 the checkpoint's value to keep it. `num_image` is not used (the data set's images are counted),
-and a change of it is named as such. Keys with a rule of their own (utils.checkpoint.resume_changes, the data
-position, the batch line below) and those that only say where and how long this job runs
-are left to those.
+and a change of it is named as such. Keys with a rule of their own (checkpoint.load.resume_changes,
+the data position, the batch line below) and those that only say where and how long this job
+runs are left to those.
 """
 from __future__ import annotations
 
 import logging
 
-from utils.checkpoint import plain
+from checkpoint.state import plain
 
 logger = logging.getLogger("shardface")
 

@@ -5,12 +5,18 @@ import logging
 import os
 import shutil
 
+from checkpoint.files import CheckpointError
+from checkpoint.folders import find_checkpoint, list_checkpoints
+from checkpoint.load import load_checkpoint
+from checkpoint.save import save_checkpoint
+from checkpoint.state import TrainState, new_run_id
 from parallel.dist import barrier, from_rank0
-from utils.checkpoint import (CheckpointError, TrainState, find_checkpoint, list_checkpoints, load_checkpoint,
-                              new_run_id, save_checkpoint)
 from utils.divergence import check_weights, weight_norm
 
 logger = logging.getLogger("shardface")
+# what a run writes beside its checkpoints, of its weights: an overwrite deletes them with the
+# checkpoints (threshold.json: eval/callback.py's, infer.thresholds.THRESHOLD_FILE)
+RUN_FILES = ("latest", "model.pt", "threshold.json")
 
 
 def start_logs_over(output: str) -> None:
@@ -25,7 +31,7 @@ def start_logs_over(output: str) -> None:
 
 
 class Checkpointer:
-    """Saves the run's checkpoints (see utils/checkpoint.py) and `model.pt`, the backbone
+    """Saves the run's checkpoints (see the checkpoint package) and `model.pt`, the backbone
     weights for export (EMA weights when EMA is on). Every method is collective: all ranks
     call it at the same step. `save` remembers the last step it saved, so the final save
     right after an interval save of the same step writes nothing."""
@@ -43,9 +49,9 @@ class Checkpointer:
     def start(self, resume, overwrite: bool = False, batch_size: int | None = None) -> TrainState:
         """Where this run begins. `resume` True: from the output's latest checkpoint (an error
         if none); "auto": from it if there is one, else fresh; False: fresh, and an output that
-        already holds checkpoints is refused unless `overwrite`, which deletes them first
-        (so a second run can never prune or overwrite the first one's checkpoints) and starts
-        its logs over (`start_logs_over`)."""
+        already holds checkpoints is refused unless `overwrite`, which deletes them and the
+        earlier run's RUN_FILES first (so a second run can never prune or overwrite the first
+        one's checkpoints, nor take its threshold) and starts its logs over (`start_logs_over`)."""
         ema_optional = bool(self.config is not None and self.config.reset_ema)
         existing = find_checkpoint(self.output, ema_optional) if os.path.isdir(self.output) else None
         barrier()  # every rank has looked before rank 0 may delete anything
@@ -73,7 +79,7 @@ class Checkpointer:
             if self.rank == 0:
                 for _, path in leftovers:
                     shutil.rmtree(path)
-                for name in ("latest", "model.pt"):
+                for name in RUN_FILES:
                     if os.path.exists(os.path.join(self.output, name)):
                         os.remove(os.path.join(self.output, name))
                 start_logs_over(self.output)

@@ -1,0 +1,37 @@
+"""Faces in a real photo: scikit-image's astronaut (public domain), cropped to her head, a photo
+holding that head twice at two sizes, and a folder of such photos for the alignment tools."""
+from __future__ import annotations
+
+import os
+
+from PIL import Image
+
+
+def astronaut_head() -> Image.Image:
+    from skimage import data
+    return Image.fromarray(data.astronaut()).crop((120, 20, 320, 240))  # 200x220, face about 90 px
+
+
+def two_faces_photo(head: Image.Image) -> Image.Image:
+    """The head twice: as it is (left) and at 60% (right, a face of about 54 px)."""
+    photo = Image.new("RGB", (360, 240), (90, 90, 90))
+    photo.paste(head, (0, 10))
+    photo.paste(head.resize((120, 132), Image.BILINEAR), (220, 60))
+    return photo
+
+
+def align_photos(root) -> str:
+    """`root` with p/: the head turned three ways and a photo holding it twice; q/: two mirrored
+    heads, a wall (no face), and a.jpg beside a.png (crops named by the whole file name)."""
+    head = astronaut_head()
+    os.makedirs(root / "p")
+    os.makedirs(root / "q")
+    for i in range(3):
+        head.rotate(4 * i, resample=Image.BILINEAR, fillcolor=(90, 90, 90)).save(root / "p" / f"h{i}.png")
+    two_faces_photo(head).save(root / "p" / "two.png")
+    for i in range(2):
+        head.transpose(Image.FLIP_LEFT_RIGHT).rotate(-3 * i).save(root / "q" / f"m{i}.jpg", quality=95)
+    Image.new("RGB", (160, 160), (120, 140, 160)).save(root / "q" / "wall.png")
+    head.save(root / "q" / "a.jpg", quality=90)
+    head.save(root / "q" / "a.png")
+    return str(root)
