@@ -3,27 +3,25 @@ order of `items`, computed by `workers` processes, so a tool's output is the sam
 number of workers.
 
 The engine is `concurrent.futures.ProcessPoolExecutor`; this module adds what it does not give:
-- `workers == 1` runs `fn` here, with no pool at all. More are capped at the items and at the
-  cores this process may use (`default_workers`: each worker costs memory, and more would only
-  share the cores); the cap is said once.
-- Input order from a bounded window: at most `window` items are out at a time (being worked on, or
-  done and waiting for an earlier one), and `items` is read as they are handed out, so memory
-  stays bounded however many there are while the workers go on during the caller's use of results.
+- `workers == 1` runs `fn` here, with no pool. More are capped, once said, at the items and at the
+  cores this process may use (`default_workers`): each worker costs memory, and would only share.
+- Input order from a bounded window: at most `window` items are out (being worked on, or done and
+  waiting for an earlier one), and `items` is read as they are handed out.
 - An exception `fn` raises in a worker is raised here when its item's turn comes, as the same type
-  with the same message (the worker's traceback is its `__cause__`), so the first failing item in
+  with the same message (the worker's traceback is its `__cause__`): the first failing item in
   input order is named exactly as with one process.
 - A worker that dies (SIGKILL, the out-of-memory killer) ends the map at once with `WorkerDied`
-  naming the item it held, which an executor's "a process terminated abruptly" does not: each
-  worker notes the item it is on in its slot of a small shared table (`_Slots`).
-- A cheap start (`_start_method`): the workers are forked from this process, with its imports and
-  models, in milliseconds, wherever that is safe: when at the fork this process runs no thread but
-  the forking one. Otherwise (torch's thread pool or CUDA started, another thread running) they
-  come from a forkserver that imported `fn`'s module once (seconds: torch), or are spawned where a
-  forkserver cannot listen (TMPDIR too long for a socket, no writable temporary directory).
-- Workers ignore Ctrl-C (it reaches the whole process group: the parent stops them) and run torch
-  on one thread. `setup()`, where given, runs in each worker before its first item (faces.photos
-  hands the workers this process's HOG detector: 1.5 s to build, milliseconds to unpickle).
-- Closing the iterator (or running it to its end) stops the workers; none is left behind.
+  naming the item it held, where the executor only says that some process ended: each worker
+  notes the item it is on in a small shared table (`_Slots`).
+- A cheap start: the workers are forked from this process, with its imports and models, in
+  milliseconds, wherever that is safe (`_fork_is_safe`: no thread but the forking one). Otherwise
+  (torch's thread pool or CUDA started, another thread running) they come from a forkserver that
+  imported `fn`'s module once (seconds: torch), or are spawned where no forkserver can listen
+  (TMPDIR too long for its socket, no writable temporary directory), which is said once.
+- Workers ignore Ctrl-C (the parent, which gets it too, stops them) and run torch on one thread;
+  `setup()` runs in each before its first item (faces.photos hands them this process's HOG
+  detector: 1.5 s to build, milliseconds to unpickle). Closing the iterator (or running it to its
+  end) stops the workers: none is left behind.
 
 `fn` and the items must be picklable: a module-level function, or a functools.partial of one
 holding what every item shares (it reaches each worker once, at its start).
@@ -129,12 +127,11 @@ def _capped(workers: int, items: Iterable) -> int:
 
 
 def _fork_is_safe() -> bool:
-    """Whether the workers may be forked from this process: only where, at the fork, it runs no
-    thread but the forking one. A thread a fork leaves behind (torch's OpenMP pool once an op ran,
-    CUDA's, gloo's, a Python thread) may hold a lock that the child then waits for forever, and
-    leaves the child a pool without its threads. Pools that stop themselves before a fork (numpy's
-    OpenBLAS) do not count: a child that exits at once (safe whatever runs: it touches nothing) is
-    forked to let them stop, and this process's threads are counted after it."""
+    """Whether this process may fork the workers: only where no thread but the forking one would
+    be left behind by the fork (torch's OpenMP pool once an op ran, CUDA's, gloo's, a Python
+    thread): such a thread may hold a lock the child then waits for forever. Pools that stop
+    themselves before a fork (numpy's OpenBLAS) do not count: a child that exits at once (safe
+    whatever runs, as it touches nothing) is forked to stop them, and the threads counted after."""
     if ("fork" not in multiprocessing.get_all_start_methods() or threading.active_count() > 1
             or not os.path.isdir("/proc/self/task")):
         return False
@@ -146,7 +143,7 @@ def _fork_is_safe() -> bool:
                 os._exit(0)
         os.waitpid(pid, 0)
         return len(os.listdir("/proc/self/task")) == 1
-    except OSError:  # no process to spare: the forkserver's pool needs fewer
+    except OSError:  # fork refused (no memory, no process to spare), /proc unreadable
         return False
 
 

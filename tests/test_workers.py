@@ -211,16 +211,35 @@ def test_no_writable_temporary_directory_falls_back_in_one_line(tmp_path):
     assert line.startswith("worker processes are spawned") and line.endswith("no writable temporary directory")
 
 
-@pytest.fixture(scope="module")
-def many_photos(tmp_path_factory) -> str:
-    """80 photos of a face: seconds of work for scripts.align."""
+def _faces(root, count: int) -> str:
+    """`count` photos of a face (scikit-image's astronaut, turned a little) in the folder `root`."""
     from PIL import Image
     from skimage import data
-    root = tmp_path_factory.mktemp("many")
     head = Image.fromarray(data.astronaut()).crop((120, 20, 320, 240))
-    for i in range(80):
+    for i in range(count):
         head.rotate(i % 7, fillcolor=(90, 90, 90)).save(root / f"h{i:02d}.png")
     return str(root)
+
+
+@pytest.fixture(scope="module")
+def many_photos(tmp_path_factory) -> str:
+    """Seconds of work for scripts.align."""
+    return _faces(tmp_path_factory.mktemp("many"), 80)
+
+
+def test_worker_counts_below_one_are_refused_and_1000_capped_at_the_photos_and_the_cores(tmp_path, monkeypatch,
+                                                                                          capsys):
+    from scripts.align import main as align_tool
+    src, dst = _faces(tmp_path, 3), str(tmp_path.parent / f"{tmp_path.name}-crops")
+    for bad in ("0", "-1"):
+        assert align_tool([src, dst, "--workers", bad]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"error: --workers {bad}: at least 1 (1 runs in this process)"]
+    started, real = [], faces.workers._Pool
+    monkeypatch.setattr(faces.workers, "_Pool", lambda fn, items, workers, *args: started.append(workers) or real(
+        fn, items, workers, *args))
+    assert align_tool([src, dst, "--workers", "1000"]) == 0
+    assert started == ([min(3, default_workers())] if default_workers() > 1 else [])
+    assert len(os.listdir(dst)) == 4  # three crops and the report
 
 
 def _group(pgid: int) -> list[int]:
