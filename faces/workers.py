@@ -130,12 +130,15 @@ def _fork_is_safe() -> bool:
     """Whether this process may fork the workers: only where no thread but the forking one would
     be left behind by the fork (torch's OpenMP pool once an op ran, CUDA's, gloo's, a Python
     thread): such a thread may hold a lock the child then waits for forever. Pools that stop
-    themselves before a fork (numpy's OpenBLAS) do not count: a child that exits at once (safe
-    whatever runs, as it touches nothing) is forked to stop them, and the threads counted after."""
+    themselves before a fork (numpy's OpenBLAS) do not count: a child that exits at once (it runs
+    only Python's after-fork hooks) is forked to stop them, and the threads are counted after."""
+    torch = sys.modules.get("torch")
     if ("fork" not in multiprocessing.get_all_start_methods() or threading.active_count() > 1
-            or not os.path.isdir("/proc/self/task")):
+            or not os.path.isdir("/proc/self/task") or (torch is not None and torch.cuda.is_initialized())):
         return False
     try:
+        if len(os.listdir("/proc/self/task")) == 1:
+            return True
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+ warns of forking with threads
             pid = os.fork()
