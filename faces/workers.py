@@ -29,6 +29,7 @@ holding what every item shares (it reaches each worker once, at its start).
 from __future__ import annotations
 
 import collections
+import ctypes
 import functools
 import logging
 import multiprocessing
@@ -241,8 +242,22 @@ class _Worker:
         self.fn, self.setup, self.slots, self.slot = fn, setup, slots, slots.claim()
 
 
+def _end_with_parent() -> None:
+    """Have the kernel kill this process when its parent dies (Linux's PR_SET_PDEATHSIG): an
+    executor's idle worker waits on a queue whose writing end it holds itself, so it would never
+    see a parent killed with SIGKILL, and stay."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() != parent:  # it died before the call
+        os._exit(1)
+
+
 def _start_worker(fn, setup, slots: _Slots, env: dict | None) -> None:
     """The executor's initializer, in each worker."""
+    _end_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a fork inherits our handlers and mask: terminate() must end it
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})

@@ -278,3 +278,32 @@ def test_ctrl_c_during_a_worker_run_is_one_line_and_leaves_no_process_and_no_out
         time.sleep(0.05)
     assert _group(tool.pid) == []
     assert os.listdir(tmp_path) == []
+
+
+ORPHANED = """
+import functools, sys
+from faces.workers import map_photos
+from tests.test_workers import _note_pid_then
+if __name__ == "__main__":
+    for _ in map_photos(functools.partial(_note_pid_then, folder=sys.argv[1], long=(0, 1, 2, 3)), range(8), 2):
+        pass
+"""
+
+
+def test_workers_end_with_a_parent_killed_by_sigkill(tmp_path):
+    """The out-of-memory killer may choose the parent: its workers, busy or idle, do not stay."""
+    needs_two_cores()
+    parent = subprocess.Popen([sys.executable, "-c", ORPHANED, str(tmp_path)], cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": REPO})
+    workers = [_pid_of(tmp_path, 0), _pid_of(tmp_path, 1)]
+    parent.kill()
+    parent.wait(10)
+    try:
+        for _ in range(100):
+            if not any(_alive(pid) for pid in workers):
+                break
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in workers)
+    finally:  # where it failed: not left for the rest of the run
+        for pid in filter(_alive, workers):
+            os.kill(pid, signal.SIGKILL)
