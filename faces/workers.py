@@ -119,12 +119,12 @@ def _say_once(message: str) -> None:
 def _capped(workers: int, items: Iterable) -> int:
     """`workers`, at most one per item and one per core this process may use; 1 in a daemonic
     process (a DataLoader worker, a test rank), which may not start processes."""
-    wanted = max(1, min(workers, len(items))) if hasattr(items, "__len__") else workers
-    cores = default_workers()
+    if multiprocessing.current_process().daemon:
+        return 1
+    wanted, cores = max(1, min(workers, len(items))) if hasattr(items, "__len__") else workers, default_workers()
     if wanted > cores:
         _say_once(f"{workers} worker processes asked for; this process may use {cores} cores: {cores} started")
-        wanted = cores
-    return 1 if multiprocessing.current_process().daemon else wanted
+    return min(wanted, cores)
 
 
 def _fork_is_safe() -> bool:

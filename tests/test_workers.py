@@ -198,8 +198,8 @@ def test_no_writable_temporary_directory_falls_back_in_one_line(tmp_path):
     """TMPDIR missing, /tmp and /var/tmp mounted read-only in a mount namespace of their own, the
     working directory /proc: tempfile finds nowhere to write."""
     needs_two_cores()
-    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o ro tmpfs /tmp"],
-                                                         capture_output=True).returncode != 0:
+    mounts = ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o ro tmpfs /tmp"]
+    if shutil.which("unshare") is None or subprocess.run(mounts, capture_output=True).returncode != 0:
         pytest.skip("needs unshare -m and mount (root in a mount namespace)")
     done = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o ro tmpfs /tmp && mount -t tmpfs -o ro tmpfs "
                            f'/var/tmp && cd /proc && exec {sys.executable} -c "$SCRIPT"'],
