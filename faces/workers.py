@@ -117,9 +117,10 @@ def _say_once(message: str) -> None:
 
 
 def _capped(workers: int, items: Iterable) -> int:
-    """`workers`, at most one per item and one per core this process may use; 1 in a daemonic
-    process (a DataLoader worker, a test rank), which may not start processes."""
-    if multiprocessing.current_process().daemon:
+    """`workers`, at most one per item and one per core this process may use; 1 in a worker of
+    ours (no pool in a pool) and in a daemonic process (a DataLoader worker, a test rank), which
+    may not start processes."""
+    if _Worker.current is not None or multiprocessing.current_process().daemon:
         return 1
     wanted, cores = max(1, min(workers, len(items))) if hasattr(items, "__len__") else workers, default_workers()
     if wanted > cores:
