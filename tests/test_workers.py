@@ -140,7 +140,7 @@ def _run(script: str, env=None, cwd=REPO, prefix=()) -> subprocess.CompletedProc
 
 
 FORKED = """
-import os, threading
+import os, threading, time
 import numpy, torch  # numpy's OpenBLAS pool runs from its import; torch's starts with its first op
 from faces.workers import map_photos
 from tests.test_workers import _parent_pid
@@ -153,6 +153,8 @@ waiter.start()
 said.append(forked())
 stop.set()
 waiter.join()
+while os.path.exists(f"/proc/self/task/{waiter.native_id}"):  # join returns before the thread's very end
+    time.sleep(0.001)
 said.append(forked())
 torch.set_num_threads(2)
 torch.ones(512, 512) @ torch.ones(512, 512)
