@@ -23,6 +23,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLEEP_S = 60  # a worker on a "long" item: the tests end long before, or they hang
 
 
+def needs_two_cores():
+    if default_workers() < 2:
+        pytest.skip("two cores are needed for two worker processes")
+
+
 def _alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie, ended but not yet collected by its parent, does not)."""
     try:
@@ -57,12 +62,15 @@ def test_a_worker_killed_from_outside_is_named_by_its_item_not_by_the_other_work
     pids = str(tmp_path)
     killer = subprocess.Popen(["sh", "-c", f"while [ ! -s {pids}/3 ]; do sleep 0.01; done; kill -KILL $(cat {pids}/3)"])
     got = []
-    with pytest.raises(WorkerDied, match=r"^item 3: the worker process on this item was killed by SIGKILL "
-                                         r"\(the out-of-memory killer sends it\)$"):
-        for r in map_photos(functools.partial(_note_pid_then, folder=pids, long=(2, 3)), range(8), 2,
-                            what="item", name=lambda i: f"item {i}"):
-            got.append(r)
-    killer.wait(10)
+    try:
+        with pytest.raises(WorkerDied, match=r"^item 3: the worker process on this item was killed by SIGKILL "
+                                             r"\(the out-of-memory killer sends it\)$"):
+            for r in map_photos(functools.partial(_note_pid_then, folder=pids, long=(2, 3)), range(8), 2,
+                                what="item", name=lambda i: f"item {i}"):
+                got.append(r)
+    finally:
+        killer.kill()
+        killer.wait()
     assert got == [0, 1]
     assert not any(_alive(_pid_of(pids, i)) for i in (2, 3))
 
@@ -128,15 +136,10 @@ def _parent_pid(item):
     return os.getppid()
 
 
-def needs_two_cores():
-    if default_workers() < 2:
-        pytest.skip("two cores are needed for two worker processes")
-
-
-def _run(script: str, env=None, cwd=REPO, prefix=()) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": REPO, **(env or {})}
-    return subprocess.run([*prefix, sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+def _run(script: str, env=None) -> subprocess.CompletedProcess:
+    """`python -c script` in a fresh process, from the repository."""
+    return subprocess.run([sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO, **(env or {})},
+                          capture_output=True, text=True, timeout=300)
 
 
 FORKED = """
@@ -187,7 +190,7 @@ def test_a_tmpdir_of_76_bytes_too_long_for_the_forkservers_socket_falls_back_in_
     needs_two_cores()
     base = str(tmp_path_factory.getbasetemp())
     deep = os.path.join(base, "t" * (76 - len(base) - 1))
-    os.makedirs(deep)
+    os.makedirs(deep, exist_ok=True)
     assert len(deep) == 76
     done = _run(THREADED_MAP, env={"TMPDIR": deep})
     assert done.returncode == 0, done.stderr
@@ -232,7 +235,8 @@ def many_photos(tmp_path_factory) -> str:
 def test_worker_counts_below_one_are_refused_and_1000_capped_at_the_photos_and_the_cores(tmp_path, monkeypatch,
                                                                                           capsys):
     from scripts.align import main as align_tool
-    src, dst = _faces(tmp_path, 3), str(tmp_path.parent / f"{tmp_path.name}-crops")
+    os.makedirs(tmp_path / "photos")
+    src, dst = _faces(tmp_path / "photos", 3), str(tmp_path / "crops")
     for bad in ("0", "-1"):
         assert align_tool([src, dst, "--workers", bad]) == 2
         assert capsys.readouterr().err.splitlines() == [f"error: --workers {bad}: at least 1 (1 runs in this process)"]
@@ -264,12 +268,17 @@ def test_ctrl_c_during_a_worker_run_is_one_line_and_leaves_no_process_and_no_out
     tool = subprocess.Popen([sys.executable, "-m", "scripts.align", many_photos, str(dst), "--workers", "2"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     said = b""
-    while b"aligning" not in said:  # the first result is in: the workers run
-        chunk = os.read(tool.stderr.fileno(), 4096)
-        assert chunk, said.decode()
-        said += chunk
-    os.killpg(tool.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
-    out, err = tool.communicate(timeout=60)
+    try:
+        while b"aligning" not in said:  # the first result is in: the workers run
+            chunk = os.read(tool.stderr.fileno(), 4096)
+            assert chunk, said.decode()
+            said += chunk
+        os.killpg(tool.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
+        out, err = tool.communicate(timeout=60)
+    finally:  # where it failed: nothing of it left for the rest of the run
+        if tool.poll() is None:
+            os.killpg(tool.pid, signal.SIGKILL)
+            tool.wait()
     said = (said + err).decode()
     assert tool.returncode == 130, said
     assert "Traceback" not in said and "KeyboardInterrupt" not in said
