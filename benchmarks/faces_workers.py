@@ -120,7 +120,7 @@ def main() -> None:
     print(f"{len(photos)} photos of {args.folder}; {default_workers()} cores available; detector "
           f"{args.detector}, upsample {args.upsample}")
 
-    for photo in photos:  # in the page cache for every run alike (the stage timing below came first before)
+    for photo in photos:  # in the page cache, for every run alike
         with open(os.path.join(args.folder, photo), "rb") as f:
             f.read()
     runs, base = [], None

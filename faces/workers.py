@@ -302,7 +302,8 @@ def _how(exitcode: int | None) -> str:
 
 class _Executor(ProcessPoolExecutor):
     def processes(self) -> list[multiprocessing.Process]:
-        """Its worker processes (kept in `_processes`, which Python 3.14's terminate_workers uses)."""
+        """Its worker processes, from the executor's own table (`_processes`): their exit codes
+        tell which one died, and close() terminates busy ones (Python 3.14 adds terminate_workers)."""
         return list((self._processes or {}).values())
 
 
