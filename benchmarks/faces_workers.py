@@ -8,8 +8,8 @@ over the sorted photos under FOLDER (every identity folder alike), and prints:
   embedding the crops, in batches, with `--model`), measured by timing those calls in this
   process on the same photos (models loaded first);
 - per worker count: the wall time of `align_into` (pool start included), the time to its first
-  result (the pool's start: forkserver, imports, models), photos/s over the whole run and after
-  the first result, and the ratio to one worker.
+  result (the pool's start: a fork of this process, or where that is unsafe a forkserver's
+  imports), photos/s over the whole run and after the first result, and the ratio to one worker.
 Timings on a shared machine move between runs; run it where nothing else runs for figures to
 quote (the issue's are for the 6,300 CelebA photos)."""
 from __future__ import annotations
@@ -120,19 +120,24 @@ def main() -> None:
     print(f"{len(photos)} photos of {args.folder}; {default_workers()} cores available; detector "
           f"{args.detector}, upsample {args.upsample}")
 
-    spent = stage_seconds(args.folder, photos, detection, args.model)
-    total = sum(spent.values())
-    print("one process, share of time: " + ", ".join(
-        f"{k} {100 * v / total:.0f}% ({1000 * v / len(photos):.0f} ms/photo)" for k, v in spent.most_common()))
-
-    base = None
+    for photo in photos:  # in the page cache, for every run alike
+        with open(os.path.join(args.folder, photo), "rb") as f:
+            f.read()
+    runs, base = [], None
     for workers in (int(w) for w in args.workers.split(",")):
         to_first, wall = run_align(args.folder, photos, detection, workers)
         steady = (len(photos) - 1) / max(wall - to_first, 1e-9)
         base = base or (wall, steady)
-        print(f"workers {workers}: {wall:.1f} s, first result after {to_first:.1f} s; {len(photos) / wall:.1f} photos/s "
-              f"in all, {steady:.1f} after the first; x{base[0] / wall:.2f} in all, x{steady / base[1]:.2f} after "
-              "the first (against the first count)")
+        runs.append(f"workers {workers}: {wall:.1f} s, first result after {to_first:.1f} s; {len(photos) / wall:.1f} "
+                    f"photos/s in all, {steady:.1f} after the first; x{base[0] / wall:.2f} in all, "
+                    f"x{steady / base[1]:.2f} after the first (against the first count)")
+    # after the runs: a MODEL's torch starts threads, and faces.workers forks no worker from a
+    # process that runs some (scripts.align loads none)
+    spent = stage_seconds(args.folder, photos, detection, args.model)
+    total = sum(spent.values())
+    print("one process, share of time: " + ", ".join(
+        f"{k} {100 * v / total:.0f}% ({1000 * v / len(photos):.0f} ms/photo)" for k, v in spent.most_common()))
+    print("\n".join(runs))
 
 
 if __name__ == "__main__":

@@ -2,31 +2,36 @@
 order of `items`, computed by `workers` processes, so a tool's output is the same whatever the
 number of workers.
 
-- `workers == 1` runs `fn` here, with no pool at all (what the tools did before).
-- Otherwise the workers are forked from a forkserver: a clean process that imported `fn`'s module
-  once. Forking this process is unsafe once torch runs threads, and spawning imports torch in
-  every worker (seconds and hundreds of MB each); a fork of the server shares its imports. dlib's
-  detector and landmark model are loaded once per worker by `faces.detect`'s caches.
-- A thread here hands each idle worker one item and collects its result, so the workers keep
-  working while the caller uses the results (writes files, embeds a batch). At most `window`
-  items are out at a time (being worked on, or done and waiting for an earlier one): memory
-  stays bounded however many items there are, and `items` is read as they are handed out.
-- An exception `fn` raises in a worker is raised here when its item's turn comes, as the same
-  type with the same message, so the first failing item (in input order) is named exactly as
-  with one process; the worker's traceback is its `__cause__`.
-- A worker that dies (SIGKILL, the out-of-memory killer) ends the map at once with
-  `WorkerDied` naming the item it held: never a hang. The remaining workers are stopped.
-- Progress (`progress()`, once per item, as results are taken) counts every worker's items.
-- `setup()`, where given, runs in each worker before its first item (faces.photos passes one that
-  hands the workers this process's HOG detector: 1.5 s to build, milliseconds to unpickle).
+The engine is `concurrent.futures.ProcessPoolExecutor`; this module adds what it does not give:
+- `workers == 1` runs `fn` here, with no pool. More are capped, once said, at the items and at the
+  cores this process may use (`default_workers`): each worker costs memory, and would only share.
+- Input order from a bounded window: at most `window` items are out (being worked on, or done and
+  waiting for an earlier one), and `items` is read as they are handed out.
+- An exception `fn` raises in a worker is raised here when its item's turn comes, as the same type
+  with the same message (the worker's traceback is its `__cause__`): the first failing item in
+  input order is named exactly as with one process.
+- A worker that dies (SIGKILL, the out-of-memory killer) ends the map at once with `WorkerDied`
+  naming the item it held, where the executor only says that some process ended: each worker
+  notes the item it is on in a small shared table (`_Slots`).
+- A cheap start: the workers are forked from this process, with its imports and models, in
+  milliseconds, wherever that is safe (`_fork_is_safe`: no thread but the forking one). Otherwise
+  (torch's thread pool or CUDA started, another thread running) they come from a forkserver that
+  imported `fn`'s module once (seconds: torch), or are spawned where no forkserver can listen
+  (TMPDIR too long for its socket, no writable temporary directory), which is said once.
+- Workers ignore Ctrl-C (the parent, which gets it too, stops them) and run torch on one thread;
+  `setup()` runs in each before its first item (faces.photos hands them this process's HOG
+  detector: 1.5 s to build, milliseconds to unpickle). Closing the iterator (or running it to its
+  end) stops the workers: none is left behind.
 
 `fn` and the items must be picklable: a module-level function, or a functools.partial of one
 holding what every item shares (it reaches each worker once, at its start).
 """
 from __future__ import annotations
 
-import contextlib
+import collections
+import ctypes
 import functools
+import logging
 import multiprocessing
 import os
 import pickle
@@ -34,24 +39,21 @@ import signal
 import sys
 import threading
 import types
-from multiprocessing.connection import wait
+import warnings
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Iterable, Iterator, TypeVar
 
 from configs.errors import ConfigError, UserError
 
+logger = logging.getLogger("shardface")
 T = TypeVar("T")
 R = TypeVar("R")
+_SAID: set[str] = set()  # the log lines said once per process
 
 
 class WorkerDied(UserError, RuntimeError):
     """A worker process that ended while it held an item (killed, out of memory)."""
-
-
-class WorkerTraceback(Exception):
-    """The traceback of an exception raised in a worker, as text (the cause of the one raised here)."""
-
-    def __str__(self) -> str:
-        return "\n" + self.args[0]
 
 
 def default_workers(env=None) -> int:
@@ -82,11 +84,7 @@ def map_photos(fn: Callable[[T], R], items: Iterable[T], workers: int,
     `setup()` runs once in each worker process (not with one worker: this process is set up).
     Close the iterator (or run it to its end) to stop the workers; an abandoned one is closed
     when it is collected."""
-    workers = check_workers(workers)
-    if hasattr(items, "__len__"):
-        workers = max(1, min(workers, len(items)))  # no idle processes for a few photos
-    if workers > 1 and multiprocessing.current_process().daemon:
-        workers = 1  # a daemonic process (a DataLoader worker, a test rank) may not start processes
+    workers = _capped(check_workers(workers), items)
     if workers == 1:
         for item in items:
             result = fn(item)
@@ -105,11 +103,64 @@ def map_photos(fn: Callable[[T], R], items: Iterable[T], workers: int,
 
 
 def warm_up(fn: Callable, workers: int) -> None:
-    """Start the process the workers are forked from now (with more than one worker), so that it
-    imports what `fn` needs while this one does other work (lists and checks the photos);
-    `map_photos` then finds it ready. The imports take seconds (torch)."""
-    if workers > 1 and not multiprocessing.current_process().daemon:
-        _context(fn)
+    """Where the workers will come from a forkserver (see `_start_method`), start it now, so that
+    it imports what `fn` needs (seconds: torch) while this process does other work; forked
+    workers need nothing ahead."""
+    if workers > 1 and not multiprocessing.current_process().daemon and not _fork_is_safe():
+        _forkserver(fn)
+
+
+def _say_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        logger.warning("%s", message)
+
+
+def _capped(workers: int, items: Iterable) -> int:
+    """`workers`, at most one per item and one per core this process may use; 1 in a worker of
+    ours (no pool in a pool) and in a daemonic process (a DataLoader worker, a test rank), which
+    may not start processes."""
+    if _Worker.current is not None or multiprocessing.current_process().daemon:
+        return 1
+    wanted, cores = max(1, min(workers, len(items))) if hasattr(items, "__len__") else workers, default_workers()
+    if wanted > cores:
+        _say_once(f"{workers} worker processes asked for; this process may use {cores} cores: {cores} started")
+    return min(wanted, cores)
+
+
+def _fork_is_safe() -> bool:
+    """Whether this process may fork the workers: only where no thread but the forking one would
+    be left behind by the fork (torch's OpenMP pool once an op ran, CUDA's, gloo's, a Python
+    thread): such a thread may hold a lock the child then waits for forever. Pools that stop
+    themselves before a fork (numpy's OpenBLAS) do not count: a child that exits at once (it runs
+    only Python's after-fork hooks) is forked to stop them, and the threads are counted after."""
+    torch = sys.modules.get("torch")
+    if ("fork" not in multiprocessing.get_all_start_methods() or threading.active_count() > 1
+            or not os.path.isdir("/proc/self/task") or (torch is not None and torch.cuda.is_initialized())):
+        return False
+    try:
+        if len(os.listdir("/proc/self/task")) == 1:
+            return True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+ warns of forking with threads
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:  # fork refused (no memory, no process to spare), /proc unreadable
+        return False
+
+
+def _start_method(fn) -> tuple[multiprocessing.context.BaseContext, dict | None]:
+    """(the context the workers start from, the environment they must take or None): forked from
+    here where that is safe, else a forkserver's, else spawned (see the module docstring)."""
+    if _fork_is_safe():
+        return multiprocessing.get_context("fork"), None
+    ctx = _forkserver(fn)
+    if ctx is not None:
+        return ctx, dict(os.environ)  # a forkserver's children have the server's: give them ours
+    return multiprocessing.get_context("spawn"), None
 
 
 def _preload(fn) -> list[str]:
@@ -129,11 +180,13 @@ def _preload(fn) -> list[str]:
     return sorted(names)
 
 
-def _context(fn):
-    """A forkserver context whose server has imported what `fn` needs (spawn where there is no
-    forkserver). The server starts with this program's first pool and serves every later one."""
+def _forkserver(fn):
+    """The forkserver context, its server running and having imported what `fn` needs (it starts
+    with this program's first such pool and serves every later one), or None where it cannot run:
+    no forkserver on this system, or no socket for it in the temporary directory (an AF_UNIX path
+    holds 107 bytes; TMPDIR, /tmp, /var/tmp unwritable)."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
+        return None
     from multiprocessing import forkserver
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(_preload(fn))
@@ -143,6 +196,12 @@ def _context(fn):
     os.environ["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p or os.curdir) for p in sys.path)
     try:
         forkserver.ensure_running()
+    except OSError as exc:
+        why = ("no writable temporary directory" if isinstance(exc, FileNotFoundError)
+               else f"the temporary directory cannot hold its socket ({exc}; TMPDIR={os.environ.get('TMPDIR')})")
+        _say_once(f"worker processes are spawned, each importing what it needs (seconds), instead of forked from a "
+                  f"forkserver: {why}")
+        return None
     finally:
         if saved is None:
             del os.environ["PYTHONPATH"]
@@ -151,45 +210,84 @@ def _context(fn):
     return ctx
 
 
-def _portable(exc: BaseException, traceback_text: str):
-    """(exception, traceback text), the exception replaced by a RuntimeError of its message
-    where it would not survive pickling."""
+class _Slots:
+    """Which item each worker is on, in shared memory: per worker its pid and the index of its
+    item (-1 between items). A worker writes only its own slot (one word: no lock); the parent reads
+    them once a worker died, to name the item it held."""
+
+    def __init__(self, ctx, workers: int):
+        self.table = ctx.Array("q", 2 * workers)  # zeros: no worker yet; its lock guards claims only
+
+    def claim(self) -> int:
+        """In a worker, at its start: the slot it writes."""
+        with self.table.get_lock():
+            raw = self.table.get_obj()
+            slot = next(s for s in range(0, len(raw), 2) if raw[s] == 0)
+            raw[slot], raw[slot + 1] = os.getpid(), -1
+        return slot
+
+    def note(self, slot: int, index: int) -> None:
+        self.table.get_obj()[slot + 1] = index
+
+    def held(self) -> dict[int, int]:
+        """pid -> the index of the item it is on (-1: none)."""
+        raw = self.table.get_obj()
+        return {raw[s]: raw[s + 1] for s in range(0, len(raw), 2) if raw[s]}
+
+
+class _Worker:
+    """What a worker process keeps between items: the task, the setup still to run, its slot."""
+    current: _Worker | None = None
+
+    def __init__(self, fn, setup, slots: _Slots):
+        self.fn, self.setup, self.slots, self.slot = fn, setup, slots, slots.claim()
+
+
+def _end_with_parent() -> None:
+    """Have the kernel kill this process when its parent dies (Linux's PR_SET_PDEATHSIG): an
+    executor's idle worker waits on a queue whose writing end it holds itself, so it would never
+    see a parent killed with SIGKILL, and stay."""
+    parent = os.getppid()
     try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:
-        exc = RuntimeError(f"{type(exc).__name__}: {exc}")
-    return exc, traceback_text
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() != parent:  # it died before the call
+        os._exit(1)
 
 
-def _serve(conn, fn, env, setup) -> None:
-    """A worker: `fn` on each item it is handed, until it is handed None or its parent is gone."""
-    import traceback
+def _start_worker(fn, setup, slots: _Slots, env: dict | None) -> None:
+    """The executor's initializer, in each worker."""
+    _end_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
-    os.environ.clear()
-    os.environ.update(env)  # the parent's, now (a forkserver's children have the server's)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a fork inherits our handlers and mask: terminate() must end it
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)  # one core per worker
-    while True:
+    _Worker.current = _Worker(fn, setup, slots)
+
+
+def _work(index: int, item):
+    """One item in a worker: `setup()` first if it has not run yet, then `fn(item)`. An exception
+    that would not survive pickling comes back as a RuntimeError of its message."""
+    worker = _Worker.current
+    worker.slots.note(worker.slot, index)
+    try:
+        if worker.setup is not None:
+            setup, worker.setup = worker.setup, None
+            setup()
+        return worker.fn(item)
+    except BaseException as exc:  # everything: the parent names it
         try:
-            task = conn.recv()
-        except (EOFError, OSError):  # the parent is gone
-            return
-        if task is None:
-            return
-        index, item = task
-        try:
-            if setup is not None:
-                setup, once = None, setup
-                once()
-            reply = (index, True, fn(item))
-        except BaseException as exc:  # everything: the parent names it
-            reply = (index, False, _portable(exc, traceback.format_exc()))
-        try:
-            conn.send(reply)
-        except (BrokenPipeError, EOFError, ConnectionError):
-            return
-        except Exception as exc:  # a result that cannot be pickled
-            conn.send((index, False, _portable(exc, traceback.format_exc())))
+            pickle.loads(pickle.dumps(exc))
+        except Exception:
+            raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
+        raise
+    finally:
+        worker.slots.note(worker.slot, -1)
 
 
 def _how(exitcode: int | None) -> str:
@@ -202,147 +300,75 @@ def _how(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
+class _Executor(ProcessPoolExecutor):
+    def processes(self) -> list[multiprocessing.Process]:
+        """Its worker processes, from the executor's own table (`_processes`): their exit codes
+        tell which one died, and close() terminates busy ones (Python 3.14 adds terminate_workers)."""
+        return list((self._processes or {}).values())
+
+
 class _Pool:
-    """The worker processes of one `map_photos` and the thread that feeds them (see the module
-    docstring). `results()` yields in input order; `close()` stops everything."""
+    """One `map_photos`' executor and its window of items out (see the module docstring).
+    `results()` yields in input order; `close()` stops everything."""
 
     def __init__(self, fn, items: Iterable, workers: int, window: int, what: str, name: Callable, setup):
         self.items, self.window, self.what, self.name = enumerate(items), max(window, workers), what, name
-        self.done: dict[int, tuple[bool, object]] = {}  # index -> (ok, result or (exception, traceback))
-        self.failure: BaseException | None = None  # ends the map at once (a worker died, `items` raised)
-        self.total: int | None = None  # the number of items, once `items` is exhausted
-        self.taken = 0  # results yielded so far: items up to taken + window may be handed out
-        self.stopping = False
-        self.busy: set[int] = set()  # workers holding an item when the feeder ended
-        self.cond = threading.Condition()
-        self.wake_r, self.wake_w = os.pipe()  # wakes the feeder when the window moves or at close
-        os.set_blocking(self.wake_w, False)
-        ctx, env = _context(fn), dict(os.environ)
-        self.procs, self.conns = [], []
-        try:
-            for i in range(workers):
-                here, there = ctx.Pipe()
-                proc = ctx.Process(target=_serve, args=(there, fn, env, setup), name=f"{what}-worker-{i}", daemon=True)
-                proc.start()
-                there.close()
-                self.procs.append(proc)
-                self.conns.append(here)
-        except BaseException:
-            self._stop_workers(busy=set(range(len(self.procs))))
-            raise
-        self.feeder = threading.Thread(target=self._feed, name=f"{what}-feeder", daemon=True)
-        self.feeder.start()
+        self.out: collections.deque = collections.deque()  # (index, item, future) in input order
+        self.fn, self.workers, self.setup = fn, workers, setup
+        self.executor: _Executor | None = None  # started with the first item: no code runs between
+        # the check that forking is safe and the fork
 
-    def _wake(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):  # a full pipe is already a wake-up
-            os.write(self.wake_w, b"x")
+    def _start(self) -> None:
+        ctx, env = _start_method(self.fn)
+        self.slots = _Slots(ctx, self.workers)
+        self.executor = _Executor(self.workers, mp_context=ctx, initializer=_start_worker,
+                                  initargs=(self.fn, self.setup, self.slots, env))
 
     def results(self) -> Iterator:
-        index = 0
         while True:
-            with self.cond:
-                while (self.failure is None and index not in self.done
-                       and (self.total is None or index < self.total)):
-                    self.cond.wait()
-                if self.failure is not None:
-                    raise self.failure
-                if index not in self.done:  # every item taken
-                    return
-                ok, value = self.done.pop(index)
-                index = self.taken = index + 1
-            self._wake()
-            if not ok:
-                exc, text = value
-                raise exc from WorkerTraceback(text)
-            yield value
+            while self.items is not None and len(self.out) < self.window:
+                try:
+                    index, item = next(self.items)
+                except StopIteration:
+                    self.items = None
+                    break
+                if self.executor is None:
+                    self._start()
+                try:
+                    self.out.append((index, item, self.executor.submit(_work, index, item)))
+                except BrokenProcessPool:
+                    raise self._died() from None
+            if not self.out:
+                return
+            try:
+                result = self.out[0][2].result()
+            except BrokenProcessPool:
+                raise self._died() from None
+            self.out.popleft()
+            yield result
 
-    def _fail(self, exc: BaseException) -> None:
-        with self.cond:
-            if self.failure is None:
-                self.failure = exc
-            self.cond.notify_all()
-
-    def _feed(self) -> None:
-        held: dict[int, tuple[int, object]] = {}  # worker -> (index, item) it works on
-        last: dict[int, object] = {}  # worker -> the last item it finished
-        handed, exhausted, stop_after = 0, False, None  # stop_after: the first failed index
-        try:
-            while not self.stopping:
-                idle = [w for w in range(len(self.procs)) if w not in held]
-                while idle and not exhausted:
-                    with self.cond:
-                        limit = self.taken + self.window
-                    if handed >= limit or (stop_after is not None and handed > stop_after):
-                        break
-                    try:
-                        index, item = next(self.items)
-                    except StopIteration:
-                        exhausted = True
-                        with self.cond:
-                            self.total = handed
-                            self.cond.notify_all()
-                        break
-                    w = idle.pop()
-                    held[w] = (index, item)
-                    handed += 1
-                    try:
-                        self.conns[w].send((index, item))
-                    except (BrokenPipeError, ConnectionError, EOFError):
-                        pass  # it died: its sentinel says so below
-                if exhausted and not held:
-                    return
-                watched = [self.wake_r] + [c for c in self.conns] + [p.sentinel for p in self.procs]
-                ready = set(wait(watched))
-                if self.wake_r in ready:
-                    os.read(self.wake_r, 4096)
-                for w, (proc, conn) in enumerate(zip(self.procs, self.conns)):
-                    if conn not in ready and proc.sentinel not in ready:
-                        continue
-                    reply = None
-                    with contextlib.suppress(EOFError, OSError):
-                        if conn.poll():
-                            reply = conn.recv()
-                    if reply is None:
-                        if proc.is_alive():
-                            continue
-                        proc.join(1.0)
-                        if w in held:
-                            raise WorkerDied(f"{self.name(held[w][1])}: the worker process on this {self.what} "
-                                             f"{_how(proc.exitcode)}")
-                        after = f" after {self.name(last[w])}" if w in last else ""
-                        raise WorkerDied(f"a worker process {_how(proc.exitcode)} between {self.what}s{after}")
-                    index, ok, value = reply
-                    last[w] = held.pop(w)[1]
-                    if not ok and (stop_after is None or index < stop_after):
-                        stop_after = index  # later items would only be thrown away
-                    with self.cond:
-                        self.done[index] = (ok, value)
-                        self.cond.notify_all()
-        except BaseException as exc:  # a worker died, `items` raised, or a bug here: the caller raises it
-            self._fail(exc)
-        finally:
-            self.busy = set(held)
+    def _died(self) -> WorkerDied:
+        """The error of the worker that ended by itself: the executor then ends the others with
+        SIGTERM (a SIGTERM from elsewhere cannot be told from theirs: the earliest item is named)."""
+        processes = self.executor.processes()
+        self.executor.shutdown(wait=True)  # every process joined: exit codes final
+        held, out = self.slots.held(), {index: item for index, item, _ in self.out}
+        ended = [p for p in processes if p.exitcode != -signal.SIGTERM] or processes
+        if not ended:
+            return WorkerDied(f"the worker processes ended before their first {self.what}")
+        dead = min(ended, key=lambda p: (held.get(p.pid, -1) not in out, held.get(p.pid, -1)))
+        index = held.get(dead.pid, -1)
+        if index in out:
+            return WorkerDied(f"{self.name(out[index])}: the worker process on this {self.what} {_how(dead.exitcode)}")
+        return WorkerDied(f"a worker process {_how(dead.exitcode)} between {self.what}s")
 
     def close(self) -> None:
-        self.stopping = True
-        self._wake()
-        self.feeder.join()
-        self._stop_workers(self.busy)
-        os.close(self.wake_r)
-        os.close(self.wake_w)
-
-    def _stop_workers(self, busy: set[int]) -> None:
-        """Idle workers are told to end and waited for; busy ones (an error ended the map while
-        they worked) are terminated."""
-        for w, (proc, conn) in enumerate(zip(self.procs, self.conns)):
-            if w in busy:
-                proc.terminate()
-            else:
-                with contextlib.suppress(OSError, ValueError):
-                    conn.send(None)
-        for proc, conn in zip(self.procs, self.conns):
-            proc.join(5.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-            conn.close()
+        """Workers still on an item nobody will take (an error or the caller ended the map) are
+        terminated; idle ones end on the executor's word. Every process is joined."""
+        if self.executor is None:
+            return
+        if any(not future.done() for _, _, future in self.out):
+            for process in self.executor.processes():
+                process.terminate()
+        self.executor.shutdown(wait=True)
+        self.out.clear()

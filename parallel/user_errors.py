@@ -91,14 +91,31 @@ def report_user_error(exc: BaseException, env=None, stream=None, wait_s: float =
     return True
 
 
+def _interrupt_in_one_line(shown: Callable) -> Callable:
+    """A `sys.excepthook` that shows a Ctrl-C which reached the top of the program as one line, as
+    training does (the tools publish their outputs whole or not at all: nothing to point at), and
+    everything else as `shown` does; SHARDFACE_DEBUG=1 shows the traceback."""
+    def hook(kind, exc, tb):
+        if issubclass(kind, KeyboardInterrupt) and os.environ.get(DEBUG_ENV, "") in ("", "0"):
+            print("SIGINT received: stopped; outputs are published whole or not at all", file=sys.stderr, flush=True)
+        else:
+            shown(kind, exc, tb)
+    hook.interrupt_in_one_line = True
+    return hook
+
+
 def exits_on_user_error(main: F) -> F:
     """Wrap a command-line entry point: a UserError is printed as one line (see the module
-    docstring) and the entry point returns 2; with SHARDFACE_DEBUG=1 it propagates. Under
-    torchrun, a rank that fails in any other way after a peer printed a user error (its
-    collective lost the peer) exits with 2 as well, silently."""
+    docstring) and the entry point returns 2; with SHARDFACE_DEBUG=1 it propagates. A Ctrl-C
+    goes on to the caller (in-process callers see it; the program then dies of SIGINT as Python
+    does) but is shown as one line, not a traceback. Under torchrun, a rank that fails in any
+    other way after a peer printed a user error (its collective lost the peer) exits with 2 as
+    well, silently."""
     @functools.wraps(main)
     def entry(*args, **kwargs):
         debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+        if not getattr(sys.excepthook, "interrupt_in_one_line", False):
+            sys.excepthook = _interrupt_in_one_line(sys.excepthook)
         try:
             return main(*args, **kwargs)
         except UserError as exc:
