@@ -29,6 +29,7 @@ holding what every item shares (it reaches each worker once, at its start).
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import functools
 import logging
@@ -167,9 +168,7 @@ def _preload(fn) -> list[str]:
     """The modules the forkserver imports before it forks workers: `fn`'s, or where that is the
     program's main module (run again in each worker as `__mp_main__`, and runpy warns when it
     was imported under its own name), the modules it took its names from."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    module = getattr(fn, "__module__", None) or "__main__"
+    module = _module_of(fn)
     if module != "__main__":
         return [module]
     names = set()
@@ -178,6 +177,32 @@ def _preload(fn) -> list[str]:
         if isinstance(name, str) and name not in ("__main__", "builtins"):
             names.add(name)
     return sorted(names)
+
+
+@contextlib.contextmanager
+def _main_left_alone(fn):
+    """While workers start: a worker from a forkserver or spawned runs the program's main module
+    again (as `__mp_main__`) before its first item, so a user's script without an
+    `if __name__ == "__main__":` guard would do its whole work again in each. Where `fn` lives
+    in a module of its own, the main module is hidden from multiprocessing meanwhile."""
+    main = sys.modules.get("__main__")
+    if main is None or _module_of(fn) == "__main__":
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
+def _module_of(fn) -> str:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__module__", None) or "__main__"
 
 
 def _forkserver(fn):
@@ -335,7 +360,8 @@ class _Pool:
                 if self.executor is None:
                     self._start()
                 try:
-                    self.out.append((index, item, self.executor.submit(_work, index, item)))
+                    with _main_left_alone(self.fn):  # a forkserver's or spawned worker starts on submit
+                        self.out.append((index, item, self.executor.submit(_work, index, item)))
                 except BrokenProcessPool:
                     raise self._died() from None
             if not self.out:

@@ -277,3 +277,46 @@ def test_identify_eval_embeds_batch_by_batch_with_progress_and_the_same_figures(
     batched = capsys.readouterr()
     assert batched.out == whole.out and "rank-1" in whole.out
     assert "embedding 13/13" in batched.err and "ETA" in batched.err and "ETA" not in whole.err
+
+
+def test_a_person_called_unknown_is_named_when_they_match_and_nobody_is_null_in_json(tmp_path, capsys):
+    model = seeded_model(tmp_path / "m", 0)
+    people = tmp_path / "g"
+    os.makedirs(people / "unknown")
+    face = noise_face(people / "unknown" / "0.png", 1)
+    code, out, _ = run_identify(capsys, model, "--gallery", str(people), "--threshold", "0.5", face)
+    assert code == 0 and out.splitlines()[-1].endswith("unknown 1.0000")  # a match, not "unknown (best ..."
+    stranger = noise_face(tmp_path / "q.png", 2)
+    code, out, _ = run_identify(capsys, model, "--gallery", str(people), "--threshold", "0.9999", "--json", stranger)
+    assert json.loads(out)["faces"][0]["name"] is None
+
+
+def test_a_persons_name_with_a_line_break_is_refused_before_any_work(tmp_path, capsys):
+    model = seeded_model(tmp_path / "m", 0)
+    people = tmp_path / "g"
+    os.makedirs(people / "eve\nmallory  0.99")
+    noise_face(people / "eve\nmallory  0.99" / "0.png", 1)
+    code, out, err = run_identify(capsys, model, "--gallery", str(people), noise_face(tmp_path / "q.png", 2))
+    assert code == 2 and out == "" and "a person's name with a line break" in err and err.count("\n") == 1
+
+
+def test_a_query_named_twice_is_answered_once(tmp_path, capsys):
+    model = seeded_model(tmp_path / "m", 0)
+    people = gallery_folder(tmp_path / "g")
+    query = noise_face(tmp_path / "q.png", 5)
+    code, out, _ = run_identify(capsys, model, "--gallery", people, query, query)
+    assert code == 0 and sum(line.startswith(query) for line in out.splitlines()) == 1
+
+
+def test_a_person_without_a_face_stops_the_gallery_after_the_others_are_saved(tmp_path):
+    from PIL import Image
+    from infer.enrolment import GalleryError, default_cache
+    model = load_model(seeded_model(tmp_path / "m", 0))
+    people = tmp_path / "g"
+    os.makedirs(people / "wall")
+    Image.new("RGB", (160, 160), (120, 140, 160)).save(people / "wall" / "0.png")
+    os.makedirs(people / "eve")
+    Image.fromarray(np.zeros((160, 160, 3), np.uint8)).save(people / "eve" / "0.png")
+    with pytest.raises(GalleryError, match="no face found in any of"):
+        enrol(str(people), model, align=True, show_progress=False)
+    assert os.path.isfile(default_cache(str(people)))  # the searches are kept: a rerun with a photo added is quick

@@ -318,3 +318,24 @@ def test_workers_end_with_a_parent_killed_by_sigkill(tmp_path):
     finally:  # where it failed: not left for the rest of the run
         for pid in filter(_alive, workers):
             os.kill(pid, signal.SIGKILL)
+
+
+UNGUARDED = """
+import operator, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from faces.workers import map_photos
+threading.Thread(target=time.sleep, args=(30,), daemon=True).start()  # no fork now: a forkserver's workers
+print("the script's work")
+print(list(map_photos(operator.neg, [1, 2, 3, 4], 2)))
+"""
+
+
+def test_a_script_without_a_main_guard_does_its_work_once_not_again_in_each_worker(tmp_path):
+    """Workers from a forkserver run the program's main module again unless it is hidden from
+    them: a user's script without `if __name__ == "__main__":` would redo its work per worker."""
+    script = tmp_path / "mine.py"
+    script.write_text(UNGUARDED)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, str(script), root], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["the script's work", "[-1, -2, -3, -4]"]
