@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from dataset.errors import DataError, ImageDecodeError
 from faces.detect import Detection

@@ -1,6 +1,7 @@
 """IJB 1:1 evaluation on a generated fixture whose TAR@FAR is known by construction."""
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from eval.ijb import evaluate_ijb
@@ -74,7 +75,7 @@ class NeverCalled(MeanColour):
 def test_roc_over_an_existing_file_is_refused_before_embedding_unless_overwrite(tmp_path):
     """--roc follows every tool's output rule (identify_eval's --plot): a photo there stays."""
     from utils.atomic import OutputError
-    _make_fixture(tmp_path)
+    make_ijb_fixture(tmp_path)
     photo = tmp_path / "holiday.png"
     Image.new("RGB", (8, 8), "red").save(photo)
     before = photo.read_bytes()
@@ -93,7 +94,7 @@ def _tool(argv, capsys):
 
 
 def test_ijb_tool_refuses_an_existing_roc_and_a_wrong_root_in_one_line(tmp_path, capsys):
-    _make_fixture(tmp_path)
+    make_ijb_fixture(tmp_path)
     photo = tmp_path / "holiday.png"
     photo.write_bytes(b"a photo")
     rc, err = _tool(["no-such-model", "--root", str(tmp_path), "--roc", str(photo)], capsys)
@@ -114,7 +115,7 @@ def test_ijb_tool_refuses_an_existing_roc_and_a_wrong_root_in_one_line(tmp_path,
 ])
 def test_malformed_meta_line_is_a_data_error_naming_file_line_and_field(tmp_path, file, line, damage, expected):
     from dataset.errors import DataError
-    _make_fixture(tmp_path)
+    make_ijb_fixture(tmp_path)
     path = tmp_path / "meta" / file
     lines = path.read_text().splitlines()
     lines[line - 1] = " ".join(damage(lines[line - 1].split()))
@@ -125,7 +126,7 @@ def test_malformed_meta_line_is_a_data_error_naming_file_line_and_field(tmp_path
 
 def test_malformed_meta_through_the_tool_is_one_line(tmp_path, capsys):
     import backbones
-    _make_fixture(tmp_path)
+    make_ijb_fixture(tmp_path)
     torch.save(backbones.get_model("tiny").state_dict(), tmp_path / "model.pt")
     path = tmp_path / "meta" / "ijbc_face_tid_mid.txt"
     path.write_text(path.read_text().replace(" 0 0\n", " 0 zero\n", 1))
@@ -135,7 +136,7 @@ def test_malformed_meta_through_the_tool_is_one_line(tmp_path, capsys):
 
 def test_meta_files_with_a_utf8_bom_read_as_without(tmp_path):
     """An editor's BOM is not part of the first image's name (eval.pairs reads LFW's list so too)."""
-    _make_fixture(tmp_path)
+    make_ijb_fixture(tmp_path)
     plain = evaluate_ijb(str(tmp_path), MeanColour(), "ijbc", batch_size=16)
     for name in ("ijbc_face_tid_mid.txt", "ijbc_template_pair_label.txt"):
         path = tmp_path / "meta" / name

@@ -278,8 +278,8 @@ def test_verify_of_a_list_from_a_pipe_refuses_its_cache_place_before_searching_a
                                                                                        counted):
     """verify --pairs_list <(...): the list is /dev/fd/N, where no cache can be saved, not even by
     root (os.access says yes to root there): refused before the photos are searched, saying how."""
-    model = _model(str(tmp_path / "m"), 0)
-    text = open(_lfw_list(tmp_path / "pairs.txt")).read().encode()
+    model = seeded_model(str(tmp_path / "m"), 0)
+    text = open(lfw_list(tmp_path / "pairs.txt")).read().encode()
     r, w = os.pipe()
     try:
         os.write(w, text)
