@@ -1,5 +1,5 @@
 """Finding the faces of one photo list on many machines (`pack_rec --align` under torchrun, or
-`--rank R --world W` by hand): each rank finds the faces of its share of the list (faces.shares)
+`--rank R --world W` by hand): each rank finds the faces of its share of the list (dataset.shares)
 on its own cores and writes them, exactly, into its part beside the output; rank 0 waits for
 every part and reads them back into the `Found` one process would have made, so what it then
 writes is byte for byte what one process writes. Detection is nearly all of the work (the warp
@@ -15,7 +15,7 @@ import numpy as np
 
 from faces.detect import Face
 from faces.photos import Detection, Found, find_faces
-from faces.shares import WAIT_MIN_S, PartError, Parts, list_key, share_of
+from dataset.shares import WAIT_MIN_S, PartError, Parts, list_key, share_of
 
 FACES = "faces.json"
 

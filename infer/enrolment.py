@@ -1,33 +1,14 @@
-"""1:N identification in a few plain functions: `enrol` a folder of people, `embedded_faces` of a
-query photo, `identify` them against the gallery.
+"""1:N identification in a few plain functions: `enrol` a folder of people, `embedded_faces` of
+query photos (infer.stream), `identify` them against the gallery (docs/identification.md).
 
-A gallery folder holds one folder per person (its name is the person's name) with any number
-of images, in sub-folders too. Every image is embedded (the flip test, L2-normalised, as
-scripts.embed). A person is scored by their *mean template*: the L2-normalised mean of their
-image embeddings, the pooling IJB templates use. So a query's score for a person is one
-cosine, a person with many photos does not win by having more chances, and the search runs
-over people, not images.
-
-Without alignment every image is taken as a face crop already aligned for the model (its
-template's size, or insightface's 112x112); with `align=True` faces are found and aligned in
-photos by faces.detect under the model's `Detection` (detector, upsampling, landmarks, minimum score,
-maximum side; the largest face of each gallery image is enrolled).
-
-Enrolment is cached in one file (default `DIR/.shardface_gallery.npz`, and
-`DIR/.shardface_gallery.no_ema.npz` for the raw weights, so switching `--no_ema` back and forth
-re-enrols nothing) recording the model's name and fingerprint, the EMA choice, its template,
-the alignment and face options, and every image's path, size and content hash (its first and
-last 64 KiB with its size: a file replaced by another of the same size and time is seen). A
-later run reuses it: only images added or changed since are embedded, images removed are
-dropped, and a change of the model's weights (same MODEL, new fingerprint), of the alignment or
-of a face option embeds everything again, saying what changed. A file that another MODEL made
-is refused (its enrolment is not overwritten by accident): `rebuild=True` replaces it. A file
-that is not a gallery file at all is refused, `rebuild` or not. What is loaded is checked (one
-row per enrolled face, the model's width, finite, unit length): a damaged file is enrolled
-again, with a warning naming it. A large enrolment shows progress and saves its embeddings
-every `save_every_s` seconds in `CACHE.parts/<host>-<pid>/`, one folder per process (two runs
-enrolling one gallery never delete each other's), so an interrupted run resumes where it
-stopped and loses at most that much work."""
+A gallery folder holds one folder per person, named for them. A person is scored by their mean
+template (the L2-normalised mean of their images' embeddings, as IJB pools), so the search runs
+over people and a person with many photos has no more chances. Enrolment is cached in one file
+per gallery and weights (`.shardface_gallery.npz`, `.no_ema.npz`) that records what made it
+(model, fingerprint, template, alignment, face options) and each image's content key: a later
+run embeds only what changed, says why it embeds everything again, refuses another MODEL's file
+(`rebuild` replaces it) and re-enrols a damaged one. A long enrolment saves parts every
+`save_every_s` seconds, one folder per process under `CACHE.parts/`, and resumes from them."""
 from __future__ import annotations
 
 import contextlib

@@ -14,7 +14,7 @@ The photos are shared by --workers processes (default: every core this process m
 output is the same, byte for byte, whatever their number. Many machines: under torchrun, or
 with --rank R --world W on machines sharing DST's folder, each rank aligns its share of the
 sorted photos into DST.parts-<key>/rank-R-of-W, and rank 0 joins the parts into DST, the same
-files one process writes (faces/shares.py)."""
+files one process writes (dataset/shares.py)."""
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
@@ -37,7 +37,7 @@ from dataset.images import IMAGE_EXTENSIONS
 from faces.align import ARCFACE_112
 from faces.detect import Detection
 from faces.photos import no_face_message
-from faces.shares import WAIT_MIN_S, Parts, launch_rank, list_key, share_of
+from dataset.shares import WAIT_MIN_S, Parts, launch_rank, list_key, share_of
 from faces.stream import Crop, stream
 from faces.workers import warm_up
 from parallel.user_errors import exits_on_user_error
@@ -131,7 +131,7 @@ def align_ranked(src: str, photos: list[str], dst: str, detection: Detection, si
                  workers: int, rank: int, world: int) -> tuple[int, list[str]] | None:
     """Rank `rank` of `world` aligns its share of `photos` into its part beside `dst`; rank 0
     then waits for every part and publishes their join as `dst`, what one process writes
-    (faces.shares). -> (crops written, photos without a face) on rank 0, None on the others."""
+    (dataset.shares). -> (crops written, photos without a face) on rank 0, None on the others."""
     parts = Parts(dst, list_key(photos, detection, side, largest_only, root=src), world)
     start, mine = time.monotonic(), share_of(len(photos), rank, world)
     share = photos[mine.start:mine.end]

@@ -29,7 +29,7 @@ from dataset.images import stored_bytes
 from dataset.pack import write_insightface_rec
 from faces.photos import align_groups, aligned_pngs
 from faces.ranked import find_faces_ranked
-from faces.shares import launch_rank
+from dataset.shares import launch_rank
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 from scripts.options import add_align_options, add_rank_options, face_detection, workers_from

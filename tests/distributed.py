@@ -75,7 +75,7 @@ def _worker(rank, world_size, port, fn, args, results, init, env, cwd, caller):
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-                          TORCHELASTIC_RUN_ID="tests")  # torchrun's own mark (faces.shares.launch_rank)
+                          TORCHELASTIC_RUN_ID="tests")  # torchrun's own mark (dataset.shares.launch_rank)
         if init:
             dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=60))

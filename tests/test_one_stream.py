@@ -53,10 +53,10 @@ def test_only_the_face_stream_runs_the_detector_on_photos():
 
 
 def test_only_infer_stream_runs_a_models_forward_on_photos():
-    """infer.embed's forward (`embed`, `embed_batches`) is imported by infer/stream.py, and by
+    """infer.embed's forward (`embed`) is imported by infer/stream.py, and by
     eval/verification.py for the .bin sets' crops (no photos there)."""
     users = sorted(path for _, path in _sources()
-                   if {"embed", "embed_batches"} & _imported_names(_tree(path), "infer.embed"))
+                   if "embed" in _imported_names(_tree(path), "infer.embed"))
     assert users == [os.path.join("eval", "verification.py"), os.path.join("infer", "stream.py")]
 
 
