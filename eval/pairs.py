@@ -72,13 +72,13 @@ def contiguous_folds(n: int, nfolds: int = NFOLDS) -> list[tuple[int, int]]:
     return bounds
 
 
-def _is_number(text: str) -> bool:
+def is_whole_number(text: str) -> bool:
     """ASCII digits only: str.isdigit() also takes superscripts ('³'), which int() refuses."""
     return text.isascii() and text.isdigit()
 
 
 def _lfw_image(folder: str, name: str, number: str, where: str) -> str:
-    if not _is_number(number) or int(number) < 1:
+    if not is_whole_number(number) or int(number) < 1:
         raise PairListError(f"{where}: image number {number!r} is not a positive whole number")
     return os.path.join(folder, name, f"{name}_{int(number):04d}.jpg")
 
@@ -147,7 +147,7 @@ def read_pair_list(path: str, folder: str) -> PairList:
     if not rows:
         raise PairListError(f"{path}: no pairs in the list")
     first = rows[0][1]
-    if len(first) == 2 and all(_is_number(v) for v in first):
+    if len(first) == 2 and all(is_whole_number(v) for v in first):
         return _read_lfw(path, folder, rows)
     return _read_plain(path, folder, rows)
 

@@ -45,9 +45,10 @@ class _Damaged(Exception):
 
 def cache_paths(list_path: str, fingerprint: str | None, folder: str | None = None) -> tuple[str, str | None]:
     """(faces cache, embeddings cache of the model `fingerprint`, None without one) of a pair list,
-    in `folder` (default the list's own)."""
-    base = os.path.join(folder if folder is not None else os.path.dirname(os.path.abspath(list_path)),
-                        os.path.basename(list_path))
+    in `folder` (default the list file's folder, or inside a CFP root)."""
+    list_path = list_path.rstrip(os.sep) or list_path
+    home = list_path if os.path.isdir(list_path) else os.path.dirname(os.path.abspath(list_path))  # a CFP root's inside
+    base = os.path.join(folder if folder is not None else home, os.path.basename(os.path.abspath(list_path)))
     return f"{base}.shardface_faces.npz", (f"{base}.shardface_pairs.{fingerprint}.npz" if fingerprint else None)
 
 

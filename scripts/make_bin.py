@@ -10,9 +10,10 @@ protocol holds both kinds. scripts.verify and training's val_targets read the fi
 With --align the images are photos: each photo's largest face is aligned to 112x112 first, and
 photos without a face are left out of the draw and named (refused with --strict).
 
-With --pairs_list (LFW's pairs.txt or a plain `path1 path2 1|0` list, eval.pairs) the pairs are
-the list's, in its order, so verification's 10 folds are the list's own (LFW view 2's 10 sets of
-600). A pair is never dropped: with --align a photo where no face is found, after the retries
+With --pairs_list (LFW's pairs.txt or a plain `path1 path2 1|0` list, eval.pairs; or a CFP root
+with --protocol FP or FF, eval.cfp: insightface's cfp_fp.bin and cfp_ff.bin) the pairs are the
+list's, in its order, so verification's 10 folds are the list's own (LFW view 2's 10 sets of 600,
+CFP's 10 splits of 700). A pair is never dropped: with --align a photo where no face is found, after the retries
 asked for (--retry_upsample, --retry_mmod), is cut at a fallback face (infer.pair_photos, as
 scripts.verify does) and named; --strict refuses such photos instead. Each photo is aligned once
 however many pairs name it; its detection is cached beside the list (infer.pair_cache), where
@@ -32,7 +33,8 @@ from configs.errors import ConfigError
 from dataset import DataError, list_identity_folders
 from dataset.geometry import check_files
 from dataset.images import stored_bytes
-from eval.pairs import check_images, read_pair_list
+from eval.cfp import read_list
+from eval.pairs import check_images
 from eval.verification import NFOLDS, write_bin
 from faces.photos import align_groups, aligned_pngs
 from infer.pair_cache import cache_paths, check_cache
@@ -87,7 +89,7 @@ def write_list_bin(args) -> int:
     detection = face_detection(args)
     retries_from(args, detection)
     check_output_file(args.output, overwrite=args.overwrite)
-    pair_list = read_pair_list(args.pairs_list, args.folder)
+    pair_list = read_list(args.pairs_list, args.folder, args.protocol)
     check_images(pair_list)
     photos = pair_list.photos
     cache = cache_paths(args.pairs_list, None, args.cache_dir)[0]
@@ -131,9 +133,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.pairs_list is not None:
         return write_list_bin(args)
-    if args.retry_upsample is not None or args.retry_mmod or args.cache_dir is not None:
-        raise ConfigError("--retry_upsample, --retry_mmod and --cache_dir are for --pairs_list (photos without a "
-                          "face are left out of a drawn set)")
+    if args.retry_upsample is not None or args.retry_mmod or args.cache_dir is not None or args.protocol:
+        raise ConfigError("--retry_upsample, --retry_mmod, --cache_dir and --protocol are for --pairs_list (photos "
+                          "without a face are left out of a drawn set)")
     args.seed = 0 if args.seed is None else args.seed
     if args.pairs is not None and args.pairs < NFOLDS:
         raise DataError(f"--pairs {args.pairs}: verification needs at least {NFOLDS} pairs (its folds)")

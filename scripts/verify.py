@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """Verify a trained backbone on LFW-format .bin sets and print a table of results (10-fold accuracy).
 `python -m scripts.verify MODEL --bin lfw.bin [--bin cfp_fp.bin ...]`, or straight from photos:
-`python -m scripts.verify MODEL --pairs_list pairs.txt --images FOLDER`.
+`python -m scripts.verify MODEL --pairs_list pairs.txt --images FOLDER`, or CFP's own protocols:
+`python -m scripts.verify MODEL --pairs_list CFP_ROOT --protocol FP` (or FF).
 
 The .bin sets hold insightface's 112x112 crops; a model made for another crop (MODEL `dlib`,
 150x150 dlib chips) sees them re-framed onto its template (infer.model.Model.from_crops):
 what falls outside the 112 crop is black, which costs some accuracy (docs/photos.md).
 
-With --pairs_list (LFW's pairs.txt or a plain `path1 path2 1|0` list, eval.pairs) each photo is
+With --pairs_list (LFW's pairs.txt, a plain `path1 path2 1|0` list, eval.pairs, or a CFP root
+with --protocol, eval.cfp) each photo is
 cut to the model's own crop (Model.crop: dlib's own chip for MODEL `dlib`, the 112 alignment for
 ours), so nothing is re-framed and no .bin is written; the pairs are scored in the list's order,
 on its own folds, in the same table. No pair is dropped: a photo where no face is found (after
@@ -26,7 +28,8 @@ import os
 import sys
 
 from configs.errors import ConfigError
-from eval.pairs import check_images, read_pair_list, score_pairs
+from eval.cfp import list_name, read_list
+from eval.pairs import check_images, score_pairs
 from eval.verification import NFOLDS, load_bin, test
 from faces.align import ARCFACE_112
 from infer.embed import refuse_non_finite_embeddings
@@ -59,8 +62,9 @@ def main(argv=None) -> int:
     p.add_argument("--bin", action="append", default=[], help="a .bin file (repeatable)")
     p.add_argument("--pairs_list", default=None,
                    help="verify the pairs of this list from photos: LFW's pairs.txt (images FOLDER/name/"
-                        "name_000n.jpg) or one `path1 path2 1|0` pair a line, paths relative to --images (an "
-                        "absolute path is read where it points, even outside --images)")
+                        "name_000n.jpg), one `path1 path2 1|0` pair a line, paths relative to --images (an "
+                        "absolute path is read where it points, even outside --images), or a CFP root with "
+                        "--protocol")
     p.add_argument("--images", default=None, help="with --pairs_list, the folder of its photos")
     p.add_argument("--strict", action="store_true",
                    help="with --pairs_list, refuse photos without a face instead of cutting them at a fallback face")
@@ -70,13 +74,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not args.bin and args.pairs_list is None:
         raise ConfigError("nothing to verify: pass --bin FILE or --pairs_list FILE --images FOLDER")
-    if (args.pairs_list is None) != (args.images is None):
-        raise ConfigError("--pairs_list and --images go together: the list names photos in the folder")
+    if args.images is not None and args.pairs_list is None:
+        raise ConfigError("--images goes with --pairs_list: the list names photos in the folder")
     pair_list = detection = None
     if args.pairs_list is not None:  # the list and its photos checked, the detectors loaded, before any work
         detection = face_detection(args)
         retries_from(args, detection)
-        pair_list = read_pair_list(args.pairs_list, args.images)
+        pair_list = read_list(args.pairs_list, args.images, args.protocol)
         check_images(pair_list)
     embedder = model_from(args, detection)
     model = embedder.for_crops(ARCFACE_112)
@@ -85,7 +89,7 @@ def main(argv=None) -> int:
     rows = []
     if pair_list is not None:
         r = verify_list(args, embedder, pair_list, detection)
-        rows.append((os.path.basename(args.pairs_list), r.accuracy, r.accuracy_flip, r.std_flip, r.xnorm))
+        rows.append((list_name(pair_list), r.accuracy, r.accuracy_flip, r.std_flip, r.xnorm))
     for path in args.bin:
         r = test(load_bin(path, min_pairs=NFOLDS), model, args.batch_size)
         for emb in (r.embeddings, r.embeddings_flip):  # NaN distances would verify as chance

@@ -1,0 +1,139 @@
+"""CFP's own protocol (eval/cfp.py) on a small folder in its layout: its pairs in split order on
+its own 10 folds, every bad line named by file and line, `--protocol` refused where it means
+nothing, and the .bin files make_bin writes from it read by training's loader and, as its
+format says, by arcface_torch's, scoring what the photos score."""
+import os
+import pickle
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from eval.cfp import read_cfp, read_list
+from eval.pairs import PairListError
+from eval.verification import load_bin
+from scripts.make_bin import main as make_bin
+from scripts.verify import main as verify
+from tests.cfp_fixture import FRONTAL, PEOPLE, PROFILE, cfp_root
+from tests.gallery_files import seeded_model
+
+dlib = pytest.importorskip("dlib")
+
+
+@pytest.fixture(scope="module")
+def cfp(tmp_path_factory) -> str:
+    return cfp_root(tmp_path_factory.mktemp("cfp"))
+
+
+def _photo(cfp, person, kind, i):
+    return os.path.join(cfp, "Data", "Images", f"{person:03d}", kind, f"{i:02d}.jpg")
+
+
+@pytest.mark.parametrize("protocol", ["FP", "FF"])
+def test_the_protocol_reads_in_split_order_on_its_own_ten_folds(cfp, protocol):
+    pairs = read_cfp(cfp, protocol)
+    assert len(pairs.pairs) == 20 and pairs.folds == [(2 * k, 2 * k + 2) for k in range(10)]
+    assert pairs.issame == [True, False] * 10  # each split: its same pairs, then its different ones
+    second, per = ("profile", PROFILE) if protocol == "FP" else ("frontal", FRONTAL)
+    for k in range(10):  # the fixture's fold k, by construction
+        a, b = k % PEOPLE + 1, (k + 1) % PEOPLE + 1
+        first = _photo(cfp, a, "frontal", k % FRONTAL + 1)
+        assert pairs.pairs[2 * k] == (first, _photo(cfp, a, second, (k + 1) % per + 1))
+        assert pairs.pairs[2 * k + 1] == (first, _photo(cfp, b, second, k % per + 1))
+    assert all(p.startswith(os.path.join(cfp, "Data", "Images")) for p in pairs.photos)
+
+
+def _copy(cfp, tmp_path) -> str:
+    import shutil
+    shutil.copytree(cfp, tmp_path / "cfp")
+    return str(tmp_path / "cfp")
+
+
+@pytest.mark.parametrize("file,line,text,message", [
+    ("Protocol/Split/FP/03/diff.txt", 1, "2;3", r"Split/FP/03/diff.txt:1: expected `i,j`"),
+    ("Protocol/Split/FP/07/same.txt", 1, "2,99", r"Split/FP/07/same.txt:1: pair 2,99 is outside the lists"),
+    ("Protocol/Split/FP/02/same.txt", 1, "2,³", r"Split/FP/02/same.txt:1: expected `i,j`"),
+    ("Protocol/Pair_list_P.txt", 3, "7 ../Data/Images/002/profile/01.jpg", r"Pair_list_P.txt:3: expected `3 PATH`"),
+    ("Protocol/Pair_list_F.txt", 2, "2 ../Data/Images/001/frontal/09.jpg", r"Pair_list_F.txt:2: photo \S+09.jpg not found"),
+])
+def test_a_bad_protocol_line_is_named_by_file_and_line(cfp, tmp_path, file, line, text, message):
+    root = _copy(cfp, tmp_path)
+    path = os.path.join(root, file)
+    lines = open(path).read().splitlines()
+    lines[line - 1] = text
+    open(path, "w").write("\n".join(lines) + "\n")
+    with pytest.raises(PairListError, match=message):
+        read_cfp(root, "FP")
+
+
+def test_folds_of_unequal_size_are_refused_naming_them(cfp, tmp_path):
+    root = _copy(cfp, tmp_path)
+    with open(os.path.join(root, "Protocol", "Split", "FF", "04", "same.txt"), "a") as f:
+        f.write("1,2\n")
+    with pytest.raises(PairListError, match=r"Split/FF: its folds hold 2, 2, 2, 3, 2"):
+        read_cfp(root, "FF")
+
+
+def test_protocol_options_where_they_mean_nothing_are_one_line(cfp, tmp_path, capsys):
+    model = seeded_model(str(tmp_path / "m"), 0)
+    listing = tmp_path / "pairs.txt"
+    listing.write_text("a.jpg b.jpg 1\n" * 10)
+    for argv, said in ((["--pairs_list", cfp], "a CFP root; pass --protocol FP"),
+                       (["--pairs_list", str(listing), "--images", str(tmp_path), "--protocol", "FP"],
+                        "--protocol FP: for a CFP root"),
+                       (["--pairs_list", cfp, "--protocol", "FP", "--images", str(tmp_path)],
+                        "CFP's photos are under its root")):
+        assert verify([model, *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0]
+    assert make_bin([cfp, str(tmp_path / "x.bin"), "--protocol", "FP"]) == 2
+    assert "--protocol are for --pairs_list" in capsys.readouterr().err
+    with pytest.raises(PairListError, match="CFP's protocols are FP and FF"):
+        read_list(cfp, None, "PF")
+
+
+def _arcface_torch_reads(path: str) -> tuple[list[np.ndarray], list[bool]]:
+    """What arcface_torch's load_bin does with a .bin, written from its format: a pickle of (list of
+    encoded images, list of bools), read with encoding='bytes' under Python 3, each image decoded
+    to H x W x 3 RGB, two images a pair."""
+    import io
+    with open(path, "rb") as f:
+        bins, issame = pickle.load(f, encoding="bytes")
+    assert len(bins) == 2 * len(issame)
+    return [np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in bins], list(issame)
+
+
+@pytest.mark.parametrize("protocol", ["FP", "FF"])
+def test_make_bin_writes_the_protocol_in_pair_order_for_training_and_arcface_torch(cfp, tmp_path, capsys, protocol):
+    from eval.callback import VerificationCallback
+    name = f"cfp_{protocol.lower()}"
+    out = str(tmp_path / f"{name}.bin")
+    assert make_bin([cfp, out, "--pairs_list", cfp, "--protocol", protocol, "--align", "--workers", "1",
+                     "--cache_dir", str(tmp_path)]) == 0
+    said = capsys.readouterr().out
+    pairs = read_cfp(cfp, protocol)
+    (images, _), issame = load_bin(out)
+    assert issame == pairs.issame and images.shape == (40, 3, 112, 112)
+    theirs, their_issame = _arcface_torch_reads(out)
+    assert their_issame == pairs.issame and all(i.shape == (112, 112, 3) for i in theirs)
+    np.testing.assert_array_equal(np.stack(theirs), images.permute(0, 2, 3, 1).numpy())
+    if protocol == "FP":
+        assert "no face found in" in said and "profile/02.jpg" in said  # the faceless profiles: fallbacks, named
+    # training's verification reads it by its insightface name from val_dir
+    callback = VerificationCallback([name], str(tmp_path), 1, None)
+    assert list(callback.sets) == [name] and callback.sets[name][1] == pairs.issame
+
+
+def test_verify_from_the_photos_scores_what_verify_of_the_bin_scores(cfp, tmp_path, capsys):
+    """A 112x112 model sees the same crops both ways (the .bin's are lossless PNGs)."""
+    out = str(tmp_path / "cfp_fp.bin")
+    model = seeded_model(str(tmp_path / "m"), 1)
+    assert make_bin([cfp, out, "--pairs_list", cfp, "--protocol", "FP", "--align", "--workers", "1",
+                     "--cache_dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert verify([model, "--bin", out, "--pairs_list", cfp, "--protocol", "FP", "--cache_dir", str(tmp_path),
+                   "--batch_size", "8", "--workers", "1"]) == 0
+    table = capsys.readouterr().out
+    rows = [line.split() for line in table.splitlines() if line.startswith("cfp_fp")]
+    assert len(rows) == 2 and rows[0][0] == "cfp_fp" and rows[1][0] == "cfp_fp.bin"
+    assert rows[0][1:] == rows[1][1:]  # acc, acc-flip, std, XNorm
