@@ -177,8 +177,6 @@ class Model:
             return self.module
         return _Reframed(self, made_for)
 
-
-
     # the Python API: thin layers on the face stream (infer.stream)
 
     def analyse(self, photos, workers: int = 1, flip: bool = True, largest_only: bool = False,
