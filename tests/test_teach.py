@@ -161,25 +161,29 @@ def test_teacher_file_with_non_finite_rows_is_refused_at_open_naming_them(made, 
     assert err.startswith(f"error: {path}: 2 of 6 teacher rows are not finite (NaN or inf): rows 2, 4;"), err
 
 
-def test_teach_refuses_a_teacher_whose_embedding_of_a_record_is_not_finite(folder, tmp_path):
+class _ScaledTeacher(torch.nn.Module):
+    """N x 3 embeddings times `factor`: NaN or zero (the start probe checks only shapes)."""
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.w, self.factor = torch.nn.Parameter(torch.ones(1)), factor
+
+    def forward(self, x):
+        return x.mean(dim=(2, 3)) * self.w * self.factor
+
+
+@pytest.mark.parametrize("factor,said", [(float("nan"), "is not finite"), (0.0, ".* has norm 0")])
+def test_teach_refuses_a_teacher_whose_embedding_of_a_record_is_not_finite_or_zero(folder, tmp_path, factor, said):
     from distill.teacher import OnlineTeacher
     from faces.align import ARCFACE_112
     from infer.model import Model
     from scripts.teach import write_teacher_file
 
-    class NanTeacher(torch.nn.Module):  # N x 3 embeddings, all NaN (the start probe checks shapes)
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.ones(1))
-
-        def forward(self, x):
-            return x.mean(dim=(2, 3)) * self.w * float("nan")
-
-    cfg = get_config("configs/demo.py", ["--rec", folder, "--num_classes", "0", "--teacher", "nan"])
+    cfg = get_config("configs/demo.py", ["--rec", folder, "--num_classes", "0", "--teacher", "odd"])
     data = build_train_dataset(cfg, train=False)
-    teacher = OnlineTeacher(Model(NanTeacher(), ARCFACE_112, "nan", "x"), torch.device("cpu"))
-    out = str(tmp_path / "nan.teacher")
-    with pytest.raises(CheckpointError, match=f"^teacher nan: its embedding of record 0 of {folder} is not finite"):
+    teacher = OnlineTeacher(Model(_ScaledTeacher(factor), ARCFACE_112, "odd", "x"), torch.device("cpu"))
+    out = str(tmp_path / "odd.teacher")
+    with pytest.raises(CheckpointError, match=f"^teacher odd: its embedding of record 0 of {folder} {said}"):
         write_teacher_file(teacher, data, {"data": folder}, out, batch_size=4, num_workers=0)
     assert os.listdir(tmp_path) == []
 
@@ -200,26 +204,3 @@ def test_teacher_file_with_rows_that_are_not_unit_is_refused_at_open_naming_the_
     path = _write_teacher_file(tmp_path / "zero.teacher", file.header, rows)
     err = _opened(capsys, path)
     assert "6 of 6 teacher rows are not unit vectors" in err and "the first of norm 0" in err, err
-
-
-def test_teach_refuses_a_teacher_whose_embedding_of_a_record_is_zero(folder, tmp_path):
-    from infer.model import Model
-    from distill.teacher import OnlineTeacher
-    from faces.align import ARCFACE_112
-    from scripts.teach import write_teacher_file
-
-    class ZeroTeacher(torch.nn.Module):  # N x 3 embeddings, all zero: no direction to normalise
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.ones(1))
-
-        def forward(self, x):
-            return x.mean(dim=(2, 3)) * self.w * 0.0
-
-    cfg = get_config("configs/demo.py", ["--rec", folder, "--num_classes", "0", "--teacher", "zero"])
-    data = build_train_dataset(cfg, train=False)
-    teacher = OnlineTeacher(Model(ZeroTeacher(), ARCFACE_112, "zero", "x"), torch.device("cpu"))
-    out = str(tmp_path / "zero.teacher")
-    with pytest.raises(CheckpointError, match=f"^teacher zero: its embedding of record 0 of {folder} .* has norm 0"):
-        write_teacher_file(teacher, data, {"data": folder}, out, batch_size=4, num_workers=0)
-    assert os.listdir(tmp_path) == []
