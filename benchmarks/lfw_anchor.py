@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""The anchor: MODEL `dlib` on LFW's own protocol from the photos, beside dlib's own pipeline on
-the same pairs, and the cost of the .bin path, in one run.
+"""The anchor: MODEL `dlib` on LFW's own protocol from the photos (or CFP's, `--pairs_list
+CFP_ROOT --protocol FP|FF`), beside dlib's own pipeline on the same pairs, and the cost of the
+.bin path, in one run.
 
     .venv/bin/python benchmarks/lfw_anchor.py --images LFW_FOLDER --pairs_list pairs.txt
+    .venv/bin/python benchmarks/lfw_anchor.py --pairs_list CFP_ROOT --protocol FP
 
 - **ours from photos**: what `scripts.verify dlib --pairs_list pairs.txt --images LFW_FOLDER
   --retry_upsample 2 --retry_mmod` scores (infer.pair_photos: every photo cut to dlib's own
@@ -34,7 +36,8 @@ import common  # noqa: F401,I001
 import numpy as np
 import torch
 
-from eval.pairs import check_images, read_pair_list, score_pairs
+from eval.cfp import read_list
+from eval.pairs import check_images, score_pairs
 from eval.verification import NFOLDS, evaluate
 from faces.align import ARCFACE_112
 from faces.detect import Detection, load_photo
@@ -80,15 +83,16 @@ def folds_accuracy(emb: np.ndarray, issame: np.ndarray) -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--images", required=True, help="LFW's folder (deep-funneled or not): FOLDER/name/name_000n.jpg")
-    p.add_argument("--pairs_list", required=True, help="LFW's pairs.txt (view 2)")
+    p.add_argument("--images", default=None, help="LFW's folder (deep-funneled or not): FOLDER/name/name_000n.jpg")
+    p.add_argument("--pairs_list", required=True, help="LFW's pairs.txt (view 2), or a CFP root with --protocol")
+    p.add_argument("--protocol", default=None, choices=("FP", "FF"), help="with a CFP root: its protocol")
     p.add_argument("--cache_dir", default=None, help="where the faces and embeddings are cached (default: beside the list)")
     p.add_argument("--workers", type=int, default=default_workers())
     p.add_argument("--skip_dlib_own", action="store_true", help="leave out dlib's own pipeline (the slow part)")
     args = p.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
 
-    pair_list = read_pair_list(args.pairs_list, args.images)
+    pair_list = read_list(args.pairs_list, args.images, args.protocol)
     check_images(pair_list)
     photos, issame, rows = pair_list.photos, np.asarray(pair_list.issame), pair_list.rows()
     print(f"{len(pair_list.pairs)} pairs of {len(photos)} photos ({args.pairs_list}); {args.workers} workers")
