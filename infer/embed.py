@@ -26,20 +26,26 @@ def _layout(x: torch.Tensor, nhwc: bool) -> torch.Tensor:
     return x.contiguous(memory_format=torch.channels_last) if nhwc and x.dim() == 4 else x
 
 
+AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 @torch.no_grad()
-def embed(images: torch.Tensor, module: nn.Module, batch_size: int) -> np.ndarray:
+def embed(images: torch.Tensor, module: nn.Module, batch_size: int, precision: str = "fp32") -> np.ndarray:
     """Embeddings of a uint8 image tensor (normalised to [-1, 1] here), `batch_size` at a time in
-    eval mode on the module's device (its train/eval mode restored afterwards); the result does
-    not depend on batch_size."""
+    eval mode on the module's device (its train/eval mode restored afterwards), in fp32, or on a
+    GPU under `precision`'s autocast; the result does not depend on batch_size."""
     device = module_device(module)
-    # on the CPU, convolutions over channels-last batches are 1.1-1.3x faster, the same math
-    # (benchmarks/channels_last.py); a module without weights (the ONNX form) takes them as given
-    nhwc = device.type == "cpu" and next(module.parameters(), None) is not None
+    # convolutions over channels-last batches are faster, the same math: 1.1-1.3x on the CPU,
+    # 1.4-1.5x on an H100 (benchmarks/channels_last.py); a module without weights (the ONNX form)
+    # takes them as given
+    nhwc = device.type in ("cpu", "cuda") and next(module.parameters(), None) is not None
+    autocast = device.type == "cuda" and precision in AUTOCAST
     was_training = module.training
     module.eval()
     try:
-        out = [module(normalize_images(_layout(batch.to(device), nhwc))).float().cpu()
-               for batch in images.split(batch_size)]
+        with torch.autocast("cuda", AUTOCAST.get(precision, torch.float16), enabled=autocast):
+            out = [module(normalize_images(_layout(batch.to(device), nhwc))).float().cpu()
+                   for batch in images.split(batch_size)]
     finally:
         module.train(was_training)
     return torch.cat(out).numpy()

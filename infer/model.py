@@ -52,6 +52,7 @@ from infer.weights import DLIB, DLIB_FILE, dlib_state, load_backbone
 
 MODEL_HELP = "run output, checkpoint dir, model.pt (ShardFace or arcface_torch), .onnx or dlib"
 KINDS = ("dlib", "onnx", "weights")
+PRECISIONS = ("fp32", "fp16", "bf16")
 
 
 def tool_device() -> torch.device:
@@ -114,6 +115,7 @@ class Model:
     ema: bool = True        # the EMA weights were asked for (False: --no_ema); derived files record it
     kind: str = "weights"   # model_kind(name): "dlib", "onnx" or "weights"
     detection: Detection = Detection()  # how `faces` and `embed` find faces in photos
+    precision: str = "fp32"  # on a GPU, "fp16" or "bf16" embeds under autocast (infer.embed)
     # from_crops' warps, made once per (template, device, dtype): rebuilt each step, each would be
     # a copy from host memory that waits for the device
     _thetas: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -257,20 +259,25 @@ def load_module(spec: str, network: str | None = None, ema: bool = True,
 
 
 def load_model(spec: str, network: str | None = None, ema: bool = True, device: torch.device | None = None,
-               detection: Detection = Detection()) -> Model:
+               detection: Detection = Detection(), precision: str = "fp32") -> Model:
     """The Model of a MODEL argument (see the module docstring), on `device` (default
-    `tool_device()`; an `.onnx` runs where onnxruntime places it), finding faces with `detection`."""
+    `tool_device()`; an `.onnx` runs where onnxruntime places it), finding faces with `detection`,
+    embedding at `precision` (PRECISIONS: fp16 and bf16 autocast on a GPU only)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
     kind = model_kind(spec)
     if kind == "dlib":
         module = DlibResNet(input_size=DLIB_150.size[0])
         module.load_state_dict(dlib_state())
         module = module.eval().to(device if device is not None else tool_device())
         return Model(module, DLIB_150, spec, fingerprint_file(model_file(DLIB_FILE)), model_threshold(spec),
-                     kind=kind, detection=detection)
+                     kind=kind, detection=detection, precision=precision)
     module = load_module(spec, network, ema, device)
     if kind == "onnx":
-        return Model(module, module.template, spec, fingerprint_file(spec), module.threshold, ema, kind, detection)
-    return Model(module, ARCFACE_112, spec, fingerprint_module(module), run_threshold(spec, ema), ema, kind, detection)
+        return Model(module, module.template, spec, fingerprint_file(spec), module.threshold, ema, kind, detection,
+                     precision)
+    return Model(module, ARCFACE_112, spec, fingerprint_module(module), run_threshold(spec, ema), ema, kind, detection,
+                 precision)
 
 
 def as_model(module: nn.Module | Model) -> Model:

@@ -86,14 +86,14 @@ def embed_crops(model, crops: torch.Tensor, template: Template, flip: bool = Tru
     model's): each crop's embedding plus its mirror image's, or its own alone without `flip`;
     with `raw`, N x 2 x D, the two as the network gives them. Embeddings that are not finite are
     refused, naming the model."""
-    module = model.for_crops(template)
-    own = embed(crops, module, batch_size)
+    module, precision = model.for_crops(template), getattr(model, "precision", "fp32")
+    own = embed(crops, module, batch_size, precision)
     if raw:
-        mirror = embed(torch.flip(crops, dims=[3]), module, batch_size)
+        mirror = embed(torch.flip(crops, dims=[3]), module, batch_size, precision)
         for e in (own, mirror):
             refuse_non_finite_embeddings(e, model.name)
         return np.stack([own, mirror], axis=1).astype(np.float32)
     if flip:
-        own = own + embed(torch.flip(crops, dims=[3]), module, batch_size)
+        own = own + embed(torch.flip(crops, dims=[3]), module, batch_size, precision)
     refuse_non_finite_embeddings(own, model.name)
     return l2_normalize(own).astype(np.float32)

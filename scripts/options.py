@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from configs.errors import ConfigError
 from faces.detect import DETECTORS, LANDMARKS, MAX_SIDE, check_available
 from faces.detect import Detection
 from faces.workers import check_workers, default_workers
 from eval.pairs import PairList
-from infer.model import MODEL_HELP, Model, load_model
+from infer.model import MODEL_HELP, PRECISIONS, Model, load_model
 from infer.pair_cache import FacesCache, cache_paths
 from infer.pair_photos import PairFaces, Retries, pair_faces
 
@@ -27,15 +29,42 @@ def add_model_options(p, batch_size: int | None = 64, what: str = "MODEL") -> No
     if batch_size is not None:
         p.add_argument("--batch_size", type=int, default=batch_size,
                        help=f"face crops per forward pass (default {batch_size})")
+        p.add_argument("--device", default=None,
+                       help="where the model runs: cpu, cuda or cuda:N (default: the current GPU, else the CPU; "
+                            "an .onnx runs where onnxruntime places it)")
+        p.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                       help="on a GPU, fp16 or bf16 embeds under autocast (fp32, the default, everywhere)")
+
+
+def device_from(args) -> torch.device | None:
+    """The --device asked for, checked at start (None: the tools' default, infer.model.tool_device)."""
+    if getattr(args, "device", None) is None:
+        return None
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"--device {args.device}: cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {args.device}: cpu, cuda or cuda:N")
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ConfigError(f"--device {args.device}: {torch.cuda.device_count()} CUDA devices here; --device cpu "
+                          "runs on the CPU")
+    return device
 
 
 def model_from(args, detection: Detection | None = None, device=None) -> Model:
-    """The Model the MODEL options name, on `device` (default: the current GPU, else the CPU),
-    finding faces with `detection` (the face options')."""
+    """The Model the MODEL options name, on `device` (default: --device, else the current GPU,
+    else the CPU), embedding at --precision, finding faces with `detection` (the face options')."""
     if getattr(args, "batch_size", 1) < 1:
         raise ConfigError(f"--batch_size {args.batch_size}: at least 1")
-    return load_model(args.model, args.network, ema=not args.no_ema, device=device,
-                      detection=detection or Detection())
+    device = device if device is not None else device_from(args)
+    precision = getattr(args, "precision", "fp32")
+    model = load_model(args.model, args.network, ema=not args.no_ema, device=device,
+                       detection=detection or Detection(), precision=precision)
+    if precision != "fp32" and model.device.type != "cuda":
+        raise ConfigError(f"--precision {precision}: for a model on a GPU; {args.model} runs on the "
+                          f"{model.device.type.upper()}, in fp32")
+    return model
 
 
 def add_detection_options(p) -> None:

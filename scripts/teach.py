@@ -32,7 +32,7 @@ from faces.align import ARCFACE_112
 from infer.model import model_files, tool_device
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from scripts.options import add_model_options, model_from
+from scripts.options import add_model_options, device_from, model_from
 from utils.atomic import check_output_file, refuse_inputs
 
 PACKED = ("train.rec", "train.idx", "property")
@@ -79,8 +79,9 @@ def main(argv=None) -> int:
     refuse_inputs([args.out], [*model_files(args.model), *data_files(args.data)])
     cfg = data_config(args)
     data = build_train_dataset(cfg, train=False, normalize=False)  # as the run reads it, unaugmented
-    device = tool_device()  # the current GPU where there is one, explicitly
-    teacher = OnlineTeacher(model_from(args, device=device), device, made_for=ARCFACE_112)
+    device = device_from(args) or tool_device()  # --device, else the current GPU where there is one
+    precision = None if args.precision == "fp32" else args.precision  # fp16/bf16: on a GPU only (model_from)
+    teacher = OnlineTeacher(model_from(args, device=device), device, precision, made_for=ARCFACE_112)
     header = {"data": os.path.abspath(args.data), "data_fingerprint": data.fingerprint(),
               "transform": data_transform(cfg)}
     write_teacher_file(teacher, data, header, args.out, args.batch_size, args.num_workers)
