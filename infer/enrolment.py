@@ -416,9 +416,11 @@ def warn_if_collapsed(gallery: Enrolment, where: str) -> None:
                        "or untrained model?)", where, len(gallery.names), mean)
 
 
-def identify(gallery: Enrolment, queries: np.ndarray, k: int = 1, engine: str = "auto"):
-    """(scores, person indices), Q x k, best first (infer.search's order; -1 beyond the gallery).
-    `engine` "auto" takes the faster for this gallery's size and number of queries."""
-    index = make_index(gallery.templates.shape[1], engine, size=len(gallery.templates), queries=len(queries))
+def identify(gallery: Enrolment, queries: np.ndarray, k: int = 1, engine: str = "auto", device="cpu"):
+    """(scores, person indices), Q x min(k, people), best first (infer.search's order). `engine`
+    "auto" takes the faster for this gallery's size and number of queries, on `device` (a
+    model's GPU: ours there)."""
+    index = make_index(gallery.templates.shape[1], engine, size=len(gallery.templates), queries=len(queries),
+                       device=device)
     index.add(gallery.templates)
     return index.search(queries, k)

@@ -34,11 +34,12 @@ class Match:
         return self.face.box
 
 
-def matches(faces: list[Face], enrolment, threshold: float, top: int = 1, engine: str = "auto") -> list[Match]:
+def matches(faces: list[Face], enrolment, threshold: float, top: int = 1, engine: str = "auto",
+            device="cpu") -> list[Match]:
     """Each embedded face's Match against the enrolled people (infer.search's engines, all exact)."""
     if not faces:
         return []
-    scores, ids = identify(enrolment, np.stack([f.embedding for f in faces]), top, engine)
+    scores, ids = identify(enrolment, np.stack([f.embedding for f in faces]), top, engine, device)
     out = []
     for face, s, i in zip(faces, scores, ids):
         best = [(enrolment.names[j], float(v)) for v, j in zip(s, i) if j >= 0]
@@ -66,4 +67,4 @@ class Gallery:
         """Each face of the photo (a path, a PIL image or an array), largest first, as a Match with
         its `top` best candidates. `engine`: infer.search's, all exact with the same answer."""
         (found,) = self.model.analyse([photo], align=self.align)
-        return matches(found.faces, self.enrolment, self.threshold.value, top, engine)
+        return matches(found.faces, self.enrolment, self.threshold.value, top, engine, self.model.device)

@@ -93,7 +93,7 @@ def _block_top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     scores are equal (rare with real embeddings) has a tie across the cut, and is sorted stably
     instead. That costs no second pass over the block."""
     if k >= scores.shape[1]:
-        return scores, torch.arange(scores.shape[1]).expand(len(scores), -1)
+        return scores, torch.arange(scores.shape[1], device=scores.device).expand(len(scores), -1)
     values, cols = torch.topk(scores, k + 1, dim=1)
     crowded = values[:, k - 1] == values[:, k]
     if bool(crowded.any()):
@@ -104,8 +104,9 @@ def _block_top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 class ExactIndex:
-    """Blocked exact search in torch on the CPU (see the module docstring). `dtype` float16
-    halves the gallery's memory; scores are always accumulated in float32.
+    """Blocked exact search in torch on `device` (the CPU by default; a GPU where faiss-gpu is
+    absent: the same code, the same answer; see the module docstring). `dtype` float16 halves
+    the gallery's memory; scores are always accumulated in float32.
 
     A search reads each gallery block once, whatever the number of queries: the block (made
     float32 in one reused buffer when stored as float16) is scored against each block of queries
@@ -115,8 +116,8 @@ class ExactIndex:
     allocates no memory per block (a fresh tile of several MB costs its page faults every time)."""
 
     def __init__(self, dim: int, dtype: torch.dtype = torch.float32, gallery_block: int = 8192,
-                 query_block: int = 512):
-        self.dim, self.dtype = dim, dtype
+                 query_block: int = 512, device: torch.device | str = "cpu"):
+        self.dim, self.dtype, self.device = dim, dtype, torch.device(device)
         self.gallery_block, self.query_block = gallery_block, query_block
         self.blocks: list[torch.Tensor] = []
 
@@ -125,7 +126,7 @@ class ExactIndex:
         return sum(len(b) for b in self.blocks)
 
     def add(self, x: np.ndarray) -> None:
-        x = torch.as_tensor(_check_rows(x, self.dim, "add"))
+        x = torch.as_tensor(_check_rows(x, self.dim, "add")).to(self.device)
         for start in range(0, len(x), self.gallery_block):
             piece = x[start:start + self.gallery_block].to(self.dtype)
             if self.blocks and len(self.blocks[-1]) < self.gallery_block:  # fill the last block first
@@ -137,15 +138,16 @@ class ExactIndex:
 
     def search(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         k = _clamped(k, self.ntotal)
-        q_all = torch.as_tensor(_check_rows(x, self.dim, "search"), dtype=torch.float32).contiguous()
-        best_s = torch.full((len(q_all), k), -torch.inf)
-        best_i = torch.full((len(q_all), k), -1, dtype=torch.int64)
+        on = {"device": self.device}
+        q_all = torch.as_tensor(_check_rows(x, self.dim, "search"), dtype=torch.float32).to(self.device).contiguous()
+        best_s = torch.full((len(q_all), k), -torch.inf, **on)
+        best_i = torch.full((len(q_all), k), -1, dtype=torch.int64, **on)
         if not len(q_all) or not self.blocks:
-            return best_s.numpy(), best_i.numpy()
+            return best_s.cpu().numpy(), best_i.cpu().numpy()
         rows = len(self.blocks[0])  # every block but the last is full
         tile = min(self.query_block, len(q_all)) * rows
-        by_gallery, by_query = torch.empty(tile), torch.empty(tile)
-        as_float = torch.empty(rows, self.dim) if self.dtype != torch.float32 else None
+        by_gallery, by_query = torch.empty(tile, **on), torch.empty(tile, **on)
+        as_float = torch.empty(rows, self.dim, **on) if self.dtype != torch.float32 else None
         offset = 0
         for block in self.blocks:
             g = block if as_float is None else as_float[:len(block)].copy_(block)
@@ -159,7 +161,7 @@ class ExactIndex:
                 best_s[mine], best_i[mine] = _order(torch.cat([best_s[mine], s], 1),
                                                     torch.cat([best_i[mine], cols + offset], 1), k)
             offset += len(block)
-        return best_s.numpy(), best_i.numpy()
+        return best_s.cpu().numpy(), best_i.cpu().numpy()
 
 
 class FaissIndex:
@@ -214,16 +216,18 @@ def pick_engine(size: int, queries: int, threads: int, fp16: bool = False) -> st
 
 
 def make_index(dim: int, engine: str = "exact", fp16: bool = False, size: int | None = None,
-               queries: int | None = None) -> Index:
+               queries: int | None = None, device: torch.device | str = "cpu") -> Index:
     """An empty index of `engine` for `dim`-D vectors: "exact" (ours), "faiss" (IndexFlatIP) or
     "auto", the faster of the two by `pick_engine` for a gallery of `size` rows searched with
-    `queries` queries at once on torch's thread count."""
+    `queries` queries at once on torch's thread count. On a GPU `device` (the model's), auto is
+    ours there: faiss-cpu cannot search on it (a grid of the GPU's measured points is to come)."""
+    device = torch.device(device)
     if engine == "auto":
         if size is None or queries is None:
             raise ValueError("engine auto picks by the gallery's size and the number of queries: give size and queries")
-        engine = pick_engine(size, queries, torch.get_num_threads(), fp16)
+        engine = "exact" if device.type == "cuda" else pick_engine(size, queries, torch.get_num_threads(), fp16)
     if engine == "exact":
-        return ExactIndex(dim, torch.float16 if fp16 else torch.float32)
+        return ExactIndex(dim, torch.float16 if fp16 else torch.float32, device=device)
     if engine == "faiss":
         return FaissIndex(dim, fp16)
     raise ValueError(f"unknown search engine {engine!r}; choose one of {', '.join(ENGINES)}")

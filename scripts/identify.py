@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     if args.strict:
         refuse_faceless(queries, faces, embedder)
     if faces:
-        scores, ids = identify(gallery, np.stack([f.embedding for f in faces]), args.top, args.engine)
+        scores, ids = identify(gallery, np.stack([f.embedding for f in faces]), args.top, args.engine, embedder.device)
     else:
         scores = ids = []
     rows = result_rows(faces, gallery, scores, ids, threshold)

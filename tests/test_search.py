@@ -190,3 +190,21 @@ def test_gallery_identify_with_a_huge_top_lists_everyone_once():
     gallery.templates, gallery.names = templates, ["ann", "bob"]
     scores, ids = identify(gallery, templates[:1], 10 ** 12)
     assert ids.tolist() == [[0, 1]] and scores.shape == (1, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_exact_engine_on_a_gpu_answers_as_brute_force_with_ties_to_the_lower_id(dtype):
+    rng = np.random.default_rng(7)
+    gallery, queries = tied_gallery(rng, 40, 4), tied_gallery(rng, 11, 4)
+    index = ExactIndex(4, dtype, gallery_block=7, query_block=3, device="cuda")
+    index.add(gallery)
+    scores, ids = index.search(queries, 5)
+    want_s, want_i = brute_force(gallery, queries, 5)
+    np.testing.assert_array_equal(ids, want_i)
+    np.testing.assert_array_equal(scores, want_s)
+
+
+def test_auto_on_a_models_gpu_is_the_exact_engine_there():
+    index = make_index(4, "auto", size=10, queries=1, device=torch.device("cuda", 0))
+    assert isinstance(index, ExactIndex) and index.device == torch.device("cuda", 0)  # nothing allocated yet
