@@ -2,6 +2,8 @@
 name and score (`Model.draw`)."""
 from __future__ import annotations
 
+import math
+
 from PIL import Image, ImageDraw, ImageFont
 
 from faces.stream import open_image
@@ -24,7 +26,8 @@ def draw(photo, found: list) -> Image.Image:
         x0, y0, x1, y1 = face.box
         pen.rectangle((x0, y0, x1, y1), outline=colour, width=width)
         for x, y in face.points:
-            pen.ellipse((x - width, y - width, x + width, y + width), fill=colour)
+            if math.isfinite(x) and math.isfinite(y):  # a crop taken whole (align=False) has no points
+                pen.ellipse((x - width, y - width, x + width, y + width), fill=colour)
         label = f"{named or 'unknown'} {item.score:.2f}" if hasattr(item, "name") else ""
         if label:
             left, top, right, bottom = pen.textbbox((x0, y0), label, font=font)

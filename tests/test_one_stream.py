@@ -173,6 +173,9 @@ def test_draw_marks_each_face_box_on_a_copy_of_the_photo(model, astronaut):
     drawn = np.asarray(picture, np.int16)
     changed = np.abs(drawn - np.asarray(photo, np.int16)).sum(2) > 0
     assert changed[y0, x0:x1].mean() > 0.9 and not changed[(y0 + y1) // 2, (x0 + x1) // 2 + 3]
+    crop = photo.resize((150, 150))  # a photo taken as a crop (align=False): its face has no points
+    (taken,) = model.analyse([np.asarray(crop)], align=False)
+    assert model.draw(crop, taken.faces).size == (150, 150)
 
 
 def test_the_api_is_safe_from_several_threads(model, astronaut):
