@@ -121,8 +121,8 @@ def _capped(workers: int, items: Iterable) -> int:
     """`workers`, at most one per item and one per core this process may use; 1 in a worker of
     ours (no pool in a pool) and in a daemonic process (a DataLoader worker, a test rank), which
     may not start processes."""
-    if _Worker.current is not None or multiprocessing.current_process().daemon:
-        return 1
+    if workers == 1 or _Worker.current is not None or multiprocessing.current_process().daemon:
+        return 1  # one (a photo at a time, as training's aligned folders read theirs) asks nothing of the system
     wanted, cores = max(1, min(workers, len(items))) if hasattr(items, "__len__") else workers, default_workers()
     if wanted > cores:
         _say_once(f"{workers} worker processes asked for; this process may use {cores} cores: {cores} started")

@@ -32,7 +32,7 @@ from dataset.images import IMAGE_EXTENSIONS, image_size
 from faces.align import ARCFACE_112, Template
 from faces.photos import no_face_message
 from infer.search import make_index
-from infer.stream import analyse
+from infer.stream import analyse, template_for
 from utils.atomic import check_output_file, host_name, process_alive, publishing
 from utils.progress import Progress
 
@@ -104,20 +104,13 @@ def list_gallery(folder: str) -> list[tuple[str, list[str]]]:
     return people
 
 
-def _made_for(size: tuple[int, int], template: Template) -> Template | None:
-    for t in (template, ARCFACE_112):
-        if tuple(size) == tuple(t.size):
-            return t
-    return None
-
-
 def check_image(path: str, template: Template, align: bool) -> None:
     """Refuse, from its header alone, a file that is not an image or (without alignment) not an
     aligned crop of a size the model takes."""
     if not os.path.isfile(path):
         raise GalleryError(f"{path}: no such image file")
     size = image_size(path, path)
-    if not align and _made_for(size, template) is None:
+    if not align and template_for(size, template) is None:
         sizes = " or ".join(sorted({f"{t.size[1]}x{t.size[0]}" for t in (template, ARCFACE_112)}))
         raise GalleryError(f"{path}: a {size[1]}x{size[0]} image is not an aligned {sizes} face crop; "
                            f"pass --align to find and align the faces in photos")

@@ -36,7 +36,8 @@ class Match:
 
 def matches(faces: list[Face], enrolment, threshold: float, top: int = 1, engine: str = "auto",
             device="cpu") -> list[Match]:
-    """Each embedded face's Match against the enrolled people (infer.search's engines, all exact)."""
+    """Each embedded face's Match (anything with .embedding: a Face, an EmbeddedFace) against the
+    enrolled people (infer.search's engines, all exact)."""
     if not faces:
         return []
     scores, ids = identify(enrolment, np.stack([f.embedding for f in faces]), top, engine, device)

@@ -37,6 +37,7 @@ from PIL import Image
 from torch import nn
 
 from backbones.dlib_resnet import DlibResNet
+from checkpoint.state import weights_fingerprint
 from dataset.errors import DataError
 from faces.align import ARCFACE_112, Template, similarity_transform
 from faces.detect import Detection, Face
@@ -101,7 +102,8 @@ class Comparison:
     def __str__(self) -> str:
         if self.same is None:
             return f"cosine {self.score:.4f}: no threshold known for this model, so no verdict"
-        return f"cosine {self.score:.4f}: {'same' if self.same else 'different'} person (threshold {self.threshold:.4f})"
+        verdict = "same" if self.same else "different"
+        return f"cosine {self.score:.4f}: {verdict} person (threshold {self.threshold:.4f})"
 
 
 @dataclass
@@ -276,7 +278,8 @@ def load_model(spec: str, network: str | None = None, ema: bool = True, device: 
     if kind == "onnx":
         return Model(module, module.template, spec, fingerprint_file(spec), module.threshold, ema, kind, detection,
                      precision)
-    return Model(module, ARCFACE_112, spec, fingerprint_module(module), run_threshold(spec, ema), ema, kind, detection,
+    fingerprint = fingerprint_module(module)
+    return Model(module, ARCFACE_112, spec, fingerprint, run_threshold(spec, ema, fingerprint), ema, kind, detection,
                  precision)
 
 
@@ -288,12 +291,9 @@ def as_model(module: nn.Module | Model) -> Model:
 
 
 def fingerprint_module(module: nn.Module) -> str:
-    """A short hash of every parameter and buffer (names, shapes, values)."""
-    digest = hashlib.sha256()
-    for name, t in sorted(module.state_dict().items()):
-        digest.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()[:16]
+    """A short hash of every parameter and buffer (names, shapes, values): the hash files derived
+    from weights record (checkpoint.state.weights_fingerprint)."""
+    return weights_fingerprint(module.state_dict())
 
 
 def fingerprint_file(path: str) -> str:

@@ -48,12 +48,17 @@ def analyse(model, photos: Iterable, workers: int = 1, flip: bool = True, larges
         yield from _embedded(model, pending, flip, batch_size, raw)
 
 
+def template_for(size: tuple[int, int], template: Template) -> Template | None:
+    """The template a crop of (h, w) `size` was aligned to: `template` (the model's), else
+    insightface's 112x112, else None."""
+    return next((t for t in (template, ARCFACE_112) if tuple(size) == tuple(t.size)), None)
+
+
 def made_for(model, size: tuple[int, int], name: str) -> Template:
-    """The template a crop of (h, w) `size` was aligned to: the model's, else insightface's
-    112x112; any other size is a DataError naming the photo."""
-    for template in (model.template, ARCFACE_112):
-        if tuple(size) == tuple(template.size):
-            return template
+    """`template_for` the model, or a DataError naming the photo."""
+    template = template_for(size, model.template)
+    if template is not None:
+        return template
     (h, w), (th, tw) = size, model.template.size
     raise DataError(f"{name}: a {w}x{h} image is not a {tw}x{th} crop aligned for {model.name}; pass align=True "
                     "to find and align its face")

@@ -21,11 +21,11 @@ if not __package__:  # run as a file (python scripts/x.py): import as `python -m
 import json
 import sys
 
-import numpy as np
 
 from eval.verification import best_threshold, load_bin
-from infer.enrolment import (GalleryError, check_cache, check_image, default_cache, embedded_faces, enrol, identify,
+from infer.enrolment import (GalleryError, check_cache, check_image, default_cache, embedded_faces, enrol,
                              refuse_faceless)
+from infer.gallery import matches
 from dataset.folders import image_files
 from infer.search import ENGINES
 from infer.thresholds import chosen_threshold, no_threshold
@@ -46,17 +46,12 @@ def query_files(inputs: list[str], template, align: bool) -> list[str]:
     return paths
 
 
-def result_rows(faces, gallery, scores, ids, threshold):
-    """One JSON row per face; `name` is null where nobody reaches the threshold (a person may be
-    called "unknown")."""
-    rows = []
-    for face, s, i in zip(faces, scores, ids):
-        candidates = [{"name": gallery.names[j], "score": round(float(v), 6)} for v, j in zip(s, i) if j >= 0]
-        known = candidates[0]["score"] >= threshold
-        rows.append({"file": face.path, "face": face.index, "box": list(face.box),
-                     "name": candidates[0]["name"] if known else None, "score": candidates[0]["score"],
-                     "candidates": candidates})
-    return rows
+def result_rows(matched) -> list[dict]:
+    """One JSON row per face (its Match: infer.gallery); `name` is null where nobody reaches the
+    threshold (a person may be called "unknown")."""
+    return [{"file": m.face.path, "face": m.face.index, "box": list(m.face.box), "name": m.name,
+             "score": round(m.score, 6), "candidates": [{"name": n, "score": round(v, 6)} for n, v in m.candidates]}
+            for m in matched]
 
 
 def format_row(row: dict, threshold, top: int) -> str:
@@ -116,11 +111,7 @@ def main(argv=None) -> int:
     faces = embedded_faces(queries, embedder, args.align, args.batch_size, workers, show_progress=not args.json)
     if args.strict:
         refuse_faceless(queries, faces, embedder)
-    if faces:
-        scores, ids = identify(gallery, np.stack([f.embedding for f in faces]), args.top, args.engine, embedder.device)
-    else:
-        scores = ids = []
-    rows = result_rows(faces, gallery, scores, ids, threshold)
+    rows = result_rows(matches(faces, gallery, threshold, args.top, args.engine, embedder.device))
     without = [q for q in queries if q not in {f.path for f in faces}]
     if args.json:
         print(json.dumps({"model": embedder.name, "gallery": args.gallery, "people": len(gallery.names),
