@@ -76,18 +76,11 @@ def model_files(spec: str) -> list[str]:
     output also the run's own config.json, latest and exported model.pt."""
     if model_kind(spec) == "dlib":
         return [model_file(DLIB_FILE)]
-    return _model_files(spec)
-
-
-def _model_files(path: str) -> list[str]:
-    """The files of the model at `path` (an output must never be one of them): what loading it
-    reads (a weights file and the config.json beside it; a checkpoint's files), and for a run
-    output also the run's own config.json, latest and exported model.pt."""
-    if not os.path.isdir(path):
-        return [path, os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")]
+    if not os.path.isdir(spec):
+        return [spec, os.path.join(os.path.dirname(os.path.abspath(spec)), "config.json")]
     from checkpoint.folders import find_checkpoint
-    ckpt = find_checkpoint(path) or path
-    run = [os.path.join(path, f) for f in ("config.json", "latest", "model.pt")]
+    ckpt = find_checkpoint(spec) or spec
+    run = [os.path.join(spec, f) for f in ("config.json", "latest", "model.pt")]
     return run + ([os.path.join(ckpt, f) for f in os.listdir(ckpt)] if os.path.isdir(ckpt) else [])
 
 
@@ -153,7 +146,7 @@ class Model:
         the identity when they are the same)."""
         images = images.to(self.device)
         x = images.float().sub(127.5).div(127.5) if images.dtype == torch.uint8 else images.float()
-        if made_for.size == self.template.size and np.allclose(made_for.points, self.template.points):
+        if self._is_own(made_for):
             return x
         grid = torch.nn.functional.affine_grid(self._theta(made_for, x.device, x.dtype).expand(len(x), 2, 3),
                                                [len(x), 3, *self.template.size], align_corners=False)
@@ -177,9 +170,10 @@ class Model:
     def for_crops(self, made_for: Template = ARCFACE_112) -> nn.Module:
         """A module taking [-1, 1] crops aligned to `made_for` (the .bin sets' 112x112, IJB's):
         this model's module behind `from_crops` (the module itself when the templates agree)."""
-        if made_for.size == self.template.size and np.allclose(made_for.points, self.template.points):
-            return self.module
-        return _Reframed(self, made_for)
+        return self.module if self._is_own(made_for) else _Reframed(self, made_for)
+
+    def _is_own(self, made_for: Template) -> bool:
+        return made_for.size == self.template.size and np.allclose(made_for.points, self.template.points)
 
     # the Python API: thin layers on the face stream (infer.stream)
 
