@@ -45,8 +45,7 @@ from faces.stream import Crop, stream
 from faces.workers import default_workers, map_photos
 from infer.embed import embed, l2_normalize
 from infer.model import load_model
-from infer.pair_cache import EmbeddingCache, FacesCache, cache_paths
-from infer.pair_photos import Retries, pair_embeddings, pair_faces
+from infer.pair_photos import EmbeddingCache, FacesCache, Retries, cache_paths, pair_embeddings, pair_faces
 from utils.progress import Progress
 
 _DLIB = {}

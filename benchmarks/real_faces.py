@@ -178,8 +178,7 @@ def lfw_faces(args):
     anchor's), the same for every model."""
     from eval.pairs import read_pair_list
     from faces.detect import Detection
-    from infer.pair_cache import FacesCache, cache_paths
-    from infer.pair_photos import Retries, pair_faces
+    from infer.pair_photos import FacesCache, Retries, cache_paths, pair_faces
     pair_list = read_pair_list(args.pairs_list, args.lfw)
     faces_cache = cache_paths(args.pairs_list, None, args.cache_dir)[0]
     faces = pair_faces(pair_list.photos, Detection(), Retries(upsample=2, mmod=True), FacesCache(faces_cache),
@@ -191,8 +190,7 @@ def lfw_scores(args, pair_list, faces, run: str) -> tuple[float, float, float, f
     """(acc, std, acc-flip, std-flip) of a run's model on all the list's pairs, from the photos."""
     from eval.pairs import score_pairs
     from infer.model import load_model
-    from infer.pair_cache import EmbeddingCache, cache_paths
-    from infer.pair_photos import pair_embeddings
+    from infer.pair_photos import EmbeddingCache, cache_paths, pair_embeddings
     model = load_model(run)
     emb_cache = cache_paths(args.pairs_list, model.fingerprint, args.cache_dir)[1]
     emb = pair_embeddings(model, pair_list.photos, faces, EmbeddingCache(emb_cache, model), show_progress=False)

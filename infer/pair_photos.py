@@ -7,13 +7,18 @@ the protocol (and flatters the score). So each photo is searched once under the 
 options; photos without a face are searched again by the retries asked for (`Retries`: more
 upsampling, then dlib's CNN detector); a photo still without one gets a fallback face
 (faces.fallback: the set's median face at its place and scale in the photo), and is named.
-Detections are cached per photo content and options, embeddings per photo content, face and
-model (infer.pair_cache), so a second model, or verify after make_bin, does not detect again."""
+
+Two caches (infer.cache), beside the list unless another folder is given (`cache_paths`):
+`LIST.shardface_faces.npz`, per (photo content, face options) the photo's size and largest face,
+read by every model and make_bin; `LIST.shardface_pairs.FINGERPRINT.npz`, one per model, per
+(photo content, the face its crop is cut from) the raw embeddings of the crop and its mirror
+image: keyed by the face, not the options, an embedding stays right whichever search found it."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
-import time
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,13 +27,65 @@ from dataset.errors import DataError
 from faces.detect import Detection, Face
 from faces.fallback import Fallback
 from faces.stream import stream
-from infer.enrolment import content_key
-from infer.pair_cache import EmbeddingCache, FacesCache, content_entry, face_key
+from infer.cache import Cache, content_key
 from infer.stream import analyse
 from utils.progress import Progress
 
 SAVE_EVERY_S = 60.0  # an interrupted search or embedding loses at most this much work
 SHOWN = 20           # photos named in a report
+SHAPE = 68           # the most points of dlib's shape a face row holds
+
+
+class FacesCache(Cache):
+    """(photo content, detection options) -> a row of the photo's size and its largest face (`_row`)."""
+    kind, what, hint, redo = "shardface pair-list faces", "pair-list cache file", "pass --cache_dir DIR", \
+        "searching every photo again"
+    field, dtype = "faces", np.float64
+
+    def __init__(self, path: str | None):
+        super().__init__(path, {}, (19 + 2 * SHAPE,), save_every_s=SAVE_EVERY_S)
+
+
+class EmbeddingCache(Cache):
+    """(photo content, face) -> the raw embeddings of the crop and of its mirror image, 2 x D, of one model."""
+    kind, what, hint, redo = "shardface pair-list embeddings", FacesCache.what, FacesCache.hint, \
+        "embedding every photo again"
+
+    def __init__(self, path: str | None, model):
+        super().__init__(path, {"fingerprint": model.fingerprint, "crop": model.crop_name}, (2, model.dim),
+                         save_every_s=SAVE_EVERY_S)
+
+
+def cache_paths(list_path: str, fingerprint: str | None, folder: str | None = None) -> tuple[str, str | None]:
+    """(faces cache, embeddings cache of the model `fingerprint`, None without one) of a pair list,
+    in `folder` (default the list file's folder, or inside a CFP root)."""
+    list_path = list_path.rstrip(os.sep) or list_path
+    home = list_path if os.path.isdir(list_path) else os.path.dirname(os.path.abspath(list_path))  # a CFP root's inside
+    base = os.path.join(folder if folder is not None else home, os.path.basename(os.path.abspath(list_path)))
+    return f"{base}.shardface_faces.npz", (f"{base}.shardface_pairs.{fingerprint}.npz" if fingerprint else None)
+
+
+def check_cache(path: str) -> None:
+    """Before any work: `path` (of `cache_paths`) holds that cache or nothing, and can be written."""
+    (FacesCache if path.endswith(".shardface_faces.npz") else EmbeddingCache).check(path)
+
+
+def _row(size: tuple[int, int], face: Face | None) -> np.ndarray:
+    """w, h, found, box (4), points (10), score, shape points n, shape (2n, zero-padded)."""
+    row = np.zeros(19 + 2 * SHAPE)
+    row[:3] = (*size, face is not None)
+    if face is not None:
+        shape = np.zeros((0, 2)) if face.shape is None else np.asarray(face.shape)
+        row[3:19] = (*face.box, *np.ravel(face.points), face.score, len(shape))
+        row[19:19 + shape.size] = shape.ravel()
+    return row
+
+
+def _face(row: np.ndarray) -> tuple[tuple[int, int], Face | None]:
+    n = int(row[18])
+    face = Face(tuple(float(v) for v in row[3:7]), row[7:17].reshape(5, 2).copy(), float(row[17]),
+                row[19:19 + 2 * n].reshape(n, 2).copy() if n else None) if row[2] else None
+    return (int(row[0]), int(row[1])), face
 
 
 @dataclass(frozen=True)
@@ -52,7 +109,7 @@ class Retries:
 class PairFaces:
     """Every photo's face: its largest detected one, or its fallback."""
     faces: dict[str, Face]
-    content: dict[str, tuple[int, str]]         # each photo's content key (infer.enrolment.content_key)
+    content: dict[str, str]                     # each photo's content key (infer.cache.content_key)
     fallbacks: list[str]                        # photos given the fallback face, in order
     recovered: list[tuple[str, int, int]]       # (retry option, photos it found a face in, photos it searched)
     searched: int                               # photo searches run now (the rest came from the cache)
@@ -83,17 +140,13 @@ def _search(photos: list[str], detection: Detection, content: dict, cache: Faces
             show_progress: bool, workers: int = 1) -> tuple[dict[str, tuple[tuple[int, int], Face | None]], int]:
     """({photo: (its size, its largest face or None)}, searches run) under `detection`, on
     `workers` processes (faces.stream)."""
-    variant = json.dumps(dataclasses.asdict(detection), sort_keys=True)
-    keys = {p: content_entry(content[p], variant) for p in photos}
-    todo = [p for p in photos if cache.get(keys[p]) is None]
+    options = json.dumps(dataclasses.asdict(detection), sort_keys=True)
+    keys = {p: f"{content[p]}|{options}" for p in photos}
+    todo = [p for p in photos if keys[p] not in cache]
     progress = Progress(len(todo), label) if show_progress and todo else None
-    saved = time.monotonic()
     for p, photo in zip(todo, stream(todo, detection, workers=workers, progress=progress and progress.update)):
-        cache.put(keys[p], photo.size, photo.face)
-        if time.monotonic() - saved > SAVE_EVERY_S:
-            cache.save()
-            saved = time.monotonic()
-    return {p: cache.get(keys[p]) for p in photos}, len(todo)
+        cache.put(keys[p], _row(photo.size, photo.face))
+    return {p: _face(cache.get(keys[p])) for p in photos}, len(todo)
 
 
 def pair_faces(photos: list[str], detection: Detection = Detection(), retries: Retries = Retries(),
@@ -148,19 +201,22 @@ def pair_embeddings(model, photos: list[str], faces: PairFaces, cache: Embedding
     mirror image, read from the cache where it has them. Embeddings that are not finite are
     refused, naming the model."""
     cache = cache if cache is not None else EmbeddingCache(None, model)
-    keys = {p: content_entry(faces.content[p], face_key(faces.faces[p])) for p in photos}
-    todo = [p for p in photos if cache.get(keys[p]) is None]
+    keys = {p: f"{faces.content[p]}|{_geometry(faces.faces[p])}" for p in photos}
+    todo = [p for p in photos if keys[p] not in cache]
     progress = Progress(len(todo), "embedding") if show_progress and len(todo) > batch_size else None
-    saved = time.monotonic()
     try:
         for p, photo in zip(todo, analyse(model, todo, faces=[[faces.faces[p]] for p in todo], batch_size=batch_size,
                                           progress=progress and progress.update, raw=True)):
-            cache.put(keys[p], *photo.face.embedding)
-            if time.monotonic() - saved > SAVE_EVERY_S:
-                cache.save()
-                saved = time.monotonic()
+            cache.put(keys[p], photo.face.embedding)
     finally:
         cache.save()
-    rows = [cache.get(keys[p]) for p in photos]
-    return PairEmbeddings(np.stack([r[0] for r in rows]).astype(np.float32),
-                          np.stack([r[1] for r in rows]).astype(np.float32), len(todo))
+    rows = np.stack([cache.get(keys[p]) for p in photos]).astype(np.float32)
+    return PairEmbeddings(rows[:, 0], rows[:, 1], len(todo))
+
+
+def _geometry(face: Face) -> str:
+    """A short hash of the face's five points and dlib's shape: what its crop is cut from."""
+    digest = hashlib.sha256(np.ascontiguousarray(face.points, np.float64).tobytes())
+    if face.shape is not None:
+        digest.update(np.ascontiguousarray(face.shape, np.float64).tobytes())
+    return digest.hexdigest()[:24]

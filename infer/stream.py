@@ -1,13 +1,7 @@
 """Photos to embedded faces: the face stream (faces.stream) cut to a model's crop, each face's
-crop embedded a batch at a time while the workers find the next photos' faces.
-
-`analyse(model, photos)` yields each photo, in order, its faces carrying `.embedding`: the unit
-row of the crop's embedding plus its mirror image's (verification's flip test; the crop's own
-alone with flip=False). It is the only code that runs a model's forward on photos: the Python
-API (`Model.faces/embed/compare`, `Gallery`), enrolment, the pair protocols and every tool's
-`--align` are layers on it. Without `align`, each photo is a crop already aligned for the model
-(or insightface's 112x112, re-framed onto the model's template): its one face is the whole
-image."""
+crop embedded a batch at a time while the workers find the next photos' faces. It is the only
+code that runs a model's forward on photos: the Python API (`Model.faces/embed/compare`,
+`Gallery`), enrolment, the pair protocols and every tool's `--align` are layers on it."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,26 +20,23 @@ from infer.embed import embed, l2_normalize, refuse_non_finite_embeddings
 def analyse(model, photos: Iterable, workers: int = 1, flip: bool = True, largest_only: bool = False,
             align: bool = True, batch_size: int = 64, progress: Callable[[], None] | None = None,
             faces: list[list[Face]] | None = None, resize: bool = False, raw: bool = False) -> Iterator[Photo]:
-    """Each photo's `Photo` (faces.stream), its faces embedded by `model` (every face, or the
-    largest only; see the module docstring). `faces`: each photo's faces known already (cut, not
-    searched). `resize`: without `align`, crops of another size are resized to the model's.
-    `raw`: each face's `embedding` is 2 x D, the crop's and its mirror image's embeddings as the
-    network gives them (the pair protocols score both)."""
+    """Each photo's `Photo` (faces.stream), in order, its faces (every one, or the largest only)
+    carrying `.embedding` (`embed_crops`'s row). Without `align` each photo is a crop aligned
+    for the model (or insightface's 112x112, re-framed onto the model's template), its one face
+    the whole image; `resize`: crops of another size are resized to the model's. `faces`: each
+    photo's faces known already (cut, not searched)."""
     if align:
         found = stream(photos, model.detection, model.crop, workers, largest_only, faces, progress)
     else:
         found = stream(photos, None, workers=workers, progress=progress,
                        resize=tuple(model.template.size) if resize else None)
     pending: list[Photo] = []
-    count = 0
     for photo in found:
         pending.append(photo)
-        count += len(photo.cuts)
-        if count >= batch_size:
+        if sum(len(p.cuts) for p in pending) >= batch_size:
             yield from _embedded(model, pending, flip, batch_size, raw)
-            pending, count = [], 0
-    if pending:
-        yield from _embedded(model, pending, flip, batch_size, raw)
+            pending = []
+    yield from _embedded(model, pending, flip, batch_size, raw)
 
 
 def template_for(size: tuple[int, int], template: Template) -> Template | None:
@@ -54,51 +45,36 @@ def template_for(size: tuple[int, int], template: Template) -> Template | None:
     return next((t for t in (template, ARCFACE_112) if tuple(size) == tuple(t.size)), None)
 
 
-def made_for(model, size: tuple[int, int], name: str) -> Template:
-    """`template_for` the model, or a DataError naming the photo."""
-    template = template_for(size, model.template)
-    if template is not None:
-        return template
-    (h, w), (th, tw) = size, model.template.size
-    raise DataError(f"{name}: a {w}x{h} image is not a {tw}x{th} crop aligned for {model.name}; pass align=True "
-                    "to find and align its face")
-
-
 def _embedded(model, photos: list[Photo], flip: bool, batch_size: int, raw: bool) -> list[Photo]:
     """`photos` with each cut face's embedding, crops grouped by the template they were made for."""
-    groups: dict[str, list[tuple[int, int]]] = {}
-    templates: dict[str, Template] = {}
+    groups: dict[str, tuple[Template, list[tuple[int, int]]]] = {}
     for p, photo in enumerate(photos):
         for f, crop in enumerate(photo.cuts):
-            template = made_for(model, crop.shape[:2], photo.name)
-            templates[template.name] = template
-            groups.setdefault(template.name, []).append((p, f))
+            template = template_for(crop.shape[:2], model.template)
+            if template is None:
+                (h, w), (th, tw) = crop.shape[:2], model.template.size
+                raise DataError(f"{photo.name}: a {w}x{h} image is not a {tw}x{th} crop aligned for {model.name}; "
+                                "pass align=True to find and align its face")
+            groups.setdefault(template.name, (template, []))[1].append((p, f))
     rows: dict[tuple[int, int], np.ndarray] = {}
-    for name, where in groups.items():
+    for template, where in groups.values():
         crops = torch.stack([torch.from_numpy(np.array(photos[p].cuts[f])).permute(2, 0, 1) for p, f in where])
-        rows.update(zip(where, embed_crops(model, crops, templates[name], flip, batch_size, raw)))
-    out = []
-    for p, photo in enumerate(photos):
-        faces = [dataclasses.replace(face, embedding=rows[p, f]) if (p, f) in rows else face
-                 for f, face in enumerate(photo.faces)]
-        out.append(dataclasses.replace(photo, faces=faces))
-    return out
+        rows.update(zip(where, embed_crops(model, crops, template, flip, batch_size, raw)))
+    return [dataclasses.replace(photo, faces=[dataclasses.replace(face, embedding=rows[p, f]) if (p, f) in rows
+                                              else face for f, face in enumerate(photo.faces)])
+            for p, photo in enumerate(photos)]
 
 
 def embed_crops(model, crops: torch.Tensor, template: Template, flip: bool = True, batch_size: int = 64,
                 raw: bool = False) -> np.ndarray:
     """N x D unit rows of N x 3 x h x w uint8 crops aligned to `template` (re-framed onto the
-    model's): each crop's embedding plus its mirror image's, or its own alone without `flip`;
-    with `raw`, N x 2 x D, the two as the network gives them. Embeddings that are not finite are
-    refused, naming the model."""
+    model's): each crop's embedding plus its mirror image's (verification's flip test), or its
+    own alone without `flip`; with `raw`, N x 2 x D, the two as the network gives them (the pair
+    protocols score both). Embeddings that are not finite are refused, naming the model."""
     module, precision = model.for_crops(template), getattr(model, "precision", "fp32")
-    own = embed(crops, module, batch_size, precision)
-    if raw:
-        mirror = embed(torch.flip(crops, dims=[3]), module, batch_size, precision)
-        for e in (own, mirror):
-            refuse_non_finite_embeddings(e, model.name)
-        return np.stack([own, mirror], axis=1).astype(np.float32)
-    if flip:
-        own = own + embed(torch.flip(crops, dims=[3]), module, batch_size, precision)
-    refuse_non_finite_embeddings(own, model.name)
-    return l2_normalize(own).astype(np.float32)
+    own = refuse_non_finite_embeddings(embed(crops, module, batch_size, precision), model.name)
+    if not (flip or raw):
+        return l2_normalize(own).astype(np.float32)
+    mirror = refuse_non_finite_embeddings(embed(torch.flip(crops, dims=[3]), module, batch_size, precision),
+                                          model.name)
+    return np.stack([own, mirror], axis=1).astype(np.float32) if raw else l2_normalize(own + mirror).astype(np.float32)

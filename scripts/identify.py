@@ -23,7 +23,7 @@ import sys
 
 
 from eval.verification import best_threshold, load_bin
-from infer.enrolment import (GalleryError, check_cache, check_image, default_cache, embedded_faces, enrol,
+from infer.enrolment import (GalleryError, GalleryFile, check_image, default_cache, embedded_faces, enrol,
                              refuse_faceless)
 from infer.gallery import matches
 from dataset.folders import image_files
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     chosen_threshold(args.threshold, None, args.model)  # a threshold that is no cosine: refused before any work
     detection = face_detection(args)
     cache = args.cache or default_cache(args.gallery, ema=not args.no_ema)
-    check_cache(cache)
+    GalleryFile.check(cache)
     embedder = model_from(args, detection)
     chosen = chosen_threshold(args.threshold, None, args.model, embedder.threshold)
     if chosen is None and not args.threshold_from:  # refused before the gallery is enrolled

@@ -16,7 +16,7 @@ list's, in its order, so verification's 10 folds are the list's own (LFW view 2'
 CFP's 10 splits of 700). A pair is never dropped: with --align a photo where no face is found, after the retries
 asked for (--retry_upsample, --retry_mmod), is cut at a fallback face (infer.pair_photos, as
 scripts.verify does) and named; --strict refuses such photos instead. Each photo is aligned once
-however many pairs name it; its detection is cached beside the list (infer.pair_cache), where
+however many pairs name it; its detection is cached beside the list (infer.cache), where
 scripts.verify finds it."""
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from eval.cfp import read_list
 from eval.pairs import check_images
 from eval.verification import NFOLDS, write_bin
 from faces.photos import align_groups, aligned_pngs
-from infer.pair_cache import cache_paths, check_cache
+from infer.pair_photos import cache_paths, check_cache
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 from scripts.options import (add_align_options, add_pair_list_options, detection_from, face_detection, list_faces,

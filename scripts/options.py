@@ -15,8 +15,7 @@ from faces.detect import Detection
 from faces.workers import check_workers, default_workers
 from eval.pairs import PairList
 from infer.model import MODEL_HELP, PRECISIONS, Model, load_model
-from infer.pair_cache import FacesCache, cache_paths
-from infer.pair_photos import PairFaces, Retries, pair_faces
+from infer.pair_photos import FacesCache, PairFaces, Retries, cache_paths, pair_faces
 
 
 def add_model_options(p, batch_size: int | None = 64, what: str = "MODEL") -> None:

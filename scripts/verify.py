@@ -15,7 +15,7 @@ ours), so nothing is re-framed and no .bin is written; the pairs are scored in t
 on its own folds, in the same table. No pair is dropped: a photo where no face is found (after
 the retries asked for) is cut at a fallback face and named, as scripts.make_bin does (one place
 decides: infer.pair_photos); --strict refuses such photos instead. Detected faces are cached
-beside the list per photo content and face options, embeddings per model (infer.pair_cache), so
+beside the list per photo content and face options, embeddings per model (infer.cache), so
 a second model on the same list does not detect again, and a second run embeds nothing."""
 from __future__ import annotations
 
@@ -33,8 +33,7 @@ from eval.pairs import check_images, score_pairs
 from eval.verification import NFOLDS, load_bin, test
 from faces.align import ARCFACE_112
 from infer.embed import refuse_non_finite_embeddings
-from infer.pair_cache import EmbeddingCache, cache_paths, check_cache
-from infer.pair_photos import pair_embeddings
+from infer.pair_photos import EmbeddingCache, cache_paths, check_cache, pair_embeddings
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 from scripts.options import (add_detection_options, add_model_options, add_pair_list_options, add_workers_option,

@@ -21,8 +21,7 @@ from faces.detect import Detection, load_photo
 from faces.landmarks import five_from_dlib5
 from infer.embed import embed
 from infer.model import load_model
-from infer.pair_cache import EmbeddingCache, FacesCache, cache_paths
-from infer.pair_photos import pair_embeddings, pair_faces
+from infer.pair_photos import EmbeddingCache, FacesCache, cache_paths, pair_embeddings, pair_faces
 from scripts.make_bin import main as make_bin
 from scripts.verify import main as verify
 from tests.gallery_files import seeded_model

@@ -243,7 +243,7 @@ def test_an_output_folder_that_takes_no_file_is_refused_even_for_root(tmp_path, 
 def test_pair_cache_of_a_list_read_from_a_pipe_is_refused_before_the_work(tmp_path):
     """verify --pairs_list <(...): the list is /dev/fd/N, whose folder takes no file, not even
     root's; the cache check says so, and how to keep a cache elsewhere."""
-    from infer.pair_cache import cache_paths, check_cache
+    from infer.pair_photos import cache_paths, check_cache
     from utils.atomic import OutputError
     r, w = os.pipe()
     try:
