@@ -56,11 +56,11 @@ def content_key(path: str) -> str:
 
 
 class Cache:
-    """key -> row (an array of `shape`) or None, read from `path` (None: kept in memory only)
-    and its saved parts unless `rebuild`; see the module docstring."""
-    kind = ""                 # each kind says what it is, how to keep it, and what is redone without it
-    what = hint = redo = ""
-    field, dtype, unit = "embeddings", np.float32, False
+    """key -> row (an array of `shape`) or None, read from `path` (None: in memory only) and its
+    saved parts unless `rebuild`; see the module docstring. Each kind says what it is, how to keep
+    it and use another, and what is done again without it."""
+    kind = what = hint = redo = ""
+    field, unit = "embeddings", False
 
     def __init__(self, path: str | None, header: dict, shape: tuple, rebuild: bool = False,
                  save_every_s: float = SAVE_EVERY_S):
@@ -68,24 +68,25 @@ class Cache:
         self.header = {"kind": self.kind, "format": FORMAT, **header}
         self.entries, self.new, self.unsaved = {}, set(), {}
         self.last, self.part = time.monotonic(), 0
-        old = self.read_header(path) if path is not None else None  # something else there: refused, even to rebuild
+        old = self.check(path) if path is not None else None  # something else there: refused, even to rebuild
         if path is None or rebuild:
             return
         said = self.changes(old) if old is not None else []
         if said:
             logger.warning("%s: %s changed since it was written: %s", path, " and ".join(said), self.redo)
         elif old is not None:
-            with contextlib.suppress(_Damaged):
-                self.entries = self._read(path, warn=True)
+            try:
+                self.entries = self._read(path)
+            except _Damaged as exc:
+                logger.warning("%s: a damaged %s (%s): %s", path, self.what, exc, self.redo)
         for part in sorted(glob.glob(os.path.join(glob.escape(f"{path}.parts"), "*-*", "part-*.npz"))):
             try:  # another run's saved work (one that just finished removed it)
-                if self.read_header(part) == self.header:
-                    for key, row in self._read(part).items():
-                        if key not in self.entries:
-                            self.entries[key] = row
-                            self.new.add(key)
-            except (CacheError, _Damaged, OSError) as exc:
-                logger.debug("%s: not resumed (%s)", part, exc)
+                saved = self._read(part) if self.read_header(part) == self.header else {}
+            except (CacheError, _Damaged, OSError):
+                continue
+            saved = {k: v for k, v in saved.items() if k not in self.entries}
+            self.entries.update(saved)
+            self.new.update(saved)
 
     @classmethod
     def ours(cls, header: dict) -> bool:
@@ -103,19 +104,20 @@ class Cache:
             header, reason = None, f"{type(exc).__name__}: {exc}"
         if isinstance(header, dict) and cls.ours(header):
             return header
-        raise CacheError(f"{path}: exists and is not a ShardFace {cls.what} ({reason}); it is left as it is: {cls.hint}")
+        raise CacheError(f"{path}: exists and is not a ShardFace {cls.what} ({reason}); it is left as it is: "
+                         f"{cls.hint}")
 
     @classmethod
-    def check(cls, path: str) -> None:
+    def check(cls, path: str) -> dict | None:
         """Before any work: `path` holds a cache of this kind (replacing it destroys nothing else),
-        or nothing yet and its folder takes a new file."""
-        if os.path.isfile(path):  # a cache is then only read where nothing is new: a read-only folder is fine
-            cls.read_header(path)
-            return
+        its header returned, or nothing yet and its folder takes a new file."""
+        if os.path.isfile(path):  # then only read where nothing is new: a read-only folder is fine
+            return cls.read_header(path)
         try:  # as root, /dev/fd of a list `<(...)` passes os.access, not this
             check_output_file(path, what=cls.what)
         except OutputError as exc:
             raise OutputError(f"{exc}; {cls.hint}") from None
+        return None
 
     def changes(self, old: dict) -> list[str]:
         """What differs between the header `old` and this run's that changes the rows, in words."""
@@ -156,34 +158,27 @@ class Cache:
         with contextlib.suppress(OSError):
             os.rmdir(parts)
 
-    def _read(self, path: str, warn: bool = False) -> dict:
-        """The entries of a cache whose header matched; _Damaged (said where `warn`) when its
-        arrays are not one finite row of `shape` (of unit length where `unit`) per entry with one."""
+    def _read(self, path: str) -> dict:
+        """The entries of a cache whose header matched; _Damaged (the reason) when its arrays are
+        not one finite row of `shape` (of unit length where `unit`) for each key that has one."""
         try:
-            try:
-                with np.load(path, allow_pickle=False) as z:
-                    keys, has, rows = z["keys"], z["has_row"], z[self.field]
-            except Exception as exc:
-                raise _Damaged(f"unreadable ({type(exc).__name__}: {exc})") from None
-            found = int(has.sum()) if has.dtype == bool else -1
-            if keys.ndim != 1 or has.shape != keys.shape or rows.shape != (found, *self.shape):
-                raise _Damaged(f"{rows.shape} rows for {found} of {keys.shape} keys, rows of {self.shape} wanted")
-            flat = rows.reshape(len(rows), -1)
-            if not np.isfinite(flat).all():
-                raise _Damaged(f"{int((~np.isfinite(flat).all(1)).sum())} rows are not finite (NaN or inf)")
-            if self.unit and found and np.abs(np.linalg.norm(flat, axis=1) - 1).max() > 1e-3:
-                raise _Damaged(f"{int((np.abs(np.linalg.norm(flat, axis=1) - 1) > 1e-3).sum())} rows are not of "
-                               "unit length")
-        except _Damaged as exc:
-            if warn:
-                logger.warning("%s: a damaged %s (%s): %s", path, self.what, exc, self.redo)
-            raise
+            with np.load(path, allow_pickle=False) as z:
+                keys, has, rows = z["keys"], z["has_row"], z[self.field]
+        except Exception as exc:
+            raise _Damaged(f"unreadable ({type(exc).__name__}: {exc})") from None
+        found = int(has.sum()) if has.dtype == bool and keys.ndim == 1 and has.shape == keys.shape else -1
+        if rows.shape != (found, *self.shape):
+            raise _Damaged(f"rows of shape {rows.shape} for {found} of {keys.shape} keys, each {self.shape}")
+        flat = rows.reshape(found, -1).astype(np.float64)
+        bad = ~np.isfinite(flat).all(1) | (self.unit & (np.abs(np.linalg.norm(flat, axis=1) - 1) > 1e-3))
+        if bad.any():
+            raise _Damaged(f"{int(bad.sum())} rows are not finite" + (" unit vectors" if self.unit else ""))
         it = iter(rows)
         return {key: next(it) if h else None for key, h in zip(keys.tolist(), has.tolist())}
 
     def _write(self, path: str, entries: dict) -> None:
         rows = [r for r in entries.values() if r is not None]
         with publishing(path) as tmp, open(tmp, "wb") as f:
-            np.savez(f, header=np.array(json.dumps(self.header, sort_keys=True)),
-                     keys=np.array(list(entries), dtype=str), has_row=np.array([r is not None for r in entries.values()], bool),
-                     **{self.field: np.array(rows, self.dtype).reshape(len(rows), *self.shape)})
+            np.savez(f, header=np.array(json.dumps(self.header, sort_keys=True)), keys=np.array(list(entries), str),
+                     has_row=np.array([r is not None for r in entries.values()], bool),
+                     **{self.field: np.array(rows).reshape(len(rows), *self.shape)})

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dataset import DataError
-from dataset.errors import ImageDecodeError
-from dataset.folders import hidden, not_regular, walk_images, warn_hidden
+from dataset.folders import hidden, identity_folders, not_regular, walk_images
 from dataset.images import IMAGE_EXTENSIONS, image_size
 from faces.align import ARCFACE_112, Template
 from faces.photos import no_face_message
@@ -52,29 +51,25 @@ class Enrolment:
     names: list[str]        # one per person, sorted
     templates: np.ndarray   # people x D: each person's mean template
     images: int             # images enrolled
+
+
 def list_gallery(folder: str) -> list[tuple[str, list[str]]]:
     """[(person, [image paths relative to folder])] sorted by name; refuses a missing or empty
     folder, images outside person folders and a person folder without images, naming them."""
     if not os.path.isdir(folder):
         raise GalleryError(f"{folder}: gallery folder not found")
-    people, loose = [], []
-    entries = sorted(os.listdir(folder))
-    # the cache and its parts, editor files are skipped; a hidden folder holding images is named
-    warn_hidden([os.path.join(folder, e) for e in entries if hidden(e) and os.path.isdir(os.path.join(folder, e))])
-    for entry in entries:
-        path = os.path.join(folder, entry)
-        if hidden(entry):
-            continue
-        if os.path.isdir(path):  # a link to a folder too, as in training
-            if any(c in entry for c in "\n\r"):  # it would forge a line of identify's output
-                raise GalleryError(f"{path!r}: a person's name with a line break cannot be printed one answer "
-                                   "a line; rename the folder")
-            found = sorted(os.path.relpath(f, folder) for f in walk_images(path))
-            if not found:
-                raise GalleryError(f"{path}: person folder without images ({', '.join(IMAGE_EXTENSIONS)})")
-            people.append((entry, found))
-        elif entry.lower().endswith(IMAGE_EXTENSIONS):
-            loose.append(entry)
+    people = []
+    for name in identity_folders(folder):  # hidden ones skipped (the cache's parts), those with images named
+        if any(c in name for c in "\n\r"):  # it would forge a line of identify's output
+            raise GalleryError(f"{os.path.join(folder, name)!r}: a person's name with a line break cannot be "
+                               "printed one answer a line; rename the folder")
+        found = sorted(os.path.relpath(f, folder) for f in walk_images(os.path.join(folder, name)))
+        if not found:
+            raise GalleryError(f"{os.path.join(folder, name)}: person folder without images "
+                               f"({', '.join(IMAGE_EXTENSIONS)})")
+        people.append((name, found))
+    loose = [e for e in sorted(os.listdir(folder)) if not hidden(e) and e.lower().endswith(IMAGE_EXTENSIONS)
+             and not os.path.isdir(os.path.join(folder, e))]
     if loose:
         raise GalleryError(f"{os.path.join(folder, loose[0])}: an image outside a person folder "
                            f"({len(loose)} such); the gallery is one folder per person, named for them")
@@ -99,36 +94,25 @@ def check_image(path: str, template: Template, align: bool) -> None:
 
 
 def embedded_faces(paths: list[str], model, align: bool, batch_size: int = 64, workers: int = 1,
-                   largest_only: bool = False, show_progress: bool = False) -> list[EmbeddedFace]:
+                   largest_only: bool = False, show_progress: bool = False,
+                   strict: bool = False) -> list[EmbeddedFace]:
     """Every face (or the largest) of every photo (one per file without alignment), in order, with
-    embeddings (infer.stream). Files are read and checked before anything is embedded; then a
-    batch is embedded as soon as its crops are back, so memory holds one batch, not the folder."""
+    embeddings (infer.stream); `strict` refuses a photo without a face, naming it. Every header is
+    read before anything is embedded; then each batch as its crops come back."""
     for path in paths:
         check_image(path, model.template, align)
     progress = Progress(len(paths), "finding and embedding faces" if align else "embedding").update \
         if show_progress and len(paths) > batch_size else None
     out = []
-    for photo in _analysed(model, paths, align, workers, largest_only, batch_size, progress):
+    for photo in analyse(model, paths, workers, largest_only=largest_only, align=align, batch_size=batch_size,
+                         progress=progress):
         out += [EmbeddedFace(photo.name, i, tuple(int(round(v)) for v in face.box), face.embedding)
                 for i, face in enumerate(photo.faces) if face.embedding is not None]
-    return out
-
-
-def _analysed(model, paths, align, workers, largest_only, batch_size, progress):
-    """infer.stream.analyse, an unreadable image named as a GalleryError."""
-    try:
-        yield from analyse(model, paths, workers, largest_only=largest_only, align=align, batch_size=batch_size,
-                           progress=progress)
-    except ImageDecodeError as exc:
-        raise GalleryError(str(exc)) from None
-
-
-def refuse_faceless(paths: list[str], faces: list[EmbeddedFace], model) -> None:
-    """--strict: a photo in which no face was found is refused, naming it."""
-    seen = {f.path for f in faces}
+    seen = {f.path for f in out}
     missing = [p for p in paths if p not in seen]
-    if missing:
+    if strict and missing:
         raise GalleryError(f"{no_face_message(missing, len(paths), model.detection)}; --strict refuses them")
+    return out
 
 
 def default_cache(folder: str, ema: bool = True) -> str:
@@ -136,18 +120,18 @@ def default_cache(folder: str, ema: bool = True) -> str:
     return os.path.join(folder, CACHE_NAME if ema else RAW_CACHE_NAME)
 
 
-def model_header(model, align: bool) -> dict:
-    """What a gallery file records of how its embeddings were made."""
-    crops = f"{model.template.name} {model.template.size[1]}x{model.template.size[0]}"
-    return {"model": os.path.realpath(model.name) if os.path.exists(model.name) else model.name,
-            "fingerprint": model.fingerprint, "ema": bool(model.ema), "template": model.crop_name if align else crops,
-            "align": bool(align), "detection": dataclasses.asdict(model.detection) if align else None}
-
-
 class GalleryFile(Cache):
     """A gallery's cache: an image's content key -> its largest face's unit embedding (None: no face)."""
     kind, what, hint, redo, unit = "shardface gallery", "gallery file", "pass another --cache FILE", \
         "enrolling every image again", True
+
+    def __init__(self, path: str, model, align: bool, rebuild: bool = False, save_every_s: float = SAVE_EVERY_S):
+        crops = f"{model.template.name} {model.template.size[1]}x{model.template.size[0]}"
+        header = {"model": os.path.realpath(model.name) if os.path.exists(model.name) else model.name,
+                  "fingerprint": model.fingerprint, "ema": bool(model.ema), "align": bool(align),
+                  "template": model.crop_name if align else crops,
+                  "detection": dataclasses.asdict(model.detection) if align else None}
+        super().__init__(path, header, (model.dim,), rebuild, save_every_s)
 
     @classmethod
     def ours(cls, header: dict) -> bool:
@@ -156,17 +140,18 @@ class GalleryFile(Cache):
     def changes(self, old: dict) -> list[str]:
         """What changed since `old` that changes the embeddings, in words; another MODEL is refused."""
         new, said = self.header, []
-        if old.get("model") != new["model"]:
-            raise GalleryError(f"{self.path}: this gallery file was enrolled with model {_describe(old)}, not "
-                               f"{_describe(new)}; pass --rebuild to enrol the gallery again with this model, "
-                               f"or --cache FILE to keep a second gallery file")
+        if old["model"] != new["model"]:
+            made = [f"{h['model']} (fingerprint {h.get('fingerprint')})" for h in (old, new)]
+            raise GalleryError(f"{self.path}: this gallery file was enrolled with model {made[0]}, not {made[1]}; "
+                               "pass --rebuild to enrol the gallery again with this model, or --cache FILE to keep "
+                               "a second gallery file")
+        weights = {True: "EMA", False: "raw (--no_ema)"}
         if old.get("format") != new["format"]:
             said.append(f"the gallery file's format ({old.get('format')}, now {new['format']})")
-        if old.get("fingerprint") != new["fingerprint"]:
-            if old.get("ema", True) != new["ema"]:
-                said.append(f"the weights chosen ({_weights(old)}, now {_weights(new)})")
-            else:
-                said.append(f"the model's weights (fingerprint {old.get('fingerprint')}, now {new['fingerprint']})")
+        if old.get("fingerprint") != new["fingerprint"] and old.get("ema", True) != new["ema"]:
+            said.append(f"the weights chosen ({weights[old.get('ema', True)]}, now {weights[new['ema']]})")
+        elif old.get("fingerprint") != new["fingerprint"]:
+            said.append(f"the model's weights (fingerprint {old.get('fingerprint')}, now {new['fingerprint']})")
         if old.get("template") != new["template"]:
             said.append(f"the template ({old.get('template')}, now {new['template']})")
         if old.get("align") != new["align"]:
@@ -178,31 +163,23 @@ class GalleryFile(Cache):
         return said
 
 
-def _describe(header: dict) -> str:
-    return f"{header.get('model')} (fingerprint {header.get('fingerprint')})"
-
-
-def _weights(header: dict) -> str:
-    return "EMA" if header.get("ema", True) else "raw (--no_ema)"
-
-
 def enrol(folder: str, model, align: bool = False, cache: str | None = None, rebuild: bool = False,
           batch_size: int = 64, show_progress: bool = True,
           strict: bool = False, save_every_s: float = SAVE_EVERY_S, workers: int = 1) -> Enrolment:
     """The gallery of `folder` under `model`, from its cache file where still valid (see the
-    module docstring); the file is saved (atomically) when anything is new. `strict`: a gallery
-    image without a face is refused (after the enrolment is saved)."""
+    module docstring), saved when anything is new. `strict`: a gallery image without a face is
+    refused (after the enrolment is saved)."""
     people = list_gallery(folder)
     cache = cache or default_cache(folder, model.ema)
-    GalleryFile.check(cache)
-    store = GalleryFile(cache, model_header(model, align), (model.dim,), rebuild, save_every_s)
+    store = GalleryFile(cache, model, align, rebuild, save_every_s)
     paths = [os.path.join(folder, f) for _, files in people for f in files]
     keys = [content_key(p) for p in paths]
     todo = {k: p for k, p in zip(keys, paths) if k not in store}
     for path in todo.values():  # every header before the first embedding
         check_image(path, model.template, align)
     progress = Progress(len(todo), "enrolling").update if show_progress and todo else None
-    for key, photo in zip(todo, _analysed(model, list(todo.values()), align, workers, True, batch_size, progress)):
+    for key, photo in zip(todo, analyse(model, list(todo.values()), workers, largest_only=True, align=align,
+                                        batch_size=batch_size, progress=progress)):
         store.put(key, photo.face.embedding if photo.face is not None else None)
     store.save()  # before any refusal
     rows = iter([store.get(k) for k in keys])
@@ -236,9 +213,7 @@ def mean_cross_cosine(templates: np.ndarray) -> float:
 def warn_if_collapsed(gallery: Enrolment, where: str) -> None:
     """One warning when the templates of different people are nearly the same direction: every
     query would score alike for everyone (a collapsed or untrained model)."""
-    if len(gallery.names) < 2:
-        return
-    mean = mean_cross_cosine(gallery.templates)
+    mean = mean_cross_cosine(gallery.templates) if len(gallery.names) > 1 else 0.0
     if mean > COLLAPSED:
         logger.warning("%s: the %d people's templates are nearly identical (mean cosine %.4f between different "
                        "people): this model does not tell them apart, so its answers mean nothing (a collapsed "

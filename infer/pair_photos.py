@@ -1,18 +1,15 @@
 """The photos of a pair list, each given one face, and each model's embeddings of them: the one
-place that decides a photo's face or its fallback, for scripts.make_bin (112x112 crops in a
-.bin) and scripts.verify (each model's own crop), so both score the same faces.
+place that decides a photo's face, for scripts.make_bin (112x112 crops in a .bin) and
+scripts.verify (each model's own crop), so both score the same faces.
 
-A pair protocol keeps every pair: dropping the pairs of photos where no face is found changes
-the protocol (and flatters the score). So each photo is searched once under the tools' face
-options; photos without a face are searched again by the retries asked for (`Retries`: more
-upsampling, then dlib's CNN detector); a photo still without one gets a fallback face
-(faces.fallback: the set's median face at its place and scale in the photo), and is named.
-
-Two caches (infer.cache), beside the list unless another folder is given (`cache_paths`):
-`LIST.shardface_faces.npz`, per (photo content, face options) the photo's size and largest face,
-read by every model and make_bin; `LIST.shardface_pairs.FINGERPRINT.npz`, one per model, per
-(photo content, the face its crop is cut from) the raw embeddings of the crop and its mirror
-image: keyed by the face, not the options, an embedding stays right whichever search found it."""
+A pair protocol keeps every pair (dropping those of photos without a face flatters the score):
+each photo is searched once under the tools' face options, those without a face again by the
+`Retries` asked for, and a photo still without one is cut at a fallback face (faces.fallback:
+the set's median face at its place and scale in the photo), and named. Both are cached
+(infer.cache) beside the list unless another folder is given (`cache_paths`):
+`LIST.shardface_faces.npz`, per (photo content, face options) its size and largest face, for
+every model; `LIST.shardface_pairs.FINGERPRINT.npz`, per model and (photo content, the face its
+crop is cut from: right whichever search found it) the raw embeddings of the crop and its mirror."""
 from __future__ import annotations
 
 import dataclasses
@@ -31,36 +28,34 @@ from infer.cache import Cache, content_key
 from infer.stream import analyse
 from utils.progress import Progress
 
-SAVE_EVERY_S = 60.0  # an interrupted search or embedding loses at most this much work
 SHOWN = 20           # photos named in a report
 SHAPE = 68           # the most points of dlib's shape a face row holds
 
 
 class FacesCache(Cache):
-    """(photo content, detection options) -> a row of the photo's size and its largest face (`_row`)."""
+    """(photo content, face options) -> its size and largest face, as one row (`_row`)."""
     kind, what, hint, redo = "shardface pair-list faces", "pair-list cache file", "pass --cache_dir DIR", \
         "searching every photo again"
-    field, dtype = "faces", np.float64
+    field = "faces"
 
     def __init__(self, path: str | None):
-        super().__init__(path, {}, (19 + 2 * SHAPE,), save_every_s=SAVE_EVERY_S)
+        super().__init__(path, {}, (19 + 2 * SHAPE,))
 
 
 class EmbeddingCache(Cache):
-    """(photo content, face) -> the raw embeddings of the crop and of its mirror image, 2 x D, of one model."""
+    """(photo content, face) -> one model's raw embeddings of the crop and of its mirror, 2 x D."""
     kind, what, hint, redo = "shardface pair-list embeddings", FacesCache.what, FacesCache.hint, \
         "embedding every photo again"
 
     def __init__(self, path: str | None, model):
-        super().__init__(path, {"fingerprint": model.fingerprint, "crop": model.crop_name}, (2, model.dim),
-                         save_every_s=SAVE_EVERY_S)
+        super().__init__(path, {"fingerprint": model.fingerprint, "crop": model.crop_name}, (2, model.dim))
 
 
 def cache_paths(list_path: str, fingerprint: str | None, folder: str | None = None) -> tuple[str, str | None]:
     """(faces cache, embeddings cache of the model `fingerprint`, None without one) of a pair list,
     in `folder` (default the list file's folder, or inside a CFP root)."""
     list_path = list_path.rstrip(os.sep) or list_path
-    home = list_path if os.path.isdir(list_path) else os.path.dirname(os.path.abspath(list_path))  # a CFP root's inside
+    home = list_path if os.path.isdir(list_path) else os.path.dirname(os.path.abspath(list_path))
     base = os.path.join(folder if folder is not None else home, os.path.basename(os.path.abspath(list_path)))
     return f"{base}.shardface_faces.npz", (f"{base}.shardface_pairs.{fingerprint}.npz" if fingerprint else None)
 
@@ -71,7 +66,7 @@ def check_cache(path: str) -> None:
 
 
 def _row(size: tuple[int, int], face: Face | None) -> np.ndarray:
-    """w, h, found, box (4), points (10), score, shape points n, shape (2n, zero-padded)."""
+    """w, h, found, box (4), points (10), score, n (dlib's shape's points), that shape (zero-padded)."""
     row = np.zeros(19 + 2 * SHAPE)
     row[:3] = (*size, face is not None)
     if face is not None:
@@ -97,12 +92,9 @@ class Retries:
 
     def searches(self, detection: Detection) -> list[tuple[str, Detection]]:
         """[(the option, the Detection it searches with)], in the order they are tried."""
-        out = []
-        if self.upsample is not None:
-            out.append((f"--retry_upsample {self.upsample}", dataclasses.replace(detection, upsample=self.upsample)))
-        if self.mmod:
-            out.append(("--retry_mmod", dataclasses.replace(detection, detector="mmod")))
-        return out
+        more = dataclasses.replace(detection, upsample=self.upsample) if self.upsample is not None else None
+        cnn = dataclasses.replace(detection, detector="mmod") if self.mmod else None
+        return [(o, d) for o, d in ((f"--retry_upsample {self.upsample}", more), ("--retry_mmod", cnn)) if d is not None]
 
 
 @dataclass
@@ -115,24 +107,21 @@ class PairFaces:
     searched: int                               # photo searches run now (the rest came from the cache)
     cached: int                                 # photo searches answered by the cache
 
-    def report(self, pairs: list[tuple[str, str]] | None = None) -> list[str]:
+    def report(self, pairs: list[tuple[str, str]]) -> list[str]:
         """Lines saying how many searches the cache answered, what the retries recovered, and
         naming the photos given a fallback."""
         lines = [f"faces: {self.searched} photo searches run, {self.cached} answered by the cache"]
-        lines += [f"{option}: a face found in {found} of the {tried} photos searched again" for option, found, tried
-                 in self.recovered]
+        lines += [f"{option}: a face found in {found} of the {tried} photos searched again"
+                  for option, found, tried in self.recovered]
         if self.fallbacks:
-            fallback = set(self.fallbacks)
-            in_pairs = "" if pairs is None else \
-                f" (in {sum(a in fallback or b in fallback for a, b in pairs)} of {len(pairs)} pairs)"
-            tried = {option.split()[0] for option, _, _ in self.recovered}
+            fallback, tried = set(self.fallbacks), {option.split()[0] for option, _, _ in self.recovered}
             untried = [o for o in ("--retry_upsample N", "--retry_mmod") if o.split()[0] not in tried]
-            hint = f" ({' or '.join(untried)} may find more)" if untried else ""
-            lines.append(f"no face found in {len(self.fallbacks)} of {len(self.faces)} photos{in_pairs}: each is "
-                         f"cut at a fallback face, the set's median face at its place and scale in the photo{hint}:")
+            lines.append(f"no face found in {len(self.fallbacks)} of {len(self.faces)} photos (in "
+                         f"{sum(a in fallback or b in fallback for a, b in pairs)} of {len(pairs)} pairs): each is "
+                         "cut at a fallback face, the set's median face at its place and scale in the photo"
+                         + (f" ({' or '.join(untried)} may find more)" if untried else "") + ":")
             lines += [f"  {p}" for p in self.fallbacks[:SHOWN]]
-            if len(self.fallbacks) > SHOWN:
-                lines.append(f"  and {len(self.fallbacks) - SHOWN} more")
+            lines += [f"  and {len(self.fallbacks) - SHOWN} more"] if len(self.fallbacks) > SHOWN else []
         return lines
 
 
@@ -143,8 +132,8 @@ def _search(photos: list[str], detection: Detection, content: dict, cache: Faces
     options = json.dumps(dataclasses.asdict(detection), sort_keys=True)
     keys = {p: f"{content[p]}|{options}" for p in photos}
     todo = [p for p in photos if keys[p] not in cache]
-    progress = Progress(len(todo), label) if show_progress and todo else None
-    for p, photo in zip(todo, stream(todo, detection, workers=workers, progress=progress and progress.update)):
+    progress = Progress(len(todo), label).update if show_progress and todo else None
+    for p, photo in zip(todo, stream(todo, detection, workers=workers, progress=progress)):
         cache.put(keys[p], _row(photo.size, photo.face))
     return {p: _face(cache.get(keys[p])) for p in photos}, len(todo)
 
@@ -169,7 +158,6 @@ def pair_faces(photos: list[str], detection: Detection = Detection(), retries: R
             recovered.append((option, sum(v[1] is not None for v in more.values()), len(missing)))
     finally:
         cache.save()
-    total_searches = len(photos) + sum(tried for _, _, tried in recovered)
     missing = [p for p in photos if found[p][1] is None]
     if missing:
         named = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
@@ -181,7 +169,8 @@ def pair_faces(photos: list[str], detection: Detection = Detection(), retries: R
                             "place and scale from the faces found, so there is nothing to place it by")
     fallback = Fallback.of([(face, size) for size, face in found.values() if face is not None]) if missing else None
     faces = {p: found[p][1] if found[p][1] is not None else fallback.face(found[p][0]) for p in photos}
-    return PairFaces(faces, content, missing, recovered, searched, total_searches - searched)
+    searches = len(photos) + sum(tried for _, _, tried in recovered)
+    return PairFaces(faces, content, missing, recovered, searched, searches - searched)
 
 
 @dataclass
@@ -197,16 +186,15 @@ class PairEmbeddings:
 
 def pair_embeddings(model, photos: list[str], faces: PairFaces, cache: EmbeddingCache | None = None,
                     batch_size: int = 64, show_progress: bool = True) -> PairEmbeddings:
-    """Each photo's crop for `model` (Model.crop: the model's own template) embedded with its
-    mirror image, read from the cache where it has them. Embeddings that are not finite are
-    refused, naming the model."""
+    """Each photo's crop for `model` (its own template) embedded with its mirror image, read from
+    the cache where it has them (infer.stream refuses embeddings that are not finite)."""
     cache = cache if cache is not None else EmbeddingCache(None, model)
     keys = {p: f"{faces.content[p]}|{_geometry(faces.faces[p])}" for p in photos}
     todo = [p for p in photos if keys[p] not in cache]
-    progress = Progress(len(todo), "embedding") if show_progress and len(todo) > batch_size else None
+    progress = Progress(len(todo), "embedding").update if show_progress and len(todo) > batch_size else None
     try:
         for p, photo in zip(todo, analyse(model, todo, faces=[[faces.faces[p]] for p in todo], batch_size=batch_size,
-                                          progress=progress and progress.update, raw=True)):
+                                          progress=progress, raw=True)):
             cache.put(keys[p], photo.face.embedding)
     finally:
         cache.save()

@@ -23,8 +23,7 @@ import sys
 
 
 from eval.verification import best_threshold, load_bin
-from infer.enrolment import (GalleryError, GalleryFile, check_image, default_cache, embedded_faces, enrol,
-                             refuse_faceless)
+from infer.enrolment import GalleryError, GalleryFile, check_image, default_cache, embedded_faces, enrol
 from infer.gallery import matches
 from dataset.folders import image_files
 from infer.search import ENGINES
@@ -108,9 +107,8 @@ def main(argv=None) -> int:
     workers = workers_from(args)
     gallery = enrol(args.gallery, embedder, args.align, cache, args.rebuild, batch_size=args.batch_size,
                     show_progress=not args.json, strict=args.strict, workers=workers)
-    faces = embedded_faces(queries, embedder, args.align, args.batch_size, workers, show_progress=not args.json)
-    if args.strict:
-        refuse_faceless(queries, faces, embedder)
+    faces = embedded_faces(queries, embedder, args.align, args.batch_size, workers, show_progress=not args.json,
+                           strict=args.strict)
     rows = result_rows(matches(faces, gallery, threshold, args.top, args.engine, embedder.device))
     without = [q for q in queries if q not in {f.path for f in faces}]
     if args.json:

@@ -25,7 +25,7 @@ import sys
 
 import numpy as np
 
-from infer.enrolment import GalleryError, embedded_faces, list_gallery, refuse_faceless
+from infer.enrolment import GalleryError, embedded_faces, list_gallery
 from eval.identification import (FPIR_LEVELS, cmc, det_curve, mate_ranks, nonmated_needed, plot_cmc_det,
                                  tpir_at_fpir)
 from parallel.user_errors import exits_on_user_error
@@ -63,9 +63,7 @@ def evaluate(model, folder: str, align: bool, per_id: int, unknown: int, seed: i
     files = sorted({f for _, fs in enrolled for f in fs} | {f for _, f in mated + nonmated})
     faces, paths = {}, [os.path.join(folder, f) for f in files]
     found = embedded_faces(  # every header is read before the first embedding
-        paths, model, align, batch_size, workers, largest_only=True, show_progress=show_progress)
-    if strict:
-        refuse_faceless(paths, found, model)
+        paths, model, align, batch_size, workers, largest_only=True, show_progress=show_progress, strict=strict)
     for face in found:  # the largest face of each image
         faces[os.path.relpath(face.path, folder)] = face.embedding
     names, templates, not_enrolled = [], [], []
