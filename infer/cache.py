@@ -108,16 +108,17 @@ class Cache:
                          f"{cls.hint}")
 
     @classmethod
-    def check(cls, path: str) -> dict | None:
-        """Before any work: `path` holds a cache of this kind (replacing it destroys nothing else),
-        its header returned, or nothing yet and its folder takes a new file."""
-        if os.path.isfile(path):  # then only read where nothing is new: a read-only folder is fine
-            return cls.read_header(path)
-        try:  # as root, /dev/fd of a list `<(...)` passes os.access, not this
-            check_output_file(path, what=cls.what)
-        except OutputError as exc:
-            raise OutputError(f"{exc}; {cls.hint}") from None
-        return None
+    def check(cls, path: str, write: bool = False) -> dict | None:
+        """Before any work: `path` holds a cache of this kind (its header returned: replacing it
+        destroys nothing else) or nothing yet; its folder must take a new file where nothing is
+        there, or with `write` (else a cache is only read while nothing is new: a read-only folder is fine)."""
+        header = cls.read_header(path) if os.path.isfile(path) else None
+        if header is None or write:
+            try:  # as root, /dev/fd of a list `<(...)` passes os.access, not this
+                check_output_file(path, what=cls.what)
+            except OutputError as exc:
+                raise OutputError(f"{exc}; {cls.hint}") from None
+        return header
 
     def changes(self, old: dict) -> list[str]:
         """What differs between the header `old` and this run's that changes the rows, in words."""

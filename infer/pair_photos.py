@@ -62,7 +62,7 @@ def cache_paths(list_path: str, fingerprint: str | None, folder: str | None = No
 
 def check_cache(path: str) -> None:
     """Before any work: `path` (of `cache_paths`) holds that cache or nothing, and can be written."""
-    (FacesCache if path.endswith(".shardface_faces.npz") else EmbeddingCache).check(path)
+    (FacesCache if path.endswith(".shardface_faces.npz") else EmbeddingCache).check(path, write=True)
 
 
 def _row(size: tuple[int, int], face: Face | None) -> np.ndarray:
@@ -92,9 +92,12 @@ class Retries:
 
     def searches(self, detection: Detection) -> list[tuple[str, Detection]]:
         """[(the option, the Detection it searches with)], in the order they are tried."""
-        more = dataclasses.replace(detection, upsample=self.upsample) if self.upsample is not None else None
-        cnn = dataclasses.replace(detection, detector="mmod") if self.mmod else None
-        return [(o, d) for o, d in ((f"--retry_upsample {self.upsample}", more), ("--retry_mmod", cnn)) if d is not None]
+        out = []
+        if self.upsample is not None:
+            out.append((f"--retry_upsample {self.upsample}", dataclasses.replace(detection, upsample=self.upsample)))
+        if self.mmod:
+            out.append(("--retry_mmod", dataclasses.replace(detection, detector="mmod")))
+        return out
 
 
 @dataclass
@@ -105,12 +108,12 @@ class PairFaces:
     fallbacks: list[str]                        # photos given the fallback face, in order
     recovered: list[tuple[str, int, int]]       # (retry option, photos it found a face in, photos it searched)
     searched: int                               # photo searches run now (the rest came from the cache)
-    cached: int                                 # photo searches answered by the cache
 
     def report(self, pairs: list[tuple[str, str]]) -> list[str]:
         """Lines saying how many searches the cache answered, what the retries recovered, and
         naming the photos given a fallback."""
-        lines = [f"faces: {self.searched} photo searches run, {self.cached} answered by the cache"]
+        cached = len(self.faces) + sum(tried for _, _, tried in self.recovered) - self.searched
+        lines = [f"faces: {self.searched} photo searches run, {cached} answered by the cache"]
         lines += [f"{option}: a face found in {found} of the {tried} photos searched again"
                   for option, found, tried in self.recovered]
         if self.fallbacks:
@@ -169,8 +172,7 @@ def pair_faces(photos: list[str], detection: Detection = Detection(), retries: R
                             "place and scale from the faces found, so there is nothing to place it by")
     fallback = Fallback.of([(face, size) for size, face in found.values() if face is not None]) if missing else None
     faces = {p: found[p][1] if found[p][1] is not None else fallback.face(found[p][0]) for p in photos}
-    searches = len(photos) + sum(tried for _, _, tried in recovered)
-    return PairFaces(faces, content, missing, recovered, searched, searches - searched)
+    return PairFaces(faces, content, missing, recovered, searched)
 
 
 @dataclass
