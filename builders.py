@@ -2,6 +2,8 @@
 the data-parallel module the backbone is called through. train.py composes these."""
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -11,10 +13,13 @@ from configs.errors import ConfigError
 from dataset import build_dataset
 from faces.folder_dataset import build_aligned_dataset
 from heads import PartialFC, SampledRowsOptimizer
+from heads.graph import CapturedHead
 from infer.weights import init_backbone_from
 from losses import build_margin
 from parallel.ddp import DDPOptimizer
 from parallel.zero import Zero2Optimizer
+
+logger = logging.getLogger("shardface")
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
 
@@ -67,6 +72,30 @@ def build_head(cfg, device: torch.device | str = "cpu") -> PartialFC | None:
                      chunk_size=cfg.chunk_size or None,
                      row_block=cfg.row_block, precision=cfg.head_precision,
                      fused_optimizer=cfg.head_fused_optimizer).to(device)
+
+
+def head_graph_blocker(cfg, device: torch.device, distill=None) -> str | None:
+    """Why `head_graph` cannot capture this run's head (it then runs eagerly), or None."""
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device; this run is on the {device.type.upper()}"
+    if cfg.head_fused_optimizer:
+        return "head_fused_optimizer steps the head inside backward, at a learning rate a graph would freeze"
+    if distill is not None:
+        return "distillation calls the head with a batch of its own"
+    return None
+
+
+def build_head_step(cfg, head: PartialFC | None, device: torch.device, distill=None):
+    """What train.py calls for the head's loss: the head, or with `head_graph` its forward and
+    backward replayed from CUDA graphs (heads.graph.CapturedHead). Where they cannot be, the head
+    itself, and one log line saying why."""
+    if head is None or not cfg.head_graph:
+        return head
+    blocker = head_graph_blocker(cfg, device, distill)
+    if blocker is not None:
+        logger.info("head_graph true: the head runs eagerly (%s)", blocker)
+        return head
+    return CapturedHead(head)
 
 
 def optimizer_class(cfg) -> tuple[type[torch.optim.Optimizer], dict]:

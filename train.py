@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from builders import (build_backbone, build_data_parallel, build_head, build_head_optimizer, build_train_dataset,
-                      init_backbone)
+from builders import (build_backbone, build_data_parallel, build_head, build_head_optimizer, build_head_step,
+                      build_train_dataset, init_backbone)
 from checkpoint.changes import log_resume_changes
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.data_position import follow_data
@@ -102,6 +102,7 @@ class Run:
         self.distill = build_distillation(cfg, self.backbone, device)  # None without a teacher; may add a projection
         self.model, self.backbone_opt = build_data_parallel(cfg, self.backbone)
         self.head_opt = build_head_optimizer(cfg, self.head)
+        self.head_step = build_head_step(cfg, self.head, device, self.distill)  # the head, or it in CUDA graphs
         self.optimizers = [opt for opt in (self.backbone_opt, self.head_opt) if opt is not None]  # stepped in order
         self.head_params = list(self.head.parameters()) if self.head is not None else []
         # clip_head false: the backbone alone (arcface_torch)
@@ -213,7 +214,8 @@ class Run:
             embeddings = self.model(images)
             if self.norms is not None:
                 self.norms.add(embeddings)
-            loss = head(embeddings, labels) if distill is None else distill.loss(head, embeddings, labels, images, rows)
+            loss = self.head_step(embeddings, labels) if distill is None else \
+                distill.loss(head, embeddings, labels, images, rows)
             scaled = loss / cfg.gradient_acc
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         return images, labels, loss, lr

@@ -50,6 +50,9 @@ config.row_block = 512                # rows per block beyond the first embeddin
 config.head_precision = "fp32"        # logits GEMM: fp32 | tf32 (GPU) | bf16; statistics stay fp32
 config.head_fused_optimizer = False   # step the head's rows inside backward: no weight gradient held
                                       # (needs gradient_acc 1, no fp16, clip_head False)
+config.head_graph = False             # the head's forward and backward replayed from CUDA graphs (fewer
+                                      # launches; static batch shape): eagerly, with one log line, on a CPU,
+                                      # with head_fused_optimizer or a teacher. False until proven on a GPU
 config.clip_head = False              # False: the backbone alone is clipped (arcface_torch); True: the
                                       # head joins the global norm
 

@@ -22,7 +22,7 @@ NON_NEGATIVE_FLOAT = ("weight_decay", "max_grad_norm", "lr_power", "arcface_m", 
                       "distill_weight")
 BOOL = ("grad_checkpoint", "fp16", "bf16", "channels_last", "zero", "ema", "skip_bad_images", "resize", "align",
         "align_strict", "overwrite", "reset_ema", "distill_center",
-        "reset_margin", "head_fused_optimizer", "clip_head", "straight_through", "magface_easy_margin",
+        "reset_margin", "head_fused_optimizer", "head_graph", "clip_head", "straight_through", "magface_easy_margin",
         "dali", "dali_aug", "save_all_states", "using_wandb", "wandb_log_all", "save_artifacts")
 OPTIONAL_STR = ("wandb_key", "wandb_entity", "wandb_project", "suffix_run_name", "teacher_network")  # None or a string
 # (low, high, low inclusive, high inclusive); sample_rate 0 keeps only the batch's classes

@@ -204,10 +204,14 @@ class PartialFC(nn.Module):
             loss = loss + (reg * share + reg.detach() * (1.0 - share))
         if self.validate and not on_host:
             valid = ((labels >= 0) & (labels < self.num_classes)).all()
-            bad = valid.logical_not().int()
-            self._label_errors = bad if self._label_errors is None else self._label_errors + bad
+            self.add_label_errors(valid.logical_not().int())
             loss = torch.where(valid, loss, float("nan"))
         return loss
+
+    def add_label_errors(self, bad: torch.Tensor) -> None:
+        """Count a forward that met a bad label (`bad`: 0 or 1 on the device; heads.graph adds
+        each replay's)."""
+        self._label_errors = bad if self._label_errors is None else self._label_errors + bad
 
     def take_label_errors(self) -> int:
         """How many forwards since the last call met a label outside [0, num_classes) that was

@@ -10,9 +10,12 @@ def shardface_messages(call) -> list[str]:
     handler = logging.Handler()
     handler.emit = records.append
     logger = logging.getLogger("shardface")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)  # info lines too, whether or not a run set the logger up before
     logger.addHandler(handler)
     try:
         call()
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
     return [r.getMessage() for r in records]
