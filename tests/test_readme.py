@@ -45,6 +45,11 @@ COMMANDS = {
     "make test-gpu PY=python3 GPU_SETUP=": NEEDS_GPU,  # its plan without a GPU: test_make_test_gpu_offline_installs_nothing
     "python benchmarks/gpu.py": RUN,  # on a CPU it says so and exits 0
     "python benchmarks/gpu.py --smoke": RUN,
+    "git clone --depth 1 https://github.com/deepinsight/insightface /tmp/insightface": "needs the network",
+    # on a CPU it says so and exits 0
+    "python benchmarks/whole_step.py --arcface_torch /tmp/insightface/recognition/arcface_torch": RUN,
+    "python benchmarks/whole_step.py --smoke": RUN,
+    "ARCFACE_TORCH=/tmp/insightface/recognition/arcface_torch benchmarks/gpu_round3.sh": NEEDS_GPU,
     "python benchmarks/lfw_anchor.py --images LFW --pairs_list pairs.txt": "LFW (research data, not shipped); "
     "tests/test_lfw_anchor.py runs it on a small LFW-layout fixture (slow)",
     "python benchmarks/real_faces.py --celeb CELEB --lfw LFW --pairs_list pairs.txt": NEEDS_DATA,
