@@ -340,7 +340,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     args.fp16 = cuda and not args.smoke
     if args.smoke:
-        args.network, args.classes, args.batch = ["mbf"], ["64"], 2
+        args.network, args.batch = ["mbf"], 2
+        args.classes = args.classes if args.rec else ["64"]
         args.loss_steps, args.warmup, args.iters = 2, 0, 1
     elif not cuda:
         print("benchmarks/whole_step.py: no CUDA device on this machine; nothing measured (--smoke runs "
