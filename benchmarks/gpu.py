@@ -17,6 +17,12 @@ against PFC v2, and the head's accuracy with TF32 against an fp64 full softmax.
 4. distillation: samples/s of the backbone step of 1. with an on-the-fly teacher (the same
    network, frozen, its weights cast to fp16 once: distill/teacher.py) and the cosine loss as
    its only loss, beside the plain step's.
+5. embed: models used on the GPU (issue 56 item 3): images/s of `infer.embed.embed` (uint8
+   112x112 crops in, unit rows out, flip included as the tools embed) for r50 over LFW-sized
+   work (13,233 crops) on the GPU in fp32, fp16 and bf16 (channels-last, autocast), beside the
+   CPU's rate (measured on 512 of them); and how far each precision's embeddings are from fp32's
+   (the least cosine over all crops). `--bin VAL.bin` adds the 10-fold verification accuracy
+   of that set from each precision's embeddings (LFW's lfw.bin for the issue's 0.001 check).
 
 Run from the repository root: `.venv/bin/python benchmarks/gpu.py`. On a machine without
 CUDA it says so and exits with status 0. `--smoke` runs every part at toy sizes on whatever
@@ -50,11 +56,15 @@ class Sizes:
     gpus: int = 8           # the job whose per-rank shapes the head is measured at
     backbones: tuple = ("r50", "r100")
     class_divisor: int = 1  # the head's classes are HEAD_CASES' / this
+    embed_network: str = "r50"
+    embed_crops: int = 13_233  # LFW's photos
+    embed_cpu_crops: int = 512
     accuracy: dict | None = None  # head_errors_against_fp64's sizes (None: its defaults)
 
 
 FULL = Sizes()
-SMOKE = Sizes(batch=4, gpus=2, backbones=("tiny",), class_divisor=500,
+SMOKE = Sizes(batch=4, gpus=2, backbones=("tiny",), class_divisor=500, embed_network="tiny", embed_crops=16,
+              embed_cpu_crops=8,
               accuracy={"classes": 2000, "batch": 64, "dim": 64})
 
 
@@ -126,6 +136,49 @@ def backbone_throughput(name: str, device: torch.device, sizes: Sizes, warmup: i
             "ms/step": f"{statistics.median(times):.1f}", "peak MB": _mb(peak)}
 
 
+def embed_rates(device: torch.device, sizes: Sizes, bin_path: str | None) -> list[dict]:
+    """Part 5: one row per (device, precision): images/s, the least cosine to fp32's embedding of
+    the same crop, and the .bin's accuracy where one is given."""
+    import numpy as np
+
+    from backbones import get_model
+    from eval.verification import evaluate, load_bin
+    from infer.embed import embed, l2_normalize
+    torch.manual_seed(0)
+    module = get_model(sizes.embed_network, num_features=D).eval()
+    crops = torch.randint(0, 256, (sizes.embed_crops, 3, 112, 112), dtype=torch.uint8)
+    pairs = load_bin(bin_path) if bin_path else None
+
+    def both(images, on, precision):  # the tools' flip test: each crop's embedding plus its mirror's
+        return l2_normalize(embed(images, on, 64, precision) + embed(torch.flip(images, dims=[3]), on, 64, precision))
+
+    def rate(images, on, precision):
+        both(images[:64], on, precision)  # warm-up: cuDNN's autotuning, the allocator
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = both(images, on, precision)
+        return out, len(images) / (time.perf_counter() - start)
+
+    rows = []
+    _, cpu_rate = rate(crops[:sizes.embed_cpu_crops], module, "fp32")
+    rows.append({"device": "cpu", "precision": "fp32", "images/s": f"{cpu_rate:.1f}", "x CPU": "1.00"})
+    if device.type == "cuda":
+        on = module.to(device)
+        reference = None
+        for precision in ("fp32", "fp16", "bf16"):
+            out, r = rate(crops, on, precision)
+            reference = out if reference is None else reference
+            row = {"device": "cuda", "precision": precision, "images/s": f"{r:.1f}", "x CPU": f"{r / cpu_rate:.2f}",
+                   "least cosine to fp32": f"{float(np.min(np.sum(out * reference, axis=1))):.6f}"}
+            if pairs is not None:
+                images, issame = pairs
+                emb = both(images[0], on, precision)  # uint8 crops; both() adds the mirror's
+                row["bin accuracy"] = f"{float(np.mean(evaluate(emb, issame)[2])):.4f}"
+            rows.append(row)
+    return rows
+
+
 def _ratio(slow: dict, fast: dict) -> str:
     return f"{float(slow['ms/step']) / max(float(fast['ms/step']), 1e-9):.2f}"
 
@@ -190,8 +243,9 @@ def _process_group() -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=["backbone", "head", "accuracy", "distill"], nargs="+",
-                   default=["backbone", "head", "accuracy", "distill"])
+    p.add_argument("--only", choices=["backbone", "head", "accuracy", "distill", "embed"], nargs="+",
+                   default=["backbone", "head", "accuracy", "distill", "embed"])
+    p.add_argument("--bin", default=None, help="a verification .bin (lfw.bin) for part 5's accuracy")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="toy sizes on any device (figures mean nothing)")
@@ -264,6 +318,13 @@ def main(argv=None) -> int:
         print(f"\nhead vs fp64 full softmax (ArcFace s=64 m=0.5, {shape['classes']} classes, "
               f"{shape['batch']} x {shape['dim']}): relative errors")
         print(table(rows, list(rows[0])))
+
+    if "embed" in args.only:
+        rows = embed_rates(device, sizes, args.bin)
+        print(f"\nembedding {sizes.embed_crops} crops ({sizes.embed_network}, flip test, unit rows; the CPU on "
+              f"{sizes.embed_cpu_crops} of them, {torch.get_num_threads()} threads)")
+        columns = list(dict.fromkeys(c for r in rows for c in r))
+        print(table(rows, columns))
     return 0
 
 

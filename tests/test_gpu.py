@@ -302,7 +302,8 @@ def test_gpu_benchmark_runs_every_part_at_toy_sizes(kind):
     done = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke"], cwd=ROOT, env=env_for(kind),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for title in ("backbone step", "head forward+backward", "head vs fp64 full softmax", "distillation step"):
+    for title in ("backbone step", "head forward+backward", "head vs fp64 full softmax", "distillation step",
+                  "embedding 16 crops"):
         assert title in done.stdout, done.stdout
     distill = re.findall(r"\n\s*(\S+)\s+\d+\s+(\d+)\s+(\d+)\s+(\d+\.\d+)\s", done.stdout.split("distillation step")[1])
     assert [row[0] for row in distill] == ["tiny"] and all(int(r[1]) > 0 and int(r[2]) > 0 for r in distill), \
