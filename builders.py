@@ -1,8 +1,9 @@
-"""A run's parts built from its config: the backbone, the margin head, their optimizers and
+"""A run's parts built from its config: the training set, the backbone, the margin head, their optimizers and
 the data-parallel module the backbone is called through. train.py composes these."""
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
@@ -11,13 +12,20 @@ from backbones import get_model
 from checkpoint.folders import find_checkpoint
 from configs.errors import ConfigError
 from dataset import build_dataset
-from faces.folder_dataset import build_aligned_dataset
+from dataset.aligned import AlignedFolderDataset
+from dataset.errors import DataLayoutError
+from dataset.folders import list_identity_folders, list_images
+from faces.align import ARCFACE_112
+from faces.detect import Detection
+from faces.stream import Crop, align_groups
+from faces.workers import default_workers
 from heads import PartialFC, SampledRowsOptimizer
 from heads.graph import CapturedHead
 from infer.weights import init_backbone_from
 from losses import build_margin
 from parallel.ddp import DDPOptimizer
 from parallel.zero import Zero2Optimizer
+from utils.progress import Progress
 
 logger = logging.getLogger("shardface")
 
@@ -31,10 +39,29 @@ def build_train_dataset(cfg, train: bool = True, normalize: bool = False) -> tor
     if cfg.align:
         if cfg.resize:
             raise ConfigError("align true and resize true: choose one (alignment makes 112x112 crops)")
-        return build_aligned_dataset(cfg.rec, cfg.num_classes, cfg.align_detector, train=train,
-                                     normalize=normalize, strict=cfg.align_strict)
+        return build_aligned_dataset(cfg, train, normalize)
     return build_dataset(cfg.rec, cfg.num_classes, train=train, skip_bad_images=cfg.skip_bad_images,
                          normalize=normalize, resize=cfg.resize)
+
+
+def build_aligned_dataset(cfg, train: bool = True, normalize: bool = False) -> AlignedFolderDataset:
+    """`align true`: every photo of the image folder `cfg.rec` (one sub-folder per identity, or
+    with num_classes 0 every photo under it) searched for faces at start, on every core (on every
+    rank: for large folders run scripts.align once and train on its crops instead); photos without
+    a face are left out and named, or refused with `align_strict`. Each item is its photo's
+    largest face aligned onto insightface's 112x112 template."""
+    if not os.path.isdir(cfg.rec) or os.path.isfile(os.path.join(cfg.rec, "train.rec")):
+        raise DataLayoutError(f"{cfg.rec}: align true needs an image folder of photos (one sub-folder per "
+                              "identity); a RecordIO set holds aligned crops already")
+    classes, groups = list_identity_folders(cfg.rec) if cfg.num_classes else ([], [list_images(cfg.rec)])
+    groups, faces = align_groups(groups, Detection(cfg.align_detector), cfg.align_strict,
+                                 Progress(sum(map(len, groups)), "finding faces").update, classes or [cfg.rec],
+                                 default_workers())
+    dataset = AlignedFolderDataset(cfg.rec, classes, groups, faces, Crop(ARCFACE_112), train, normalize)
+    if cfg.num_classes and dataset.num_classes != cfg.num_classes:
+        raise DataLayoutError(f"{cfg.rec}: {dataset.num_classes} identity folders, config num_classes is "
+                              f"{cfg.num_classes}")
+    return dataset
 
 
 def build_backbone(cfg) -> nn.Module:

@@ -5,7 +5,7 @@ dnn_face_recognition_ex.cpp defines it) in torch: a 29-convolution ResNet on a 1
 Its geometry is dlib's, not torchvision's: convolutions of stride 2 and the pools have no
 padding, and a down-sampling block adds its 2x2 average-pooled input to the block's output
 top-left aligned, zero where one is smaller (channels or pixels), as dlib's add_prev does.
-The weights come from dlib's file through faces.dlib_format (MODEL `dlib`).
+The weights come from dlib's file through checkpoint.dlib_format (MODEL `dlib`).
 
 Input, as every ShardFace module: RGB in [-1, 1]; inside, dlib's own scaling
 (pixel - mean) / 256 with the means its file carries. `input_size=150` takes dlib's chips;

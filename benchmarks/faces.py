@@ -7,7 +7,7 @@ Prints: faces found (HOG at upsample 0 and 1, MMOD) and detections on the non-fa
 what the default 5-point landmarks cost against the 68-point model's (held-out half, pixels at
 112); the alignment error (landmarks re-detected on the aligned crop against the template's,
 and for a plain resize of the face box); and photos/s of `aligned_faces` per detector.
-`--fit` prints `faces.landmarks.FROM_NOSE_BASE` fitted on all faces instead.
+`--fit` prints `faces.detect.FROM_NOSE_BASE` fitted on all faces instead.
 `--quick` uses 10 LFW faces (a check that the script runs)."""
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from PIL import Image
 from skimage import data
 
 from faces.align import ARCFACE_112, similarity_transform
-from faces.detect import Detection, detect_faces, face_detector, landmark_predictor
-from faces.landmarks import dlib5_frame_and_nose, five_from_dlib5, five_from_dlib68, from_frame, to_frame
+from faces.detect import (Detection, detect_faces, dlib5_frame_and_nose, face_detector, five_from_dlib5,
+                          five_from_dlib68, from_frame, landmark_predictor, to_frame)
 from faces.stream import Crop, stream
 
 

@@ -26,4 +26,5 @@ The package, module by module:
     data_position.py  a saved data position on changed data
     run_lock.py       one live run per output directory
     foreign.py        arcface_torch run folders, refused by name
+    dlib_format.py    dlib's face descriptor file (.dat), read into backbones.dlib_resnet's state dict
 """

@@ -49,12 +49,16 @@ def similarity_transform(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     return m
 
 
-def align(img: Image.Image, landmarks: np.ndarray, template: Template = ARCFACE_112) -> Image.Image:
-    """The RGB crop of `template.size` in which the five landmarks land on the template's points
-    (bilinear; outside the photo is black)."""
-    to_image = similarity_transform(template.points, landmarks)  # crop pixel -> photo pixel
+def warp(img: Image.Image, to_image: np.ndarray, size: tuple[int, int]) -> Image.Image:
+    """The crop of `size` (height, width) whose pixel p is the photo's at `to_image` @ (p, 1)
+    (2x3; bilinear; outside the photo is black)."""
     # Coordinates name pixel centres (as detectors, insightface and OpenCV do); Pillow's
     # transform works in continuous coordinates, where pixel i's centre is at i + 0.5.
-    to_image[:, 2] += 0.5 - to_image[:, :2].sum(1) * 0.5
-    height, width = template.size
-    return to_rgb(img).transform((width, height), Image.AFFINE, to_image.ravel().tolist(), Image.BILINEAR)
+    m = np.array(to_image, np.float64)
+    m[:, 2] += 0.5 - m[:, :2].sum(1) * 0.5
+    return img.transform(size[::-1], Image.AFFINE, m.ravel().tolist(), Image.BILINEAR)
+
+
+def align(img: Image.Image, landmarks: np.ndarray, template: Template = ARCFACE_112) -> Image.Image:
+    """The RGB crop of `template.size` in which the five landmarks land on the template's points."""
+    return warp(to_rgb(img), similarity_transform(template.points, landmarks), template.size)

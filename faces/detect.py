@@ -1,5 +1,6 @@
-"""Faces in a photo: boxes from dlib's HOG detector (default) or its CNN (MMOD) detector, five
-landmarks per face in insightface's order, and the aligned crops of a photo.
+"""Faces in a photo: boxes from dlib's HOG detector (default) or its CNN (MMOD) detector, and five
+landmarks per face in insightface's order (left eye centre, right eye centre, nose tip, left mouth
+corner, right mouth corner; "left" is the photo's left) from dlib's landmark predictors.
 
 `detect_faces(image)` -> [Face], largest first; `Detection` names how (the tools' face options).
 Detectors and landmark predictors are loaded once per process and kept; dlib's must not run in
@@ -7,7 +8,22 @@ two threads at once, so a lock lets threads (a web server's pool) call in turn. 
 `max_side` pixels is searched at that size (boxes and landmarks come back in the photo's own
 pixels, the landmarks found on the full-resolution photo), so a 24-megapixel photo costs what a
 1600-pixel one does; `upsample` doubles the searched size that many times, for faces smaller
-than the detectors' 80 pixels (HOG) or about 40 (MMOD)."""
+than the detectors' 80 pixels (HOG) or about 40 (MMOD).
+
+dlib's 68-point model gives the five points directly, but it was trained on iBUG 300-W, whose
+licence excludes commercial use. dlib's 5-point model (public domain, trained on dlib's own
+annotations) gives the four eye corners and the base of the nose, not the nose tip or the mouth:
+the eye centres are the middles of each eye's corners, and the other points are predicted from
+where the nose base sits relative to the eyes, by the linear relation `FROM_NOSE_BASE`. It works
+in the eyes' frame: origin midway between the eye centres, x the vector from the left to the
+right eye centre, y that vector turned 90 degrees (pointing down the face), so 1.0 is the
+distance between the eyes; it is unchanged by the face's position, size and roll. In that frame
+each of the five points is `[1, u, v] @ FROM_NOSE_BASE` for the nose base at (u, v): u follows
+the head turning left and right, v its tilting up and down. The constants are the least-squares
+fit of the 68-point model's five points on 188 real faces (the 94 faces of scikit-image's LFW
+subset that dlib's HOG detector finds, upscaled, and their mirror images; `python
+benchmarks/faces.py --fit` prints them again). What the substitution costs is measured there too
+and stated in benchmarks/README.md ('Faces')."""
 from __future__ import annotations
 
 import functools
@@ -21,12 +37,18 @@ from PIL import Image, ImageOps
 
 from dataset.errors import ImageDecodeError
 from dataset.images import to_rgb
-from faces.landmarks import five_from_dlib5, five_from_dlib68
 from faces.models import ModelFileError, model_file
 
 DETECTORS = ("hog", "mmod")
 LANDMARKS = {"5": "shape_predictor_5_face_landmarks.dat", "68": "shape_predictor_68_face_landmarks.dat"}
 MAX_SIDE = 1600
+# rows: 1, u, v of the nose base; columns: (u, v) of left eye, right eye, nose tip, left mouth
+# corner, right mouth corner, in the eyes' frame (see the module docstring)
+FROM_NOSE_BASE = np.array([
+    [-0.4847, -0.0167, 0.4859, -0.0010, 0.0311, -0.3216, -0.5111, 0.5141, 0.4476, 0.5469],
+    [0.0555, -0.0164, 0.0693, 0.0060, 1.4250, 0.0278, 0.2093, 0.0454, 0.2218, -0.0088],
+    [-0.0177, 0.0160, 0.0164, -0.0057, -0.0446, 1.1314, 0.0918, 0.7403, -0.0010, 0.6984],
+])
 
 
 @dataclass(frozen=True)
@@ -58,7 +80,7 @@ def _dlib():
 
 
 _DLIB_LOCK = threading.Lock()  # dlib's detectors and predictors are not thread-safe (dlib issues 340, 1149)
-_FROM_PARENT: dict[str, bytes] = {}  # detectors a worker process was handed, pickled (see models_for_workers)
+_FROM_PARENT: dict[str, bytes] = {}  # detectors a worker process was handed, pickled (Detection.worker_setup)
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,15 +95,8 @@ def face_detector(name: str):
     return dlib.cnn_face_detection_model_v1(model_file("mmod_human_face_detector.dat"))
 
 
-def models_for_workers(detector: str | None) -> dict[str, bytes]:
-    """What a worker process takes from this one to start faster: dlib's HOG detector, pickled
-    (building it takes 1.5 s, unpickling its 155 KB a few ms; the landmark models and MMOD load
-    from their files as fast as they unpickle, or do not pickle). Empty unless `detector` is hog."""
-    return {"hog": pickle.dumps(face_detector("hog"))} if detector == "hog" else {}
-
-
 def use_models_from_parent(models: dict[str, bytes]) -> None:
-    """In a worker process: take `models_for_workers`' detectors when they are first needed."""
+    """In a worker process: take `Detection.worker_setup`'s detectors when they are first needed."""
     _FROM_PARENT.update(models)
 
 
@@ -150,9 +165,11 @@ class Detection:
         check_available(self.detector, self.landmarks)
 
     def worker_setup(self) -> Callable[[], None]:
-        """For faces.workers.map_photos: each worker takes this process's detector instead of
-        building it again."""
-        return functools.partial(use_models_from_parent, models_for_workers(self.detector))
+        """For faces.workers.map_photos: each worker takes this process's HOG detector, pickled
+        (building it takes 1.5 s, unpickling its 155 KB a few ms; the landmark models and MMOD
+        load from their files as fast as they unpickle, or do not pickle)."""
+        models = {"hog": pickle.dumps(face_detector("hog"))} if self.detector == "hog" else {}
+        return functools.partial(use_models_from_parent, models)
 
 
 def load_photo(path: str) -> Image.Image:
@@ -165,3 +182,39 @@ def load_photo(path: str) -> Image.Image:
         raise ImageDecodeError(f"{path}: image file not found") from None
     except Exception as exc:  # PIL raises many types for corrupt data
         raise ImageDecodeError(f"{path}: cannot read image ({exc})") from None
+
+
+def to_frame(points: np.ndarray, frame) -> np.ndarray:
+    origin, x, y = frame
+    d = np.asarray(points, np.float64) - origin
+    return np.stack([d @ x, d @ y], -1) / (x @ x)
+
+
+def from_frame(uv: np.ndarray, frame) -> np.ndarray:
+    origin, x, y = frame
+    uv = np.asarray(uv, np.float64)
+    return origin + uv[..., :1] * x + uv[..., 1:] * y
+
+
+def dlib5_frame_and_nose(parts: np.ndarray) -> tuple[tuple, np.ndarray]:
+    """The eyes' frame (origin, x, y in photo pixels) of dlib's 5 points (right eye outer and
+    inner corner, left eye outer and inner corner, nose base; "right" being the person's) and the
+    nose base's (u, v) in it."""
+    parts = np.asarray(parts, np.float64)
+    left, right = parts[2:4].mean(0), parts[0:2].mean(0)
+    x = right - left
+    frame = ((left + right) / 2, x, np.array([-x[1], x[0]]))
+    return frame, to_frame(parts[4], frame)
+
+
+def five_from_dlib5(parts: np.ndarray) -> np.ndarray:
+    """insightface's five points (5 x 2, photo pixels) from dlib's 5-point model's parts."""
+    frame, (u, v) = dlib5_frame_and_nose(parts)
+    return from_frame((np.array([1.0, u, v]) @ FROM_NOSE_BASE).reshape(5, 2), frame)
+
+
+def five_from_dlib68(parts: np.ndarray) -> np.ndarray:
+    """insightface's five points from dlib's 68 (iBUG numbering): the mean of each eye's six
+    contour points, the nose tip (30) and the mouth corners (48, 54)."""
+    parts = np.asarray(parts, np.float64)
+    return np.stack([parts[36:42].mean(0), parts[42:48].mean(0), parts[30], parts[48], parts[54]])

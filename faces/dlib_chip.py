@@ -15,7 +15,7 @@ import numpy as np
 from PIL import Image
 
 from dataset.images import to_rgb
-from faces.align import Template, similarity_transform
+from faces.align import Template, similarity_transform, warp
 
 SIZE, PADDING = 150, 0.25
 
@@ -64,7 +64,11 @@ def chip_transform(shape5: np.ndarray, size: int = SIZE, padding: float = PADDIN
     dlib fits the similarity, then cuts the chip through a rectangle whose corner pixels sit
     at +-(size * scale - 1) / 2 from the image of the chip's centre point (size/2, size/2):
     a scale of (size * scale - 1) / (size - 1) about pixel (size - 1) / 2, which this repeats."""
-    centre, linear = _chip_frame(shape5, size, padding)
+    return _to_photo(*_chip_frame(shape5, size, padding), size)
+
+
+def _to_photo(centre: np.ndarray, linear: np.ndarray, size: int) -> np.ndarray:
+    """The 2x3 chip pixel -> photo pixel map of the linear map about the chip's centre pixel."""
     return np.hstack([linear, (centre - linear @ np.array([(size - 1) / 2] * 2))[:, None]])
 
 
@@ -101,7 +105,4 @@ def dlib_chip(img: Image.Image, shape5: np.ndarray, size: int = SIZE, padding: f
                 return Image.new("RGB", (size, size))
             rgb, centre = _pyramid_down(rgb), _point_down(centre)
         linear = linear / 2 ** levels
-    to_image = np.hstack([linear, (centre - linear @ np.array([(size - 1) / 2] * 2))[:, None]])
-    # Pillow's affine transform works in continuous coordinates (pixel i's centre at i + 0.5)
-    to_image[:, 2] += 0.5 - to_image[:, :2].sum(1) * 0.5
-    return Image.fromarray(rgb).transform((size, size), Image.AFFINE, to_image.ravel().tolist(), Image.BILINEAR)
+    return warp(Image.fromarray(rgb), _to_photo(centre, linear, size), (size, size))

@@ -13,9 +13,9 @@ from typing import Callable
 
 import numpy as np
 
-from faces.detect import Face
-from faces.photos import Detection, Found, find_faces
 from dataset.shares import WAIT_MIN_S, PartError, Parts, list_key, share_of
+from faces.detect import Detection, Face
+from faces.stream import Found, find_faces
 
 FACES = "faces.json"
 

@@ -5,15 +5,22 @@ processes (faces.workers), the same whatever their number.
     for photo in stream(paths, Detection(), cut=Crop(ARCFACE_112), workers=4):
         photo.name, photo.size, photo.faces, photo.cuts
 
-Every user of faces drives detection and cropping through `stream`: the tools, training's
-aligned folders, the pair protocols, and infer.stream, which adds each face's embedding. A
-photo is a path, a PIL image or an H x W (x 3) uint8 array. Where the faces are known already
-(`faces=`: a pair list's fallback faces, a search made before) they are cut, not searched."""
+Every user of faces drives detection and cropping through `stream`: the tools, the pair
+protocols, infer.stream, which adds each face's embedding, and training's aligned folders
+(whose loader then cuts each item with the same `Crop`). A photo is a path, a PIL image or an
+H x W (x 3) uint8 array. Where the faces are known already (`faces=`: a pair list's fallback
+faces, a search made before) they are cut, not searched.
+
+On it, for the tools' `--align` and training's aligned folders: `find_faces` (every photo's
+faces, as a `Found`), `usable` (each photo's largest; a photo without a face left out with a
+warning naming it, or, `strict`, refused before anything is written), `align_groups` and
+`aligned_pngs`."""
 from __future__ import annotations
 
 import io
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
@@ -21,10 +28,14 @@ from PIL import Image
 
 from dataset.errors import DataError, ImageDecodeError
 from dataset.images import decode_chw, resize_face, to_rgb
-from faces.align import Template, align
+from faces.align import ARCFACE_112, Template, align
 from faces.detect import Detection, Face, load_photo
 from faces.dlib_chip import dlib_chip
 from faces.workers import map_photos
+
+logger = logging.getLogger("shardface")
+SHOWN = 3  # photos named in a message
+MAX_HINTED_UPSAMPLE = 3  # each doubling costs 4x the time: beyond this, no more is suggested
 
 
 def photo_name(photo, index: int = 0) -> str:
@@ -57,7 +68,8 @@ class Crop:
     """Cuts a face's crop for a template, H x W x 3 uint8: the five-point alignment, or where
     `dlib_chip` (MODEL dlib) dlib's own chip from dlib's 5-point shape, as dlib and
     face_recognition cut it (from the 68-point model's landmarks, the five points on the chip's
-    template). `png`: the crop's PNG bytes instead (lossless: no second compression)."""
+    template). `png`: the crop's PNG bytes instead (lossless: no second compression). The
+    photo is anything `open_image` takes."""
     template: Template
     dlib_chip: bool = False
     png: bool = False
@@ -67,8 +79,8 @@ class Crop:
             return dlib_chip(photo, face.shape, size=self.template.size[0])
         return align(photo, face.points, self.template)
 
-    def __call__(self, photo: Image.Image, face: Face):
-        crop = self.image(photo, face)
+    def __call__(self, photo, face: Face):
+        crop = self.image(open_image(photo), face)
         if not self.png:
             return np.asarray(crop)
         buf = io.BytesIO()
@@ -149,3 +161,86 @@ def stream(photos: Iterable, detection: Detection | None = Detection(), cut: Cal
     items = [(i, p, None if faces is None else faces[i]) for i, p in enumerate(photos)]
     setup = detection.worker_setup() if detection is not None and faces is None else None
     return map_photos(task, items, workers, progress, name=lambda item: photo_name(item[1], item[0]), setup=setup)
+
+
+@dataclass
+class Found:
+    """The faces of a set of photos: `faces[path]`, largest first (empty: no face found)."""
+    faces: dict[str, list[Face]] = field(default_factory=dict)
+    detection: Detection = Detection()  # how they were searched (the hints of messages suggest more)
+
+    @property
+    def without_face(self) -> list[str]:
+        return [p for p, f in self.faces.items() if not f]
+
+    def several_faces(self) -> str | None:
+        """One line counting, per photo, the faces beyond the largest (None where no photo has
+        several): each photo's largest face is used, the others are not."""
+        several = [(p, len(f)) for p, f in self.faces.items() if len(f) > 1]
+        if not several:
+            return None
+        more = f" and {len(several) - SHOWN} more" if len(several) > SHOWN else ""
+        return (f"{len(several)} of {len(self.faces)} photos hold several faces, the largest of each used: "
+                + ", ".join(f"{p} ({n} faces)" for p, n in several[:SHOWN]) + more)
+
+
+def find_faces(paths: Iterable[str], detection: Detection = Detection(),
+               progress: Callable[[], None] | None = None, workers: int = 1) -> Found:
+    found = Found(detection=detection)
+    for photo in stream(paths, detection, workers=workers, progress=progress):
+        found.faces[photo.name] = photo.faces
+    return found
+
+
+def no_face_message(paths: list[str], total: int, detection: Detection = Detection()) -> str:
+    """Names the photos, with a hint of what was not tried yet (more upsampling, the other detector)."""
+    more = f" and {len(paths) - SHOWN} more" if len(paths) > SHOWN else ""
+    hints = []
+    if detection.upsample < MAX_HINTED_UPSAMPLE:
+        hints.append(f"--upsample {detection.upsample + 1} for small faces")
+    if detection.detector != "mmod":
+        hints.append("--detector mmod")
+    hint = f" (try {', or '.join(hints)})" if hints else ""
+    return f"no face found in {len(paths)} of {total} photos: {', '.join(paths[:SHOWN])}{more}{hint}"
+
+
+def usable(found: Found, strict: bool) -> dict[str, Face]:
+    """Each photo's largest face (see the module docstring)."""
+    missing = found.without_face
+    if missing:
+        message = no_face_message(missing, len(found.faces), found.detection)
+        if len(missing) == len(found.faces):
+            raise DataError(message)
+        if strict:
+            raise DataError(f"{message}; --strict refuses them")
+        logger.warning("%s; left out", message)
+    return {p: f[0] for p, f in found.faces.items() if f}
+
+
+def aligned_pngs(paths: list[str], faces: dict[str, Face], template: Template = ARCFACE_112,
+                 workers: int = 1) -> Iterator[bytes]:
+    """Each photo's face (`faces[path]`) cut to `template`, as PNG bytes, in order."""
+    for photo in stream(paths, faces=[[faces[p]] for p in paths], cut=Crop(template, png=True), workers=workers):
+        yield photo.cuts[0]
+
+
+def align_groups(groups: list[list[str]], detection: Detection, strict: bool,
+                 progress: Callable[[], None] | None = None, names: list[str] | None = None,
+                 workers: int = 1, found: Found | None = None) -> tuple[list[list[str]], dict[str, Face]]:
+    """Identity groups of photos -> (the groups without photos where no face was found, each kept
+    photo's largest face), from `found` where the faces were found already (faces.ranked). An
+    identity left without a photo is a DataError naming it: dropping it would renumber every
+    later label."""
+    if found is None:
+        found = find_faces((p for g in groups for p in g), detection, progress, workers)
+    faces = usable(found, strict)
+    kept = [[p for p in g if p in faces] for g in groups]
+    for label, (before, after) in enumerate(zip(groups, kept)):
+        if before and not after:
+            who = names[label] if names else f"label {label} ({before[0]}, ...)"
+            raise DataError(f"{who}: no face found in any of its {len(before)} photos")
+    extra = sum(max(0, len(f) - 1) for f in found.faces.values())
+    if extra:
+        logger.warning("faces found in %d of %d photos; %d further faces in photos with several (the largest of "
+                       "each is used)", len(faces), len(found.faces), extra)
+    return kept, faces

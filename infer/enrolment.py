@@ -21,7 +21,7 @@ from dataset import DataError
 from dataset.folders import hidden, identity_folders, not_regular, walk_images
 from dataset.images import IMAGE_EXTENSIONS, image_size
 from faces.align import ARCFACE_112, Template
-from faces.photos import no_face_message
+from faces.stream import no_face_message
 from infer.cache import SAVE_EVERY_S, Cache, content_key
 from infer.search import make_index
 from infer.stream import analyse, template_for

@@ -15,7 +15,7 @@ from backbones import get_model
 from backbones.dlib_resnet import DlibResNet
 from checkpoint.files import CheckpointError, safe_load
 from checkpoint.load import read_backbone_weights
-from faces.dlib_format import read_network, state_dict_for
+from checkpoint.dlib_format import read_network, state_dict_for
 from faces.models import model_file
 
 DLIB = "dlib"  # the MODEL / init_backbone name of dlib's face descriptor

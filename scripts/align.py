@@ -36,9 +36,8 @@ from dataset.geometry import check_files
 from dataset.images import IMAGE_EXTENSIONS
 from faces.align import ARCFACE_112
 from faces.detect import Detection
-from faces.photos import no_face_message
 from dataset.shares import WAIT_MIN_S, Parts, launch_rank, list_key, share_of
-from faces.stream import Crop, stream
+from faces.stream import Crop, no_face_message, stream
 from faces.workers import warm_up
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser

@@ -25,7 +25,7 @@ import numpy as np
 from dataset import DataError
 from eval.verification import best_threshold, load_bin
 from dataset.geometry import check_files
-from faces.photos import Found, no_face_message
+from faces.stream import Found, no_face_message
 from infer.stream import analyse
 from infer.thresholds import chosen_threshold
 from parallel.user_errors import exits_on_user_error

@@ -27,7 +27,7 @@ import numpy as np
 from dataset import DataError
 from dataset.folders import image_files
 from dataset.geometry import check_files
-from faces.photos import Found, usable
+from faces.stream import Found, usable
 from infer.model import model_files
 from infer.stream import analyse
 from parallel.user_errors import exits_on_user_error

@@ -36,7 +36,7 @@ from dataset.images import stored_bytes
 from eval.cfp import read_list
 from eval.pairs import check_images
 from eval.verification import NFOLDS, write_bin
-from faces.photos import align_groups, aligned_pngs
+from faces.stream import align_groups, aligned_pngs
 from infer.pair_photos import cache_paths, check_cache
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser

@@ -27,8 +27,8 @@ from dataset.folders import regular_file
 from dataset.geometry import check_files
 from dataset.images import stored_bytes
 from dataset.pack import write_insightface_rec
-from faces.photos import align_groups, aligned_pngs
 from faces.ranked import find_faces_ranked
+from faces.stream import align_groups, aligned_pngs
 from dataset.shares import launch_rank
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser

@@ -1,4 +1,4 @@
-"""Faces on every core and on many machines: scripts.align and faces.photos.find_faces give the
+"""Faces on every core and on many machines: scripts.align and faces.stream.find_faces give the
 same output whatever the number of worker processes, a photo's error is named as with one
 process, a killed worker ends the tool with one line naming its photo and keeps the earlier
 output, and two ranks joined give what one process writes (faces/workers.py, dataset/shares.py).
@@ -13,7 +13,7 @@ from PIL import Image
 
 from dataset.errors import DataError, ImageDecodeError
 from faces.detect import Detection
-from faces.photos import find_faces
+from faces.stream import find_faces
 from dataset.shares import PartError, Parts, launch_rank, list_key, share_of
 from faces.workers import WorkerDied, default_workers, map_photos
 from scripts.align import main as align_tool

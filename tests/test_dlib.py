@@ -14,11 +14,11 @@ from PIL import Image
 
 from backbones import get_model
 from backbones.dlib_resnet import DlibResNet, add_prev
+from checkpoint.dlib_format import DlibFormatError, read_network, state_dict_for
 from infer.model import Model, load_model
 from infer.weights import DLIB_FILE, dlib_state
 from faces.align import ARCFACE_112, align
 from faces.dlib_chip import DLIB_150, DLIB_150_SHAPE5, chip_transform, dlib_chip
-from faces.dlib_format import DlibFormatError, read_network, state_dict_for
 from faces.models import model_file
 
 dlib = pytest.importorskip("dlib")

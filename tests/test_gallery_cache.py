@@ -18,7 +18,7 @@ import faces.stream as s
 from dataset import DataError
 from faces.align import ARCFACE_112
 from faces.detect import Detection
-from faces.photos import find_faces, usable
+from faces.stream import find_faces, usable
 from infer.enrolment import enrol, mean_cross_cosine
 from infer.model import Model, load_model
 from tests.gallery_files import gallery_folder, noise_face, run_identify, seeded_model

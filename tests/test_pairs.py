@@ -17,8 +17,7 @@ from faces.align import ARCFACE_112, align, similarity_transform
 from faces.detect import Face
 from faces.dlib_chip import chip_transform
 from faces.fallback import Fallback
-from faces.detect import Detection, load_photo
-from faces.landmarks import five_from_dlib5
+from faces.detect import Detection, five_from_dlib5, load_photo
 from infer.embed import embed
 from infer.model import load_model
 from infer.pair_photos import EmbeddingCache, FacesCache, cache_paths, pair_embeddings, pair_faces
