@@ -131,15 +131,15 @@ def table(results: dict, profile: np.ndarray) -> None:
         print(f"| {' -> '.join(CHAIN)} | {cells[0]} | {cells[1]} |")
 
 
-def chosen_faces(spec: str, results: dict, photos: list[str]) -> dict:
-    """photo index -> Face, for the photos where the options of `spec` (joined by +) found one,
-    the first that did; dlib's 5-point shape found in its box."""
+def chosen_faces(spec: str, results: dict, photos: list[str], which: list[int]) -> dict:
+    """k -> Face for photo `which[k]` (an index into `photos` and the results), where the options
+    of `spec` (joined by +) found one, the first that did; dlib's 5-point shape found in its box."""
     import dlib
 
-    from faces.detect import Face, landmark_predictor
-    from faces.landmarks import five_from_dlib5
+    from faces.detect import Face, five_from_dlib5, landmark_predictor
     predictor, faces = landmark_predictor("5"), {}
-    for i, photo in enumerate(photos):
+    for k, i in enumerate(which):
+        photo = photos[i]
         for option in spec.split("+"):
             res = results[option]
             if res["count"][i] < 0:
@@ -149,7 +149,7 @@ def chosen_faces(spec: str, results: dict, photos: list[str]) -> dict:
                 pixels = np.asarray(load_photo(photo))
                 shape = predictor(pixels, dlib.rectangle(*(int(round(v)) for v in box)))
                 parts = np.array([(q.x, q.y) for q in shape.parts()], np.float64)
-                faces[i] = Face(box, five_from_dlib5(parts), float(res["score"][i]), parts)
+                faces[k] = Face(box, five_from_dlib5(parts), float(res["score"][i]), parts)
                 break
     return faces
 
@@ -163,7 +163,7 @@ def accuracy(root: str, spec: str, results: dict, photos: list[str]) -> str:
     pairs = read_cfp(root, "FP")
     index = {os.path.abspath(p): i for i, p in enumerate(photos)}
     mine = [index[os.path.abspath(p)] for p in pairs.photos]
-    found = chosen_faces(spec, results, [photos[i] for i in mine])
+    found = chosen_faces(spec, results, photos, mine)
     sizes = [Image.open(photos[i]).size for i in mine]
     fallback = Fallback.of([(found[k], sizes[k]) for k in found])
     faces = [[found.get(k) or fallback.face(sizes[k])] for k in range(len(mine))]

@@ -21,7 +21,7 @@ teacher all feed it alike. Crops made for another template (the 112x112 `.bin` s
 batch) are re-framed onto the model's template by `Model.from_crops`.
 
 MODEL `dlib` is dlib's face descriptor (face-recognition-models' .dat, read by
-faces.dlib_format into backbones.dlib_resnet): 128-D on dlib's 150x150 chip, cut from a photo
+checkpoint.dlib_format into backbones.dlib_resnet): 128-D on dlib's 150x150 chip, cut from a photo
 exactly as dlib cuts it from its 5-point shape (faces.dlib_chip), so its embeddings are
 face_recognition's `face_encodings`."""
 from __future__ import annotations
