@@ -4,6 +4,8 @@ nothing, and the .bin files make_bin writes from it read by training's loader an
 format says, by arcface_torch's, scoring what the photos score."""
 import os
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -137,3 +139,29 @@ def test_verify_from_the_photos_scores_what_verify_of_the_bin_scores(cfp, tmp_pa
     rows = [line.split() for line in table.splitlines() if line.startswith("cfp_fp")]
     assert len(rows) == 2 and rows[0][0] == "cfp_fp" and rows[1][0] == "cfp_fp.bin"
     assert rows[0][1:] == rows[1][1:]  # acc, acc-flip, std, XNorm
+
+
+def test_the_detector_study_scores_what_verify_scores_and_resumes(cfp, tmp_path, capsys):
+    """benchmarks/cfp_detectors.py: faces found per option (the blank profiles in none), and FP
+    scored on an option's faces exactly as `verify --pairs_list CFP --protocol FP` scores them
+    with the same detector; a chain keeps the first option's faces; a second run searches nothing."""
+    root = cfp_root(tmp_path / "study")
+    study = [sys.executable, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "cfp_detectors.py"),
+             root]
+    done = subprocess.run([*study, "--options", "hog1,hog0", "--accuracy", "hog1,hog1+hog0"], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    frontal, profile = PEOPLE * FRONTAL, PEOPLE * PROFILE
+    for option in ("hog0", "hog1"):
+        assert f"| {option} | {frontal} / {frontal} (1.0000) | {PEOPLE} / {profile} (0.5000) |" in done.stdout
+    rows = [line.split("|")[2:] for line in done.stdout.splitlines()
+            if line.startswith(("| hog1 |", "| hog1+hog0 |")) and " / " not in line]  # the accuracy table's
+    assert len(rows) == 2 and rows[0] == rows[1], done.stdout
+    faceless, acc, acc_flip = rows[0][0].strip(), rows[0][1].split()[0], rows[0][2].split()[0]
+    assert faceless == f"{PEOPLE} of {len(read_cfp(root, 'FP').photos)}"  # the blank profiles
+    assert verify(["dlib", "--pairs_list", root, "--protocol", "FP", "--cache_dir", str(tmp_path),
+                   "--workers", "1"]) == 0
+    scored = next(line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("cfp_fp"))
+    assert scored[1:3] == [acc, acc_flip]
+    again = subprocess.run([*study, "--options", "hog1"], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "photos," not in again.stdout  # no progress line: nothing searched
