@@ -34,10 +34,9 @@ import time
 
 import common  # noqa: F401,I001
 import numpy as np
-from PIL import Image
 
 from eval.cfp import LISTS, read_cfp, read_photo_list
-from faces.detect import detect_faces, load_photo
+from faces.detect import detect_faces, face_in_box, load_photo
 
 DLIB = {"hog0": ("hog", 0), "hog1": ("hog", 1), "hog2": ("hog", 2), "mmod0": ("mmod", 0), "mmod1": ("mmod", 1)}
 OPTIONS = (*DLIB, "mtcnn")
@@ -131,27 +130,22 @@ def table(results: dict, profile: np.ndarray) -> None:
         print(f"| {' -> '.join(CHAIN)} | {cells[0]} | {cells[1]} |")
 
 
-def chosen_faces(spec: str, results: dict, photos: list[str], which: list[int]) -> dict:
-    """k -> Face for photo `which[k]` (an index into `photos` and the results), where the options
-    of `spec` (joined by +) found one, the first that did; dlib's 5-point shape found in its box."""
-    import dlib
-
-    from faces.detect import Face, five_from_dlib5, landmark_predictor
-    predictor, faces = landmark_predictor("5"), {}
+def chosen_faces(spec: str, results: dict, photos: list[str], which: list[int]) -> tuple[dict, list]:
+    """({k: Face} for photo `which[k]` (an index into `photos` and the results) where the options
+    of `spec` (joined by +) found one, the first that did, dlib's 5-point shape found in its box;
+    every photo's size)."""
+    faces, sizes = {}, []
     for k, i in enumerate(which):
-        photo = photos[i]
+        pixels = np.asarray(load_photo(photos[i]))
+        sizes.append((pixels.shape[1], pixels.shape[0]))
         for option in spec.split("+"):
             res = results[option]
             if res["count"][i] < 0:
-                raise SystemExit(f"--accuracy {spec}: {option} has not run on {photo}")
+                raise SystemExit(f"--accuracy {spec}: {option} has not run on {photos[i]}")
             if res["count"][i] > 0:
-                box = tuple(float(v) for v in res["box"][i])
-                pixels = np.asarray(load_photo(photo))
-                shape = predictor(pixels, dlib.rectangle(*(int(round(v)) for v in box)))
-                parts = np.array([(q.x, q.y) for q in shape.parts()], np.float64)
-                faces[k] = Face(box, five_from_dlib5(parts), float(res["score"][i]), parts)
+                faces[k] = face_in_box(pixels, tuple(float(v) for v in res["box"][i]), float(res["score"][i]))
                 break
-    return faces
+    return faces, sizes
 
 
 def accuracy(root: str, spec: str, results: dict, photos: list[str]) -> str:
@@ -162,12 +156,10 @@ def accuracy(root: str, spec: str, results: dict, photos: list[str]) -> str:
     pairs = read_cfp(root, "FP")
     index = {os.path.abspath(p): i for i, p in enumerate(photos)}
     mine = [index[os.path.abspath(p)] for p in pairs.photos]
-    found = chosen_faces(spec, results, photos, mine)
-    sizes = [Image.open(photos[i]).size for i in mine]
+    found, sizes = chosen_faces(spec, results, photos, mine)
     fallback = Fallback.of([(found[k], sizes[k]) for k in found])
     faces = [[found.get(k) or fallback.face(sizes[k])] for k in range(len(mine))]
-    model = load_model("dlib")
-    rows = [p.face.embedding for p in analyse(model, pairs.photos, faces=faces, raw=True, workers=2)]
+    rows = [p.face.embedding for p in analyse(load_model("dlib"), pairs.photos, faces=faces, raw=True, workers=2)]
     res = score_pairs(pairs, np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]))
     return (f"| {spec} | {len(mine) - len(found)} of {len(mine)} | {res.accuracy:.4f} ± {res.std:.4f} | "
             f"{res.accuracy_flip:.4f} ± {res.std_flip:.4f} |")

@@ -46,12 +46,12 @@ import contextlib
 import gc
 import importlib
 import io
+import itertools
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -123,27 +123,16 @@ def _start_peak(device: torch.device) -> int:
 
 
 def measure(half: Half, step, batches, device, args, base: int) -> Half:
-    """`args.loss_steps` steps with their losses read, `args.warmup` more, then `args.iters` timed
-    (CUDA events; the wall clock on the CPU). `step(images, labels)` returns the loss."""
+    """`args.loss_steps` steps with their losses read, then gpu.py's timing (`args.warmup` steps,
+    `args.iters` timed: CUDA events, the wall clock on the CPU). `step(images, labels)` returns
+    the loss; the peak is counted above `base`."""
+    from gpu import _timed
     for i in range(args.loss_steps):
         half.losses.append(float(step(*batches[i % len(batches)]).detach()))
-    for i in range(args.warmup):
-        step(*batches[i % len(batches)])
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    wall = time.perf_counter()
-    for i in range(args.iters):
-        step(*batches[i % len(batches)])
-    if cuda:
-        end.record()
-        torch.cuda.synchronize(device)
-        half.ms = start.elapsed_time(end) / args.iters
-        half.peak = torch.cuda.max_memory_allocated(device) - base
-    else:
-        half.ms = (time.perf_counter() - wall) * 1e3 / args.iters
+    turn = itertools.count()
+    times, peak = _timed(lambda: step(*batches[next(turn) % len(batches)]), device, args.warmup, args.iters)
+    half.ms = sum(times) / len(times)
+    half.peak = None if peak is None else peak - base
     return half
 
 

@@ -79,7 +79,7 @@ def _dlib():
     return dlib
 
 
-_DLIB_LOCK = threading.Lock()  # dlib's detectors and predictors are not thread-safe (dlib issues 340, 1149)
+_DLIB_LOCK = threading.RLock()  # dlib's detectors and predictors are not thread-safe (dlib issues 340, 1149)
 _FROM_PARENT: dict[str, bytes] = {}  # detectors a worker process was handed, pickled (Detection.worker_setup)
 
 
@@ -133,19 +133,21 @@ def detect_faces(img: Image.Image | np.ndarray, detector: str = "hog", upsample:
     scale = min(1.0, max_side / max(rgb.size))
     searched = pixels if scale == 1.0 else np.asarray(rgb.resize(
         (max(1, round(rgb.width * scale)), max(1, round(rgb.height * scale))), Image.BILINEAR))
-    dlib, predictor = _dlib(), landmark_predictor(landmarks)
-    derive = five_from_dlib5 if landmarks == "5" else five_from_dlib68
-    faces = []
+    landmark_predictor(landmarks)  # a missing model file is one error, faces or not
     with _DLIB_LOCK:
-        for box, score in _boxes(np.ascontiguousarray(searched), detector, upsample):
-            if score < min_score:
-                continue
-            box = tuple(float(v) / scale for v in box)
-            rect = dlib.rectangle(*(int(round(v)) for v in box))
-            shape = predictor(pixels, rect)
-            parts = np.array([(p.x, p.y) for p in shape.parts()], np.float64)
-            faces.append(Face(box, derive(parts), score, parts))
+        found = _boxes(np.ascontiguousarray(searched), detector, upsample)
+        faces = [face_in_box(pixels, tuple(float(v) / scale for v in box), score, landmarks)
+                 for box, score in found if score >= min_score]
     return sorted(faces, key=lambda f: (-f.area, -f.score))
+
+
+def face_in_box(pixels: np.ndarray, box: tuple[float, ...], score: float, landmarks: str = "5") -> Face:
+    """The Face of a detector's `box` (x0, y0, x1, y1, photo pixels) in an H x W x 3 uint8 photo:
+    dlib's shape found in it (the `landmarks` model) and insightface's five points from that."""
+    with _DLIB_LOCK:
+        shape = landmark_predictor(landmarks)(pixels, _dlib().rectangle(*(int(round(v)) for v in box)))
+    parts = np.array([(p.x, p.y) for p in shape.parts()], np.float64)
+    return Face(box, (five_from_dlib5 if landmarks == "5" else five_from_dlib68)(parts), score, parts)
 
 
 @dataclass(frozen=True)

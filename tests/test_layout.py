@@ -8,6 +8,7 @@ import pytest
 from dataset import MXFaceDataset, RecordIOError, ResumableDistributedSampler, get_dataloader
 from dataset.pack import write_insightface_rec
 from dataset.recordio import IRHeader, RecordWriter, pack
+from tests.log_capture import shardface_messages
 from tests.tool_files import jpeg
 
 IMAGE = jpeg((120, 60, 30))
@@ -88,28 +89,11 @@ def test_header_counting_other_identities_than_property_is_refused(tmp_path):
     assert len(MXFaceDataset(str(root), num_classes=4)) == 12
 
 
-def _messages(run):
-    import logging
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("shardface")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        run()
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-    return [r.getMessage() for r in records]
-
-
 def test_insightface_set_without_property_counts_its_classes_from_the_header(tmp_path):
     from dataset import DataLayoutError, build_dataset
     root = _insightface(tmp_path)  # 4 identities of 3 images; header labels (13, 17)
     os.remove(root / "property")
-    said = _messages(lambda: build_dataset(str(root), 4, train=False))
+    said = shardface_messages(lambda: build_dataset(str(root), 4, train=False))
     assert said[-1] == f"{root}: 4 classes, from the {root}/train.rec header (key 0; no {root}/property)"
     assert len(build_dataset(str(root), 4, train=False)) == 12
     with pytest.raises(DataLayoutError, match=rf"{root}/train\.rec header \(key 0; no .*property\): 4 classes, "
@@ -121,7 +105,7 @@ def test_im2rec_set_without_property_takes_its_class_count_from_the_config(tmp_p
     from dataset import DataLayoutError, build_dataset
     root = _im2rec_set(tmp_path, lambda key: [key % 4], 8, 4)
     os.remove(os.path.join(root, "property"))
-    said = _messages(lambda: build_dataset(root, 4, train=False))
+    said = shardface_messages(lambda: build_dataset(root, 4, train=False))
     assert said[-1] == f"{root}: 4 classes, from the config num_classes"
     ds = build_dataset(root, 4, train=False)
     assert ds.keys == list(range(8)) and [ds[i][1].item() for i in range(8)] == [k % 4 for k in range(8)]
