@@ -2,7 +2,7 @@
 """Models trained here on real people, verified on LFW's own protocol (issue #36 item 4, #40).
 
     .venv/bin/python benchmarks/real_faces.py --celeb CELEB_ID_FOLDER --lfw LFW_FOLDER \\
-        --pairs_list pairs.txt [--arms ...] [--seeds 1 2] [--work work_dirs/real_faces]
+        --pairs_list pairs.txt [--cfp CFP_ROOT] [--arms ...] [--seeds 1 2] [--work work_dirs/real_faces]
 
 The setting, fixed before the first run (configs/real_faces.py; nothing tuned on a result):
 - **data**: the CelebA photos (one sub-folder per person) and the photos of the LFW people who
@@ -20,6 +20,9 @@ The setting, fixed before the first run (configs/real_faces.py; nothing tuned on
   found as `benchmarks/lfw_anchor.py` finds them (HOG, then --retry_upsample 2, --retry_mmod, then
   the fallback face; cached beside the list): 10-fold accuracy and its std over the folds, single
   view and flip test. CelebA's people are numbers: an overlap with LFW's cannot be ruled out.
+  `--cfp CFP_ROOT` adds CFP's FP and FF protocols (issue #55), all 7,000 pairs each on CFP's own
+  folds, faces found as `scripts.verify --pairs_list CFP_ROOT --protocol FP|FF --retry_upsample 2
+  --retry_mmod` finds them (the same caches, in the root).
 - `--speed`: each network's embedding speed (112 crops, or dlib's 150 chips, batches of 64) on
   one thread and on all, against MODEL dlib's, in torch and exported to onnxruntime, training
   nothing. Time it on a quiet machine.
@@ -173,26 +176,26 @@ def _attempts(path: str) -> list[float]:
     return [float(v) for v in open(path).read().split()] if os.path.isfile(path) else []
 
 
-def lfw_faces(args):
+def list_faces(args, path: str, images: str | None, protocol: str | None = None):
     """(the pair list, every photo's face): found once (faces cached beside the list, as the
-    anchor's), the same for every model."""
-    from eval.pairs import read_pair_list
+    anchor's and `scripts.verify --pairs_list`'s), the same for every model."""
+    from eval.cfp import read_list
     from faces.detect import Detection
     from infer.pair_photos import FacesCache, Retries, cache_paths, pair_faces
-    pair_list = read_pair_list(args.pairs_list, args.lfw)
-    faces_cache = cache_paths(args.pairs_list, None, args.cache_dir)[0]
+    pair_list = read_list(path, images, protocol)
+    faces_cache = cache_paths(path, None, args.cache_dir if protocol is None else None)[0]
     faces = pair_faces(pair_list.photos, Detection(), Retries(upsample=2, mmod=True), FacesCache(faces_cache),
                        workers=args.workers)
     return pair_list, faces
 
 
-def lfw_scores(args, pair_list, faces, run: str) -> tuple[float, float, float, float]:
+def list_scores(args, path: str, pair_list, faces, run: str) -> tuple[float, float, float, float]:
     """(acc, std, acc-flip, std-flip) of a run's model on all the list's pairs, from the photos."""
     from eval.pairs import score_pairs
     from infer.model import load_model
     from infer.pair_photos import EmbeddingCache, cache_paths, pair_embeddings
     model = load_model(run)
-    emb_cache = cache_paths(args.pairs_list, model.fingerprint, args.cache_dir)[1]
+    emb_cache = cache_paths(path, model.fingerprint, args.cache_dir if path == args.pairs_list else None)[1]
     emb = pair_embeddings(model, pair_list.photos, faces, EmbeddingCache(emb_cache, model), show_progress=False)
     r = score_pairs(pair_list, emb.emb, emb.emb_flip)
     return r.accuracy, r.std, r.accuracy_flip, r.std_flip
@@ -257,22 +260,24 @@ def speeds() -> None:
 
 
 def report(args, work: str) -> None:
-    pair_list, faces = lfw_faces(args)
-    rows = []
-    for arm in ARMS:
-        for seed in args.seeds:
-            run = run_dir(work, arm, seed)
-            if not os.path.isfile(os.path.join(run, "wall_s.txt")):
-                continue
+    """The table of the finished runs on LFW view 2 and, with `--cfp`, on CFP's FP and FF."""
+    runs = [(arm, seed, run_dir(work, arm, seed)) for seed in args.seeds for arm in ARMS]
+    runs = [(arm, seed, run) for arm, seed, run in runs if os.path.isfile(os.path.join(run, "wall_s.txt"))]
+    lists = [("LFW view 2", args.pairs_list, args.lfw, None)]
+    lists += [(f"CFP {p}", args.cfp, None, p) for p in ("FP", "FF") if args.cfp]
+    for title, path, images, protocol in lists:
+        pair_list, faces = list_faces(args, path, images, protocol)
+        print(f"\n{title}, all {len(pair_list.pairs)} pairs from the photos (10-fold mean and std over the folds; "
+              "CelebA's people may overlap LFW's):")
+        print("| arm | seed | train min | acc | std | acc-flip | std |\n|---|---|---|---|---|---|---|")
+        anchor = list_scores(args, path, pair_list, faces, "dlib")
+        print(f"| MODEL dlib (the teacher) | - | - | {anchor[0]:.4f} | {anchor[1]:.4f} | {anchor[2]:.4f} | "
+              f"{anchor[3]:.4f} |", flush=True)
+        for arm, seed, run in runs:
             wall = int(open(os.path.join(run, "wall_s.txt")).read())
-            rows.append((arm, seed, wall, *lfw_scores(args, pair_list, faces, run), run))
-    anchor = lfw_scores(args, pair_list, faces, "dlib")
-    print(f"\nLFW view 2, all {len(pair_list.pairs)} pairs from the photos (10-fold mean and std over the folds; CelebA's "
-          "people may overlap LFW's):")
-    print("| arm | seed | train min | acc | std | acc-flip | std |\n|---|---|---|---|---|---|---|")
-    print(f"| MODEL dlib (the teacher) | - | - | {anchor[0]:.4f} | {anchor[1]:.4f} | {anchor[2]:.4f} | {anchor[3]:.4f} |")
-    for arm, seed, wall, acc, std, acc_f, std_f, _ in rows:
-        print(f"| {arm} | {seed} | {wall / 60:.0f} | {acc:.4f} | {std:.4f} | {acc_f:.4f} | {std_f:.4f} |")
+            acc, std, acc_f, std_f = list_scores(args, path, pair_list, faces, run)
+            print(f"| {arm} | {seed} | {wall / 60:.0f} | {acc:.4f} | {std:.4f} | {acc_f:.4f} | {std_f:.4f} |",
+                  flush=True)
 
 
 def main() -> None:
@@ -280,6 +285,8 @@ def main() -> None:
     p.add_argument("--celeb", required=True, help="CelebA photos, one sub-folder per person")
     p.add_argument("--lfw", required=True, help="LFW's folder: FOLDER/name/name_000n.jpg")
     p.add_argument("--pairs_list", required=True, help="LFW's pairs.txt (view 2)")
+    p.add_argument("--cfp", default=None, help="a CFP root: the table on its FP and FF protocols too (its caches "
+                   "in the root, shared with scripts.verify's)")
     p.add_argument("--work", default=os.path.join(ROOT, "work_dirs", "real_faces"))
     p.add_argument("--cache_dir", default=None, help="the LFW faces' and embeddings' cache (default: beside the list)")
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), metavar="ARM")
