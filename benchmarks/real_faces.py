@@ -98,7 +98,8 @@ def paired_people(pairs_list: str) -> set[str]:
 
 
 def prepare(args, work: str) -> dict[str, str]:
-    """The packed sets and their teacher files (made once): {"celeb"|"all": rec, "<set>.teacher": file}."""
+    """The packed sets and their teacher files (made once, where an arm asked for needs it):
+    {"celeb"|"all": rec, "<set>.teacher": file}."""
     photos, crops = os.path.join(work, "photos"), os.path.join(work, "crops")
     if not os.path.isdir(crops):
         os.makedirs(photos, exist_ok=True)
@@ -127,7 +128,8 @@ def prepare(args, work: str) -> dict[str, str]:
                         os.symlink(os.path.abspath(os.path.join(crops, person)), os.path.join(src, person))
             sh(sys.executable, "-m", "scripts.pack_rec", src, rec)
         teacher = os.path.join(work, f"{name}.teacher")
-        if not os.path.isfile(teacher):
+        taught = any(data == name and "TEACHER" in extra for _, data, extra in (ARMS[a] for a in args.arms))
+        if taught and not os.path.isfile(teacher):  # made for the arms asked for that need it
             sh(sys.executable, "-m", "scripts.teach", "dlib", rec, teacher, "--num_workers", "1")
         sets[name], sets[f"{name}.teacher"] = rec, teacher
     return sets
