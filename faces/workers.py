@@ -50,7 +50,6 @@ from configs.errors import ConfigError, UserError
 logger = logging.getLogger("shardface")
 T = TypeVar("T")
 R = TypeVar("R")
-_SAID: set[str] = set()  # the log lines said once per process
 _worker: tuple | None = None  # in a worker process: (fn, [its setup, until run], the pid table)
 
 
@@ -58,17 +57,16 @@ class WorkerDied(UserError, RuntimeError):
     """A worker process that ended while it held an item (killed, out of memory)."""
 
 
-def default_workers(env=None) -> int:
+def default_workers(env=os.environ) -> int:
     """The cores this process may run on (its affinity: the limit of a container, taskset or batch
     scheduler), shared among the ranks torchrun started on this node (LOCAL_WORLD_SIZE); at least 1."""
-    env = os.environ if env is None else env
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS
     return max(1, cores // max(1, int(env.get("LOCAL_WORLD_SIZE", "1") or 1)))
 
 
-def check_workers(workers: int, option: str = "--workers") -> int:
+def check_workers(workers: int) -> int:
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise ConfigError(f"{option} {workers}: at least 1 (1 runs in this process)")
+        raise ConfigError(f"--workers {workers}: at least 1 (1 runs in this process)")
     return workers
 
 
@@ -81,15 +79,13 @@ def map_photos(fn: Callable[[T], R], items: Iterable[T], workers: int,
     (default 4 x workers) bounds the items out at once; `setup()` runs once in each worker (not
     with one worker: this process is set up)."""
     workers = _capped(check_workers(workers), items)
-    pool = _Pool(fn, items, workers, window or 4 * workers, what, name, setup) if workers > 1 else None
-    try:
-        for result in map(fn, items) if pool is None else pool.results():
+    results = ((fn(item) for item in items) if workers == 1
+               else _pooled(fn, items, workers, window or 4 * workers, what, name, setup))
+    with contextlib.closing(results):
+        for result in results:
             if progress is not None:
                 progress()
             yield result
-    finally:
-        if pool is not None:
-            pool.close()
 
 
 def warm_up(fn: Callable, workers: int) -> None:
@@ -99,10 +95,9 @@ def warm_up(fn: Callable, workers: int) -> None:
         _forkserver(fn)
 
 
+@functools.cache  # each said once per process
 def _say_once(message: str) -> None:
-    if message not in _SAID:
-        _SAID.add(message)
-        logger.warning("%s", message)
+    logger.warning("%s", message)
 
 
 def _capped(workers: int, items: Iterable) -> int:
@@ -119,7 +114,7 @@ def _fork_is_safe() -> bool:
     (numpy's OpenBLAS) do not count: a child that exits at once is forked to stop them first."""
     torch = sys.modules.get("torch")
     if ("fork" not in multiprocessing.get_all_start_methods() or threading.active_count() > 1
-            or not os.path.isdir("/proc/self/task") or (torch is not None and torch.cuda.is_initialized())):
+            or (torch is not None and torch.cuda.is_initialized())):
         return False
     try:
         if len(os.listdir("/proc/self/task")) > 1:
@@ -130,7 +125,7 @@ def _fork_is_safe() -> bool:
                     os._exit(0)
             os.waitpid(pid, 0)
         return len(os.listdir("/proc/self/task")) == 1
-    except OSError:  # fork refused (no memory, no process to spare), /proc unreadable
+    except OSError:  # fork refused (no memory, no process to spare), no /proc (not Linux)
         return False
 
 
@@ -144,8 +139,7 @@ def _context(fn) -> tuple[multiprocessing.context.BaseContext, dict | None]:
 
 
 def _module_of(fn) -> str:
-    while isinstance(fn, functools.partial):
-        fn = fn.func
+    fn = fn.func if isinstance(fn, functools.partial) else fn  # a partial of a partial is one partial
     return getattr(fn, "__module__", None) or "__main__"
 
 
@@ -177,9 +171,8 @@ def _forkserver(fn) -> bool:
                   f"forkserver: {why}")
         return False
     finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
+        del os.environ["PYTHONPATH"]
+        if saved is not None:
             os.environ["PYTHONPATH"] = saved
 
 
@@ -239,73 +232,55 @@ def _work(index: int, item):
 
 
 def _how(exitcode: int | None) -> str:
-    if exitcode is not None and exitcode < 0:
-        try:
-            sig = signal.Signals(-exitcode).name
-        except ValueError:
-            sig = f"signal {-exitcode}"
-        return f"was killed by {sig}" + (" (the out-of-memory killer sends it)" if sig == "SIGKILL" else "")
-    return f"exited with code {exitcode}"
+    if exitcode is None or exitcode >= 0:
+        return f"exited with code {exitcode}"
+    sig = next((s.name for s in signal.Signals if s == -exitcode), f"signal {-exitcode}")
+    return f"was killed by {sig}" + (" (the out-of-memory killer sends it)" if sig == "SIGKILL" else "")
 
 
-class _Pool:
-    """One `map_photos`' executor and its window of items out. The table `pids` holds, at
-    `index % window`, the pid of the worker on item `index` (0: none): the items out are
-    consecutive, so none shares a place with another, and an item's place is free again once its
-    result is in."""
+def _pooled(fn, items: Iterable, workers: int, window: int, what: str, name: Callable, setup) -> Iterator:
+    """`map_photos` on an executor started with the first item (no code runs between the check
+    that forking is safe and the fork). `out` holds the items out, (index, item, future) in input
+    order; the table `pids` holds, at `index % window`, the pid of the worker on item `index` (0:
+    none): the items out are consecutive, so none shares a place with another, and an item's
+    place is free again once its result is in. Closed, it terminates the workers still on an
+    item nobody will take; idle ones end on the executor's word. Every process is joined."""
+    window, items, out, executor = max(window, workers), enumerate(items), collections.deque(), None
+    try:
+        while True:
+            for index, item in itertools.islice(items, window - len(out)):
+                if executor is None:
+                    ctx, env = _context(fn)
+                    pids = ctx.Array("q", window, lock=False)
+                    executor = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start_worker,
+                                                   initargs=(fn, setup, pids, env))
+                with _main_hidden(fn):  # a forkserver's or spawned worker starts on submit
+                    out.append((index, item, executor.submit(_work, index, item)))
+            if not out:
+                return
+            result = out[0][2].result()
+            out.popleft()
+            yield result
+    except BrokenProcessPool:
+        raise _died(executor, pids, out, what, name) from None
+    finally:
+        if executor is not None:
+            if any(not future.done() for _, _, future in out):
+                for process in (executor._processes or {}).values():  # Python 3.14 adds terminate_workers
+                    process.terminate()
+            executor.shutdown(wait=True)
 
-    def __init__(self, fn, items: Iterable, workers: int, window: int, what: str, name: Callable, setup):
-        self.fn, self.items, self.workers, self.setup = fn, enumerate(items), workers, setup
-        self.window, self.what, self.name = max(window, workers), what, name
-        self.out: collections.deque = collections.deque()  # (index, item, future) in input order
-        self.executor: ProcessPoolExecutor | None = None  # started with the first item: no code
-        # runs between the check that forking is safe and the fork
 
-    def results(self) -> Iterator:
-        try:
-            while True:
-                for index, item in itertools.islice(self.items, self.window - len(self.out)):
-                    if self.executor is None:
-                        ctx, env = _context(self.fn)
-                        self.pids = ctx.Array("q", self.window, lock=False)
-                        self.executor = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_start_worker,
-                                                            initargs=(self.fn, self.setup, self.pids, env))
-                    with _main_hidden(self.fn):  # a forkserver's or spawned worker starts on submit
-                        self.out.append((index, item, self.executor.submit(_work, index, item)))
-                if not self.out:
-                    return
-                result = self.out[0][2].result()
-                self.out.popleft()
-                yield result
-        except BrokenProcessPool:
-            raise self._died() from None
-
-    def _processes(self) -> list[multiprocessing.Process]:
-        """The executor's own table of its processes (Python 3.14 adds terminate_workers)."""
-        return list((self.executor._processes or {}).values())
-
-    def _died(self) -> WorkerDied:
-        """The error of the worker that ended by itself: the executor then ends the others with
-        SIGTERM (a SIGTERM from elsewhere cannot be told from theirs: the earliest item is named)."""
-        processes = self._processes()
-        self.executor.shutdown(wait=True)  # every process joined: exit codes final
-        held = {self.pids[index % self.window]: (index, item) for index, item, _ in reversed(self.out)}
-        ended = [p for p in processes if p.exitcode != -signal.SIGTERM] or processes
-        if not ended:
-            return WorkerDied(f"the worker processes ended before their first {self.what}")
-        dead = min(ended, key=lambda p: (p.pid not in held, held.get(p.pid, (0,))[0]))
-        if dead.pid in held:
-            return WorkerDied(f"{self.name(held[dead.pid][1])}: the worker process on this {self.what} "
-                              f"{_how(dead.exitcode)}")
-        return WorkerDied(f"a worker process {_how(dead.exitcode)} between {self.what}s")
-
-    def close(self) -> None:
-        """Workers still on an item nobody will take (an error or the caller ended the map) are
-        terminated; idle ones end on the executor's word. Every process is joined."""
-        if self.executor is None:
-            return
-        if any(not future.done() for _, _, future in self.out):
-            for process in self._processes():
-                process.terminate()
-        self.executor.shutdown(wait=True)
-        self.out.clear()
+def _died(executor: ProcessPoolExecutor, pids, out: collections.deque, what: str, name: Callable) -> WorkerDied:
+    """The error of the worker that ended by itself: the executor then ends the others with
+    SIGTERM (a SIGTERM from elsewhere cannot be told from theirs: the earliest item is named)."""
+    processes = list((executor._processes or {}).values())
+    executor.shutdown(wait=True)  # every process joined: exit codes final
+    held = {pids[index % len(pids)]: (index, item) for index, item, _ in reversed(out)}
+    ended = [p for p in processes if p.exitcode != -signal.SIGTERM] or processes
+    if not ended:
+        return WorkerDied(f"the worker processes ended before their first {what}")
+    dead = min(ended, key=lambda p: (p.pid not in held, held.get(p.pid, (0,))[0]))
+    if dead.pid in held:
+        return WorkerDied(f"{name(held[dead.pid][1])}: the worker process on this {what} {_how(dead.exitcode)}")
+    return WorkerDied(f"a worker process {_how(dead.exitcode)} between {what}s")

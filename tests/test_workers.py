@@ -119,9 +119,9 @@ def test_setup_runs_once_in_each_worker_before_its_first_item():
     assert _SETUPS == []  # not here
 
 
-def test_the_worker_count_is_capped_at_the_cores_and_the_cap_said_once(monkeypatch, caplog):
+def test_the_worker_count_is_capped_at_the_cores_and_the_cap_said_once(caplog):
     cores = default_workers()
-    monkeypatch.setattr(faces.workers, "_SAID", set(), raising=False)  # said anew in this test
+    faces.workers._say_once.cache_clear()  # said anew in this test
     most = 0
     with caplog.at_level(logging.WARNING, logger="shardface"):
         for _ in range(2):
@@ -243,8 +243,8 @@ def test_worker_counts_below_one_are_refused_and_1000_capped_at_the_photos_and_t
     for bad in ("0", "-1"):
         assert align_tool([src, dst, "--workers", bad]) == 2
         assert capsys.readouterr().err.splitlines() == [f"error: --workers {bad}: at least 1 (1 runs in this process)"]
-    started, real = [], faces.workers._Pool
-    monkeypatch.setattr(faces.workers, "_Pool", lambda fn, items, workers, *args: started.append(workers) or real(
+    started, real = [], faces.workers._pooled
+    monkeypatch.setattr(faces.workers, "_pooled", lambda fn, items, workers, *args: started.append(workers) or real(
         fn, items, workers, *args))
     assert align_tool([src, dst, "--workers", "1000"]) == 0
     assert started == ([min(3, default_workers())] if default_workers() > 1 else [])

@@ -25,12 +25,12 @@ def photos(tmp_path_factory) -> str:
 @pytest.fixture
 def pools(monkeypatch) -> list[int]:
     """The worker count of every pool started (one worker runs in this process, without a pool)."""
-    started, real = [], faces.workers._Pool
+    started, real = [], faces.workers._pooled
 
     def counting(fn, items, workers, *args):
         started.append(workers)
         return real(fn, items, workers, *args)
-    monkeypatch.setattr(faces.workers, "_Pool", counting)
+    monkeypatch.setattr(faces.workers, "_pooled", counting)
     return started
 
 
