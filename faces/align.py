@@ -31,22 +31,13 @@ ARCFACE_112 = Template("arcface-112", (112, 112), np.array(
 
 
 def similarity_transform(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-    """2x3 matrix of the least-squares similarity (rotation, scale, shift) mapping src -> dst
-    (Umeyama's closed form)."""
-    src, dst = np.asarray(src, np.float64), np.asarray(dst, np.float64)
-    mu_s, mu_d = src.mean(0), dst.mean(0)
-    s, d = src - mu_s, dst - mu_d
-    cov = d.T @ s / len(src)
-    u, sig, vt = np.linalg.svd(cov)
-    sign = np.eye(2)
-    if np.linalg.det(u) * np.linalg.det(vt) < 0:
-        sign[1, 1] = -1
-    rot = u @ sign @ vt
-    scale = np.trace(np.diag(sig) @ sign) / s.var(0).sum()
-    m = np.zeros((2, 3))
-    m[:, :2] = scale * rot
-    m[:, 2] = mu_d - scale * rot @ mu_s
-    return m
+    """2x3 matrix of the least-squares similarity (rotation, scale, shift) mapping src -> dst. In
+    the plane, points as complex numbers, it is z -> a z + t, and the least-squares `a` of the
+    centred points is their inner product over the source's squared norm (Umeyama's result)."""
+    s, d = (np.asarray(p, np.float64) @ np.array([1, 1j]) for p in (src, dst))
+    a = np.vdot(s - s.mean(), d - d.mean()) / np.vdot(s - s.mean(), s - s.mean())
+    t = d.mean() - a * s.mean()
+    return np.array([[a.real, -a.imag, t.real], [a.imag, a.real, t.imag]])
 
 
 def warp(img: Image.Image, to_image: np.ndarray, size: tuple[int, int]) -> Image.Image:

@@ -162,14 +162,12 @@ class Detection:
     def faces(self, img: Image.Image) -> list[Face]:
         return detect_faces(img, self.detector, self.upsample, self.landmarks, self.min_score, self.max_side)
 
-    def check(self) -> None:
-        """Load the models now, so that a missing model file is one line at start."""
-        check_available(self.detector, self.landmarks)
-
     def worker_setup(self) -> Callable[[], None]:
-        """For faces.workers.map_photos: each worker takes this process's HOG detector, pickled
+        """Loads the models here (a missing model file: one line at start) and returns the setup
+        of faces.workers.map_photos' workers: each takes this process's HOG detector, pickled
         (building it takes 1.5 s, unpickling its 155 KB a few ms; the landmark models and MMOD
         load from their files as fast as they unpickle, or do not pickle)."""
+        check_available(self.detector, self.landmarks)
         models = {"hog": pickle.dumps(face_detector("hog"))} if self.detector == "hog" else {}
         return functools.partial(use_models_from_parent, models)
 

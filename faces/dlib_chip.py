@@ -34,8 +34,8 @@ _FIVE = np.array([_LEFT_EYE.mean(0), _RIGHT_EYE.mean(0), [0.490127, 0.515625],
                   [0.254149, 0.780233], [0.726104, 0.780233]])
 
 
-def _placed(unit: np.ndarray, size: int = SIZE, padding: float = PADDING) -> np.ndarray:
-    return (padding + unit) / (1 + 2 * padding) * size
+def _placed(unit: np.ndarray, size: int = SIZE) -> np.ndarray:
+    return (PADDING + unit) / (1 + 2 * PADDING) * size
 
 
 DLIB_150 = Template("dlib-150", (SIZE, SIZE), _placed(_FIVE))
@@ -54,17 +54,12 @@ def _pyramid_down(rgb: np.ndarray) -> np.ndarray:
     return (down // 256).astype(np.uint8)
 
 
-def _point_down(p: np.ndarray) -> np.ndarray:
-    """Where dlib's pyramid_down<2> says a point lands one level down (its own offsets)."""
-    return p / 2 - np.array([1.25, 0.75])
-
-
-def chip_transform(shape5: np.ndarray, size: int = SIZE, padding: float = PADDING) -> np.ndarray:
+def chip_transform(shape5: np.ndarray) -> np.ndarray:
     """2x3 chip pixel -> photo pixel of dlib's chip for its 5-point landmarks (pixel centres).
     dlib fits the similarity, then cuts the chip through a rectangle whose corner pixels sit
     at +-(size * scale - 1) / 2 from the image of the chip's centre point (size/2, size/2):
     a scale of (size * scale - 1) / (size - 1) about pixel (size - 1) / 2, which this repeats."""
-    return _to_photo(*_chip_frame(shape5, size, padding), size)
+    return _to_photo(*_chip_frame(shape5, SIZE), SIZE)
 
 
 def _to_photo(centre: np.ndarray, linear: np.ndarray, size: int) -> np.ndarray:
@@ -72,29 +67,27 @@ def _to_photo(centre: np.ndarray, linear: np.ndarray, size: int) -> np.ndarray:
     return np.hstack([linear, (centre - linear @ np.array([(size - 1) / 2] * 2))[:, None]])
 
 
-def _chip_frame(shape5: np.ndarray, size: int, padding: float) -> tuple[np.ndarray, np.ndarray]:
+def _chip_frame(shape5: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     """(photo point of the chip's centre, 2x2 chip -> photo linear map) of dlib's chip."""
-    m = similarity_transform(_placed(_SHAPE5, size, padding), shape5)
+    m = similarity_transform(_placed(_SHAPE5, size), shape5)
     scale = float(np.hypot(*m[:, 0]))
     centre = m[:, :2] @ np.array([size / 2, size / 2]) + m[:, 2]
     return centre, m[:, :2] / scale * (size * scale - 1) / (size - 1)
 
 
-def dlib_chip(img: Image.Image, shape5: np.ndarray, size: int = SIZE, padding: float = PADDING) -> Image.Image:
+def dlib_chip(img: Image.Image, shape5: np.ndarray, size: int = SIZE) -> Image.Image:
     """dlib's face chip (extract_image_chip of get_face_chip_details) for a 5-point shape in
     dlib's order, bilinear. Where the face is over twice the chip's size, dlib first halves
     (the part of) the photo (around it) with its image pyramid, as often as that stays true;
     so does this, with dlib's filter, crop and coordinates."""
     rgb = np.asarray(to_rgb(img))
-    centre, linear = _chip_frame(np.asarray(shape5, np.float64), size, padding)
+    centre, linear = _chip_frame(np.asarray(shape5, np.float64), size)
     span = float(np.hypot(*linear[:, 0])) * (size - 1)  # the extraction rectangle's side, less one
     levels = 0
     while (span / 2 ** (levels + 1) + 1) ** 2 > size * size:
         levels += 1
     if levels:
-        grow = 2.0
-        for _ in range(levels):
-            grow = grow * 2 + 2
+        grow = 2.0 ** (levels + 2) - 2  # 2, then twice that plus 2 at each level
         corners = centre + np.array([[-1, -1], [1, -1], [-1, 1], [1, 1]]) * span / 2 @ (linear / np.hypot(*linear[:, 0])).T
         lo = np.maximum(np.floor(corners.min(0) - grow + 0.5), 0).astype(int)
         hi = np.minimum(np.floor(corners.max(0) + grow + 0.5), [rgb.shape[1] - 1, rgb.shape[0] - 1]).astype(int)
@@ -103,6 +96,6 @@ def dlib_chip(img: Image.Image, shape5: np.ndarray, size: int = SIZE, padding: f
         for _ in range(levels):
             if min(rgb.shape[:2]) <= 8:  # dlib's pyramid leaves nothing of so small a part: a black chip
                 return Image.new("RGB", (size, size))
-            rgb, centre = _pyramid_down(rgb), _point_down(centre)
+            rgb, centre = _pyramid_down(rgb), centre / 2 - np.array([1.25, 0.75])  # dlib's offsets one level down
         linear = linear / 2 ** levels
     return warp(Image.fromarray(rgb), _to_photo(centre, linear, size), (size, size))

@@ -22,10 +22,6 @@ from faces.dlib_chip import DLIB_150, DLIB_150_SHAPE5
 FALLBACK_SCORE = 0.0  # a fallback face is no detection: below any detector's kept score
 
 
-def _has_shape5(face: Face) -> bool:
-    return face.shape is not None and len(face.shape) == 5
-
-
 def _frame(size: tuple[int, int]) -> tuple[np.ndarray, float]:
     """(centre, unit) of a w x h photo's relative coordinates (pixel centres)."""
     w, h = size
@@ -56,7 +52,7 @@ class Fallback:
         gets, one too."""
         if not found:
             raise ValueError("no found face to take the fallback's place and scale from")
-        shape5 = all(_has_shape5(f) for f, _ in found)
+        shape5 = all(f.shape is not None and len(f.shape) == 5 for f, _ in found)
         return cls(np.median(np.stack([face_transform(f, s, shape5) for f, s in found]), axis=0), shape5)
 
     def face(self, size: tuple[int, int]) -> Face:

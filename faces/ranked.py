@@ -1,23 +1,19 @@
 """Finding the faces of one photo list on many machines (`pack_rec --align` under torchrun, or
 `--rank R --world W` by hand): each rank finds the faces of its share of the list (dataset.shares)
-on its own cores and writes them, exactly, into its part beside the output; rank 0 waits for
+on its own cores and writes them, exactly, into its part's manifest beside the output; rank 0 waits for
 every part and reads them back into the `Found` one process would have made, so what it then
 writes is byte for byte what one process writes. Detection is nearly all of the work (the warp
 and the packing are a few per cent), so W machines take about 1/W of the time."""
 from __future__ import annotations
 
-import json
-import os
 import time
 from typing import Callable
 
 import numpy as np
 
-from dataset.shares import WAIT_MIN_S, PartError, Parts, list_key, share_of
+from dataset.shares import WAIT_MIN_S, Parts, list_key, share_of
 from faces.detect import Detection, Face
 from faces.stream import Found, find_faces
-
-FACES = "faces.json"
 
 
 def _record(face: Face) -> dict:
@@ -44,20 +40,11 @@ def find_faces_ranked(paths: list[str], detection: Detection, output: str, rank:
     share = paths[mine.start:mine.end]
     if parts.manifest(rank, paths) is None:  # else done by an earlier run of this job: kept
         found = find_faces(share, detection, progress if rank == 0 else None, workers)
-        with parts.writing(rank, paths) as part, open(os.path.join(part.folder, FACES), "w") as f:
-            json.dump([[path, [_record(face) for face in found.faces[path]]] for path in share], f)
+        with parts.writing(rank, paths) as part:  # the manifest checks that a part holds its share
+            part.summary["faces"] = [[_record(face) for face in found.faces[path]] for path in share]
     if rank != 0:
         return None
-    parts.wait(paths, max(WAIT_MIN_S, time.monotonic() - start))
-    found = Found(detection=detection)
-    for r in range(world):
-        part = share_of(len(paths), r, world)
-        path = os.path.join(parts.folder(r), FACES)
-        with open(path) as f:
-            rows = json.load(f)
-        if [p for p, _ in rows] != paths[part.start:part.end]:
-            raise PartError(f"{path}: its photos are not rank {r}'s share of the list; remove {parts.root} "
-                            "and run every rank again")
-        found.faces.update((p, [_face(record) for record in faces]) for p, faces in rows)
+    manifests = parts.wait(paths, max(WAIT_MIN_S, time.monotonic() - start))
+    rows = [faces for manifest in manifests for faces in manifest["summary"]["faces"]]
     parts.remove()
-    return found
+    return Found({p: [_face(record) for record in faces] for p, faces in zip(paths, rows)}, detection)

@@ -74,13 +74,12 @@ class Crop:
     dlib_chip: bool = False
     png: bool = False
 
-    def image(self, photo: Image.Image, face: Face) -> Image.Image:
-        if self.dlib_chip and face.shape is not None and len(face.shape) == 5:
-            return dlib_chip(photo, face.shape, size=self.template.size[0])
-        return align(photo, face.points, self.template)
-
     def __call__(self, photo, face: Face):
-        crop = self.image(open_image(photo), face)
+        image = open_image(photo)
+        if self.dlib_chip and face.shape is not None and len(face.shape) == 5:
+            crop = dlib_chip(image, face.shape, size=self.template.size[0])
+        else:
+            crop = align(image, face.points, self.template)
         if not self.png:
             return np.asarray(crop)
         buf = io.BytesIO()
@@ -93,7 +92,6 @@ class Photo:
     """One photo's faces, largest first ([]: none found), and `cuts[i]`, the cut of `faces[i]`
     (the largest only with `largest_only`; none without a cut)."""
     name: str
-    index: int                     # its place in the photos given
     size: tuple[int, int]          # (width, height)
     faces: list[Face]
     cuts: list
@@ -102,11 +100,6 @@ class Photo:
     def face(self) -> Face | None:
         """The largest face, or None."""
         return self.faces[0] if self.faces else None
-
-
-def whole(width: int, height: int) -> Face:
-    """The one 'face' of a photo that is a crop already: the whole image."""
-    return Face((0.0, 0.0, float(width), float(height)), np.full((5, 2), np.nan), float("nan"))
 
 
 def crop_pixels(photo, index: int = 0, resize: tuple[int, int] | None = None) -> np.ndarray:
@@ -127,7 +120,7 @@ def crop_pixels(photo, index: int = 0, resize: tuple[int, int] | None = None) ->
 @dataclass(frozen=True)
 class _Task:
     """What a worker does to one (index, photo, its known faces or None)."""
-    detection: Detection | None  # None: each photo is a crop already (its one face: `whole`)
+    detection: Detection | None  # None: each photo is a crop already (its one face: the whole image)
     cut: Callable | None
     largest_only: bool
     resize: tuple[int, int] | None = None  # crops already: resized to this (h, w)
@@ -138,11 +131,12 @@ class _Task:
         if self.detection is None and known is None:
             pixels = crop_pixels(photo, index, self.resize)
             h, w = pixels.shape[:2]
-            return Photo(name, index, (w, h), [whole(w, h)], [pixels])
+            whole = Face((0.0, 0.0, float(w), float(h)), np.full((5, 2), np.nan), float("nan"))
+            return Photo(name, (w, h), [whole], [pixels])
         image = open_image(photo, index)
         faces = list(known) if known is not None else self.detection.faces(image)
         cuts = [self.cut(image, f) for f in (faces[:1] if self.largest_only else faces)] if self.cut else []
-        return Photo(name, index, image.size, faces, cuts)
+        return Photo(name, image.size, faces, cuts)
 
 
 def stream(photos: Iterable, detection: Detection | None = Detection(), cut: Callable | None = None,
@@ -153,8 +147,6 @@ def stream(photos: Iterable, detection: Detection | None = Detection(), cut: Cal
     where given). `faces[i]`: photo i's faces, known already (not searched). `cut(image, face)`
     runs in the workers, on every face or the largest only. `progress()` once a photo."""
     photos = list(photos)
-    if detection is not None and faces is None:
-        detection.check()
     if faces is not None and len(faces) != len(photos):
         raise ValueError(f"{len(faces)} face lists for {len(photos)} photos")
     task = _Task(detection, cut, largest_only, resize)
@@ -186,10 +178,7 @@ class Found:
 
 def find_faces(paths: Iterable[str], detection: Detection = Detection(),
                progress: Callable[[], None] | None = None, workers: int = 1) -> Found:
-    found = Found(detection=detection)
-    for photo in stream(paths, detection, workers=workers, progress=progress):
-        found.faces[photo.name] = photo.faces
-    return found
+    return Found({p.name: p.faces for p in stream(paths, detection, workers=workers, progress=progress)}, detection)
 
 
 def no_face_message(paths: list[str], total: int, detection: Detection = Detection()) -> str:
@@ -217,10 +206,9 @@ def usable(found: Found, strict: bool) -> dict[str, Face]:
     return {p: f[0] for p, f in found.faces.items() if f}
 
 
-def aligned_pngs(paths: list[str], faces: dict[str, Face], template: Template = ARCFACE_112,
-                 workers: int = 1) -> Iterator[bytes]:
-    """Each photo's face (`faces[path]`) cut to `template`, as PNG bytes, in order."""
-    for photo in stream(paths, faces=[[faces[p]] for p in paths], cut=Crop(template, png=True), workers=workers):
+def aligned_pngs(paths: list[str], faces: dict[str, Face], workers: int = 1) -> Iterator[bytes]:
+    """Each photo's face (`faces[path]`) cut to insightface's 112x112 template, as PNG bytes, in order."""
+    for photo in stream(paths, faces=[[faces[p]] for p in paths], cut=Crop(ARCFACE_112, png=True), workers=workers):
         yield photo.cuts[0]
 
 

@@ -35,7 +35,7 @@ from dataset.folders import walk_images
 from dataset.geometry import check_files
 from dataset.images import IMAGE_EXTENSIONS
 from faces.align import ARCFACE_112
-from faces.detect import Detection
+from faces.detect import Detection, check_available
 from dataset.shares import WAIT_MIN_S, Parts, launch_rank, list_key, share_of
 from faces.stream import Crop, no_face_message, stream
 from faces.workers import warm_up
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
         raise ConfigError(f"--size {args.size}: from 16 to {MAX_SIZE} pixels (a crop is size x size x 3 bytes in memory)")
     detection = detection_from(args)
     warm_up(stream, workers)  # the workers' imports, while the photos are listed and checked
-    detection.check()  # a missing model file: one line, at start
+    check_available(detection.detector, detection.landmarks)  # a missing model file: one line, at start
     photos = photos_under(src)
     check_names(photos, crop_stems(photos), args.largest)
     check_files((os.path.join(src, ph) for ph in photos), resize=True)  # unreadable files, before any output
