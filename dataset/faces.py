@@ -13,7 +13,7 @@ from dataset.errors import DataLayoutError, ImageDecodeError, ImageSizeError, La
 from dataset.fingerprint import folder_fingerprint, recordio_fingerprint, synthetic_fingerprint
 from dataset.folders import list_identity_folders, list_images
 from dataset.geometry import check_files, check_records
-from dataset.images import FACE_SIZE, decode_chw, decode_image, normalize_images
+from dataset.images import FACE_SIZE, decode_chw, decode_image, normalize_images, read_image_file
 from dataset.layout import class_count, image_keys
 from dataset.pack import recover_rec_set
 from dataset.recordio import IndexedRecordReader, unpack
@@ -220,12 +220,7 @@ class FolderFaceDataset(_MirrorsInTraining, Dataset):
 
     def load(self, index: int, mirror: bool = False):
         path, label = self.samples[index]
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as exc:
-            raise ImageDecodeError(f"{path}: cannot read image ({exc.strerror})") from None
-        return self._decoded(decode_chw, data, path, mirror), label
+        return self._decoded(decode_chw, read_image_file(path), path, mirror), label
 
     def __getitem__(self, index: int):
         flip = self.mirror(index)

@@ -100,6 +100,15 @@ def resize_face(img: Image.Image, size: tuple[int, int] = FACE_SIZE) -> Image.Im
     return img if img.size == (w, h) else img.resize((w, h), Image.BILINEAR)
 
 
+def read_image_file(path: str) -> bytes:
+    """An image file's bytes; a file that cannot be read is an ImageDecodeError naming it."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ImageDecodeError(f"{path}: cannot read image ({exc.strerror or exc})") from None
+
+
 def stored_bytes(path: str, resize: bool = False) -> bytes:
     """The bytes a packed set or a .bin keeps of an image file: the file's own, or with `resize`
     a 112x112 PNG of an image of another size (lossless: no second compression). The image is

@@ -27,7 +27,6 @@ and stated in benchmarks/README.md ('Faces')."""
 from __future__ import annotations
 
 import functools
-import pickle
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -54,11 +53,10 @@ FROM_NOSE_BASE = np.array([
 @dataclass(frozen=True)
 class Face:
     """One face: `box` (x0, y0, x1, y1) in photo pixels, `points` 5 x 2 (x, y) in insightface's
-    order (left eye, right eye, nose tip, left mouth corner, right mouth corner, "left" being the
-    photo's left), `score` the detector's confidence (HOG: SVM margin, MMOD: CNN score; > 0 kept),
-    `shape` dlib's own landmarks in its predictor's order (5 or 68 x 2), from which dlib cuts its
-    face chip (faces.dlib_chip), and `embedding` the model's unit row, where one embedded it
-    (infer.stream)."""
+    order (module docstring), `score` the detector's confidence (HOG: SVM margin, MMOD: CNN
+    score; > 0 kept), `shape` dlib's own landmarks in its predictor's order (5 or 68 x 2), from
+    which dlib cuts its face chip (faces.dlib_chip), and `embedding` the model's unit row, where
+    one embedded it (infer.stream)."""
     box: tuple[float, float, float, float]
     points: np.ndarray
     score: float
@@ -80,7 +78,7 @@ def _dlib():
 
 
 _DLIB_LOCK = threading.RLock()  # dlib's detectors and predictors are not thread-safe (dlib issues 340, 1149)
-_FROM_PARENT: dict[str, bytes] = {}  # detectors a worker process was handed, pickled (Detection.worker_setup)
+_FROM_PARENT: dict[str, object] = {}  # detectors a worker process was handed (Detection.worker_setup)
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,12 +88,11 @@ def face_detector(name: str):
         raise ValueError(f"detector {name!r}: one of {', '.join(DETECTORS)}")
     dlib = _dlib()
     if name == "hog":
-        handed = _FROM_PARENT.pop(name, None)
-        return pickle.loads(handed) if handed is not None else dlib.get_frontal_face_detector()
+        return _FROM_PARENT.pop(name, None) or dlib.get_frontal_face_detector()
     return dlib.cnn_face_detection_model_v1(model_file("mmod_human_face_detector.dat"))
 
 
-def use_models_from_parent(models: dict[str, bytes]) -> None:
+def use_models_from_parent(models: dict[str, object]) -> None:
     """In a worker process: take `Detection.worker_setup`'s detectors when they are first needed."""
     _FROM_PARENT.update(models)
 
@@ -164,11 +161,11 @@ class Detection:
 
     def worker_setup(self) -> Callable[[], None]:
         """Loads the models here (a missing model file: one line at start) and returns the setup
-        of faces.workers.map_photos' workers: each takes this process's HOG detector, pickled
-        (building it takes 1.5 s, unpickling its 155 KB a few ms; the landmark models and MMOD
-        load from their files as fast as they unpickle, or do not pickle)."""
+        of faces.workers.map_photos' workers: each takes this process's HOG detector (building it
+        takes 1.5 s, unpickling its 155 KB a few ms; the landmark models and MMOD load from their
+        files as fast as they unpickle, or do not pickle)."""
         check_available(self.detector, self.landmarks)
-        models = {"hog": pickle.dumps(face_detector("hog"))} if self.detector == "hog" else {}
+        models = {"hog": face_detector("hog")} if self.detector == "hog" else {}
         return functools.partial(use_models_from_parent, models)
 
 

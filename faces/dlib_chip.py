@@ -1,14 +1,12 @@
 """dlib's face chip (150x150, padding 0.25: what its face descriptor was trained on) as
-templates of the one alignment function, and the chip exactly as dlib cuts it from its own
-5-point landmarks.
+templates of the one alignment function, and `dlib_chip`, the chip exactly as dlib cuts it from
+its own 5-point landmarks (its pyramid too).
 
-dlib places faces with a mean face shape in a unit square, padded on every side by `padding`
-times its width: (padding + p) / (1 + 2 * padding) * size. Its 5-point chip uses the shape's
-eye corners and nose base; its 68-point mean shape is in the same frame, so the points
-insightface's five landmarks name (eye centres, nose tip, mouth corners) have a place in the
+dlib places faces with a mean face shape in a unit square, padded on every side by `PADDING`
+times its width. Its 5-point chip uses the shape's eye corners and nose base; its 68-point mean
+shape is in the same frame, so the points insightface's five landmarks name have a place in the
 same chip: `DLIB_150` (insightface's order, for every detector) is built from those;
-`DLIB_150_SHAPE5` holds dlib's own five reference points, in its 5-point predictor's order.
-`dlib_chip` cuts dlib's chip from dlib's 5-point shape exactly as dlib does (its pyramid too)."""
+`DLIB_150_SHAPE5` holds dlib's own five reference points, in its 5-point predictor's order."""
 from __future__ import annotations
 
 import numpy as np

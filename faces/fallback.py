@@ -30,8 +30,8 @@ def _frame(size: tuple[int, int]) -> tuple[np.ndarray, float]:
 
 def face_transform(face: Face, size: tuple[int, int], shape5: bool) -> np.ndarray:
     """(a, b, tx, ty): the similarity [[a, -b, tx], [b, a, ty]] from dlib's chip frame onto the
-    face in its w x h photo's relative coordinates; fitted to dlib's 5-point shape (`shape5`)
-    or to the five points."""
+    face in its w x h photo's relative coordinates, fitted to dlib's 5-point shape (`shape5`) or
+    to the five points."""
     ref, target = (DLIB_150_SHAPE5.points, face.shape) if shape5 else (DLIB_150.points, face.points)
     centre, unit = _frame(size)
     m = similarity_transform(ref, (np.asarray(target, np.float64) - centre) / unit)
@@ -40,8 +40,7 @@ def face_transform(face: Face, size: tuple[int, int], shape5: bool) -> np.ndarra
 
 @dataclass(frozen=True)
 class Fallback:
-    """The set's median face transform (a, b, tx, ty) in relative photo coordinates, fitted to
-    dlib's 5-point shape (`shape5`) or to the five points."""
+    """The set's median `face_transform` (a, b, tx, ty)."""
     transform: np.ndarray
     shape5: bool
 

@@ -6,15 +6,11 @@ processes (faces.workers), the same whatever their number.
         photo.name, photo.size, photo.faces, photo.cuts
 
 Every user of faces drives detection and cropping through `stream`: the tools, the pair
-protocols, infer.stream, which adds each face's embedding, and training's aligned folders
-(whose loader then cuts each item with the same `Crop`). A photo is a path, a PIL image or an
-H x W (x 3) uint8 array. Where the faces are known already (`faces=`: a pair list's fallback
-faces, a search made before) they are cut, not searched.
-
-On it, for the tools' `--align` and training's aligned folders: `find_faces` (every photo's
-faces, as a `Found`), `usable` (each photo's largest; a photo without a face left out with a
-warning naming it, or, `strict`, refused before anything is written), `align_groups` and
-`aligned_pngs`."""
+protocols, infer.stream (which adds each face's embedding) and training's aligned folders
+(whose loader cuts each item with the same `Crop`). A photo is a path, a PIL image or an
+H x W (x 3) uint8 array. Faces known already (`faces=`: a pair list's fallback faces, a
+search made before) are cut, not searched. On it, for the tools' `--align` and training's
+aligned folders: `find_faces`, `usable`, `align_groups` and `aligned_pngs`."""
 from __future__ import annotations
 
 import io
@@ -26,8 +22,8 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 from PIL import Image
 
-from dataset.errors import DataError, ImageDecodeError
-from dataset.images import decode_chw, resize_face, to_rgb
+from dataset.errors import DataError
+from dataset.images import decode_chw, read_image_file, resize_face, to_rgb
 from faces.align import ARCFACE_112, Template, align
 from faces.detect import Detection, Face, load_photo
 from faces.dlib_chip import dlib_chip
@@ -107,12 +103,7 @@ def crop_pixels(photo, index: int = 0, resize: tuple[int, int] | None = None) ->
     file decoded as training decodes one (dataset.images), a PIL image or array as `open_image`."""
     if isinstance(photo, (str, os.PathLike)):
         path = os.fspath(photo)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as exc:
-            raise ImageDecodeError(f"{path}: cannot read image ({exc.strerror or exc})") from None
-        return decode_chw(data, path, resize=resize).permute(1, 2, 0).numpy()
+        return decode_chw(read_image_file(path), path, resize=resize).permute(1, 2, 0).numpy()
     image = open_image(photo, index)
     return np.asarray(resize_face(image, resize) if resize is not None else image)
 
@@ -194,7 +185,8 @@ def no_face_message(paths: list[str], total: int, detection: Detection = Detecti
 
 
 def usable(found: Found, strict: bool) -> dict[str, Face]:
-    """Each photo's largest face (see the module docstring)."""
+    """Each photo's largest face; a photo without one is left out with a warning naming it, or
+    with `strict` refused (before anything is written)."""
     missing = found.without_face
     if missing:
         message = no_face_message(missing, len(found.faces), found.detection)

@@ -23,8 +23,7 @@ number of workers. The engine is `concurrent.futures.ProcessPoolExecutor`; this 
   process's HOG detector). Closing the iterator, or running it to its end, leaves no worker.
 
 `fn` and the items must be picklable: a module-level function, or a functools.partial of one
-holding what every item shares (it reaches each worker once, at its start).
-"""
+holding what every item shares (it reaches each worker once, at its start)."""
 from __future__ import annotations
 
 import collections
@@ -240,11 +239,9 @@ def _how(exitcode: int | None) -> str:
 
 def _pooled(fn, items: Iterable, workers: int, window: int, what: str, name: Callable, setup) -> Iterator:
     """`map_photos` on an executor started with the first item (no code runs between the check
-    that forking is safe and the fork). `out` holds the items out, (index, item, future) in input
-    order; the table `pids` holds, at `index % window`, the pid of the worker on item `index` (0:
-    none): the items out are consecutive, so none shares a place with another, and an item's
-    place is free again once its result is in. Closed, it terminates the workers still on an
-    item nobody will take; idle ones end on the executor's word. Every process is joined."""
+    that forking is safe and the fork). `out`: the items out, (index, item, future) in input order;
+    `pids`: at `index % window` the pid of the worker on item `index`, 0 for none (the items out
+    are consecutive: no two share a place). Closed, it terminates the workers still on an item."""
     window, items, out, executor = max(window, workers), enumerate(items), collections.deque(), None
     try:
         while True:
