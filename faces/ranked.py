@@ -1,9 +1,9 @@
 """Finding the faces of one photo list on many machines (`pack_rec --align` under torchrun, or
 `--rank R --world W` by hand): each rank finds the faces of its share of the list (dataset.shares)
-on its own cores and writes them, exactly, into its part's manifest beside the output; rank 0 waits for
-every part and reads them back into the `Found` one process would have made, so what it then
-writes is byte for byte what one process writes. Detection is nearly all of the work (the warp
-and the packing are a few per cent), so W machines take about 1/W of the time."""
+on its own cores and writes them, exactly, into its part's manifest beside the output; rank 0
+waits for every part and reads them back into the `Found` one process would have made, so what
+it then writes is byte for byte what one process writes. Detection is nearly all of the work
+(the warp and the packing are a few per cent), so W machines take about 1/W of the time."""
 from __future__ import annotations
 
 import time
