@@ -26,7 +26,7 @@ def exported(weights: dict | None) -> dict | None:
 def weights_fingerprint(weights: dict) -> str:
     """A short hash of a backbone state dict (names, shapes, values), taken as the fp32 network
     that reads it holds them: for the weights a MODEL loads, it equals that Model's fingerprint
-    (infer.model.fingerprint_module of the eval-mode fp32 network). Files derived from a
+    (infer.model.load_model's, of the eval-mode fp32 network). Files derived from a
     model's weights record it (threshold.json)."""
     digest = hashlib.sha256()
     for name, t in sorted(weights.items()):

@@ -8,7 +8,7 @@
     Gallery(model, "people/").identify("query.jpg")   # [Match] per face: .name (None: nobody), .score, .box
     model.draw("query.jpg", matches)       # a PIL picture of them
 """
-from infer.gallery import Gallery, Match
+from infer.enrolment import Gallery, Match
 from infer.model import Comparison, Model, load_model
 
 __all__ = ["load_model", "Model", "Gallery", "Match", "Comparison"]

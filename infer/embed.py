@@ -22,10 +22,6 @@ def module_device(module: nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-def _layout(x: torch.Tensor, nhwc: bool) -> torch.Tensor:
-    return x.contiguous(memory_format=torch.channels_last) if nhwc and x.dim() == 4 else x
-
-
 AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -38,13 +34,14 @@ def embed(images: torch.Tensor, module: nn.Module, batch_size: int, precision: s
     # convolutions over channels-last batches are faster, the same math: 1.1-1.3x on the CPU,
     # 1.4-1.5x on an H100 (benchmarks/channels_last.py); a module without weights (the ONNX form)
     # takes them as given
-    nhwc = device.type in ("cpu", "cuda") and next(module.parameters(), None) is not None
+    nhwc = device.type in ("cpu", "cuda") and next(module.parameters(), None) is not None and images.dim() == 4
+    layout = torch.channels_last if nhwc else torch.contiguous_format
     autocast = device.type == "cuda" and precision in AUTOCAST
     was_training = module.training
     module.eval()
     try:
         with torch.autocast("cuda", AUTOCAST.get(precision, torch.float16), enabled=autocast):
-            out = [module(normalize_images(_layout(batch.to(device), nhwc))).float().cpu()
+            out = [module(normalize_images(batch.to(device).contiguous(memory_format=layout))).float().cpu()
                    for batch in images.split(batch_size)]
     finally:
         module.train(was_training)

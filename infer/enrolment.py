@@ -1,5 +1,9 @@
-"""1:N identification in a few plain functions: `enrol` a folder of people, `embedded_faces` of
-query photos (infer.stream), `identify` them against the gallery (docs/identification.md).
+"""1:N identification: `enrol` a folder of people, `embedded_faces` of query photos
+(infer.stream), `identify` them against the gallery (docs/identification.md); in a few lines of
+Python, a `Gallery`:
+
+    gallery = Gallery(model, "people/")    # one folder of photos per person, enrolled once and cached
+    gallery.identify("query.jpg")          # [Match] per face, largest first: .name, .score, .box
 
 A gallery folder holds one folder per person, named for them. A person is scored by their mean
 template (the L2-normalised mean of their images' embeddings, as IJB pools), so the search runs
@@ -7,7 +11,10 @@ over people and a person with many photos has no more chances. The embeddings ar
 file per gallery and weights (`.shardface_gallery.npz`, `.no_ema.npz`: infer.cache) that records
 what made them (model, fingerprint, template, alignment, face options): a later run embeds only
 new images, says why it embeds everything again, refuses another MODEL's file (`rebuild`
-replaces it) and resumes an interrupted enrolment from its saved parts."""
+replaces it) and resumes an interrupted enrolment from its saved parts, so a gallery enrolled
+from Python serves the `identify` tool and the other way round. A face is named when its best
+score reaches the threshold: the one given, else the model's own; a model without one names no
+one (ThresholdError)."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,14 +28,14 @@ from dataset import DataError
 from dataset.folders import hidden, identity_folders, not_regular, walk_images
 from dataset.images import IMAGE_EXTENSIONS, image_size
 from faces.align import ARCFACE_112, Template
+from faces.detect import Face
 from faces.stream import no_face_message
 from infer.cache import SAVE_EVERY_S, Cache, content_key
 from infer.search import make_index
 from infer.stream import analyse, template_for
+from infer.thresholds import chosen_threshold, no_threshold
 from utils.progress import Progress
 
-CACHE_NAME = ".shardface_gallery.npz"
-RAW_CACHE_NAME = ".shardface_gallery.no_ema.npz"
 COLLAPSED = 0.99          # mean cosine between different people's templates above which we warn
 logger = logging.getLogger("shardface")
 
@@ -117,7 +124,7 @@ def embedded_faces(paths: list[str], model, align: bool, batch_size: int = 64, w
 
 def default_cache(folder: str, ema: bool = True) -> str:
     """The gallery file of `folder`: one for the EMA weights (the default), one for the raw ones."""
-    return os.path.join(folder, CACHE_NAME if ema else RAW_CACHE_NAME)
+    return os.path.join(folder, ".shardface_gallery.npz" if ema else ".shardface_gallery.no_ema.npz")
 
 
 class GalleryFile(Cache):
@@ -198,7 +205,12 @@ def enrol(folder: str, model, align: bool = False, cache: str | None = None, reb
         if strict:
             raise GalleryError(f"{message}; --strict refuses them (the enrolment is saved in {cache})")
         logger.warning("%s; left out of the gallery", message)
-    warn_if_collapsed(gallery, cache)
+    # templates of different people in nearly the same direction: every query would score alike for everyone
+    mean = mean_cross_cosine(gallery.templates) if len(names) > 1 else 0.0
+    if mean > COLLAPSED:
+        logger.warning("%s: the %d people's templates are nearly identical (mean cosine %.4f between different "
+                       "people): this model does not tell them apart, so its answers mean nothing (a collapsed "
+                       "or untrained model?)", cache, len(names), mean)
     return gallery
 
 
@@ -210,16 +222,6 @@ def mean_cross_cosine(templates: np.ndarray) -> float:
     return float((total @ total - n) / (n * (n - 1)))
 
 
-def warn_if_collapsed(gallery: Enrolment, where: str) -> None:
-    """One warning when the templates of different people are nearly the same direction: every
-    query would score alike for everyone (a collapsed or untrained model)."""
-    mean = mean_cross_cosine(gallery.templates) if len(gallery.names) > 1 else 0.0
-    if mean > COLLAPSED:
-        logger.warning("%s: the %d people's templates are nearly identical (mean cosine %.4f between different "
-                       "people): this model does not tell them apart, so its answers mean nothing (a collapsed "
-                       "or untrained model?)", where, len(gallery.names), mean)
-
-
 def identify(gallery: Enrolment, queries: np.ndarray, k: int = 1, engine: str = "auto", device="cpu"):
     """(scores, person indices), Q x min(k, people), best first (infer.search's order). `engine`
     "auto" takes the faster for this gallery's size and number of queries, on `device` (a
@@ -228,3 +230,55 @@ def identify(gallery: Enrolment, queries: np.ndarray, k: int = 1, engine: str = 
                        device=device)
     index.add(gallery.templates)
     return index.search(queries, k)
+
+
+@dataclass(frozen=True)
+class Match:
+    """A face of a query photo and who it is: `name`, or None where nobody in the gallery reaches
+    the threshold; `score`, the best person's cosine; `face` (.box, .points, .embedding); and
+    `candidates`, the `top` best (name, score), best first, whatever the threshold."""
+    name: str | None
+    score: float
+    face: Face
+    candidates: list[tuple[str, float]]
+
+    @property
+    def box(self) -> tuple[float, float, float, float]:
+        return self.face.box
+
+
+def matches(faces: list[Face], enrolment, threshold: float, top: int = 1, engine: str = "auto",
+            device="cpu") -> list[Match]:
+    """Each embedded face's Match (anything with .embedding: a Face, an EmbeddedFace) against the
+    enrolled people (infer.search's engines, all exact)."""
+    if not faces:
+        return []
+    scores, ids = identify(enrolment, np.stack([f.embedding for f in faces]), top, engine, device)
+    out = []
+    for face, s, i in zip(faces, scores, ids):
+        best = [(enrolment.names[j], float(v)) for v, j in zip(s, i) if j >= 0]
+        out.append(Match(best[0][0] if best[0][1] >= threshold else None, best[0][1], face, best))
+    return out
+
+
+class Gallery:
+    """The people of `folder` enrolled under `model`: photos (`align`, the default: each photo's
+    largest face) or crops aligned for the model (align=False), as `identify --align` takes them."""
+
+    def __init__(self, model, folder: str, align: bool = True, threshold: float | None = None,
+                 cache: str | None = None, rebuild: bool = False, show_progress: bool = False):
+        chosen = chosen_threshold(threshold, own=model.threshold)
+        if chosen is None:
+            raise no_threshold(model.name)
+        self.model, self.align, self.threshold = model, align, chosen
+        self.enrolment = enrol(folder, model, align, cache, rebuild, show_progress=show_progress)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.enrolment.names)
+
+    def identify(self, photo, top: int = 1, engine: str = "auto") -> list[Match]:
+        """Each face of the photo (a path, a PIL image or an array), largest first, as a Match with
+        its `top` best candidates. `engine`: infer.search's, all exact with the same answer."""
+        (found,) = self.model.analyse([photo], align=self.align)
+        return matches(found.faces, self.enrolment, self.threshold.value, top, engine, self.model.device)

@@ -1,15 +1,8 @@
 """A trained face model, ready to use: `load_model(MODEL)` resolves any form of one once (a run
 or checkpoint directory, a `model.pt` of ShardFace or of arcface_torch with `network`, an
 exported `.onnx`, or `dlib`) into a `Model` that knows the crop its network wants and its own
-threshold, finds faces, embeds photos and compares them:
-
-    model = load_model("dlib")
-    model.faces("group.jpg")                  # [Face], largest first: .box, .points, .score, .embedding
-    model.embed(["a.jpg", pil_image, array])  # N x D float32, unit rows: each photo's largest face
-    model.compare("a.jpg", "b.jpg")           # .score (cosine of the largest faces), .same (the verdict)
-    model.draw("group.jpg", faces)            # a PIL picture of the faces (or a gallery's matches)
-    model.analyse(photos, workers=4)          # the stream under all of these (infer.stream)
-    model.threshold                           # its own verdict threshold, or None
+threshold (`.threshold`, or None), finds faces, embeds photos and compares them (the usage is
+infer/__init__'s; `model.analyse(photos, workers=4)` is the stream under all of them, infer.stream).
 
 Every method is safe to call from several threads at once (a web server's pool): dlib's
 detector, which is not, runs under a lock (faces.detect).
@@ -26,14 +19,16 @@ exactly as dlib cuts it from its 5-point shape (faces.dlib_chip), so its embeddi
 face_recognition's `face_encodings`."""
 from __future__ import annotations
 
+import functools
 import hashlib
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 from torch import nn
 
 from backbones.dlib_resnet import DlibResNet
@@ -43,17 +38,16 @@ from faces.align import ARCFACE_112, Template, similarity_transform
 from faces.detect import Detection, Face
 from faces.dlib_chip import DLIB_150
 from faces.models import model_file
-from faces.stream import Crop, Photo
-from infer.draw import draw
+from faces.stream import Photo, open_image
 from infer.embed import module_device
 from infer.stream import analyse, embed_crops
 from infer.onnx import OnnxBackbone
-from infer.thresholds import Threshold, model_threshold, run_threshold
+from infer.thresholds import DLIB_OWN, Threshold, run_threshold
 from infer.weights import DLIB, DLIB_FILE, dlib_state, load_backbone
 
 MODEL_HELP = "run output, checkpoint dir, model.pt (ShardFace or arcface_torch), .onnx or dlib"
-KINDS = ("dlib", "onnx", "weights")
 PRECISIONS = ("fp32", "fp16", "bf16")
+FOUND, NOBODY = (0, 220, 90), (255, 170, 0)  # Model.draw's colours: a face named or plainly found; one matching nobody
 
 
 def tool_device() -> torch.device:
@@ -114,7 +108,6 @@ class Model:
     # from_crops' warps, made once per (template, device, dtype): rebuilt each step, each would be
     # a copy from host memory that waits for the device
     _thetas: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    _dim: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:
@@ -127,18 +120,10 @@ class Model:
         t = self.template
         return ("dlib's own chip" if self.kind == "dlib" else t.name) + f" {t.size[1]}x{t.size[0]}"
 
-    @property
-    def crop(self) -> Crop:
-        """How this model's crops are cut from a photo (faces.stream.Crop: picklable, workers cut them)."""
-        return Crop(self.template, dlib_chip=self.kind == "dlib")
-
-    @property
+    @functools.cached_property
     def dim(self) -> int:
         """The embedding's width (one blank crop embedded, once)."""
-        if not self._dim:
-            h, w = self.template.size
-            self._dim.append(int(self.embed_crops(torch.zeros(1, 3, h, w, dtype=torch.uint8)).shape[1]))
-        return self._dim[0]
+        return int(self.embed_crops(torch.zeros(1, 3, *self.template.size, dtype=torch.uint8)).shape[1])
 
     def from_crops(self, images: torch.Tensor, made_for: Template = ARCFACE_112) -> torch.Tensor:
         """uint8 (or [-1, 1] float) N x 3 x H x W crops aligned to `made_for` -> float in [-1, 1]
@@ -189,8 +174,8 @@ class Model:
         (found,) = self.analyse([photo], flip=flip)
         return found.faces
 
-    def embed(self, photos, align: bool = True, flip: bool = True, batch_size: int = 64, missing: str = "raise",
-              workers: int = 1) -> np.ndarray:
+    def embed(self, photos, align: bool = True, flip: bool = True, batch_size: int = 64,
+              missing: str = "raise") -> np.ndarray:
         """N x D float32 unit rows, one per photo: with `align`, the photo's largest face; without,
         the photo taken as a crop aligned for this model. A photo without a face is a DataError
         naming it (`missing="raise"`) or a row of NaN (`missing="nan"`). One photo (not in a
@@ -198,11 +183,12 @@ class Model:
         test; dlib's own descriptor is single-view: flip=False)."""
         if missing not in ("raise", "nan"):
             raise ValueError(f"missing={missing!r}: 'raise' or 'nan'")
-        single = is_photo(photos)
         if isinstance(photos, bytes):
             raise DataError("bytes: not a photo (a path, a PIL image or an array, or a list of them)")
+        single = isinstance(photos, (str, os.PathLike, Image.Image)) or (
+            isinstance(photos, np.ndarray) and photos.ndim in (2, 3) and photos.dtype == np.uint8)
         rows = []
-        for photo in self.analyse([photos] if single else list(photos), workers, flip, True, align, batch_size):
+        for photo in self.analyse([photos] if single else list(photos), 1, flip, True, align, batch_size):
             if photo.face is None and missing == "raise":
                 raise DataError(f"{photo.name}: no face found")
             rows.append(photo.face.embedding if photo.face is not None else np.full(self.dim, np.nan, np.float32))
@@ -218,21 +204,34 @@ class Model:
         return Comparison(score, None if value is None else score >= value, value)
 
     def draw(self, photo, found: list) -> Image.Image:
-        """The photo with each face's box and points drawn, and the name and score of each match
-        (`Gallery.identify`'s) where `found` holds matches (infer.draw)."""
-        return draw(photo, found)
+        """A copy of the photo with every face of `found` drawn, its box and five points: faces
+        (`faces`) or matches (`Gallery.identify`: their face, and the name, or "unknown" in another
+        colour, with the score)."""
+        image = open_image(photo).copy()
+        pen = ImageDraw.Draw(image)
+        side = max(12, round(min(image.size) / 40))
+        font, width = ImageFont.load_default(size=side), max(2, side // 6)
+        for item in found:
+            face, named = getattr(item, "face", item), getattr(item, "name", "")
+            colour = NOBODY if named is None else FOUND
+            pen.rectangle(face.box, outline=colour, width=width)
+            for x, y in face.points:
+                if math.isfinite(x) and math.isfinite(y):  # a crop taken whole (align=False) has no points
+                    pen.ellipse((x - width, y - width, x + width, y + width), fill=colour)
+            if hasattr(item, "name"):
+                x0, y0 = face.box[:2]
+                label = f"{named or 'unknown'} {item.score:.2f}"
+                left, top, right, bottom = pen.textbbox((x0, y0), label, font=font)
+                lift = bottom - top + 2 * width
+                pen.rectangle((left - width, top - lift, right + width, bottom - lift + width), fill=colour)
+                pen.text((x0, y0 - lift), label, fill=(0, 0, 0), font=font)
+        return image
 
     def embed_crops(self, crops: torch.Tensor, made_for: Template | None = None, flip: bool = True,
                     batch_size: int = 64) -> np.ndarray:
         """N x D unit rows of N x 3 x h x w uint8 crops aligned to `made_for` (default this model's
         template; others are re-framed onto it)."""
         return embed_crops(self, crops, made_for or self.template, flip, batch_size)
-
-
-def is_photo(value) -> bool:
-    """One photo, not a list of them: a path, a PIL image or an image array."""
-    return isinstance(value, (str, os.PathLike, Image.Image)) or (isinstance(value, np.ndarray) and value.ndim in (2, 3)
-                                                                  and value.dtype == np.uint8)
 
 
 class _Reframed(nn.Module):
@@ -246,12 +245,17 @@ class _Reframed(nn.Module):
 
 def load_module(spec: str, network: str | None = None, ema: bool = True,
                 device: torch.device | None = None) -> nn.Module:
-    """The eval-mode network of a MODEL other than `dlib`: an `.onnx` through onnxruntime,
-    trained weights through infer.weights.load_backbone on `device` (default `tool_device()`)."""
-    if model_kind(spec) == "onnx":
+    """The eval-mode network of a MODEL: an `.onnx` through onnxruntime; `dlib`'s on its 150x150
+    chip, or trained weights (infer.weights.load_backbone) on `device` (default `tool_device()`)."""
+    kind = model_kind(spec)
+    if kind == "onnx":
         return OnnxBackbone(spec).eval()
-    model = load_backbone(spec, network, ema=ema)  # weights that are not finite are refused there
-    return model.to(device if device is not None else tool_device())
+    if kind == "dlib":  # the registered dlib_resnet takes 112x112 crops
+        module = DlibResNet(input_size=DLIB_150.size[0])
+        module.load_state_dict(dlib_state())
+    else:
+        module = load_backbone(spec, network, ema=ema)  # weights that are not finite are refused there
+    return module.eval().to(device if device is not None else tool_device())
 
 
 def load_model(spec: str, network: str | None = None, ema: bool = True, device: torch.device | None = None,
@@ -262,19 +266,15 @@ def load_model(spec: str, network: str | None = None, ema: bool = True, device: 
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
     kind = model_kind(spec)
-    if kind == "dlib":
-        module = DlibResNet(input_size=DLIB_150.size[0])
-        module.load_state_dict(dlib_state())
-        module = module.eval().to(device if device is not None else tool_device())
-        return Model(module, DLIB_150, spec, fingerprint_file(model_file(DLIB_FILE)), model_threshold(spec),
-                     kind=kind, detection=detection, precision=precision)
     module = load_module(spec, network, ema, device)
-    if kind == "onnx":
-        return Model(module, module.template, spec, fingerprint_file(spec), module.threshold, ema, kind, detection,
-                     precision)
-    fingerprint = fingerprint_module(module)
-    return Model(module, ARCFACE_112, spec, fingerprint, run_threshold(spec, ema, fingerprint), ema, kind, detection,
-                 precision)
+    if kind == "dlib":  # one set of weights, no EMA to choose
+        template, fingerprint, threshold, ema = DLIB_150, fingerprint_file(model_file(DLIB_FILE)), DLIB_OWN, True
+    elif kind == "onnx":
+        template, fingerprint, threshold = module.template, fingerprint_file(spec), module.threshold
+    else:  # the hash files derived from these weights record (checkpoint.state.weights_fingerprint)
+        fingerprint = weights_fingerprint(module.state_dict())
+        template, threshold = ARCFACE_112, run_threshold(spec, ema, fingerprint)
+    return Model(module, template, spec, fingerprint, threshold, ema, kind, detection, precision)
 
 
 def as_model(module: nn.Module | Model) -> Model:
@@ -282,12 +282,6 @@ def as_model(module: nn.Module | Model) -> Model:
     if isinstance(module, Model):
         return module
     return Model(module, ARCFACE_112, "the model", "")
-
-
-def fingerprint_module(module: nn.Module) -> str:
-    """A short hash of every parameter and buffer (names, shapes, values): the hash files derived
-    from weights record (checkpoint.state.weights_fingerprint)."""
-    return weights_fingerprint(module.state_dict())
 
 
 def fingerprint_file(path: str) -> str:

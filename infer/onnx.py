@@ -12,7 +12,8 @@ from torch import nn
 
 from checkpoint.files import CheckpointError
 from faces.align import ARCFACE_112, Template
-from infer.thresholds import THRESHOLD_KEY, Threshold, saved_threshold
+from infer.thresholds import THRESHOLD_KEY, saved_threshold
+from infer.weights import refuse_non_finite
 
 TEMPLATE_KEY = "shardface.template"  # ONNX metadata: the crop template the model takes (JSON)
 
@@ -59,7 +60,9 @@ class OnnxBackbone(nn.Module):
 
     def __init__(self, path: str):
         super().__init__()
-        import onnxruntime as ort  # only the ONNX form needs it
+        import onnx  # only the ONNX form needs them
+        import onnxruntime as ort
+        from onnx import numpy_helper
         if not os.path.isfile(path):
             raise CheckpointError(f"{path}: ONNX model not found")
         wanted = ("CUDAExecutionProvider", "CPUExecutionProvider")
@@ -68,12 +71,17 @@ class OnnxBackbone(nn.Module):
         # torch's thread count (torchrun gives each of W ranks its share), not a pool of every core per process
         options.intra_op_num_threads = torch.get_num_threads()
         try:
+            graph = onnx.load(path).graph
             self.session = ort.InferenceSession(path, sess_options=options, providers=providers)
-        except Exception as exc:  # onnxruntime raises its own types for every bad file
+        except Exception as exc:  # onnx and onnxruntime raise their own types for every bad file
             raise CheckpointError(f"{path}: not a readable ONNX model ({str(exc).splitlines()[0]})") from None
         metadata = self.session.get_modelmeta().custom_metadata_map
         self.template = self._template(path, metadata.get(TEMPLATE_KEY))
-        self.threshold = self._threshold(path, metadata.get(THRESHOLD_KEY))
+        try:
+            record = json.loads(metadata[THRESHOLD_KEY]) if THRESHOLD_KEY in metadata else None
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: unreadable {THRESHOLD_KEY} metadata ({exc})") from None
+        self.threshold = saved_threshold(record, f"{path} metadata")
         inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
         if len(inputs) != 1 or list(inputs[0].shape[1:]) != [3, *self.template.size]:
             raise CheckpointError(f"{path}: expected one input of shape N x 3 x {self.template.size[0]} x "
@@ -82,7 +90,8 @@ class OnnxBackbone(nn.Module):
         if len(outputs[0].shape) != 2:
             raise CheckpointError(f"{path}: its output '{outputs[0].name}' has shape {outputs[0].shape}, not "
                                   f"N x D (one embedding per image); export the embedding, not a feature map")
-        _refuse_non_finite_onnx(path)
+        weights = {w.name: numpy_helper.to_array(w) for w in graph.initializer}
+        refuse_non_finite({k: torch.from_numpy(w.copy()) for k, w in weights.items() if w.dtype.kind == "f"}, path)
         self.input_name = inputs[0].name
         batch = inputs[0].shape[0]
         self.fixed_batch = batch if isinstance(batch, int) and batch > 0 else None
@@ -103,16 +112,6 @@ class OnnxBackbone(nn.Module):
             raise CheckpointError(f"{path}: {TEMPLATE_KEY} metadata names no usable crop ({problem}): {recorded}")
         return template
 
-    @staticmethod
-    def _threshold(path: str, recorded: str | None) -> Threshold | None:
-        if recorded is None:
-            return None
-        try:
-            record = json.loads(recorded)
-        except ValueError as exc:
-            raise CheckpointError(f"{path}: unreadable {THRESHOLD_KEY} metadata ({exc})") from None
-        return saved_threshold(record, f"{path} metadata")
-
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = images.detach().float().cpu().numpy()
         n = len(x)
@@ -127,17 +126,3 @@ class OnnxBackbone(nn.Module):
         if out.ndim != 2 or out.shape[0] != n:
             raise CheckpointError(f"{self.path}: output of shape {out.shape} for {n} images; expected {n} x D")
         return torch.from_numpy(out).to(images.device)
-
-
-def _refuse_non_finite_onnx(path: str) -> None:
-    import onnx
-    from onnx import numpy_helper
-    try:
-        graph = onnx.load(path).graph
-    except Exception as exc:
-        raise CheckpointError(f"{path}: not a readable ONNX model ({str(exc).splitlines()[0]})") from None
-    for init in graph.initializer:
-        w = numpy_helper.to_array(init)
-        if np.issubdtype(w.dtype, np.floating) and not np.isfinite(w).all():
-            raise CheckpointError(f"{path}: weight '{init.name}' has {int((~np.isfinite(w)).sum())} non-finite "
-                                  f"(NaN or inf) values of {w.size}; the model is unusable")

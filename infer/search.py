@@ -11,21 +11,12 @@ the gallery's size before anything is allocated: a k larger than the gallery (`-
 1000000000`) gives every row, N columns, not Q x k places of nothing (faiss would pad them with
 score -inf and id -1, and allocate them).
 
-`ExactIndex` keeps the gallery in blocks (float32 or float16 storage) and scores one block
-of gallery rows against one block of queries at a time, keeping a running top-k: memory
-beyond the gallery itself is bounded by the two block sizes, never Q x N. `FaissIndex` is
-faiss-cpu's `IndexFlatIP` (float16 storage: `IndexScalarQuantizer` QT_fp16, which scores the
-same float16 values in float32), the field's standard exact engine, with the tie order made
-explicit (faiss leaves the order of equal scores to its heap).
-
 Neither engine is the faster everywhere (benchmarks/runs/search_grid.md). faiss-cpu 1.15
 scans the whole gallery once per query below Q x D = 128000 (its distance_compute_blas_threshold:
 Q < 250 at 512-D) and calls BLAS above; ours makes one BLAS product per gallery block for any Q,
 with torch's BLAS. On one thread, faiss's scan was the faster for 1 query and its BLAS for 1000
 (float32), ours for 10 and 100. `pick_engine` reads the measured table `FASTER`."""
 from __future__ import annotations
-
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -51,17 +42,6 @@ FASTER = {
     (1_000_000, 100): ("exact", "exact", "exact", "exact"),
     (1_000_000, 1000): ("faiss", "faiss", "exact", "exact"),
 }
-
-
-class Index(Protocol):
-    dim: int
-
-    @property
-    def ntotal(self) -> int: ...
-
-    def add(self, x: np.ndarray) -> None: ...
-
-    def search(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 def _check_rows(x: np.ndarray, dim: int, what: str) -> np.ndarray:
@@ -105,15 +85,14 @@ def _block_top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
 
 class ExactIndex:
     """Blocked exact search in torch on `device` (the CPU by default; a GPU where faiss-gpu is
-    absent: the same code, the same answer; see the module docstring). `dtype` float16 halves
-    the gallery's memory; scores are always accumulated in float32.
-
-    A search reads each gallery block once, whatever the number of queries: the block (made
-    float32 in one reused buffer when stored as float16) is scored against each block of queries
-    in turn, and every query keeps a running top k. Scores are computed as gallery x queries
-    (B x Q: with torch's MKL on a 2-core AMD EPYC the faster layout, 1.4x for 1000 queries by 8192
-    rows), then laid out as Q x B for torch.topk along contiguous rows. Both score tiles are reused, so a search
-    allocates no memory per block (a fresh tile of several MB costs its page faults every time)."""
+    absent: the same code, the same answer), the gallery kept in blocks of float32 or float16
+    (half the memory; scores are always accumulated in float32). A search reads each gallery
+    block once (made float32 in one reused buffer when stored as float16) and scores it against
+    one block of queries at a time, each query keeping a running top k: memory beyond the gallery
+    is bounded by the two block sizes, never Q x N. Scores are computed as gallery x queries (B x Q:
+    with torch's MKL on a 2-core AMD EPYC the faster layout, 1.4x for 1000 queries by 8192 rows),
+    then laid out as Q x B for torch.topk along contiguous rows. Both score tiles are reused, so a
+    search allocates no memory per block (a fresh tile of several MB costs its page faults every time)."""
 
     def __init__(self, dim: int, dtype: torch.dtype = torch.float32, gallery_block: int = 8192,
                  query_block: int = 512, device: torch.device | str = "cpu"):
@@ -165,11 +144,11 @@ class ExactIndex:
 
 
 class FaissIndex:
-    """faiss-cpu's exact IndexFlatIP (`fp16`: IndexScalarQuantizer QT_fp16, float16 storage scored
-    in float32), with equal scores ordered by the lower id. faiss returns a
-    true top-k set by score, but which of several equal scores at the k-th place it keeps is
-    its heap's choice: so it is asked for more places until the k-th score is strictly above
-    the last one returned (or the whole gallery is returned), and the answer is sorted."""
+    """faiss-cpu's IndexFlatIP, the field's standard exact engine (`fp16`: IndexScalarQuantizer
+    QT_fp16, float16 storage scored in float32). faiss returns a true top-k set by score, but which
+    of several equal scores at the k-th place it keeps is its heap's choice: so it is asked for more
+    places until the k-th score is strictly above the last one returned (or the whole gallery is
+    returned), and the answer is sorted, equal scores by the lower id."""
 
     def __init__(self, dim: int, fp16: bool = False):
         import faiss  # only this engine needs it
@@ -216,7 +195,7 @@ def pick_engine(size: int, queries: int, threads: int, fp16: bool = False) -> st
 
 
 def make_index(dim: int, engine: str = "exact", fp16: bool = False, size: int | None = None,
-               queries: int | None = None, device: torch.device | str = "cpu") -> Index:
+               queries: int | None = None, device: torch.device | str = "cpu") -> ExactIndex | FaissIndex:
     """An empty index of `engine` for `dim`-D vectors: "exact" (ours), "faiss" (IndexFlatIP) or
     "auto", the faster of the two by `pick_engine` for a gallery of `size` rows searched with
     `queries` queries at once on torch's thread count. On a GPU `device` (the model's), auto is

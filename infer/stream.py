@@ -13,7 +13,7 @@ import torch
 from dataset.errors import DataError
 from faces.align import ARCFACE_112, Template
 from faces.detect import Face
-from faces.stream import Photo, stream
+from faces.stream import Crop, Photo, stream
 from infer.embed import embed, l2_normalize, refuse_non_finite_embeddings
 
 
@@ -26,7 +26,8 @@ def analyse(model, photos: Iterable, workers: int = 1, flip: bool = True, larges
     the whole image; `resize`: crops of another size are resized to the model's. `faces`: each
     photo's faces known already (cut, not searched)."""
     if align:
-        found = stream(photos, model.detection, model.crop, workers, largest_only, faces, progress)
+        crop = Crop(model.template, dlib_chip=model.kind == "dlib")  # picklable: the workers cut the crops
+        found = stream(photos, model.detection, crop, workers, largest_only, faces, progress)
     else:
         found = stream(photos, None, workers=workers, progress=progress,
                        resize=tuple(model.template.size) if resize else None)

@@ -28,7 +28,7 @@ import numpy as np
 
 from checkpoint.state import weights_fingerprint
 from configs.errors import ConfigError
-from infer.weights import DLIB, load_backbone_state
+from infer.weights import load_backbone_state
 
 DLIB_DISTANCE = 0.6   # dlib's same-person rule on its raw descriptors (dlib's face_recognition example)
 DLIB_NORM = 1.36      # the mean norm of dlib's descriptors of real faces (measured: see the module docstring)
@@ -66,20 +66,16 @@ def checked(value: float, flag: str = "--threshold") -> float:
     return float(value)
 
 
-def model_threshold(model: str) -> Threshold | None:
-    """The MODEL's own threshold, or None where it has none."""
-    if model == DLIB:
-        return Threshold(DLIB_THRESHOLD, f"dlib's own rule, distance {DLIB_DISTANCE} between its descriptors "
-                                         f"(cosine 1 - {DLIB_DISTANCE}^2 / (2 x {DLIB_NORM}^2) at their mean norm "
-                                         f"{DLIB_NORM})")
-    return None
+# MODEL dlib's own threshold (Model.threshold)
+DLIB_OWN = Threshold(DLIB_THRESHOLD, f"dlib's own rule, distance {DLIB_DISTANCE} between its descriptors (cosine "
+                                     f"1 - {DLIB_DISTANCE}^2 / (2 x {DLIB_NORM}^2) at their mean norm {DLIB_NORM})")
 
 
-def chosen_threshold(given: float | None, fitted: tuple[float, float, str, int] | None,
-                     model: str, own: Threshold | None = None) -> Threshold | None:
+def chosen_threshold(given: float | None, fitted: tuple[float, float, str, int] | None = None,
+                     own: Threshold | None = None) -> Threshold | None:
     """The threshold to decide at: `given` (--threshold), else `fitted` ((threshold, accuracy,
-    .bin path, pairs) from infer.model.best_threshold), else `own` (the loaded model's, as
-    Model.threshold), else the MODEL's own by name, else None."""
+    .bin path, pairs) from eval.verification.best_threshold), else `own` (the loaded model's
+    Model.threshold), else None."""
     if given is not None:
         return Threshold(checked(given), "given by --threshold")
     if fitted is not None:
@@ -88,7 +84,7 @@ def chosen_threshold(given: float | None, fitted: tuple[float, float, str, int] 
         return Threshold(value, f"from {path}: the best over all its {pairs} pairs, {accuracy:.4f} of them right "
                                 f"at it (best-threshold accuracy; scripts.verify reports the 10-fold accuracy, "
                                 f"each fold judged at a threshold chosen on the other 9)")
-    return own or model_threshold(model)
+    return own
 
 
 def no_threshold(model: str) -> ThresholdError:

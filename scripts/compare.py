@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     p.add_argument("--resize", action="store_true", help="resize images that are not the model's crop size (not alignment)")
     add_align_options(p, "the two images", strict=False)  # a photo without a face is always refused
     args = p.parse_args(argv)
-    threshold = chosen_threshold(args.threshold, None, args.model)  # a threshold that is no cosine: refused at start
+    threshold = chosen_threshold(args.threshold)  # a threshold that is no cosine: refused at start
     detection = face_detection(args)
     model = model_from(args, detection)
     threshold = threshold or model.threshold
@@ -67,8 +67,8 @@ def main(argv=None) -> int:
     a, b = (p.face.embedding for p in photos)
     if args.threshold_from:
         pairs = load_bin(args.threshold_from)
-        threshold = chosen_threshold(None, (*best_threshold(pairs, model, args.batch_size), args.threshold_from, len(pairs[1])),
-                                     args.model)
+        threshold = chosen_threshold(None, (*best_threshold(pairs, model, args.batch_size), args.threshold_from,
+                                            len(pairs[1])))
     cosine = float(np.dot(a.astype(np.float64), b.astype(np.float64)))
     print(f"cosine similarity {cosine:.4f}")
     if threshold is None:

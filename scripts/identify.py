@@ -24,7 +24,7 @@ import sys
 
 from eval.verification import best_threshold, load_bin
 from infer.enrolment import GalleryError, GalleryFile, check_image, default_cache, embedded_faces, enrol
-from infer.gallery import matches
+from infer.enrolment import matches
 from dataset.folders import image_files
 from infer.search import ENGINES
 from infer.thresholds import chosen_threshold, no_threshold
@@ -46,7 +46,7 @@ def query_files(inputs: list[str], template, align: bool) -> list[str]:
 
 
 def result_rows(matched) -> list[dict]:
-    """One JSON row per face (its Match: infer.gallery); `name` is null where nobody reaches the
+    """One JSON row per face (its Match: infer.enrolment); `name` is null where nobody reaches the
     threshold (a person may be called "unknown")."""
     return [{"file": m.face.path, "face": m.face.index, "box": list(m.face.box), "name": m.name,
              "score": round(m.score, 6), "candidates": [{"name": n, "score": round(v, 6)} for n, v in m.candidates]}
@@ -90,19 +90,19 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.top < 1:
         p.error(f"--top must be at least 1, got {args.top}")
-    chosen_threshold(args.threshold, None, args.model)  # a threshold that is no cosine: refused before any work
+    chosen_threshold(args.threshold)  # a threshold that is no cosine: refused before any work
     detection = face_detection(args)
     cache = args.cache or default_cache(args.gallery, ema=not args.no_ema)
     GalleryFile.check(cache)
     embedder = model_from(args, detection)
-    chosen = chosen_threshold(args.threshold, None, args.model, embedder.threshold)
+    chosen = chosen_threshold(args.threshold, own=embedder.threshold)
     if chosen is None and not args.threshold_from:  # refused before the gallery is enrolled
         raise no_threshold(args.model)
     queries = list(dict.fromkeys(query_files(args.queries, embedder.template, args.align)))  # each answered once
     if args.threshold_from:
         pairs = load_bin(args.threshold_from)  # insightface's 112x112 crops, re-framed onto the model's template
         fitted = (*best_threshold(pairs, embedder, args.batch_size), args.threshold_from, len(pairs[1]))
-        chosen = chosen_threshold(None, fitted, args.model, embedder.threshold)
+        chosen = chosen_threshold(None, fitted, embedder.threshold)
     threshold = chosen.value
     workers = workers_from(args)
     gallery = enrol(args.gallery, embedder, args.align, cache, args.rebuild, batch_size=args.batch_size,

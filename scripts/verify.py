@@ -10,7 +10,7 @@ what falls outside the 112 crop is black, which costs some accuracy (docs/photos
 
 With --pairs_list (LFW's pairs.txt, a plain `path1 path2 1|0` list, eval.pairs, or a CFP root
 with --protocol, eval.cfp) each photo is
-cut to the model's own crop (Model.crop: dlib's own chip for MODEL `dlib`, the 112 alignment for
+cut to the model's own crop (infer.stream: dlib's own chip for MODEL `dlib`, the 112 alignment for
 ours), so nothing is re-framed and no .bin is written; the pairs are scored in the list's order,
 on its own folds, in the same table. No pair is dropped: a photo where no face is found (after
 the retries asked for) is cut at a fallback face and named, as scripts.make_bin does (one place
