@@ -265,20 +265,16 @@ class Gallery:
     """The people of `folder` enrolled under `model`: photos (`align`, the default: each photo's
     largest face) or crops aligned for the model (align=False), as `identify --align` takes them."""
 
-    def __init__(self, model, folder: str, align: bool = True, threshold: float | None = None,
-                 cache: str | None = None, rebuild: bool = False, show_progress: bool = False):
+    def __init__(self, model, folder: str, align: bool = True, threshold: float | None = None):
         chosen = chosen_threshold(threshold, own=model.threshold)
         if chosen is None:
             raise no_threshold(model.name)
         self.model, self.align, self.threshold = model, align, chosen
-        self.enrolment = enrol(folder, model, align, cache, rebuild, show_progress=show_progress)
+        self.enrolment = enrol(folder, model, align, show_progress=False)
+        self.names = list(self.enrolment.names)
 
-    @property
-    def names(self) -> list[str]:
-        return list(self.enrolment.names)
-
-    def identify(self, photo, top: int = 1, engine: str = "auto") -> list[Match]:
+    def identify(self, photo, top: int = 1) -> list[Match]:
         """Each face of the photo (a path, a PIL image or an array), largest first, as a Match with
-        its `top` best candidates. `engine`: infer.search's, all exact with the same answer."""
+        its `top` best candidates."""
         (found,) = self.model.analyse([photo], align=self.align)
-        return matches(found.faces, self.enrolment, self.threshold.value, top, engine, self.model.device)
+        return matches(found.faces, self.enrolment, self.threshold.value, top, device=self.model.device)

@@ -24,7 +24,6 @@ import hashlib
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -38,7 +37,7 @@ from faces.align import ARCFACE_112, Template, similarity_transform
 from faces.detect import Detection, Face
 from faces.dlib_chip import DLIB_150
 from faces.models import model_file
-from faces.stream import Photo, open_image
+from faces.stream import open_image
 from infer.embed import module_device
 from infer.stream import analyse, embed_crops
 from infer.onnx import OnnxBackbone
@@ -133,24 +132,19 @@ class Model:
         x = images.float().sub(127.5).div(127.5) if images.dtype == torch.uint8 else images.float()
         if self._is_own(made_for):
             return x
-        grid = torch.nn.functional.affine_grid(self._theta(made_for, x.device, x.dtype).expand(len(x), 2, 3),
-                                               [len(x), 3, *self.template.size], align_corners=False)
-        # outside the crop is black, as alignment leaves it: -1 in [-1, 1]
-        return torch.nn.functional.grid_sample(x + 1, grid, mode="bilinear", padding_mode="zeros",
-                                               align_corners=False) - 1
-
-    def _theta(self, made_for: Template, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """1 x 2 x 3: output pixel -> input pixel, in the normalised [-1, 1] grid coordinates of
-        affine_grid, on `device`; made on the first call for each (template, device, dtype)."""
-        key = (made_for.size, np.asarray(made_for.points, np.float64).tobytes(), device, dtype)
-        if key not in self._thetas:
+        key = (made_for.size, np.asarray(made_for.points, np.float64).tobytes(), x.device, x.dtype)
+        if key not in self._thetas:  # 1 x 2 x 3: output pixel -> input pixel, in affine_grid's [-1, 1] coordinates
             m = similarity_transform(self.template.points, made_for.points)
             (h_out, w_out), (h_in, w_in) = self.template.size, made_for.size
             to_px = np.array([[w_out / 2, 0, w_out / 2 - 0.5], [0, h_out / 2, h_out / 2 - 0.5], [0, 0, 1]])
             to_grid = np.array([[2 / w_in, 0, 1 / w_in - 1], [0, 2 / h_in, 1 / h_in - 1], [0, 0, 1]])
             theta = (to_grid @ np.vstack([m, [0, 0, 1]]) @ to_px)[:2]
-            self._thetas[key] = torch.as_tensor(theta, dtype=dtype, device=device)[None]
-        return self._thetas[key]
+            self._thetas[key] = torch.as_tensor(theta, dtype=x.dtype, device=x.device)[None]
+        grid = torch.nn.functional.affine_grid(self._thetas[key].expand(len(x), 2, 3),
+                                               [len(x), 3, *self.template.size], align_corners=False)
+        # outside the crop is black, as alignment leaves it: -1 in [-1, 1]
+        return torch.nn.functional.grid_sample(x + 1, grid, mode="bilinear", padding_mode="zeros",
+                                               align_corners=False) - 1
 
     def for_crops(self, made_for: Template = ARCFACE_112) -> nn.Module:
         """A module taking [-1, 1] crops aligned to `made_for` (the .bin sets' 112x112, IJB's):
@@ -160,14 +154,9 @@ class Model:
     def _is_own(self, made_for: Template) -> bool:
         return made_for.size == self.template.size and np.allclose(made_for.points, self.template.points)
 
-    # the Python API: thin layers on the face stream (infer.stream)
-
-    def analyse(self, photos, workers: int = 1, flip: bool = True, largest_only: bool = False,
-                align: bool = True, batch_size: int = 64) -> Iterator[Photo]:
-        """Each photo (a path, a PIL image or an H x W x 3 uint8 array), in order, with its faces,
-        largest first, each with `.box`, `.points`, `.score` and `.embedding` (a unit row; with
-        `flip`, of the crop and its mirror image), found on `workers` processes."""
-        return analyse(self, photos, workers, flip, largest_only, align, batch_size)
+    # the Python API: the face stream's two functions as methods (infer.stream), and thin layers on them
+    analyse = analyse            # model.analyse(photos, workers=4): each photo with its faces and their embeddings
+    embed_crops = embed_crops    # model.embed_crops(crops, made_for=None): crops aligned to a template, embedded
 
     def faces(self, photo, flip: bool = True) -> list[Face]:
         """Every face of one photo, largest first, each with its embedding."""
@@ -226,12 +215,6 @@ class Model:
                 pen.rectangle((left - width, top - lift, right + width, bottom - lift + width), fill=colour)
                 pen.text((x0, y0 - lift), label, fill=(0, 0, 0), font=font)
         return image
-
-    def embed_crops(self, crops: torch.Tensor, made_for: Template | None = None, flip: bool = True,
-                    batch_size: int = 64) -> np.ndarray:
-        """N x D unit rows of N x 3 x h x w uint8 crops aligned to `made_for` (default this model's
-        template; others are re-framed onto it)."""
-        return embed_crops(self, crops, made_for or self.template, flip, batch_size)
 
 
 class _Reframed(nn.Module):

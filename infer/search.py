@@ -106,14 +106,11 @@ class ExactIndex:
 
     def add(self, x: np.ndarray) -> None:
         x = torch.as_tensor(_check_rows(x, self.dim, "add")).to(self.device)
-        for start in range(0, len(x), self.gallery_block):
-            piece = x[start:start + self.gallery_block].to(self.dtype)
-            if self.blocks and len(self.blocks[-1]) < self.gallery_block:  # fill the last block first
-                room = self.gallery_block - len(self.blocks[-1])
-                self.blocks[-1] = torch.cat([self.blocks[-1], piece[:room]])
-                piece = piece[room:]
-            if len(piece):
-                self.blocks.append(piece.clone())
+        if self.blocks and len(self.blocks[-1]) < self.gallery_block:  # fill the last block first
+            room = self.gallery_block - len(self.blocks[-1])
+            self.blocks[-1] = torch.cat([self.blocks[-1], x[:room].to(self.dtype)])
+            x = x[room:]
+        self.blocks += [piece.to(self.dtype).clone() for piece in x.split(self.gallery_block) if len(piece)]
 
     def search(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         k = _clamped(k, self.ntotal)

@@ -105,14 +105,14 @@ THRESHOLD_FILE = "threshold.json"
 THRESHOLD_KEY = "shardface.threshold"
 
 
-def threshold_at_far(cosines, same, fars=FARS) -> dict | None:
+def threshold_at_far(cosines, same) -> dict | None:
     """{threshold, far, tar, pairs, different_pairs}: the lowest cosine threshold at which at most
     `far` of the different-person pairs are accepted (`cos >= threshold`), for the lowest `far`
-    of `fars` that the pairs can measure (at least 1 / far different-person pairs); None where
+    of FARS that the pairs can measure (at least 1 / far different-person pairs); None where
     there are too few for any."""
     cosines, same = np.asarray(cosines, np.float64), np.asarray(same, bool)
     different = np.sort(cosines[~same])[::-1]
-    for far in sorted(fars):
+    for far in FARS:
         if len(different) < math.ceil(1 / far - 1e-9):
             continue
         allowed = math.floor(far * len(different) + 1e-9)  # different pairs that may pass
