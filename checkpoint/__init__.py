@@ -19,7 +19,8 @@ The output directory must be shared by all ranks (one machine, or a shared file 
 The package, module by module:
     files.py          atomic writes, weights-only reads, CheckpointError
     state.py          TrainState (the run's position), RNG states, what model.pt leaves out
-    save.py, load.py  a checkpoint written by every rank; read back at any world size
+    save.py, load.py  a checkpoint written by every rank; read back at any world size; backbone
+                      weights read from a checkpoint or a weights file (model.pt, arcface_torch's)
     folders.py        the checkpoints of an output: listed, complete or not, found, pruned
     checkpointer.py   the run's policy: where it starts (resume, overwrite), when it saves
     changes.py        what a resume changes against its checkpoint, key by key

@@ -1,7 +1,8 @@
 """Reading a checkpoint back: into a run at any world size (resharding the head by class
-index), or its backbone weights alone."""
+index), or backbone weights alone (of a checkpoint or a weights file), checked against a network."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -15,8 +16,18 @@ logger = logging.getLogger("shardface")
 
 
 def read_backbone_weights(path: str, ema: bool = True) -> tuple[dict, dict]:
-    """(backbone state dict, training config) of the checkpoint at `path` (a checkpoint
-    directory or a run output): the EMA weights when the checkpoint has them and `ema`."""
+    """(backbone state dict, training config or {}) of the checkpoint at `path` (a checkpoint
+    directory or a run output: the EMA weights when the checkpoint has them and `ema`), or of a
+    weights file (a `model.pt`, a plain (insightface) state dict, an arcface_torch
+    `checkpoint_gpu_<rank>.pt`) with the config.json beside it."""
+    if not os.path.isdir(path):
+        state = safe_load(path)
+        for key in ("state_dict", "state_dict_backbone"):  # wrapped; arcface_torch's checkpoint_gpu_<r>.pt
+            if isinstance(state, dict) and isinstance(state.get(key), dict):
+                state = state[key]
+        if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+            raise CheckpointError(f"{path}: not a backbone state dict")
+        return {k.removeprefix("module."): v for k, v in state.items()}, _sibling_config(path)
     ckpt = resolve_checkpoint(path)
     config = load_dict(os.path.join(ckpt, "meta.pt")).get("config") or {}
     ema_path = os.path.join(ckpt, "ema.pt")
@@ -27,6 +38,47 @@ def read_backbone_weights(path: str, ema: bool = True) -> tuple[dict, dict]:
                                   f"(damaged, or not written by ShardFace)")
         return exported(weights), config
     return exported(load_dict(os.path.join(ckpt, "backbone.pt"))), config
+
+
+def _sibling_config(path: str) -> dict:
+    """The training config saved beside a weights file, or {} when it is missing or unreadable
+    (with a warning naming it: `--network` does without it)."""
+    cfg = os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")
+    if not os.path.isfile(cfg):
+        return {}
+    try:
+        with open(cfg) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        logger.warning("%s is unreadable (%s: %s), so it is ignored: pass --network to name the backbone", cfg,
+                       type(exc).__name__, exc)
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def refuse_non_finite(state: dict, path: str) -> None:
+    """A CheckpointError naming the first tensor of `state` with a NaN or infinite value: such
+    weights give NaN embeddings, which compare as nothing and verify as chance."""
+    for key, value in state.items():
+        if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            raise CheckpointError(f"{path}: weight '{key}' has {bad} non-finite (NaN or inf) values of "
+                                  f"{value.numel()}; the model is unusable (was training diverging?)")
+
+
+def state_mismatch(state: dict, expected: dict) -> str | None:
+    """What keeps `state` from loading strictly where `expected` (a model's state dict) is:
+    missing and unexpected keys, else the first key of another shape; None when it fits."""
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    if missing or unexpected:
+        return (f"{len(missing)} missing keys (e.g. {missing[:2]}), {len(unexpected)} unexpected "
+                f"(e.g. {unexpected[:2]})")
+    mismatched = [k for k, v in expected.items() if state[k].shape != v.shape]
+    if mismatched:
+        k = mismatched[0]
+        return f"'{k}' has shape {tuple(state[k].shape)}, expected {tuple(expected[k].shape)}"
+    return None
 
 
 def _load_head(ckpt: str, head, head_opt) -> None:

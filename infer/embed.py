@@ -51,7 +51,7 @@ def embed(images: torch.Tensor, module: nn.Module, batch_size: int, precision: s
 def refuse_non_finite_embeddings(emb: np.ndarray, where: str) -> np.ndarray:
     """`emb`, or a CheckpointError naming the model and the first row that is NaN or inf (a
     cosine of NaN compares as neither same nor different)."""
-    bad = ~np.isfinite(emb).all(axis=1) if emb.ndim == 2 else ~np.isfinite(emb)
+    bad = ~np.isfinite(emb).all(axis=1)
     if bad.any():
         raise CheckpointError(f"{where}: {int(bad.sum())} of {len(bad)} embeddings are not finite (NaN or inf), "
                               f"the first row {int(np.argmax(bad))}; the model's output is unusable")

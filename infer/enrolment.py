@@ -1,9 +1,6 @@
 """1:N identification: `enrol` a folder of people, `embedded_faces` of query photos
-(infer.stream), `identify` them against the gallery (docs/identification.md); in a few lines of
-Python, a `Gallery`:
-
-    gallery = Gallery(model, "people/")    # one folder of photos per person, enrolled once and cached
-    gallery.identify("query.jpg")          # [Match] per face, largest first: .name, .score, .box
+(infer.stream), `identify` them against the gallery (docs/identification.md); from Python,
+`Gallery(model, "people/").identify(photo)` (infer/__init__).
 
 A gallery folder holds one folder per person, named for them. A person is scored by their mean
 template (the L2-normalised mean of their images' embeddings, as IJB pools), so the search runs

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from checkpoint.files import CheckpointError
+from checkpoint.load import refuse_non_finite
 from faces.align import ARCFACE_112, Template
 from infer.thresholds import THRESHOLD_KEY, saved_threshold
-from infer.weights import refuse_non_finite
 
 TEMPLATE_KEY = "shardface.template"  # ONNX metadata: the crop template the model takes (JSON)
 
@@ -49,14 +49,11 @@ def template_problem(template: Template) -> str | None:
 
 
 class OnnxBackbone(nn.Module):
-    """An exported model (scripts/export_onnx.py: input `data`, N x 3 x h x w float32 RGB in
-    [-1, 1]) run by onnxruntime behind the module interface the evaluation code takes. Its crop
-    template is the one its metadata records (`TEMPLATE_KEY`); a model without it is taken for
-    insightface's 112x112 crop, and must be 112x112. It holds no weights of its own: it takes
-    inputs on any device and returns its output on theirs. Refused at load, naming what is wrong: weights
-    that are not finite, an output that is not N x D, a template that cannot align a face
-    (`template_problem`). A model exported with a fixed batch size is
-    fed batches of that size."""
+    """The exported model at `path` (input `data`, N x 3 x h x w float32 RGB in [-1, 1]; a model
+    without TEMPLATE_KEY is taken for insightface's 112x112 crop). It holds no weights of its own:
+    it takes inputs on any device and returns its output on theirs; one exported with a fixed batch
+    size is fed batches of that size. Refused at load, naming what is wrong: weights that are not
+    finite, an output that is not N x D, a template that cannot align a face (`template_problem`)."""
 
     def __init__(self, path: str):
         super().__init__()

@@ -69,9 +69,10 @@ def _embedded(model, photos: list[Photo], flip: bool, batch_size: int, raw: bool
 def embed_crops(model, crops: torch.Tensor, made_for: Template | None = None, flip: bool = True,
                 batch_size: int = 64, raw: bool = False) -> np.ndarray:
     """N x D unit rows of N x 3 x h x w uint8 crops aligned to `made_for` (default the model's
-    template; others are re-framed onto it): each crop's embedding plus its mirror image's (verification's flip test), or its
-    own alone without `flip`; with `raw`, N x 2 x D, the two as the network gives them (the pair
-    protocols score both). Embeddings that are not finite are refused, naming the model."""
+    template; others are re-framed onto it): each crop's embedding plus its mirror image's
+    (verification's flip test), or its own alone without `flip`; with `raw`, N x 2 x D, the two as
+    the network gives them (the pair protocols score both). Embeddings that are not finite are
+    refused, naming the model."""
     module, precision = model.for_crops(made_for or model.template), model.precision
     own = refuse_non_finite_embeddings(embed(crops, module, batch_size, precision), model.name)
     if not (flip or raw):

@@ -35,7 +35,7 @@ from checkpoint.save import save_checkpoint
 from checkpoint.state import TrainState, new_run_id
 from configs import ConfigError, get_config
 from heads.sharding import class_shard
-from infer.weights import state_mismatch
+from checkpoint.load import state_mismatch
 from parallel.user_errors import exits_on_user_error
 from utils.atomic import check_output_dir
 
