@@ -28,6 +28,7 @@ from faces.align import ARCFACE_112, Template
 from faces.detect import Face
 from faces.stream import no_face_message
 from infer.cache import SAVE_EVERY_S, Cache, content_key
+from infer.embed import l2_normalize
 from infer.search import make_index
 from infer.stream import analyse, template_for
 from infer.thresholds import chosen_threshold, no_threshold
@@ -186,16 +187,14 @@ def enrol(folder: str, model, align: bool = False, cache: str | None = None, reb
                                         batch_size=batch_size, progress=progress)):
         store.put(key, photo.face.embedding if photo.face is not None else None)
     store.save()  # before any refusal
-    rows = iter([store.get(k) for k in keys])
-    names, templates = [], []
+    rows, means = iter([store.get(k) for k in keys]), []
     for person, files in people:
         faces = [r for r in (next(rows) for _ in files) if r is not None]
         if not faces:
             raise GalleryError(f"{person}: no face found in any of their {len(files)} images")
-        mean = np.mean(faces, axis=0)
-        names.append(person)
-        templates.append(mean / max(np.linalg.norm(mean), 1e-12))
-    gallery = Enrolment(names, np.stack(templates).astype(np.float32), len(keys))
+        means.append(np.mean(faces, axis=0))
+    names = [person for person, _ in people]
+    gallery = Enrolment(names, l2_normalize(np.stack(means)).astype(np.float32), len(keys))
     no_face = [p for p, k in zip(paths, keys) if store.get(k) is None]
     if no_face:
         message = no_face_message(no_face, len(keys), model.detection)

@@ -73,9 +73,8 @@ DLIB_OWN = Threshold(DLIB_THRESHOLD, f"dlib's own rule, distance {DLIB_DISTANCE}
 
 def chosen_threshold(given: float | None, fitted: tuple[float, float, str, int] | None = None,
                      own: Threshold | None = None) -> Threshold | None:
-    """The threshold to decide at: `given` (--threshold), else `fitted` ((threshold, accuracy,
-    .bin path, pairs) from eval.verification.best_threshold), else `own` (the loaded model's
-    Model.threshold), else None."""
+    """The threshold to decide at, in the module docstring's order: `given`, `fitted` ((threshold,
+    accuracy, .bin path, pairs) of eval.verification.best_threshold), `own` (Model.threshold)."""
     if given is not None:
         return Threshold(checked(given), "given by --threshold")
     if fitted is not None:
@@ -95,11 +94,9 @@ def no_threshold(model: str) -> ThresholdError:
                           f"its pairs best)")
 
 
-# A trained run's own threshold: training's verification (eval/callback.py) finds the cosine
-# threshold at a stated false-accept rate on the first val target, and saves it beside the run's
-# weights (THRESHOLD_FILE, with the step it was measured at and the weights' fingerprint,
-# checkpoint.state.weights_fingerprint); export_onnx carries it into the
-# .onnx's metadata (THRESHOLD_KEY). The tools take it as the MODEL's own threshold.
+# A trained run's own threshold: training's verification (eval/callback.py) saves it beside the
+# run's weights (THRESHOLD_FILE, with the step it was measured at and the weights' fingerprint,
+# checkpoint.state.weights_fingerprint); export_onnx carries it into the .onnx's metadata (THRESHOLD_KEY).
 FARS = (1e-3, 1e-2, 1e-1)   # the lowest one the set's different-person pairs can measure is used
 THRESHOLD_FILE = "threshold.json"
 THRESHOLD_KEY = "shardface.threshold"
