@@ -250,11 +250,8 @@ def matches(faces: list[Face], enrolment, threshold: float, top: int = 1, engine
     if not faces:
         return []
     scores, ids = identify(enrolment, np.stack([f.embedding for f in faces]), top, engine, device)
-    out = []
-    for face, s, i in zip(faces, scores, ids):
-        best = [(enrolment.names[j], float(v)) for v, j in zip(s, i) if j >= 0]
-        out.append(Match(best[0][0] if best[0][1] >= threshold else None, best[0][1], face, best))
-    return out
+    best = [[(enrolment.names[j], float(v)) for v, j in zip(s, i) if j >= 0] for s, i in zip(scores, ids)]
+    return [Match(b[0][0] if b[0][1] >= threshold else None, b[0][1], face, b) for face, b in zip(faces, best)]
 
 
 class Gallery:

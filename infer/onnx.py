@@ -62,8 +62,7 @@ class OnnxBackbone(nn.Module):
         from onnx import numpy_helper
         if not os.path.isfile(path):
             raise CheckpointError(f"{path}: ONNX model not found")
-        wanted = ("CUDAExecutionProvider", "CPUExecutionProvider")
-        providers = [p for p in wanted if p in ort.get_available_providers()]
+        providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
         options = ort.SessionOptions()
         # torch's thread count (torchrun gives each of W ranks its share), not a pool of every core per process
         options.intra_op_num_threads = torch.get_num_threads()

@@ -19,15 +19,6 @@ DLIB = "dlib"  # the MODEL / init_backbone name of dlib's face descriptor
 DLIB_FILE = "dlib_face_recognition_resnet_model_v1.dat"
 
 
-def _embedding_size(state: dict) -> int | None:
-    """A guess for weights that come without a config (an arcface_torch model.pt): the width of
-    the last BatchNorm, which is the embedding's in insightface's networks (iresnet, mbf). A
-    network that ends otherwise (dlib_resnet ends in a linear layer) is sized by its config; a
-    wrong guess is refused by `state_mismatch`, naming the key."""
-    bn = [k for k in state if k.endswith("running_mean")]
-    return int(state[bn[-1]].numel()) if bn else None
-
-
 def dlib_state() -> dict:
     """The state dict of backbones.dlib_resnet holding dlib's face descriptor weights
     (face-recognition-models' file, read once per process: callers copy, never change it)."""
@@ -56,7 +47,11 @@ def load_backbone(path: str, network: str | None = None, ema: bool = True) -> nn
     network = network or config.get("network")
     if not network:
         raise CheckpointError(f"{path}: no training config beside it names the network; pass --network")
-    model = get_model(network, num_features=config.get("embedding_size") or _embedding_size(state) or 512)
+    # without a config (an arcface_torch model.pt), a guess: the width of the last BatchNorm, the embedding's in
+    # insightface's networks (iresnet, mbf); a wrong guess is refused by state_mismatch below, naming the key
+    bn = [k for k in state if k.endswith("running_mean")]
+    size = config.get("embedding_size") or (int(state[bn[-1]].numel()) if bn else 512)
+    model = get_model(network, num_features=size)
     problem = state_mismatch(state, model.state_dict())
     if problem:
         raise CheckpointError(f"{path} is not a '{network}' checkpoint: {problem}")
