@@ -11,11 +11,8 @@ the gallery's size before anything is allocated: a k larger than the gallery (`-
 1000000000`) gives every row, N columns, not Q x k places of nothing (faiss would pad them with
 score -inf and id -1, and allocate them).
 
-Neither engine is the faster everywhere (benchmarks/runs/search_grid.md). faiss-cpu 1.15
-scans the whole gallery once per query below Q x D = 128000 (its distance_compute_blas_threshold:
-Q < 250 at 512-D) and calls BLAS above; ours makes one BLAS product per gallery block for any Q,
-with torch's BLAS. On one thread, faiss's scan was the faster for 1 query and its BLAS for 1000
-(float32), ours for 10 and 100. `pick_engine` reads the measured table `FASTER`."""
+Neither engine is the faster everywhere: `pick_engine` reads the table `FASTER`, measured
+and explained in benchmarks/runs/search_grid.md."""
 from __future__ import annotations
 
 import numpy as np

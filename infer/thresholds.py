@@ -8,15 +8,8 @@ validation set (`threshold_at_far`, saved by training, carried into ONNX). A MOD
 known threshold names no one: `identify` refuses at start.
 
 MODEL `dlib`'s own threshold is its author's rule, Euclidean distance 0.6 between two of its
-raw 128-D descriptors, turned into a cosine of the L2-normalised embeddings the tools compare.
-For descriptors a, b of norms |a|, |b|,  d^2 = |a|^2 + |b|^2 - 2 |a| |b| cos, so where both
-have norm r the rule d < 0.6 is  cos > 1 - 0.6^2 / (2 r^2).  dlib's descriptors are not unit
-vectors: their norm is 1.36 on average (1.26 to 1.54) over dlib's own descriptors of 37 real
-faces (skimage's astronaut and 36 of its LFW subset), which gives cosine 0.9027. On those 37
-faces' 666 pairs (skimage's LFW faces are 25x25, upscaled) the cosine rule and dlib's distance
-rule agree on 98.0% (they differ only where the two norms differ); the unit-norm reading,
-cosine 1 - 0.6^2 / 2 = 0.82, on 16.7%. The tools' embeddings add the mirror image's (the flip
-test), which moves a pair's cosine a little: on the same pairs the rule agrees on 94.7%."""
+raw descriptors, as the cosine it is at their mean norm (derived and checked in
+docs/identification.md, "dlib's threshold")."""
 from __future__ import annotations
 
 import json
@@ -31,7 +24,7 @@ from configs.errors import ConfigError
 from infer.weights import load_backbone_state
 
 DLIB_DISTANCE = 0.6   # dlib's same-person rule on its raw descriptors (dlib's face_recognition example)
-DLIB_NORM = 1.36      # the mean norm of dlib's descriptors of real faces (measured: see the module docstring)
+DLIB_NORM = 1.36      # the mean norm of dlib's descriptors of real faces (docs/identification.md)
 
 
 def cosine_for_distance(distance: float, norm: float) -> float:
