@@ -35,7 +35,8 @@ def find_faces_ranked(paths: list[str], detection: Detection, output: str, rank:
     others None. With world 1 this is `find_faces` itself."""
     if world == 1:
         return find_faces(paths, detection, progress, workers)
-    parts = Parts(output, list_key(paths, detection, root=""), world)
+    # "manifest": each part's faces are in its manifest (earlier parts, with a faces.json, are another job's)
+    parts = Parts(output, list_key(paths, detection, "manifest", root=""), world)
     start, mine = time.monotonic(), share_of(len(paths), rank, world)
     share = paths[mine.start:mine.end]
     if parts.manifest(rank, paths) is None:  # else done by an earlier run of this job: kept
