@@ -1,6 +1,5 @@
-"""The one alignment function: a least-squares similarity transform that maps five landmarks
-(left eye, right eye, nose tip, left mouth corner, right mouth corner, in image pixels) onto a
-template's five points, and the crop it warps out of the photo."""
+"""The one alignment function: the least-squares similarity transform mapping five landmarks (left eye,
+right eye, nose tip, left and right mouth corner; image pixels) onto a template's, and the crop it warps."""
 from __future__ import annotations
 
 from dataclasses import dataclass

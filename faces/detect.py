@@ -3,27 +3,22 @@ landmarks per face in insightface's order (left eye centre, right eye centre, no
 corner, right mouth corner; "left" is the photo's left) from dlib's landmark predictors.
 
 `detect_faces(image)` -> [Face], largest first; `Detection` names how (the tools' face options).
-Detectors and landmark predictors are loaded once per process and kept; dlib's must not run in
-two threads at once, so a lock lets threads (a web server's pool) call in turn. A photo larger than
-`max_side` pixels is searched at that size (boxes and landmarks come back in the photo's own
-pixels, the landmarks found on the full-resolution photo), so a 24-megapixel photo costs what a
-1600-pixel one does; `upsample` doubles the searched size that many times, for faces smaller
-than the detectors' 80 pixels (HOG) or about 40 (MMOD).
+Models load once per process and are kept; dlib's must not run in two threads at once, so a lock
+makes threads (a web server's pool) take turns. A photo larger than `max_side` pixels is searched
+at that size (boxes and landmarks come back in the photo's pixels, landmarks found at full
+resolution), so a 24-megapixel photo costs what a 1600-pixel one does; `upsample` doubles the
+searched size that many times, for faces under the detectors' 80 pixels (HOG) or about 40 (MMOD).
 
-dlib's 68-point model gives the five points directly, but it was trained on iBUG 300-W, whose
-licence excludes commercial use. dlib's 5-point model (public domain, trained on dlib's own
-annotations) gives the four eye corners and the base of the nose, not the nose tip or the mouth:
-the eye centres are the middles of each eye's corners, and the other points are predicted from
-where the nose base sits relative to the eyes, by the linear relation `FROM_NOSE_BASE`. It works
-in the eyes' frame: origin midway between the eye centres, x the vector from the left to the
-right eye centre, y that vector turned 90 degrees (pointing down the face), so 1.0 is the
-distance between the eyes; it is unchanged by the face's position, size and roll. In that frame
-each of the five points is `[1, u, v] @ FROM_NOSE_BASE` for the nose base at (u, v): u follows
-the head turning left and right, v its tilting up and down. The constants are the least-squares
-fit of the 68-point model's five points on 188 real faces (the 94 faces of scikit-image's LFW
-subset that dlib's HOG detector finds, upscaled, and their mirror images; `python
-benchmarks/faces.py --fit` prints them again). What the substitution costs is measured there too
-and stated in benchmarks/README.md ('Faces')."""
+The 68-point model gives the five points directly, but its training data (iBUG 300-W) excludes
+commercial use; the public-domain 5-point model gives eye corners and the nose base only
+(docs/photos.md). From it the eye centres are the middles of each eye's corners, and the five
+points are `[1, u, v] @ FROM_NOSE_BASE` for the nose base at (u, v) in the eyes' frame: origin
+midway between the eye centres, x the vector from the left to the right eye centre, y that turned
+90 degrees (down the face), so unchanged by the face's position, size and roll; u follows the head
+turning left and right, v its tilting up and down. The constants are the least-squares fit to the
+68-point model's five points on 188 real faces (the 94 of scikit-image's LFW subset that HOG finds,
+upscaled, and their mirror images; `python benchmarks/faces.py --fit`); what the substitution
+costs: benchmarks/README.md ('Faces')."""
 from __future__ import annotations
 
 import functools
@@ -53,10 +48,9 @@ FROM_NOSE_BASE = np.array([
 @dataclass(frozen=True)
 class Face:
     """One face: `box` (x0, y0, x1, y1) in photo pixels, `points` 5 x 2 (x, y) in insightface's
-    order (module docstring), `score` the detector's confidence (HOG: SVM margin, MMOD: CNN
-    score; > 0 kept), `shape` dlib's own landmarks in its predictor's order (5 or 68 x 2), from
-    which dlib cuts its face chip (faces.dlib_chip), and `embedding` the model's unit row, where
-    one embedded it (infer.stream)."""
+    order, `score` the detector's (HOG: SVM margin, MMOD: CNN score; > 0 kept), `shape` dlib's own
+    landmarks (5 or 68 x 2, its predictor's order: faces.dlib_chip cuts from them), `embedding` the
+    model's unit row where one embedded it (infer.stream)."""
     box: tuple[float, float, float, float]
     points: np.ndarray
     score: float
@@ -122,9 +116,8 @@ def _boxes(pixels: np.ndarray, detector: str, upsample: int) -> list[tuple[tuple
 
 def detect_faces(img: Image.Image | np.ndarray, detector: str = "hog", upsample: int = 1,
                  landmarks: str = "5", min_score: float = 0.0, max_side: int = MAX_SIDE) -> list[Face]:
-    """The faces of a photo (PIL image of any mode, or H x W (x 3) uint8 array), largest first:
-    `detector` "hog" or "mmod", `landmarks` "5" (public domain) or "68" (iBUG 300-W: not for
-    commercial use), detections scoring below `min_score` dropped."""
+    """The faces of a photo (PIL image of any mode, or H x W (x 3) uint8 array) scoring at least
+    `min_score`, largest first; `landmarks` "68" is not for commercial use (module docstring)."""
     rgb = to_rgb(img if isinstance(img, Image.Image) else Image.fromarray(np.asarray(img, np.uint8)))
     pixels = np.ascontiguousarray(np.asarray(rgb, np.uint8))
     scale = min(1.0, max_side / max(rgb.size))
@@ -160,10 +153,9 @@ class Detection:
         return detect_faces(img, self.detector, self.upsample, self.landmarks, self.min_score, self.max_side)
 
     def worker_setup(self) -> Callable[[], None]:
-        """Loads the models here (a missing model file: one line at start) and returns the setup
-        of faces.workers.map_photos' workers: each takes this process's HOG detector (building it
-        takes 1.5 s, unpickling its 155 KB a few ms; the landmark models and MMOD load from their
-        files as fast as they unpickle, or do not pickle)."""
+        """Loads the models here (a missing file: one line at start); returns the setup of
+        faces.workers.map_photos' workers: each takes this process's HOG detector (built in 1.5 s,
+        unpickled from 155 KB in ms; the other models load from file as fast, or do not pickle)."""
         check_available(self.detector, self.landmarks)
         models = {"hog": face_detector("hog")} if self.detector == "hog" else {}
         return functools.partial(use_models_from_parent, models)
@@ -194,9 +186,8 @@ def from_frame(uv: np.ndarray, frame) -> np.ndarray:
 
 
 def dlib5_frame_and_nose(parts: np.ndarray) -> tuple[tuple, np.ndarray]:
-    """The eyes' frame (origin, x, y in photo pixels) of dlib's 5 points (right eye outer and
-    inner corner, left eye outer and inner corner, nose base; "right" being the person's) and the
-    nose base's (u, v) in it."""
+    """The eyes' frame (origin, x, y in photo pixels) of dlib's 5 points (the person's right eye's
+    outer and inner corner, the left eye's, the nose base) and the nose base's (u, v) in it."""
     parts = np.asarray(parts, np.float64)
     left, right = parts[2:4].mean(0), parts[0:2].mean(0)
     x = right - left

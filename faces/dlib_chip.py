@@ -1,12 +1,10 @@
-"""dlib's face chip (150x150, padding 0.25: what its face descriptor was trained on) as
-templates of the one alignment function, and `dlib_chip`, the chip exactly as dlib cuts it from
-its own 5-point landmarks (its pyramid too).
+"""dlib's face chip (150x150, padding 0.25: what its descriptor was trained on) as templates of the one
+alignment function, and `dlib_chip`: the chip exactly as dlib cuts it from its 5-point landmarks, pyramid too.
 
-dlib places faces with a mean face shape in a unit square, padded on every side by `PADDING`
-times its width. Its 5-point chip uses the shape's eye corners and nose base; its 68-point mean
-shape is in the same frame, so the points insightface's five landmarks name have a place in the
-same chip: `DLIB_150` (insightface's order, for every detector) is built from those;
-`DLIB_150_SHAPE5` holds dlib's own five reference points, in its 5-point predictor's order."""
+dlib places faces by a mean face shape in a unit square, padded on every side by `PADDING` times
+its width. Its 5-point and 68-point mean shapes share that frame: `DLIB_150_SHAPE5` holds dlib's
+five reference points (its 5-point predictor's order), `DLIB_150` insightface's five (for every
+detector), taken from the 68-point shape."""
 from __future__ import annotations
 
 import numpy as np
@@ -41,9 +39,8 @@ DLIB_150_SHAPE5 = Template("dlib-150-shape5", (SIZE, SIZE), _placed(_SHAPE5))
 
 
 def _pyramid_down(rgb: np.ndarray) -> np.ndarray:
-    """dlib's pyramid_down<2> of an H x W x 3 uint8 image: the separable 5-tap filter
-    (1 4 6 4 1) / 16 on every other row and column (output pixel (r, c) centred on input pixel
-    (2r + 2, 2c + 2)), sums in integers, divided by 256 rounding down."""
+    """dlib's pyramid_down<2> of H x W x 3 uint8: the separable filter (1 4 6 4 1) / 16 on every other row
+    and column (output (r, c) centred on input (2r + 2, 2c + 2)), integer sums divided by 256 rounding down."""
     a = rgb.astype(np.int32)
     rows, cols = (a.shape[0] - 3) // 2, (a.shape[1] - 3) // 2
     taps = (1, 4, 6, 4, 1)
@@ -53,10 +50,9 @@ def _pyramid_down(rgb: np.ndarray) -> np.ndarray:
 
 
 def chip_transform(shape5: np.ndarray) -> np.ndarray:
-    """2x3 chip pixel -> photo pixel of dlib's chip for its 5-point landmarks (pixel centres).
-    dlib fits the similarity, then cuts the chip through a rectangle whose corner pixels sit
-    at +-(size * scale - 1) / 2 from the image of the chip's centre point (size/2, size/2):
-    a scale of (size * scale - 1) / (size - 1) about pixel (size - 1) / 2, which this repeats."""
+    """2x3 chip pixel -> photo pixel of dlib's chip for its 5-point landmarks (pixel centres). dlib fits the
+    similarity, then cuts through a rectangle whose corner pixels sit +-(size * scale - 1) / 2 from the image
+    of the chip's centre (size/2, size/2): a scale of (size * scale - 1) / (size - 1) about pixel (size - 1) / 2."""
     return _to_photo(*_chip_frame(shape5, SIZE), SIZE)
 
 
@@ -74,10 +70,9 @@ def _chip_frame(shape5: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def dlib_chip(img: Image.Image, shape5: np.ndarray, size: int = SIZE) -> Image.Image:
-    """dlib's face chip (extract_image_chip of get_face_chip_details) for a 5-point shape in
-    dlib's order, bilinear. Where the face is over twice the chip's size, dlib first halves
-    (the part of) the photo (around it) with its image pyramid, as often as that stays true;
-    so does this, with dlib's filter, crop and coordinates."""
+    """dlib's chip (extract_image_chip of get_face_chip_details) for a 5-point shape in dlib's order,
+    bilinear. While the face is over twice the chip's size, dlib halves the part of the photo around
+    it with its image pyramid; so does this, with dlib's filter, crop and coordinates."""
     rgb = np.asarray(to_rgb(img))
     centre, linear = _chip_frame(np.asarray(shape5, np.float64), size)
     span = float(np.hypot(*linear[:, 0])) * (size - 1)  # the extraction rectangle's side, less one

@@ -1,14 +1,12 @@
-"""The face a photo is given where none was found, so that a pair protocol keeps every pair:
-the typical face of the set, placed in the photo where the set's faces sit, at their scale.
+"""The face a photo is given where none was found, so that a pair protocol keeps every pair: the
+set's typical face, placed where the set's faces sit in their photos, at their scale.
 
-Each found face is described by the similarity transform that carries dlib's chip frame onto
-it (fitted to dlib's 5-point shape where the faces have one, else to the five points), written
-in coordinates relative to its photo: origin at the photo's centre, unit the photo's geometric
-mean side sqrt(w * h). The fallback face of a photo is the set's median transform (per
-parameter), taken back to that photo's pixels, applied to the chip frame's points. In a set of
-centred portraits (LFW) that is a face at the centre of the photo, upright, of the set's median
-size. The fallback is an ordinary `Face`: every crop (insightface's 112, dlib's own chip) is cut
-from it as from a detected one."""
+Each found face is the similarity transform carrying dlib's chip frame onto it (`face_transform`),
+in coordinates relative to its photo: origin at its centre, unit its geometric mean side sqrt(w * h).
+A photo's fallback is the set's median transform (per parameter), taken back to that photo's
+pixels, applied to the chip frame's points: in centred portraits (LFW), an upright face at the
+centre, of the median size. It is an ordinary `Face`: every crop (insightface's 112, dlib's chip)
+is cut from it as from a detected one."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,9 +27,8 @@ def _frame(size: tuple[int, int]) -> tuple[np.ndarray, float]:
 
 
 def face_transform(face: Face, size: tuple[int, int], shape5: bool) -> np.ndarray:
-    """(a, b, tx, ty): the similarity [[a, -b, tx], [b, a, ty]] from dlib's chip frame onto the
-    face in its w x h photo's relative coordinates, fitted to dlib's 5-point shape (`shape5`) or
-    to the five points."""
+    """(a, b, tx, ty): the similarity [[a, -b, tx], [b, a, ty]] from dlib's chip frame onto the face in
+    its w x h photo's relative coordinates, fitted to dlib's 5-point shape (`shape5`) or the five points."""
     ref, target = (DLIB_150_SHAPE5.points, face.shape) if shape5 else (DLIB_150.points, face.points)
     centre, unit = _frame(size)
     m = similarity_transform(ref, (np.asarray(target, np.float64) - centre) / unit)
@@ -46,9 +43,8 @@ class Fallback:
 
     @classmethod
     def of(cls, found: list[tuple[Face, tuple[int, int]]]) -> "Fallback":
-        """The fallback of a set from its found faces [(face, its photo's size (w, h))], at least
-        one. Where every found face has dlib's 5-point shape, the fallback is fitted to, and
-        gets, one too."""
+        """The fallback of a set from its found faces [(face, its photo's (w, h))], at least one; fitted
+        to, and giving, dlib's 5-point shape where every found face has one."""
         if not found:
             raise ValueError("no found face to take the fallback's place and scale from")
         shape5 = all(f.shape is not None and len(f.shape) == 5 for f, _ in found)

@@ -1,9 +1,8 @@
 """Finding the faces of one photo list on many machines (`pack_rec --align` under torchrun, or
-`--rank R --world W` by hand): each rank finds the faces of its share of the list (dataset.shares)
-on its own cores and writes them, exactly, into its part's manifest beside the output; rank 0
-waits for every part and reads them back into the `Found` one process would have made, so what
-it then writes is byte for byte what one process writes. Detection is nearly all of the work
-(the warp and the packing are a few per cent), so W machines take about 1/W of the time."""
+`--rank R --world W` by hand): each rank finds its share's faces (dataset.shares) on its own cores
+and writes them exactly into its part's manifest beside the output; rank 0 reads every part back
+into the `Found` one process would have made, so it writes what one process writes, byte for byte.
+Detection is nearly all the work (warp and packing a few per cent): W machines take about 1/W."""
 from __future__ import annotations
 
 import time
@@ -30,9 +29,8 @@ def _face(record: dict) -> Face:
 
 def find_faces_ranked(paths: list[str], detection: Detection, output: str, rank: int, world: int,
                       progress: Callable[[], None] | None = None, workers: int = 1) -> Found | None:
-    """The faces of every photo of `paths`, found by `world` ranks: rank `rank` finds its share's
-    into its part beside `output`; rank 0 returns every photo's (what `find_faces` returns), the
-    others None. With world 1 this is `find_faces` itself."""
+    """The faces of every photo of `paths`, found by `world` ranks, each writing its share into its
+    part beside `output`: rank 0 returns them all (as `find_faces`, which world 1 is), others None."""
     if world == 1:
         return find_faces(paths, detection, progress, workers)
     # "manifest": each part's faces are in its manifest (earlier parts, with a faces.json, are another job's)

@@ -5,12 +5,11 @@ processes (faces.workers), the same whatever their number.
     for photo in stream(paths, Detection(), cut=Crop(ARCFACE_112), workers=4):
         photo.name, photo.size, photo.faces, photo.cuts
 
-Every user of faces drives detection and cropping through `stream`: the tools, the pair
-protocols, infer.stream (which adds each face's embedding) and training's aligned folders
-(whose loader cuts each item with the same `Crop`). A photo is a path, a PIL image or an
-H x W (x 3) uint8 array. Faces known already (`faces=`: a pair list's fallback faces, a
-search made before) are cut, not searched. On it, for the tools' `--align` and training's
-aligned folders: `find_faces`, `usable`, `align_groups` and `aligned_pngs`."""
+Every user of faces goes through `stream` (docs/architecture.md): the tools, the pair protocols,
+infer.stream (which adds embeddings) and training's aligned folders (whose loader cuts with the
+same `Crop`). A photo is a path, a PIL image or an H x W (x 3) uint8 array; faces known already
+(`faces=`: fallback faces, an earlier search) are cut, not searched. Built on it for `--align`
+and aligned folders: `find_faces`, `usable`, `align_groups`, `aligned_pngs`."""
 from __future__ import annotations
 
 import io
@@ -40,8 +39,7 @@ def photo_name(photo, index: int = 0) -> str:
 
 
 def open_image(photo, index: int = 0) -> Image.Image:
-    """A photo (path, PIL image, H x W x 3 or H x W uint8 array) as an RGB PIL image; anything
-    else, or an empty image, is a DataError naming it."""
+    """A photo (path, PIL image, H x W (x 3) uint8 array) as RGB; anything else, or an empty image: DataError."""
     if isinstance(photo, (str, os.PathLike)):
         image = load_photo(os.fspath(photo))
     elif isinstance(photo, Image.Image):
@@ -61,11 +59,10 @@ def open_image(photo, index: int = 0) -> Image.Image:
 
 @dataclass(frozen=True)
 class Crop:
-    """Cuts a face's crop for a template, H x W x 3 uint8: the five-point alignment, or where
-    `dlib_chip` (MODEL dlib) dlib's own chip from dlib's 5-point shape, as dlib and
-    face_recognition cut it (from the 68-point model's landmarks, the five points on the chip's
-    template). `png`: the crop's PNG bytes instead (lossless: no second compression). The
-    photo is anything `open_image` takes."""
+    """Cuts a face's crop for a template, H x W x 3 uint8, from anything `open_image` takes: the five-point
+    alignment, or with `dlib_chip` (MODEL dlib) dlib's own chip from its 5-point shape, as dlib and
+    face_recognition cut it (with 68 landmarks: the five points on the chip's template). `png`: the
+    crop's PNG bytes instead (lossless: no second compression)."""
     template: Template
     dlib_chip: bool = False
     png: bool = False
@@ -99,8 +96,8 @@ class Photo:
 
 
 def crop_pixels(photo, index: int = 0, resize: tuple[int, int] | None = None) -> np.ndarray:
-    """A photo that is a crop already, H x W x 3 uint8, resized to (h, w) `resize` where given: a
-    file decoded as training decodes one (dataset.images), a PIL image or array as `open_image`."""
+    """A photo that is a crop already, H x W x 3 uint8, resized to (h, w) `resize` where given: a file
+    decoded as training decodes one (dataset.images), a PIL image or array as `open_image`."""
     if isinstance(photo, (str, os.PathLike)):
         path = os.fspath(photo)
         return decode_chw(read_image_file(path), path, resize=resize).permute(1, 2, 0).numpy()
@@ -133,10 +130,9 @@ class _Task:
 def stream(photos: Iterable, detection: Detection | None = Detection(), cut: Callable | None = None,
            workers: int = 1, largest_only: bool = False, faces: list[list[Face]] | None = None,
            progress: Callable[[], None] | None = None, resize: tuple[int, int] | None = None) -> Iterator[Photo]:
-    """Each photo's `Photo`, in order (see the module docstring). `detection` None: each photo
-    is a crop already, its one face the whole image and its cut the image (resized to `resize`
-    where given). `faces[i]`: photo i's faces, known already (not searched). `cut(image, face)`
-    runs in the workers, on every face or the largest only. `progress()` once a photo."""
+    """Each photo's `Photo`, in order (module docstring). `detection` None: each photo is a crop already,
+    its one face and its cut the whole image (resized to `resize` where given). `faces[i]`: photo i's
+    faces, known already. `cut(image, face)` runs in the workers, on every face or the largest only."""
     photos = list(photos)
     if faces is not None and len(faces) != len(photos):
         raise ValueError(f"{len(faces)} face lists for {len(photos)} photos")
@@ -157,8 +153,7 @@ class Found:
         return [p for p, f in self.faces.items() if not f]
 
     def several_faces(self) -> str | None:
-        """One line counting, per photo, the faces beyond the largest (None where no photo has
-        several): each photo's largest face is used, the others are not."""
+        """One line naming the photos with several faces, of which the largest is used; None where none has."""
         several = [(p, len(f)) for p, f in self.faces.items() if len(f) > 1]
         if not several:
             return None
@@ -173,7 +168,7 @@ def find_faces(paths: Iterable[str], detection: Detection = Detection(),
 
 
 def no_face_message(paths: list[str], total: int, detection: Detection = Detection()) -> str:
-    """Names the photos, with a hint of what was not tried yet (more upsampling, the other detector)."""
+    """Names the photos, hinting at what was not tried yet (more upsampling, the other detector)."""
     more = f" and {len(paths) - SHOWN} more" if len(paths) > SHOWN else ""
     hints = []
     if detection.upsample < MAX_HINTED_UPSAMPLE:
@@ -185,8 +180,8 @@ def no_face_message(paths: list[str], total: int, detection: Detection = Detecti
 
 
 def usable(found: Found, strict: bool) -> dict[str, Face]:
-    """Each photo's largest face; a photo without one is left out with a warning naming it, or
-    with `strict` refused (before anything is written)."""
+    """Each photo's largest face; a photo without one is left out with a warning naming it, or with
+    `strict` refused (before anything is written); DataError where no photo has one."""
     missing = found.without_face
     if missing:
         message = no_face_message(missing, len(found.faces), found.detection)
@@ -207,10 +202,9 @@ def aligned_pngs(paths: list[str], faces: dict[str, Face], workers: int = 1) -> 
 def align_groups(groups: list[list[str]], detection: Detection, strict: bool,
                  progress: Callable[[], None] | None = None, names: list[str] | None = None,
                  workers: int = 1, found: Found | None = None) -> tuple[list[list[str]], dict[str, Face]]:
-    """Identity groups of photos -> (the groups without photos where no face was found, each kept
-    photo's largest face), from `found` where the faces were found already (faces.ranked). An
-    identity left without a photo is a DataError naming it: dropping it would renumber every
-    later label."""
+    """Identity groups of photos -> (the groups less photos without a face, each kept photo's largest face),
+    from `found` where found already (faces.ranked). An identity left without a photo is a DataError
+    naming it: dropping it would renumber every later label."""
     if found is None:
         found = find_faces((p for g in groups for p in g), detection, progress, workers)
     faces = usable(found, strict)

@@ -1,23 +1,20 @@
 """Photos on every core: `map_photos(fn, items, workers)` yields `fn(item)` for each item in the
-order of `items`, computed by `workers` processes, so a tool's output is the same whatever the
-number of workers. The engine is `concurrent.futures.ProcessPoolExecutor`; this module adds:
-- `workers == 1` runs `fn` here, with no pool (so do a worker of ours and a daemonic process, a
-  DataLoader worker). More are capped, once said, at the items and at the cores this process
-  may use (`default_workers`): each costs memory, and would only share.
-- Input order from a bounded window: at most `window` items are out (being worked on, or done and
-  waiting for an earlier one), and `items` is read as they are handed out.
-- An exception `fn` raises in a worker is raised here when its item's turn comes, as the same type
-  with the same message (one that does not pickle: a RuntimeError of it): the first failing item
-  in input order is named exactly as with one process.
+order of `items`, computed by `workers` processes, so a tool's output is the same whatever their
+number. The engine is `concurrent.futures.ProcessPoolExecutor`; this module adds:
+- `workers == 1` runs `fn` here, with no pool (so do a worker of ours and a daemonic process, as a
+  DataLoader worker). More are capped, said once, at the items and at the cores this process may
+  use (`default_workers`): each costs memory, and would only share.
+- Input order from a bounded window: at most `window` items are out (in work, or done and waiting
+  for an earlier one); `items` is read as they are handed out.
+- An exception `fn` raises in a worker is raised here at its item's turn, same type and message (a
+  RuntimeError of it where it does not pickle): the first failing item in input order, as with one process.
 - A worker that dies (SIGKILL, the out-of-memory killer) ends the map at once with `WorkerDied`
-  naming the item it held, where the executor only says that some process ended.
-- A cheap start: the workers are forked from this process, with its imports and models, wherever
-  no other thread runs (torch's pool, CUDA's, a Python thread may hold a lock the child would
-  wait for forever). Otherwise they come from a forkserver that imported `fn`'s module once
-  (seconds: torch), or are spawned where no forkserver can listen (TMPDIR too long for its socket,
-  no writable temporary directory), which is said once. Those run the program's main module
-  again, so it is hidden from them while they start (a script without an `if __name__ ==
-  "__main__":` guard would redo its work in each).
+  naming its item, where the executor only says that some process ended.
+- A cheap start: workers are forked from this process, with its imports and models, wherever no other
+  thread runs (torch's pool, CUDA's, a Python thread may hold a lock the child would wait for forever).
+  Else they come from a forkserver that imported `fn`'s module once (seconds: torch), or are spawned
+  where none can listen (`_forkserver`), said once. Those run the main module again, so it is hidden
+  from them while they start (a script without an `if __name__ == "__main__":` guard would redo its work).
 - Workers ignore Ctrl-C (the parent, which gets it too, stops them), end with their parent, run
   torch on one thread, and run `setup()` before their first item (faces.detect hands them this
   process's HOG detector). Closing the iterator, or running it to its end, leaves no worker.
@@ -57,8 +54,8 @@ class WorkerDied(UserError, RuntimeError):
 
 
 def default_workers(env=os.environ) -> int:
-    """The cores this process may run on (its affinity: the limit of a container, taskset or batch
-    scheduler), shared among the ranks torchrun started on this node (LOCAL_WORLD_SIZE); at least 1."""
+    """The cores this process may run on (its affinity: a container's, taskset's or batch scheduler's
+    limit), shared among torchrun's ranks on this node (LOCAL_WORLD_SIZE); at least 1."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS
     return max(1, cores // max(1, int(env.get("LOCAL_WORLD_SIZE", "1") or 1)))
 
@@ -73,10 +70,9 @@ def map_photos(fn: Callable[[T], R], items: Iterable[T], workers: int,
                progress: Callable[[], None] | None = None, what: str = "photo",
                name: Callable[[T], str] = str, window: int | None = None,
                setup: Callable[[], None] | None = None) -> Iterator[R]:
-    """`fn(item)` for each of `items`, in their order (see the module docstring). `progress()` is
-    called once per result; `what` and `name(item)` word the error of a worker that dies; `window`
-    (default 4 x workers) bounds the items out at once; `setup()` runs once in each worker (not
-    with one worker: this process is set up)."""
+    """`fn(item)` for each of `items`, in order (module docstring). `progress()` once per result; `what`
+    and `name(item)` word a dead worker's error; `window` (default 4 x workers) bounds the items out;
+    `setup()` runs once in each worker (not with one worker: this process is set up already)."""
     workers = _capped(check_workers(workers), items)
     results = ((fn(item) for item in items) if workers == 1
                else _pooled(fn, items, workers, window or 4 * workers, what, name, setup))
@@ -88,8 +84,8 @@ def map_photos(fn: Callable[[T], R], items: Iterable[T], workers: int,
 
 
 def warm_up(fn: Callable, workers: int) -> None:
-    """Where the workers will come from a forkserver, start it now, so that it imports what `fn`
-    needs (seconds: torch) while this process does other work."""
+    """Where workers will come from a forkserver, start it now: it imports `fn`'s needs (seconds: torch)
+    while this process does other work."""
     if workers > 1 and not multiprocessing.current_process().daemon and not _fork_is_safe():
         _forkserver(fn)
 
@@ -143,10 +139,10 @@ def _module_of(fn) -> str:
 
 
 def _forkserver(fn) -> bool:
-    """Start the forkserver (once: it serves every later pool), having it import `fn`'s module, or
-    where that is the program's main module (imported under its own name, runpy would warn) the
-    modules main took its names from. False where it cannot run: none on this system, or no
-    socket for it in the temporary directory (an AF_UNIX path holds 107 bytes)."""
+    """Start the forkserver (once: it serves every later pool), importing `fn`'s module, or where that is
+    main (imported under its own name, runpy would warn) the modules main took its names from. False where
+    it cannot run: none on this system, or no socket for it in the temporary directory (an AF_UNIX path
+    holds 107 bytes; TMPDIR too long, or none writable)."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return False
     from multiprocessing import forkserver
