@@ -1,18 +1,17 @@
-"""The caches on top of the face stream, keyed by photo content: a gallery's embeddings
-(infer.enrolment), a pair list's faces and each model's embeddings of them (infer.pair_photos),
-so that a second run embeds (or searches) only what is new. One `Cache`, one kind per use.
+"""Caches keyed by photo content, on the face stream: a gallery's embeddings (infer.enrolment), a
+pair list's faces and each model's embeddings of them (infer.pair_photos), so that a second run
+embeds (or searches) only what is new. One `Cache` class; a subclass per kind.
 
-A cache is one npz: `header` (JSON: its kind, FORMAT and what made its rows: model, crop,
-options), `keys` (the photo's `content_key`, and whatever else the row depends on), `has_row`
-(False: nothing found, as a photo without a face) and the rows, under the kind's `field`.
+A cache is one npz: `header` (JSON: kind, FORMAT and what made the rows: model, crop, options),
+`keys` (the photo's `content_key` and whatever else the row depends on), `has_row` (False: nothing
+found, as a photo without a face) and the rows, under the kind's `field`.
 - A path holding anything but a cache of the kind is refused by name and left alone (CacheError).
-- A cache of the kind made otherwise (another format, model or options: `changes`) is not read,
-  and one whose arrays cannot be trusted is rebuilt; both are said in a warning.
-- Entries are only added: `save` publishes the file's entries (another run's too, read again
-  just before) and this run's, atomically (utils.atomic.publishing), when anything is new.
-- A long run saves its new entries every `save_every_s` seconds in its own folder,
-  `PATH.parts/HOST-PID/part-N.npz`: a later run (or one alongside) of the same header takes
-  them up, and `save` removes its own and those of processes that are gone."""
+- One of the kind made otherwise (format, model or options: `changes`) is not read, and one whose
+  arrays cannot be trusted is rebuilt; a warning says which.
+- Entries are only added: when anything is new, `save` atomically publishes (utils.atomic) the
+  file's entries, read again just before (another run's too), with this run's.
+- A long run saves its new entries every `save_every_s` seconds to `PATH.parts/HOST-PID/part-N.npz`:
+  a later or concurrent run of the same header takes them up; `save` removes its own and dead processes'."""
 from __future__ import annotations
 
 import contextlib
@@ -45,8 +44,7 @@ class _Damaged(Exception):
 
 
 def content_key(path: str) -> str:
-    """`size:hash` of the size and the first and last HASH_BLOCK bytes (the whole of a file up to
-    twice that): a photo's key, whatever its name or mtime says."""
+    """A photo's key, whatever its name or mtime: `size:hash` of its size and first and last HASH_BLOCK bytes."""
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
@@ -56,9 +54,8 @@ def content_key(path: str) -> str:
 
 
 class Cache:
-    """key -> row (an array of `shape`) or None, read from `path` (None: in memory only) and its
-    saved parts unless `rebuild`; see the module docstring. Each kind says what it is, how to keep
-    it and use another, and what is done again without it."""
+    """key -> row (an array of `shape`) or None, read from `path` (None: in memory only) and its saved
+    parts unless `rebuild`. Each kind's `what`, `hint` and `redo` word its messages."""
     kind = what = hint = redo = ""
     field, unit = "embeddings", False
 

@@ -1,6 +1,5 @@
-"""Crops to embeddings: a network's forward over batches of uint8 crops, verification's flip
-test, L2 normalisation, and the refusal of embeddings that are not finite: infer.stream's (photos)
-and training's verification's (the .bin sets' crops)."""
+"""Crops to embeddings, for infer.stream (photos) and training's verification (the .bin sets): a
+network's forward over batches of uint8 crops, L2 normalisation, and refusing non-finite rows."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,8 +15,7 @@ def l2_normalize(x: np.ndarray) -> np.ndarray:
 
 
 def module_device(module: nn.Module) -> torch.device:
-    """Where `module` wants its input: its weights' device (the CPU for a module without weights,
-    as the ONNX form, which takes input anywhere)."""
+    """Where `module` wants its input: its weights' device (the CPU without weights: the ONNX form takes any)."""
     first = next(module.parameters(), None)
     return first.device if first is not None else torch.device("cpu")
 
@@ -31,9 +29,8 @@ def embed(images: torch.Tensor, module: nn.Module, batch_size: int, precision: s
     eval mode on the module's device (its train/eval mode restored afterwards), in fp32, or on a
     GPU under `precision`'s autocast; the result does not depend on batch_size."""
     device = module_device(module)
-    # convolutions over channels-last batches are faster, the same math: 1.1-1.3x on the CPU,
-    # 1.4-1.5x on an H100 (benchmarks/channels_last.py); a module without weights (the ONNX form)
-    # takes them as given
+    # channels-last batches: the same math, faster (benchmarks/README.md, 'Channels-last batches');
+    # a module without weights (the ONNX form) takes them as given
     nhwc = device.type in ("cpu", "cuda") and next(module.parameters(), None) is not None and images.dim() == 4
     layout = torch.channels_last if nhwc else torch.contiguous_format
     autocast = device.type == "cuda" and precision in AUTOCAST

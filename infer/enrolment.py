@@ -1,17 +1,13 @@
-"""1:N identification: `enrol` a folder of people, `embedded_faces` of query photos
-(infer.stream), `identify` them against the gallery (docs/identification.md); from Python,
-`Gallery(model, "people/").identify(photo)` (infer/__init__).
+"""1:N identification (docs/identification.md): `enrol` a folder of people, `embedded_faces` of query
+photos (infer.stream), `identify` them against the gallery; from Python, `Gallery(model, "people/")`.
 
-A gallery folder holds one folder per person, named for them. A person is scored by their mean
-template (the L2-normalised mean of their images' embeddings, as IJB pools), so the search runs
-over people and a person with many photos has no more chances. The embeddings are cached in one
-file per gallery and weights (`.shardface_gallery.npz`, `.no_ema.npz`: infer.cache) that records
-what made them (model, fingerprint, template, alignment, face options): a later run embeds only
-new images, says why it embeds everything again, refuses another MODEL's file (`rebuild`
-replaces it) and resumes an interrupted enrolment from its saved parts, so a gallery enrolled
-from Python serves the `identify` tool and the other way round. A face is named when its best
-score reaches the threshold: the one given, else the model's own; a model without one names no
-one (ThresholdError)."""
+A gallery folder holds one folder per person, named for them; a person is scored by their mean
+template (the L2-normalised mean of their embeddings, as IJB pools), so a person with many photos
+has no more chances. The embeddings are cached per gallery and weights (`GalleryFile`, infer.cache),
+with what made them: a later run embeds only new images, says why it embeds all again, refuses
+another MODEL's file (`rebuild` replaces it) and resumes from saved parts; Python and the `identify`
+tool share it. A face is named when its best score reaches the threshold (the one given, else the
+model's own); a model without one names no one (ThresholdError)."""
 from __future__ import annotations
 
 import dataclasses
@@ -59,8 +55,8 @@ class Enrolment:
 
 
 def list_gallery(folder: str) -> list[tuple[str, list[str]]]:
-    """[(person, [image paths relative to folder])] sorted by name; refuses a missing or empty
-    folder, images outside person folders and a person folder without images, naming them."""
+    """[(person, [image paths relative to folder])] sorted by name; a missing or empty folder, images
+    outside person folders and a person folder without images are refused by name."""
     if not os.path.isdir(folder):
         raise GalleryError(f"{folder}: gallery folder not found")
     people = []
@@ -87,8 +83,7 @@ def list_gallery(folder: str) -> list[tuple[str, list[str]]]:
 
 
 def check_image(path: str, template: Template, align: bool) -> None:
-    """Refuse, from its header alone, a file that is not an image or (without alignment) not an
-    aligned crop of a size the model takes."""
+    """Refuse, from its header alone, a non-image, or without `align` a crop of a size the model does not take."""
     if not os.path.isfile(path):
         raise GalleryError(f"{path}: no such image file")
     size = image_size(path, path)
@@ -101,9 +96,8 @@ def check_image(path: str, template: Template, align: bool) -> None:
 def embedded_faces(paths: list[str], model, align: bool, batch_size: int = 64, workers: int = 1,
                    largest_only: bool = False, show_progress: bool = False,
                    strict: bool = False) -> list[EmbeddedFace]:
-    """Every face (or the largest) of every photo (one per file without alignment), in order, with
-    embeddings (infer.stream); `strict` refuses a photo without a face, naming it. Every header is
-    read before anything is embedded; then each batch as its crops come back."""
+    """Every face (or the largest) of every photo (one per file without `align`), in order, embedded a
+    batch at a time after every header is read; `strict` refuses a photo without a face, naming it."""
     for path in paths:
         check_image(path, model.template, align)
     progress = Progress(len(paths), "finding and embedding faces" if align else "embedding").update \
@@ -171,9 +165,8 @@ class GalleryFile(Cache):
 def enrol(folder: str, model, align: bool = False, cache: str | None = None, rebuild: bool = False,
           batch_size: int = 64, show_progress: bool = True,
           strict: bool = False, save_every_s: float = SAVE_EVERY_S, workers: int = 1) -> Enrolment:
-    """The gallery of `folder` under `model`, from its cache file where still valid (see the
-    module docstring), saved when anything is new. `strict`: a gallery image without a face is
-    refused (after the enrolment is saved)."""
+    """The gallery of `folder` under `model`, from its cache file where still valid, saved when anything
+    is new. `strict`: a gallery image without a face is refused (after the enrolment is saved)."""
     people = list_gallery(folder)
     cache = cache or default_cache(folder, model.ema)
     store = GalleryFile(cache, model, align, rebuild, save_every_s)
@@ -219,9 +212,8 @@ def mean_cross_cosine(templates: np.ndarray) -> float:
 
 
 def identify(gallery: Enrolment, queries: np.ndarray, k: int = 1, engine: str = "auto", device="cpu"):
-    """(scores, person indices), Q x min(k, people), best first (infer.search's order). `engine`
-    "auto" takes the faster for this gallery's size and number of queries, on `device` (a
-    model's GPU: ours there)."""
+    """(scores, person indices), Q x min(k, people), best first (infer.search's order); `engine` and
+    `device` as infer.search.make_index takes them."""
     index = make_index(gallery.templates.shape[1], engine, size=len(gallery.templates), queries=len(queries),
                        device=device)
     index.add(gallery.templates)
@@ -245,8 +237,7 @@ class Match:
 
 def matches(faces: list[Face], enrolment, threshold: float, top: int = 1, engine: str = "auto",
             device="cpu") -> list[Match]:
-    """Each embedded face's Match (anything with .embedding: a Face, an EmbeddedFace) against the
-    enrolled people (infer.search's engines, all exact)."""
+    """Each embedded face's Match (anything with .embedding: a Face, an EmbeddedFace) against the people."""
     if not faces:
         return []
     scores, ids = identify(enrolment, np.stack([f.embedding for f in faces]), top, engine, device)
@@ -267,7 +258,6 @@ class Gallery:
         self.names = list(self.enrolment.names)
 
     def identify(self, photo, top: int = 1) -> list[Match]:
-        """Each face of the photo (a path, a PIL image or an array), largest first, as a Match with
-        its `top` best candidates."""
+        """Each face of the photo (path, PIL image or array), largest first, as a Match with `top` candidates."""
         (found,) = self.model.analyse([photo], align=self.align)
         return matches(found.faces, self.enrolment, self.threshold.value, top, device=self.model.device)

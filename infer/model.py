@@ -1,22 +1,17 @@
-"""A trained face model, ready to use: `load_model(MODEL)` resolves any form of one once (a run
-or checkpoint directory, a `model.pt` of ShardFace or of arcface_torch with `network`, an
-exported `.onnx`, or `dlib`) into a `Model` that knows the crop its network wants and its own
-threshold (`.threshold`, or None), finds faces, embeds photos and compares them (the usage is
-infer/__init__'s; `model.analyse(photos, workers=4)` is the stream under all of them, infer.stream).
+"""A trained face model, ready to use: `load_model(MODEL)` resolves any form of one once (a run or
+checkpoint directory, a `model.pt` of ShardFace or of arcface_torch with `network`, an `.onnx`, or
+`dlib`) into a `Model` that knows its crop and its own threshold (`.threshold`, or None), finds
+faces, embeds photos and compares them (usage: infer/__init__; the stream under them all:
+`model.analyse`, infer.stream). Every method is safe to call from several threads at once (a web
+server's pool): dlib's detector, which is not, runs under a lock (faces.detect).
 
-Every method is safe to call from several threads at once (a web server's pool): dlib's
-detector, which is not, runs under a lock (faces.detect).
+Every Model's module takes N x 3 x h x w float RGB in [-1, 1] ((x - 127.5) / 127.5, as arcface_torch)
+at its template's h x w: a network that wants other scaling converts inside its module, so tools,
+training's evaluation, ONNX export and a distillation teacher all feed it alike. Crops made for
+another template (the 112x112 `.bin` sets, a student's batch) are re-framed by `Model.from_crops`.
 
-Every Model's module takes N x 3 x h x w float RGB in [-1, 1] ((x - 127.5) / 127.5, as
-arcface_torch), h x w being its template's size: a network that wants other pixel scaling
-converts inside its module, so tools, training's evaluation, ONNX export and a distillation
-teacher all feed it alike. Crops made for another template (the 112x112 `.bin` sets, a student's
-batch) are re-framed onto the model's template by `Model.from_crops`.
-
-MODEL `dlib` is dlib's face descriptor (face-recognition-models' .dat, read by
-checkpoint.dlib_format into backbones.dlib_resnet): 128-D on dlib's 150x150 chip, cut from a photo
-exactly as dlib cuts it from its 5-point shape (faces.dlib_chip), so its embeddings are
-face_recognition's `face_encodings`."""
+MODEL `dlib` is dlib's face descriptor (infer.weights): 128-D on dlib's 150x150 chip, cut exactly as
+dlib cuts it (faces.dlib_chip), so its embeddings are face_recognition's `face_encodings`."""
 from __future__ import annotations
 
 import functools
@@ -50,23 +45,20 @@ FOUND, NOBODY = (0, 220, 90), (255, 170, 0)  # Model.draw's colours: a face name
 
 
 def tool_device() -> torch.device:
-    """Where a one-process tool runs a model: the current GPU, else the CPU. A training rank
-    passes its own device instead."""
+    """Where a one-process tool runs a model: the current GPU, else the CPU (a training rank passes its own)."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def model_kind(spec: str) -> str:
-    """What a MODEL argument names, decided here once: `dlib`, an `.onnx` file, or trained weights
-    (a run or checkpoint directory, a model.pt or another state dict)."""
+    """What a MODEL argument names, decided here once: "dlib", "onnx" (an .onnx file) or "weights" (the rest)."""
     if spec == DLIB:
         return "dlib"
     return "onnx" if spec.lower().endswith(".onnx") else "weights"
 
 
 def model_files(spec: str) -> list[str]:
-    """The files of the MODEL `spec` (an output must never be one of them): what loading it
-    reads (a weights file and the config.json beside it; a checkpoint's files), and for a run
-    output also the run's own config.json, latest and exported model.pt."""
+    """The files of the MODEL `spec`, which no output may be: what loading it reads (a weights file and
+    the config.json beside it; a checkpoint's files), and for a run its config.json, latest and model.pt."""
     if model_kind(spec) == "dlib":
         return [model_file(DLIB_FILE)]
     if not os.path.isdir(spec):
@@ -79,8 +71,7 @@ def model_files(spec: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Comparison:
-    """Two photos compared: the cosine of their largest faces and the verdict at `threshold`
-    (`same` is None where the model has no known threshold: no verdict is made)."""
+    """Two photos compared: the cosine of their largest faces and the verdict at `threshold` (None: none known)."""
     score: float
     same: bool | None
     threshold: float | None
@@ -104,8 +95,7 @@ class Model:
     kind: str = "weights"   # model_kind(name): "dlib", "onnx" or "weights"
     detection: Detection = Detection()  # how `faces` and `embed` find faces in photos
     precision: str = "fp32"  # on a GPU, "fp16" or "bf16" embeds under autocast (infer.embed)
-    # from_crops' warps, made once per (template, device, dtype): rebuilt each step, each would be
-    # a copy from host memory that waits for the device
+    # from_crops' warps per (template, device, dtype), made once: each made anew would wait on a host copy
     _thetas: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -125,9 +115,8 @@ class Model:
         return int(self.embed_crops(torch.zeros(1, 3, *self.template.size, dtype=torch.uint8)).shape[1])
 
     def from_crops(self, images: torch.Tensor, made_for: Template = ARCFACE_112) -> torch.Tensor:
-        """uint8 (or [-1, 1] float) N x 3 x H x W crops aligned to `made_for` -> float in [-1, 1]
-        on this model's template and device (a similarity warp between the two templates;
-        the identity when they are the same)."""
+        """uint8 (or [-1, 1] float) N x 3 x H x W crops aligned to `made_for` -> float in [-1, 1] on this
+        model's template and device: a similarity warp between the templates (none when they agree)."""
         images = images.to(self.device)
         x = images.float().sub(127.5).div(127.5) if images.dtype == torch.uint8 else images.float()
         if self._is_own(made_for):
@@ -165,11 +154,10 @@ class Model:
 
     def embed(self, photos, align: bool = True, flip: bool = True, batch_size: int = 64,
               missing: str = "raise") -> np.ndarray:
-        """N x D float32 unit rows, one per photo: with `align`, the photo's largest face; without,
-        the photo taken as a crop aligned for this model. A photo without a face is a DataError
-        naming it (`missing="raise"`) or a row of NaN (`missing="nan"`). One photo (not in a
-        list) gives one row of D. `flip` adds the mirror image's embedding (verification's flip
-        test; dlib's own descriptor is single-view: flip=False)."""
+        """N x D float32 unit rows, one per photo: with `align`, its largest face; without, the photo taken
+        as a crop aligned for this model. A photo without a face is a DataError naming it (`missing="raise"`)
+        or a row of NaN (`missing="nan"`). One photo (not in a list) gives one row of D. `flip` adds the
+        mirror image's embedding (the flip test; dlib's own descriptor is single-view: flip=False)."""
         if missing not in ("raise", "nan"):
             raise ValueError(f"missing={missing!r}: 'raise' or 'nan'")
         if isinstance(photos, bytes):
@@ -185,17 +173,15 @@ class Model:
         return out[0] if single else out
 
     def compare(self, a, b, align: bool = True, flip: bool = True) -> Comparison:
-        """The cosine of two photos' largest faces (of two crops without `align`), and the verdict
-        at this model's threshold (None where it has none)."""
+        """The cosine of two photos' largest faces (two crops without `align`), judged at the model's threshold."""
         emb = self.embed([a, b], align, flip).astype(np.float64)
         score = float(emb[0] @ emb[1])
         value = self.threshold.value if self.threshold is not None else None
         return Comparison(score, None if value is None else score >= value, value)
 
     def draw(self, photo, found: list) -> Image.Image:
-        """A copy of the photo with every face of `found` drawn, its box and five points: faces
-        (`faces`) or matches (`Gallery.identify`: their face, and the name, or "unknown" in another
-        colour, with the score)."""
+        """A copy of the photo with each of `found` drawn (box and five points): faces, or matches
+        (`Gallery.identify`) labelled with name (or "unknown", in another colour) and score."""
         image = open_image(photo).copy()
         pen = ImageDraw.Draw(image)
         side = max(12, round(min(image.size) / 40))
@@ -228,8 +214,8 @@ class _Reframed(nn.Module):
 
 def load_module(spec: str, network: str | None = None, ema: bool = True,
                 device: torch.device | None = None) -> nn.Module:
-    """The eval-mode network of a MODEL: an `.onnx` through onnxruntime; `dlib`'s on its 150x150
-    chip, or trained weights (infer.weights.load_backbone) on `device` (default `tool_device()`)."""
+    """The eval-mode network of a MODEL: an `.onnx` through onnxruntime; `dlib`'s (150x150 chip) or
+    trained weights (infer.weights.load_backbone) on `device` (default `tool_device()`)."""
     kind = model_kind(spec)
     if kind == "onnx":
         return OnnxBackbone(spec).eval()
@@ -243,9 +229,8 @@ def load_module(spec: str, network: str | None = None, ema: bool = True,
 
 def load_model(spec: str, network: str | None = None, ema: bool = True, device: torch.device | None = None,
                detection: Detection = Detection(), precision: str = "fp32") -> Model:
-    """The Model of a MODEL argument (see the module docstring), on `device` (default
-    `tool_device()`; an `.onnx` runs where onnxruntime places it), finding faces with `detection`,
-    embedding at `precision` (PRECISIONS: fp16 and bf16 autocast on a GPU only)."""
+    """The Model of a MODEL argument on `device` (default `tool_device()`; an `.onnx` runs where onnxruntime
+    places it), finding faces with `detection`, embedding at `precision` (fp16, bf16: autocast on a GPU only)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
     kind = model_kind(spec)

@@ -27,11 +27,10 @@ MIN_SPREAD = 0.02  # the five points' spread across their narrower principal axi
 
 
 def template_problem(template: Template) -> str | None:
-    """Why `template` cannot align a face, or None. Its five points must be finite, inside the
-    crop, and span it in two directions: five coincident points make the similarity transform
-    divide by zero (every crop black, every face alike), collinear ones leave it undetermined
-    across the line. insightface's and dlib's templates spread 0.11 to 0.15 crop sides across
-    their narrower axis; MIN_SPREAD is far below that."""
+    """Why `template` cannot align a face, or None. Its five points must be finite, inside the crop, and
+    span it in two directions: coincident points make the similarity transform divide by zero (every crop
+    black, every face alike), collinear ones leave it undetermined across the line. insightface's and
+    dlib's templates spread 0.11 to 0.15 crop sides across their narrower axis, far above MIN_SPREAD."""
     height, width = template.size
     if min(height, width) < 1:
         return f"crop size {height}x{width}"
@@ -49,11 +48,10 @@ def template_problem(template: Template) -> str | None:
 
 
 class OnnxBackbone(nn.Module):
-    """The exported model at `path` (input `data`, N x 3 x h x w float32 RGB in [-1, 1]; a model
-    without TEMPLATE_KEY is taken for insightface's 112x112 crop). It holds no weights of its own:
-    it takes inputs on any device and returns its output on theirs; one exported with a fixed batch
-    size is fed batches of that size. Refused at load, naming what is wrong: weights that are not
-    finite, an output that is not N x D, a template that cannot align a face (`template_problem`)."""
+    """The exported model at `path` (input N x 3 x h x w float32 RGB in [-1, 1]; without TEMPLATE_KEY,
+    taken for insightface's 112x112 crop). With no weights of its own, it takes inputs on any device and
+    returns its output on theirs; one exported with a fixed batch size is fed batches of that size.
+    Refused at load, by name: non-finite weights, an output not N x D, a template that cannot align a face."""
 
     def __init__(self, path: str):
         super().__init__()

@@ -1,15 +1,13 @@
 """The photos of a pair list, each given one face, and each model's embeddings of them: the one
 place that decides a photo's face, for scripts.make_bin (112x112 crops in a .bin) and
-scripts.verify (each model's own crop), so both score the same faces.
+scripts.verify (each model's own crop), so both score the same faces (docs/export.md).
 
 A pair protocol keeps every pair (dropping those of photos without a face flatters the score):
 each photo is searched once under the tools' face options, those without a face again by the
-`Retries` asked for, and a photo still without one is cut at a fallback face (faces.fallback:
-the set's median face at its place and scale in the photo), and named. Both are cached
-(infer.cache) beside the list unless another folder is given (`cache_paths`):
-`LIST.shardface_faces.npz`, per (photo content, face options) its size and largest face, for
-every model; `LIST.shardface_pairs.FINGERPRINT.npz`, per model and (photo content, the face its
-crop is cut from: right whichever search found it) the raw embeddings of the crop and its mirror."""
+`Retries` asked for, and one still without is cut at a fallback face (faces.fallback) and named.
+Both are cached (infer.cache) beside the list, or in `cache_paths`' folder: the faces, for every
+model, in `LIST.shardface_faces.npz` (`FacesCache`); each model's embeddings, keyed by the face cut
+(right whichever search found it), in `LIST.shardface_pairs.FINGERPRINT.npz` (`EmbeddingCache`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -130,8 +128,7 @@ class PairFaces:
 
 def _search(photos: list[str], detection: Detection, content: dict, cache: FacesCache, label: str,
             show_progress: bool, workers: int = 1) -> tuple[dict[str, tuple[tuple[int, int], Face | None]], int]:
-    """({photo: (its size, its largest face or None)}, searches run) under `detection`, on
-    `workers` processes (faces.stream)."""
+    """({photo: (its size, its largest face or None)}, searches run) under `detection`, on `workers`."""
     options = json.dumps(dataclasses.asdict(detection), sort_keys=True)
     keys = {p: f"{content[p]}|{options}" for p in photos}
     todo = [p for p in photos if keys[p] not in cache]

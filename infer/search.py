@@ -5,14 +5,11 @@ engines that give the same answer, and "auto", which picks the faster of them fo
     index.add(gallery)                        # N x D float rows, ids 0 .. N-1 in order added
     scores, ids = index.search(queries, k)    # Q x min(k, N) float32 scores, int64 ids
 
-Rows come back best first; equal scores are ordered by the lower id first, in both engines,
-so a result never depends on the engine, the block sizes or the thread count. k is clamped to
-the gallery's size before anything is allocated: a k larger than the gallery (`--top
-1000000000`) gives every row, N columns, not Q x k places of nothing (faiss would pad them with
-score -inf and id -1, and allocate them).
-
-Neither engine is the faster everywhere: `pick_engine` reads the table `FASTER`, measured
-and explained in benchmarks/runs/search_grid.md."""
+Rows come back best first, equal scores by the lower id, in both engines: a result never depends
+on the engine, the block sizes or the thread count. k is clamped to the gallery's size before
+anything is allocated, so `--top 1000000000` gives N columns, not Q x k places of nothing (faiss
+would allocate them, padded with score -inf and id -1). Neither engine is the faster everywhere:
+`pick_engine` reads the table `FASTER` (benchmarks/runs/search_grid.md)."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,11 +17,10 @@ import torch
 
 ENGINES = ("auto", "exact", "faiss")
 
-# The faster engine at each point of `python benchmarks/search.py --grid` (a gallery of N random
-# unit 512-D vectors, Q queries searched at once, top 10), as benchmarks/runs/search_grid.md's table
-# "1:N search" shows it: measured 2026-11-26 on a quiet 2-core AMD EPYC (rerun it on another
-# machine and paste its closing rule here). Per (N, Q), the engine for
-# (1 thread, float32), (all threads, float32), (1 thread, float16), (all threads, float16).
+# The faster engine per (N, Q) of `python benchmarks/search.py --grid` (N random unit 512-D vectors,
+# Q queries at once, top 10; 2026-11-26, a quiet 2-core AMD EPYC: benchmarks/runs/search_grid.md; on
+# another machine, rerun it and paste its closing rule here), for (1 thread, float32),
+# (all threads, float32), (1 thread, float16), (all threads, float16).
 FASTER = {
     (10_000, 1): ("faiss", "faiss", "faiss", "faiss"),
     (10_000, 10): ("exact", "exact", "faiss", "faiss"),
@@ -64,11 +60,10 @@ def _order(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tenso
 
 
 def _block_top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k best columns of each row of a Q x B score block, equal scores at the k-th place
-    resolved to the lower column (the order within the k is left to `_order`). torch.topk picks
-    among equal scores arbitrarily, so it is asked for k + 1: a row whose k-th and (k+1)-th
-    scores are equal (rare with real embeddings) has a tie across the cut, and is sorted stably
-    instead. That costs no second pass over the block."""
+    """The k best columns of each row of a Q x B score block, a tie at the k-th place going to the lower
+    column (`_order` orders the k). torch.topk picks among equal scores arbitrarily, so it is asked for
+    k + 1: a row whose k-th and (k+1)-th scores are equal (rare with real embeddings) is sorted stably
+    instead, with no second pass over the block."""
     if k >= scores.shape[1]:
         return scores, torch.arange(scores.shape[1], device=scores.device).expand(len(scores), -1)
     values, cols = torch.topk(scores, k + 1, dim=1)
@@ -81,15 +76,14 @@ def _block_top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 class ExactIndex:
-    """Blocked exact search in torch on `device` (the CPU by default; a GPU where faiss-gpu is
-    absent: the same code, the same answer), the gallery kept in blocks of float32 or float16
-    (half the memory; scores are always accumulated in float32). A search reads each gallery
-    block once (made float32 in one reused buffer when stored as float16) and scores it against
-    one block of queries at a time, each query keeping a running top k: memory beyond the gallery
-    is bounded by the two block sizes, never Q x N. Scores are computed as gallery x queries (B x Q:
-    with torch's MKL on a 2-core AMD EPYC the faster layout, 1.4x for 1000 queries by 8192 rows),
-    then laid out as Q x B for torch.topk along contiguous rows. Both score tiles are reused, so a
-    search allocates no memory per block (a fresh tile of several MB costs its page faults every time)."""
+    """Blocked exact search in torch on `device` (the CPU by default; a GPU where faiss-gpu is absent: the
+    same code, the same answer), the gallery kept in blocks of float32 or float16 (half the memory; scores
+    always accumulate in float32). A search reads each gallery block once (as float32 in one reused buffer
+    when stored as float16) and scores it against one block of queries at a time, each query keeping a
+    running top k: memory beyond the gallery is bounded by the two block sizes, never Q x N. Scores are
+    computed as B x Q (the faster product: benchmarks/README.md, '1:N search'), then laid out as Q x B for
+    torch.topk along contiguous rows. Both score tiles are reused: a fresh one of several MB per block
+    would cost its page faults every time."""
 
     def __init__(self, dim: int, dtype: torch.dtype = torch.float32, gallery_block: int = 8192,
                  query_block: int = 512, device: torch.device | str = "cpu"):
@@ -138,11 +132,10 @@ class ExactIndex:
 
 
 class FaissIndex:
-    """faiss-cpu's IndexFlatIP, the field's standard exact engine (`fp16`: IndexScalarQuantizer
-    QT_fp16, float16 storage scored in float32). faiss returns a true top-k set by score, but which
-    of several equal scores at the k-th place it keeps is its heap's choice: so it is asked for more
-    places until the k-th score is strictly above the last one returned (or the whole gallery is
-    returned), and the answer is sorted, equal scores by the lower id."""
+    """faiss-cpu's IndexFlatIP, the field's standard exact engine (`fp16`: IndexScalarQuantizer QT_fp16,
+    float16 storage scored in float32). Which of several equal scores at the k-th place faiss keeps is its
+    heap's choice, so it is asked for more places until the k-th score is strictly above the last one
+    returned (or the whole gallery is), and the answer is sorted, equal scores by the lower id."""
 
     def __init__(self, dim: int, fp16: bool = False):
         import faiss  # only this engine needs it
@@ -181,8 +174,8 @@ def _nearest(value: int, measured) -> int:
 
 
 def pick_engine(size: int, queries: int, threads: int, fp16: bool = False) -> str:
-    """The engine FASTER names for the measured point nearest to a search of `queries` queries
-    in a gallery of `size` rows on `threads` threads (1, or more: the table's 'all')."""
+    """The engine FASTER names at the point nearest to `queries` queries in a gallery of `size` rows on
+    `threads` threads (1, or more: the table's 'all')."""
     n = _nearest(size, {n for n, _ in FASTER})
     q = _nearest(queries, {q for m, q in FASTER if m == n})
     return FASTER[n, q][(threads > 1) + 2 * fp16]
@@ -190,10 +183,9 @@ def pick_engine(size: int, queries: int, threads: int, fp16: bool = False) -> st
 
 def make_index(dim: int, engine: str = "exact", fp16: bool = False, size: int | None = None,
                queries: int | None = None, device: torch.device | str = "cpu") -> ExactIndex | FaissIndex:
-    """An empty index of `engine` for `dim`-D vectors: "exact" (ours), "faiss" (IndexFlatIP) or
-    "auto", the faster of the two by `pick_engine` for a gallery of `size` rows searched with
-    `queries` queries at once on torch's thread count. On a GPU `device` (the model's), auto is
-    ours there: faiss-cpu cannot search on it (a grid of the GPU's measured points is to come)."""
+    """An empty index of `engine` for `dim`-D vectors: "exact" (ours), "faiss" (IndexFlatIP) or "auto", the
+    faster by `pick_engine` for a gallery of `size` rows, `queries` queries at once and torch's thread count;
+    on a GPU `device` (the model's) auto is ours there, as faiss-cpu cannot search on it."""
     device = torch.device(device)
     if engine == "auto":
         if size is None or queries is None:

@@ -1,7 +1,6 @@
-"""Photos to embedded faces: the face stream (faces.stream) cut to a model's crop, each face's
-crop embedded a batch at a time while the workers find the next photos' faces. It is the only
-code that runs a model's forward on photos: the Python API (`Model.faces/embed/compare`,
-`Gallery`), enrolment, the pair protocols and every tool's `--align` are layers on it."""
+"""Photos to embedded faces: the face stream (faces.stream) cut to a model's crop, each batch of crops
+embedded while the workers find the next photos' faces. The only forward of a model on photos: the
+Python API, enrolment, the pair protocols and every tool's `--align` are layers on it."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,11 +19,10 @@ from infer.embed import embed, l2_normalize, refuse_non_finite_embeddings
 def analyse(model, photos: Iterable, workers: int = 1, flip: bool = True, largest_only: bool = False,
             align: bool = True, batch_size: int = 64, progress: Callable[[], None] | None = None,
             faces: list[list[Face]] | None = None, resize: bool = False, raw: bool = False) -> Iterator[Photo]:
-    """Each photo's `Photo` (faces.stream), in order, its faces (every one, or the largest only)
-    carrying `.embedding` (`embed_crops`'s row). Without `align` each photo is a crop aligned
-    for the model (or insightface's 112x112, re-framed onto the model's template), its one face
-    the whole image; `resize`: crops of another size are resized to the model's. `faces`: each
-    photo's faces known already (cut, not searched)."""
+    """Each photo's `Photo` (faces.stream), in order, its faces (all, or the largest only) carrying
+    `.embedding` (`embed_crops`'s row). Without `align` each photo is a crop aligned for the model (or
+    insightface's 112x112, re-framed), its one face the whole image; `resize`: crops of another size
+    are resized to the model's. `faces`: each photo's faces known already (cut, not searched)."""
     if align:
         crop = Crop(model.template, dlib_chip=model.kind == "dlib")  # picklable: the workers cut the crops
         found = stream(photos, model.detection, crop, workers, largest_only, faces, progress)
@@ -41,8 +39,7 @@ def analyse(model, photos: Iterable, workers: int = 1, flip: bool = True, larges
 
 
 def template_for(size: tuple[int, int], template: Template) -> Template | None:
-    """The template a crop of (h, w) `size` was aligned to: `template` (the model's), else
-    insightface's 112x112, else None."""
+    """The template a crop of (h, w) `size` was aligned to: `template` (the model's), else ARCFACE_112, else None."""
     return next((t for t in (template, ARCFACE_112) if tuple(size) == tuple(t.size)), None)
 
 
@@ -68,11 +65,10 @@ def _embedded(model, photos: list[Photo], flip: bool, batch_size: int, raw: bool
 
 def embed_crops(model, crops: torch.Tensor, made_for: Template | None = None, flip: bool = True,
                 batch_size: int = 64, raw: bool = False) -> np.ndarray:
-    """N x D unit rows of N x 3 x h x w uint8 crops aligned to `made_for` (default the model's
-    template; others are re-framed onto it): each crop's embedding plus its mirror image's
-    (verification's flip test), or its own alone without `flip`; with `raw`, N x 2 x D, the two as
-    the network gives them (the pair protocols score both). Embeddings that are not finite are
-    refused, naming the model."""
+    """N x D unit rows of N x 3 x h x w uint8 crops aligned to `made_for` (default the model's template;
+    others are re-framed onto it): each crop's embedding plus its mirror image's (the flip test), or its
+    own alone without `flip`; with `raw`, N x 2 x D, the two as the network gives them (the pair
+    protocols score both). Embeddings that are not finite are refused, naming the model."""
     module, precision = model.for_crops(made_for or model.template), model.precision
     own = refuse_non_finite_embeddings(embed(crops, module, batch_size, precision), model.name)
     if not (flip or raw):

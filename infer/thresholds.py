@@ -1,15 +1,12 @@
-"""The cosine threshold a verdict is made at (`compare`'s same or different, `identify`'s name
-or `unknown`), and where it came from, which both tools print.
+"""The cosine threshold a verdict is made at (`compare`'s same or different, `identify`'s name or
+`unknown`), and where it came from, which both tools print.
 
-A threshold is, in order: the one given (`--threshold T`: a cosine, finite, in [-1, 1]); the
-one fitted to a verification set (`--threshold_from VAL.bin`: the best over its pairs); the
-MODEL's own: dlib's rule (below), or a trained run's threshold at a stated FAR on its
-validation set (`threshold_at_far`, saved by training, carried into ONNX). A MODEL without a
-known threshold names no one: `identify` refuses at start.
-
-MODEL `dlib`'s own threshold is its author's rule, Euclidean distance 0.6 between two of its
-raw descriptors, as the cosine it is at their mean norm (derived and checked in
-docs/identification.md, "dlib's threshold")."""
+A threshold is, in order: the one given (`--threshold T`: a finite cosine in [-1, 1]); the one
+fitted to a verification set (`--threshold_from VAL.bin`: the best over its pairs); the MODEL's
+own: for `dlib` its author's rule, Euclidean distance 0.6 between raw descriptors, as the cosine it
+is at their mean norm (derived in docs/identification.md, "dlib's threshold"), for a trained run its
+threshold at a stated FAR on its validation set (`threshold_at_far`, saved by training, carried
+into ONNX). A MODEL without a known threshold names no one: `identify` refuses at start."""
 from __future__ import annotations
 
 import json
@@ -50,8 +47,7 @@ class Threshold:
 
 
 def checked(value: float, flag: str = "--threshold") -> float:
-    """`value` if it is a cosine score (a finite real number in [-1, 1]: not a string or a bool),
-    else a ThresholdError naming it."""
+    """`value` if it is a cosine (a finite real number in [-1, 1], not a bool), else a ThresholdError naming it."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise ThresholdError(f"{flag} {value!r}: a threshold is a number in [-1, 1], not a {type(value).__name__}")
     if not math.isfinite(value) or not -1.0 <= value <= 1.0:
@@ -96,10 +92,9 @@ THRESHOLD_KEY = "shardface.threshold"
 
 
 def threshold_at_far(cosines, same) -> dict | None:
-    """{threshold, far, tar, pairs, different_pairs}: the lowest cosine threshold at which at most
-    `far` of the different-person pairs are accepted (`cos >= threshold`), for the lowest `far`
-    of FARS that the pairs can measure (at least 1 / far different-person pairs); None where
-    there are too few for any."""
+    """{threshold, far, tar, pairs, different_pairs}: the lowest cosine threshold accepting (`cos >= threshold`)
+    at most `far` of the different-person pairs, for the lowest `far` of FARS the pairs can measure (at least
+    1 / far different-person pairs); None where there are too few for any."""
     cosines, same = np.asarray(cosines, np.float64), np.asarray(same, bool)
     different = np.sort(cosines[~same])[::-1]
     for far in FARS:
@@ -129,11 +124,10 @@ def saved_threshold(record: dict | None, where: str) -> Threshold | None:
 
 
 def run_threshold(path: str, ema: bool = True, fingerprint: str | None = None) -> Threshold | None:
-    """The threshold training saved beside the weights at `path` (a run output, a checkpoint dir,
-    or the run's model.pt: the latest checkpoint's weights, the EMA's where there is one), if it
-    was measured on those weights: at their step, and, where the record names the weights'
-    fingerprint, on weights of that fingerprint (`fingerprint`: theirs, when the caller has it;
-    else read from `path`); else None (an earlier run's file in the same folder is not theirs)."""
+    """The threshold training saved beside the weights at `path` (a run output, a checkpoint dir, or the
+    run's model.pt: the latest checkpoint's weights, the EMA's where there is one) if it was measured on
+    them: at their step and, where the record names a fingerprint, theirs (`fingerprint`, else read from
+    `path`); else None (an earlier run's file in the same folder is not theirs)."""
     from checkpoint.folders import CHECKPOINT_NAME, find_checkpoint
     run = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     ckpt = find_checkpoint(run)

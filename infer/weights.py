@@ -1,6 +1,5 @@
-"""Trained weights for evaluation, export and fine-tuning: a backbone built from any form
-checkpoint.load.read_backbone_weights reads, or from `dlib` (dlib's face descriptor, network
-`dlib_resnet`)."""
+"""Trained weights for evaluation, export and fine-tuning: a backbone built from any form that
+checkpoint.load.read_backbone_weights reads, or from `dlib` (dlib's descriptor, network `dlib_resnet`)."""
 from __future__ import annotations
 
 import functools
@@ -33,8 +32,7 @@ def _dlib_state(path: str, size: int, mtime_ns: int) -> dict:
 
 
 def load_backbone_state(path: str, ema: bool = True) -> tuple[dict, dict]:
-    """(state dict, training config or {}) of checkpoint.load.read_backbone_weights, or of `dlib`
-    (dlib's weights, with the config of the network they fit)."""
+    """(state dict, training config or {}) of checkpoint.load.read_backbone_weights, or `dlib`'s (its network's)."""
     if path == DLIB:
         return dlib_state(), {"network": "dlib_resnet", "embedding_size": 128}
     return read_backbone_weights(path, ema)
