@@ -40,8 +40,7 @@ def similarity_transform(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
 
 
 def warp(img: Image.Image, to_image: np.ndarray, size: tuple[int, int]) -> Image.Image:
-    """The crop of `size` (height, width) whose pixel p is the photo's at `to_image` @ (p, 1)
-    (2x3; bilinear; outside the photo is black)."""
+    """The crop of (h, w) `size` whose pixel p is the photo's at `to_image` @ (p, 1) (2x3; bilinear; black outside)."""
     # Coordinates name pixel centres (as detectors, insightface and OpenCV do); Pillow's
     # transform works in continuous coordinates, where pixel i's centre is at i + 0.5.
     m = np.array(to_image, np.float64)

@@ -3,22 +3,20 @@ landmarks per face in insightface's order (left eye centre, right eye centre, no
 corner, right mouth corner; "left" is the photo's left) from dlib's landmark predictors.
 
 `detect_faces(image)` -> [Face], largest first; `Detection` names how (the tools' face options).
-Models load once per process and are kept; dlib's must not run in two threads at once, so a lock
-makes threads (a web server's pool) take turns. A photo larger than `max_side` pixels is searched
-at that size (boxes and landmarks come back in the photo's pixels, landmarks found at full
-resolution), so a 24-megapixel photo costs what a 1600-pixel one does; `upsample` doubles the
-searched size that many times, for faces under the detectors' 80 pixels (HOG) or about 40 (MMOD).
+Models load once per process; dlib's must not run in two threads at once, so a lock makes threads (a web
+server's pool) take turns. A photo larger than `max_side` is searched at that size (boxes and landmarks in
+its pixels, landmarks found at full resolution): a 24-megapixel photo costs what a 1600-pixel one does.
+`upsample` doubles the searched size that many times, for faces under 80 pixels (HOG) or about 40 (MMOD).
 
 The 68-point model gives the five points directly, but its training data (iBUG 300-W) excludes
 commercial use; the public-domain 5-point model gives eye corners and the nose base only
 (docs/photos.md). From it the eye centres are the middles of each eye's corners, and the five
 points are `[1, u, v] @ FROM_NOSE_BASE` for the nose base at (u, v) in the eyes' frame: origin
 midway between the eye centres, x the vector from the left to the right eye centre, y that turned
-90 degrees (down the face), so unchanged by the face's position, size and roll; u follows the head
-turning left and right, v its tilting up and down. The constants are the least-squares fit to the
-68-point model's five points on 188 real faces (the 94 of scikit-image's LFW subset that HOG finds,
-upscaled, and their mirror images; `python benchmarks/faces.py --fit`); what the substitution
-costs: benchmarks/README.md ('Faces')."""
+90 degrees (down the face), so unchanged by the face's position, size and roll. The constants are
+the least-squares fit to the 68-point model's five points on 188 real faces (the 94 of scikit-image's
+LFW subset that HOG finds, upscaled, and their mirror images; `python benchmarks/faces.py --fit`);
+what the substitution costs: benchmarks/README.md ('Faces')."""
 from __future__ import annotations
 
 import functools
@@ -47,10 +45,9 @@ FROM_NOSE_BASE = np.array([
 
 @dataclass(frozen=True)
 class Face:
-    """One face: `box` (x0, y0, x1, y1) in photo pixels, `points` 5 x 2 (x, y) in insightface's
-    order, `score` the detector's (HOG: SVM margin, MMOD: CNN score; > 0 kept), `shape` dlib's own
-    landmarks (5 or 68 x 2, its predictor's order: faces.dlib_chip cuts from them), `embedding` the
-    model's unit row where one embedded it (infer.stream)."""
+    """One face: `box` (x0, y0, x1, y1) in photo pixels, `points` 5 x 2 (x, y) in insightface's order, `score`
+    the detector's (HOG: SVM margin, MMOD: CNN score; > 0 kept), `shape` dlib's landmarks (5 or 68 x 2, its
+    order: faces.dlib_chip cuts from them), `embedding` the model's unit row once embedded (infer.stream)."""
     box: tuple[float, float, float, float]
     points: np.ndarray
     score: float
@@ -162,8 +159,7 @@ class Detection:
 
 
 def load_photo(path: str) -> Image.Image:
-    """The photo at `path` as RGB, EXIF rotation applied (phones store portraits sideways); an
-    unreadable file is an ImageDecodeError naming it."""
+    """The photo at `path` as RGB, turned by its EXIF (phones store portraits sideways); else an ImageDecodeError."""
     try:
         with Image.open(path) as img:
             return to_rgb(ImageOps.exif_transpose(img))

@@ -5,11 +5,10 @@ processes (faces.workers), the same whatever their number.
     for photo in stream(paths, Detection(), cut=Crop(ARCFACE_112), workers=4):
         photo.name, photo.size, photo.faces, photo.cuts
 
-Every user of faces goes through `stream` (docs/architecture.md): the tools, the pair protocols,
-infer.stream (which adds embeddings) and training's aligned folders (whose loader cuts with the
-same `Crop`). A photo is a path, a PIL image or an H x W (x 3) uint8 array; faces known already
-(`faces=`: fallback faces, an earlier search) are cut, not searched. Built on it for `--align`
-and aligned folders: `find_faces`, `usable`, `align_groups`, `aligned_pngs`."""
+Every user of faces goes through `stream` (docs/architecture.md): the tools, the pair protocols, infer.stream
+(which adds embeddings) and training's aligned folders (whose loader cuts with the same `Crop`). A photo is a
+path, a PIL image or an H x W (x 3) uint8 array; faces known already (`faces=`: fallback faces, an earlier
+search) are cut, not searched. Built on it: `find_faces`, `usable`, `align_groups`, `aligned_pngs`."""
 from __future__ import annotations
 
 import io
@@ -60,9 +59,8 @@ def open_image(photo, index: int = 0) -> Image.Image:
 @dataclass(frozen=True)
 class Crop:
     """Cuts a face's crop for a template, H x W x 3 uint8, from anything `open_image` takes: the five-point
-    alignment, or with `dlib_chip` (MODEL dlib) dlib's own chip from its 5-point shape, as dlib and
-    face_recognition cut it (with 68 landmarks: the five points on the chip's template). `png`: the
-    crop's PNG bytes instead (lossless: no second compression)."""
+    alignment, or with `dlib_chip` (MODEL dlib) dlib's own chip from its 5-point shape, as face_recognition
+    cuts it (with 68 landmarks: the five points on the chip's template). `png`: PNG bytes (lossless) instead."""
     template: Template
     dlib_chip: bool = False
     png: bool = False

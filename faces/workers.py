@@ -84,8 +84,7 @@ def map_photos(fn: Callable[[T], R], items: Iterable[T], workers: int,
 
 
 def warm_up(fn: Callable, workers: int) -> None:
-    """Where workers will come from a forkserver, start it now: it imports `fn`'s needs (seconds: torch)
-    while this process does other work."""
+    """Where workers will come from a forkserver, start it now: it imports `fn`'s needs (seconds) meanwhile."""
     if workers > 1 and not multiprocessing.current_process().daemon and not _fork_is_safe():
         _forkserver(fn)
 
@@ -140,9 +139,8 @@ def _module_of(fn) -> str:
 
 def _forkserver(fn) -> bool:
     """Start the forkserver (once: it serves every later pool), importing `fn`'s module, or where that is
-    main (imported under its own name, runpy would warn) the modules main took its names from. False where
-    it cannot run: none on this system, or no socket for it in the temporary directory (an AF_UNIX path
-    holds 107 bytes; TMPDIR too long, or none writable)."""
+    main (imported by name, runpy would warn) the modules main took its names from. False where it cannot
+    run: none here, or no socket in the temporary directory (an AF_UNIX path holds 107 bytes; none writable)."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return False
     from multiprocessing import forkserver

@@ -25,9 +25,8 @@ AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 @torch.no_grad()
 def embed(images: torch.Tensor, module: nn.Module, batch_size: int, precision: str = "fp32") -> np.ndarray:
-    """Embeddings of a uint8 image tensor (normalised to [-1, 1] here), `batch_size` at a time in
-    eval mode on the module's device (its train/eval mode restored afterwards), in fp32, or on a
-    GPU under `precision`'s autocast; the result does not depend on batch_size."""
+    """Embeddings of uint8 images (normalised to [-1, 1] here), `batch_size` at a time (any gives the same result)
+    in eval mode on the module's device (its mode restored after), fp32 or on a GPU under `precision`'s autocast."""
     device = module_device(module)
     # channels-last batches: the same math, faster (benchmarks/README.md, 'Channels-last batches');
     # a module without weights (the ONNX form) takes them as given

@@ -212,8 +212,7 @@ def mean_cross_cosine(templates: np.ndarray) -> float:
 
 
 def identify(gallery: Enrolment, queries: np.ndarray, k: int = 1, engine: str = "auto", device="cpu"):
-    """(scores, person indices), Q x min(k, people), best first (infer.search's order); `engine` and
-    `device` as infer.search.make_index takes them."""
+    """(scores, person indices), Q x min(k, people), best first; `engine`, `device`: as infer.search.make_index."""
     index = make_index(gallery.templates.shape[1], engine, size=len(gallery.templates), queries=len(queries),
                        device=device)
     index.add(gallery.templates)
@@ -222,9 +221,8 @@ def identify(gallery: Enrolment, queries: np.ndarray, k: int = 1, engine: str = 
 
 @dataclass(frozen=True)
 class Match:
-    """A face of a query photo and who it is: `name`, or None where nobody in the gallery reaches
-    the threshold; `score`, the best person's cosine; `face` (.box, .points, .embedding); and
-    `candidates`, the `top` best (name, score), best first, whatever the threshold."""
+    """A query photo's face and who it is: `name` (None: nobody reaches the threshold), `score` the best
+    person's cosine, `face`, and `candidates`, the `top` best (name, score), best first, whatever the threshold."""
     name: str | None
     score: float
     face: Face

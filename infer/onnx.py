@@ -48,10 +48,9 @@ def template_problem(template: Template) -> str | None:
 
 
 class OnnxBackbone(nn.Module):
-    """The exported model at `path` (input N x 3 x h x w float32 RGB in [-1, 1]; without TEMPLATE_KEY,
-    taken for insightface's 112x112 crop). With no weights of its own, it takes inputs on any device and
-    returns its output on theirs; one exported with a fixed batch size is fed batches of that size.
-    Refused at load, by name: non-finite weights, an output not N x D, a template that cannot align a face."""
+    """The exported model at `path` (input N x 3 x h x w float32 RGB in [-1, 1]; no TEMPLATE_KEY: insightface's
+    112x112 crop). Without weights of its own it takes input on any device, output on theirs; a fixed batch size
+    is fed whole batches. Refused at load, by name: non-finite weights, output not N x D, `template_problem`."""
 
     def __init__(self, path: str):
         super().__init__()

@@ -108,8 +108,7 @@ class PairFaces:
     searched: int                               # photo searches run now (the rest came from the cache)
 
     def report(self, pairs: list[tuple[str, str]]) -> list[str]:
-        """Lines saying how many searches the cache answered, what the retries recovered, and
-        naming the photos given a fallback."""
+        """Lines counting the searches the cache answered and what the retries recovered, naming fallbacks."""
         cached = len(self.faces) + sum(tried for _, _, tried in self.recovered) - self.searched
         lines = [f"faces: {self.searched} photo searches run, {cached} answered by the cache"]
         lines += [f"{option}: a face found in {found} of the {tried} photos searched again"

@@ -17,10 +17,9 @@ import torch
 
 ENGINES = ("auto", "exact", "faiss")
 
-# The faster engine per (N, Q) of `python benchmarks/search.py --grid` (N random unit 512-D vectors,
-# Q queries at once, top 10; 2026-11-26, a quiet 2-core AMD EPYC: benchmarks/runs/search_grid.md; on
-# another machine, rerun it and paste its closing rule here), for (1 thread, float32),
-# (all threads, float32), (1 thread, float16), (all threads, float16).
+# The faster engine per (N, Q) of `benchmarks/search.py --grid` (N random unit 512-D vectors, Q queries at
+# once, top 10; 2026-11-26, a quiet 2-core AMD EPYC; its closing rule, pasted: benchmarks/runs/search_grid.md)
+# for (1 thread, float32), (all threads, float32), (1 thread, float16), (all threads, float16).
 FASTER = {
     (10_000, 1): ("faiss", "faiss", "faiss", "faiss"),
     (10_000, 10): ("exact", "exact", "faiss", "faiss"),
@@ -61,9 +60,8 @@ def _order(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tenso
 
 def _block_top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k best columns of each row of a Q x B score block, a tie at the k-th place going to the lower
-    column (`_order` orders the k). torch.topk picks among equal scores arbitrarily, so it is asked for
-    k + 1: a row whose k-th and (k+1)-th scores are equal (rare with real embeddings) is sorted stably
-    instead, with no second pass over the block."""
+    column (`_order` orders the k). torch.topk breaks ties arbitrarily, so it is asked for k + 1: a row
+    whose k-th and (k+1)-th scores are equal (rare) is sorted stably instead, with no second pass."""
     if k >= scores.shape[1]:
         return scores, torch.arange(scores.shape[1], device=scores.device).expand(len(scores), -1)
     values, cols = torch.topk(scores, k + 1, dim=1)
@@ -78,12 +76,11 @@ def _block_top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
 class ExactIndex:
     """Blocked exact search in torch on `device` (the CPU by default; a GPU where faiss-gpu is absent: the
     same code, the same answer), the gallery kept in blocks of float32 or float16 (half the memory; scores
-    always accumulate in float32). A search reads each gallery block once (as float32 in one reused buffer
-    when stored as float16) and scores it against one block of queries at a time, each query keeping a
-    running top k: memory beyond the gallery is bounded by the two block sizes, never Q x N. Scores are
-    computed as B x Q (the faster product: benchmarks/README.md, '1:N search'), then laid out as Q x B for
-    torch.topk along contiguous rows. Both score tiles are reused: a fresh one of several MB per block
-    would cost its page faults every time."""
+    accumulate in float32). A search reads each gallery block once (float16 made float32 in one reused
+    buffer) and scores it against one block of queries at a time, each query keeping a running top k, so
+    memory beyond the gallery is the two block sizes, never Q x N. Scores are computed as B x Q (the faster
+    product: benchmarks/README.md, '1:N search'), laid out as Q x B for torch.topk along contiguous rows,
+    in two reused tiles (a fresh one of several MB per block would cost its page faults every time)."""
 
     def __init__(self, dim: int, dtype: torch.dtype = torch.float32, gallery_block: int = 8192,
                  query_block: int = 512, device: torch.device | str = "cpu"):
@@ -132,10 +129,9 @@ class ExactIndex:
 
 
 class FaissIndex:
-    """faiss-cpu's IndexFlatIP, the field's standard exact engine (`fp16`: IndexScalarQuantizer QT_fp16,
-    float16 storage scored in float32). Which of several equal scores at the k-th place faiss keeps is its
-    heap's choice, so it is asked for more places until the k-th score is strictly above the last one
-    returned (or the whole gallery is), and the answer is sorted, equal scores by the lower id."""
+    """faiss-cpu's exact IndexFlatIP (`fp16`: IndexScalarQuantizer QT_fp16, float16 storage scored in float32).
+    Which of equal scores at the k-th place faiss keeps is its heap's choice, so it is asked for more places
+    until the k-th score is above the last returned (or all are), and the answer sorted, ties by the lower id."""
 
     def __init__(self, dim: int, fp16: bool = False):
         import faiss  # only this engine needs it
@@ -174,8 +170,7 @@ def _nearest(value: int, measured) -> int:
 
 
 def pick_engine(size: int, queries: int, threads: int, fp16: bool = False) -> str:
-    """The engine FASTER names at the point nearest to `queries` queries in a gallery of `size` rows on
-    `threads` threads (1, or more: the table's 'all')."""
+    """FASTER's engine at the point nearest `size` gallery rows and `queries` queries, on `threads` (1, or 'all')."""
     n = _nearest(size, {n for n, _ in FASTER})
     q = _nearest(queries, {q for m, q in FASTER if m == n})
     return FASTER[n, q][(threads > 1) + 2 * fp16]

@@ -19,10 +19,9 @@ from infer.embed import embed, l2_normalize, refuse_non_finite_embeddings
 def analyse(model, photos: Iterable, workers: int = 1, flip: bool = True, largest_only: bool = False,
             align: bool = True, batch_size: int = 64, progress: Callable[[], None] | None = None,
             faces: list[list[Face]] | None = None, resize: bool = False, raw: bool = False) -> Iterator[Photo]:
-    """Each photo's `Photo` (faces.stream), in order, its faces (all, or the largest only) carrying
-    `.embedding` (`embed_crops`'s row). Without `align` each photo is a crop aligned for the model (or
-    insightface's 112x112, re-framed), its one face the whole image; `resize`: crops of another size
-    are resized to the model's. `faces`: each photo's faces known already (cut, not searched)."""
+    """Each photo's `Photo` (faces.stream), in order, its faces (all, or the largest only; `faces`: known
+    already) carrying `.embedding` (`embed_crops`'s row). Without `align` each photo is a crop aligned for
+    the model (or ARCFACE_112, re-framed), its one face the whole image; `resize` fits other sizes to the model's."""
     if align:
         crop = Crop(model.template, dlib_chip=model.kind == "dlib")  # picklable: the workers cut the crops
         found = stream(photos, model.detection, crop, workers, largest_only, faces, progress)
@@ -65,10 +64,9 @@ def _embedded(model, photos: list[Photo], flip: bool, batch_size: int, raw: bool
 
 def embed_crops(model, crops: torch.Tensor, made_for: Template | None = None, flip: bool = True,
                 batch_size: int = 64, raw: bool = False) -> np.ndarray:
-    """N x D unit rows of N x 3 x h x w uint8 crops aligned to `made_for` (default the model's template;
-    others are re-framed onto it): each crop's embedding plus its mirror image's (the flip test), or its
-    own alone without `flip`; with `raw`, N x 2 x D, the two as the network gives them (the pair
-    protocols score both). Embeddings that are not finite are refused, naming the model."""
+    """N x D unit rows of N x 3 x h x w uint8 crops aligned to `made_for` (default the model's template; others
+    re-framed): each crop's embedding plus its mirror's (the flip test), or its own without `flip`; `raw`: the
+    two as the network gives them, N x 2 x D (the pair protocols score both). Non-finite rows are refused."""
     module, precision = model.for_crops(made_for or model.template), model.precision
     own = refuse_non_finite_embeddings(embed(crops, module, batch_size, precision), model.name)
     if not (flip or raw):

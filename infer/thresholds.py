@@ -83,9 +83,8 @@ def no_threshold(model: str) -> ThresholdError:
                           f"its pairs best)")
 
 
-# A trained run's own threshold: training's verification (eval/callback.py) saves it beside the
-# run's weights (THRESHOLD_FILE, with the step it was measured at and the weights' fingerprint,
-# checkpoint.state.weights_fingerprint); export_onnx carries it into the .onnx's metadata (THRESHOLD_KEY).
+# A trained run's own threshold: training's verification (eval/callback.py) saves it beside the run's weights
+# (THRESHOLD_FILE, with its step and the weights' fingerprint); export_onnx puts it in the .onnx (THRESHOLD_KEY).
 FARS = (1e-3, 1e-2, 1e-1)   # the lowest one the set's different-person pairs can measure is used
 THRESHOLD_FILE = "threshold.json"
 THRESHOLD_KEY = "shardface.threshold"

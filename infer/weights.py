@@ -19,8 +19,7 @@ DLIB_FILE = "dlib_face_recognition_resnet_model_v1.dat"
 
 
 def dlib_state() -> dict:
-    """The state dict of backbones.dlib_resnet holding dlib's face descriptor weights
-    (face-recognition-models' file, read once per process: callers copy, never change it)."""
+    """dlib's descriptor as backbones.dlib_resnet's state dict, read once per process: callers copy, never change it."""
     path = model_file(DLIB_FILE)
     stat = os.stat(path)
     return _dlib_state(path, stat.st_size, stat.st_mtime_ns)
