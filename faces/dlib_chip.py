@@ -81,7 +81,8 @@ def dlib_chip(img: Image.Image, shape5: np.ndarray, size: int = SIZE) -> Image.I
         levels += 1
     if levels:
         grow = 2.0 ** (levels + 2) - 2  # 2, then twice that plus 2 at each level
-        corners = centre + np.array([[-1, -1], [1, -1], [-1, 1], [1, 1]]) * span / 2 @ (linear / np.hypot(*linear[:, 0])).T
+        rotation = linear / np.hypot(*linear[:, 0])
+        corners = centre + np.array([[-1, -1], [1, -1], [-1, 1], [1, 1]]) * span / 2 @ rotation.T
         lo = np.maximum(np.floor(corners.min(0) - grow + 0.5), 0).astype(int)
         hi = np.minimum(np.floor(corners.max(0) + grow + 0.5), [rgb.shape[1] - 1, rgb.shape[0] - 1]).astype(int)
         rgb = rgb[lo[1]:hi[1] + 1, lo[0]:hi[0] + 1]

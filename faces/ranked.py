@@ -33,8 +33,7 @@ def find_faces_ranked(paths: list[str], detection: Detection, output: str, rank:
     part beside `output`: rank 0 returns them all (as `find_faces`, which world 1 is), others None."""
     if world == 1:
         return find_faces(paths, detection, progress, workers)
-    # "manifest": each part's faces are in its manifest (earlier parts, with a faces.json, are another job's)
-    parts = Parts(output, list_key(paths, detection, "manifest", root=""), world)
+    parts = Parts(output, list_key(paths, detection, "faces in the manifests", root=""), world)
     start, mine = time.monotonic(), share_of(len(paths), rank, world)
     share = paths[mine.start:mine.end]
     if parts.manifest(rank, paths) is None:  # else done by an earlier run of this job: kept
