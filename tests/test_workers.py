@@ -268,8 +268,12 @@ def _group(pgid: int) -> list[int]:
 def test_ctrl_c_during_a_worker_run_is_one_line_and_leaves_no_process_and_no_output(many_photos, tmp_path):
     needs_two_cores()
     dst = tmp_path / "crops"
+    # the tool starts with Ctrl-C's default disposition, as from a shell, whatever this process's is
+    # (a SIGINT ignored here would be inherited: the tool could not be stopped, and the test would
+    # be of this process's state, not of the tool)
     tool = subprocess.Popen([sys.executable, "-m", "scripts.align", many_photos, str(dst), "--workers", "2"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     said = b""
     try:
         while b"aligning" not in said:  # the first result is in: the workers run
