@@ -178,6 +178,11 @@ def _attempts(path: str) -> list[float]:
     return [float(v) for v in open(path).read().split()] if os.path.isfile(path) else []
 
 
+def cache_dir(args, path: str) -> str | None:
+    """Where a list's caches go: `--cache_dir` for LFW's list; CFP's in its root, as scripts.verify's."""
+    return args.cache_dir if path == args.pairs_list else None
+
+
 def list_faces(args, path: str, images: str | None, protocol: str | None = None):
     """(the pair list, every photo's face): found once (faces cached beside the list, as the
     anchor's and `scripts.verify --pairs_list`'s), the same for every model."""
@@ -185,7 +190,7 @@ def list_faces(args, path: str, images: str | None, protocol: str | None = None)
     from faces.detect import Detection
     from infer.pair_photos import FacesCache, Retries, cache_paths, pair_faces
     pair_list = read_list(path, images, protocol)
-    faces_cache = cache_paths(path, None, args.cache_dir if protocol is None else None)[0]
+    faces_cache = cache_paths(path, None, cache_dir(args, path))[0]
     faces = pair_faces(pair_list.photos, Detection(), Retries(upsample=2, mmod=True), FacesCache(faces_cache),
                        workers=args.workers)
     return pair_list, faces
@@ -197,7 +202,7 @@ def list_scores(args, path: str, pair_list, faces, run: str) -> tuple[float, flo
     from infer.model import load_model
     from infer.pair_photos import EmbeddingCache, cache_paths, pair_embeddings
     model = load_model(run)
-    emb_cache = cache_paths(path, model.fingerprint, args.cache_dir if path == args.pairs_list else None)[1]
+    emb_cache = cache_paths(path, model.fingerprint, cache_dir(args, path))[1]
     emb = pair_embeddings(model, pair_list.photos, faces, EmbeddingCache(emb_cache, model), show_progress=False)
     r = score_pairs(pair_list, emb.emb, emb.emb_flip)
     return r.accuracy, r.std, r.accuracy_flip, r.std_flip
