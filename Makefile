@@ -16,6 +16,8 @@ $(STAMP): requirements.txt requirements-dev.txt
 	@touch $(STAMP)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests
 
 # Includes the checks marked slow (several minutes more).

@@ -1,5 +1,6 @@
 """A run's parts built from its config: the training set, the backbone, the margin head, their optimizers and
 the data-parallel module the backbone is called through. train.py composes these."""
+
 from __future__ import annotations
 
 import logging
@@ -40,8 +41,14 @@ def build_train_dataset(cfg, train: bool = True, normalize: bool = False) -> tor
         if cfg.resize:
             raise ConfigError("align true and resize true: choose one (alignment makes 112x112 crops)")
         return build_aligned_dataset(cfg, train, normalize)
-    return build_dataset(cfg.rec, cfg.num_classes, train=train, skip_bad_images=cfg.skip_bad_images,
-                         normalize=normalize, resize=cfg.resize)
+    return build_dataset(
+        cfg.rec,
+        cfg.num_classes,
+        train=train,
+        skip_bad_images=cfg.skip_bad_images,
+        normalize=normalize,
+        resize=cfg.resize,
+    )
 
 
 def build_aligned_dataset(cfg, train: bool = True, normalize: bool = False) -> AlignedFolderDataset:
@@ -51,22 +58,36 @@ def build_aligned_dataset(cfg, train: bool = True, normalize: bool = False) -> A
     a face are left out and named, or refused with `align_strict`. Each item is its photo's
     largest face aligned onto insightface's 112x112 template."""
     if not os.path.isdir(cfg.rec) or os.path.isfile(os.path.join(cfg.rec, "train.rec")):
-        raise DataLayoutError(f"{cfg.rec}: align true needs an image folder of photos (one sub-folder per "
-                              "identity); a RecordIO set holds aligned crops already")
+        raise DataLayoutError(
+            f"{cfg.rec}: align true needs an image folder of photos (one sub-folder per "
+            "identity); a RecordIO set holds aligned crops already"
+        )
     classes, groups = list_identity_folders(cfg.rec) if cfg.num_classes else ([], [list_images(cfg.rec)])
-    groups, faces = align_groups(groups, Detection(cfg.align_detector), cfg.align_strict,
-                                 Progress(sum(map(len, groups)), "finding faces").update, classes or [cfg.rec],
-                                 default_workers())
+    groups, faces = align_groups(
+        groups,
+        Detection(cfg.align_detector),
+        cfg.align_strict,
+        Progress(sum(map(len, groups)), "finding faces").update,
+        classes or [cfg.rec],
+        default_workers(),
+    )
     dataset = AlignedFolderDataset(cfg.rec, classes, groups, faces, Crop(ARCFACE_112), train, normalize)
     if cfg.num_classes and dataset.num_classes != cfg.num_classes:
-        raise DataLayoutError(f"{cfg.rec}: {dataset.num_classes} identity folders, config num_classes is "
-                              f"{cfg.num_classes}")
+        raise DataLayoutError(
+            f"{cfg.rec}: {dataset.num_classes} identity folders, config num_classes is {cfg.num_classes}"
+        )
     return dataset
 
 
 def build_backbone(cfg) -> nn.Module:
-    return get_model(cfg.network, num_features=cfg.embedding_size, dropout=cfg.dropout,
-                     fp16=cfg.fp16, bf16=cfg.bf16, grad_checkpoint=cfg.grad_checkpoint)
+    return get_model(
+        cfg.network,
+        num_features=cfg.embedding_size,
+        dropout=cfg.dropout,
+        fp16=cfg.fp16,
+        bf16=cfg.bf16,
+        grad_checkpoint=cfg.grad_checkpoint,
+    )
 
 
 def init_backbone(cfg, backbone: nn.Module) -> str | None:
@@ -88,17 +109,25 @@ def build_head(cfg, device: torch.device | str = "cpu") -> PartialFC | None:
         return None
     if cfg.head_fused_optimizer:
         # the head's rows are stepped inside backward: refuse what that cannot serve exactly
-        refuse = {"gradient_acc > 1 (rows would step every micro-batch)": cfg.gradient_acc > 1,
-                  "fp16 (a step the loss scaler skips would already have moved the head)": cfg.fp16,
-                  "clip_head true with max_grad_norm > 0 (the global norm is not known yet; set "
-                  "clip_head false to clip the backbone only)": cfg.clip_head and cfg.max_grad_norm > 0}
+        refuse = {
+            "gradient_acc > 1 (rows would step every micro-batch)": cfg.gradient_acc > 1,
+            "fp16 (a step the loss scaler skips would already have moved the head)": cfg.fp16,
+            "clip_head true with max_grad_norm > 0 (the global norm is not known yet; set "
+            "clip_head false to clip the backbone only)": cfg.clip_head and cfg.max_grad_norm > 0,
+        }
         bad = [why for why, hit in refuse.items() if hit]
         if bad:
             raise ConfigError("config head_fused_optimizer true cannot serve: " + "; ".join(bad))
-    return PartialFC(build_margin(cfg), cfg.embedding_size, cfg.num_classes, cfg.sample_rate,
-                     chunk_size=cfg.chunk_size or None,
-                     row_block=cfg.row_block, precision=cfg.head_precision,
-                     fused_optimizer=cfg.head_fused_optimizer).to(device)
+    return PartialFC(
+        build_margin(cfg),
+        cfg.embedding_size,
+        cfg.num_classes,
+        cfg.sample_rate,
+        chunk_size=cfg.chunk_size or None,
+        row_block=cfg.row_block,
+        precision=cfg.head_precision,
+        fused_optimizer=cfg.head_fused_optimizer,
+    ).to(device)
 
 
 def head_graph_blocker(cfg, device: torch.device, distill=None) -> str | None:

@@ -6,6 +6,7 @@ on the `meta` device (no memory): activations are the bytes autograd saves for b
 the batch size. `scripts/plan.py` prints it; tests hold its head and ZeRO-2 figures against
 peaks measured on the CPU.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,6 +31,7 @@ CHANNELS_LAST_SCRATCH_PER_SAMPLE = 1477 * 2**20 / 128
 @dataclass
 class Plan:
     """Bytes per rank, by part (`parts`), and bytes each rank sends per step (`sends`)."""
+
     parts: dict[str, float] = field(default_factory=dict)
     sends: dict[str, float] = field(default_factory=dict)
 
@@ -44,9 +46,20 @@ class Plan:
         return sum(v for k, v in self.parts.items() if k.startswith("zero"))
 
 
-def head_memory(num_classes: int, world: int, batch: int, dim: int, *, subcenters: int = 1,
-                sample_rate: float = 1.0, chunk: int = 8192, row_block: int = 128, optimizer: str = "sgd",
-                momentum: float = 0.9, fused: bool = False) -> dict[str, float]:
+def head_memory(
+    num_classes: int,
+    world: int,
+    batch: int,
+    dim: int,
+    *,
+    subcenters: int = 1,
+    sample_rate: float = 1.0,
+    chunk: int = 8192,
+    row_block: int = 128,
+    optimizer: str = "sgd",
+    momentum: float = 0.9,
+    fused: bool = False,
+) -> dict[str, float]:
     """Per-rank bytes of the class-sharded head (the largest shard, rank 0)."""
     n = class_shard(num_classes, world, 0).size
     B = batch * world
@@ -66,7 +79,9 @@ def head_memory(num_classes: int, world: int, batch: int, dim: int, *, subcenter
         r = min(row_block, B - first)
         parts["head kept cosines"] = r * n_used * subcenters * F32
         # a block's tile and its gradient (the radial term is taken from the tile: issue #37)
-        parts["head tile buffers"] = 2 * max(first, r) * tile * F32 + (2 * tile * dim * F32 if sample_rate < 1 else 0)
+        parts["head tile buffers"] = 2 * max(first, r) * tile * F32 + (
+            2 * tile * dim * F32 if sample_rate < 1 else 0
+        )
     parts["head embeddings"] = 4 * B * dim * F32  # gathered, normalised, their gradient, target rows
     return parts
 
@@ -74,6 +89,7 @@ def head_memory(num_classes: int, world: int, batch: int, dim: int, *, subcenter
 def backbone_counts(network: str, dim: int, batch: int, grad_checkpoint: bool = False) -> tuple[int, int]:
     """(parameters, bytes saved for backward at `batch` in fp32), from a meta-device forward."""
     from backbones import get_model
+
     with torch.device("meta"):
         model = get_model(network, num_features=dim, grad_checkpoint=grad_checkpoint)
         params = sum(p.numel() for p in model.parameters())
@@ -82,33 +98,40 @@ def backbone_counts(network: str, dim: int, batch: int, grad_checkpoint: bool = 
         def pack(t):
             saved[0] += t.numel() * t.element_size()
             return t
+
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(torch.empty(batch, 3, 112, 112))
     return params, saved[0]
 
 
-def zero_memory(params: int, world: int, optimizer: str = "sgd", momentum: float = 0.9,
-                param_bytes: int = F32) -> dict[str, float]:
+def zero_memory(
+    params: int, world: int, optimizer: str = "sgd", momentum: float = 0.9, param_bytes: int = F32
+) -> dict[str, float]:
     """Per-rank bytes of ZeRO-2 beyond the parameters, on the NCCL (collective) exchange: fp32
     gradient and state shards, and the persistent bucket buffer the parameters' gradients
     are views of (one model-dtype copy of the gradients, reduce-scattered bucket by bucket).
     Gloo's point-to-point exchange lends buckets from a pool instead: not modelled."""
     shard = math.ceil(params / world) * F32
     states = STATE_PER_PARAM[optimizer] if (optimizer != "sgd" or momentum > 0) else 0
-    return {"zero gradient shard": shard, "zero optimizer state shard": states * shard,
-            "zero gradient buckets": params * param_bytes if world > 1 else 0.0}
+    return {
+        "zero gradient shard": shard,
+        "zero optimizer state shard": states * shard,
+        "zero gradient buckets": params * param_bytes if world > 1 else 0.0,
+    }
 
 
 def forward_peak(network: str, dim: int, batch: int, size: tuple[int, int] = (112, 112)) -> int:
     """Bytes of the largest input plus output of one module in a no-gradient forward (a frozen
     teacher keeps nothing for backward), from a meta-device forward."""
     from backbones import get_model
+
     peak = [0]
 
     def hook(module, inputs, output):
         if torch.is_tensor(output) and inputs and torch.is_tensor(inputs[0]):
             nbytes = (inputs[0].numel() + output.numel()) * F32
             peak[0] = max(peak[0], nbytes)
+
     with torch.device("meta"), torch.no_grad():
         model = get_model(network, num_features=dim)
         for m in model.modules():
@@ -127,6 +150,7 @@ def teacher_memory(cfg) -> dict[str, float]:
 
     from distill.teacher_file import TeacherFile, is_teacher_file
     from infer.weights import load_backbone_state
+
     if is_teacher_file(cfg.teacher):
         return {"teacher targets": cfg.batch_size * TeacherFile(cfg.teacher).dim * F32}
     if cfg.teacher.lower().endswith(".onnx"):  # onnxruntime's weights; its activations are not modelled
@@ -161,9 +185,20 @@ def plan(cfg, gpus: int) -> Plan:
     if cfg.get("channels_last"):
         p.parts["backbone channels-last scratch"] = CHANNELS_LAST_SCRATCH_PER_SAMPLE * cfg.batch_size
     if not headless:
-        p.parts.update(head_memory(cfg.num_classes, gpus, cfg.batch_size, cfg.embedding_size,
-                                   sample_rate=cfg.sample_rate, chunk=cfg.chunk_size, row_block=cfg.row_block,
-                                   optimizer=cfg.optimizer, momentum=cfg.momentum, fused=cfg.head_fused_optimizer))
+        p.parts.update(
+            head_memory(
+                cfg.num_classes,
+                gpus,
+                cfg.batch_size,
+                cfg.embedding_size,
+                sample_rate=cfg.sample_rate,
+                chunk=cfg.chunk_size,
+                row_block=cfg.row_block,
+                optimizer=cfg.optimizer,
+                momentum=cfg.momentum,
+                fused=cfg.head_fused_optimizer,
+            )
+        )
     p.parts.update(teacher_memory(cfg))
     W, b, D = gpus, cfg.batch_size, cfg.embedding_size
     ring = (W - 1) / W
@@ -185,25 +220,33 @@ def budget_bytes(gpu_mem_gb: float) -> float:
     """The bytes a rank may plan for on a GPU of `gpu_mem_gb` GB: less CUDA_RESERVE. The memory
     must be a finite number of GB above the reserve (nan made `int(nan)` fail deep in
     `max_classes`; a negative one planned for a GPU that cannot exist)."""
-    if not (isinstance(gpu_mem_gb, (int, float)) and math.isfinite(gpu_mem_gb) and gpu_mem_gb * GB > CUDA_RESERVE):
-        raise ConfigError(f"--gpu_mem_gb {gpu_mem_gb}: expected the GPU's memory in GB, a finite number above the "
-                          f"{CUDA_RESERVE / GB:g} GB kept for CUDA, NCCL and the allocator (e.g. 80)")
+    if not (
+        isinstance(gpu_mem_gb, (int, float)) and math.isfinite(gpu_mem_gb) and gpu_mem_gb * GB > CUDA_RESERVE
+    ):
+        raise ConfigError(
+            f"--gpu_mem_gb {gpu_mem_gb}: expected the GPU's memory in GB, a finite number above the "
+            f"{CUDA_RESERVE / GB:g} GB kept for CUDA, NCCL and the allocator (e.g. 80)"
+        )
     return gpu_mem_gb * GB - CUDA_RESERVE
 
 
 def _check_budget(budget: float) -> None:
     if not math.isfinite(budget):
-        raise ConfigError(f"memory budget {budget} bytes per rank: expected a finite number (see budget_bytes)")
+        raise ConfigError(
+            f"memory budget {budget} bytes per rank: expected a finite number (see budget_bytes)"
+        )
 
 
 def max_classes(cfg, gpus: int, budget: float) -> int:
     """The largest num_classes whose plan fits `budget` bytes per rank (memory grows
     linearly with the classes per rank, so two points give the line)."""
     _check_budget(budget)
+
     def total(c):
         cfg2 = dict(cfg)
         cfg2["num_classes"] = c
         return plan(_Cfg(cfg2), gpus).total
+
     c0, c1 = gpus * 100_000, gpus * 1_100_000  # shards past the tile size: memory is linear there
     t0, t1 = total(c0), total(c1)
     slope = (t1 - t0) / (c1 - c0)

@@ -7,6 +7,7 @@ One step: backbone (ZeRO-2 or DDP) -> class-sharded margin head -> loss -> backw
 With a teacher the loss adds distillation's term; label-free (num_classes 0) it is that term alone,
 and there is no head.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -15,8 +16,15 @@ import sys
 
 import torch
 
-from builders import (build_backbone, build_data_parallel, build_head, build_head_optimizer, build_head_step,
-                      build_train_dataset, init_backbone)
+from builders import (
+    build_backbone,
+    build_data_parallel,
+    build_head,
+    build_head_optimizer,
+    build_head_step,
+    build_train_dataset,
+    init_backbone,
+)
 from checkpoint.changes import log_resume_changes
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.data_position import follow_data
@@ -81,13 +89,24 @@ class Run:
         # training.log is held in memory until the run is accepted (a refused start writes no log), so
         # what building the run says (photos left out, compat notes) reaches it too
         self.logger = setup_logging(info.rank, os.path.join(cfg.output, "training.log"), held=True)
-        check_same_on_every_rank(rank_independent(cfg), "the config", SECRET_KEYS)  # before any rank acts on it
-        check_wandb_login(cfg, info.rank)  # wandb.init would find a missing key only once the output is written
+        check_same_on_every_rank(
+            rank_independent(cfg), "the config", SECRET_KEYS
+        )  # before any rank acts on it
+        check_wandb_login(
+            cfg, info.rank
+        )  # wandb.init would find a missing key only once the output is written
         initialised = self._build_model()
         self._plan_steps()
         # a missing val set refuses the run here, writing nothing; the run's threshold is saved in output
-        self.verify = VerificationCallback(cfg.val_targets, cfg.val_dir or cfg.rec, cfg.verbose, self.backbone,
-                                           self.ema, is_main=info.is_main, output=cfg.output)
+        self.verify = VerificationCallback(
+            cfg.val_targets,
+            cfg.val_dir or cfg.rec,
+            cfg.verbose,
+            self.backbone,
+            self.ema,
+            is_main=info.is_main,
+            output=cfg.output,
+        )
         self._accept(lock, initialised)
         self._open_reports(config_path)
 
@@ -97,18 +116,31 @@ class Run:
         cfg, device = self.cfg, self.info.device
         torch.manual_seed(cfg.seed)  # identical initial backbone on every rank
         self.backbone = build_backbone(cfg).to(device)
-        initialised = init_backbone(cfg, self.backbone)  # fine-tuning from pretrained weights (not when resuming)
+        initialised = init_backbone(
+            cfg, self.backbone
+        )  # fine-tuning from pretrained weights (not when resuming)
         self.head = build_head(cfg, device)  # None when label-free (num_classes 0)
-        self.distill = build_distillation(cfg, self.backbone, device)  # None without a teacher; may add a projection
+        self.distill = build_distillation(
+            cfg, self.backbone, device
+        )  # None without a teacher; may add a projection
         self.model, self.backbone_opt = build_data_parallel(cfg, self.backbone)
         self.head_opt = build_head_optimizer(cfg, self.head)
-        self.head_step = build_head_step(cfg, self.head, device, self.distill)  # the head, or it in CUDA graphs
-        self.optimizers = [opt for opt in (self.backbone_opt, self.head_opt) if opt is not None]  # stepped in order
+        self.head_step = build_head_step(
+            cfg, self.head, device, self.distill
+        )  # the head, or it in CUDA graphs
+        self.optimizers = [
+            opt for opt in (self.backbone_opt, self.head_opt) if opt is not None
+        ]  # stepped in order
         self.head_params = list(self.head.parameters()) if self.head is not None else []
         # clip_head false: the backbone alone (arcface_torch)
         self.clipped_head_params = self.head_params if cfg.clip_head else []
-        self.ema = ShardedEMA(self.backbone, cfg.ema_decay, cfg.ema_tau,
-                              optimizer=self.backbone_opt if cfg.zero else None) if cfg.ema else None
+        self.ema = (
+            ShardedEMA(
+                self.backbone, cfg.ema_decay, cfg.ema_tau, optimizer=self.backbone_opt if cfg.zero else None
+            )
+            if cfg.ema
+            else None
+        )
         self.scaler = DynamicLossScaler() if cfg.fp16 else None
         seed_everything(cfg.seed + self.info.rank)  # per-rank randomness (Partial FC sampling) from here
         return initialised
@@ -120,21 +152,33 @@ class Run:
         if self.distill is not None:
             self.distill.check_data(cfg, dataset)  # a teacher file made from other data is refused here
         if cfg.num_image and cfg.num_image != len(dataset) and cfg.rec != "synthetic":
-            logger.warning("config num_image is %d but %s holds %d images; using the latter",
-                           cfg.num_image, cfg.rec, len(dataset))
-        self.sampler = sampler = ResumableDistributedSampler(len(dataset), info.world_size, info.rank,
-                                                             cfg.batch_size, cfg.seed, source=cfg.rec)
+            logger.warning(
+                "config num_image is %d but %s holds %d images; using the latter",
+                cfg.num_image,
+                cfg.rec,
+                len(dataset),
+            )
+        self.sampler = sampler = ResumableDistributedSampler(
+            len(dataset), info.world_size, info.rank, cfg.batch_size, cfg.seed, source=cfg.rec
+        )
         self.steps_per_epoch = sampler.batches_per_epoch // cfg.gradient_acc
         if self.steps_per_epoch == 0:  # else the run would end at once, "done" after 0 steps
-            raise DataError(f"gradient_acc {cfg.gradient_acc} is more than the {sampler.batches_per_epoch} batches of "
-                            f"{cfg.batch_size} x {info.world_size} ranks that {cfg.rec} fills per epoch: not one "
-                            f"optimizer step; use --gradient_acc {sampler.batches_per_epoch} or less")
+            raise DataError(
+                f"gradient_acc {cfg.gradient_acc} is more than the {sampler.batches_per_epoch} batches of "
+                f"{cfg.batch_size} x {info.world_size} ranks that {cfg.rec} fills per epoch: not one "
+                f"optimizer step; use --gradient_acc {sampler.batches_per_epoch} or less"
+            )
         self.total_steps = cfg.num_epoch * self.steps_per_epoch
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
-        self.warmup_steps, schedule_total = schedule_steps(cfg.lr_scheduler, len(dataset), cfg.batch_size
-                                                           * info.world_size * cfg.gradient_acc, cfg.warmup_epoch,
-                                                           cfg.num_epoch, self.steps_per_epoch)
+        self.warmup_steps, schedule_total = schedule_steps(
+            cfg.lr_scheduler,
+            len(dataset),
+            cfg.batch_size * info.world_size * cfg.gradient_acc,
+            cfg.warmup_epoch,
+            cfg.num_epoch,
+            self.steps_per_epoch,
+        )
         self.schedule_steps_total = min(schedule_total, self.total_steps)
         if problem := warmup_problem(self.total_steps, self.warmup_steps):
             logger.warning(problem)
@@ -152,13 +196,30 @@ class Run:
         if cfg.fp16 and info.device.type == "cpu":
             logger.warning("fp16 on the CPU is emulated and many times slower than fp32: use bf16 or neither")
         self.checkpointer = checkpointer = Checkpointer(
-            cfg.output, backbone=self.backbone, backbone_opt=self.backbone_opt, head=self.head, head_opt=self.head_opt,
-            ema=self.ema, scaler=self.scaler, config=cfg, rank=info.rank, world_size=info.world_size,
-            keep=cfg.keep_checkpoints)
+            cfg.output,
+            backbone=self.backbone,
+            backbone_opt=self.backbone_opt,
+            head=self.head,
+            head_opt=self.head_opt,
+            ema=self.ema,
+            scaler=self.scaler,
+            config=cfg,
+            rank=info.rank,
+            world_size=info.world_size,
+            keep=cfg.keep_checkpoints,
+        )
         self.state = state = checkpointer.start(cfg.resume, cfg.overwrite, batch_size=cfg.batch_size)
-        follow_data(state, checkpointer.resumed_meta, len(self.dataset), self.dataset.fingerprint(), cfg.rec,
-                    self.sampler.batches_per_epoch)  # another data set than the checkpoint's: the epoch restarts
-        if self.distill is not None:  # the teacher's centre: the checkpoint's, else measured; then saved with each one
+        follow_data(
+            state,
+            checkpointer.resumed_meta,
+            len(self.dataset),
+            self.dataset.fingerprint(),
+            cfg.rec,
+            self.sampler.batches_per_epoch,
+        )  # another data set than the checkpoint's: the epoch restarts
+        if (
+            self.distill is not None
+        ):  # the teacher's centre: the checkpoint's, else measured; then saved with each one
             self.distill.prepare(cfg, self.dataset, info.device, checkpointer.resumed_meta)
             checkpointer.extra_meta = self.distill.checkpoint_meta()
         # accepted: only now is anything written (a refused run must not replace the config of the run it met)
@@ -166,8 +227,12 @@ class Run:
         if info.is_main:
             save_config(cfg, cfg.output, atomic_write_text)
         if checkpointer.resumed_meta is not None:
-            logger.info("resumed at step %d (epoch %d, batch %d)", state.step, state.epoch, state.batch_in_epoch)
-            log_resume_changes(checkpointer.resumed_meta, cfg, info.world_size, self.steps_per_epoch, self.total_steps)
+            logger.info(
+                "resumed at step %d (epoch %d, batch %d)", state.step, state.epoch, state.batch_in_epoch
+            )
+            log_resume_changes(
+                checkpointer.resumed_meta, cfg, info.world_size, self.steps_per_epoch, self.total_steps
+            )
 
     def _open_reports(self, config_path: str) -> None:
         """Tensorboard, wandb, the config's log line, progress and skip reports, and the loader."""
@@ -175,23 +240,44 @@ class Run:
         writer = None
         if info.is_main:
             from torch.utils.tensorboard import SummaryWriter
+
             # events past the step this run starts from (a resume's re-done steps) are dropped
             writer = SummaryWriter(os.path.join(cfg.output, "tensorboard"), purge_step=self.state.step + 1)
-        self.wandb_run = start_wandb(cfg, info.rank)  # None unless using_wandb (rank 0, or all with wandb_log_all)
+        self.wandb_run = start_wandb(
+            cfg, info.rank
+        )  # None unless using_wandb (rank 0, or all with wandb_log_all)
         self.writer = writer = tee_writer(writer, self.wandb_run)
         self.verify.writer = writer
         if info.is_main:  # only once the data, the output and the val sets are accepted
-            self.logger.info("config %s (world size %d, %s)\n%s", config_path, info.world_size, info.device,
-                             format_config(cfg))
-        self.progress = ProgressLogger(self.total_steps, cfg.frequent, cfg.batch_size * info.world_size
-                                       * cfg.gradient_acc, writer, first_step=self.state.step,
-                                       poll_limit_s=self.stop.grace_s if info.device.type != "cpu" else None)
+            self.logger.info(
+                "config %s (world size %d, %s)\n%s",
+                config_path,
+                info.world_size,
+                info.device,
+                format_config(cfg),
+            )
+        self.progress = ProgressLogger(
+            self.total_steps,
+            cfg.frequent,
+            cfg.batch_size * info.world_size * cfg.gradient_acc,
+            writer,
+            first_step=self.state.step,
+            poll_limit_s=self.stop.grace_s if info.device.type != "cpu" else None,
+        )
         self.skips = SkipReport(self.dataset, cfg.frequent, writer, enabled=cfg.skip_bad_images)
-        self.norms = EmbeddingNormWatch(writer) if info.is_main else None  # rank 0's batches: a warning, no stop
+        self.norms = (
+            EmbeddingNormWatch(writer) if info.is_main else None
+        )  # rank 0's batches: a warning, no stop
         self.first_step = self.state.step
         # built once: its persistent workers (and their open record files) serve every epoch
-        self.loader = get_dataloader(self.dataset, self.sampler, cfg.num_workers, info.device, cfg.seed,
-                                     teacher_rows=self.distill.teacher_rows if self.distill is not None else None)
+        self.loader = get_dataloader(
+            self.dataset,
+            self.sampler,
+            cfg.num_workers,
+            info.device,
+            cfg.seed,
+            teacher_rows=self.distill.teacher_rows if self.distill is not None else None,
+        )
 
     def forward_backward(self, images, labels, rows, last_micro: bool):
         """One micro-batch from the loader: its labels checked, moved to the device, the step's lr
@@ -202,20 +288,26 @@ class Run:
         if head is not None and (problem := check_labels(labels, cfg.num_classes)):
             self.logger.error("%s (the head stops every rank)", problem)
         images = images.to(self.info.device, non_blocking=True)
-        if cfg.channels_last:  # the parameters keep their layout (ZeRO's flat shards): only activations change;
+        if (
+            cfg.channels_last
+        ):  # the parameters keep their layout (ZeRO's flat shards): only activations change;
             # the uint8 batch is a quarter of the float one to copy, and normalising keeps its layout
             images = images.contiguous(memory_format=torch.channels_last)
         images = normalize_images(images)
         labels = labels.to(self.info.device, non_blocking=True)
-        lr = cfg.lr * lr_factor(self.state.step, self.schedule_steps_total, self.warmup_steps, cfg.lr_scheduler,
-                                cfg.lr_power)
+        lr = cfg.lr * lr_factor(
+            self.state.step, self.schedule_steps_total, self.warmup_steps, cfg.lr_scheduler, cfg.lr_power
+        )
         set_lr(self.optimizers, lr)  # before forward: a fused head steps in backward
         with contextlib.nullcontext() if last_micro else self.backbone_opt.no_sync():
             embeddings = self.model(images)
             if self.norms is not None:
                 self.norms.add(embeddings)
-            loss = self.head_step(embeddings, labels) if distill is None else \
-                distill.loss(head, embeddings, labels, images, rows)
+            loss = (
+                self.head_step(embeddings, labels)
+                if distill is None
+                else distill.loss(head, embeddings, labels, images, rows)
+            )
             scaled = loss / cfg.gradient_acc
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         return images, labels, loss, lr
@@ -243,8 +335,12 @@ class Run:
         checkpoint_due = step % self.cfg.checkpoint_interval == 0
         if progress.due(step) or checkpoint_due:
             loss_value = progress.mean_loss()
-            check_loss(loss_value, step, scaler,
-                       label_errors=self.head.take_label_errors() if self.head is not None else 0)
+            check_loss(
+                loss_value,
+                step,
+                scaler,
+                label_errors=self.head.take_label_errors() if self.head is not None else 0,
+            )
             if progress.due(step):
                 progress(step, self.state.epoch, loss_value, lr, scaler.scale_value if scaler else None)
                 if self.norms is not None:
@@ -271,8 +367,11 @@ class Run:
         if self.writer is not None:
             self.writer.close()
         model_path = os.path.join(self.cfg.output, "model.pt")
-        finish_wandb(self.wandb_run, model_path if os.path.isfile(model_path) else None,
-                     self.cfg.save_artifacts and self.info.is_main)
+        finish_wandb(
+            self.wandb_run,
+            model_path if os.path.isfile(model_path) else None,
+            self.cfg.save_artifacts and self.info.is_main,
+        )
 
 
 def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:

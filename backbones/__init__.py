@@ -5,6 +5,7 @@ accepts `fp16`, `bf16` (autocast inside the trunk, last FC and feature BN in fp3
 `grad_checkpoint` and `dropout` (on the flattened trunk output before the embedding layer;
 MobileFaceNet, like arcface_torch's, has none and refuses a non-zero value).
 """
+
 from backbones import dlib_resnet, iresnet, mobilefacenet, tiny, vit  # noqa: F401  (registration)
 from backbones.registry import get_model, list_models, register_model
 

@@ -1,4 +1,5 @@
 """Pieces shared by the backbones: mixed-precision trunk context and checkpointed sequences."""
+
 from __future__ import annotations
 
 import contextlib

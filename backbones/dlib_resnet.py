@@ -11,6 +11,7 @@ Input, as every ShardFace module: RGB in [-1, 1]; inside, dlib's own scaling
 (pixel - mean) / 256 with the means its file carries. `input_size=150` takes dlib's chips;
 `input_size=112` (the registered `dlib_resnet`, for training on insightface's 112x112 crops)
 first re-frames the crop onto dlib's chip by a fixed similarity warp (`FRONT_112_TO_150`)."""
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,7 @@ PIXEL_MEAN = (122.782, 117.001, 104.298)
 # insightface 112x112 crop onto dlib's 150x150 chip: faces.dlib_chip.DLIB_150 against
 # faces.align.ARCFACE_112, written here because backbones sit below faces (tests/test_dlib.py
 # checks it equals infer.model.Model.from_crops's warp between those two templates).
-FRONT_112_TO_150 = ((0.9201470421, 0.0051075324, 0.0153296223),
-                    (-0.0051075324, 0.9201470421, 0.2847230046))
+FRONT_112_TO_150 = ((0.9201470421, 0.0051075324, 0.0153296223), (-0.0051075324, 0.9201470421, 0.2847230046))
 
 
 class Affine(nn.Module):
@@ -68,16 +68,33 @@ class Block(nn.Module):
 
 
 # (channels, down-sampling) of each block, input to output (dlib's alevel4 .. alevel0)
-BLOCKS = ([(32, False)] * 3 + [(64, True)] + [(64, False)] * 3 + [(128, True)] + [(128, False)] * 2
-          + [(256, True)] + [(256, False)] * 2 + [(256, True)])
+BLOCKS = (
+    [(32, False)] * 3
+    + [(64, True)]
+    + [(64, False)] * 3
+    + [(128, True)]
+    + [(128, False)] * 2
+    + [(256, True)]
+    + [(256, False)] * 2
+    + [(256, True)]
+)
 
 
 class DlibResNet(nn.Module):
-    def __init__(self, num_features: int = 128, input_size: int = CHIP_SIZE, dropout: float = 0.0,
-                 fp16: bool = False, bf16: bool = False, grad_checkpoint: bool = False):
+    def __init__(
+        self,
+        num_features: int = 128,
+        input_size: int = CHIP_SIZE,
+        dropout: float = 0.0,
+        fp16: bool = False,
+        bf16: bool = False,
+        grad_checkpoint: bool = False,
+    ):
         super().__init__()
         if input_size not in (112, CHIP_SIZE):
-            raise ValueError(f"dlib_resnet: input_size {input_size} (112: insightface crops; 150: dlib chips)")
+            raise ValueError(
+                f"dlib_resnet: input_size {input_size} (112: insightface crops; 150: dlib chips)"
+            )
         self.input_size, self.fp16, self.bf16, self.grad_checkpoint = input_size, fp16, bf16, grad_checkpoint
         self.register_buffer("pixel_mean", torch.tensor(PIXEL_MEAN))
         # the 112 -> 150 warp, made once and moved with the module: a tensor built from the
@@ -104,7 +121,9 @@ class DlibResNet(nn.Module):
         """[-1, 1] input -> dlib's scaled 150x150 chip (re-framed when the input is a 112 crop)."""
         if self.input_size != CHIP_SIZE:
             # one grid for every image: x.shape[0], not len(x), so an ONNX trace keeps the batch dynamic
-            grid = F.affine_grid(self.front_theta.to(x.dtype), [1, 3, CHIP_SIZE, CHIP_SIZE], align_corners=False)
+            grid = F.affine_grid(
+                self.front_theta.to(x.dtype), [1, 3, CHIP_SIZE, CHIP_SIZE], align_corners=False
+            )
             grid = grid.expand(x.shape[0], -1, -1, -1)
             # outside the crop is black, as alignment leaves it: -1 in [-1, 1]
             x = F.grid_sample(x + 1, grid, mode="bilinear", padding_mode="zeros", align_corners=False) - 1

@@ -1,5 +1,6 @@
 """IResNet (r18 … r200, r2060). Parameter names, shapes and order equal insightface
 arcface_torch's, so its published checkpoints load with `load_state_dict(strict=True)`."""
+
 from __future__ import annotations
 
 import torch
@@ -35,9 +36,16 @@ class IBasicBlock(nn.Module):
 class IResNet(nn.Module):
     fc_scale = 7 * 7
 
-    def __init__(self, layers, dropout: float = 0.0, num_features: int = 512,
-                 fp16: bool = False, bf16: bool = False, grad_checkpoint: bool = False,
-                 segments: tuple[int, int, int, int] | None = None):
+    def __init__(
+        self,
+        layers,
+        dropout: float = 0.0,
+        num_features: int = 512,
+        fp16: bool = False,
+        bf16: bool = False,
+        grad_checkpoint: bool = False,
+        segments: tuple[int, int, int, int] | None = None,
+    ):
         super().__init__()
         self.fp16, self.bf16, self.grad_checkpoint = fp16, bf16, grad_checkpoint
         # per stage: checkpoint in this many segments in training whatever grad_checkpoint says

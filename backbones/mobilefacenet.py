@@ -1,4 +1,5 @@
 """MobileFaceNet ("mbf"), parameter-compatible with insightface arcface_torch."""
+
 from __future__ import annotations
 
 import torch
@@ -51,9 +52,9 @@ class DepthWise(nn.Module):
 class Residual(nn.Module):
     def __init__(self, c, num_block, groups, kernel=(3, 3), stride=(1, 1), padding=(1, 1)):
         super().__init__()
-        self.layers = nn.Sequential(*[
-            DepthWise(c, c, True, kernel, stride, padding, groups) for _ in range(num_block)
-        ])
+        self.layers = nn.Sequential(
+            *[DepthWise(c, c, True, kernel, stride, padding, groups) for _ in range(num_block)]
+        )
 
     def forward(self, x):
         return self.layers(x)
@@ -74,12 +75,21 @@ class GDC(nn.Module):
 
 
 class MobileFaceNet(nn.Module):
-    def __init__(self, num_features: int = 512, blocks=(1, 4, 6, 2), scale: int = 2,
-                 fp16: bool = False, bf16: bool = False, grad_checkpoint: bool = False, dropout: float = 0.0):
+    def __init__(
+        self,
+        num_features: int = 512,
+        blocks=(1, 4, 6, 2),
+        scale: int = 2,
+        fp16: bool = False,
+        bf16: bool = False,
+        grad_checkpoint: bool = False,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         if dropout:
-            raise ValueError(f"dropout {dropout}: MobileFaceNet has no dropout layer (as arcface_torch's); "
-                             f"set dropout 0")
+            raise ValueError(
+                f"dropout {dropout}: MobileFaceNet has no dropout layer (as arcface_torch's); set dropout 0"
+            )
         self.fp16, self.bf16, self.grad_checkpoint = fp16, bf16, grad_checkpoint
         c1, c2 = 64 * scale, 128 * scale
         self.layers = nn.ModuleList([ConvBlock(3, c1, kernel=(3, 3), stride=(2, 2), padding=(1, 1))])
@@ -87,14 +97,16 @@ class MobileFaceNet(nn.Module):
             self.layers.append(ConvBlock(c1, c1, kernel=(3, 3), stride=(1, 1), padding=(1, 1), groups=64))
         else:
             self.layers.append(Residual(c1, num_block=blocks[0], groups=128))
-        self.layers.extend([
-            DepthWise(c1, c1, kernel=(3, 3), stride=(2, 2), padding=(1, 1), groups=128),
-            Residual(c1, num_block=blocks[1], groups=128),
-            DepthWise(c1, c2, kernel=(3, 3), stride=(2, 2), padding=(1, 1), groups=256),
-            Residual(c2, num_block=blocks[2], groups=256),
-            DepthWise(c2, c2, kernel=(3, 3), stride=(2, 2), padding=(1, 1), groups=512),
-            Residual(c2, num_block=blocks[3], groups=256),
-        ])
+        self.layers.extend(
+            [
+                DepthWise(c1, c1, kernel=(3, 3), stride=(2, 2), padding=(1, 1), groups=128),
+                Residual(c1, num_block=blocks[1], groups=128),
+                DepthWise(c1, c2, kernel=(3, 3), stride=(2, 2), padding=(1, 1), groups=256),
+                Residual(c2, num_block=blocks[2], groups=256),
+                DepthWise(c2, c2, kernel=(3, 3), stride=(2, 2), padding=(1, 1), groups=512),
+                Residual(c2, num_block=blocks[3], groups=256),
+            ]
+        )
         self.conv_sep = ConvBlock(c2, 512, kernel=(1, 1), stride=(1, 1), padding=(0, 0))
         self.features = GDC(num_features)
         for m in self.modules():

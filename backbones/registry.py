@@ -1,4 +1,5 @@
 """The backbone registry: family files register builders by name (timm's `register_model`)."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -12,11 +13,13 @@ _REGISTRY: dict[str, Callable[..., nn.Module]] = {}
 
 def register_model(name: str) -> Callable:
     """Decorator: `@register_model("r50")` on a function `(**kwargs) -> nn.Module`."""
+
     def wrap(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         if name in _REGISTRY:
             raise ValueError(f"backbone '{name}' registered twice")
         _REGISTRY[name] = fn
         return fn
+
     return wrap
 
 

@@ -1,4 +1,5 @@
 """A plain 4-stage CNN (16 -> 128 channels) for the CPU demo and tests; still 112x112 input."""
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,15 @@ def _stage(cin: int, cout: int) -> nn.Sequential:
 
 @register_model("tiny")
 class TinyCNN(nn.Module):
-    def __init__(self, num_features: int = 512, widths=(16, 32, 64, 128), dropout: float = 0.0,
-                 fp16: bool = False, bf16: bool = False, grad_checkpoint: bool = False):
+    def __init__(
+        self,
+        num_features: int = 512,
+        widths=(16, 32, 64, 128),
+        dropout: float = 0.0,
+        fp16: bool = False,
+        bf16: bool = False,
+        grad_checkpoint: bool = False,
+    ):
         super().__init__()
         self.fp16, self.bf16, self.grad_checkpoint = fp16, bf16, grad_checkpoint
         chans = (3,) + tuple(widths)

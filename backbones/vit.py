@@ -14,6 +14,7 @@ In training only, as arcface_torch:
   `drop_path_rate * i / (depth - 1)` and scales kept branches by 1 / (1 - p);
 - `grad_checkpoint` recomputes each block in backward (the large names always do).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,7 +52,9 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tuple(x.shape[-2:]) != (self.img_size, self.img_size):
-            raise ValueError(f"ViT input {tuple(x.shape[-2:])}: expected {self.img_size}x{self.img_size} images")
+            raise ValueError(
+                f"ViT input {tuple(x.shape[-2:])}: expected {self.img_size}x{self.img_size} images"
+            )
         return self.proj(x).flatten(2).transpose(1, 2)  # N x L x D
 
 
@@ -99,10 +102,21 @@ class Block(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    def __init__(self, embed_dim: int, depth: int, num_heads: int, num_features: int = 512,
-                 drop_path_rate: float = 0.0, mask_ratio: float = 0.0, img_size: int = 112,
-                 patch_size: int = 9, fp16: bool = False, bf16: bool = False,
-                 grad_checkpoint: bool = False, dropout: float = 0.0):
+    def __init__(
+        self,
+        embed_dim: int,
+        depth: int,
+        num_heads: int,
+        num_features: int = 512,
+        drop_path_rate: float = 0.0,
+        mask_ratio: float = 0.0,
+        img_size: int = 112,
+        patch_size: int = 9,
+        fp16: bool = False,
+        bf16: bool = False,
+        grad_checkpoint: bool = False,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         if not 0.0 <= mask_ratio < 1.0:
             raise ValueError(f"mask_ratio {mask_ratio}: expected a fraction in [0, 1)")
@@ -166,8 +180,12 @@ VIT_NETWORKS = {
     "vit_s": dict(embed_dim=512, depth=12, drop_path_rate=0.1, mask_ratio=0.1),
     "vit_s_dp005_mask_0": dict(embed_dim=512, depth=12, drop_path_rate=0.05, mask_ratio=0.0),
     "vit_b": dict(embed_dim=512, depth=24, drop_path_rate=0.1, mask_ratio=0.1, checkpointed=True),
-    "vit_b_dp005_mask_005": dict(embed_dim=512, depth=24, drop_path_rate=0.05, mask_ratio=0.1, checkpointed=True),
-    "vit_l_dp005_mask_005": dict(embed_dim=768, depth=24, drop_path_rate=0.05, mask_ratio=0.1, checkpointed=True),
+    "vit_b_dp005_mask_005": dict(
+        embed_dim=512, depth=24, drop_path_rate=0.05, mask_ratio=0.1, checkpointed=True
+    ),
+    "vit_l_dp005_mask_005": dict(
+        embed_dim=768, depth=24, drop_path_rate=0.05, mask_ratio=0.1, checkpointed=True
+    ),
     "vit_h": dict(embed_dim=1024, depth=48, drop_path_rate=0.1, mask_ratio=0.0, checkpointed=True),
 }
 
@@ -179,6 +197,7 @@ def _register(name: str, spec: dict) -> None:
     def build(grad_checkpoint: bool = False, **kw) -> VisionTransformer:
         # arcface_torch always checkpoints its large ViTs in training; the key adds it to the others
         return VisionTransformer(num_heads=8, grad_checkpoint=grad_checkpoint or checkpointed, **spec, **kw)
+
     register_model(name)(build)
 
 

@@ -25,6 +25,7 @@ photo where nothing was found gets the pair tools' fallback face (faces.fallback
     .venv/bin/python benchmarks/cfp_detectors.py CFP_ROOT --options hog0,hog1,hog2,mmod0
     .venv/bin/python benchmarks/cfp_detectors.py CFP_ROOT --accuracy hog1,mtcnn,hog1+hog2+mmod1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,13 @@ import numpy as np
 from eval.cfp import LISTS, read_cfp, read_photo_list
 from faces.detect import detect_faces, face_in_box, load_photo
 
-DLIB = {"hog0": ("hog", 0), "hog1": ("hog", 1), "hog2": ("hog", 2), "mmod0": ("mmod", 0), "mmod1": ("mmod", 1)}
+DLIB = {
+    "hog0": ("hog", 0),
+    "hog1": ("hog", 1),
+    "hog2": ("hog", 2),
+    "mmod0": ("mmod", 0),
+    "mmod1": ("mmod", 1),
+}
 OPTIONS = (*DLIB, "mtcnn")
 CHAIN = ("hog1", "hog2", "mmod1")
 
@@ -48,8 +55,12 @@ def result_path(root: str, option: str) -> str:
 
 
 def empty(n: int) -> dict:
-    return {"count": np.full(n, -1, np.int32), "score": np.zeros(n), "box": np.zeros((n, 4)),
-            "points": np.zeros((n, 5, 2))}
+    return {
+        "count": np.full(n, -1, np.int32),
+        "score": np.zeros(n),
+        "box": np.zeros((n, 4)),
+        "points": np.zeros((n, 5, 2)),
+    }
 
 
 def load(root: str, option: str, photos: list[str]) -> dict:
@@ -74,17 +85,24 @@ def detector(option: str, mtcnn_path: str | None):
         name, upsample = DLIB[option]
         return lambda img: [(f.score, f.box, f.points) for f in detect_faces(img, name, upsample)]
     if not mtcnn_path:
-        raise SystemExit("mtcnn: pass --mtcnn_path DIR, a folder facenet-pytorch is installed into (--no-deps)")
+        raise SystemExit(
+            "mtcnn: pass --mtcnn_path DIR, a folder facenet-pytorch is installed into (--no-deps)"
+        )
     sys.path.insert(0, mtcnn_path)
     from facenet_pytorch import MTCNN
+
     net = MTCNN(keep_all=True, device="cpu")
 
     def found(img):
         boxes, probs, points = net.detect(img, landmarks=True)
         if boxes is None:
             return []
-        faces = [(float(p), tuple(map(float, b)), np.asarray(q, np.float64)) for b, p, q in zip(boxes, probs, points)]
+        faces = [
+            (float(p), tuple(map(float, b)), np.asarray(q, np.float64))
+            for b, p, q in zip(boxes, probs, points)
+        ]
         return sorted(faces, key=lambda f: -(f[1][2] - f[1][0]) * (f[1][3] - f[1][1]))
+
     return found
 
 
@@ -103,8 +121,10 @@ def run(root: str, option: str, photos: list[str], todo: np.ndarray, mtcnn_path:
         if time.time() - last > 30 or n == len(pending):
             save(root, option, photos, res)
             last, rate = time.time(), n / (time.time() - start)
-            print(f"  {option}: {n}/{len(pending)} photos, {rate:.2f}/s, ETA {(len(pending) - n) / rate / 60:.1f} min",
-                  flush=True)
+            print(
+                f"  {option}: {n}/{len(pending)} photos, {rate:.2f}/s, ETA {(len(pending) - n) / rate / 60:.1f} min",
+                flush=True,
+            )
     return res
 
 
@@ -115,7 +135,9 @@ def table(results: dict, profile: np.ndarray) -> None:
         for part in (~profile, profile):
             ran = part & (res["count"] >= 0)
             found = int((res["count"][ran] > 0).sum())
-            cells.append(f"{found} / {int(ran.sum())} ({found / max(1, ran.sum()):.4f})" if ran.any() else "-")
+            cells.append(
+                f"{found} / {int(ran.sum())} ({found / max(1, ran.sum()):.4f})" if ran.any() else "-"
+            )
         print(f"| {option} | {cells[0]} | {cells[1]} |")
     if all(o in results for o in CHAIN):
         counts = [results[o]["count"] for o in CHAIN]
@@ -125,8 +147,11 @@ def table(results: dict, profile: np.ndarray) -> None:
             found |= c > 0
         cells = []
         for part in (~profile, profile):
-            cells.append(f"{int(found[part].sum())} / {int(part.sum())} ({found[part].mean():.4f})"
-                         if known[part].all() else "not run on every photo yet")
+            cells.append(
+                f"{int(found[part].sum())} / {int(part.sum())} ({found[part].mean():.4f})"
+                if known[part].all()
+                else "not run on every photo yet"
+            )
         print(f"| {' -> '.join(CHAIN)} | {cells[0]} | {cells[1]} |")
 
 
@@ -153,22 +178,29 @@ def accuracy(root: str, spec: str, results: dict, photos: list[str]) -> str:
     from faces.fallback import Fallback
     from infer.model import load_model
     from infer.stream import analyse
+
     pairs = read_cfp(root, "FP")
     index = {os.path.abspath(p): i for i, p in enumerate(photos)}
     mine = [index[os.path.abspath(p)] for p in pairs.photos]
     found, sizes = chosen_faces(spec, results, photos, mine)
     fallback = Fallback.of([(found[k], sizes[k]) for k in found])
     faces = [[found.get(k) or fallback.face(sizes[k])] for k in range(len(mine))]
-    rows = [p.face.embedding for p in analyse(load_model("dlib"), pairs.photos, faces=faces, raw=True, workers=2)]
+    rows = [
+        p.face.embedding for p in analyse(load_model("dlib"), pairs.photos, faces=faces, raw=True, workers=2)
+    ]
     res = score_pairs(pairs, np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]))
-    return (f"| {spec} | {len(mine) - len(found)} of {len(mine)} | {res.accuracy:.4f} ± {res.std:.4f} | "
-            f"{res.accuracy_flip:.4f} ± {res.std_flip:.4f} |")
+    return (
+        f"| {spec} | {len(mine) - len(found)} of {len(mine)} | {res.accuracy:.4f} ± {res.std:.4f} | "
+        f"{res.accuracy_flip:.4f} ± {res.std_flip:.4f} |"
+    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("root", help="the CFP root (Data/, Protocol/)")
-    p.add_argument("--options", default="", help=f"comma-separated, of {', '.join(OPTIONS)}; none: print the table")
+    p.add_argument(
+        "--options", default="", help=f"comma-separated, of {', '.join(OPTIONS)}; none: print the table"
+    )
     p.add_argument("--photos", choices=("all", "frontal", "profile"), default="all")
     p.add_argument("--after_misses", default="", help="run only where these options found no face")
     p.add_argument("--mtcnn_path", default=None)
@@ -194,8 +226,10 @@ def main() -> None:
     results = {o: load(args.root, o, photos) for o in OPTIONS if os.path.exists(result_path(args.root, o))}
     table(results, is_profile)
     if args.accuracy:
-        print(f"\nCFP-FP, MODEL dlib, all {len(read_cfp(args.root, 'FP').issame):,} pairs (its 10 folds)\n\n"
-              "| faces from | photos faceless (fallback) | accuracy | with flip |\n|---|---|---|---|")
+        print(
+            f"\nCFP-FP, MODEL dlib, all {len(read_cfp(args.root, 'FP').issame):,} pairs (its 10 folds)\n\n"
+            "| faces from | photos faceless (fallback) | accuracy | with flip |\n|---|---|---|---|"
+        )
         for spec in args.accuracy.split(","):
             missing = [o for o in spec.split("+") if o not in results]
             if missing:

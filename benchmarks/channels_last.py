@@ -7,6 +7,7 @@ The parameters keep their layout either way (ZeRO's flat shards need it); only t
 change. Run it with nothing else on the CPU:
 `.venv/bin/python benchmarks/channels_last.py [--networks tiny mbf r18 dlib_resnet] [--threads 1]`
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,9 +15,9 @@ import time
 
 import common  # noqa: F401,I001  (puts the repository root on sys.path)
 import torch
+from common import table
 
 from backbones import get_model
-from common import table
 
 # (batch of a training step, embedding width): the real-faces benchmark's networks
 NETWORKS = {"tiny": (64, 128), "mbf": (32, 512), "r18": (16, 512), "dlib_resnet": (16, 128)}
@@ -64,8 +65,10 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     rows = [measure(n, 1 if args.smoke else args.rounds, 2 if args.smoke else None) for n in args.networks]
-    print(f"images/s, 112 x 112 crops, {args.threads} thread(s), best of {1 if args.smoke else args.rounds}; "
-          "x: NHWC / NCHW")
+    print(
+        f"images/s, 112 x 112 crops, {args.threads} thread(s), best of {1 if args.smoke else args.rounds}; "
+        "x: NHWC / NCHW"
+    )
     print(table(rows, list(rows[0])))
 
 

@@ -1,4 +1,5 @@
 """Shared by the benchmarks: per-process memory readings and result tables."""
+
 from __future__ import annotations
 
 import os
@@ -12,6 +13,7 @@ def exact_rss_allocator() -> None:
     (for memory measurements only: it makes every large allocation fault its pages in).
     Call before spawning the measured processes, which inherit it."""
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+
 
 MB = 1e6
 
@@ -41,4 +43,7 @@ def peak_bytes() -> int:
 def table(rows: list[dict], columns: list[str]) -> str:
     widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
     line = lambda vals: "  ".join(str(v).rjust(w) for v, w in zip(vals, widths))  # noqa: E731
-    return "\n".join([line(columns), line(["-" * w for w in widths])] + [line([r.get(c, "") for c in columns]) for r in rows])
+    return "\n".join(
+        [line(columns), line(["-" * w for w in widths])]
+        + [line([r.get(c, "") for c in columns]) for r in rows]
+    )

@@ -4,6 +4,7 @@ decoding of the same JPEG bytes held in memory, through a DataLoader (batches of
 default collate for all) in one process and with 2 workers. Dataset paths: float tensors in
 [-1, 1] made per image (the arcface_torch API) and uint8 images (train.py's path: the batch
 is normalised on the training device). Bare torchvision decoding is shown for reference."""
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,9 @@ class BarePIL(Dataset):
 
 class BareTorchvision(BarePIL):
     def __getitem__(self, i):
-        return decode_jpeg(torch.frombuffer(bytearray(self.payloads[i]), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        return decode_jpeg(
+            torch.frombuffer(bytearray(self.payloads[i]), dtype=torch.uint8), mode=ImageReadMode.RGB
+        )
 
 
 def _rate(dataset, n, workers, batch=64):
@@ -65,15 +68,20 @@ def main(argv=None):
     p.add_argument("--images", type=int, default=4000)
     args = p.parse_args(argv)
     if not os.path.isfile(os.path.join(args.rec, "train.rec")):
-        subprocess.run([sys.executable, "-m", "scripts.make_drawn_faces", "--output", args.rec],
-                       check=True, cwd=ROOT)
+        subprocess.run(
+            [sys.executable, "-m", "scripts.make_drawn_faces", "--output", args.rec], check=True, cwd=ROOT
+        )
     raw = MXFaceDataset(args.rec, train=True, normalize=False)
     floats = MXFaceDataset(args.rec, train=True)
     n = min(args.images, len(raw))
     payloads = [unpack(raw.reader.read(raw.keys[i]))[1] for i in range(n)]
     print(f"{n} JPEG images of 112x112 from {args.rec}; DataLoader batches of 64")
-    cases = {"bare PIL": BarePIL(payloads), "bare torchvision": BareTorchvision(payloads),
-             "ours, float [-1,1]": floats, "ours, uint8": raw}
+    cases = {
+        "bare PIL": BarePIL(payloads),
+        "bare torchvision": BareTorchvision(payloads),
+        "ours, float [-1,1]": floats,
+        "ours, uint8": raw,
+    }
     for workers in (0, 2):
         rates = {name: [] for name in cases}
         for _ in range(2):  # interleaved, best of each, so all see the same machine state

@@ -24,6 +24,7 @@ alternating runs each), as a ratio.
 
 `python benchmarks/distill.py --tiny` checks the script in a minute (its numbers mean nothing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,8 @@ import common  # noqa: F401,I001
 import torch
 
 from dataset.drawn_faces import identity_images
-from infer.model import load_module
 from eval.verification import load_bin, test, write_bin
+from infer.model import load_module
 from scripts.make_drawn_faces import verification_pairs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,15 +56,49 @@ def sh(*args: str) -> str:
 
 
 def make_set(out: str, ids: int, per_id: int, seed: int, val_ids: int, val_pairs: int) -> None:
-    sh("-m", "scripts.make_drawn_faces", "--output", out, "--num_ids", str(ids), "--per_id", str(per_id),
-       "--seed", str(seed), "--val_ids", str(val_ids), "--val_per_id", "6", "--val_pairs", str(val_pairs),
-       "--workers", "1")
+    sh(
+        "-m",
+        "scripts.make_drawn_faces",
+        "--output",
+        out,
+        "--num_ids",
+        str(ids),
+        "--per_id",
+        str(per_id),
+        "--seed",
+        str(seed),
+        "--val_ids",
+        str(val_ids),
+        "--val_per_id",
+        "6",
+        "--val_pairs",
+        str(val_pairs),
+        "--workers",
+        "1",
+    )
 
 
 def train(data: str, ids: int, out: str, *extra: str) -> tuple[int, list[float]]:
     """Trains one process (configs/demo.py and `extra`); returns its steps and logged samples/s."""
-    sh("train.py", "configs/demo.py", "--rec", data, "--num_classes", str(ids), "--output", out,
-       "--val_targets", "[]", "--num_workers", "1", "--frequent", "5", "--overwrite", "true", *extra)
+    sh(
+        "train.py",
+        "configs/demo.py",
+        "--rec",
+        data,
+        "--num_classes",
+        str(ids),
+        "--output",
+        out,
+        "--val_targets",
+        "[]",
+        "--num_workers",
+        "1",
+        "--frequent",
+        "5",
+        "--overwrite",
+        "true",
+        *extra,
+    )
     log = open(os.path.join(out, "training.log")).read()
     steps = int(re.findall(r"step (\d+)/\d+", log)[-1])
     return steps, [float(v) for v in re.findall(r"([0-9.]+) samples/s", log)]
@@ -79,8 +114,16 @@ def student_dir(loss: str, seed: int) -> str:
 
 def student(steps: int) -> list[str]:
     """The students' schedule: `steps` steps, no warm-up, poly decay to 0 at the last step."""
-    return ["--max_steps", str(steps), "--num_epoch", "1000", "--warmup_epoch", "0",
-            "--checkpoint_interval", str(steps)]
+    return [
+        "--max_steps",
+        str(steps),
+        "--num_epoch",
+        "1000",
+        "--warmup_epoch",
+        "0",
+        "--checkpoint_interval",
+        str(steps),
+    ]
 
 
 def common_heldout(path: str, tiny: bool) -> None:
@@ -115,23 +158,38 @@ def train_all(args, work: str) -> None:
         for loss in LOSSES:
             out = os.path.join(work, student_dir(loss, seed))
             extra = [] if loss == "none" else ["--teacher", teacher_file, "--distill_loss", loss]
-            train(small, args.student_ids, out, *student(args.student_steps), *batch, *extra, "--seed", str(seed))
+            train(
+                small,
+                args.student_ids,
+                out,
+                *student(args.student_steps),
+                *batch,
+                *extra,
+                "--seed",
+                str(seed),
+            )
 
     speed = {"without": [], "online teacher": []}
     for _ in range(3):  # alternating, so a slow spell of the machine touches both
         for name, extra in (("without", []), ("online teacher", ["--teacher", teacher])):
             out = os.path.join(work, f"speed_{name.replace(' ', '_')}")
-            _, rates = train(small, args.student_ids, out, *student(40 if not args.tiny else 10), *batch, *extra)
+            _, rates = train(
+                small, args.student_ids, out, *student(40 if not args.tiny else 10), *batch, *extra
+            )
             speed[name].append(statistics.median(rates[1:] or rates))  # the first interval holds the start
     speed = {name: statistics.median(rates) for name, rates in speed.items()}
-    print(f"step time with an on-the-fly teacher / without: {speed['without'] / speed['online teacher']:.2f} "
-          f"({speed['without']:.1f} vs {speed['online teacher']:.1f} samples/s)")
+    print(
+        f"step time with an on-the-fly teacher / without: {speed['without'] / speed['online teacher']:.2f} "
+        f"({speed['without']:.1f} vs {speed['online teacher']:.1f} samples/s)"
+    )
 
 
 def report(work: str, tiny: bool, seeds=SEEDS) -> None:
     """Every run of `work` on both verification sets."""
-    sets = {"its own": os.path.join(work, "big", "drawn_faces_val.bin"),
-            "common": os.path.join(work, "common_heldout.bin")}
+    sets = {
+        "its own": os.path.join(work, "big", "drawn_faces_val.bin"),
+        "common": os.path.join(work, "common_heldout.bin"),
+    }
     common_heldout(sets["common"], tiny)
     print(f"\nverification (flip test) of the runs in {work}:")
     for name, path in sets.items():
@@ -146,8 +204,11 @@ def report(work: str, tiny: bool, seeds=SEEDS) -> None:
         steps = re.findall(r"step (\d+)/\d+", open(os.path.join(out, "training.log")).read())[-1]
         ids = json.load(open(os.path.join(out, "config.json")))["num_classes"]
         name = run.replace(f"_seed{seed}", "").replace("_", " ")
-        print(f"| {name} | {seed} | {steps} | {ids} | "
-              + " | ".join(f"{accuracy(out, path):.4f}" for path in sets.values()) + " |")
+        print(
+            f"| {name} | {seed} | {steps} | {ids} | "
+            + " | ".join(f"{accuracy(out, path):.4f}" for path in sets.values())
+            + " |"
+        )
 
 
 def main() -> int:
@@ -157,8 +218,13 @@ def main() -> int:
     p.add_argument("--teacher_epochs", type=int, default=8, help="teacher epochs (the demo's)")
     p.add_argument("--student_ids", type=int, default=40, help="identities of the students' set")
     p.add_argument("--student_steps", type=int, default=300, help="steps of every student")
-    p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
-                   help="the students' seeds (every student trained once per seed; the teacher once)")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=list(SEEDS),
+        help="the students' seeds (every student trained once per seed; the teacher once)",
+    )
     p.add_argument("--work", default=None, help="working directory (default: a temporary one)")
     p.add_argument("--evaluate", action="store_true", help="only verify the runs already in --work")
     args = p.parse_args()

@@ -6,6 +6,7 @@ BLAS, torch.set_num_threads for torch); the GPU, where there is one, is measured
 
     .venv/bin/python benchmarks/dlib_speed.py --threads 1 --images 64 --batch 16
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,10 +38,12 @@ def main() -> None:
     args = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
-    from infer.model import load_model
     from eval.verification import embed
-    chips = torch.randint(0, 256, (args.images, 3, 150, 150), dtype=torch.uint8,
-                          generator=torch.Generator().manual_seed(0))
+    from infer.model import load_model
+
+    chips = torch.randint(
+        0, 256, (args.images, 3, 150, 150), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
     embedder = load_model("dlib")
     rows = []
     for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
@@ -51,14 +54,22 @@ def main() -> None:
             if device == "cuda":
                 torch.cuda.synchronize()
             return out
+
         rows.append((f"torch port ({device}, batch {args.batch})", _rate(ours, args.images, args.rounds)))
     try:
         import dlib
-        from infer.weights import DLIB_FILE
+
         from faces.models import model_file
+        from infer.weights import DLIB_FILE
+
         net = dlib.face_recognition_model_v1(model_file(DLIB_FILE))
         hwc = [np.ascontiguousarray(c.permute(1, 2, 0).numpy()) for c in chips]
-        rows.append(("dlib (cpu, its batch)", _rate(lambda: net.compute_face_descriptor(hwc), args.images, args.rounds)))
+        rows.append(
+            (
+                "dlib (cpu, its batch)",
+                _rate(lambda: net.compute_face_descriptor(hwc), args.images, args.rounds),
+            )
+        )
     except ImportError:
         rows.append(("dlib (not installed)", float("nan")))
     print(f"{args.images} chips 150x150, {args.threads} thread(s), median of {args.rounds} rounds")

@@ -6,6 +6,7 @@ per-tensor  yolov5 ModelEMA: `v *= d; v += (1 - d) * p` for every floating tenso
 foreach     torch._foreach_lerp_ over every parameter, full model
 floor       one bare lerp_ over a fresh tensor the size of this rank's shard (memory bound)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,13 +51,20 @@ def _case(rank, world_size, network, iters):
             if v.dtype.is_floating_point:
                 v.mul_(d)
                 v.add_((1 - d) * live[k].detach())
+
     ema_params = [p.detach().clone() for p in model.parameters()]
     params = [p.detach() for p in model.parameters()]
     shard = sum(s.numel() for s in ema.shards)
     a, b = torch.randn(shard), torch.randn(shard)
-    t = _timed_round_robin({"ours": ema.update, "loop": per_tensor,
-                            "foreach": lambda: torch._foreach_lerp_(ema_params, params, 1 - d),
-                            "floor": lambda: a.lerp_(b, 1 - d)}, iters)
+    t = _timed_round_robin(
+        {
+            "ours": ema.update,
+            "loop": per_tensor,
+            "foreach": lambda: torch._foreach_lerp_(ema_params, params, 1 - d),
+            "floor": lambda: a.lerp_(b, 1 - d),
+        },
+        iters,
+    )
     n_params = sum(p.numel() for p in model.parameters())
     return t["ours"], t["loop"], t["foreach"], t["floor"], shard, n_params
 
@@ -69,13 +77,21 @@ def main(argv=None):
     res = run_distributed(_case, 2, args.network, args.iters, timeout=900)
     ours, loop, foreach, floor = (max(r[i] for r in res) for i in range(4))
     shard, n = res[0][4], res[0][5]
-    print(f"{args.network}: {n / 1e6:.1f}M parameters, EMA shard per rank {shard / 1e6:.1f}M floats "
-          f"({shard * 4 / 1e6:.0f} MB instead of {n * 4 / 1e6:.0f} MB); W=2, one thread per rank")
-    for name, t in [("ours (sharded lerp)", ours), ("per-tensor loop (yolov5)", loop),
-                    ("foreach lerp (full)", foreach), ("floor (bare shard lerp)", floor)]:
+    print(
+        f"{args.network}: {n / 1e6:.1f}M parameters, EMA shard per rank {shard / 1e6:.1f}M floats "
+        f"({shard * 4 / 1e6:.0f} MB instead of {n * 4 / 1e6:.0f} MB); W=2, one thread per rank"
+    )
+    for name, t in [
+        ("ours (sharded lerp)", ours),
+        ("per-tensor loop (yolov5)", loop),
+        ("foreach lerp (full)", foreach),
+        ("floor (bare shard lerp)", floor),
+    ]:
         print(f"  {name:26s} {t * 1e3:8.2f} ms   {t / floor:5.2f}x floor")
-    print(f"ours / floor = {ours / floor:.2f} (target <= 1.1);  per-tensor / ours = {loop / ours:.1f}x "
-          f"(target >= {2 * 2}x)")
+    print(
+        f"ours / floor = {ours / floor:.2f} (target <= 1.1);  per-tensor / ours = {loop / ours:.1f}x "
+        f"(target >= {2 * 2}x)"
+    )
 
 
 if __name__ == "__main__":

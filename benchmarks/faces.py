@@ -9,6 +9,7 @@ what the default 5-point landmarks cost against the 68-point model's (held-out h
 and for a plain resize of the face box); and photos/s of `aligned_faces` per detector.
 `--fit` prints `faces.detect.FROM_NOSE_BASE` fitted on all faces instead.
 `--quick` uses 10 LFW faces (a check that the script runs)."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,17 @@ from PIL import Image
 from skimage import data
 
 from faces.align import ARCFACE_112, similarity_transform
-from faces.detect import (Detection, detect_faces, dlib5_frame_and_nose, face_detector, five_from_dlib5,
-                          five_from_dlib68, from_frame, landmark_predictor, to_frame)
+from faces.detect import (
+    Detection,
+    detect_faces,
+    dlib5_frame_and_nose,
+    face_detector,
+    five_from_dlib5,
+    five_from_dlib68,
+    from_frame,
+    landmark_predictor,
+    to_frame,
+)
 from faces.stream import Crop, stream
 
 
@@ -33,7 +43,7 @@ def aligned_faces(photo, template, detector: str = "hog", upsample: int = 1, lan
 
 def lfw(first: int, count: int) -> list[np.ndarray]:
     out = []
-    for patch in data.lfw_subset()[first:first + count]:
+    for patch in data.lfw_subset()[first : first + count]:
         big = Image.fromarray(np.rint(patch * 255).astype(np.uint8)).resize((150, 150), Image.BICUBIC)
         out.append(np.stack([np.pad(np.asarray(big), 60, mode="edge")] * 3, -1))
     return out
@@ -46,14 +56,17 @@ def with_mirrors(images: list[np.ndarray]) -> list[np.ndarray]:
 def both_landmarks(images: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
     """(dlib 5-point parts, dlib 68-point parts) on the largest HOG box of each image with a face."""
     import dlib
+
     out = []
     for img in images:
         faces = detect_faces(img, upsample=0)
         if not faces:
             continue
         rect = dlib.rectangle(*(int(round(v)) for v in faces[0].box))
-        parts = [np.array([(p.x, p.y) for p in landmark_predictor(k)(img, rect).parts()], np.float64)
-                 for k in ("5", "68")]
+        parts = [
+            np.array([(p.x, p.y) for p in landmark_predictor(k)(img, rect).parts()], np.float64)
+            for k in ("5", "68")
+        ]
         out.append(tuple(parts))
     return out
 
@@ -71,7 +84,10 @@ def crop_error(points: np.ndarray, reference: np.ndarray) -> float:
     """Mean distance at 112 between where the reference five points land in the crop aligned by
     `points` and in the crop aligned by `reference` itself."""
     h = np.c_[reference, np.ones(5)]
-    a, b = similarity_transform(points, ARCFACE_112.points), similarity_transform(reference, ARCFACE_112.points)
+    a, b = (
+        similarity_transform(points, ARCFACE_112.points),
+        similarity_transform(reference, ARCFACE_112.points),
+    )
     return float(np.linalg.norm(h @ a.T - h @ b.T, axis=1).mean())
 
 
@@ -108,9 +124,11 @@ def main() -> None:
         derived = np.array([1.0, u, v]) @ coef
         errors.append(crop_error(from_frame(derived.reshape(5, 2), frame), five_from_dlib68(p68)))
     shipped = [crop_error(five_from_dlib5(p5), five_from_dlib68(p68)) for p5, p68 in pairs]
-    print(f"5-point vs 68-point five points, crop displacement at 112: held-out {len(held)} faces "
-          f"mean {np.mean(errors):.2f} px, max {np.max(errors):.2f} px (fit on {len(train)}); "
-          f"shipped constants on all {len(pairs)}: mean {np.mean(shipped):.2f} px")
+    print(
+        f"5-point vs 68-point five points, crop displacement at 112: held-out {len(held)} faces "
+        f"mean {np.mean(errors):.2f} px, max {np.max(errors):.2f} px (fit on {len(train)}); "
+        f"shipped constants on all {len(pairs)}: mean {np.mean(shipped):.2f} px"
+    )
 
     for landmarks in ("5", "68"):
         aligned, resized = [], []
@@ -123,16 +141,20 @@ def main() -> None:
             resized.append(redetected_eye_error(Image.fromarray(img).crop(face.box).resize((112, 112))))
         ok = [e for e in aligned if e is not None]
         ok_r = [e for e in resized if e is not None]
-        print(f"alignment ({landmarks}-point landmarks): eye centres re-detected on {len(ok)}/{len(aligned)} "
-              f"crops, mean {np.mean(ok):.2f} px from the template, max {np.max(ok):.2f}; the face box resized "
-              f"to 112x112 instead: {len(ok_r)} re-detected, mean {np.mean(ok_r):.2f} px")
+        print(
+            f"alignment ({landmarks}-point landmarks): eye centres re-detected on {len(ok)}/{len(aligned)} "
+            f"crops, mean {np.mean(ok):.2f} px from the template, max {np.max(ok):.2f}; the face box resized "
+            f"to 112x112 instead: {len(ok_r)} re-detected, mean {np.mean(ok_r):.2f} px"
+        )
 
     non_faces = with_mirrors(lfw(100, n))
     for detector, up in (("hog", 0), ("hog", 1), ("mmod", 0)):
         hits = sum(bool(detect_faces(img, detector, up)) for img in faces)
         false = sum(len(detect_faces(img, detector, up)) for img in non_faces)
-        print(f"{detector} upsample {up}: faces found in {hits}/{len(faces)} face photos, "
-              f"{false} detections in {len(non_faces)} non-face patches")
+        print(
+            f"{detector} upsample {up}: faces found in {hits}/{len(faces)} face photos, "
+            f"{false} detections in {len(non_faces)} non-face patches"
+        )
 
     if args.no_timing:
         return
@@ -142,8 +164,10 @@ def main() -> None:
         start, reps = time.perf_counter(), 3 if args.quick or detector == "mmod" else 10
         for _ in range(reps):
             aligned_faces(photo, ARCFACE_112, detector=detector, upsample=up)
-        print(f"aligned_faces {detector} upsample {up}, 512x512 photo, one process: "
-              f"{reps / (time.perf_counter() - start):.2f} photos/s")
+        print(
+            f"aligned_faces {detector} upsample {up}, 512x512 photo, one process: "
+            f"{reps / (time.perf_counter() - start):.2f} photos/s"
+        )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ over the sorted photos under FOLDER (every identity folder alike), and prints:
   imports), photos/s over the whole run and after the first result, and the ratio to one worker.
 Timings on a shared machine move between runs; run it where nothing else runs for figures to
 quote (the issue's are for the 6,300 CelebA photos)."""
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,9 @@ def sample(folder: str, limit: int) -> list[str]:
     return photos
 
 
-def stage_seconds(folder: str, photos: list[str], detection: Detection, model: str | None) -> dict[str, float]:
+def stage_seconds(
+    folder: str, photos: list[str], detection: Detection, model: str | None
+) -> dict[str, float]:
     """Seconds per stage over `photos` in this process: the detector and the landmark
     predictor are wrapped with timers for the run (detection = detect_faces less landmarks)."""
     spent = collections.Counter()
@@ -51,6 +54,7 @@ def stage_seconds(folder: str, photos: list[str], detection: Detection, model: s
                 return fn(*args)
             finally:
                 spent[stage] += time.perf_counter() - t
+
         return run
 
     def timed_predictor(points):
@@ -80,6 +84,7 @@ def stage_seconds(folder: str, photos: list[str], detection: Detection, model: s
         import torch
 
         from infer.model import load_model
+
         loaded = load_model(model)
         images = torch.from_numpy(np.stack([np.asarray(c) for c in crops])).permute(0, 3, 1, 2).contiguous()
         loaded.embed_crops(images[:8], made_for=template)  # warm-up
@@ -108,7 +113,9 @@ def run_align(folder: str, photos: list[str], detection: Detection, workers: int
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("folder", help="a folder of photos (e.g. one sub-folder per identity)")
-    p.add_argument("--limit", type=int, default=40, help="photos taken, spread evenly over the sorted list (0: all)")
+    p.add_argument(
+        "--limit", type=int, default=40, help="photos taken, spread evenly over the sorted list (0: all)"
+    )
     p.add_argument("--workers", default="1,2", help="worker counts to time, comma-separated")
     p.add_argument("--detector", default="hog", help="hog or mmod")
     p.add_argument("--upsample", type=int, default=1, help="the detector's upsampling")
@@ -117,8 +124,10 @@ def main() -> None:
     detection = Detection(args.detector, args.upsample)
     photos = sample(args.folder, args.limit)
     detect.check_available(detection.detector, detection.landmarks)
-    print(f"{len(photos)} photos of {args.folder}; {default_workers()} cores available; detector "
-          f"{args.detector}, upsample {args.upsample}")
+    print(
+        f"{len(photos)} photos of {args.folder}; {default_workers()} cores available; detector "
+        f"{args.detector}, upsample {args.upsample}"
+    )
 
     for photo in photos:  # in the page cache, for every run alike
         with open(os.path.join(args.folder, photo), "rb") as f:
@@ -128,15 +137,22 @@ def main() -> None:
         to_first, wall = run_align(args.folder, photos, detection, workers)
         steady = (len(photos) - 1) / max(wall - to_first, 1e-9)
         base = base or (wall, steady)
-        runs.append(f"workers {workers}: {wall:.1f} s, first result after {to_first:.1f} s; {len(photos) / wall:.1f} "
-                    f"photos/s in all, {steady:.1f} after the first; x{base[0] / wall:.2f} in all, "
-                    f"x{steady / base[1]:.2f} after the first (against the first count)")
+        runs.append(
+            f"workers {workers}: {wall:.1f} s, first result after {to_first:.1f} s; {len(photos) / wall:.1f} "
+            f"photos/s in all, {steady:.1f} after the first; x{base[0] / wall:.2f} in all, "
+            f"x{steady / base[1]:.2f} after the first (against the first count)"
+        )
     # after the runs: a MODEL's torch starts threads, and faces.workers forks no worker from a
     # process that runs some (scripts.align loads none)
     spent = stage_seconds(args.folder, photos, detection, args.model)
     total = sum(spent.values())
-    print("one process, share of time: " + ", ".join(
-        f"{k} {100 * v / total:.0f}% ({1000 * v / len(photos):.0f} ms/photo)" for k, v in spent.most_common()))
+    print(
+        "one process, share of time: "
+        + ", ".join(
+            f"{k} {100 * v / total:.0f}% ({1000 * v / len(photos):.0f} ms/photo)"
+            for k, v in spent.most_common()
+        )
+    )
     print("\n".join(runs))
 
 

@@ -29,6 +29,7 @@ CUDA it says so and exits with status 0. `--smoke` runs every part at toy sizes 
 device there is (the CPU too; `make test` does so, so the script cannot rot unrun): its
 figures mean nothing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,11 +41,10 @@ from dataclasses import dataclass
 
 import common  # noqa: F401,I001  (puts the repository root on sys.path)
 import torch
-
 from common import MB, table
 
 D = 512
-HEAD_CASES = {       # name: (classes in the data set, sample_rate)
+HEAD_CASES = {  # name: (classes in the data set, sample_rate)
     "Glint360K": (360_232, 1.0),
     "WebFace42M": (2_059_906, 0.2),
 }
@@ -52,8 +52,8 @@ HEAD_CASES = {       # name: (classes in the data set, sample_rate)
 
 @dataclass(frozen=True)
 class Sizes:
-    batch: int = 128        # images per GPU
-    gpus: int = 8           # the job whose per-rank shapes the head is measured at
+    batch: int = 128  # images per GPU
+    gpus: int = 8  # the job whose per-rank shapes the head is measured at
     backbones: tuple = ("r50", "r100")
     class_divisor: int = 1  # the head's classes are HEAD_CASES' / this
     embed_network: str = "r50"
@@ -63,9 +63,16 @@ class Sizes:
 
 
 FULL = Sizes()
-SMOKE = Sizes(batch=4, gpus=2, backbones=("tiny",), class_divisor=500, embed_network="tiny", embed_crops=16,
-              embed_cpu_crops=8,
-              accuracy={"classes": 2000, "batch": 64, "dim": 64})
+SMOKE = Sizes(
+    batch=4,
+    gpus=2,
+    backbones=("tiny",),
+    class_divisor=500,
+    embed_network="tiny",
+    embed_crops=16,
+    embed_cpu_crops=8,
+    accuracy={"classes": 2000, "batch": 64, "dim": 64},
+)
 
 
 def _timed(step, device: torch.device, warmup: int, iters: int) -> tuple[list[float], int | None]:
@@ -97,13 +104,21 @@ def _mb(peak: int | None) -> str:
     return "n/a" if peak is None else f"{peak / MB:.0f}"
 
 
-def backbone_throughput(name: str, device: torch.device, sizes: Sizes, warmup: int, iters: int,
-                        distill: bool = False, channels_last: bool = False) -> dict:
+def backbone_throughput(
+    name: str,
+    device: torch.device,
+    sizes: Sizes,
+    warmup: int,
+    iters: int,
+    distill: bool = False,
+    channels_last: bool = False,
+) -> dict:
     """The backbone step of part 1; `distill`: with an on-the-fly teacher of the same network
     and the cosine distillation loss alone (label-free: no head); `channels_last`: the batch in
     NHWC, the parameters as they are (what `config.channels_last` does in train.py)."""
     from backbones import get_model
     from parallel import DynamicLossScaler, Zero2Optimizer
+
     batch = sizes.batch
     torch.manual_seed(0)
     fp16 = device.type == "cuda"
@@ -115,12 +130,16 @@ def backbone_throughput(name: str, device: torch.device, sizes: Sizes, warmup: i
         images = images.contiguous(memory_format=torch.channels_last)
     loss_of = lambda: model(images).float().square().mean()  # noqa: E731
     if distill:
-        from infer.model import Model
+        from distill.head import DistillLoss
         from distill.teacher import OnlineTeacher
         from faces.align import ARCFACE_112
-        from distill.head import DistillLoss
-        teacher = OnlineTeacher(Model(get_model(name, num_features=D).eval(), ARCFACE_112, name, ""), device,
-                                "fp16" if fp16 else None)
+        from infer.model import Model
+
+        teacher = OnlineTeacher(
+            Model(get_model(name, num_features=D).eval(), ARCFACE_112, name, ""),
+            device,
+            "fp16" if fp16 else None,
+        )
         cosine = DistillLoss("cosine", 1.0)
         loss_of = lambda: cosine(None, model(images), None, teacher.targets(images, None))  # noqa: E731
 
@@ -132,8 +151,13 @@ def backbone_throughput(name: str, device: torch.device, sizes: Sizes, warmup: i
 
     times, peak = _timed(step, device, warmup, iters)
     del model, opt
-    return {"backbone": name, "batch": batch, "samples/s": f"{batch * 1e3 * len(times) / sum(times):.0f}",
-            "ms/step": f"{statistics.median(times):.1f}", "peak MB": _mb(peak)}
+    return {
+        "backbone": name,
+        "batch": batch,
+        "samples/s": f"{batch * 1e3 * len(times) / sum(times):.0f}",
+        "ms/step": f"{statistics.median(times):.1f}",
+        "peak MB": _mb(peak),
+    }
 
 
 def embed_rates(device: torch.device, sizes: Sizes, bin_path: str | None) -> list[dict]:
@@ -144,13 +168,16 @@ def embed_rates(device: torch.device, sizes: Sizes, bin_path: str | None) -> lis
     from backbones import get_model
     from eval.verification import evaluate, load_bin
     from infer.embed import embed, l2_normalize
+
     torch.manual_seed(0)
     module = get_model(sizes.embed_network, num_features=D).eval()
     crops = torch.randint(0, 256, (sizes.embed_crops, 3, 112, 112), dtype=torch.uint8)
     pairs = load_bin(bin_path) if bin_path else None
 
     def both(images, on, precision):  # the tools' flip test: each crop's embedding plus its mirror's
-        return l2_normalize(embed(images, on, 64, precision) + embed(torch.flip(images, dims=[3]), on, 64, precision))
+        return l2_normalize(
+            embed(images, on, 64, precision) + embed(torch.flip(images, dims=[3]), on, 64, precision)
+        )
 
     def rate(images, on, precision):
         both(images[:64], on, precision)  # warm-up: cuDNN's autotuning, the allocator
@@ -161,7 +188,7 @@ def embed_rates(device: torch.device, sizes: Sizes, bin_path: str | None) -> lis
         return out, len(images) / (time.perf_counter() - start)
 
     rows = []
-    _, cpu_rate = rate(crops[:sizes.embed_cpu_crops], module, "fp32")
+    _, cpu_rate = rate(crops[: sizes.embed_cpu_crops], module, "fp32")
     rows.append({"device": "cpu", "precision": "fp32", "images/s": f"{cpu_rate:.1f}", "x CPU": "1.00"})
     if device.type == "cuda":
         on = module.to(device)
@@ -169,8 +196,13 @@ def embed_rates(device: torch.device, sizes: Sizes, bin_path: str | None) -> lis
         for precision in ("fp32", "fp16", "bf16"):
             out, r = rate(crops, on, precision)
             reference = out if reference is None else reference
-            row = {"device": "cuda", "precision": precision, "images/s": f"{r:.1f}", "x CPU": f"{r / cpu_rate:.2f}",
-                   "least cosine to fp32": f"{float(np.min(np.sum(out * reference, axis=1))):.6f}"}
+            row = {
+                "device": "cuda",
+                "precision": precision,
+                "images/s": f"{r:.1f}",
+                "x CPU": f"{r / cpu_rate:.2f}",
+                "least cosine to fp32": f"{float(np.min(np.sum(out * reference, axis=1))):.6f}",
+            }
             if pairs is not None:
                 images, issame = pairs
                 emb = both(images[0], on, precision)  # uint8 crops; both() adds the mirror's
@@ -185,26 +217,38 @@ def _ratio(slow: dict, fast: dict) -> str:
 
 def _base_config():
     from configs.base import config
+
     return config
 
 
 def _head(method: str, classes_per_rank: int, sample_rate: float, device: torch.device):
+    from pfc_v2_reference import PFCv2Reference
+
     from heads import PartialFC, SampledRowsOptimizer
     from losses import CombinedMarginLoss
-    from pfc_v2_reference import PFCv2Reference
+
     margin = CombinedMarginLoss(64.0, 1.0, 0.5, 0.0)
     if method == "pfc_v2":
         rows = int(sample_rate * classes_per_rank) if sample_rate < 1 else classes_per_rank
         return PFCv2Reference(margin, D, rows).to(device), None
     base = _base_config()  # the tiling a training run gets by default
-    head = PartialFC(margin, D, classes_per_rank, sample_rate, chunk_size=base.chunk_size or None,
-                     row_block=base.row_block, validate=False).to(device)
+    head = PartialFC(
+        margin,
+        D,
+        classes_per_rank,
+        sample_rate,
+        chunk_size=base.chunk_size or None,
+        row_block=base.row_block,
+        validate=False,
+    ).to(device)
     return head, SampledRowsOptimizer(head, torch.optim.SGD, lr=0.0)
 
 
-def head_step(case: str, method: str, tf32: bool, device: torch.device, sizes: Sizes, warmup: int,
-              iters: int) -> dict:
+def head_step(
+    case: str, method: str, tf32: bool, device: torch.device, sizes: Sizes, warmup: int, iters: int
+) -> dict:
     from tests.fp64_head import matmul_precision
+
     classes, sample_rate = HEAD_CASES[case]
     classes //= sizes.class_divisor
     gpus, batch = sizes.gpus, sizes.batch
@@ -226,25 +270,43 @@ def head_step(case: str, method: str, tf32: bool, device: torch.device, sizes: S
     del head, head_opt, emb
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"data set": case, "classes/rank": f"{per_rank:,}", "sample_rate": sample_rate, "head": method,
-            "TF32": "on" if tf32 else "off", "ms": f"{statistics.median(times):.2f}",
-            "peak MB": _mb(peak), "weight MB": f"{weight_mb:.0f}"}
+    return {
+        "data set": case,
+        "classes/rank": f"{per_rank:,}",
+        "sample_rate": sample_rate,
+        "head": method,
+        "TF32": "on" if tf32 else "off",
+        "ms": f"{statistics.median(times):.2f}",
+        "peak MB": _mb(peak),
+        "weight MB": f"{weight_mb:.0f}",
+    }
 
 
 def _process_group() -> None:
     """A world-size-1 group (NCCL on a GPU): the PFC v2 reference all-reduces unconditionally."""
     from parallel.dist import init_distributed
     from tests.distributed import free_port
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                           LOCAL_RANK="0", LOCAL_WORLD_SIZE="1").items():
+
+    for key, value in dict(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+    ).items():
         os.environ.setdefault(key, value)
     init_distributed(force_group=True)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=["backbone", "head", "accuracy", "distill", "embed"], nargs="+",
-                   default=["backbone", "head", "accuracy", "distill", "embed"])
+    p.add_argument(
+        "--only",
+        choices=["backbone", "head", "accuracy", "distill", "embed"],
+        nargs="+",
+        default=["backbone", "head", "accuracy", "distill", "embed"],
+    )
     p.add_argument("--bin", default=None, help="a verification .bin (lfw.bin) for part 5's accuracy")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
@@ -254,8 +316,10 @@ def main(argv=None) -> int:
     if args.smoke:
         args.warmup, args.iters = 1, 2
     if not torch.cuda.is_available() and not args.smoke:
-        print("benchmarks/gpu.py: no CUDA device on this machine; nothing measured "
-              "(run it on a GPU machine; the CPU figures are in benchmarks/README.md)")
+        print(
+            "benchmarks/gpu.py: no CUDA device on this machine; nothing measured "
+            "(run it on a GPU machine; the CPU figures are in benchmarks/README.md)"
+        )
         return 0
     if torch.cuda.is_available():
         device = torch.device("cuda", 0)
@@ -268,17 +332,28 @@ def main(argv=None) -> int:
 
     plain = {}
     if "backbone" in args.only or "distill" in args.only:
-        plain = {name: backbone_throughput(name, device, sizes, args.warmup, args.iters) for name in sizes.backbones}
+        plain = {
+            name: backbone_throughput(name, device, sizes, args.warmup, args.iters)
+            for name in sizes.backbones
+        }
     if "backbone" in args.only:
         rows = []
         for name, row in plain.items():
             nhwc = backbone_throughput(name, device, sizes, args.warmup, args.iters, channels_last=True)
-            rows.append({**row, "channels_last samples/s": nhwc["samples/s"],
-                         "NCHW/NHWC step time": _ratio(row, nhwc), "channels_last peak MB": nhwc["peak MB"]})
+            rows.append(
+                {
+                    **row,
+                    "channels_last samples/s": nhwc["samples/s"],
+                    "NCHW/NHWC step time": _ratio(row, nhwc),
+                    "channels_last peak MB": nhwc["peak MB"],
+                }
+            )
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        print(f"\nbackbone step ({'fp16, ' if device.type == 'cuda' else ''}ZeRO-2 SGD at W=1, no head), "
-              f"batch {sizes.batch}/GPU; channels_last: the batch in NHWC")
+        print(
+            f"\nbackbone step ({'fp16, ' if device.type == 'cuda' else ''}ZeRO-2 SGD at W=1, no head), "
+            f"batch {sizes.batch}/GPU; channels_last: the batch in NHWC"
+        )
         print(table(rows, list(rows[0])))
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -287,42 +362,66 @@ def main(argv=None) -> int:
         rows = []
         for name in sizes.backbones:
             with_teacher = backbone_throughput(name, device, sizes, args.warmup, args.iters, distill=True)
-            rows.append({"backbone": name, "batch": sizes.batch, "plain samples/s": plain[name]["samples/s"],
-                         "distill samples/s": with_teacher["samples/s"],
-                         "step time ratio": _ratio(with_teacher, plain[name]),
-                         "distill peak MB": with_teacher["peak MB"]})
+            rows.append(
+                {
+                    "backbone": name,
+                    "batch": sizes.batch,
+                    "plain samples/s": plain[name]["samples/s"],
+                    "distill samples/s": with_teacher["samples/s"],
+                    "step time ratio": _ratio(with_teacher, plain[name]),
+                    "distill peak MB": with_teacher["peak MB"],
+                }
+            )
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        print(f"\ndistillation step (the backbone step with an on-the-fly teacher of the same network"
-              f"{', its weights cast to fp16 once' if device.type == 'cuda' else ''}, cosine loss, no head), "
-              f"batch {sizes.batch}/GPU")
+        print(
+            f"\ndistillation step (the backbone step with an on-the-fly teacher of the same network"
+            f"{', its weights cast to fp16 once' if device.type == 'cuda' else ''}, cosine loss, no head), "
+            f"batch {sizes.batch}/GPU"
+        )
         print(table(rows, list(rows[0])))
 
     if "head" in args.only:
         _process_group()
-        rows = [head_step(case, method, tf32, device, sizes, args.warmup, args.iters)
-                for case in HEAD_CASES for tf32 in (False, True) for method in ("ours", "pfc_v2")]
-        print(f"\nhead forward+backward at one rank's shapes of a {sizes.gpus}-GPU job "
-              f"({sizes.gpus * sizes.batch} embeddings x D={D}, fp32; ours chunk_size "
-              f"{_base_config().chunk_size}, row_block {_base_config().row_block}: configs/base.py)")
+        rows = [
+            head_step(case, method, tf32, device, sizes, args.warmup, args.iters)
+            for case in HEAD_CASES
+            for tf32 in (False, True)
+            for method in ("ours", "pfc_v2")
+        ]
+        print(
+            f"\nhead forward+backward at one rank's shapes of a {sizes.gpus}-GPU job "
+            f"({sizes.gpus * sizes.batch} embeddings x D={D}, fp32; ours chunk_size "
+            f"{_base_config().chunk_size}, row_block {_base_config().row_block}: configs/base.py)"
+        )
         print(table(rows, list(rows[0])))
 
     if "accuracy" in args.only:
         from tests.fp64_head import head_errors_against_fp64
+
         rows = []
         for tf32, precision in ((False, "fp32"), (True, "fp32"), (False, "tf32"), (False, "bf16")):
             err = head_errors_against_fp64(device, tf32, precision=precision, **(sizes.accuracy or {}))
-            rows.append({"torch TF32": "on" if tf32 else "off", "head_precision": precision,
-                         **{k: f"{v:.2e}" for k, v in err.items()}})
+            rows.append(
+                {
+                    "torch TF32": "on" if tf32 else "off",
+                    "head_precision": precision,
+                    **{k: f"{v:.2e}" for k, v in err.items()},
+                }
+            )
         shape = sizes.accuracy or {"classes": 20000, "batch": 512, "dim": 512}
-        print(f"\nhead vs fp64 full softmax (ArcFace s=64 m=0.5, {shape['classes']} classes, "
-              f"{shape['batch']} x {shape['dim']}): relative errors")
+        print(
+            f"\nhead vs fp64 full softmax (ArcFace s=64 m=0.5, {shape['classes']} classes, "
+            f"{shape['batch']} x {shape['dim']}): relative errors"
+        )
         print(table(rows, list(rows[0])))
 
     if "embed" in args.only:
         rows = embed_rates(device, sizes, args.bin)
-        print(f"\nembedding {sizes.embed_crops} crops ({sizes.embed_network}, flip test, unit rows; the CPU on "
-              f"{sizes.embed_cpu_crops} of them, {torch.get_num_threads()} threads)")
+        print(
+            f"\nembedding {sizes.embed_crops} crops ({sizes.embed_network}, flip test, unit rows; the CPU on "
+            f"{sizes.embed_cpu_crops} of them, {torch.get_num_threads()} threads)"
+        )
         columns = list(dict.fromkeys(c for r in rows for c in r))
         print(table(rows, columns))
     return 0

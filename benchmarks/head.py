@@ -17,6 +17,7 @@ resident set during a step after a warm-up step; the floor is the weight plus it
 of each in turn, and gives each ratio step by step (time only): a machine that drifts between
 processes then moves both sides of a ratio alike.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,13 +27,13 @@ import time
 import common  # noqa: F401,I001
 import torch
 import torch.nn.functional as F
-
 from common import MB, peak_bytes, reset_peak, rss_bytes, table
 from pfc_v2_reference import PFCv2Reference
+
 from heads import PartialFC, SampledRowsOptimizer
 from heads.sharding import class_shard
-from parallel.collectives import all_gather_flat, reduce_scatter_flat
 from losses import AdaFace, CombinedMarginLoss, CurricularFace, MagFace, SubCenterArcFace
+from parallel.collectives import all_gather_flat, reduce_scatter_flat
 from tests.distributed import run_distributed
 
 B, D = 128, 512
@@ -60,10 +61,14 @@ class BareGEMMs(torch.nn.Module):
                 reduce_scatter_flat(local.grad, emb.grad)
 
 
-MARGINS = {"arcface": lambda: CombinedMarginLoss(64.0, 1.0, 0.5, 0.0),
-           "cosface": lambda: CombinedMarginLoss(64.0, 1.0, 0.0, 0.4), "adaface": lambda: AdaFace(),
-           "magface": lambda: MagFace(), "curricularface": lambda: CurricularFace(),
-           "subcenter_arcface": lambda: SubCenterArcFace(k=3)}
+MARGINS = {
+    "arcface": lambda: CombinedMarginLoss(64.0, 1.0, 0.5, 0.0),
+    "cosface": lambda: CombinedMarginLoss(64.0, 1.0, 0.0, 0.4),
+    "adaface": lambda: AdaFace(),
+    "magface": lambda: MagFace(),
+    "curricularface": lambda: CurricularFace(),
+    "subcenter_arcface": lambda: SubCenterArcFace(k=3),
+}
 
 
 def _head(method: str, num_classes: int, world: int, chunk: int, row_block: int):
@@ -71,7 +76,9 @@ def _head(method: str, num_classes: int, world: int, chunk: int, row_block: int)
     if method == "pfc_v2":
         return PFCv2Reference(margin, D, num_classes)
     if method in ("limit", "limit+comm", "linear_ce"):
-        return BareGEMMs(class_shard(num_classes, world, torch.distributed.get_rank() if world > 1 else 0).size)
+        return BareGEMMs(
+            class_shard(num_classes, world, torch.distributed.get_rank() if world > 1 else 0).size
+        )
     fused = {"fused_optimizer": True} if method == "fused" else {}
     return PartialFC(margin, D, num_classes, chunk_size=chunk, row_block=row_block, validate=False, **fused)
 
@@ -123,7 +130,7 @@ def _paired(rank, world_size, num_classes, chunk, row_block, steps, batch):
     order = list(heads)
     times = {m: [] for m in heads}
     for it in range(steps + 1):
-        for m in order[it % 3:] + order[:it % 3]:
+        for m in order[it % 3 :] + order[: it % 3]:
             heads[m].weight.grad, emb.grad = None, None
             t = time.perf_counter()
             _step(m, heads[m], emb, emb_global, labels)
@@ -136,16 +143,24 @@ def paired(num_classes, chunk, row_block, steps, world=2, batch=B) -> None:
     results = run_distributed(_paired, world, num_classes, chunk, row_block, steps, batch, timeout=1800)
     # a step's time is its slowest rank's (the bare limit's ranks do not wait for each other)
     t = {m: [max(r[m][i] for r in results) for i in range(steps)] for m in results[0]}
-    print(f"\npaired, W={world} gloo ranks, 1 thread each, b={batch}/rank, D={D}, C={num_classes:,}, "
-          f"chunk_size={chunk}, row_block={row_block}, {steps} steps of each in turn in the same processes")
+    print(
+        f"\npaired, W={world} gloo ranks, 1 thread each, b={batch}/rank, D={D}, C={num_classes:,}, "
+        f"chunk_size={chunk}, row_block={row_block}, {steps} steps of each in turn in the same processes"
+    )
     rows = []
     for base in ("limit", "limit+comm"):
         r = sorted(o / b for o, b in zip(t["ours"], t[base]))
         q = statistics.quantiles(r, n=4)
-        rows.append({"baseline": base, "baseline ms": f"{statistics.median(t[base]) * 1e3:.0f}",
-                     "ours ms": f"{statistics.median(t['ours']) * 1e3:.0f}",
-                     "ours/baseline (median of steps)": f"{statistics.median(r):.3f}",
-                     "quartiles": f"{q[0]:.3f}-{q[2]:.3f}", "range": f"{r[0]:.2f}-{r[-1]:.2f}"})
+        rows.append(
+            {
+                "baseline": base,
+                "baseline ms": f"{statistics.median(t[base]) * 1e3:.0f}",
+                "ours ms": f"{statistics.median(t['ours']) * 1e3:.0f}",
+                "ours/baseline (median of steps)": f"{statistics.median(r):.3f}",
+                "quartiles": f"{q[0]:.3f}-{q[2]:.3f}",
+                "range": f"{r[0]:.2f}-{r[-1]:.2f}",
+            }
+        )
     print(table(rows, list(rows[0])))
 
 
@@ -167,16 +182,28 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=2048)  # CPU caches; the GPU config default is 8192
     p.add_argument("--row-block", type=int, default=128)
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=3,
-                   help="limit, limit+comm, ours and fused are measured in turn this many times; each ratio is "
-                        "the median of the rounds' ratios (a shared machine drifts between processes)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="limit, limit+comm, ours and fused are measured in turn this many times; each ratio is "
+        "the median of the rounds' ratios (a shared machine drifts between processes)",
+    )
     p.add_argument("--skip-pfc", action="store_true", help="leave out the (slow) PFC v2 baseline")
     p.add_argument("--skip-w1", action="store_true", help="leave out the W=1 comparison")
-    p.add_argument("--paired", type=int, default=0, metavar="STEPS",
-                   help="instead: limit, limit+comm and ours stepped in turn in the same two processes, "
-                        "STEPS steps each, at the first --classes (no process-to-process drift)")
-    p.add_argument("--margins", action="store_true",
-                   help="instead: each margin head's step time against plain ArcFace at the first --classes")
+    p.add_argument(
+        "--paired",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="instead: limit, limit+comm and ours stepped in turn in the same two processes, "
+        "STEPS steps each, at the first --classes (no process-to-process drift)",
+    )
+    p.add_argument(
+        "--margins",
+        action="store_true",
+        help="instead: each margin head's step time against plain ArcFace at the first --classes",
+    )
     args = p.parse_args(argv)
     if args.margins:
         return compare_margins(args)
@@ -186,12 +213,18 @@ def main(argv=None):
     for c in args.classes:
         # limit, ours and fused in turn, `rounds` times; PFC v2 (slow) once, against the median limit
         methods = ("limit", "limit+comm", "ours", "fused")
-        rounds = [{m: measure(m, c, args.chunk, args.row_block, args.iters) for m in methods}
-                  for _ in range(args.rounds)]
+        rounds = [
+            {m: measure(m, c, args.chunk, args.row_block, args.iters) for m in methods}
+            for _ in range(args.rounds)
+        ]
         floor = rounds[0]["limit"][2]
         limit_t = statistics.median(r["limit"][0] for r in rounds)
-        row = {"C": f"{c:,}", "floor MB": f"{floor / MB:.0f}", "limit ms": f"{limit_t * 1e3:.0f}",
-               "limit+comm ms": f"{statistics.median(r['limit+comm'][0] for r in rounds) * 1e3:.0f}"}
+        row = {
+            "C": f"{c:,}",
+            "floor MB": f"{floor / MB:.0f}",
+            "limit ms": f"{limit_t * 1e3:.0f}",
+            "limit+comm ms": f"{statistics.median(r['limit+comm'][0] for r in rounds) * 1e3:.0f}",
+        }
         for m in ("ours", "fused"):
             ratios = sorted(r[m][0] / r["limit"][0] for r in rounds)
             row[f"{m} ms"] = f"{statistics.median(r[m][0] for r in rounds) * 1e3:.0f}"
@@ -203,29 +236,45 @@ def main(argv=None):
         row["ours/limit+comm range"] = f"{comm[0]:.2f}-{comm[-1]:.2f}"
         if not args.skip_pfc:
             t, peak, _ = measure("pfc_v2", c, args.chunk, args.row_block, args.iters)
-            row.update({"pfc_v2 ms": f"{t * 1e3:.0f}", "pfc_v2/limit": f"{t / limit_t:.2f}",
-                        "pfc_v2 MB/floor": f"{peak / floor:.2f}"})
+            row.update(
+                {
+                    "pfc_v2 ms": f"{t * 1e3:.0f}",
+                    "pfc_v2/limit": f"{t / limit_t:.2f}",
+                    "pfc_v2 MB/floor": f"{peak / floor:.2f}",
+                }
+            )
         rows.append(row)
-    print(f"W=2 gloo ranks, 1 thread each, b={B}/rank, D={D}, fp32, chunk_size={args.chunk}, "
-          f"row_block={args.row_block}, default allocator, {args.rounds} rounds (median; range of the rounds' ratios)")
+    print(
+        f"W=2 gloo ranks, 1 thread each, b={B}/rank, D={D}, fp32, chunk_size={args.chunk}, "
+        f"row_block={args.row_block}, default allocator, {args.rounds} rounds (median; range of the rounds' ratios)"
+    )
     print(table(rows, list(rows[0])))
     if not args.skip_w1:
         c = args.classes[0]
-        pairs = [(measure("ours", c, args.chunk, args.row_block, args.iters, world=1, batch=2 * B)[0],
-                  measure("linear_ce", c, args.chunk, args.row_block, args.iters, world=1, batch=2 * B)[0])
-                 for _ in range(args.rounds)]
+        pairs = [
+            (
+                measure("ours", c, args.chunk, args.row_block, args.iters, world=1, batch=2 * B)[0],
+                measure("linear_ce", c, args.chunk, args.row_block, args.iters, world=1, batch=2 * B)[0],
+            )
+            for _ in range(args.rounds)
+        ]
         ratios = sorted(o / r for o, r in pairs)
-        print(f"\nW=1, B={2 * B}, C={c:,}: ours {statistics.median(o for o, _ in pairs) * 1e3:.0f} ms, "
-              f"F.linear_cross_entropy (batch_chunk_size=64, no margin) "
-              f"{statistics.median(r for _, r in pairs) * 1e3:.0f} ms: ours/theirs {statistics.median(ratios):.2f} "
-              f"(rounds {ratios[0]:.2f}-{ratios[-1]:.2f})")
+        print(
+            f"\nW=1, B={2 * B}, C={c:,}: ours {statistics.median(o for o, _ in pairs) * 1e3:.0f} ms, "
+            f"F.linear_cross_entropy (batch_chunk_size=64, no margin) "
+            f"{statistics.median(r for _, r in pairs) * 1e3:.0f} ms: ours/theirs {statistics.median(ratios):.2f} "
+            f"(rounds {ratios[0]:.2f}-{ratios[-1]:.2f})"
+        )
 
 
 def compare_margins(args) -> None:
     c = args.classes[0]
     times = {m: measure(f"margin:{m}", c, args.chunk, args.row_block, args.iters)[0] for m in MARGINS}
     print(f"W=2 gloo ranks, b={B}/rank, D={D}, C={c:,}, chunk_size={args.chunk}, row_block={args.row_block}")
-    rows = [{"margin": m, "ms": f"{t * 1e3:.0f}", "x arcface": f"{t / times['arcface']:.2f}"} for m, t in times.items()]
+    rows = [
+        {"margin": m, "ms": f"{t * 1e3:.0f}", "x arcface": f"{t / times['arcface']:.2f}"}
+        for m, t in times.items()
+    ]
     print(table(rows, ["margin", "ms", "x arcface"]))
 
 

@@ -13,6 +13,7 @@ classes a rank, chunk_size 2048). Needs a C++ compiler for the compiled side.
 Run from the repository root: `.venv/bin/python benchmarks/head_fusion.py [--chunk 32768]`.
 `--smoke` shrinks the classes 50-fold (figures mean nothing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,6 @@ import time
 
 import common  # noqa: F401,I001  (puts the repository root on sys.path)
 import torch
-
 from common import table
 
 
@@ -95,17 +95,36 @@ def main() -> None:
 
     t = time.perf_counter()
     fused()  # compiles (once a tile width)
-    print(f"compiled in {time.perf_counter() - t:.1f} s; {b} x {C}, {len(tiles)} tiles of {a.chunk}, one thread")
+    print(
+        f"compiled in {time.perf_counter() - t:.1f} s; {b} x {C}, {len(tiles)} tiles of {a.chunk}, one thread"
+    )
     rows = []
     for r in range(a.rounds):
         eager(), fused()
         e, f = _median_ms(eager, a.steps), _median_ms(fused, a.steps)
-        rows.append({"round": r + 1, "eager ms": f"{e:.1f}", "compiled ms": f"{f:.1f}", "compiled/eager": f"{f / e:.2f}"})
+        rows.append(
+            {
+                "round": r + 1,
+                "eager ms": f"{e:.1f}",
+                "compiled ms": f"{f:.1f}",
+                "compiled/eager": f"{f / e:.2f}",
+            }
+        )
     print(table(rows, ["round", "eager ms", "compiled ms", "compiled/eager"]))
     x, y = cos.clone(), torch.empty_like(cos)
-    ops = {"copy (the GEMM's stand-in)": lambda: y.copy_(x), "exp": lambda: torch.exp(x, out=y),
-           "mul by a column": lambda: torch.mul(x, inv, out=y), "sum(0)": lambda: x.sum(0), "sum(1)": lambda: x.sum(1)}
-    print(table([{"op over B x C": k, "ms": f"{_median_ms(fn, a.steps):.1f}"} for k, fn in ops.items()], ["op over B x C", "ms"]))
+    ops = {
+        "copy (the GEMM's stand-in)": lambda: y.copy_(x),
+        "exp": lambda: torch.exp(x, out=y),
+        "mul by a column": lambda: torch.mul(x, inv, out=y),
+        "sum(0)": lambda: x.sum(0),
+        "sum(1)": lambda: x.sum(1),
+    }
+    print(
+        table(
+            [{"op over B x C": k, "ms": f"{_median_ms(fn, a.steps):.1f}"} for k, fn in ops.items()],
+            ["op over B x C", "ms"],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ Run from the repository root: `.venv/bin/python benchmarks/head_profile.py [--ca
 or `.venv/bin/python benchmarks/head_profile.py --harness`.
 `--smoke` shrinks the classes 500-fold (what `make test` runs, so the script cannot rot).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,9 +36,8 @@ from collections import defaultdict
 
 import common  # noqa: F401,I001  (puts the repository root on sys.path)
 import torch
-
 from common import MB, table
-from gpu import D, HEAD_CASES, _base_config, _process_group, _timed
+from gpu import HEAD_CASES, D, _base_config, _process_group, _timed
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::matmul", "aten::linear")
 GEMM_KERNELS = ("gemm", "cutlass", "cublas", "sm90_xmma", "nvjet")
@@ -49,9 +49,11 @@ BYTES_PER_PASS = 1_000_000 * D * 4  # bytes of one pass over a 1M-class fp32 sha
 
 
 def build(case: str, method: str, device, gpus: int, batch: int, divisor: int, chunk: int, row_block: int):
+    from pfc_v2_reference import PFCv2Reference
+
     from heads import PartialFC, SampledRowsOptimizer
     from losses import CombinedMarginLoss
-    from pfc_v2_reference import PFCv2Reference
+
     classes, rate = HEAD_CASES[case] if case != "harness" else (HARNESS["classes"] // HARNESS["ranks"], 1.0)
     classes //= divisor
     per_rank = -(-classes // gpus) if case != "harness" else classes
@@ -60,7 +62,9 @@ def build(case: str, method: str, device, gpus: int, batch: int, divisor: int, c
     if method == "pfc_v2":
         head, opt = PFCv2Reference(margin, D, int(rate * per_rank) if rate < 1 else per_rank).to(device), None
     else:
-        head = PartialFC(margin, D, per_rank, rate, chunk_size=chunk or None, row_block=row_block, validate=False).to(device)
+        head = PartialFC(
+            margin, D, per_rank, rate, chunk_size=chunk or None, row_block=row_block, validate=False
+        ).to(device)
         opt = SampledRowsOptimizer(head, torch.optim.SGD, lr=0.0)
     emb = torch.randn(gpus * batch, D, device=device, requires_grad=True)
     labels = torch.randint(0, head.weight.shape[0], (gpus * batch,), device=device)
@@ -70,6 +74,7 @@ def build(case: str, method: str, device, gpus: int, batch: int, divisor: int, c
         if opt is not None:
             opt.zero_grad()
         head(emb, labels).backward()
+
     step.head, step.rows, step.emb, step.labels = head, gpus * batch, emb, labels
     return step, per_rank
 
@@ -84,6 +89,7 @@ def bare_gemms(classes: int, rows: int, device):
         logits.mul_(1e-3)  # stands in for the softmax gradient, in place
         emb.grad = logits @ weight
         weight.grad = logits.t() @ emb
+
     return step
 
 
@@ -91,6 +97,7 @@ def shard_passes(step) -> dict[str, float] | None:
     """Passes over the shard's rows by op in one step (tests/shard_passes.py), or None where the
     shapes would let the counter take the batch's rows for weight rows."""
     from tests.shard_passes import GEMMS, ShardPassCounter
+
     head = step.head
     if not hasattr(head, "plan"):
         return None
@@ -102,8 +109,10 @@ def shard_passes(step) -> dict[str, float] | None:
     with ShardPassCounter(D, weight_rows, head.num_local * k) as count:
         step()
     passes = count.passes
-    return {"GEMM (all)": sum(v for op, v in passes.items() if op in GEMMS),
-            **{op: v for op, v in passes.items() if op not in GEMMS}}
+    return {
+        "GEMM (all)": sum(v for op, v in passes.items() if op in GEMMS),
+        **{op: v for op, v in passes.items() if op not in GEMMS},
+    }
 
 
 def host_ms(step, device, iters: int) -> float:
@@ -122,6 +131,7 @@ def host_ms(step, device, iters: int) -> float:
 def by_op(step, device, iters: int) -> tuple[dict, dict]:
     """{op or kernel: (ms per step, launches per step)}, split into GEMM and the rest."""
     from torch.profiler import ProfilerActivity, profile
+
     cuda = device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
@@ -149,21 +159,28 @@ def by_op(step, device, iters: int) -> tuple[dict, dict]:
 
 
 def profile_case(args, device) -> None:
-    step, per_rank = build(args.case, "ours", device, args.gpus, args.batch, args.divisor, args.chunk_size,
-                           args.row_block)
+    step, per_rank = build(
+        args.case, "ours", device, args.gpus, args.batch, args.divisor, args.chunk_size, args.row_block
+    )
     times, peak = _timed(step, device, args.warmup, args.iters)
     issue = host_ms(step, device, args.iters)
     gemm, rest = by_op(step, device, args.iters)
     g_ms, r_ms = sum(v[0] for v in gemm.values()), sum(v[0] for v in rest.values())
     launches = sum(v[1] for v in gemm.values()) + sum(v[1] for v in rest.values())
-    print(f"\n{args.case}: {per_rank:,} classes/rank, {args.gpus * args.batch} x {D}, chunk_size "
-          f"{args.chunk_size}, row_block {args.row_block}")
-    print(f"step {statistics.median(times):.2f} ms, host issue {issue:.2f} ms/step, "
-          f"{'kernels' if device.type == 'cuda' else 'ops'} {launches:.0f}/step; "
-          f"GEMM {g_ms:.2f} ms, the rest {r_ms:.2f} ms ({r_ms / max(g_ms, 1e-9):.2f}x GEMM)"
-          + (f", peak {peak / MB:.0f} MB" if peak else ""))
-    rows = [{"op": k, "ms/step": f"{v[0]:.3f}", "calls/step": f"{v[1]:.0f}", "GEMM": "yes" if k in gemm else ""}
-            for k, v in sorted({**gemm, **rest}.items(), key=lambda kv: -kv[1][0])[:args.top]]
+    print(
+        f"\n{args.case}: {per_rank:,} classes/rank, {args.gpus * args.batch} x {D}, chunk_size "
+        f"{args.chunk_size}, row_block {args.row_block}"
+    )
+    print(
+        f"step {statistics.median(times):.2f} ms, host issue {issue:.2f} ms/step, "
+        f"{'kernels' if device.type == 'cuda' else 'ops'} {launches:.0f}/step; "
+        f"GEMM {g_ms:.2f} ms, the rest {r_ms:.2f} ms ({r_ms / max(g_ms, 1e-9):.2f}x GEMM)"
+        + (f", peak {peak / MB:.0f} MB" if peak else "")
+    )
+    rows = [
+        {"op": k, "ms/step": f"{v[0]:.3f}", "calls/step": f"{v[1]:.0f}", "GEMM": "yes" if k in gemm else ""}
+        for k, v in sorted({**gemm, **rest}.items(), key=lambda kv: -kv[1][0])[: args.top]
+    ]
     print(table(rows, ["op", "ms/step", "calls/step", "GEMM"]))
     print_passes(step)
 
@@ -172,11 +189,15 @@ def print_passes(step) -> None:
     passes = shard_passes(step)
     if passes is None:
         return
-    print("passes over the shard by op (ops touching its C x D values, in units of them; gathers and scatters\n"
-          "by the rows they move), and the bytes of those values at 1M classes x D=512 in fp32: what each op\n"
-          "moves at least on a GPU, where memory sets the pace (an in-place op reads and writes them):")
-    rows = [{"op": op, "passes/step": f"{p:.2f}", "GB at 1M classes": f"{p * BYTES_PER_PASS / 1e9:.1f}"}
-            for op, p in sorted(passes.items(), key=lambda kv: -kv[1])]
+    print(
+        "passes over the shard by op (ops touching its C x D values, in units of them; gathers and scatters\n"
+        "by the rows they move), and the bytes of those values at 1M classes x D=512 in fp32: what each op\n"
+        "moves at least on a GPU, where memory sets the pace (an in-place op reads and writes them):"
+    )
+    rows = [
+        {"op": op, "passes/step": f"{p:.2f}", "GB at 1M classes": f"{p * BYTES_PER_PASS / 1e9:.1f}"}
+        for op, p in sorted(passes.items(), key=lambda kv: -kv[1])
+    ]
     print(table(rows, ["op", "passes/step", "GB at 1M classes"]))
 
 
@@ -184,8 +205,9 @@ def harness(args, device) -> None:
     """One rank of benchmarks/head.py, with its limit (the three bare GEMMs) timed in turn."""
     torch.set_num_threads(1)
     batch = HARNESS["ranks"] * HARNESS["batch"]
-    step, per_rank = build("harness", "ours", device, 1, batch, args.divisor, HARNESS["chunk_size"],
-                           HARNESS["row_block"])
+    step, per_rank = build(
+        "harness", "ours", device, 1, batch, args.divisor, HARNESS["chunk_size"], HARNESS["row_block"]
+    )
     limit = bare_gemms(per_rank, batch, device)
     ours_t, limit_t = [], []
     for it in range(args.warmup + args.iters):  # in turn, so both see the same machine
@@ -199,14 +221,22 @@ def harness(args, device) -> None:
     ratios = sorted(o / g for o, g in zip(ours_t, limit_t))
     gemm, rest = by_op(step, device, args.iters)
     g_ms, r_ms = sum(v[0] for v in gemm.values()), sum(v[0] for v in rest.values())
-    print(f"\nbenchmarks/head.py's one rank: {per_rank:,} classes, {batch} x {D}, chunk_size "
-          f"{HARNESS['chunk_size']}, row_block {HARNESS['row_block']}, {torch.get_num_threads()} thread")
-    print(f"the three bare GEMMs {statistics.median(limit_t):.1f} ms, ours {statistics.median(ours_t):.1f} ms: "
-          f"ours/limit {statistics.median(ratios):.3f} (steps in turn: {ratios[0]:.3f}-{ratios[-1]:.3f})")
-    print(f"ours by op (torch.profiler, self time): GEMM {g_ms:.2f} ms, the rest {r_ms:.2f} ms "
-          f"({r_ms / max(g_ms, 1e-9):.2f}x GEMM)")
-    rows = [{"op": k, "ms/step": f"{v[0]:.3f}", "calls/step": f"{v[1]:.0f}", "GEMM": "yes" if k in gemm else ""}
-            for k, v in sorted({**gemm, **rest}.items(), key=lambda kv: -kv[1][0])[:args.top]]
+    print(
+        f"\nbenchmarks/head.py's one rank: {per_rank:,} classes, {batch} x {D}, chunk_size "
+        f"{HARNESS['chunk_size']}, row_block {HARNESS['row_block']}, {torch.get_num_threads()} thread"
+    )
+    print(
+        f"the three bare GEMMs {statistics.median(limit_t):.1f} ms, ours {statistics.median(ours_t):.1f} ms: "
+        f"ours/limit {statistics.median(ratios):.3f} (steps in turn: {ratios[0]:.3f}-{ratios[-1]:.3f})"
+    )
+    print(
+        f"ours by op (torch.profiler, self time): GEMM {g_ms:.2f} ms, the rest {r_ms:.2f} ms "
+        f"({r_ms / max(g_ms, 1e-9):.2f}x GEMM)"
+    )
+    rows = [
+        {"op": k, "ms/step": f"{v[0]:.3f}", "calls/step": f"{v[1]:.0f}", "GEMM": "yes" if k in gemm else ""}
+        for k, v in sorted({**gemm, **rest}.items(), key=lambda kv: -kv[1][0])[: args.top]
+    ]
     print(table(rows, ["op", "ms/step", "calls/step", "GEMM"]))
     print_passes(step)
 
@@ -216,17 +246,29 @@ def sweep(args, device) -> None:
     base, _ = build(args.case, "pfc_v2", device, args.gpus, args.batch, args.divisor, 0, 0)
     t, peak = _timed(base, device, args.warmup, args.iters)
     ref = statistics.median(t)
-    rows.append({"head": "pfc_v2", "ms": f"{ref:.2f}", "vs pfc_v2": "1.00",
-                 "peak MB": f"{peak / MB:.0f}" if peak else "n/a"})
+    rows.append(
+        {
+            "head": "pfc_v2",
+            "ms": f"{ref:.2f}",
+            "vs pfc_v2": "1.00",
+            "peak MB": f"{peak / MB:.0f}" if peak else "n/a",
+        }
+    )
     del base
     for chunk in args.chunks:
         for rb in args.row_blocks:
             step, _ = build(args.case, "ours", device, args.gpus, args.batch, args.divisor, chunk, rb)
             t, peak = _timed(step, device, args.warmup, args.iters)
             ms = statistics.median(t)
-            rows.append({"head": f"ours {chunk}/{rb}", "ms": f"{ms:.2f}", "vs pfc_v2": f"{ms / ref:.2f}",
-                         "peak MB": f"{peak / MB:.0f}" if peak else "n/a",
-                         "host ms": f"{host_ms(step, device, args.iters):.2f}"})
+            rows.append(
+                {
+                    "head": f"ours {chunk}/{rb}",
+                    "ms": f"{ms:.2f}",
+                    "vs pfc_v2": f"{ms / ref:.2f}",
+                    "peak MB": f"{peak / MB:.0f}" if peak else "n/a",
+                    "host ms": f"{host_ms(step, device, args.iters):.2f}",
+                }
+            )
             del step
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -258,13 +300,18 @@ def graph_case(args, device) -> bool:
     when a capture failed: that leaves the process's CUDA state unfit for more cases."""
     rows, ok = [], True
     for method in ("ours", "pfc_v2"):  # ours first: a capture that fails could spoil what follows
-        step, per_rank = build(args.case, method, device, args.gpus, args.batch, args.divisor, args.chunk_size,
-                               args.row_block)
+        step, per_rank = build(
+            args.case, method, device, args.gpus, args.batch, args.divisor, args.chunk_size, args.row_block
+        )
         eager = statistics.median(_timed(step, device, args.warmup, args.iters)[0])
         step()
         reference = step.emb.grad.clone()
-        row = {"data set": args.case, "head": method, "eager ms": f"{eager:.2f}",
-               "eager host ms": f"{host_ms(step, device, args.iters):.2f}"}
+        row = {
+            "data set": args.case,
+            "head": method,
+            "eager ms": f"{eager:.2f}",
+            "eager host ms": f"{host_ms(step, device, args.iters):.2f}",
+        }
         try:
             graph = captured(step)
         except Exception as e:  # noqa: BLE001  (a capture that fails is the finding, not a crash)
@@ -274,15 +321,32 @@ def graph_case(args, device) -> bool:
             ms = statistics.median(_timed(graph.replay, device, args.warmup, args.iters)[0])
             sampled = method == "ours" and HEAD_CASES[args.case][1] < 1  # PFC v2's reference never samples
             err = (step.emb.grad - reference).abs().max() / reference.abs().max()
-            row.update({"graph ms": f"{ms:.2f}", "eager/graph": f"{eager / ms:.2f}",
-                        "grad_emb rel. diff": "n/a (resampled)" if sampled else f"{err:.1e}"})
+            row.update(
+                {
+                    "graph ms": f"{ms:.2f}",
+                    "eager/graph": f"{eager / ms:.2f}",
+                    "grad_emb rel. diff": "n/a (resampled)" if sampled else f"{err:.1e}",
+                }
+            )
             del graph
         rows.append(row)
         del step, reference
         torch.cuda.empty_cache()
     print(f"\n{args.case}: {per_rank:,} classes/rank, eager step against its CUDA graph replayed, fp32")
-    print(table(rows, ["data set", "head", "eager ms", "eager host ms", "graph ms", "eager/graph",
-                       "grad_emb rel. diff"]))
+    print(
+        table(
+            rows,
+            [
+                "data set",
+                "head",
+                "eager ms",
+                "eager host ms",
+                "graph ms",
+                "eager/graph",
+                "grad_emb rel. diff",
+            ],
+        )
+    )
     return ok
 
 
@@ -291,18 +355,30 @@ def main(argv=None) -> int:
     p.add_argument("--case", choices=sorted(HEAD_CASES), nargs="+", default=["Glint360K"])
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--chunk_size", type=int, default=_base_config().chunk_size, help="default: configs/base.py's")
-    p.add_argument("--row_block", type=int, default=_base_config().row_block, help="default: configs/base.py's")
+    p.add_argument(
+        "--chunk_size", type=int, default=_base_config().chunk_size, help="default: configs/base.py's"
+    )
+    p.add_argument(
+        "--row_block", type=int, default=_base_config().row_block, help="default: configs/base.py's"
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--top", type=int, default=20)
-    p.add_argument("--sweep", action="store_true", help="step time over --chunks x --row_blocks, PFC v2 beside")
+    p.add_argument(
+        "--sweep", action="store_true", help="step time over --chunks x --row_blocks, PFC v2 beside"
+    )
     p.add_argument("--chunks", type=int, nargs="+", default=[8192, 32768, 1 << 20])
     p.add_argument("--row_blocks", type=int, nargs="+", default=[128, 512, 1024])
-    p.add_argument("--harness", action="store_true",
-                   help="one rank of benchmarks/head.py on the CPU (one thread) beside its three bare GEMMs")
-    p.add_argument("--graph", action="store_true",
-                   help="CUDA only: the step eager against the step replayed from a CUDA graph, PFC v2 beside")
+    p.add_argument(
+        "--harness",
+        action="store_true",
+        help="one rank of benchmarks/head.py on the CPU (one thread) beside its three bare GEMMs",
+    )
+    p.add_argument(
+        "--graph",
+        action="store_true",
+        help="CUDA only: the step eager against the step replayed from a CUDA graph, PFC v2 beside",
+    )
     p.add_argument("--smoke", action="store_true", help="classes / 500, 2 steps (figures mean nothing)")
     args = p.parse_args(argv)
     args.divisor = 500 if args.smoke else 1
@@ -328,8 +404,10 @@ def main(argv=None) -> int:
         args.case = case
         if args.graph:
             if not graph_case(args, device) and case != cases[-1]:
-                print("a failed capture spoils this process's CUDA state: run the other cases with --case, "
-                      "one per process")
+                print(
+                    "a failed capture spoils this process's CUDA state: run the other cases with --case, "
+                    "one per process"
+                )
                 break
             continue
         profile_case(args, device)

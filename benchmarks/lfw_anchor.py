@@ -26,6 +26,7 @@ the subset's accuracy times the share of pairs in it (each missed pair counted w
 nothing; dlib's own pipeline runs afresh each time. LFW is for research use: nothing of it is
 written into the repository.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,9 +58,12 @@ def _dlib_models() -> tuple:
         import dlib
 
         from faces.models import model_file
-        _DLIB["m"] = (dlib.get_frontal_face_detector(),
-                      dlib.shape_predictor(model_file("shape_predictor_5_face_landmarks.dat")),
-                      dlib.face_recognition_model_v1(model_file("dlib_face_recognition_resnet_model_v1.dat")))
+
+        _DLIB["m"] = (
+            dlib.get_frontal_face_detector(),
+            dlib.shape_predictor(model_file("shape_predictor_5_face_landmarks.dat")),
+            dlib.face_recognition_model_v1(model_file("dlib_face_recognition_resnet_model_v1.dat")),
+        )
     return _DLIB["m"]
 
 
@@ -82,12 +86,22 @@ def folds_accuracy(emb: np.ndarray, issame: np.ndarray) -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--images", default=None, help="LFW's folder (deep-funneled or not): FOLDER/name/name_000n.jpg")
-    p.add_argument("--pairs_list", required=True, help="LFW's pairs.txt (view 2), or a CFP root with --protocol")
+    p.add_argument(
+        "--images", default=None, help="LFW's folder (deep-funneled or not): FOLDER/name/name_000n.jpg"
+    )
+    p.add_argument(
+        "--pairs_list", required=True, help="LFW's pairs.txt (view 2), or a CFP root with --protocol"
+    )
     p.add_argument("--protocol", default=None, choices=("FP", "FF"), help="with a CFP root: its protocol")
-    p.add_argument("--cache_dir", default=None, help="where the faces and embeddings are cached (default: beside the list)")
+    p.add_argument(
+        "--cache_dir",
+        default=None,
+        help="where the faces and embeddings are cached (default: beside the list)",
+    )
     p.add_argument("--workers", type=int, default=default_workers())
-    p.add_argument("--skip_dlib_own", action="store_true", help="leave out dlib's own pipeline (the slow part)")
+    p.add_argument(
+        "--skip_dlib_own", action="store_true", help="leave out dlib's own pipeline (the slow part)"
+    )
     args = p.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
 
@@ -100,7 +114,9 @@ def main() -> None:
     cache = FacesCache(faces_cache)
 
     t = time.perf_counter()
-    first = pair_faces(photos, model.detection, Retries(), cache, workers=args.workers)  # the first search alone
+    first = pair_faces(
+        photos, model.detection, Retries(), cache, workers=args.workers
+    )  # the first search alone
     faces = pair_faces(photos, model.detection, Retries(upsample=2, mmod=True), cache, workers=args.workers)
     found_s = time.perf_counter() - t
     print("\n".join(faces.report(pair_list.pairs)[:4]))
@@ -112,14 +128,26 @@ def main() -> None:
 
     lines = [("ours from photos, all pairs", len(issame), r.accuracy, r.std, f"{r.accuracy_flip:.4f}")]
     sub = np.repeat(first_found, 2)
-    lines.append(("ours, pairs with faces (first search)", int(first_found.sum()),
-                  *folds_accuracy(ours.emb[rows][sub], issame[first_found]), "-"))
+    lines.append(
+        (
+            "ours, pairs with faces (first search)",
+            int(first_found.sum()),
+            *folds_accuracy(ours.emb[rows][sub], issame[first_found]),
+            "-",
+        )
+    )
 
     # the .bin path: the same faces as 112 crops, re-framed onto the chip
-    crops = torch.stack([torch.from_numpy(np.array(photo.cuts[0])).permute(2, 0, 1) for photo in
-                         stream(photos, faces=[[faces.faces[p]] for p in photos], cut=Crop(ARCFACE_112))])
+    crops = torch.stack(
+        [
+            torch.from_numpy(np.array(photo.cuts[0])).permute(2, 0, 1)
+            for photo in stream(photos, faces=[[faces.faces[p]] for p in photos], cut=Crop(ARCFACE_112))
+        ]
+    )
     reframed = embed(crops, model.for_crops(ARCFACE_112), 64)
-    lines.append((".bin path (112 crops re-framed)", len(issame), *folds_accuracy(reframed[rows], issame), "-"))
+    lines.append(
+        (".bin path (112 crops re-framed)", len(issame), *folds_accuracy(reframed[rows], issame), "-")
+    )
 
     if not args.skip_dlib_own:
         t = time.perf_counter()
@@ -129,18 +157,35 @@ def main() -> None:
         has = np.array([d is not None for d in own])
         own_emb = np.stack([d if d is not None else np.zeros(128, np.float32) for d in own])
         both = has[rows].reshape(-1, 2).all(1)
-        print(f"dlib's own pipeline: no face in {int((~has).sum())} of {len(photos)} photos "
-              f"({int((~both).sum())} pairs); {len(photos) / own_s:.1f} photos/s")
+        print(
+            f"dlib's own pipeline: no face in {int((~has).sum())} of {len(photos)} photos "
+            f"({int((~both).sum())} pairs); {len(photos) / own_s:.1f} photos/s"
+        )
         sub = np.repeat(both, 2)
         acc_both = folds_accuracy(own_emb[rows][sub], issame[both])
         lines.append(("dlib's own, pairs with faces", int(both.sum()), *acc_both, "-"))
         # the faceless pairs counted as misses (their share of the pairs taken off)
-        lines.append(("dlib's own, faceless pairs as misses", len(issame), acc_both[0] * float(both.mean()),
-                      float("nan"), "-"))
-        lines.append(("ours, the same pairs as dlib's own", int(both.sum()),
-                      *folds_accuracy(ours.emb[rows][sub], issame[both]), "-"))
-    print(f"faces found in {found_s:.0f} s, embedded in {embed_s:.0f} s"
-          + ("" if args.skip_dlib_own else f"; dlib's own pipeline {own_s:.0f} s"))
+        lines.append(
+            (
+                "dlib's own, faceless pairs as misses",
+                len(issame),
+                acc_both[0] * float(both.mean()),
+                float("nan"),
+                "-",
+            )
+        )
+        lines.append(
+            (
+                "ours, the same pairs as dlib's own",
+                int(both.sum()),
+                *folds_accuracy(ours.emb[rows][sub], issame[both]),
+                "-",
+            )
+        )
+    print(
+        f"faces found in {found_s:.0f} s, embedded in {embed_s:.0f} s"
+        + ("" if args.skip_dlib_own else f"; dlib's own pipeline {own_s:.0f} s")
+    )
     print(f"{'MODEL dlib':<40} {'pairs':>6} {'acc':>7} {'std':>7} {'acc-flip':>8}")
     for name, n, acc, std, flip in lines:
         print(f"{name:<40} {n:>6} {acc:7.4f} {std:7.4f} {flip:>8}")

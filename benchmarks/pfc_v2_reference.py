@@ -4,6 +4,7 @@ All-gather embeddings, normalise the whole weight shard, materialise the shard's
 B x n_local logits, margin, then a distributed softmax cross-entropy that keeps the
 B x n_local probabilities for backward. Used only by benchmarks/head.py.
 """
+
 from __future__ import annotations
 
 import torch

@@ -31,6 +31,7 @@ Every run made is reported, with its wall time; `--evaluate` prints the table of
 runs without training. Research data: nothing of LFW or CelebA is written into the repository
 (the work folder is under the ignored work_dirs/ by default).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,14 +52,20 @@ SEEDS = (1, 2)
 ARMS = {
     "demo margin": ("tiny", "celeb", ["--embedding_size", "128"]),
     "demo margin + cosine (centred)": ("tiny", "celeb", ["--embedding_size", "128", "--teacher", "TEACHER"]),
-    "demo label-free, raw": ("tiny", "all", ["--embedding_size", "128", "--teacher", "TEACHER",
-                                             "--distill_center", "false"]),
+    "demo label-free, raw": (
+        "tiny",
+        "all",
+        ["--embedding_size", "128", "--teacher", "TEACHER", "--distill_center", "false"],
+    ),
     "demo label-free, centred": ("tiny", "all", ["--embedding_size", "128", "--teacher", "TEACHER"]),
     # a patient teacher (Beyer et al. 2022: distillation gains from long schedules): the same arm for
     # 4x the epochs, with the margin head's twin as the control; 40 fixed before either ran, by the
     # CPU time two seeds of both were expected to take here (~100 min; they took 53)
-    "demo label-free, centred, 40 epochs": ("tiny", "all", ["--embedding_size", "128", "--teacher", "TEACHER",
-                                                            "--num_epoch", "40"]),
+    "demo label-free, centred, 40 epochs": (
+        "tiny",
+        "all",
+        ["--embedding_size", "128", "--teacher", "TEACHER", "--num_epoch", "40"],
+    ),
     "demo margin, 40 epochs": ("tiny", "celeb", ["--embedding_size", "128", "--num_epoch", "40"]),
     "mbf margin": ("mbf", "celeb", []),
     "mbf margin + cosine": ("mbf", "celeb", ["--teacher", "TEACHER"]),
@@ -66,11 +73,18 @@ ARMS = {
     "mbf label-free, raw": ("mbf", "all", ["--teacher", "TEACHER", "--distill_center", "false"]),
     "mbf label-free, centred": ("mbf", "all", ["--teacher", "TEACHER"]),
     "r18 margin": ("r18", "celeb", []),
-    "dlib_resnet fine-tuned": ("dlib_resnet", "celeb", ["--init_backbone", "dlib", "--embedding_size", "128"]),
+    "dlib_resnet fine-tuned": (
+        "dlib_resnet",
+        "celeb",
+        ["--init_backbone", "dlib", "--embedding_size", "128"],
+    ),
     # the recipe's lr 0.1 destroyed dlib's network (no BatchNorm: embeddings grew to ~1e7, LFW at
     # chance); a tenth of it, fixed before this arm's first run, the usual fine-tuning rate
-    "dlib_resnet fine-tuned, lr 0.01": ("dlib_resnet", "celeb", ["--init_backbone", "dlib", "--embedding_size", "128",
-                                                                 "--lr", "0.01"]),
+    "dlib_resnet fine-tuned, lr 0.01": (
+        "dlib_resnet",
+        "celeb",
+        ["--init_backbone", "dlib", "--embedding_size", "128", "--lr", "0.01"],
+    ),
 }
 
 
@@ -110,8 +124,10 @@ def prepare(args, work: str) -> dict[str, str]:
         for target, name in links:  # (kept from an align that did not finish)
             if not os.path.lexists(os.path.join(photos, name)):
                 os.symlink(os.path.abspath(target), os.path.join(photos, name))
-        print(f"aligning {len(os.listdir(args.celeb))} CelebA people and {len(unpaired)} LFW people in no pair",
-              flush=True)
+        print(
+            f"aligning {len(os.listdir(args.celeb))} CelebA people and {len(unpaired)} LFW people in no pair",
+            flush=True,
+        )
         t = time.perf_counter()
         sh(sys.executable, "-m", "scripts.align", photos, crops, "--largest", "--workers", str(args.workers))
         print(f"aligned in {time.perf_counter() - t:.0f} s", flush=True)
@@ -141,8 +157,11 @@ def classes_of(rec: str) -> int:
 
 
 def run_dir(work: str, arm: str, seed: int) -> str:
-    return os.path.join(work, "runs", arm.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
-                        + f"_seed{seed}")
+    return os.path.join(
+        work,
+        "runs",
+        arm.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "") + f"_seed{seed}",
+    )
 
 
 def train(work: str, sets: dict[str, str], arm: str, seed: int, nproc: int) -> None:
@@ -161,9 +180,25 @@ def train(work: str, sets: dict[str, str], arm: str, seed: int, nproc: int) -> N
     attempts = os.path.join(out, "attempts_s.txt")
     t = time.perf_counter()
     try:
-        sh(*launch, "train.py", CONFIG, "--network", network, "--rec", sets[data], "--num_classes", classes,
-           "--seed", str(seed), "--output", out, "--resume", "auto", *extra,
-           log=os.path.join(out, f"console{len(_attempts(attempts))}.log"))
+        sh(
+            *launch,
+            "train.py",
+            CONFIG,
+            "--network",
+            network,
+            "--rec",
+            sets[data],
+            "--num_classes",
+            classes,
+            "--seed",
+            str(seed),
+            "--output",
+            out,
+            "--resume",
+            "auto",
+            *extra,
+            log=os.path.join(out, f"console{len(_attempts(attempts))}.log"),
+        )
     finally:
         with open(attempts, "a") as f:
             f.write(f"{time.perf_counter() - t:.0f}\n")
@@ -189,10 +224,16 @@ def list_faces(args, path: str, images: str | None, protocol: str | None = None)
     from eval.cfp import read_list
     from faces.detect import Detection
     from infer.pair_photos import FacesCache, Retries, cache_paths, pair_faces
+
     pair_list = read_list(path, images, protocol)
     faces_cache = cache_paths(path, None, cache_dir(args, path))[0]
-    faces = pair_faces(pair_list.photos, Detection(), Retries(upsample=2, mmod=True), FacesCache(faces_cache),
-                       workers=args.workers)
+    faces = pair_faces(
+        pair_list.photos,
+        Detection(),
+        Retries(upsample=2, mmod=True),
+        FacesCache(faces_cache),
+        workers=args.workers,
+    )
     return pair_list, faces
 
 
@@ -201,9 +242,12 @@ def list_scores(args, path: str, pair_list, faces, run: str) -> tuple[float, flo
     from eval.pairs import score_pairs
     from infer.model import load_model
     from infer.pair_photos import EmbeddingCache, cache_paths, pair_embeddings
+
     model = load_model(run)
     emb_cache = cache_paths(path, model.fingerprint, cache_dir(args, path))[1]
-    emb = pair_embeddings(model, pair_list.photos, faces, EmbeddingCache(emb_cache, model), show_progress=False)
+    emb = pair_embeddings(
+        model, pair_list.photos, faces, EmbeddingCache(emb_cache, model), show_progress=False
+    )
     r = score_pairs(pair_list, emb.emb, emb.emb_flip)
     return r.accuracy, r.std, r.accuracy_flip, r.std_flip
 
@@ -212,6 +256,7 @@ def speed(module: torch.nn.Module, size: int, threads: int, images: int = 256, b
     """Images per second of `module` on size x size crops (infer.embed.embed: uint8 crops in,
     embeddings out, as every tool embeds) on `threads` threads, the median of 3 passes after a warm-up."""
     from infer.embed import embed
+
     torch.set_num_threads(threads)
     crops = torch.randint(0, 256, (images, 3, size, size), dtype=torch.uint8)
     embed(crops[:batch], module, batch)
@@ -228,6 +273,7 @@ def onnx_twin(module: torch.nn.Module, size: int, folder: str, name: str) -> str
     from faces.align import ARCFACE_112
     from faces.dlib_chip import DLIB_150
     from scripts.export_onnx import export
+
     path = os.path.join(folder, f"{name}.onnx")
     export(module, path, template=DLIB_150 if size == DLIB_150.size[0] else ARCFACE_112)
     return path
@@ -242,15 +288,22 @@ def speeds() -> None:
     import backbones
     from infer.model import load_model
     from infer.onnx import OnnxBackbone
+
     cores = os.cpu_count() or 1
     nets = {"dlib (MODEL dlib, 150 chips)": (load_model("dlib").module, 150)}
     for network, _, extra in ARMS.values():
-        name = network if "--embedding_size" not in extra else f"{network} ({extra[extra.index('--embedding_size') + 1]}-D)"
+        name = (
+            network
+            if "--embedding_size" not in extra
+            else f"{network} ({extra[extra.index('--embedding_size') + 1]}-D)"
+        )
         if name not in nets:
             dim = int(extra[extra.index("--embedding_size") + 1]) if "--embedding_size" in extra else 512
             nets[name] = (backbones.get_model(network, num_features=dim).eval(), 112)
-    print(f"\nembedding speed on this CPU, images/s (batches of 64, no flip): 1 thread / {cores} threads, x MODEL "
-          "dlib's on 1 thread in the same runtime; torch, then onnxruntime")
+    print(
+        f"\nembedding speed on this CPU, images/s (batches of 64, no flip): 1 thread / {cores} threads, x MODEL "
+        "dlib's on 1 thread in the same runtime; torch, then onnxruntime"
+    )
     base: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as folder:
         for i, (name, (module, size)) in enumerate(nets.items()):
@@ -260,9 +313,13 @@ def speeds() -> None:
                 one_every = []
                 for threads in (1, cores):
                     torch.set_num_threads(threads)  # onnxruntime's session takes torch's count when made
-                    one_every.append(speed(module if runtime == "torch" else OnnxBackbone(path), size, threads))
+                    one_every.append(
+                        speed(module if runtime == "torch" else OnnxBackbone(path), size, threads)
+                    )
                 base.setdefault(runtime, one_every[0])
-                said.append(f"{runtime} {one_every[0]:.0f} / {one_every[1]:.0f} (x{one_every[0] / base[runtime]:.1f})")
+                said.append(
+                    f"{runtime} {one_every[0]:.0f} / {one_every[1]:.0f} (x{one_every[0] / base[runtime]:.1f})"
+                )
             print(f"- {name}: " + ", ".join(said), flush=True)
 
 
@@ -274,18 +331,25 @@ def report(args, work: str) -> None:
     lists += [(f"CFP {p}", args.cfp, None, p) for p in ("FP", "FF") if args.cfp]
     for title, path, images, protocol in lists:
         pair_list, faces = list_faces(args, path, images, protocol)
-        print(f"\n{title}, all {len(pair_list.pairs)} pairs from the photos (10-fold mean and std over the folds; "
-              "CelebA's people may overlap LFW's):")
+        print(
+            f"\n{title}, all {len(pair_list.pairs)} pairs from the photos (10-fold mean and std over the folds; "
+            "CelebA's people may overlap LFW's):"
+        )
         print("| arm | seed | train min | acc | std | acc-flip | std |\n|---|---|---|---|---|---|---|")
         if not args.cfp_only:  # MODEL dlib on CFP: `scripts.verify dlib --pairs_list CFP --protocol FP|FF`
             anchor = list_scores(args, path, pair_list, faces, "dlib")
-            print(f"| MODEL dlib (the teacher) | - | - | {anchor[0]:.4f} | {anchor[1]:.4f} | {anchor[2]:.4f} | "
-                  f"{anchor[3]:.4f} |", flush=True)
+            print(
+                f"| MODEL dlib (the teacher) | - | - | {anchor[0]:.4f} | {anchor[1]:.4f} | {anchor[2]:.4f} | "
+                f"{anchor[3]:.4f} |",
+                flush=True,
+            )
         for arm, seed, run in runs:
             wall = int(open(os.path.join(run, "wall_s.txt")).read())
             acc, std, acc_f, std_f = list_scores(args, path, pair_list, faces, run)
-            print(f"| {arm} | {seed} | {wall / 60:.0f} | {acc:.4f} | {std:.4f} | {acc_f:.4f} | {std_f:.4f} |",
-                  flush=True)
+            print(
+                f"| {arm} | {seed} | {wall / 60:.0f} | {acc:.4f} | {std:.4f} | {acc_f:.4f} | {std_f:.4f} |",
+                flush=True,
+            )
 
 
 def main() -> None:
@@ -293,17 +357,27 @@ def main() -> None:
     p.add_argument("--celeb", required=True, help="CelebA photos, one sub-folder per person")
     p.add_argument("--lfw", required=True, help="LFW's folder: FOLDER/name/name_000n.jpg")
     p.add_argument("--pairs_list", required=True, help="LFW's pairs.txt (view 2)")
-    p.add_argument("--cfp_only", action="store_true", help="with --cfp: CFP's tables of the trained runs only")
-    p.add_argument("--cfp", default=None, help="a CFP root: the table on its FP and FF protocols too (its caches "
-                   "in the root, shared with scripts.verify's)")
+    p.add_argument(
+        "--cfp_only", action="store_true", help="with --cfp: CFP's tables of the trained runs only"
+    )
+    p.add_argument(
+        "--cfp",
+        default=None,
+        help="a CFP root: the table on its FP and FF protocols too (its caches "
+        "in the root, shared with scripts.verify's)",
+    )
     p.add_argument("--work", default=os.path.join(ROOT, "work_dirs", "real_faces"))
-    p.add_argument("--cache_dir", default=None, help="the LFW faces' and embeddings' cache (default: beside the list)")
+    p.add_argument(
+        "--cache_dir", default=None, help="the LFW faces' and embeddings' cache (default: beside the list)"
+    )
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), metavar="ARM")
     p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     p.add_argument("--nproc", type=int, default=2, help="gloo ranks per run")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="face-finding processes")
     p.add_argument("--evaluate", action="store_true", help="only the table of the finished runs")
-    p.add_argument("--speed", action="store_true", help="only each network's embedding speed (time it quietly)")
+    p.add_argument(
+        "--speed", action="store_true", help="only each network's embedding speed (time it quietly)"
+    )
     args = p.parse_args()
     work = os.path.abspath(args.work)
     if args.speed:
@@ -311,7 +385,11 @@ def main() -> None:
         return
     if not args.evaluate:
         sets = prepare(args, work)
-        print(json.dumps({k: classes_of(v) for k, v in sets.items() if not k.endswith(".teacher")}), "classes", flush=True)
+        print(
+            json.dumps({k: classes_of(v) for k, v in sets.items() if not k.endswith(".teacher")}),
+            "classes",
+            flush=True,
+        )
         for seed in args.seeds:  # every arm's first seed before any second
             for arm in args.arms:
                 train(work, sets, arm, seed, args.nproc)

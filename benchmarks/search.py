@@ -20,6 +20,7 @@ infer.search.FASTER in the form to paste there. --quick: the 10k gallery only.
     .venv/bin/python benchmarks/search.py --grid           # the table behind engine "auto"
     .venv/bin/python benchmarks/search.py --grid --quick   # a quick check of the grid
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,6 +48,7 @@ def _run(engine: str, size: int, dim: int, queries: int, k: int, repeat: int, th
     import torch
 
     from infer.search import make_index
+
     torch.set_num_threads(threads)
     faiss.omp_set_num_threads(threads)
     rng = np.random.default_rng(0)
@@ -70,13 +72,23 @@ def _timed(search, queries: np.ndarray, k: int):
     return time.perf_counter() - t0, result
 
 
-def _cells(size: int, precision: str, ours, theirs, queries: dict, k: int, repeat: int, budget: float,
-           thread_counts: tuple) -> list[dict]:
+def _cells(
+    size: int,
+    precision: str,
+    ours,
+    theirs,
+    queries: dict,
+    k: int,
+    repeat: int,
+    budget: float,
+    thread_counts: tuple,
+) -> list[dict]:
     """One row per (threads, queries): both engines' best time over runs taken in turns, so that
     what else the machine does falls on both alike. A run longer than `budget` seconds is not
     repeated (its first run is its time); shorter ones repeat until `budget` or `repeat` runs."""
     import faiss
     import torch
+
     rows = []
     for threads in thread_counts:
         torch.set_num_threads(threads)
@@ -91,18 +103,31 @@ def _cells(size: int, precision: str, ours, theirs, queries: dict, k: int, repea
                     times["ours"].append(_timed(ours.search, q, k)[0])
                     times["faiss"].append(_timed(theirs.search, q, k)[0])
             ms_ours, ms_faiss = 1e3 * min(times["ours"]), 1e3 * min(times["faiss"])
-            rows.append({"gallery": size, "queries": n, "threads": threads, "precision": precision,
-                         "ours ms": ms_ours, "faiss ms": ms_faiss, "faiss / ours": ms_faiss / ms_ours,
-                         "faster": "exact" if ms_ours <= ms_faiss else "faiss",
-                         "same ids": float((i_ours == i_faiss).mean()),
-                         "max score diff": float(np.abs(s_ours - s_faiss).max())})
-            print(f"  {size} x {n} queries, {threads} threads, {precision}: ours {ms_ours:.1f} ms, "
-                  f"faiss {ms_faiss:.1f} ms", flush=True)
+            rows.append(
+                {
+                    "gallery": size,
+                    "queries": n,
+                    "threads": threads,
+                    "precision": precision,
+                    "ours ms": ms_ours,
+                    "faiss ms": ms_faiss,
+                    "faiss / ours": ms_faiss / ms_ours,
+                    "faster": "exact" if ms_ours <= ms_faiss else "faiss",
+                    "same ids": float((i_ours == i_faiss).mean()),
+                    "max score diff": float(np.abs(s_ours - s_faiss).max()),
+                }
+            )
+            print(
+                f"  {size} x {n} queries, {threads} threads, {precision}: ours {ms_ours:.1f} ms, "
+                f"faiss {ms_faiss:.1f} ms",
+                flush=True,
+            )
     return rows
 
 
 def grid(sizes, dim: int, k: int, repeat: int, budget: float) -> list[dict]:
     from infer.search import make_index
+
     every = len(os.sched_getaffinity(0))
     thread_counts = (1, every) if every > 1 else (1,)
     rows = []
@@ -136,21 +161,33 @@ def _cpu() -> str:
 def print_grid(rows: list[dict], dim: int, k: int, load: tuple) -> None:
     import faiss
     import torch
-    print(f"\n{datetime.date.today()}: {_cpu()}, {len(os.sched_getaffinity(0))} cores, torch {torch.__version__}, "
-          f"faiss {faiss.__version__}; {dim}-D, top {k}; load average {load[0]:.1f} before, "
-          f"{os.getloadavg()[0]:.1f} after\n")
+
+    print(
+        f"\n{datetime.date.today()}: {_cpu()}, {len(os.sched_getaffinity(0))} cores, torch {torch.__version__}, "
+        f"faiss {faiss.__version__}; {dim}-D, top {k}; load average {load[0]:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after\n"
+    )
     print("| gallery | queries | threads | storage | ours ms | faiss ms | faiss / ours | faster | same ids |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['gallery']:,} | {r['queries']} | {r['threads']} | {r['precision']} | {r['ours ms']:.1f} | "
-              f"{r['faiss ms']:.1f} | {r['faiss / ours']:.2f} | {r['faster']} | {r['same ids']:.4f} |")
-    print("\ninfer.search.FASTER (per gallery and queries: 1 thread fp32, all fp32, 1 thread fp16, all fp16):")
+        print(
+            f"| {r['gallery']:,} | {r['queries']} | {r['threads']} | {r['precision']} | {r['ours ms']:.1f} | "
+            f"{r['faiss ms']:.1f} | {r['faiss / ours']:.2f} | {r['faster']} | {r['same ids']:.4f} |"
+        )
+    print(
+        "\ninfer.search.FASTER (per gallery and queries: 1 thread fp32, all fp32, 1 thread fp16, all fp16):"
+    )
     print("FASTER = {")
-    cells = {(r["gallery"], r["queries"], r["threads"] > 1, r["precision"] == "fp16"): r["faster"] for r in rows}
+    cells = {
+        (r["gallery"], r["queries"], r["threads"] > 1, r["precision"] == "fp16"): r["faster"] for r in rows
+    }
     for size in dict.fromkeys(r["gallery"] for r in rows):
         for n in QUERIES:
-            picks = tuple(cells.get((size, n, many, fp16), cells.get((size, n, False, fp16)))
-                          for fp16 in (False, True) for many in (False, True))
+            picks = tuple(
+                cells.get((size, n, many, fp16), cells.get((size, n, False, fp16)))
+                for fp16 in (False, True)
+                for many in (False, True)
+            )
             quoted = ", ".join(f'"{e}"' for e in picks)
             print(f"    ({size:_}, {n}): ({quoted}),")
     print("}")
@@ -164,8 +201,12 @@ def main() -> None:
     p.add_argument("--k", type=int, default=10, help="candidates per query")
     p.add_argument("--repeat", type=int, default=3, help="timed searches (the best is kept)")
     p.add_argument("--threads", type=int, default=2, help="threads for torch and faiss")
-    p.add_argument("--grid", action="store_true", help="both engines over the grid of sizes, queries, threads "
-                   "and storage, in one process (--size, --queries and --threads are the grid's)")
+    p.add_argument(
+        "--grid",
+        action="store_true",
+        help="both engines over the grid of sizes, queries, threads "
+        "and storage, in one process (--size, --queries and --threads are the grid's)",
+    )
     p.add_argument("--quick", action="store_true", help="with --grid: the 10k gallery only")
     p.add_argument("--budget", type=float, default=2.0, help="with --grid: seconds of repeats per cell")
     args = p.parse_args()
@@ -178,14 +219,18 @@ def main() -> None:
     results = {}
     for engine in ("faiss", "ours", "ours-fp16"):
         out = ctx.Queue()
-        proc = ctx.Process(target=_run, args=(engine, args.size, args.dim, args.queries, args.k, args.repeat,
-                                              args.threads, out))
+        proc = ctx.Process(
+            target=_run,
+            args=(engine, args.size, args.dim, args.queries, args.k, args.repeat, args.threads, out),
+        )
         proc.start()
         results[engine] = out.get()
         proc.join()
     storage = args.size * args.dim * 4 / MB
-    print(f"gallery {args.size} x {args.dim} (float32 {storage:.0f} MB), {args.queries} queries, k={args.k}, "
-          f"{args.threads} threads")
+    print(
+        f"gallery {args.size} x {args.dim} (float32 {storage:.0f} MB), {args.queries} queries, k={args.k}, "
+        f"{args.threads} threads"
+    )
     print("| engine | queries/s | time / faiss time | memory MB | top-1 ids equal to faiss |")
     print("|---|---|---|---|---|")
     base_qps, base_ids = results["faiss"][1], results["faiss"][3]

@@ -39,6 +39,7 @@ Without `--arcface_torch`, ours alone. `--smoke`: both at toy size (mbf, batch 2
 fp32, 1 timed step) on any device; `make test` runs it, so the script cannot rot. Its figures
 mean nothing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,7 +59,6 @@ from dataclasses import dataclass, field
 
 import common  # noqa: F401,I001  (puts the repository root on sys.path)
 import torch
-
 from common import MB, table
 
 GLINT360K = 360_232
@@ -70,6 +70,7 @@ PACKAGE = "arcface_torch_snapshot"
 @dataclass
 class Half:
     """One side's figures."""
+
     name: str
     losses: list[float] = field(default_factory=list)
     ms: float = 0.0
@@ -79,20 +80,27 @@ class Half:
 
 # ----- arcface_torch, read from its snapshot ------------------------------------------------------
 
+
 def load_arcface_torch(root: str) -> types.SimpleNamespace:
     """arcface_torch's modules imported from the snapshot directory `root` (its
     recognition/arcface_torch), as the package `arcface_torch_snapshot`."""
     missing = [f for f in SNAPSHOT_FILES if not os.path.isfile(os.path.join(root, f))]
     if missing:
-        raise SystemExit(f"--arcface_torch {root}: not a snapshot of insightface's recognition/arcface_torch "
-                         f"(no {', '.join(missing)})")
+        raise SystemExit(
+            f"--arcface_torch {root}: not a snapshot of insightface's recognition/arcface_torch "
+            f"(no {', '.join(missing)})"
+        )
     package = sys.modules.get(PACKAGE)
     if package is None or package.__path__ != [os.path.abspath(root)]:
         package = types.ModuleType(PACKAGE)
         package.__path__ = [os.path.abspath(root)]
         sys.modules[PACKAGE] = package
-    return types.SimpleNamespace(**{name: importlib.import_module(f"{PACKAGE}.{name}")
-                                    for name in ("backbones", "partial_fc_v2", "losses", "lr_scheduler")})
+    return types.SimpleNamespace(
+        **{
+            name: importlib.import_module(f"{PACKAGE}.{name}")
+            for name in ("backbones", "partial_fc_v2", "losses", "lr_scheduler")
+        }
+    )
 
 
 @contextlib.contextmanager
@@ -112,6 +120,7 @@ def cuda_calls_stay_on_the_cpu(device: torch.device):
 
 # ----- the steps ----------------------------------------------------------------------------------
 
+
 def _start_peak(device: torch.device) -> int:
     """Start a half's peak: what is allocated now (the batches, a previous half's leftovers)."""
     gc.collect()
@@ -127,6 +136,7 @@ def measure(half: Half, step, batches, device, args, base: int) -> Half:
     `args.iters` timed: CUDA events, the wall clock on the CPU). `step(images, labels)` returns
     the loss; the peak is counted above `base`."""
     from gpu import _timed
+
     for i in range(args.loss_steps):
         half.losses.append(float(step(*batches[i % len(batches)]).detach()))
     turn = itertools.count()
@@ -138,13 +148,24 @@ def measure(half: Half, step, batches, device, args, base: int) -> Half:
 
 def ours_config(args, classes: int) -> tuple[str, list[str]]:
     """The job config and the overrides this half trains with."""
-    overrides = {"batch_size": args.batch, "num_classes": classes, "rec": args.rec or "synthetic",
-                 "fp16": args.fp16, "num_workers": 0 if not args.rec else 2, "val_targets": "[]",
-                 "frequent": 10 ** 9, "checkpoint_interval": 10 ** 9, "output": args.output}
+    overrides = {
+        "batch_size": args.batch,
+        "num_classes": classes,
+        "rec": args.rec or "synthetic",
+        "fp16": args.fp16,
+        "num_workers": 0 if not args.rec else 2,
+        "val_targets": "[]",
+        "frequent": 10**9,
+        "checkpoint_interval": 10**9,
+        "output": args.output,
+    }
     if args.smoke:
         overrides["num_image"] = 10_000
-    argv = [item for key, value in overrides.items() for item in (f"--{key}", str(value).lower()
-                                                                     if isinstance(value, bool) else str(value))]
+    argv = [
+        item
+        for key, value in overrides.items()
+        for item in (f"--{key}", str(value).lower() if isinstance(value, bool) else str(value))
+    ]
     for pair in args.set:
         key, _, value = pair.partition("=")
         argv += [f"--{key}", value]
@@ -158,6 +179,7 @@ def run_ours(args, classes: int, device: torch.device):
     from checkpoint.run_lock import RunLock
     from configs import get_config
     from parallel.stop import StopSignal
+
     config_path, argv = ours_config(args, classes)
     cfg = get_config(config_path, argv)
     batches = None if args.rec else synthetic_batches(args, classes, device)
@@ -166,8 +188,10 @@ def run_ours(args, classes: int, device: torch.device):
     try:
         with contextlib.redirect_stdout(said):  # its log (the config, progress) goes to training.log
             run = train.Run(cfg, config_path, stop, lock)
-        initial = ({k: v.detach().cpu().clone() for k, v in run.backbone.state_dict().items()},
-                   run.head.weight.detach().cpu().clone())
+        initial = (
+            {k: v.detach().cpu().clone() for k, v in run.backbone.state_dict().items()},
+            run.head.weight.detach().cpu().clone(),
+        )
         if batches is None:
             batches = rec_batches(args, run, device)
 
@@ -176,13 +200,17 @@ def run_ours(args, classes: int, device: torch.device):
                 _, _, loss, _ = run.forward_backward(images, labels, [], True)
                 run.optimizer_step()
             return loss
+
         half = measure(Half("ShardFace"), step, batches, device, args, base)
         run.close()
     finally:
         lock.release()
         stop.restore()
-    notes = [line.split("] ", 1)[-1] for line in said.getvalue().splitlines() if "head_graph" in line
-             and ": the head" in line]
+    notes = [
+        line.split("] ", 1)[-1]
+        for line in said.getvalue().splitlines()
+        if "head_graph" in line and ": the head" in line
+    ]
     return half, initial, batches, cfg, notes
 
 
@@ -190,8 +218,13 @@ def synthetic_batches(args, classes: int, device: torch.device) -> list:
     """4 batches of (uint8 noise on the device, labels on the host): what train.py's loop hands
     its step."""
     gen = torch.Generator().manual_seed(0)
-    return [(torch.randint(0, 256, (args.batch, 3, 112, 112), dtype=torch.uint8, generator=gen).to(device),
-             torch.randint(0, classes, (args.batch,), generator=gen)) for _ in range(4)]
+    return [
+        (
+            torch.randint(0, 256, (args.batch, 3, 112, 112), dtype=torch.uint8, generator=gen).to(device),
+            torch.randint(0, classes, (args.batch,), generator=gen),
+        )
+        for _ in range(4)
+    ]
 
 
 def rec_batches(args, run, device: torch.device) -> list:
@@ -210,21 +243,27 @@ def run_theirs(args, aft, cfg, classes: int, device: torch.device, initial, batc
     from torch.nn.parallel import DistributedDataParallel
 
     from dataset import normalize_images
+
     normalized = [(normalize_images(images), labels.to(device)) for images, labels in batches]
     by_id = {id(images): i for i, (images, _) in enumerate(batches)}
     base = _start_peak(device)  # its loader's float batches are data, as our uint8 ones are: outside the peak
     half = Half("arcface_torch")
     torch.manual_seed(cfg.seed)
-    backbone = aft.backbones.get_model(cfg.network, dropout=0.0, fp16=cfg.fp16,
-                                       num_features=cfg.embedding_size).to(device)
+    backbone = aft.backbones.get_model(
+        cfg.network, dropout=0.0, fp16=cfg.fp16, num_features=cfg.embedding_size
+    ).to(device)
     try:
         backbone.load_state_dict(initial[0], strict=True)
         half.note = "initial weights: ours (backbone and head)"
     except RuntimeError as e:
         half.note = f"initial weights: the head's only; the backbones differ ({str(e).splitlines()[0][:120]})"
-    backbone = DistributedDataParallel(module=backbone, broadcast_buffers=False,
-                                       device_ids=[device.index] if device.type == "cuda" else None,
-                                       bucket_cap_mb=16, find_unused_parameters=True)
+    backbone = DistributedDataParallel(
+        module=backbone,
+        broadcast_buffers=False,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=16,
+        find_unused_parameters=True,
+    )
     backbone.register_comm_hook(None, fp16_compress_hook)
     backbone.train()
     backbone._set_static_graph()
@@ -234,16 +273,23 @@ def run_theirs(args, aft, cfg, classes: int, device: torch.device, initial, batc
         pfc.train().to(device)
     with torch.no_grad():
         pfc.weight.copy_(initial[1])
-    opt = torch.optim.SGD(params=[{"params": backbone.parameters()}, {"params": pfc.parameters()}],
-                          lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+    opt = torch.optim.SGD(
+        params=[{"params": backbone.parameters()}, {"params": pfc.parameters()}],
+        lr=cfg.lr,
+        momentum=0.9,
+        weight_decay=cfg.weight_decay,
+    )
     per_epoch = cfg.num_image // cfg.batch_size
     try:
-        scheduler = aft.lr_scheduler.PolynomialLRWarmup(optimizer=opt, warmup_iters=per_epoch * cfg.warmup_epoch,
-                                                        total_iters=per_epoch * cfg.num_epoch)
+        scheduler = aft.lr_scheduler.PolynomialLRWarmup(
+            optimizer=opt, warmup_iters=per_epoch * cfg.warmup_epoch, total_iters=per_epoch * cfg.num_epoch
+        )
     except TypeError as e:  # it passes `verbose`, which torch >= 2.7's LRScheduler no longer takes
         scheduler = None
-        half.note += (f"; its PolynomialLRWarmup does not build on torch {torch.__version__} ({e}): its lr stays "
-                      f"{cfg.lr} (the schedule would move it by {1 / (per_epoch * cfg.num_epoch):.0e} per step)")
+        half.note += (
+            f"; its PolynomialLRWarmup does not build on torch {torch.__version__} ({e}): its lr stays "
+            f"{cfg.lr} (the schedule would move it by {1 / (per_epoch * cfg.num_epoch):.0e} per step)"
+        )
     amp = torch.amp.GradScaler("cuda", growth_interval=100) if cfg.fp16 else None
 
     def step(images, labels):
@@ -265,32 +311,50 @@ def run_theirs(args, aft, cfg, classes: int, device: torch.device, initial, batc
             scheduler.step()
         loss.item()  # its loop's AverageMeter reads the loss every step
         return loss
+
     return measure(half, step, batches, device, args, base)
 
 
 # ----- the report ---------------------------------------------------------------------------------
 
+
 def device_line(device: torch.device) -> str:
     if device.type != "cuda":
         return f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads"
     try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i",
-                                 str(device.index)], capture_output=True, text=True, timeout=30).stdout.strip()
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i", str(device.index)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         driver = ""
-    return (f"{torch.cuda.get_device_name(device)}, driver {driver or 'unknown'}, torch {torch.__version__}, "
-            f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
+    return (
+        f"{torch.cuda.get_device_name(device)}, driver {driver or 'unknown'}, torch {torch.__version__}, "
+        f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}"
+    )
 
 
 def report(args, classes: int, ours: Half, theirs: Half | None, notes: list[str]) -> None:
     def row(h: Half) -> dict:
-        return {"step": h.name, "network": args.network, "classes": f"{classes:,}", "batch": args.batch,
-                "precision": "fp16" if args.fp16 else "fp32", "samples/s": f"{args.batch * 1e3 / h.ms:.0f}",
-                "ms/step": f"{h.ms:.2f}", "peak MB": "n/a" if h.peak is None else f"{h.peak / MB:.0f}"}
+        return {
+            "step": h.name,
+            "network": args.network,
+            "classes": f"{classes:,}",
+            "batch": args.batch,
+            "precision": "fp16" if args.fp16 else "fp32",
+            "samples/s": f"{args.batch * 1e3 / h.ms:.0f}",
+            "ms/step": f"{h.ms:.2f}",
+            "peak MB": "n/a" if h.peak is None else f"{h.peak / MB:.0f}",
+        }
+
     rows = [row(ours)] + ([row(theirs)] if theirs else [])
-    print(f"\n{args.network}, {classes:,} classes, batch {args.batch}, "
-          f"{'RecordIO ' + args.rec if args.rec else 'synthetic data'}: {args.iters} steps timed after "
-          f"{args.loss_steps + args.warmup} untimed")
+    print(
+        f"\n{args.network}, {classes:,} classes, batch {args.batch}, "
+        f"{'RecordIO ' + args.rec if args.rec else 'synthetic data'}: {args.iters} steps timed after "
+        f"{args.loss_steps + args.warmup} untimed"
+    )
     print(table(rows, list(rows[0])))
     for note in notes:
         print(f"ours: {note}")
@@ -299,28 +363,46 @@ def report(args, classes: int, ours: Half, theirs: Half | None, notes: list[str]
         return
     peak = "n/a" if ours.peak is None or not theirs.peak else f"{ours.peak / theirs.peak:.2f}x"
     print(f"ours / arcface_torch: samples/s {theirs.ms / ours.ms:.2f}x, peak memory {peak}; {theirs.note}")
-    losses = [{"step": i + 1, "ours": f"{a:.4f}", "arcface_torch": f"{b:.4f}", "|diff|": f"{abs(a - b):.2e}"}
-              for i, (a, b) in enumerate(zip(ours.losses, theirs.losses))]
+    losses = [
+        {"step": i + 1, "ours": f"{a:.4f}", "arcface_torch": f"{b:.4f}", "|diff|": f"{abs(a - b):.2e}"}
+        for i, (a, b) in enumerate(zip(ours.losses, theirs.losses))
+    ]
     print("first steps' losses (the same batches):")
     print(table(losses, list(losses[0])))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arcface_torch", metavar="DIR", help="a snapshot of insightface's recognition/arcface_torch")
+    p.add_argument(
+        "--arcface_torch", metavar="DIR", help="a snapshot of insightface's recognition/arcface_torch"
+    )
     p.add_argument("--network", choices=["r50", "r100", "mbf"], nargs="+", default=["r50", "mbf"])
-    p.add_argument("--classes", nargs="+", default=["shard", "full"],
-                   help="shard (45,029: Glint360K over 8 GPUs), full (360,232: one GPU) or a number")
+    p.add_argument(
+        "--classes",
+        nargs="+",
+        default=["shard", "full"],
+        help="shard (45,029: Glint360K over 8 GPUs), full (360,232: one GPU) or a number",
+    )
     p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--rec", help="a RecordIO set (train.rec, train.idx, property) instead of synthetic data; "
-                                 "--classes then its number of classes")
+    p.add_argument(
+        "--rec",
+        help="a RecordIO set (train.rec, train.idx, property) instead of synthetic data; "
+        "--classes then its number of classes",
+    )
     p.add_argument("--rec_batches", type=int, default=8, help="with --rec: batches read once, then cycled")
     p.add_argument("--loss_steps", type=int, default=5, help="first steps whose losses are printed")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config key of ours (e.g. head_graph=true); repeatable")
-    p.add_argument("--smoke", action="store_true", help="toy sizes, fp32, on any device (figures mean nothing)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config key of ours (e.g. head_graph=true); repeatable",
+    )
+    p.add_argument(
+        "--smoke", action="store_true", help="toy sizes, fp32, on any device (figures mean nothing)"
+    )
     args = p.parse_args(argv)
     # arcface_torch's calls torch deprecates (torch.cuda.amp.autocast, DDP's broadcast_buffers) warn every time
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -333,8 +415,10 @@ def main(argv=None) -> int:
         args.classes = args.classes if args.rec else ["64"]
         args.loss_steps, args.warmup, args.iters = 2, 0, 1
     elif not cuda:
-        print("benchmarks/whole_step.py: no CUDA device on this machine; nothing measured (--smoke runs "
-              "both at toy size on the CPU)")
+        print(
+            "benchmarks/whole_step.py: no CUDA device on this machine; nothing measured (--smoke runs "
+            "both at toy size on the CPU)"
+        )
         return 0
     cases = [CASES[c] if c in CASES else int(c) for c in args.classes]
     if args.rec and any(c in CASES for c in args.classes):
@@ -367,8 +451,8 @@ def main(argv=None) -> int:
 def _group() -> None:
     """A world-size-1 process group (NCCL on a GPU, gloo on the CPU), made once."""
     import torch.distributed as dist
-
     from gpu import _process_group
+
     if not dist.is_initialized():
         _process_group()
 

@@ -10,6 +10,7 @@ and a change of it is named as such. Keys with a rule of their own (checkpoint.l
 the data position, the batch line below) and those that only say where and how long this job
 runs are left to those.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,12 +20,43 @@ from checkpoint.state import plain
 logger = logging.getLogger("shardface")
 
 # where and how this job runs, logs and stops (not what it trains), or named by a rule of their own
-NOT_COMPARED = frozenset({
-    "output", "resume", "overwrite", "stop_after_steps", "init_backbone", "rec", "num_workers", "val_targets",
-    "val_dir", "verbose", "frequent", "checkpoint_interval", "keep_checkpoints", "reset_ema", "reset_margin",
-    "dist_timeout_min", "skip_bad_images", "dali", "dali_aug", "save_all_states", "using_wandb", "wandb_key",
-    "wandb_entity", "wandb_project", "wandb_log_all", "wandb_resume", "suffix_run_name", "save_artifacts",
-    "margin", "gradient_acc", "ema", "optimizer", "batch_size"})
+NOT_COMPARED = frozenset(
+    {
+        "output",
+        "resume",
+        "overwrite",
+        "stop_after_steps",
+        "init_backbone",
+        "rec",
+        "num_workers",
+        "val_targets",
+        "val_dir",
+        "verbose",
+        "frequent",
+        "checkpoint_interval",
+        "keep_checkpoints",
+        "reset_ema",
+        "reset_margin",
+        "dist_timeout_min",
+        "skip_bad_images",
+        "dali",
+        "dali_aug",
+        "save_all_states",
+        "using_wandb",
+        "wandb_key",
+        "wandb_entity",
+        "wandb_project",
+        "wandb_log_all",
+        "wandb_resume",
+        "suffix_run_name",
+        "save_artifacts",
+        "margin",
+        "gradient_acc",
+        "ema",
+        "optimizer",
+        "batch_size",
+    }
+)
 SPAN_KEYS = ("num_epoch", "max_steps")  # how many steps the LR schedule spans
 SHAPE_KEYS = frozenset({"warmup_epoch", "lr", "lr_scheduler", "lr_power"})  # the LR along those steps
 UNUSED = {"num_image": "not used: ShardFace counts the data set's images, so the LR schedule is unchanged"}
@@ -40,8 +72,11 @@ def schedule_span(config, steps_per_epoch: int) -> int:
 def config_changes(saved: dict, config: dict) -> list[tuple[str, object, object]]:
     """(key, checkpoint's value, this run's value) of every compared key whose values differ;
     keys the checkpoint did not record are not compared."""
-    return [(key, saved[key], config[key]) for key in sorted(config)
-            if key not in NOT_COMPARED and key in saved and plain(saved[key]) != plain(config[key])]
+    return [
+        (key, saved[key], config[key])
+        for key in sorted(config)
+        if key not in NOT_COMPARED and key in saved and plain(saved[key]) != plain(config[key])
+    ]
 
 
 def log_resume_changes(meta: dict, config, world_size: int, steps_per_epoch: int, total_steps: int) -> None:
@@ -67,9 +102,20 @@ def log_resume_changes(meta: dict, config, world_size: int, steps_per_epoch: int
         return
     ranks = f"{w0} ranks x {b0} (checkpoint) -> {world_size} x {config.batch_size} (this run)"
     if w0 * b0 == world_size * config.batch_size:
-        logger.warning("%s: the same global batch of %d, so steps per epoch (%d) and the LR schedule are unchanged",
-                       ranks, w0 * b0, steps_per_epoch)
+        logger.warning(
+            "%s: the same global batch of %d, so steps per epoch (%d) and the LR schedule are unchanged",
+            ranks,
+            w0 * b0,
+            steps_per_epoch,
+        )
     else:
-        logger.warning("global batch %d (checkpoint) -> %d (this run): %d steps per epoch now, so the LR schedule "
-                       "is re-spread over %d steps; lr %g is not rescaled (%s)", w0 * b0,
-                       world_size * config.batch_size, steps_per_epoch, total_steps, config.lr, ranks)
+        logger.warning(
+            "global batch %d (checkpoint) -> %d (this run): %d steps per epoch now, so the LR schedule "
+            "is re-spread over %d steps; lr %g is not rescaled (%s)",
+            w0 * b0,
+            world_size * config.batch_size,
+            steps_per_epoch,
+            total_steps,
+            config.lr,
+            ranks,
+        )

@@ -1,4 +1,5 @@
 """The run's checkpoint policy: where a run starts, what is saved, and what is never saved."""
+
 from __future__ import annotations
 
 import logging
@@ -36,11 +37,31 @@ class Checkpointer:
     call it at the same step. `save` remembers the last step it saved, so the final save
     right after an interval save of the same step writes nothing."""
 
-    def __init__(self, output: str, *, backbone, backbone_opt, head, head_opt, ema=None, scaler=None,
-                 config=None, rank: int = 0, world_size: int = 1, keep: int = 2):
-        self.output, self.config, self.rank, self.world_size, self.keep = output, config, rank, world_size, keep
-        self.parts = dict(backbone=backbone, backbone_opt=backbone_opt, head=head, head_opt=head_opt,
-                          ema=ema, scaler=scaler)
+    def __init__(
+        self,
+        output: str,
+        *,
+        backbone,
+        backbone_opt,
+        head,
+        head_opt,
+        ema=None,
+        scaler=None,
+        config=None,
+        rank: int = 0,
+        world_size: int = 1,
+        keep: int = 2,
+    ):
+        self.output, self.config, self.rank, self.world_size, self.keep = (
+            output,
+            config,
+            rank,
+            world_size,
+            keep,
+        )
+        self.parts = dict(
+            backbone=backbone, backbone_opt=backbone_opt, head=head, head_opt=head_opt, ema=ema, scaler=scaler
+        )
         self.last_saved_step: int | None = None
         self.resumed_meta: dict | None = None
         self.extra_meta: dict | None = None  # joins every checkpoint's meta.pt (distillation's centre)
@@ -55,14 +76,23 @@ class Checkpointer:
         ema_optional = bool(self.config is not None and self.config.reset_ema)
         existing = find_checkpoint(self.output, ema_optional) if os.path.isdir(self.output) else None
         barrier()  # every rank has looked before rank 0 may delete anything
-        if resume is True and existing is None and not list_checkpoints(self.output):  # (a broken one: its own error)
-            raise CheckpointError(f"--resume true but {self.output} holds no checkpoint to continue: pass --resume auto "
-                                  f"to continue when there is one and start fresh otherwise, or check --output")
+        if (
+            resume is True and existing is None and not list_checkpoints(self.output)
+        ):  # (a broken one: its own error)
+            raise CheckpointError(
+                f"--resume true but {self.output} holds no checkpoint to continue: pass --resume auto "
+                f"to continue when there is one and start fresh otherwise, or check --output"
+            )
         if resume is True or (resume == "auto" and existing is not None):
             # the checkpoint found above: resolving the output again would repeat its fallback warning
-            state, self.resumed_meta = load_checkpoint(existing or self.output, **self.parts, rank=self.rank,
-                                                       world_size=self.world_size, batch_size=batch_size,
-                                                       config=self.config)
+            state, self.resumed_meta = load_checkpoint(
+                existing or self.output,
+                **self.parts,
+                rank=self.rank,
+                world_size=self.world_size,
+                batch_size=batch_size,
+                config=self.config,
+            )
             self.last_saved_step = state.step
             return state
         leftovers = list_checkpoints(self.output)
@@ -70,12 +100,14 @@ class Checkpointer:
             # its checkpoints deleted to save space, the trained weights are all that is left of it
             raise CheckpointError(
                 f"{self.output} holds model.pt of an earlier run (and no checkpoint to resume): pass --overwrite "
-                f"true to replace it, or choose another --output")
+                f"true to replace it, or choose another --output"
+            )
         if leftovers and resume is False:
             if not overwrite:
                 raise CheckpointError(
                     f"{self.output} holds checkpoints of an earlier run (newest {os.path.basename(leftovers[-1][1])}): "
-                    f"pass --resume true (or auto) to continue it, or --overwrite true to delete them and start over")
+                    f"pass --resume true (or auto) to continue it, or --overwrite true to delete them and start over"
+                )
             if self.rank == 0:
                 for _, path in leftovers:
                     shutil.rmtree(path)
@@ -83,7 +115,9 @@ class Checkpointer:
                     if os.path.exists(os.path.join(self.output, name)):
                         os.remove(os.path.join(self.output, name))
                 start_logs_over(self.output)
-                logger.warning("overwrite: deleted %d checkpoints of an earlier run in %s", len(leftovers), self.output)
+                logger.warning(
+                    "overwrite: deleted %d checkpoints of an earlier run in %s", len(leftovers), self.output
+                )
             barrier()
         return TrainState(run_id=from_rank0(new_run_id()))
 
@@ -99,6 +133,14 @@ class Checkpointer:
             backbone_opt.wait_params()
         check_weights(state.step, backbone, self.parts["head"], batch, self.start_norm)
         self.last_saved_step = state.step
-        save_checkpoint(self.output, state, **self.parts, config=self.config, rank=self.rank,
-                        world_size=self.world_size, keep=self.keep, export_to=os.path.join(self.output, "model.pt"),
-                        extra_meta=self.extra_meta)
+        save_checkpoint(
+            self.output,
+            state,
+            **self.parts,
+            config=self.config,
+            rank=self.rank,
+            world_size=self.world_size,
+            keep=self.keep,
+            export_to=os.path.join(self.output, "model.pt"),
+            extra_meta=self.extra_meta,
+        )

@@ -13,6 +13,7 @@ The format, as dlib's serialize.h and dnn/*.h write it:
   every version from the output down to the input first, then the input layer, then each
   layer's own fields on the way back out. Tag and skip layers are version 1 and hold nothing else.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,10 +36,11 @@ class DlibFormatError(CheckpointError):
 @dataclass
 class Layer:
     """One computational layer of a dlib network."""
-    kind: str                                    # con, affine, relu, max_pool, avg_pool, add_prev, fc
-    version: str                                 # the version string the file carries (con_4, fc_2...)
-    offset: int                                  # where its fields start in the file
-    attrs: dict = field(default_factory=dict)    # geometry: num_filters, nr, nc, stride, padding...
+
+    kind: str  # con, affine, relu, max_pool, avg_pool, add_prev, fc
+    version: str  # the version string the file carries (con_4, fc_2...)
+    offset: int  # where its fields start in the file
+    attrs: dict = field(default_factory=dict)  # geometry: num_filters, nr, nc, stride, padding...
     tensors: dict = field(default_factory=dict)  # name -> float32 array in dlib's shape
 
 
@@ -46,8 +48,8 @@ class Layer:
 class DlibNetwork:
     path: str
     loss: str
-    input: dict          # kind, avg_red, avg_green, avg_blue, rows, cols
-    layers: list         # Layer, input to output (tag and skip layers are not kept)
+    input: dict  # kind, avg_red, avg_green, avg_blue, rows, cols
+    layers: list  # Layer, input to output (tag and skip layers are not kept)
 
 
 class _Reader:
@@ -55,13 +57,15 @@ class _Reader:
         self.data, self.path, self.pos = data, path, 0
 
     def fail(self, what: str, at: int | None = None) -> None:
-        raise DlibFormatError(f"{self.path}: {what} at byte {self.pos if at is None else at} "
-                              f"of {len(self.data)} (not a dlib network file, or damaged)")
+        raise DlibFormatError(
+            f"{self.path}: {what} at byte {self.pos if at is None else at} "
+            f"of {len(self.data)} (not a dlib network file, or damaged)"
+        )
 
     def take(self, n: int, what: str) -> bytes:
         if self.pos + n > len(self.data):
             self.fail(f"file ends inside {what}")
-        out = self.data[self.pos:self.pos + n]
+        out = self.data[self.pos : self.pos + n]
         self.pos += n
         return out
 
@@ -117,7 +121,7 @@ def _split(reader: _Reader, params: np.ndarray, views: dict[str, tuple], at: int
     flat, out, start = params.reshape(-1), {}, 0
     for name, shape in views.items():
         n = int(np.prod(shape))
-        out[name] = flat[start:start + n].reshape(shape)
+        out[name] = flat[start : start + n].reshape(shape)
         start += n
     if start != flat.size:
         reader.fail(f"{version}: params hold {flat.size} values, its views {start}", at)
@@ -200,7 +204,12 @@ def read_network(path: str) -> DlibNetwork:
     name = r.string("the input layer's version", length=value)
     if not versions or name not in ("input_rgb_image_sized", "input_rgb_image"):
         r.fail(f"input layer '{name}' is not an RGB image input", at)
-    net_input = {"kind": name, "avg_red": r.float(name), "avg_green": r.float(name), "avg_blue": r.float(name)}
+    net_input = {
+        "kind": name,
+        "avg_red": r.float(name),
+        "avg_green": r.float(name),
+        "avg_blue": r.float(name),
+    }
     if name == "input_rgb_image_sized":
         net_input["rows"], net_input["cols"] = r.int(name), r.int(name)
     innermost, at = versions.pop()
@@ -238,9 +247,11 @@ def state_dict_for(model: nn.Module, network: DlibNetwork) -> dict:
     learned = [layer for layer in network.layers if layer.kind in ("con", "affine", "fc")]
     wanted = model.dlib_layers()
     if [k for k, _ in wanted] != [layer.kind for layer in learned]:
-        raise DlibFormatError(f"{network.path}: its learned layers ({len(learned)}: "
-                              f"{[layer.kind for layer in learned][:4]}...) are not dlib's face descriptor "
-                              f"network's ({len(wanted)})")
+        raise DlibFormatError(
+            f"{network.path}: its learned layers ({len(learned)}: "
+            f"{[layer.kind for layer in learned][:4]}...) are not dlib's face descriptor "
+            f"network's ({len(wanted)})"
+        )
     names = {id(m): n for n, m in model.named_modules()}
     state = dict(model.state_dict())
     for (kind, module), layer in zip(wanted, learned):
@@ -248,7 +259,9 @@ def state_dict_for(model: nn.Module, network: DlibNetwork) -> dict:
         if kind == "con":
             geometry = (layer.attrs["nr"], layer.attrs["nc"], layer.attrs["stride"], layer.attrs["padding"])
             if geometry != (*module.kernel_size, module.stride, module.padding):
-                raise DlibFormatError(f"{where}: kernel, stride, padding {geometry} differ from the network's")
+                raise DlibFormatError(
+                    f"{where}: kernel, stride, padding {geometry} differ from the network's"
+                )
             values = {"weight": layer.tensors["weight"], "bias": layer.tensors["bias"].reshape(-1)}
         elif kind == "affine":
             values = {"weight": layer.tensors["gamma"].reshape(-1), "bias": layer.tensors["beta"].reshape(-1)}
@@ -257,8 +270,10 @@ def state_dict_for(model: nn.Module, network: DlibNetwork) -> dict:
         for name, value in values.items():
             key = f"{prefix}.{name}"
             if tuple(value.shape) != tuple(state[key].shape):
-                raise DlibFormatError(f"{where}: {name} has shape {tuple(value.shape)}, the network's "
-                                      f"{key} {tuple(state[key].shape)}")
+                raise DlibFormatError(
+                    f"{where}: {name} has shape {tuple(value.shape)}, the network's "
+                    f"{key} {tuple(state[key].shape)}"
+                )
             state[key] = torch.from_numpy(np.ascontiguousarray(value))
     state["pixel_mean"] = torch.tensor([network.input[f"avg_{c}"] for c in ("red", "green", "blue")])
     return state

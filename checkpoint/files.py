@@ -1,4 +1,5 @@
 """A checkpoint's files: written atomically, read with `weights_only`, and their errors."""
+
 from __future__ import annotations
 
 import errno
@@ -21,21 +22,31 @@ class NoSpaceError(CheckpointError):
 
 def _write_atomically(path: str, mode: str, write) -> None:
     try:
-        with publishing(path) as tmp, open(tmp, mode) as f:  # a partial file is removed: it would keep the disk full
+        with (
+            publishing(path) as tmp,
+            open(tmp, mode) as f,
+        ):  # a partial file is removed: it would keep the disk full
             write(f)
     except (OSError, RuntimeError) as exc:
         # torch.save reports a failed write as RuntimeError("[enforce fail at inline_container.cc ...")
         if isinstance(exc, RuntimeError) and "inline_container" not in str(exc):
             raise
-        cause = exc if isinstance(exc, OSError) else exc.__context__ if isinstance(exc.__context__, OSError) else None
+        cause = (
+            exc
+            if isinstance(exc, OSError)
+            else exc.__context__
+            if isinstance(exc.__context__, OSError)
+            else None
+        )
         code = cause.errno if cause is not None else None
         folder = os.path.dirname(os.path.abspath(path))
         if code is None and free_bytes(folder) < 1 << 20:  # torch's own writer fails without an errno
             code = errno.ENOSPC
         reason = os.strerror(code) if code else str(exc).splitlines()[0]
         if code == errno.ENOSPC:
-            raise NoSpaceError(f"{path}: cannot write ({reason}); free space on {folder} or point output "
-                               f"elsewhere") from exc
+            raise NoSpaceError(
+                f"{path}: cannot write ({reason}); free space on {folder} or point output elsewhere"
+            ) from exc
         raise CheckpointError(f"{path}: cannot write ({reason})") from exc
 
 
@@ -60,7 +71,9 @@ def safe_load(path: str):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
-        raise CheckpointError(f"{path}: corrupt or unreadable checkpoint file ({type(exc).__name__}: {exc})") from None
+        raise CheckpointError(
+            f"{path}: corrupt or unreadable checkpoint file ({type(exc).__name__}: {exc})"
+        ) from None
 
 
 def load_dict(path: str, *keys: str) -> dict:
@@ -68,10 +81,14 @@ def load_dict(path: str, *keys: str) -> dict:
     file (and the missing key) when it holds something else."""
     obj = safe_load(path)
     if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: holds a {type(obj).__name__}, not the dict a checkpoint file holds "
-                              f"(damaged, or not written by ShardFace)")
+        raise CheckpointError(
+            f"{path}: holds a {type(obj).__name__}, not the dict a checkpoint file holds "
+            f"(damaged, or not written by ShardFace)"
+        )
     missing = [key for key in keys if key not in obj]
     if missing:
-        raise CheckpointError(f"{path}: no {', '.join(repr(k) for k in missing)} entry in it (damaged, or not "
-                              f"written by ShardFace)")
+        raise CheckpointError(
+            f"{path}: no {', '.join(repr(k) for k in missing)} entry in it (damaged, or not "
+            f"written by ShardFace)"
+        )
     return obj

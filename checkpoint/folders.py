@@ -1,4 +1,5 @@
 """The checkpoints in a run's output: listed, checked for completeness, found, pruned."""
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,11 @@ def list_checkpoints(output: str) -> list[tuple[int, str]]:
     """(step, directory) of every `checkpoint-<step>` under `output`, oldest first."""
     if not os.path.isdir(output):
         return []
-    found = [(int(m.group(1)), os.path.join(output, name))
-             for name in os.listdir(output) if (m := CHECKPOINT_NAME.match(name))]
+    found = [
+        (int(m.group(1)), os.path.join(output, name))
+        for name in os.listdir(output)
+        if (m := CHECKPOINT_NAME.match(name))
+    ]
     return sorted(found)
 
 
@@ -47,8 +51,9 @@ def missing_files(ckpt: str, ema_optional: bool = False) -> list[str]:
     if (meta.get("config") or {}).get("ema") and "ema.pt" not in names and not ema_optional:
         missing.append("ema.pt")
     if not meta.get("imported_from"):  # an imported run has no RNG states to restore
-        missing += [f"rng-rank{r}.pt" for r in range(int(meta.get("world_size", 1)))
-                    if f"rng-rank{r}.pt" not in names]
+        missing += [
+            f"rng-rank{r}.pt" for r in range(int(meta.get("world_size", 1))) if f"rng-rank{r}.pt" not in names
+        ]
     spans = sorted((int(m.group(1)), int(m.group(2))) for m in map(HEAD_FILE.match, names) if m)
     covered = 0  # the head files must tile [0, num_classes) without a gap
     for a, b in spans:
@@ -71,13 +76,21 @@ def prune_checkpoints(output: str, newest_step: int, run_id: str, keep: int) -> 
     ones are never touched. Returns the deleted directories."""
     if keep <= 0 or not run_id:
         return []
-    older = [path for step, path in list_checkpoints(output)
-             if step < newest_step and (_meta_or_none(path) or {}).get("run_id") == run_id]
-    doomed = older[:max(0, len(older) - (keep - 1))]
+    older = [
+        path
+        for step, path in list_checkpoints(output)
+        if step < newest_step and (_meta_or_none(path) or {}).get("run_id") == run_id
+    ]
+    doomed = older[: max(0, len(older) - (keep - 1))]
     for path in doomed:
-        shutil.rmtree(path, onerror=lambda _, where, exc: logger.warning(
-            "could not delete %s while pruning old checkpoints (%s): it takes disk space; delete it by hand",
-            where, exc[1]))
+        shutil.rmtree(
+            path,
+            onerror=lambda _, where, exc: logger.warning(
+                "could not delete %s while pruning old checkpoints (%s): it takes disk space; delete it by hand",
+                where,
+                exc[1],
+            ),
+        )
     return doomed
 
 
@@ -97,9 +110,18 @@ def find_checkpoint(path: str, ema_optional: bool = False) -> str | None:
     for _, ckpt in reversed(list_checkpoints(path)):
         if _intact(ckpt, ema_optional):
             if named is not None:
-                lacks = missing_files(os.path.join(path, named), ema_optional) if CHECKPOINT_NAME.match(named) else []
-                logger.warning("%s names %r, which is not an intact checkpoint%s; using the newest intact one, %s",
-                               latest, named[:64], f" (it lacks {', '.join(lacks)})" if lacks else "", ckpt)
+                lacks = (
+                    missing_files(os.path.join(path, named), ema_optional)
+                    if CHECKPOINT_NAME.match(named)
+                    else []
+                )
+                logger.warning(
+                    "%s names %r, which is not an intact checkpoint%s; using the newest intact one, %s",
+                    latest,
+                    named[:64],
+                    f" (it lacks {', '.join(lacks)})" if lacks else "",
+                    ckpt,
+                )
             return ckpt
     return None
 
@@ -116,6 +138,7 @@ def resolve_checkpoint(path: str, ema_optional: bool = False) -> str:
         exported_model = os.path.join(path, "model.pt")
         if os.path.isfile(exported_model):  # a run whose checkpoints were deleted to save space
             newest += f"; its exported model.pt is there: pass {exported_model} for its weights"
-        raise CheckpointError(f"{path}: not a checkpoint (no meta.pt), and no intact checkpoint-* directory in it"
-                              f"{newest}")
+        raise CheckpointError(
+            f"{path}: not a checkpoint (no meta.pt), and no intact checkpoint-* directory in it{newest}"
+        )
     return ckpt

@@ -7,6 +7,7 @@ fresh beside it) or an earlier ShardFace run (`--overwrite true` replaces its `m
 It is refused before anything is created there, whatever `--resume` and `--overwrite` say,
 with the import command that turns it into a ShardFace run elsewhere.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,9 +41,20 @@ def refuse_arcface_torch_output(output: str, config_path: str, overrides: list[s
     if not files:
         return
     target = output.rstrip("/") + "_shardface"
-    command = " ".join(shlex.quote(a) for a in ["python", "-m", "scripts.import_arcface_torch", config_path,
-                                                 output, target, *config_overrides(overrides)])
+    command = " ".join(
+        shlex.quote(a)
+        for a in [
+            "python",
+            "-m",
+            "scripts.import_arcface_torch",
+            config_path,
+            output,
+            target,
+            *config_overrides(overrides),
+        ]
+    )
     raise CheckpointError(
         f"{output} is an arcface_torch run ({', '.join(files[:2])}{' ...' if len(files) > 2 else ''}): ShardFace "
         f"never writes into it, not even with --overwrite true; import it into a new folder and continue there: "
-        f"{command}")
+        f"{command}"
+    )

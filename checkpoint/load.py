@@ -1,5 +1,6 @@
 """Reading a checkpoint back: into a run at any world size (resharding the head by class
 index), or backbone weights alone (of a checkpoint or a weights file), checked against a network."""
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,10 @@ def read_backbone_weights(path: str, ema: bool = True) -> tuple[dict, dict]:
     if ema and os.path.isfile(ema_path):
         weights = load_dict(ema_path, "state")["state"]
         if not isinstance(weights, dict):
-            raise CheckpointError(f"{ema_path}: its 'state' is a {type(weights).__name__}, not a state dict "
-                                  f"(damaged, or not written by ShardFace)")
+            raise CheckpointError(
+                f"{ema_path}: its 'state' is a {type(weights).__name__}, not a state dict "
+                f"(damaged, or not written by ShardFace)"
+            )
         return exported(weights), config
     return exported(load_dict(os.path.join(ckpt, "backbone.pt"))), config
 
@@ -50,8 +53,12 @@ def _sibling_config(path: str) -> dict:
         with open(cfg) as f:
             config = json.load(f)
     except (OSError, ValueError) as exc:
-        logger.warning("%s is unreadable (%s: %s), so it is ignored: pass --network to name the backbone", cfg,
-                       type(exc).__name__, exc)
+        logger.warning(
+            "%s is unreadable (%s: %s), so it is ignored: pass --network to name the backbone",
+            cfg,
+            type(exc).__name__,
+            exc,
+        )
         return {}
     return config if isinstance(config, dict) else {}
 
@@ -62,8 +69,10 @@ def refuse_non_finite(state: dict, path: str) -> None:
     for key, value in state.items():
         if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
             bad = int((~torch.isfinite(value)).sum())
-            raise CheckpointError(f"{path}: weight '{key}' has {bad} non-finite (NaN or inf) values of "
-                                  f"{value.numel()}; the model is unusable (was training diverging?)")
+            raise CheckpointError(
+                f"{path}: weight '{key}' has {bad} non-finite (NaN or inf) values of "
+                f"{value.numel()}; the model is unusable (was training diverging?)"
+            )
 
 
 def state_mismatch(state: dict, expected: dict) -> str | None:
@@ -72,8 +81,10 @@ def state_mismatch(state: dict, expected: dict) -> str | None:
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
-        return (f"{len(missing)} missing keys (e.g. {missing[:2]}), {len(unexpected)} unexpected "
-                f"(e.g. {unexpected[:2]})")
+        return (
+            f"{len(missing)} missing keys (e.g. {missing[:2]}), {len(unexpected)} unexpected "
+            f"(e.g. {unexpected[:2]})"
+        )
     mismatched = [k for k, v in expected.items() if state[k].shape != v.shape]
     if mismatched:
         k = mismatched[0]
@@ -94,10 +105,14 @@ def _load_head(ckpt: str, head, head_opt) -> None:
             continue
         part = load_dict(path, "num_classes", "weight", "state")
         if part["num_classes"] != head.num_classes:
-            raise CheckpointError(f"{path}: head of {part['num_classes']} classes, this run has {head.num_classes}")
+            raise CheckpointError(
+                f"{path}: head of {part['num_classes']} classes, this run has {head.num_classes}"
+            )
         k = part.get("subcenters", 1)
         if k != head.subcenters:
-            raise CheckpointError(f"{path}: {k} sub-centres per class, this run's margin has {head.subcenters}")
+            raise CheckpointError(
+                f"{path}: {k} sub-centres per class, this run's margin has {head.subcenters}"
+            )
         mine, theirs = slice((lo - start) * k, (hi - start) * k), slice((lo - a) * k, (hi - a) * k)
         with torch.no_grad():
             weight[mine].copy_(part["weight"][theirs])
@@ -108,7 +123,9 @@ def _load_head(ckpt: str, head, head_opt) -> None:
                 new_state[key] = v
         covered += hi - lo
     if covered != end - start:
-        raise CheckpointError(f"{ckpt}: head files cover {covered} of the {end - start} classes [{start}, {end})")
+        raise CheckpointError(
+            f"{ckpt}: head files cover {covered} of the {end - start} classes [{start}, {end})"
+        )
     if head_opt is not None and new_state:
         head_opt.state[head.weight] = new_state
 
@@ -129,40 +146,71 @@ def resume_changes(ckpt: str, saved: dict, saved_margin: dict, margin_loss, conf
     if before != now and margin_loss is not None:
         stateful = bool(saved_margin) or bool(margin_loss.state_dict())
         if stateful and not config.reset_margin:
-            raise CheckpointError(f"{ckpt}: trained with margin '{before}', this run uses '{now}', and their running "
-                                  f"statistics cannot carry over: resume with --margin {before}, or pass "
-                                  f"--reset_margin true to start '{now}'s statistics afresh")
-        logger.warning("margin '%s' (checkpoint) -> '%s' (this run): the head's weights carry over%s", before, now,
-                       "; the margin's running statistics start afresh" if stateful else "")
+            raise CheckpointError(
+                f"{ckpt}: trained with margin '{before}', this run uses '{now}', and their running "
+                f"statistics cannot carry over: resume with --margin {before}, or pass "
+                f"--reset_margin true to start '{now}'s statistics afresh"
+            )
+        logger.warning(
+            "margin '%s' (checkpoint) -> '%s' (this run): the head's weights carry over%s",
+            before,
+            now,
+            "; the margin's running statistics start afresh" if stateful else "",
+        )
     acc_before = saved.get("gradient_acc", config.gradient_acc)
     if acc_before != config.gradient_acc:
-        logger.warning("gradient_acc %d (checkpoint) -> %d (this run): an optimizer step now takes %d batches per rank, "
-                       "so steps per epoch and the effective batch change; lr %g is not rescaled", acc_before,
-                       config.gradient_acc, config.gradient_acc, config.lr)
+        logger.warning(
+            "gradient_acc %d (checkpoint) -> %d (this run): an optimizer step now takes %d batches per rank, "
+            "so steps per epoch and the effective batch change; lr %g is not rescaled",
+            acc_before,
+            config.gradient_acc,
+            config.gradient_acc,
+            config.lr,
+        )
     if saved.get("ema") and not config.ema:
-        logger.warning("ema turned off: the checkpoint's EMA is dropped, ema.pt is no longer written, and model.pt "
-                       "now holds the trained (not averaged) weights")
+        logger.warning(
+            "ema turned off: the checkpoint's EMA is dropped, ema.pt is no longer written, and model.pt "
+            "now holds the trained (not averaged) weights"
+        )
     return before == now
 
 
-def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=None, scaler=None,
-                    rank: int = 0, world_size: int = 1, batch_size: int | None = None,
-                    config=None) -> tuple[TrainState, dict]:
+def load_checkpoint(
+    path: str,
+    *,
+    backbone,
+    backbone_opt,
+    head,
+    head_opt,
+    ema=None,
+    scaler=None,
+    rank: int = 0,
+    world_size: int = 1,
+    batch_size: int | None = None,
+    config=None,
+) -> tuple[TrainState, dict]:
     """Restore everything saved by `save_checkpoint`, resharding to this world size. With
     `config`, its `optimizer` must be the checkpoint's, and a missing ema.pt of a run that
     had EMA on is an error unless `config.reset_ema`."""
     ckpt = resolve_checkpoint(path, ema_optional=bool(config is not None and config.reset_ema))
-    meta = load_dict(os.path.join(ckpt, "meta.pt"), "step", "epoch", "batch_in_epoch", "world_size", "num_classes")
+    meta = load_dict(
+        os.path.join(ckpt, "meta.pt"), "step", "epoch", "batch_in_epoch", "world_size", "num_classes"
+    )
     saved_config = meta.get("config") or {}
     num_classes = head.num_classes if head is not None else 0  # 0: label-free, no head
     if meta["num_classes"] != num_classes:
-        raise CheckpointError(f"{ckpt}: trained with {meta['num_classes']} classes, this run has {num_classes}")
+        raise CheckpointError(
+            f"{ckpt}: trained with {meta['num_classes']} classes, this run has {num_classes}"
+        )
     if config is not None and saved_config.get("optimizer", config.optimizer) != config.optimizer:
-        raise CheckpointError(f"{ckpt}: trained with optimizer '{saved_config['optimizer']}', this run uses "
-                              f"'{config.optimizer}'; its optimizer state cannot carry over: resume with "
-                              f"--optimizer {saved_config['optimizer']}")
-    keep_margin = resume_changes(ckpt, saved_config, meta.get("margin") or {},
-                                 head.margin_loss if head is not None else None, config)
+        raise CheckpointError(
+            f"{ckpt}: trained with optimizer '{saved_config['optimizer']}', this run uses "
+            f"'{config.optimizer}'; its optimizer state cannot carry over: resume with "
+            f"--optimizer {saved_config['optimizer']}"
+        )
+    keep_margin = resume_changes(
+        ckpt, saved_config, meta.get("margin") or {}, head.margin_loss if head is not None else None, config
+    )
     weights = load_dict(os.path.join(ckpt, "backbone.pt"))  # a corrupt file is reported as such
     try:
         backbone.load_state_dict(weights)
@@ -175,8 +223,10 @@ def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=No
             saved = load_dict(ema_path, "state", "updates")
             ema.load_state_dict(saved["state"], updates=saved["updates"])
         elif saved_config.get("ema") and not (config is not None and config.reset_ema):
-            raise CheckpointError(f"{ema_path} is missing, but the checkpoint was trained with ema on: restore "
-                                  f"the file, or pass --reset_ema true to restart the EMA from the loaded weights")
+            raise CheckpointError(
+                f"{ema_path} is missing, but the checkpoint was trained with ema on: restore "
+                f"the file, or pass --reset_ema true to restart the EMA from the loaded weights"
+            )
         else:  # EMA switched on at resume (or reset on request): it starts from the loaded weights
             logger.warning("EMA starts from the weights of %s", ckpt)
             ema.load_state_dict(backbone.state_dict(), updates=0)
@@ -186,7 +236,9 @@ def load_checkpoint(path: str, *, backbone, backbone_opt, head, head_opt, ema=No
         head.margin_loss.load_state_dict(meta["margin"])
     if scaler is not None and meta.get("scaler"):
         scaler.load_state_dict(meta["scaler"])
-    state = TrainState(meta["step"], meta["epoch"], meta["batch_in_epoch"], meta.get("run_id") or new_run_id())
+    state = TrainState(
+        meta["step"], meta["epoch"], meta["batch_in_epoch"], meta.get("run_id") or new_run_id()
+    )
     if meta["world_size"] == world_size and not meta.get("imported_from"):
         set_rng_state(safe_load(os.path.join(ckpt, f"rng-rank{rank}.pt")))
     if batch_size and (meta["world_size"], meta["batch_size"]) != (world_size, batch_size):

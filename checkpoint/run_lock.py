@@ -22,6 +22,7 @@ and a job where some rank does not find it there is refused at start, naming ran
 instead of at its first checkpoint. The proof is the directory itself, so two ranks given two
 directories on one machine fail the same way as two nodes without a shared file system.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,8 +51,10 @@ _JOB_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID", "TORCHELAS
 
 def _describe(holder: dict) -> str:
     job = f", job {holder['job']}" if holder.get("job") else ""
-    return (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, user {holder.get('user', '?')}{job}, "
-            f"started {holder.get('start', '?')}")
+    return (
+        f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, user {holder.get('user', '?')}{job}, "
+        f"started {holder.get('start', '?')}"
+    )
 
 
 def _read(path: str) -> tuple[dict, float] | None:
@@ -74,7 +77,9 @@ class RunLock:
     before the run starts; `acquire` is collective (every rank calls it; all raise alike);
     `release` is safe to call on every rank, any number of times, held or not."""
 
-    _held_here: set[str] = set()  # the locks this process holds (a lock naming our own pid but absent here is stale)
+    _held_here: set[str] = (
+        set()
+    )  # the locks this process holds (a lock naming our own pid but absent here is stale)
 
     def __init__(self) -> None:
         self.path: str | None = None
@@ -100,14 +105,17 @@ class RunLock:
         holder = from_rank0(self.me)
         seen = rank == 0 or _sees(os.path.join(output, LOCK_NAME), holder, SHARED_WAIT_S)
         views = from_every_rank((seen, socket.gethostname(), os.path.abspath(output)))
-        blind = [f"rank {r} (host {host}) in {where}" for r, (saw, host, where) in enumerate(views) if not saw]
+        blind = [
+            f"rank {r} (host {host}) in {where}" for r, (saw, host, where) in enumerate(views) if not saw
+        ]
         if blind:
             _, host0, where0 = views[0]
             raise CheckpointError(
                 f"the output is not one directory shared by every rank: rank 0 (host {host0}) holds its lock "
                 f"{os.path.join(where0, LOCK_NAME)}, but {'; '.join(blind[:4])}{' and more' if len(blind) > 4 else ''} "
                 f"did not find it within {SHARED_WAIT_S:.0f} s: checkpoints need an output every node mounts "
-                f"(a shared file system), given to every rank")
+                f"(a shared file system), given to every rank"
+            )
 
     def _try(self, output: str) -> str:
         path = os.path.join(output, LOCK_NAME)
@@ -118,9 +126,13 @@ class RunLock:
             return f"{output}: cannot create the output directory ({exc.strerror or exc}): choose another --output"
         if not os.path.isdir(output):
             return f"{output}: not a directory (a file is in its place): remove it or choose another --output"
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "user": _user(),
-                   "job": next((os.environ[v] for v in _JOB_VARIABLES if os.environ.get(v)), ""),
-                   "start": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+        self.me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "user": _user(),
+            "job": next((os.environ[v] for v in _JOB_VARIABLES if os.environ.get(v)), ""),
+            "start": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        }
         for _ in range(3):  # a stale lock removed, then created anew; a racing start may win
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -131,9 +143,11 @@ class RunLock:
                 holder, age = found
                 why = self._stale(path, holder, age)
                 if why is None:
-                    return (f"{output} is in use by a live run ({_describe(holder)}; lock refreshed {age:.0f} s ago): "
-                            f"one run per output; wait for it, stop it, or choose another --output (if it is really "
-                            f"gone, delete {path}; it counts as stale {STALE_S:.0f} s after its last refresh)")
+                    return (
+                        f"{output} is in use by a live run ({_describe(holder)}; lock refreshed {age:.0f} s ago): "
+                        f"one run per output; wait for it, stop it, or choose another --output (if it is really "
+                        f"gone, delete {path}; it counts as stale {STALE_S:.0f} s after its last refresh)"
+                    )
                 logger.warning("%s: taking over the stale lock of %s (%s)", output, _describe(holder), why)
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)
@@ -175,8 +189,11 @@ class RunLock:
             try:
                 os.utime(self.path)
             except OSError as exc:  # deleted by hand, or the file system is gone: say so once
-                logger.warning("cannot refresh the run lock %s (%s): another run may take this output over",
-                               self.path, exc)
+                logger.warning(
+                    "cannot refresh the run lock %s (%s): another run may take this output over",
+                    self.path,
+                    exc,
+                )
                 return
 
     def release(self) -> None:
@@ -187,10 +204,16 @@ class RunLock:
         if self._refresher is not None:
             self._refresher.join(timeout=5)
         found = _read(self.path)
-        if found is not None and found[0].get("pid") == self.me["pid"] and found[0].get("host") == self.me["host"]:
+        if (
+            found is not None
+            and found[0].get("pid") == self.me["pid"]
+            and found[0].get("host") == self.me["host"]
+        ):
             with contextlib.suppress(OSError):
                 os.remove(self.path)
-        if self.created:  # a refused run leaves no empty output behind (rmdir fails on one that holds anything)
+        if (
+            self.created
+        ):  # a refused run leaves no empty output behind (rmdir fails on one that holds anything)
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.dirname(self.path))
         RunLock._held_here.discard(os.path.abspath(self.path))
@@ -217,7 +240,9 @@ def _user() -> str:
 
 
 def _unwritable(output: str, exc: OSError) -> str:
-    hint = "free space there or choose another --output" if exc.errno == errno.ENOSPC else \
-        "make it writable or choose another --output"
+    hint = (
+        "free space there or choose another --output"
+        if exc.errno == errno.ENOSPC
+        else "make it writable or choose another --output"
+    )
     return f"{output}: cannot write into the output directory ({exc.strerror or exc}): {hint}"
-

@@ -1,4 +1,5 @@
 """Writing a checkpoint: every rank's part, published atomically, older ones pruned."""
+
 from __future__ import annotations
 
 import errno
@@ -17,14 +18,33 @@ from utils.atomic import fsync_dir
 
 def _head_payload(head, head_opt) -> dict:
     state = head_opt.state.get(head.weight, {}) if head_opt is not None else {}
-    return {"class_start": head.class_start, "num_local": head.num_local, "num_classes": head.num_classes,
-            "subcenters": head.subcenters, "weight": head.weight.detach().cpu(),
-            "state": {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in state.items()}}
+    return {
+        "class_start": head.class_start,
+        "num_local": head.num_local,
+        "num_classes": head.num_classes,
+        "subcenters": head.subcenters,
+        "weight": head.weight.detach().cpu(),
+        "state": {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in state.items()},
+    }
 
 
-def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, head, head_opt,
-                    ema=None, scaler=None, config=None, rank: int = 0, world_size: int = 1,
-                    keep: int = 2, export_to: str | None = None, extra_meta: dict | None = None) -> str:
+def save_checkpoint(
+    output: str,
+    state: TrainState,
+    *,
+    backbone,
+    backbone_opt,
+    head,
+    head_opt,
+    ema=None,
+    scaler=None,
+    config=None,
+    rank: int = 0,
+    world_size: int = 1,
+    keep: int = 2,
+    export_to: str | None = None,
+    extra_meta: dict | None = None,
+) -> str:
     """Collective: every rank calls it. Returns the checkpoint directory. The sharded states
     (optimizer, EMA) are gathered to rank 0 alone, which writes them; with `export_to`, rank 0
     also writes the weights for export there (the EMA's when EMA is on), from the same gather.
@@ -36,7 +56,7 @@ def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, h
         shutil.rmtree(tmp, ignore_errors=True)
         problem = _attempt(lambda: os.makedirs(tmp), output, 0)
     _agree(problem, tmp)
-    opt_state = backbone_opt.state_dict(to_rank=0)   # collectives: every rank takes part
+    opt_state = backbone_opt.state_dict(to_rank=0)  # collectives: every rank takes part
     ema_state = ema.state_dict(to_rank=0) if ema is not None else None
     head_payload = _head_payload(head, head_opt) if head is not None else None
     # a label-free run (no head): 0 classes, no margin statistics (else identical on every rank)
@@ -46,24 +66,35 @@ def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, h
 
     def write_parts():
         if head is not None:
-            atomic_save(head_payload, os.path.join(tmp, f"head-{head.class_start:010d}-"
-                                                        f"{head.class_start + head.num_local:010d}.pt"))
+            atomic_save(
+                head_payload,
+                os.path.join(
+                    tmp, f"head-{head.class_start:010d}-{head.class_start + head.num_local:010d}.pt"
+                ),
+            )
         atomic_save(rng_state(), os.path.join(tmp, f"rng-rank{rank}.pt"))
         if rank == 0:
             atomic_save(weights, os.path.join(tmp, "backbone.pt"))
             atomic_save(opt_state, os.path.join(tmp, "optimizer.pt"))
             if ema_state is not None:
                 atomic_save({"state": ema_state, "updates": ema.updates}, os.path.join(tmp, "ema.pt"))
-            meta = {**asdict(state), "world_size": world_size, "num_classes": num_classes,
-                    "batch_size": int(config.batch_size) if config else 0,
-                    "scaler": scaler.state_dict() if scaler is not None else None,
-                    "margin": margin,
-                    "config": plain(dict(config)) if config else {}, **(extra_meta or {})}
+            meta = {
+                **asdict(state),
+                "world_size": world_size,
+                "num_classes": num_classes,
+                "batch_size": int(config.batch_size) if config else 0,
+                "scaler": scaler.state_dict() if scaler is not None else None,
+                "margin": margin,
+                "config": plain(dict(config)) if config else {},
+                **(extra_meta or {}),
+            }
             atomic_save(meta, os.path.join(tmp, "meta.pt"))
 
     # what a checkpoint takes on disk: the previous one's size, else this rank's share times W
-    needed = _previous_size(output) or _tensor_bytes([weights, opt_state, ema_state]) + \
-        _tensor_bytes(head_payload) * world_size
+    needed = (
+        _previous_size(output)
+        or _tensor_bytes([weights, opt_state, ema_state]) + _tensor_bytes(head_payload) * world_size
+    )
     _agree(_attempt(write_parts, output, needed), tmp)
 
     def publish():
@@ -75,6 +106,7 @@ def save_checkpoint(output: str, state: TrainState, *, backbone, backbone_opt, h
         prune_checkpoints(output, state.step, state.run_id, keep)
         if export_to:
             atomic_save(exported(ema_state if ema_state is not None else weights), export_to)
+
     _agree(_attempt(publish, output, needed) if rank == 0 else None, tmp)
     return final
 
@@ -88,8 +120,10 @@ def _attempt(write, output: str, needed: int) -> tuple[str, str] | None:
     except CheckpointError as exc:
         message, no_space = str(exc), isinstance(exc, NoSpaceError)
     except OSError as exc:
-        message, no_space = f"{exc.filename or 'checkpoint'}: cannot write ({exc.strerror or exc})", \
-            exc.errno == errno.ENOSPC
+        message, no_space = (
+            f"{exc.filename or 'checkpoint'}: cannot write ({exc.strerror or exc})",
+            exc.errno == errno.ENOSPC,
+        )
     if no_space:
         need = f"a checkpoint needs about {needed / 2**20:.0f} MiB; " if needed else ""
         message += f" ({need}{free_bytes(output) / 2**20:.0f} MiB free); the partial save was removed"
@@ -124,5 +158,8 @@ def _previous_size(output: str) -> int:
     if not found:
         return 0
     newest = found[-1][1]
-    return sum(os.path.getsize(os.path.join(newest, f)) for f in os.listdir(newest)
-               if os.path.isfile(os.path.join(newest, f)))
+    return sum(
+        os.path.getsize(os.path.join(newest, f))
+        for f in os.listdir(newest)
+        if os.path.isfile(os.path.join(newest, f))
+    )

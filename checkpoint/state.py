@@ -1,5 +1,6 @@
 """What a checkpoint holds besides weights: the run's position (TrainState), RNG states,
 the config as plain values, and the backbone parts that only training uses."""
+
 from __future__ import annotations
 
 import hashlib
@@ -43,18 +44,23 @@ def new_run_id() -> str:
 
 @dataclass
 class TrainState:
-    step: int = 0            # optimizer steps taken
+    step: int = 0  # optimizer steps taken
     epoch: int = 0
     batch_in_epoch: int = 0  # micro-batches this rank consumed in `epoch`
-    run_id: str = ""         # names the run across resumes; pruning only deletes its checkpoints
-    data_size: int = 0       # the data set `batch_in_epoch` counts in (checkpoint/data_position.py); 0: not recorded
+    run_id: str = ""  # names the run across resumes; pruning only deletes its checkpoints
+    data_size: int = (
+        0  # the data set `batch_in_epoch` counts in (checkpoint/data_position.py); 0: not recorded
+    )
     data_fingerprint: str = ""
 
 
 def rng_state() -> dict:
     np_state = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:])}
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+    }
     if torch.cuda.is_available():  # this rank's own device only: GPUs per node may differ on resume
         state["cuda"] = torch.cuda.get_rng_state()
     return state

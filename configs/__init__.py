@@ -1,4 +1,5 @@
 """Config loading: base defaults <- job config <- `--key value` overrides."""
+
 from __future__ import annotations
 
 import ast
@@ -15,8 +16,15 @@ from configs.base import config as _base
 from configs.errors import ConfigError
 from configs.validate import validate_config
 
-__all__ = ["ConfigError", "get_config", "resolve_config_path", "format_config", "save_config", "parse_value",
-           "validate_config"]
+__all__ = [
+    "ConfigError",
+    "get_config",
+    "resolve_config_path",
+    "format_config",
+    "save_config",
+    "parse_value",
+    "validate_config",
+]
 
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,14 +33,19 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def resolve_config_path(path: str) -> str:
     """The config file `path` names: as given (cwd), else a shipped config by the same name
     (`configs/ms1mv3_r50`, `ms1mv3_r50`), so installed or checked-out configs work from anywhere."""
-    candidates = [path, os.path.join(_PACKAGE_ROOT, path),
-                  os.path.join(_PACKAGE_ROOT, "configs", os.path.basename(path))]
+    candidates = [
+        path,
+        os.path.join(_PACKAGE_ROOT, path),
+        os.path.join(_PACKAGE_ROOT, "configs", os.path.basename(path)),
+    ]
     for candidate in candidates:
         for name in (candidate, candidate + ".py"):
             if name.endswith(".py") and os.path.isfile(name):
                 return name
-    raise ConfigError(f"config file not found: {path} (nor a shipped config of that name in "
-                      f"{os.path.join(_PACKAGE_ROOT, 'configs')})")
+    raise ConfigError(
+        f"config file not found: {path} (nor a shipped config of that name in "
+        f"{os.path.join(_PACKAGE_ROOT, 'configs')})"
+    )
 
 
 def _load_module_config(path: str) -> dict:
@@ -43,24 +56,32 @@ def _load_module_config(path: str) -> dict:
     try:
         spec.loader.exec_module(module)
     except SyntaxError as exc:  # the file's own line (an imported file's error names that file instead)
-        raise ConfigError(f"{exc.filename or path}:{exc.lineno}: {exc.msg} (a syntax error in the config "
-                          f"file)") from None
+        raise ConfigError(
+            f"{exc.filename or path}:{exc.lineno}: {exc.msg} (a syntax error in the config file)"
+        ) from None
     except Exception as exc:
-        raise ConfigError(f"{path}:{_line_in(path, exc.__traceback__)}: {type(exc).__name__}: {exc} (raised "
-                          f"while running the config file)") from None
+        raise ConfigError(
+            f"{path}:{_line_in(path, exc.__traceback__)}: {type(exc).__name__}: {exc} (raised "
+            f"while running the config file)"
+        ) from None
     if not hasattr(module, "config"):
         raise ConfigError(f"{path} defines no `config`")
     if not isinstance(module.config, dict):
-        raise ConfigError(f"{path}:{_assignment_line(path)}: config is {type(module.config).__name__} "
-                          f"{module.config!r:.40}, expected a mapping of keys (an edict, as in configs/base.py)")
+        raise ConfigError(
+            f"{path}:{_assignment_line(path)}: config is {type(module.config).__name__} "
+            f"{module.config!r:.40}, expected a mapping of keys (an edict, as in configs/base.py)"
+        )
     return dict(module.config)
 
 
 def _line_in(path: str, tb) -> int | str:
     """The line of `path` in traceback `tb` nearest the error (a call into another file is
     reported at the config file's line that made it)."""
-    lines = [frame.lineno for frame in traceback.extract_tb(tb) if os.path.abspath(frame.filename) ==
-             os.path.abspath(path)]
+    lines = [
+        frame.lineno
+        for frame in traceback.extract_tb(tb)
+        if os.path.abspath(frame.filename) == os.path.abspath(path)
+    ]
     return lines[-1] if lines else "?"
 
 
@@ -70,9 +91,15 @@ def _assignment_line(path: str) -> int | str:
         tree = ast.parse(open(path).read(), path)
     except (OSError, SyntaxError, ValueError):
         return "?"
-    found = [node.lineno for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign)) and any(
-        isinstance(t, ast.Name) and t.id == "config" for t in (node.targets if isinstance(node, ast.Assign)
-                                                               else [node.target]))]
+    found = [
+        node.lineno
+        for node in tree.body
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        and any(
+            isinstance(t, ast.Name) and t.id == "config"
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        )
+    ]
     return found[-1] if found else "?"
 
 
@@ -86,8 +113,10 @@ def _unknown(unknown: dict[str, list[str]], known: Sequence[str]) -> ConfigError
             named.append(f"'{key}'" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
         parts.append(f"{', '.join(named)} in {where}")
     count = sum(len(keys) for keys in unknown.values())
-    return ConfigError(f"unknown config key{'s' if count > 1 else ''} {'; '.join(parts)}; "
-                       f"`python train.py --help` lists every key")
+    return ConfigError(
+        f"unknown config key{'s' if count > 1 else ''} {'; '.join(parts)}; "
+        f"`python train.py --help` lists every key"
+    )
 
 
 def parse_value(text: str, default: Any, key: str = "") -> Any:

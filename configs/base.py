@@ -2,8 +2,11 @@
 
 Key names follow insightface arcface_torch where the meaning is the same.
 """
+
 from easydict import EasyDict as edict
 
+# fmt: off
+# (an aligned table: describe.py reads each key's comment and its continuation lines)
 config = edict()
 
 # model
@@ -136,3 +139,4 @@ config.wandb_log_all = False          # every rank logs its own run; False: rank
 config.wandb_resume = False           # resume the wandb run (as wandb.init's resume)
 config.suffix_run_name = None         # appended to the run name <yymmdd_HHMM>_GPU<rank>
 config.save_artifacts = False         # log model.pt as a wandb artifact at the end
+# fmt: on

@@ -1,4 +1,5 @@
 """The embedded demo (`make demo`): the drawn-faces set, the tiny CNN, 2 CPU ranks, minutes."""
+
 from easydict import EasyDict as edict
 
 config = edict()
@@ -13,7 +14,7 @@ config.momentum = 0.9
 config.weight_decay = 5e-4
 config.max_grad_norm = 5.0
 config.batch_size = 64
-config.rec = "data/drawn_faces"      # written by `python -m scripts.make_drawn_faces`
+config.rec = "data/drawn_faces"  # written by `python -m scripts.make_drawn_faces`
 config.num_classes = 400
 config.num_image = 8000
 config.num_epoch = 8

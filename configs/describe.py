@@ -1,4 +1,5 @@
 """`train.py --help`: every config key with its default and the comment beside it in configs/base.py."""
+
 from __future__ import annotations
 
 import os

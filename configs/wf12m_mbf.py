@@ -1,4 +1,5 @@
 """arcface_torch's job config of this name, with its keys and values (output None: work_dirs/<file name>)."""
+
 from easydict import EasyDict as edict
 
 config = edict()

@@ -1,13 +1,37 @@
-from dataset.errors import (DataError, DataLayoutError, ImageDecodeError, ImageSizeError, LabelError,
-                            RecordIOError)
+from dataset.errors import (
+    DataError,
+    DataLayoutError,
+    ImageDecodeError,
+    ImageSizeError,
+    LabelError,
+    RecordIOError,
+)
 from dataset.faces import FolderFaceDataset, MXFaceDataset, SyntheticDataset, build_dataset
 from dataset.folders import list_identity_folders
 from dataset.images import decode_chw, decode_image, normalize_images
 from dataset.loader import ResumableDistributedSampler, get_dataloader
 from dataset.recordio import IndexedRecordReader, IRHeader, RecordWriter, pack, unpack
 
-__all__ = ["MXFaceDataset", "FolderFaceDataset", "SyntheticDataset", "build_dataset", "list_identity_folders",
-           "normalize_images", "decode_image", "decode_chw", "ResumableDistributedSampler", "get_dataloader",
-           "IndexedRecordReader", "RecordWriter", "IRHeader", "pack", "unpack",
-           "DataError", "RecordIOError", "ImageDecodeError", "LabelError", "DataLayoutError",
-           "ImageSizeError"]
+__all__ = [
+    "MXFaceDataset",
+    "FolderFaceDataset",
+    "SyntheticDataset",
+    "build_dataset",
+    "list_identity_folders",
+    "normalize_images",
+    "decode_image",
+    "decode_chw",
+    "ResumableDistributedSampler",
+    "get_dataloader",
+    "IndexedRecordReader",
+    "RecordWriter",
+    "IRHeader",
+    "pack",
+    "unpack",
+    "DataError",
+    "RecordIOError",
+    "ImageDecodeError",
+    "LabelError",
+    "DataLayoutError",
+    "ImageSizeError",
+]

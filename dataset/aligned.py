@@ -1,5 +1,6 @@
 """Training on a folder of raw photos (`--align true`): each item is its photo's largest face,
 found once at start (builders.build_aligned_dataset, through faces/), cut when it is read."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -16,8 +17,16 @@ class AlignedFolderDataset(FolderFaceDataset):
     each item `cut(path, faces[path])`: the photo's face aligned, H x W x 3 uint8, mirrored as
     every training set mirrors. `cut` is picklable: the loader's workers cut the faces."""
 
-    def __init__(self, root_dir: str, classes: list[str], groups: list[list[str]], faces: dict, cut: Callable,
-                 train: bool = True, normalize: bool = True):
+    def __init__(
+        self,
+        root_dir: str,
+        classes: list[str],
+        groups: list[list[str]],
+        faces: dict,
+        cut: Callable,
+        train: bool = True,
+        normalize: bool = True,
+    ):
         self.train, self.normalize, self.skip_bad_images, self.resize = train, normalize, False, False
         self.classes, self.faces, self.cut = classes, faces, cut
         self.samples = [(path, label) for label, paths in enumerate(groups) for path in paths]

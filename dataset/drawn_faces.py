@@ -6,6 +6,7 @@ scale, lighting, colour cast, background, blur, noise and JPEG quality, so that 
 nuisance dominates raw pixels: an untrained network verifies near chance, one that has
 learned the identity geometry verifies well.
 """
+
 from __future__ import annotations
 
 import io
@@ -47,14 +48,25 @@ def draw_identity(rng: np.random.Generator) -> Identity:
     u = rng.uniform
     tone = u(0.45, 0.85)
     return Identity(
-        face_w=u(0.50, 0.70), face_h=u(0.66, 0.86),
+        face_w=u(0.50, 0.70),
+        face_h=u(0.66, 0.86),
         skin=(tone, tone * u(0.72, 0.88), tone * u(0.55, 0.75)),
-        eye_dx=u(0.13, 0.23), eye_y=u(-0.12, 0.02), eye_r=u(0.035, 0.07), eye_squash=u(0.45, 1.0),
+        eye_dx=u(0.13, 0.23),
+        eye_y=u(-0.12, 0.02),
+        eye_r=u(0.035, 0.07),
+        eye_squash=u(0.45, 1.0),
         iris=tuple(u(0.0, 0.6, 3)),
-        brow_dy=u(0.05, 0.11), brow_tilt=u(-0.35, 0.35), brow_w=u(0.012, 0.03),
-        nose_len=u(0.08, 0.2), nose_w=u(0.03, 0.08),
-        mouth_y=u(0.2, 0.32), mouth_w=u(0.08, 0.2), mouth_curve=u(-0.06, 0.06),
-        hair=tuple(u(0.05, 0.7, 3)), hair_line=u(-0.42, -0.25), hair_style=int(rng.integers(0, 4)),
+        brow_dy=u(0.05, 0.11),
+        brow_tilt=u(-0.35, 0.35),
+        brow_w=u(0.012, 0.03),
+        nose_len=u(0.08, 0.2),
+        nose_w=u(0.03, 0.08),
+        mouth_y=u(0.2, 0.32),
+        mouth_w=u(0.08, 0.2),
+        mouth_curve=u(-0.06, 0.06),
+        hair=tuple(u(0.05, 0.7, 3)),
+        hair_line=u(-0.42, -0.25),
+        hair_style=int(rng.integers(0, 4)),
         mark=(u(-0.25, 0.25), u(-0.1, 0.3), u(0.0, 0.025)),
     )
 
@@ -75,7 +87,7 @@ def render(identity: Identity, rng: np.random.Generator) -> Image.Image:
         w, h = rng.uniform(0.15, 0.6, 2) * c
         d.ellipse([x0, y0, x0 + w, y0 + h], fill=_rgb(rng.uniform(0, 1, 3), 1.0))
 
-    s = c * 0.5 * u(0.88, 1.08)           # scale
+    s = c * 0.5 * u(0.88, 1.08)  # scale
     cx, cy = c / 2 + u(-6, 6), c / 2 + u(-6, 6)
     light = u(0.55, 1.35)
     P = lambda x, y: (cx + x * s, cy + y * s)  # noqa: E731  face coordinates -> canvas
@@ -83,7 +95,7 @@ def render(identity: Identity, rng: np.random.Generator) -> Image.Image:
     idn = identity
     hair = _rgb(idn.hair, light * u(0.9, 1.1))
     # hair behind the face
-    hx, hy = idn.face_w * 1.08, idn.face_h * 1.04
+    hx = idn.face_w * 1.08
     top = idn.hair_line - 0.1 * idn.hair_style
     d.ellipse([*P(-hx, top - 0.15), *P(hx, 0.15 + 0.12 * idn.hair_style)], fill=hair)
     d.ellipse([*P(-idn.face_w, -idn.face_h), *P(idn.face_w, idn.face_h)], fill=_rgb(idn.skin, light))
@@ -91,23 +103,45 @@ def render(identity: Identity, rng: np.random.Generator) -> Image.Image:
     if idn.hair_style % 2 == 0:
         d.chord([*P(-hx, top - 0.3), *P(hx, idn.hair_line + 0.1)], 180, 360, fill=hair)
     else:
-        d.polygon([P(-hx, top - 0.2), P(hx, top - 0.2), P(hx * 0.8, idn.hair_line),
-                   P(0.1, idn.hair_line + 0.08), P(-hx * 0.8, idn.hair_line)], fill=hair)
+        d.polygon(
+            [
+                P(-hx, top - 0.2),
+                P(hx, top - 0.2),
+                P(hx * 0.8, idn.hair_line),
+                P(0.1, idn.hair_line + 0.08),
+                P(-hx * 0.8, idn.hair_line),
+            ],
+            fill=hair,
+        )
     # eyes and brows
     for side in (-1, 1):
         ex, ey = side * idn.eye_dx * 2, idn.eye_y
         r, rv = idn.eye_r, idn.eye_r * idn.eye_squash
-        d.ellipse([*P(ex - r * 1.4, ey - rv * 1.2), *P(ex + r * 1.4, ey + rv * 1.2)], fill=_rgb((0.95, 0.95, 0.95), light))
-        d.ellipse([*P(ex - r * 0.7, ey - rv * 0.9), *P(ex + r * 0.7, ey + rv * 0.9)], fill=_rgb(idn.iris, light))
+        d.ellipse(
+            [*P(ex - r * 1.4, ey - rv * 1.2), *P(ex + r * 1.4, ey + rv * 1.2)],
+            fill=_rgb((0.95, 0.95, 0.95), light),
+        )
+        d.ellipse(
+            [*P(ex - r * 0.7, ey - rv * 0.9), *P(ex + r * 0.7, ey + rv * 0.9)], fill=_rgb(idn.iris, light)
+        )
         by = ey - idn.brow_dy - r
         tilt = idn.brow_tilt * side
-        d.line([P(ex - r * 1.8, by + tilt * 0.08), P(ex + r * 1.8, by - tilt * 0.08)],
-               fill=hair, width=max(1, int(idn.brow_w * s)))
+        d.line(
+            [P(ex - r * 1.8, by + tilt * 0.08), P(ex + r * 1.8, by - tilt * 0.08)],
+            fill=hair,
+            width=max(1, int(idn.brow_w * s)),
+        )
     # nose
-    d.line([P(0, idn.eye_y + 0.03), P(-idn.nose_w * 0.4, idn.eye_y + idn.nose_len)],
-           fill=_rgb(tuple(v * 0.7 for v in idn.skin), light), width=max(1, int(0.018 * s)))
-    d.line([P(-idn.nose_w, idn.eye_y + idn.nose_len), P(idn.nose_w, idn.eye_y + idn.nose_len)],
-           fill=_rgb(tuple(v * 0.6 for v in idn.skin), light), width=max(1, int(0.02 * s)))
+    d.line(
+        [P(0, idn.eye_y + 0.03), P(-idn.nose_w * 0.4, idn.eye_y + idn.nose_len)],
+        fill=_rgb(tuple(v * 0.7 for v in idn.skin), light),
+        width=max(1, int(0.018 * s)),
+    )
+    d.line(
+        [P(-idn.nose_w, idn.eye_y + idn.nose_len), P(idn.nose_w, idn.eye_y + idn.nose_len)],
+        fill=_rgb(tuple(v * 0.6 for v in idn.skin), light),
+        width=max(1, int(0.02 * s)),
+    )
     # mouth: a curved line
     pts = [P(t * idn.mouth_w, idn.mouth_y + idn.mouth_curve * (1 - 4 * t * t)) for t in np.linspace(-1, 1, 9)]
     d.line(pts, fill=_rgb((0.55, 0.2, 0.2), light), width=max(1, int(0.025 * s)))

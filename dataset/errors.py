@@ -1,4 +1,5 @@
 """What can be wrong with training data. Every message names the file and the key or value."""
+
 from configs.errors import UserError
 
 

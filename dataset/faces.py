@@ -1,5 +1,6 @@
 """Face recognition training sets: MXNet RecordIO, image folders, and arcface_torch's
 "synthetic" throughput stand-in."""
+
 from __future__ import annotations
 
 import logging
@@ -89,9 +90,11 @@ class _MirrorsInTraining:
         image = decode(data, where, mirror, FACE_SIZE if self.resize else None)
         hw = tuple(image.shape[:2] if isinstance(image, np.ndarray) else image.shape[1:])
         if hw != FACE_SIZE:
-            raise ImageSizeError(f"{where}: image is {hw[1]}x{hw[0]}, not {FACE_SIZE[1]}x{FACE_SIZE[0]}; "
-                                 "repack with `python -m scripts.pack_rec SRC OUT --resize` or train with "
-                                 "`--resize true`")
+            raise ImageSizeError(
+                f"{where}: image is {hw[1]}x{hw[0]}, not {FACE_SIZE[1]}x{FACE_SIZE[0]}; "
+                "repack with `python -m scripts.pack_rec SRC OUT --resize` or train with "
+                "`--resize true`"
+            )
         return image
 
 
@@ -120,14 +123,23 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
     `label_free`: the records' labels are ignored (every item's label is 0; no class count needed).
     """
 
-    def __init__(self, root_dir: str, transform=None, train: bool = True, num_classes: int | None = None,
-                 skip_bad_images: bool = False, normalize: bool = True, resize: bool = False,
-                 label_free: bool = False):
+    def __init__(
+        self,
+        root_dir: str,
+        transform=None,
+        train: bool = True,
+        num_classes: int | None = None,
+        skip_bad_images: bool = False,
+        normalize: bool = True,
+        resize: bool = False,
+        label_free: bool = False,
+    ):
         self.root_dir, self.transform, self.train, self.normalize = root_dir, transform, train, normalize
         self.resize = resize
         self.skip_bad_images = skip_bad_images
-        self.reader = IndexedRecordReader(os.path.join(root_dir, "train.idx"),
-                                          os.path.join(root_dir, "train.rec"))
+        self.reader = IndexedRecordReader(
+            os.path.join(root_dir, "train.idx"), os.path.join(root_dir, "train.rec")
+        )
         if not self.reader.keys:
             raise DataLayoutError(f"{self.reader.idx_path}: no records; the data set is empty")
         prop = os.path.join(root_dir, "property")
@@ -139,8 +151,10 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
         if label_free:
             num_classes = 0
         elif num_classes is None and self.own_classes is None:
-            raise DataLayoutError(f"{prop}: property file not found, and {self.reader.rec_path} has no insightface "
-                                  f"header (key 0) that counts the identities: set num_classes in the config")
+            raise DataLayoutError(
+                f"{prop}: property file not found, and {self.reader.rec_path} has no insightface "
+                f"header (key 0) that counts the identities: set num_classes in the config"
+            )
         self.num_classes = num_classes if num_classes is not None else self.own_classes
         if self.own_classes is None:
             self.classes_from = "config num_classes"
@@ -160,8 +174,10 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
         header, payload = unpack(self.reader.read(key), f"{self.reader.rec_path} key {key}")
         label = 0 if self.label_free else int(header.label) if header.flag == 0 else int(header.label[0])
         if not self.label_free and not 0 <= label < self.num_classes:
-            raise LabelError(f"{self.reader.rec_path} key {key}: label {label} outside [0, {self.num_classes}) "
-                                f"(num_classes from {self.classes_from})")
+            raise LabelError(
+                f"{self.reader.rec_path} key {key}: label {label} outside [0, {self.num_classes}) "
+                f"(num_classes from {self.classes_from})"
+            )
         decode = decode_image if as_array else decode_chw
         return self._decoded(decode, payload, f"{self.reader.rec_path} key {key}", mirror), label
 
@@ -173,11 +189,14 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
 
         def payload(key: int) -> bytes:
             return unpack(self.reader.read(key), f"{self.reader.rec_path} key {key}")[1]
+
         check_records(payload, self.keys, self.reader.rec_path, path, hw, self.resize, self.skip_bad_images)
 
     def __getitem__(self, index: int):
         flip = self.mirror(index)
-        image, label = self._first_readable(index, lambda i: self.load(i, flip, as_array=self.transform is not None))
+        image, label = self._first_readable(
+            index, lambda i: self.load(i, flip, as_array=self.transform is not None)
+        )
         image = self.transform(image) if self.transform is not None else self._pixels(image)
         return image, self._label_tensor(label)
 
@@ -198,12 +217,28 @@ class FolderFaceDataset(_MirrorsInTraining, Dataset):
     At start every file's header is read: unreadable files are errors (left out with
     `skip_bad_images`), and images that are not 112x112 are refused unless `resize`."""
 
-    def __init__(self, root_dir: str, train: bool = True, normalize: bool = True,
-                 skip_bad_images: bool = False, resize: bool = False, label_free: bool = False):
-        self.train, self.normalize, self.skip_bad_images, self.resize = train, normalize, skip_bad_images, resize
-        self.classes, groups = ([], [list_images(root_dir)]) if label_free else list_identity_folders(root_dir)
+    def __init__(
+        self,
+        root_dir: str,
+        train: bool = True,
+        normalize: bool = True,
+        skip_bad_images: bool = False,
+        resize: bool = False,
+        label_free: bool = False,
+    ):
+        self.train, self.normalize, self.skip_bad_images, self.resize = (
+            train,
+            normalize,
+            skip_bad_images,
+            resize,
+        )
+        self.classes, groups = (
+            ([], [list_images(root_dir)]) if label_free else list_identity_folders(root_dir)
+        )
         usable = set(check_files((p for g in groups for p in g), resize, skip_bad_images))
-        self.samples = [(path, label) for label, paths in enumerate(groups) for path in paths if path in usable]
+        self.samples = [
+            (path, label) for label, paths in enumerate(groups) for path in paths if path in usable
+        ]
         if not self.samples:
             raise DataLayoutError(f"{root_dir}: no readable images")
         self.num_classes = len(self.classes)
@@ -248,8 +283,14 @@ class SyntheticDataset(_MirrorsInTraining, Dataset):
         return self.image, torch.tensor(index % self.num_classes if self.num_classes else 0, dtype=torch.long)
 
 
-def build_dataset(rec: str, num_classes: int, train: bool = True, skip_bad_images: bool = False,
-                  normalize: bool = True, resize: bool = False) -> Dataset:
+def build_dataset(
+    rec: str,
+    num_classes: int,
+    train: bool = True,
+    skip_bad_images: bool = False,
+    normalize: bool = True,
+    resize: bool = False,
+) -> Dataset:
     """Choose the source from `cfg.rec`: "synthetic", a RecordIO dir, or an image folder.
     `normalize=False` yields uint8 images for `normalize_images` on the training device.
     Images that are not 112x112 are refused here, before training, unless `resize`.
@@ -264,25 +305,47 @@ def build_dataset(rec: str, num_classes: int, train: bool = True, skip_bad_image
             try:
                 restored = recover_rec_set(rec)
             except OSError as e:
-                raise DataLayoutError(f"{idx}: missing beside train.rec, and the earlier set journaled by the "
-                                      f"pack_rec that stopped while replacing it could not be put back ({e})") from None
+                raise DataLayoutError(
+                    f"{idx}: missing beside train.rec, and the earlier set journaled by the "
+                    f"pack_rec that stopped while replacing it could not be put back ({e})"
+                ) from None
             if not restored:
-                raise DataLayoutError(f"{idx}: missing beside train.rec, so the set is incomplete (a pack_rec "
-                                      f"stopped while replacing the set leaves it so): pack the set again")
-            logger.warning("%s: a pack_rec stopped while replacing this set; the earlier set was put back", rec)
-        dataset = MXFaceDataset(rec, train=train, num_classes=num_classes, skip_bad_images=skip_bad_images,
-                                normalize=normalize, resize=resize, label_free=num_classes == 0)
+                raise DataLayoutError(
+                    f"{idx}: missing beside train.rec, so the set is incomplete (a pack_rec "
+                    f"stopped while replacing the set leaves it so): pack the set again"
+                )
+            logger.warning(
+                "%s: a pack_rec stopped while replacing this set; the earlier set was put back", rec
+            )
+        dataset = MXFaceDataset(
+            rec,
+            train=train,
+            num_classes=num_classes,
+            skip_bad_images=skip_bad_images,
+            normalize=normalize,
+            resize=resize,
+            label_free=num_classes == 0,
+        )
         if num_classes == 0:
             logger.info("%s: label-free (num_classes 0), its labels are not read", rec)
         elif dataset.own_classes is not None and dataset.own_classes != num_classes:
-            raise DataLayoutError(f"{dataset.classes_from}: {dataset.own_classes} classes, "
-                                  f"config num_classes is {num_classes}")
+            raise DataLayoutError(
+                f"{dataset.classes_from}: {dataset.own_classes} classes, config num_classes is {num_classes}"
+            )
         elif dataset.classes_from != os.path.join(rec, "property"):
             logger.info("%s: %d classes, from the %s", rec, num_classes, dataset.classes_from)
         dataset.check_geometry()
         return dataset
-    dataset = FolderFaceDataset(rec, train=train, normalize=normalize, skip_bad_images=skip_bad_images,
-                                resize=resize, label_free=num_classes == 0)
+    dataset = FolderFaceDataset(
+        rec,
+        train=train,
+        normalize=normalize,
+        skip_bad_images=skip_bad_images,
+        resize=resize,
+        label_free=num_classes == 0,
+    )
     if num_classes and dataset.num_classes != num_classes:
-        raise DataLayoutError(f"{rec}: {dataset.num_classes} identity folders, config num_classes is {num_classes}")
+        raise DataLayoutError(
+            f"{rec}: {dataset.num_classes} identity folders, config num_classes is {num_classes}"
+        )
     return dataset

@@ -10,6 +10,7 @@ same names holding other people's photos differ (two small reads per file, which
 start has just read: about 2 s per 100k images on 2 cores). Neither depends on where the set lies:
 a moved copy resumes where it stopped. A teacher file (distill/teacher.py) records it too.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -18,7 +19,7 @@ import os
 from dataset.errors import DataLayoutError
 
 _ENDS = 64  # index entries hashed at each end of a RecordIO set
-_READ = 4   # records hashed at each end
+_READ = 4  # records hashed at each end
 _BLOCK = 4096  # bytes hashed at each end of a folder's image (most 112x112 crops: the whole file)
 
 
@@ -36,8 +37,14 @@ def recordio_fingerprint(reader, keys: list[int]) -> str:
     h = hashlib.sha256()
     for key in keys[:_READ] + keys[-_READ:]:  # equal sizes everywhere still differ in these bytes
         h.update(reader.read(key))
-    return _digest("recordio", str(len(keys)), str(reader.size), str(os.path.getsize(reader.idx_path)),
-                   " ".join(f"{k}:{reader.index[k]}" for k in ends), h.hexdigest())
+    return _digest(
+        "recordio",
+        str(len(keys)),
+        str(reader.size),
+        str(os.path.getsize(reader.idx_path)),
+        " ".join(f"{k}:{reader.index[k]}" for k in ends),
+        h.hexdigest(),
+    )
 
 
 def file_ends(fd: int, size: int, block: int) -> bytes:

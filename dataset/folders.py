@@ -5,6 +5,7 @@ Every tool walks folders one way (`walk_images`, `identity_folders`): symlinked 
 followed (each real folder once, so a link back up the tree is no loop), and hidden folders
 (names starting with `.`: .git, the gallery's cache parts) are skipped; a hidden folder that
 holds images is named in one warning, never left out without a word."""
+
 from __future__ import annotations
 
 import logging
@@ -33,8 +34,10 @@ def not_regular(paths: list[str]) -> DataLayoutError | None:
     if not odd:
         return None
     more = f" ({len(odd)} such entries)" if len(odd) > 1 else ""
-    return DataLayoutError(f"{odd[0]}: not a regular file (a folder, FIFO, socket or device named like an "
-                           f"image){more}; only image files are read: move it out")
+    return DataLayoutError(
+        f"{odd[0]}: not a regular file (a folder, FIFO, socket or device named like an "
+        f"image){more}; only image files are read: move it out"
+    )
 
 
 def hidden(name: str) -> bool:
@@ -42,8 +45,11 @@ def hidden(name: str) -> bool:
 
 
 def _has_image(folder: str) -> bool:
-    return any(f.lower().endswith(IMAGE_EXTENSIONS) for _, _, files in os.walk(folder, followlinks=True)
-               for f in files)
+    return any(
+        f.lower().endswith(IMAGE_EXTENSIONS)
+        for _, _, files in os.walk(folder, followlinks=True)
+        for f in files
+    )
 
 
 def warn_hidden(folders: list[str]) -> None:
@@ -51,8 +57,13 @@ def warn_hidden(folders: list[str]) -> None:
     with_images = [f for f in folders if _has_image(f)]
     if with_images:
         more = f" and {len(with_images) - SHOWN} more" if len(with_images) > SHOWN else ""
-        logger.warning("skipped %d hidden folder(s) holding images (names starting with '.'): %s%s; rename them "
-                       "to include them", len(with_images), ", ".join(with_images[:SHOWN]), more)
+        logger.warning(
+            "skipped %d hidden folder(s) holding images (names starting with '.'): %s%s; rename them "
+            "to include them",
+            len(with_images),
+            ", ".join(with_images[:SHOWN]),
+            more,
+        )
 
 
 def walk_images(root: str, warn: bool = True) -> list[str]:
@@ -66,7 +77,9 @@ def walk_images(root: str, warn: bool = True) -> list[str]:
     while pending:
         folder = pending.pop()
         real = os.path.realpath(folder)
-        if real in seen or top.startswith(real.rstrip(os.sep) + os.sep):  # walked already, or a link up the tree
+        if real in seen or top.startswith(
+            real.rstrip(os.sep) + os.sep
+        ):  # walked already, or a link up the tree
             continue
         seen.add(real)
         entries = sorted(os.scandir(folder), key=lambda e: e.name)
@@ -98,15 +111,23 @@ def list_identity_folders(root: str) -> tuple[list[str], list[list[str]]]:
     names = identity_folders(root)
     if not names:
         raise DataLayoutError(f"{root}: no identity sub-folders")
-    groups = [[os.path.join(root, n, f) for f in sorted(os.listdir(os.path.join(root, n)))
-               if f.lower().endswith(IMAGE_EXTENSIONS)] for n in names]
+    groups = [
+        [
+            os.path.join(root, n, f)
+            for f in sorted(os.listdir(os.path.join(root, n)))
+            if f.lower().endswith(IMAGE_EXTENSIONS)
+        ]
+        for n in names
+    ]
     odd = not_regular([p for g in groups for p in g])
     if odd is not None:
         raise odd
     empty = [n for n, g in zip(names, groups) if not g]
     if empty:
-        raise DataLayoutError(f"{os.path.join(root, empty[0])}: identity folder without images "
-                              f"({len(empty)} such folders; extensions {', '.join(IMAGE_EXTENSIONS)})")
+        raise DataLayoutError(
+            f"{os.path.join(root, empty[0])}: identity folder without images "
+            f"({len(empty)} such folders; extensions {', '.join(IMAGE_EXTENSIONS)})"
+        )
     return names, groups
 
 
@@ -141,7 +162,9 @@ def image_files(inputs: list[str]) -> list[str]:
         elif regular_file(item):
             files.append(item)
         elif os.path.exists(item):
-            raise DataLayoutError(f"{item}: not a regular file (a FIFO, socket or device); only image files are read")
+            raise DataLayoutError(
+                f"{item}: not a regular file (a FIFO, socket or device); only image files are read"
+            )
         else:
             raise DataLayoutError(f"{item}: no such image file or folder")
     return files

@@ -1,4 +1,5 @@
 """Image bytes -> uint8 pixels, and uint8 pixels -> the [-1, 1] floats every backbone takes."""
+
 from __future__ import annotations
 
 import functools
@@ -15,8 +16,20 @@ from PIL import Image
 from dataset.errors import ImageDecodeError
 
 # every format Pillow reads that people keep photos in; the file's bytes decide the decoder
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".pgm", ".ppm", ".pbm", ".pnm", ".tif", ".tiff",
-                    ".webp", ".gif")
+IMAGE_EXTENSIONS = (
+    ".jpg",
+    ".jpeg",
+    ".png",
+    ".bmp",
+    ".pgm",
+    ".ppm",
+    ".pbm",
+    ".pnm",
+    ".tif",
+    ".tiff",
+    ".webp",
+    ".gif",
+)
 FACE_SIZE = (112, 112)  # (height, width) every backbone takes: insightface's aligned crops
 logger = logging.getLogger("shardface")
 
@@ -25,6 +38,7 @@ class _Stderr:
     """Catches what C code writes to file descriptor 2 while a block runs (libjpeg prints
     "Corrupt JPEG data: ..." there and decodes anyway, so the message never names the image).
     One scratch file per process: DataLoader workers are forked and must not share it."""
+
     pid = -1
     scratch = None
     saved = -1
@@ -32,8 +46,11 @@ class _Stderr:
     @classmethod
     def _open(cls):
         if cls.pid != os.getpid():
-            cls.scratch = (os.fdopen(os.memfd_create("shardface-stderr"), "w+b") if hasattr(os, "memfd_create")
-                           else tempfile.TemporaryFile())
+            cls.scratch = (
+                os.fdopen(os.memfd_create("shardface-stderr"), "w+b")
+                if hasattr(os, "memfd_create")
+                else tempfile.TemporaryFile()
+            )
             cls.saved, cls.pid = os.dup(2), os.getpid()
 
     @classmethod
@@ -81,8 +98,10 @@ def to_rgb(img: Image.Image, where: str = "image") -> Image.Image:
         if img.mode == "F":
             nans = int(np.isnan(values).sum())
             if nans:
-                raise ImageDecodeError(f"{where}: float image with {nans} NaN pixel(s) of {values.size}: "
-                                       f"they have no defined value; fix or remove the image")
+                raise ImageDecodeError(
+                    f"{where}: float image with {nans} NaN pixel(s) of {values.size}: "
+                    f"they have no defined value; fix or remove the image"
+                )
             gray = np.clip(values, 0, 255)
         else:
             gray = np.clip(values, 0, 65535) / 257.0
@@ -124,8 +143,9 @@ def stored_bytes(path: str, resize: bool = False) -> bytes:
     return data
 
 
-def decode_image(data: bytes, where: str, mirror: bool = False,
-                 resize: tuple[int, int] | None = None) -> np.ndarray:
+def decode_image(
+    data: bytes, where: str, mirror: bool = False, resize: tuple[int, int] | None = None
+) -> np.ndarray:
     """Any image PIL reads -> HxWx3 uint8 (for `transform`s written for arcface_torch), converted
     by `to_rgb`; resized to (height, width) `resize` when given."""
     try:
@@ -160,11 +180,13 @@ def jpeg_decoder():
     about as long as torch's own, which a process that decodes no JPEG (a tool's --help, its
     errors, `plan`, `export_onnx`) need not pay. Loaders call it before forking their workers."""
     from torchvision.io import ImageReadMode, decode_jpeg
+
     return functools.partial(decode_jpeg, mode=ImageReadMode.RGB)
 
 
-def decode_chw(data: bytes, where: str, mirror: bool = False,
-               resize: tuple[int, int] | None = None) -> torch.Tensor:
+def decode_chw(
+    data: bytes, where: str, mirror: bool = False, resize: tuple[int, int] | None = None
+) -> torch.Tensor:
     """-> 3xHxW uint8. JPEGs go through torchvision's libjpeg-turbo decoder (faster than
     PIL, same pixels, an error on truncated data); anything else through PIL. A JPEG whose body
     is damaged but decodable (libjpeg's "Corrupt JPEG data") is used, as every JPEG reader

@@ -8,6 +8,7 @@ cannot tell them apart: a packed-label im2rec image read as a header hides every
 its class number. The layout is decided by whether record 0 holds an image and whether its
 labels describe this index and property file; what fits both, or neither, is refused.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -26,8 +27,13 @@ def _labels(header) -> list[float]:
     return [] if header.flag == 0 else [float(v) for v in np.asarray(header.label).ravel()]
 
 
-def _header_mismatch(reader: IndexedRecordReader, labels: list[float], first: int,
-                     declared_classes: int | None, property_path: str) -> str | None:
+def _header_mismatch(
+    reader: IndexedRecordReader,
+    labels: list[float],
+    first: int,
+    declared_classes: int | None,
+    property_path: str,
+) -> str | None:
     """Why record `first` with `labels` is not an insightface header of this index, or None."""
     keys = reader.keys
     if first != 0:
@@ -38,8 +44,10 @@ def _header_mismatch(reader: IndexedRecordReader, labels: list[float], first: in
     images_all_there = bisect.bisect_left(keys, a) == a  # keys are unique and start at 0
     identities = len(keys) - a
     if not images_all_there or identities not in (0, b - a) or keys[-1] != a + identities - 1:
-        return (f"it puts images at keys 1..{a - 1} and identity records at keys {a}..{b - 1}, "
-                f"but the index holds {len(keys)} keys from {keys[0]} to {keys[-1]}")
+        return (
+            f"it puts images at keys 1..{a - 1} and identity records at keys {a}..{b - 1}, "
+            f"but the index holds {len(keys)} keys from {keys[0]} to {keys[-1]}"
+        )
     if declared_classes is not None and declared_classes != b - a:
         return f"it counts {b - a} identities, {property_path} says {declared_classes} classes"
     if identities:  # the identity records' labels are image key ranges, from 1 up to a
@@ -47,8 +55,10 @@ def _header_mismatch(reader: IndexedRecordReader, labels: list[float], first: in
         tail, _ = unpack(reader.read(b - 1), f"{reader.rec_path} key {b - 1}")
         head_range, tail_range = _labels(head), _labels(tail)
         if len(head_range) < 2 or len(tail_range) < 2 or head_range[0] != 1 or tail_range[1] != a:
-            return (f"its identity records (keys {a} and {b - 1}) have labels {head_range} and {tail_range}, "
-                    f"not image key ranges from 1 to {a}")
+            return (
+                f"its identity records (keys {a} and {b - 1}) have labels {head_range} and {tail_range}, "
+                f"not image key ranges from 1 to {a}"
+            )
     return None
 
 
@@ -63,23 +73,31 @@ def image_keys(reader: IndexedRecordReader, property_path: str, declared_classes
     mismatch = _header_mismatch(reader, labels, first, declared_classes, property_path)
     holds_image = len(payload) > 0
     if holds_image and mismatch is not None:
-        logger.info("%s: im2rec layout (key %d holds an image; as a header %s): all %d keys are images",
-                    reader.rec_path, first, mismatch, len(reader.keys))
+        logger.info(
+            "%s: im2rec layout (key %d holds an image; as a header %s): all %d keys are images",
+            reader.rec_path,
+            first,
+            mismatch,
+            len(reader.keys),
+        )
         return list(reader.keys)
     if holds_image:
         raise RecordIOError(
             f"{reader.rec_path}: ambiguous layout: key 0 holds an image, and its labels {labels[:2]} also read as "
-            f"an insightface header that fits {reader.idx_path} and {property_path}; {_REPACK}")
+            f"an insightface header that fits {reader.idx_path} and {property_path}; {_REPACK}"
+        )
     if mismatch is not None:
         raise RecordIOError(
             f"{reader.rec_path}: key {first} is a header record (labels {labels}, no image) that does not match "
             f"{reader.idx_path}: {mismatch}; the files do not belong together or one is truncated: restore "
-            f"the set's own .idx and property, or {_REPACK}")
+            f"the set's own .idx and property, or {_REPACK}"
+        )
     return list(range(1, int(labels[0])))
 
 
-def class_count(reader: IndexedRecordReader, keys: list[int], property_path: str,
-                declared_classes: int | None) -> tuple[int | None, str]:
+def class_count(
+    reader: IndexedRecordReader, keys: list[int], property_path: str, declared_classes: int | None
+) -> tuple[int | None, str]:
     """(the set's own class count, where it came from): `property` when there is one, else an
     insightface header's identity range (b - a; record 0 is not among the image `keys`), as
     arcface_torch reads such a set; (None, "") for an im2rec set without `property`, whose

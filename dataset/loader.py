@@ -1,4 +1,5 @@
 """Distributed, resumable sampling and the DataLoader around it."""
+
 from __future__ import annotations
 
 import random
@@ -28,14 +29,26 @@ class ResumableDistributedSampler(Sampler[int]):
 
     _INTS_PER_SLICE = 16384  # Python ints alive at once while iterating
 
-    def __init__(self, dataset_len: int, world_size: int, rank: int, batch_size: int,
-                 seed: int = 0, shuffle: bool = True, source: str = "the data set"):
-        if dataset_len < world_size * batch_size:  # a user's setting, not a bug: one line naming the key (`source`)
+    def __init__(
+        self,
+        dataset_len: int,
+        world_size: int,
+        rank: int,
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        source: str = "the data set",
+    ):
+        if (
+            dataset_len < world_size * batch_size
+        ):  # a user's setting, not a bug: one line naming the key (`source`)
             ranks = f" x {world_size} ranks = {world_size * batch_size}" if world_size > 1 else ""
             fit = dataset_len // world_size  # BatchNorm needs 2 or more per rank (configs/validate.py)
             fix = f"use --batch_size {fit} or less, or more data" if fit >= 2 else "use more data"
-            raise DataError(f"batch_size {batch_size}{ranks} is more than the {dataset_len} samples of {source}: "
-                            f"one batch per rank cannot be filled; {fix}")
+            raise DataError(
+                f"batch_size {batch_size}{ranks} is more than the {dataset_len} samples of {source}: "
+                f"one batch per rank cannot be filled; {fix}"
+            )
         self.n, self.world_size, self.rank = dataset_len, world_size, rank
         self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
         self.batches_per_epoch = dataset_len // (world_size * batch_size)
@@ -53,10 +66,10 @@ class ResumableDistributedSampler(Sampler[int]):
             return torch.arange(self.rank, used, self.world_size)
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         # clone: the rank's strided slice must not keep the n-element permutation alive
-        return torch.randperm(self.n, generator=g)[self.rank:used:self.world_size].clone()
+        return torch.randperm(self.n, generator=g)[self.rank : used : self.world_size].clone()
 
     def __iter__(self):
-        remaining = self.epoch_indices()[self.start_batch * self.batch_size:]
+        remaining = self.epoch_indices()[self.start_batch * self.batch_size :]
         for part in remaining.split(self._INTS_PER_SLICE):
             yield from part.tolist()
 
@@ -108,9 +121,16 @@ def _seed_worker(worker_id: int) -> None:
     random.seed(seed)
 
 
-def get_dataloader(dataset: Dataset, sampler: ResumableDistributedSampler, num_workers: int = 2,
-                   device: torch.device | str = "cpu", seed: int = 0,
-                   persistent_workers: bool = True, with_index: bool = False, teacher_rows=None) -> DataLoader:
+def get_dataloader(
+    dataset: Dataset,
+    sampler: ResumableDistributedSampler,
+    num_workers: int = 2,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    persistent_workers: bool = True,
+    with_index: bool = False,
+    teacher_rows=None,
+) -> DataLoader:
     """Batches of `sampler.batch_size`; pinned memory and prefetching when training on GPU.
 
     Build it once and iterate it once per epoch, after `sampler.set_epoch(epoch, start_batch)`
@@ -125,8 +145,15 @@ def get_dataloader(dataset: Dataset, sampler: ResumableDistributedSampler, num_w
     if num_workers > 0:
         jpeg_decoder()  # imported once here, not once per worker
     g = torch.Generator().manual_seed(seed + 1000 * sampler.rank + sampler.epoch)
-    return DataLoader(_EpochItems(dataset, with_index, teacher_rows), batch_size=sampler.batch_size,
-                      sampler=_EpochKeys(sampler, dataset),
-                      num_workers=num_workers, drop_last=True, pin_memory=on_gpu, worker_init_fn=_seed_worker,
-                      generator=g, prefetch_factor=4 if num_workers > 0 and on_gpu else None,
-                      persistent_workers=persistent_workers and num_workers > 0)
+    return DataLoader(
+        _EpochItems(dataset, with_index, teacher_rows),
+        batch_size=sampler.batch_size,
+        sampler=_EpochKeys(sampler, dataset),
+        num_workers=num_workers,
+        drop_last=True,
+        pin_memory=on_gpu,
+        worker_init_fn=_seed_worker,
+        generator=g,
+        prefetch_factor=4 if num_workers > 0 and on_gpu else None,
+        persistent_workers=persistent_workers and num_workers > 0,
+    )

@@ -1,4 +1,5 @@
 """Write a training set in the insightface RecordIO layout."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,14 @@ def recover_rec_set(out_dir: str) -> bool:
     return recover_set(rec_set(out_dir))
 
 
-def write_insightface_rec(out_dir: str, identities: Iterable[list[bytes]], num_images: int,
-                          num_classes: int, progress=None, overwrite: bool = False) -> None:
+def write_insightface_rec(
+    out_dir: str,
+    identities: Iterable[list[bytes]],
+    num_images: int,
+    num_classes: int,
+    progress=None,
+    overwrite: bool = False,
+) -> None:
     """`identities` yields, for labels 0, 1, ..., the list of encoded 112x112 images of that
     identity.
 
@@ -56,8 +63,9 @@ def _write(paths: list[str], identities, num_images: int, num_classes: int, prog
                     progress.update()
             ranges.append((start, key))
         if key != num_images + 1 or len(ranges) != num_classes:
-            raise ValueError(f"expected {num_images} images of {num_classes} identities, "
-                             f"got {key - 1} of {len(ranges)}")
+            raise ValueError(
+                f"expected {num_images} images of {num_classes} identities, got {key - 1} of {len(ranges)}"
+            )
         for label, (start, end) in enumerate(ranges):
             writer.write(num_images + 1 + label, pack(IRHeader(0, [start, end], 0, 0), b""))
     with open(paths[2], "w") as f:

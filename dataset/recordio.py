@@ -7,6 +7,7 @@ that word removed; reading re-joins the parts and puts the magic word back.
 Image payloads start with the header struct `IfQQ` (flag, label, id, id2); when flag > 0,
 `flag` float32 labels follow the header and replace `label`.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -44,12 +45,12 @@ def unpack(record: bytes, where: str = "record") -> tuple[IRHeader, bytes]:
     if len(record) < _HEADER.size:
         raise RecordIOError(f"{where}: {len(record)} bytes, shorter than the {_HEADER.size}-byte header")
     flag, label, id1, id2 = _HEADER.unpack_from(record)
-    body = memoryview(record)[_HEADER.size:]
+    body = memoryview(record)[_HEADER.size :]
     if flag > 0:
         if len(body) < 4 * flag:
             raise RecordIOError(f"{where}: header announces {flag} labels, record too short")
-        label = np.frombuffer(body[:4 * flag], dtype=np.float32).copy()
-        body = body[4 * flag:]
+        label = np.frombuffer(body[: 4 * flag], dtype=np.float32).copy()
+        body = body[4 * flag :]
     return IRHeader(flag, label, id1, id2), bytes(body)
 
 
@@ -106,12 +107,14 @@ def read_index(idx_path: str, rec_size: int | None = None) -> dict[int, int]:
     with open(idx_path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             if lineno == 1 and raw.startswith(codecs.BOM_UTF8):  # an editor's byte-order mark, not a key
-                raw = raw[len(codecs.BOM_UTF8):]
+                raw = raw[len(codecs.BOM_UTF8) :]
             try:
                 line = raw.decode("ascii")
             except UnicodeDecodeError:
-                raise RecordIOError(f"{idx_path}:{lineno}: not a text index (expected lines 'key<TAB>offset', "
-                                    f"found binary bytes {raw[:16]!r}); is it the .rec, or damaged?") from None
+                raise RecordIOError(
+                    f"{idx_path}:{lineno}: not a text index (expected lines 'key<TAB>offset', "
+                    f"found binary bytes {raw[:16]!r}); is it the .rec, or damaged?"
+                ) from None
             if not line.strip():
                 continue
             parts = line.split("\t")
@@ -120,11 +123,16 @@ def read_index(idx_path: str, rec_size: int | None = None) -> dict[int, int]:
             except (ValueError, IndexError):
                 raise RecordIOError(f"{idx_path}:{lineno}: expected 'key<TAB>offset', got {line!r}") from None
             if rec_size is not None and not 0 <= offset <= rec_size - 8:
-                raise RecordIOError(f"{idx_path}: key {key} points at offset {offset}, "
-                                    f"past the end of the .rec ({rec_size} bytes)")
+                raise RecordIOError(
+                    f"{idx_path}: key {key} points at offset {offset}, "
+                    f"past the end of the .rec ({rec_size} bytes)"
+                )
             if key in index or offset in seen:
-                what = f"key {key} appears twice" if key in index else \
-                    f"keys {seen[offset]} and {key} point at the same offset {offset}"
+                what = (
+                    f"key {key} appears twice"
+                    if key in index
+                    else f"keys {seen[offset]} and {key} point at the same offset {offset}"
+                )
                 raise RecordIOError(f"{idx_path}:{lineno}: {what}: the same image would be trained twice")
             index[key] = offset
             seen[offset] = key
@@ -166,7 +174,7 @@ class IndexedRecordReader:
             magic, lrec = struct.unpack_from("<II", buf)
             length = lrec & _LENGTH_MASK
             if magic == MAGIC and lrec >> 29 == 0 and 8 + length <= len(buf):
-                return buf[8:8 + length]
+                return buf[8 : 8 + length]
         parts, pos = [], 0
         while True:
             if pos + 8 > len(buf):  # the record runs past what was read: read on
@@ -176,14 +184,16 @@ class IndexedRecordReader:
                 buf = buf[:pos] + more
             magic, lrec = struct.unpack_from("<II", buf, pos)
             if magic != MAGIC:
-                raise RecordIOError(f"{where}: bad magic 0x{magic:08x} at byte {offset + pos}, expected 0x{MAGIC:08x}")
+                raise RecordIOError(
+                    f"{where}: bad magic 0x{magic:08x} at byte {offset + pos}, expected 0x{MAGIC:08x}"
+                )
             flag, length = lrec >> 29, lrec & _LENGTH_MASK
             end = pos + 8 + length
             if end > len(buf):
-                buf = buf[:pos + 8] + os.pread(self._descriptor(), length, offset + pos + 8)
+                buf = buf[: pos + 8] + os.pread(self._descriptor(), length, offset + pos + 8)
                 if end > len(buf):
                     raise RecordIOError(f"{where}: record truncated ({len(buf) - pos - 8} of {length} bytes)")
-            parts.append(buf[pos + 8:end])
+            parts.append(buf[pos + 8 : end])
             pos = end + (-length) % 4
             if flag in (0, 3):
                 break

@@ -25,6 +25,7 @@ Coordination is the file system alone (no process group), so ranks may be starte
 or by hand on machines that share the output's folder. The parts stay until rank 0 has
 published the output, then `Parts.remove()` deletes them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,19 +59,28 @@ def launch_rank(rank: int | None = None, world: int | None = None, env=None) -> 
     variables left set in a shell are named and ignored, never taken for a share to wait on."""
     env = os.environ if env is None else env
     if (rank is None) != (world is None):
-        raise ConfigError("--rank and --world: give both (or neither, to take torchrun's RANK and WORLD_SIZE)")
+        raise ConfigError(
+            "--rank and --world: give both (or neither, to take torchrun's RANK and WORLD_SIZE)"
+        )
     if rank is None:
         try:
             rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
         except ValueError:
-            raise ConfigError(f"RANK={env.get('RANK')!r} WORLD_SIZE={env.get('WORLD_SIZE')!r}: not whole numbers") from None
+            raise ConfigError(
+                f"RANK={env.get('RANK')!r} WORLD_SIZE={env.get('WORLD_SIZE')!r}: not whole numbers"
+            ) from None
         if world > 1 and "TORCHELASTIC_RUN_ID" not in env:
-            print(f"RANK={rank} and WORLD_SIZE={world} are set, but torchrun did not start this process: running "
-                  "as one process (pass --rank R --world W to share the photos among machines by hand)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"RANK={rank} and WORLD_SIZE={world} are set, but torchrun did not start this process: running "
+                "as one process (pass --rank R --world W to share the photos among machines by hand)",
+                file=sys.stderr,
+                flush=True,
+            )
             rank, world = 0, 1
     if world < 1 or not 0 <= rank < world:
-        raise ConfigError(f"--rank {rank} --world {world}: the world is at least 1 and the rank in [0, world)")
+        raise ConfigError(
+            f"--rank {rank} --world {world}: the world is at least 1 and the rank in [0, world)"
+        )
     return rank, world
 
 
@@ -97,6 +107,7 @@ def list_key(items: Sequence[str], *shaping, root: str | None = None) -> str:
 @dataclass
 class Part:
     """A part being written: fill `folder`; `summary` (JSON values) goes into its manifest."""
+
     folder: str
     summary: dict
 
@@ -114,9 +125,14 @@ class Parts:
 
     def _expected(self, rank: int, items: Sequence[str]) -> dict:
         r = share_of(len(items), rank, self.world)
-        share = items[r.start:r.end]
-        return {"key": self.key, "rank": rank, "world": self.world, "count": len(share),
-                "share": list_key(share)}
+        share = items[r.start : r.end]
+        return {
+            "key": self.key,
+            "rank": rank,
+            "world": self.world,
+            "count": len(share),
+            "share": list_key(share),
+        }
 
     def manifest(self, rank: int, items: Sequence[str]) -> dict | None:
         """The manifest of rank `rank`'s complete part, None where there is none yet; a part
@@ -128,13 +144,17 @@ class Parts:
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
-            raise PartError(f"{path}: unreadable part manifest ({exc}); remove {self.root} and run every rank again")
+            raise PartError(
+                f"{path}: unreadable part manifest ({exc}); remove {self.root} and run every rank again"
+            )
         expected = self._expected(rank, items)
         wrong = [k for k, v in expected.items() if found.get(k) != v]
         if wrong:
-            raise PartError(f"{path}: this part does not match rank {rank}'s share of the photo list "
-                            f"({', '.join(f'{k} {found.get(k)!r}, expected {expected[k]!r}' for k in wrong)}); "
-                            f"remove {self.root} and run every rank again")
+            raise PartError(
+                f"{path}: this part does not match rank {rank}'s share of the photo list "
+                f"({', '.join(f'{k} {found.get(k)!r}, expected {expected[k]!r}' for k in wrong)}); "
+                f"remove {self.root} and run every rank again"
+            )
         return found
 
     @contextlib.contextmanager
@@ -166,26 +186,41 @@ class Parts:
             if not missing:
                 return [found[r] for r in range(self.world)]
             if time.monotonic() >= deadline:
-                raise PartError(f"{self.root}: no complete part of rank {', '.join(map(str, missing))} of "
-                                f"{self.world} after {timeout_s:.0f} s; run every rank with the same photos, "
-                                f"output, options and world size{self._others()} (what was done is kept: a run "
-                                "again redoes only missing parts)")
+                raise PartError(
+                    f"{self.root}: no complete part of rank {', '.join(map(str, missing))} of "
+                    f"{self.world} after {timeout_s:.0f} s; run every rank with the same photos, "
+                    f"output, options and world size{self._others()} (what was done is kept: a run "
+                    "again redoes only missing parts)"
+                )
             if not said and timeout_s > 0:
-                print(f"waiting up to {timeout_s:.0f} s for the part of rank {', '.join(map(str, missing))} of "
-                      f"{self.world} in {self.root}", file=sys.stderr, flush=True)
+                print(
+                    f"waiting up to {timeout_s:.0f} s for the part of rank {', '.join(map(str, missing))} of "
+                    f"{self.world} in {self.root}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 said = True
             time.sleep(poll_s)
 
     def _others(self) -> str:
         """What else is beside this job's parts: parts of other lists or options, or of this
         list under another world size, in words ("" where nothing is)."""
-        lists = [o for o in sorted(glob.glob(glob.escape(self.root.rsplit(".parts-", 1)[0]) + ".parts-*"))
-                 if o != self.root]
-        worlds = [f for f in sorted(glob.glob(os.path.join(glob.escape(self.root), "rank-*-of-*")))
-                  if not f.endswith(f"-of-{self.world}")]
+        lists = [
+            o
+            for o in sorted(glob.glob(glob.escape(self.root.rsplit(".parts-", 1)[0]) + ".parts-*"))
+            if o != self.root
+        ]
+        worlds = [
+            f
+            for f in sorted(glob.glob(os.path.join(glob.escape(self.root), "rank-*-of-*")))
+            if not f.endswith(f"-of-{self.world}")
+        ]
         said = [f"{', '.join(lists)} came from another photo list or other options"] if lists else []
-        said += [f"{', '.join(os.path.basename(f) for f in worlds)} in {self.root} came from another world size"] \
-            if worlds else []
+        said += (
+            [f"{', '.join(os.path.basename(f) for f in worlds)} in {self.root} came from another world size"]
+            if worlds
+            else []
+        )
         return f" ({'; '.join(said)})" if said else ""
 
     def join(self, out: str, items: Sequence[str], report: str) -> dict:
@@ -198,7 +233,7 @@ class Parts:
             for rank in range(self.world):
                 path = os.path.join(self.folder(rank), report)
                 r = share_of(len(items), rank, self.world)
-                self._check_report(path, items[r.start:r.end])
+                self._check_report(path, items[r.start : r.end])
                 with open(path, "rb") as f:
                     first = f.readline()
                     if header is None:
@@ -226,8 +261,10 @@ class Parts:
                     except OSError:  # no hard links here
                         shutil.copyfile(os.path.join(dirpath, name), target)
             if count != manifest["files"]:
-                raise PartError(f"{folder}: holds {count} files, its manifest {manifest['files']}; "
-                                f"remove {self.root} and run every rank again")
+                raise PartError(
+                    f"{folder}: holds {count} files, its manifest {manifest['files']}; "
+                    f"remove {self.root} and run every rank again"
+                )
         return _summed([m["summary"] for m in manifests])
 
     @staticmethod
@@ -241,8 +278,10 @@ class Parts:
                 if not named or named[-1] != row[0]:
                     named.append(row[0])
         if named != list(share):
-            raise PartError(f"{path}: its rows list {len(named)} photos, not the {len(share)} of its share in order; "
-                            "remove the parts folder and run every rank again")
+            raise PartError(
+                f"{path}: its rows list {len(named)} photos, not the {len(share)} of its share in order; "
+                "remove the parts folder and run every rank again"
+            )
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

@@ -10,6 +10,7 @@ gradients over ranks, so each rank's loss must give W x its share of the global 
   gathered once (no gradient). The mean over b x W*b entries is W x the rank's share, so its
   gradient is taken 1/W (the value stays that mean: rank 0's logged loss estimates the global).
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,7 +32,7 @@ def attach_projection(backbone: nn.Module, student_dim: int, teacher_dim: int, s
     proj = nn.Linear(student_dim, teacher_dim, bias=False)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        proj.weight.copy_(torch.randn(teacher_dim, student_dim, generator=g) / student_dim ** 0.5)
+        proj.weight.copy_(torch.randn(teacher_dim, student_dim, generator=g) / student_dim**0.5)
     p = next(backbone.parameters())
     backbone.add_module(PROJECTION, proj.to(device=p.device))
     return proj
@@ -45,8 +46,14 @@ class DistillLoss:
     head and relational gather). The terms since the last `take_term()` are kept on the device
     for the log."""
 
-    def __init__(self, kind: str, weight: float, projection: nn.Module | None = None, group=None,
-                 center: torch.Tensor | None = None):
+    def __init__(
+        self,
+        kind: str,
+        weight: float,
+        projection: nn.Module | None = None,
+        group=None,
+        center: torch.Tensor | None = None,
+    ):
         if kind not in DISTILL_LOSSES:
             raise ValueError(f"distill_loss must be one of {DISTILL_LOSSES}, got {kind!r}")
         self.kind, self.weight, self.projection, self.group = kind, weight, projection, group
@@ -70,18 +77,27 @@ class DistillLoss:
             return cosine_distill(student, teacher)
         b = local.shape[0]
         if gathered.shape[0] != b * self.world_size:  # its rows are sliced by rank as if every b were equal
-            raise ValueError(f"relational distillation: {gathered.shape[0]} gathered rows are not "
-                             f"{self.world_size} ranks x this rank's {b}: every rank needs the same batch size")
-        rows = gathered[self.rank * b:(self.rank + 1) * b]
-        value = relational_distill(rows, gathered, teacher, all_gather_no_grad(teacher.contiguous(), self.group))
+            raise ValueError(
+                f"relational distillation: {gathered.shape[0]} gathered rows are not "
+                f"{self.world_size} ranks x this rank's {b}: every rank needs the same batch size"
+            )
+        rows = gathered[self.rank * b : (self.rank + 1) * b]
+        value = relational_distill(
+            rows, gathered, teacher, all_gather_no_grad(teacher.contiguous(), self.group)
+        )
         share = 1.0 / self.world_size
         return value * share + value.detach() * (1.0 - share)
 
-    def __call__(self, head, local: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, head, local: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor
+    ) -> torch.Tensor:
         gathered = None
         if self.kind == "relational":  # the head's one all-gather serves both
-            gathered = head.gather(local) if head is not None else \
-                all_gather_rows(local, self.group, grad_scale=float(self.world_size))
+            gathered = (
+                head.gather(local)
+                if head is not None
+                else all_gather_rows(local, self.group, grad_scale=float(self.world_size))
+            )
         term = self.term(local, teacher, gathered)
         self._terms = term.detach() if self._terms is None else self._terms + term.detach()
         self._count += 1

@@ -3,6 +3,7 @@
 Both are pure functions of the rows they are given; distill/head.py decides which rows
 each rank passes, so that W ranks equal one process with the global batch.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,12 @@ def cosine_distill(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor
     return (1.0 - F.cosine_similarity(student.float(), teacher.float(), dim=1, eps=1e-12)).mean()
 
 
-def relational_distill(student_rows: torch.Tensor, student_all: torch.Tensor, teacher_rows: torch.Tensor,
-                       teacher_all: torch.Tensor) -> torch.Tensor:
+def relational_distill(
+    student_rows: torch.Tensor,
+    student_all: torch.Tensor,
+    teacher_rows: torch.Tensor,
+    teacher_all: torch.Tensor,
+) -> torch.Tensor:
     """mean over (i in rows, j in all) of (cos(s_i, s_j) - cos(t_i, t_j))^2: the student's and
     the teacher's cosine-similarity matrices compared, rows x all of them. Student and teacher
     may have different sizes D (no projection). With rows = all this is the whole batch's

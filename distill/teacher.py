@@ -7,6 +7,7 @@ ARCFACE_112, the training data's template); `rows` are a teacher file's rows of 
 read by the DataLoader's workers (`TeacherFile.row`, the loader's `teacher_rows`) and arriving
 with the batch, pinned; None for a teacher run on the fly.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,9 +44,19 @@ class OnlineTeacher:
 
     teacher_rows = None  # nothing for the loader to read
 
-    def __init__(self, model: Model, device: torch.device, precision: str | None = None,
-                 made_for: Template = ARCFACE_112):
-        self.model, self.device, self.precision, self.made_for = model, torch.device(device), precision, made_for
+    def __init__(
+        self,
+        model: Model,
+        device: torch.device,
+        precision: str | None = None,
+        made_for: Template = ARCFACE_112,
+    ):
+        self.model, self.device, self.precision, self.made_for = (
+            model,
+            torch.device(device),
+            precision,
+            made_for,
+        )
         module = model.module.eval()
         onnx = isinstance(module, OnnxBackbone)
         if not onnx:  # onnxruntime places its own (a GPU run refuses it: load_teacher)
@@ -65,9 +76,16 @@ class OnlineTeacher:
         module, dtype = self.model.module, _LOW[self.precision]
         seen, hooks = [], []
         for layer in module.modules():
-            if isinstance(layer, _AUTOCAST_CASTS) and all(p.dtype == torch.float32 for p in layer.parameters(False)):
-                hooks.append(layer.register_forward_pre_hook(
-                    lambda m, args: seen.append(m) if torch.is_autocast_enabled(self.device.type) else None))
+            if isinstance(layer, _AUTOCAST_CASTS) and all(
+                p.dtype == torch.float32 for p in layer.parameters(False)
+            ):
+                hooks.append(
+                    layer.register_forward_pre_hook(
+                        lambda m, args: (
+                            seen.append(m) if torch.is_autocast_enabled(self.device.type) else None
+                        )
+                    )
+                )
         g = torch.Generator().manual_seed(39)
         probe = (torch.rand(4, 3, *self.made_for.size, generator=g) * 2 - 1).to(self.device)
         try:
@@ -107,11 +125,15 @@ class OnlineTeacher:
         try:
             out = self.targets(blank, None)
         except Exception as exc:  # any network's own shape error
-            raise ConfigError(f"config teacher {self.name}: the teacher does not take its {h}x{w} input "
-                              f"({self.model.template.name}): {str(exc).splitlines()[0]}") from None
+            raise ConfigError(
+                f"config teacher {self.name}: the teacher does not take its {h}x{w} input "
+                f"({self.model.template.name}): {str(exc).splitlines()[0]}"
+            ) from None
         if out.dim() != 2 or out.shape[0] != 2 or out.shape[1] < 1:
-            raise ConfigError(f"config teacher {self.name}: returns shape {tuple(out.shape)} for 2 crops, "
-                              f"expected 2 x D embeddings")
+            raise ConfigError(
+                f"config teacher {self.name}: returns shape {tuple(out.shape)} for 2 crops, "
+                f"expected 2 x D embeddings"
+            )
         return int(out.shape[1])
 
     @torch.no_grad()
@@ -122,8 +144,9 @@ class OnlineTeacher:
         return out.float().to(images.device)
 
 
-def teacher_statistics(teacher, dataset, samples: int, device: torch.device,
-                       group=None) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_statistics(
+    teacher, dataset, samples: int, device: torch.device, group=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(the teacher's mean unit target over the training data, a sample of its unit targets),
     on `device`: a teacher file's mean over all its rows (read when it was opened); an
     on-the-fly teacher's over `samples` records spread evenly over `dataset`, each rank
@@ -132,7 +155,9 @@ def teacher_statistics(teacher, dataset, samples: int, device: torch.device,
     index = np.unique(np.linspace(0, n - 1, max(1, min(n, samples))).round().astype(np.int64))
     if isinstance(teacher, TeacherFile):
         rows = torch.from_numpy(np.asarray(teacher.rows[index], dtype=np.float32))
-        return torch.from_numpy(teacher.mean).to(device), torch.nn.functional.normalize(rows, dim=1).to(device)
+        return torch.from_numpy(teacher.mean).to(device), torch.nn.functional.normalize(rows, dim=1).to(
+            device
+        )
     world, rank = get_world_size(group), get_rank(group)
     share = torch.utils.data.Subset(dataset, index[rank::world].tolist())
     total = torch.zeros(teacher.dim, dtype=torch.float64, device=device)
@@ -146,7 +171,9 @@ def teacher_statistics(teacher, dataset, samples: int, device: torch.device,
         sample.append(unit)
     if world > 1:
         dist.all_reduce(total, group=group)
-    return (total / len(index)).float(), torch.cat(sample) if sample else torch.zeros(0, teacher.dim, device=device)
+    return (total / len(index)).float(), torch.cat(sample) if sample else torch.zeros(
+        0, teacher.dim, device=device
+    )
 
 
 def load_teacher(teacher: str, network: str | None, device: torch.device, precision: str | None = None):
@@ -159,7 +186,9 @@ def load_teacher(teacher: str, network: str | None, device: torch.device, precis
         return TeacherFile(teacher)
     device = torch.device(device)
     if teacher.lower().endswith(".onnx") and device.type != "cpu":
-        raise ConfigError(f"config teacher {teacher}: an .onnx teacher runs in onnxruntime on the host, not on "
-                          f"{device}; make its teacher file once with `python -m scripts.teach {teacher} DATA "
-                          f"OUT.teacher` (DATA: the run's rec) and train with --teacher OUT.teacher")
+        raise ConfigError(
+            f"config teacher {teacher}: an .onnx teacher runs in onnxruntime on the host, not on "
+            f"{device}; make its teacher file once with `python -m scripts.teach {teacher} DATA "
+            f"OUT.teacher` (DATA: the run's rec) and train with --teacher OUT.teacher"
+        )
     return OnlineTeacher(load_model(teacher, network, device=device), device, precision)

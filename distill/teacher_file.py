@@ -15,6 +15,7 @@ unit (all zero, or of norm 1e-4, whose targets would be constant or whose mean w
 nothing), is refused when it is opened, naming the file and the first rows, and scripts.teach
 refuses a teacher whose embedding of a record gives such a row; the same read gives the rows'
 mean (distill_center)."""
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,11 @@ UNIT_TOLERANCE = 1e-2  # |norm - 1| a row may have: float16 rounds a unit row's 
 def data_transform(cfg) -> dict:
     """How a run (or scripts.teach) reads its images, as a teacher file records it: a file
     made from resized images does not serve a run on aligned faces of the same photos."""
-    return {"align": bool(cfg.align), "align_detector": cfg.align_detector if cfg.align else None,
-            "resize": bool(cfg.resize)}
+    return {
+        "align": bool(cfg.align),
+        "align_detector": cfg.align_detector if cfg.align else None,
+        "resize": bool(cfg.resize),
+    }
 
 
 def _described(transform: dict) -> str:
@@ -76,8 +80,10 @@ def read_header(path: str) -> tuple[dict, int]:
         (n,) = struct.unpack("<I", length)
         body = f.read(n)
     if len(body) < n:
-        raise ConfigError(f"{path}: teacher file cut inside its header ({len(body)} of its {n} bytes); "
-                          f"run scripts.teach again")
+        raise ConfigError(
+            f"{path}: teacher file cut inside its header ({len(body)} of its {n} bytes); "
+            f"run scripts.teach again"
+        )
     try:
         header = json.loads(body.decode())
     except ValueError:
@@ -98,21 +104,29 @@ class TeacherFile:
         self.header, offset = read_header(path)
         made = self.header.get("format")
         if made != FORMAT:
-            why = ("made by an older scripts.teach, whose data fingerprint covers image names only and not "
-                   "their content or preprocessing" if isinstance(made, int) and made < FORMAT
-                   else f"of an unknown format (this version reads {FORMAT})")
-            raise ConfigError(f"{path}: teacher file format {made}, {why}: remake it with `python -m scripts.teach`")
+            why = (
+                "made by an older scripts.teach, whose data fingerprint covers image names only and not "
+                "their content or preprocessing"
+                if isinstance(made, int) and made < FORMAT
+                else f"of an unknown format (this version reads {FORMAT})"
+            )
+            raise ConfigError(
+                f"{path}: teacher file format {made}, {why}: remake it with `python -m scripts.teach`"
+            )
         try:
             self.size, self.dim = int(self.header["data_size"]), int(self.header["dim"])
         except (KeyError, TypeError, ValueError):
             raise ConfigError(f"{path}: teacher file header lacks data_size or dim") from None
         if self.size < 1 or self.dim < 1:
-            raise ConfigError(f"{path}: teacher file header says {self.size} x {self.dim} rows; "
-                              f"run scripts.teach again")
+            raise ConfigError(
+                f"{path}: teacher file header says {self.size} x {self.dim} rows; run scripts.teach again"
+            )
         expected = offset + self.size * self.dim * 2
         if os.path.getsize(path) != expected:
-            raise ConfigError(f"{path}: teacher file is {os.path.getsize(path)} bytes, its header says {expected} "
-                              f"({self.size} x {self.dim} float16): truncated or damaged; run scripts.teach again")
+            raise ConfigError(
+                f"{path}: teacher file is {os.path.getsize(path)} bytes, its header says {expected} "
+                f"({self.size} x {self.dim} float16): truncated or damaged; run scripts.teach again"
+            )
         self.offset = offset
         self.rows = self._map()
         self._check_rows()
@@ -149,10 +163,13 @@ class TeacherFile:
         value is inf or NaN when its exponent bits are all set."""
         bits = self.rows.view("<u2")
         step = max(1, _SCAN_BYTES // (2 * max(self.dim, 1)))
-        bad = {"finite": _Named(), "unit": _Named()}  # the first 10 bad rows of each kind are named, all counted
+        bad = {
+            "finite": _Named(),
+            "unit": _Named(),
+        }  # the first 10 bad rows of each kind are named, all counted
         total = np.zeros(self.dim, np.float64)  # the same read gives the rows' mean (distill_center)
         for start in range(0, self.size, step):
-            chunk = np.asarray(bits[start:start + step])
+            chunk = np.asarray(bits[start : start + step])
             finite = ~((chunk & _FP16_EXPONENT) == _FP16_EXPONENT).any(axis=1)
             values = chunk.view("<f2").astype(np.float32)
             norms = np.sqrt(np.einsum("ij,ij->i", values, values, dtype=np.float64))
@@ -163,15 +180,19 @@ class TeacherFile:
                 total += values.sum(0, dtype=np.float64)
         self.mean = (total / self.size).astype(np.float32)
         if bad["finite"].count:
-            raise ConfigError(f"{self.path}: {bad['finite'].count} of {self.size} teacher rows are not finite (NaN or "
-                              f"inf): rows {bad['finite'].names()}; the file is damaged or its teacher's "
-                              f"output was unusable: run scripts.teach again")
+            raise ConfigError(
+                f"{self.path}: {bad['finite'].count} of {self.size} teacher rows are not finite (NaN or "
+                f"inf): rows {bad['finite'].names()}; the file is damaged or its teacher's "
+                f"output was unusable: run scripts.teach again"
+            )
         if bad["unit"].count:
-            raise ConfigError(f"{self.path}: {bad['unit'].count} of {self.size} teacher rows are not unit vectors "
-                              f"(norm 1 within {UNIT_TOLERANCE:g}, as scripts.teach writes them): rows "
-                              f"{bad['unit'].names()}, the first of norm {bad['unit'].first_value:.3g}; zero or "
-                              f"near-zero rows give constant targets: the file is damaged, not scripts.teach's, or "
-                              f"its teacher's output was unusable: run scripts.teach again")
+            raise ConfigError(
+                f"{self.path}: {bad['unit'].count} of {self.size} teacher rows are not unit vectors "
+                f"(norm 1 within {UNIT_TOLERANCE:g}, as scripts.teach writes them): rows "
+                f"{bad['unit'].names()}, the first of norm {bad['unit'].first_value:.3g}; zero or "
+                f"near-zero rows give constant targets: the file is damaged, not scripts.teach's, or "
+                f"its teacher's output was unusable: run scripts.teach again"
+            )
 
     @property
     def name(self) -> str:
@@ -186,15 +207,19 @@ class TeacherFile:
         """The run's data (`data` path, record count, fingerprint, `data_transform`) is the one
         this file was made from, read the same way."""
         if self.header.get("transform") != transform:
-            raise ConfigError(f"teacher file {self.path} was made from {self.header.get('data')} read with "
-                              f"{_described(self.header.get('transform') or {})}; this run reads {data} with "
-                              f"{_described(transform)}: run scripts.teach with the run's settings "
-                              f"(--align, --align_detector, --resize)")
+            raise ConfigError(
+                f"teacher file {self.path} was made from {self.header.get('data')} read with "
+                f"{_described(self.header.get('transform') or {})}; this run reads {data} with "
+                f"{_described(transform)}: run scripts.teach with the run's settings "
+                f"(--align, --align_detector, --resize)"
+            )
         made = (self.header.get("data_fingerprint"), self.header.get("data_size"))
         if made != (fingerprint, size):
-            raise ConfigError(f"teacher file {self.path} belongs to other data: it was made from "
-                              f"{self.header.get('data')} ({made[1]} records, fingerprint {made[0]}); this run's data "
-                              f"{data} has {size} records, fingerprint {fingerprint}: run scripts.teach on {data}")
+            raise ConfigError(
+                f"teacher file {self.path} belongs to other data: it was made from "
+                f"{self.header.get('data')} ({made[1]} records, fingerprint {made[0]}); this run's data "
+                f"{data} has {size} records, fingerprint {fingerprint}: run scripts.teach on {data}"
+            )
 
     def targets(self, images: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The batch's rows (b x D, read by the loader: `row`, `read`) on the batch's device."""
@@ -213,22 +238,30 @@ class _Named:
         if len(rows) and self.first_value is None and values is not None:
             self.first_value = float(values[0])
         self.count += len(rows)
-        self.first += rows[:max(0, 10 - len(self.first))].tolist()
+        self.first += rows[: max(0, 10 - len(self.first))].tolist()
 
     def names(self) -> str:
         return ", ".join(map(str, self.first)) + (", ..." if self.count > len(self.first) else "")
 
 
 @torch.no_grad()
-def write_teacher_file(teacher, data, header: dict, out: str, batch_size: int = 64,
-                       num_workers: int = 2) -> None:
+def write_teacher_file(
+    teacher, data, header: dict, out: str, batch_size: int = 64, num_workers: int = 2
+) -> None:
     """Every record's row, written to a temporary file beside `out`, then published. A record
     whose row is not finite, or not a unit vector (the teacher's embeddings of the record and its
     mirror image sum to zero, or to a norm too small to normalise), stops it, naming the record:
     the file is never written."""
-    header = {**header, "format": FORMAT, "data_size": len(data), "dim": teacher.dim, "teacher": teacher.name,
-              "teacher_fingerprint": teacher.model.fingerprint, "template": teacher.model.template.name,
-              "rows": "L2-normalised embedding of the record plus its mirror image's, float16"}
+    header = {
+        **header,
+        "format": FORMAT,
+        "data_size": len(data),
+        "dim": teacher.dim,
+        "teacher": teacher.name,
+        "teacher_fingerprint": teacher.model.fingerprint,
+        "template": teacher.model.template.name,
+        "rows": "L2-normalised embedding of the record plus its mirror image's, float16",
+    }
     progress = Progress(len(data), "teaching") if len(data) > batch_size else None
     done = 0
     with publishing(out) as tmp, open(tmp, "wb") as f:  # utils.atomic: staged, fsynced, replaced
@@ -238,15 +271,19 @@ def write_teacher_file(teacher, data, header: dict, out: str, batch_size: int = 
             rows = torch.nn.functional.normalize(both, dim=1).cpu().numpy().astype("<f2")
             bad = np.flatnonzero(~np.isfinite(rows).all(axis=1))
             if len(bad):
-                raise CheckpointError(f"teacher {teacher.name}: its embedding of record {done + int(bad[0])} of "
-                                      f"{header['data']} is not finite (NaN or inf); the teacher's output is unusable")
+                raise CheckpointError(
+                    f"teacher {teacher.name}: its embedding of record {done + int(bad[0])} of "
+                    f"{header['data']} is not finite (NaN or inf); the teacher's output is unusable"
+                )
             norms = np.linalg.norm(rows.astype(np.float32), axis=1)
             bad = np.flatnonzero(~(np.abs(norms - 1.0) <= UNIT_TOLERANCE))
             if len(bad):
-                raise CheckpointError(f"teacher {teacher.name}: its embedding of record {done + int(bad[0])} of "
-                                      f"{header['data']} (plus its mirror image's) has norm "
-                                      f"{float(both[bad[0]].norm()):.3g}, no direction to normalise; the teacher's "
-                                      f"output is unusable")
+                raise CheckpointError(
+                    f"teacher {teacher.name}: its embedding of record {done + int(bad[0])} of "
+                    f"{header['data']} (plus its mirror image's) has norm "
+                    f"{float(both[bad[0]].norm()):.3g}, no direction to normalise; the teacher's "
+                    f"output is unusable"
+                )
             f.write(rows.tobytes())
             done += len(images)
             if progress is not None:

@@ -12,6 +12,7 @@ same pairs, then its different pairs, then fold 02's, and so on, so that verific
 contiguous folds are CFP's 10 splits, as insightface's `cfp_fp.bin` and `cfp_ff.bin` hold them.
 A malformed line, a number outside its list, a fold of another size or a photo that is not there
 is one error naming the file and line, before any work."""
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,10 @@ def _lines(path: str) -> list[tuple[int, str]]:
         with open(path, encoding="utf-8-sig") as f:
             return [(i, line.strip()) for i, line in enumerate(f, 1) if line.strip()]
     except FileNotFoundError:
-        raise PairListError(f"{path}: not found (a CFP root holds Protocol/{', Protocol/'.join(LISTS.values())} "
-                            "and Protocol/Split)") from None
+        raise PairListError(
+            f"{path}: not found (a CFP root holds Protocol/{', Protocol/'.join(LISTS.values())} "
+            "and Protocol/Split)"
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise PairListError(f"{path}: cannot read it ({exc})") from None
 
@@ -47,8 +50,10 @@ def read_photo_list(protocol: str, name: str) -> list[str]:
     for line, text in _lines(path):
         fields = text.split()
         if len(fields) != 2 or not is_whole_number(fields[0]) or int(fields[0]) != len(photos) + 1:
-            raise PairListError(f"{path}:{line}: expected `{len(photos) + 1} PATH` (the photos numbered 1, 2, ... "
-                                f"in order), got {text!r}")
+            raise PairListError(
+                f"{path}:{line}: expected `{len(photos) + 1} PATH` (the photos numbered 1, 2, ... "
+                f"in order), got {text!r}"
+            )
         photo = os.path.normpath(os.path.join(protocol, fields[1]))
         if not os.path.isfile(photo):
             raise PairListError(f"{path}:{line}: photo {photo} not found")
@@ -66,8 +71,10 @@ def _pairs(path: str, first: list[str], second: list[str], what: str) -> list[tu
             raise PairListError(f"{path}:{line}: expected `i,j` (two photo numbers), got {text!r}")
         i, j = (int(f) for f in fields)
         if not (1 <= i <= len(first) and 1 <= j <= len(second)):
-            raise PairListError(f"{path}:{line}: pair {i},{j} is outside the lists ({what}: 1-{len(first)} and "
-                                f"1-{len(second)})")
+            raise PairListError(
+                f"{path}:{line}: pair {i},{j} is outside the lists ({what}: 1-{len(first)} and "
+                f"1-{len(second)})"
+            )
         out.append(((first[i - 1], second[j - 1]), line))
     return out
 
@@ -97,11 +104,14 @@ def read_cfp(root: str, protocol: str) -> PairList:
         folds.append((start, len(pairs)))
     sizes = {stop - start for start, stop in folds}
     if len(sizes) != 1:
-        raise PairListError(f"{os.path.join(folder, 'Split', protocol)}: its folds hold "
-                            f"{', '.join(str(b - a) for a, b in folds)} pairs; verification's {NFOLDS} folds are "
-                            "equal, so CFP's must be")
-    return PairList(os.path.join(folder, "Split", protocol), root, f"cfp-{protocol.lower()}", pairs, issame, lines,
-                    folds)
+        raise PairListError(
+            f"{os.path.join(folder, 'Split', protocol)}: its folds hold "
+            f"{', '.join(str(b - a) for a, b in folds)} pairs; verification's {NFOLDS} folds are "
+            "equal, so CFP's must be"
+        )
+    return PairList(
+        os.path.join(folder, "Split", protocol), root, f"cfp-{protocol.lower()}", pairs, issame, lines, folds
+    )
 
 
 def read_list(path: str, folder: str | None, protocol: str | None = None) -> PairList:
@@ -110,12 +120,18 @@ def read_list(path: str, folder: str | None, protocol: str | None = None) -> Pai
     file's (eval.pairs) with its photos under `folder`."""
     if is_cfp(path):
         if protocol is None:
-            raise PairListError(f"{path}: a CFP root; pass --protocol FP (frontal-profile) or FF (frontal-frontal)")
+            raise PairListError(
+                f"{path}: a CFP root; pass --protocol FP (frontal-profile) or FF (frontal-frontal)"
+            )
         if folder is not None and os.path.realpath(folder) != os.path.realpath(path):
-            raise PairListError(f"--images {folder}: CFP's photos are under its root {path}, where its lists name them")
+            raise PairListError(
+                f"--images {folder}: CFP's photos are under its root {path}, where its lists name them"
+            )
         return read_cfp(path, protocol)
     if protocol is not None:
-        raise PairListError(f"--protocol {protocol}: for a CFP root (a folder holding Protocol/Split); {path} is not one")
+        raise PairListError(
+            f"--protocol {protocol}: for a CFP root (a folder holding Protocol/Split); {path} is not one"
+        )
     if folder is None:
         raise PairListError(f"--pairs_list {path}: pass --images FOLDER, the folder of its photos")
     return read_pair_list(path, folder)
@@ -123,4 +139,8 @@ def read_list(path: str, folder: str | None, protocol: str | None = None) -> Pai
 
 def list_name(pair_list: PairList) -> str:
     """How result tables name a list: `cfp_fp`, `cfp_ff` (insightface's names), or its file's name."""
-    return pair_list.format.replace("-", "_") if pair_list.format.startswith("cfp") else os.path.basename(pair_list.path)
+    return (
+        pair_list.format.replace("-", "_")
+        if pair_list.format.startswith("cfp")
+        else os.path.basename(pair_list.path)
+    )

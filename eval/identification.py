@@ -13,6 +13,7 @@ definitions, Maze et al. 2018; NIST FRVT 1:N):
 
 `insightface_tpir` is the different figure insightface's IJB 1:N script prints under the same
 name; see its docstring."""
+
 from __future__ import annotations
 
 import math
@@ -51,8 +52,9 @@ def rank_accuracy(ranks: np.ndarray, k: int) -> float:
     return float(cmc(ranks, k)[-1])
 
 
-def tpir_at_fpir(ranks: np.ndarray, mate_scores: np.ndarray, nonmated_top: np.ndarray,
-                 fpirs=FPIR_LEVELS) -> dict[float, tuple[float, float]]:
+def tpir_at_fpir(
+    ranks: np.ndarray, mate_scores: np.ndarray, nonmated_top: np.ndarray, fpirs=FPIR_LEVELS
+) -> dict[float, tuple[float, float]]:
     """{fpir: (tpir, threshold)}: the lowest threshold whose FPIR is at most fpir, and the
     TPIR there (see the module docstring). `nonmated_top` holds each non-mated probe's best
     score."""
@@ -112,7 +114,9 @@ def insightface_tpir(scores: np.ndarray, mate_index: np.ndarray, fars=FPIR_LEVEL
     return out
 
 
-def plot_cmc_det(cmc_curve: np.ndarray, fpir: np.ndarray, fnir: np.ndarray | None, path: str, title: str) -> None:
+def plot_cmc_det(
+    cmc_curve: np.ndarray, fpir: np.ndarray, fnir: np.ndarray | None, path: str, title: str
+) -> None:
     """CMC (rank 1 .. len, linear) beside DET (FNIR against log FPIR), drawn with PIL."""
     w, h, pad = 1280, 480, 60
     img = Image.new("RGB", (w, h), "white")
@@ -135,9 +139,13 @@ def plot_cmc_det(cmc_curve: np.ndarray, fpir: np.ndarray, fnir: np.ndarray | Non
     d.line(pts if len(pts) > 1 else pts * 2, fill="blue", width=2)
     lo = -4.0
     to_x = lambda f: w // 2 + pad + (np.log10(max(f, 1e-4)) - lo) / -lo * span  # noqa: E731
-    frame(w // 2, "DET (x: FPIR, log scale; y: FNIR)", [(to_x(10.0 ** e), f"1e{e}") for e in range(-4, 1)])
+    frame(w // 2, "DET (x: FPIR, log scale; y: FNIR)", [(to_x(10.0**e), f"1e{e}") for e in range(-4, 1)])
     if fnir is not None and len(fpir):
-        d.line([(to_x(f), h - pad - v * (h - 2 * pad)) for f, v in zip(fpir, fnir)] * (1 if len(fpir) > 1 else 2),
-               fill="red", width=2)
+        d.line(
+            [(to_x(f), h - pad - v * (h - 2 * pad)) for f, v in zip(fpir, fnir)]
+            * (1 if len(fpir) > 1 else 2),
+            fill="red",
+            width=2,
+        )
     with publishing(path) as tmp:
         img.save(tmp, format="PNG")

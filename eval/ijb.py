@@ -13,6 +13,7 @@ A wrong root, a missing meta file or face image (IJBFileNotFound), and a malform
 (DataError, naming the file, line and field) are each one error, before any face is embedded
 where the meta files can tell.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,10 @@ def meta_folder(root: str) -> str:
         raise IJBFileNotFound(f"--root {root}: IJB directory not found (it holds meta/ and loose_crop/)")
     meta = os.path.join(root, "meta")
     if not os.path.isdir(meta):
-        raise IJBFileNotFound(f"--root {root}: no meta/ folder in it; --root is the IJB directory that holds "
-                              f"meta/ and loose_crop/ (e.g. IJB_release/IJBC)")
+        raise IJBFileNotFound(
+            f"--root {root}: no meta/ folder in it; --root is the IJB directory that holds "
+            f"meta/ and loose_crop/ (e.g. IJB_release/IJBC)"
+        )
     return meta
 
 
@@ -96,14 +99,23 @@ def read_faces(root: str, prefix: str):
     path = os.path.join(meta, f"{prefix}_face_tid_mid.txt")
     faces = _columns(path, _read_rows(path, 3), (str, int, int), "`image template media`")
     marks_path = os.path.join(meta, f"{prefix}_name_5pts_score.txt")
-    marks = _columns(marks_path, _read_rows(marks_path, 12), (str,) + (_finite,) * 11,
-                     "`image`, 10 landmark coordinates and the detector score")
+    marks = _columns(
+        marks_path,
+        _read_rows(marks_path, 12),
+        (str,) + (_finite,) * 11,
+        "`image`, 10 landmark coordinates and the detector score",
+    )
     if [r[0] for r in faces] != [r[0] for r in marks]:
-        raise DataError(f"{meta}: {os.path.basename(path)} and {os.path.basename(marks_path)} list different images")
-    return ([r[0] for r in faces], np.array([r[1] for r in faces], np.int64),
-            np.array([r[2] for r in faces], np.int64),
-            np.array([r[1:11] for r in marks], np.float64).reshape(-1, 5, 2),
-            np.array([r[11] for r in marks], np.float64))
+        raise DataError(
+            f"{meta}: {os.path.basename(path)} and {os.path.basename(marks_path)} list different images"
+        )
+    return (
+        [r[0] for r in faces],
+        np.array([r[1] for r in faces], np.int64),
+        np.array([r[2] for r in faces], np.int64),
+        np.array([r[1:11] for r in marks], np.float64).reshape(-1, 5, 2),
+        np.array([r[11] for r in marks], np.float64),
+    )
 
 
 def load_meta(root: str, prefix: str):
@@ -114,9 +126,15 @@ def load_meta(root: str, prefix: str):
     for (lineno, _), (_, _, label) in zip(rows, pairs):
         if label not in (0, 1):
             raise DataError(f"{path}:{lineno}: label {label}, expected 1 (genuine) or 0 (impostor)")
-    return (names, templates, medias, landmarks, scores,
-            np.array([[a, b] for a, b, _ in pairs], np.int64).reshape(-1, 2),
-            np.array([label for _, _, label in pairs], np.int64))
+    return (
+        names,
+        templates,
+        medias,
+        landmarks,
+        scores,
+        np.array([[a, b] for a, b, _ in pairs], np.int64).reshape(-1, 2),
+        np.array([label for _, _, label in pairs], np.int64),
+    )
 
 
 def image_features(root: str, names, landmarks, backbone, batch_size: int = 64) -> np.ndarray:
@@ -127,8 +145,10 @@ def image_features(root: str, names, landmarks, backbone, batch_size: int = 64) 
     if missing is not None:  # before any work
         raise IJBFileNotFound(f"{missing}: face image not found (listed in the meta files)")
     faces = [[Face((0.0, 0.0, 0.0, 0.0), np.asarray(marks, np.float64), float("nan"))] for marks in landmarks]
-    rows = [photo.face.embedding.sum(0) for photo in analyse(as_model(backbone), paths, faces=faces,
-                                                              batch_size=batch_size, raw=True)]
+    rows = [
+        photo.face.embedding.sum(0)
+        for photo in analyse(as_model(backbone), paths, faces=faces, batch_size=batch_size, raw=True)
+    ]
     return np.stack(rows) if rows else np.zeros((0, 0), np.float32)
 
 
@@ -166,11 +186,13 @@ def plot_roc(labels, scores, path: str, title: str = "ROC") -> None:
     img = Image.new("RGB", (w, h), "white")
     d = ImageDraw.Draw(img)
     lo, hi = -6.0, 0.0
-    to_xy = lambda f, t: (pad + (np.log10(max(f, 1e-6)) - lo) / (hi - lo) * (w - 2 * pad),  # noqa: E731
-                          h - pad - t * (h - 2 * pad))
+
+    def to_xy(f, t):
+        return (pad + (np.log10(max(f, 1e-6)) - lo) / (hi - lo) * (w - 2 * pad), h - pad - t * (h - 2 * pad))
+
     d.rectangle([pad, pad, w - pad, h - pad], outline="black")
     for e in range(-6, 1):
-        x, _ = to_xy(10.0 ** e, 0)
+        x, _ = to_xy(10.0**e, 0)
         d.line([x, h - pad, x, h - pad + 5], fill="black")
         d.text((x - 12, h - pad + 8), f"1e{e}", fill="black")
     for t in np.linspace(0, 1, 6):
@@ -190,8 +212,14 @@ def check_roc_path(path: str | None, overwrite: bool = False) -> None:
         check_output_file(path, overwrite=overwrite, what="--roc")
 
 
-def evaluate_ijb(root: str, backbone, prefix: str = "ijbc", batch_size: int = 64, roc_path: str | None = None,
-                 overwrite: bool = False):
+def evaluate_ijb(
+    root: str,
+    backbone,
+    prefix: str = "ijbc",
+    batch_size: int = 64,
+    roc_path: str | None = None,
+    overwrite: bool = False,
+):
     """TAR at each of FAR_LEVELS; with `roc_path`, its ROC plot written there (an existing file
     replaced only with `overwrite`)."""
     check_roc_path(roc_path, overwrite)
@@ -199,8 +227,10 @@ def evaluate_ijb(root: str, backbone, prefix: str = "ijbc", batch_size: int = 64
     kinds = {1: "genuine (label 1)", 0: "impostor (label 0)"}
     lacking = [kind for value, kind in kinds.items() if not (labels == value).any()]
     if lacking:  # TAR at a FAR needs both kinds of pair
-        raise DataError(f"{os.path.join(root, 'meta', f'{prefix}_template_pair_label.txt')}: no "
-                        f"{' and no '.join(lacking)} pairs, so TAR@FAR is undefined; the third column must hold both")
+        raise DataError(
+            f"{os.path.join(root, 'meta', f'{prefix}_template_pair_label.txt')}: no "
+            f"{' and no '.join(lacking)} pairs, so TAR@FAR is undefined; the third column must hold both"
+        )
     feats = image_features(root, names, landmarks, backbone, batch_size) * det_scores[:, None]
     ids, tfeats = template_features(feats, templates, medias)
     scores = pair_scores(ids, tfeats, pairs)

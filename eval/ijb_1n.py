@@ -12,6 +12,7 @@ G's subjects are mated, the others (the other gallery's subjects) non-mated; ran
 the mated probes and TPIR at FPIR 1e-1, 1e-2 (eval/identification.py). And, to compare with
 papers that quote insightface's `ijb_1n.py`: G1 and G2 together as one gallery (every probe
 mated), its rank-1/rank-5 and its TPIR figure (`insightface_tpir`)."""
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,10 @@ def read_template_subjects(path: str) -> tuple[np.ndarray, np.ndarray]:
         except (ValueError, IndexError):
             raise DataError(f"{path}:{lineno}: expected TEMPLATE_ID,SUBJECT_ID,..., got {line!r}") from None
         if subject_of.setdefault(template, subject) != subject:
-            raise DataError(f"{path}:{lineno}: template {template} listed with subjects "
-                             f"{subject_of[template]} and {subject}")
+            raise DataError(
+                f"{path}:{lineno}: template {template} listed with subjects "
+                f"{subject_of[template]} and {subject}"
+            )
     if not subject_of:
         raise DataError(f"{path}: no templates")
     return np.array(list(subject_of)), np.array(list(subject_of.values()))
@@ -55,10 +58,16 @@ def search_metrics(probe_feats, probe_subjects, gallery_feats, gallery_subjects)
     """rank-1, rank-5 and TPIR@FPIR of probes searched against one gallery."""
     scores = probe_feats @ gallery_feats.T
     ranks, mate = mate_ranks(scores, gallery_subjects, probe_subjects)
-    out = {"mated": int((ranks >= 0).sum()), "nonmated": int((ranks < 0).sum()),
-           "rank1": rank_accuracy(ranks, 1), "rank5": rank_accuracy(ranks, min(5, len(gallery_subjects)))}
+    out = {
+        "mated": int((ranks >= 0).sum()),
+        "nonmated": int((ranks < 0).sum()),
+        "rank1": rank_accuracy(ranks, 1),
+        "rank5": rank_accuracy(ranks, min(5, len(gallery_subjects))),
+    }
     if out["nonmated"]:
-        out["tpir"] = {f: t for f, (t, _) in tpir_at_fpir(ranks, mate, scores[ranks < 0].max(1), FPIR_LEVELS).items()}
+        out["tpir"] = {
+            f: t for f, (t, _) in tpir_at_fpir(ranks, mate, scores[ranks < 0].max(1), FPIR_LEVELS).items()
+        }
     return out
 
 
@@ -73,7 +82,9 @@ def identification_results(template_ids, template_feats, galleries: dict, probes
         return template_feats[[row[t] for t in templates]]
 
     p_feats = feats(probes[0], "probe_mixed.csv")
-    results = {name: search_metrics(p_feats, probes[1], feats(t, name), s) for name, (t, s) in galleries.items()}
+    results = {
+        name: search_metrics(p_feats, probes[1], feats(t, name), s) for name, (t, s) in galleries.items()
+    }
     g_templates = np.concatenate([t for t, _ in galleries.values()])
     g_subjects = np.concatenate([s for _, s in galleries.values()])
     g_feats = feats(g_templates, "gallery")
@@ -94,8 +105,10 @@ def identification_results(template_ids, template_feats, galleries: dict, probes
 def evaluate_ijb_1n(root: str, backbone, prefix: str = "ijbc", batch_size: int = 64) -> dict:
     names, templates, medias, landmarks, det_scores = read_faces(root, prefix)
     meta = os.path.join(root, "meta")
-    galleries = {g: read_template_subjects(os.path.join(meta, f"{prefix}_1N_gallery_{g}.csv"))
-                 for g in GALLERIES[prefix]}
+    galleries = {
+        g: read_template_subjects(os.path.join(meta, f"{prefix}_1N_gallery_{g}.csv"))
+        for g in GALLERIES[prefix]
+    }
     probes = read_template_subjects(os.path.join(meta, f"{prefix}_1N_probe_mixed.csv"))
     feats = image_features(root, names, landmarks, backbone, batch_size) * det_scores[:, None]
     ids, tfeats = template_features(feats, templates, medias)

@@ -15,6 +15,7 @@ set kept in the list's order is scored on the list's own folds: LFW's 10 sets of
 folds. An LFW header with another number of folds is refused (its folds would not be the ones
 scored). A malformed line is one error naming the file and line; a list naming images that do
 not exist is one error naming the first and counting all (`check_images`), before any work."""
+
 from __future__ import annotations
 
 import os
@@ -34,13 +35,14 @@ class PairListError(DataError):
 @dataclass(frozen=True)
 class PairList:
     """The pairs of a list file, in its order, as image paths under its image folder."""
-    path: str                      # the list file
-    folder: str                    # the images' folder
-    format: str                    # "lfw" or "plain"
-    pairs: list[tuple[str, str]]   # image paths (FOLDER joined)
+
+    path: str  # the list file
+    folder: str  # the images' folder
+    format: str  # "lfw" or "plain"
+    pairs: list[tuple[str, str]]  # image paths (FOLDER joined)
     issame: list[bool]
-    lines: list[int]               # each pair's line in the file (1-based)
-    folds: list[tuple[int, int]]   # [start, stop) pair indices of each fold, in order
+    lines: list[int]  # each pair's line in the file (1-based)
+    folds: list[tuple[int, int]]  # [start, stop) pair indices of each fold, in order
 
     @property
     def photos(self) -> list[str]:
@@ -91,9 +93,11 @@ def _read_lfw(path: str, folder: str, rows: list[tuple[int, list[str]]]) -> Pair
     (header_line, header), body = rows[0], rows[1:]
     nfolds, per_kind = (int(v) for v in header)
     if nfolds != NFOLDS or per_kind < 1:
-        raise PairListError(f"{path}:{header_line}: header `{' '.join(header)}` names {nfolds} folds of {per_kind} "
-                            f"same and {per_kind} different pairs; verification scores {NFOLDS} folds, so the list "
-                            f"needs {NFOLDS} (LFW view 2's pairs.txt starts `10 300`)")
+        raise PairListError(
+            f"{path}:{header_line}: header `{' '.join(header)}` names {nfolds} folds of {per_kind} "
+            f"same and {per_kind} different pairs; verification scores {NFOLDS} folds, so the list "
+            f"needs {NFOLDS} (LFW view 2's pairs.txt starts `10 300`)"
+        )
     pairs, issame, lines = [], [], []
     for line, f in body:
         where = f"{path}:{line}"
@@ -102,20 +106,26 @@ def _read_lfw(path: str, folder: str, rows: list[tuple[int, list[str]]]) -> Pair
         elif len(f) == 4:
             pairs.append((_lfw_image(folder, f[0], f[1], where), _lfw_image(folder, f[2], f[3], where)))
         else:
-            raise PairListError(f"{where}: {len(f)} fields; an LFW pair is `name i j` (same person) or "
-                                f"`name1 i name2 j` (two people)")
+            raise PairListError(
+                f"{where}: {len(f)} fields; an LFW pair is `name i j` (same person) or "
+                f"`name1 i name2 j` (two people)"
+            )
         issame.append(len(f) == 3)
         lines.append(line)
     size = 2 * per_kind
     if len(pairs) != nfolds * size:
-        raise PairListError(f"{path}: the header (line {header_line}) names {nfolds} folds of {size} pairs, "
-                            f"{nfolds * size} in all; the file holds {len(pairs)}")
+        raise PairListError(
+            f"{path}: the header (line {header_line}) names {nfolds} folds of {size} pairs, "
+            f"{nfolds * size} in all; the file holds {len(pairs)}"
+        )
     folds = [(k * size, (k + 1) * size) for k in range(nfolds)]
     for k, (start, stop) in enumerate(folds):
         same = sum(issame[start:stop])
         if same != per_kind:
-            raise PairListError(f"{path}: fold {k + 1} (lines {lines[start]}-{lines[stop - 1]}) holds {same} same "
-                                f"and {size - same} different pairs; the header names {per_kind} of each")
+            raise PairListError(
+                f"{path}: fold {k + 1} (lines {lines[start]}-{lines[stop - 1]}) holds {same} same "
+                f"and {size - same} different pairs; the header names {per_kind} of each"
+            )
     return PairList(path, folder, "lfw", pairs, issame, lines, folds)
 
 
@@ -123,8 +133,10 @@ def _read_plain(path: str, folder: str, rows: list[tuple[int, list[str]]]) -> Pa
     pairs, issame, lines = [], [], []
     for line, f in rows:
         if len(f) != 3 or f[2] not in ("0", "1"):
-            raise PairListError(f"{path}:{line}: expected `path1 path2 1|0` (1: the same person), got "
-                                f"{len(f)} fields" + (f" ending {f[-1]!r}" if len(f) == 3 else ""))
+            raise PairListError(
+                f"{path}:{line}: expected `path1 path2 1|0` (1: the same person), got "
+                f"{len(f)} fields" + (f" ending {f[-1]!r}" if len(f) == 3 else "")
+            )
         pairs.append((os.path.join(folder, f[0]), os.path.join(folder, f[1])))
         issame.append(f[2] == "1")
         lines.append(line)
@@ -142,8 +154,11 @@ def read_pair_list(path: str, folder: str) -> PairList:
         raise PairListError(f"{path}: pair list not found") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise PairListError(f"{path}: cannot read the pair list ({exc})") from None
-    rows = [(i, _fields(line)) for i, line in enumerate(text.splitlines(), 1)
-            if line.strip() and not line.lstrip().startswith("#")]
+    rows = [
+        (i, _fields(line))
+        for i, line in enumerate(text.splitlines(), 1)
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     if not rows:
         raise PairListError(f"{path}: no pairs in the list")
     first = rows[0][1]
@@ -158,8 +173,10 @@ def check_images(pair_list: PairList) -> None:
     missing = [p for p in photos if not os.path.isfile(p)]
     if missing:
         line = pair_list.first_line()[missing[0]]
-        raise PairListError(f"{pair_list.path}: {len(missing)} of the {len(photos)} images it names are not found "
-                            f"under {pair_list.folder}, the first {missing[0]} (line {line})")
+        raise PairListError(
+            f"{pair_list.path}: {len(missing)} of the {len(photos)} images it names are not found "
+            f"under {pair_list.folder}, the first {missing[0]} (line {line})"
+        )
 
 
 def score_pairs(pair_list: PairList, emb: np.ndarray, emb_flip: np.ndarray) -> VerificationResult:
@@ -171,5 +188,12 @@ def score_pairs(pair_list: PairList, emb: np.ndarray, emb_flip: np.ndarray) -> V
     xnorm = float(np.mean([np.linalg.norm(e, axis=1).mean() for e in (a, b)]))
     acc = evaluate(l2_normalize(a), pair_list.issame, NFOLDS)[2]
     acc_flip = evaluate(l2_normalize(a + b), pair_list.issame, NFOLDS)[2]
-    return VerificationResult(float(np.mean(acc)), float(np.std(acc)), float(np.mean(acc_flip)),
-                              float(np.std(acc_flip)), xnorm, a, b)
+    return VerificationResult(
+        float(np.mean(acc)),
+        float(np.std(acc)),
+        float(np.mean(acc_flip)),
+        float(np.std(acc_flip)),
+        xnorm,
+        a,
+        b,
+    )

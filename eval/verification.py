@@ -6,12 +6,14 @@ threshold in [0, 4) step 0.01 on 9 folds, accuracy on the 10th); VAL is the true
 rate at FAR = 1e-3 (thresholds step 0.001, as arcface_torch; the largest threshold whose
 training-fold FAR is within 1e-3).
 """
+
 from __future__ import annotations
 
 import io
 import os
 import pickle
 from dataclasses import dataclass
+
 import numpy as np
 import torch
 from PIL import Image
@@ -39,11 +41,17 @@ def _array_from_bytes(buffer, dtype, shape, order):
     objects, no fields), whole dimensions that the bytes fill exactly, and order C or F."""
     if not isinstance(buffer, (bytes, bytearray)):
         raise pickle.UnpicklingError(f"an array's data is a {type(buffer).__name__}, not bytes")
-    if not isinstance(dtype, np.dtype) or dtype.hasobject or dtype.kind not in "biufc" or dtype.fields is not None \
-            or dtype.subdtype is not None:  # the kind too: a pickled dtype's state can clear its object flag
+    if (
+        not isinstance(dtype, np.dtype)
+        or dtype.hasobject
+        or dtype.kind not in "biufc"
+        or dtype.fields is not None
+        or dtype.subdtype is not None
+    ):  # the kind too: a pickled dtype's state can clear its object flag
         raise pickle.UnpicklingError(f"an array of dtype {dtype!r}: only plain numeric arrays are read")
-    if not isinstance(shape, tuple) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                                               for n in shape):
+    if not isinstance(shape, tuple) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+    ):
         raise pickle.UnpicklingError(f"an array of shape {shape!r}")
     if order not in ("C", "F"):
         raise pickle.UnpicklingError(f"an array of order {order!r}")
@@ -58,11 +66,19 @@ class _BinUnpickler(pickle.Unpickler):
     forms: protocol 2-4's `_reconstruct` with its state, and protocol 5's `_frombuffer` (numpy 1
     names it under numpy.core, numpy 2 under numpy._core), which `_array_from_bytes` rebuilds."""
 
-    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-               ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
-               ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
-    REBUILT = {("numpy.core.numeric", "_frombuffer"): _array_from_bytes,
-               ("numpy._core.numeric", "_frombuffer"): _array_from_bytes}
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("_codecs", "encode"),
+    }
+    REBUILT = {
+        ("numpy.core.numeric", "_frombuffer"): _array_from_bytes,
+        ("numpy._core.numeric", "_frombuffer"): _array_from_bytes,
+    }
 
     def find_class(self, module: str, name: str):
         if (module, name) in self.REBUILT:
@@ -92,35 +108,53 @@ def load_bin(path: str, image_size=(112, 112), min_pairs: int = 0):
     except (pickle.UnpicklingError, ValueError, EOFError, TypeError, AttributeError, IndexError) as exc:
         raise VerificationDataError(f"{path}: not a (bins, issame_list) pickle ({exc})") from None
     if not isinstance(data, (tuple, list)) or len(data) != 2:
-        raise VerificationDataError(f"{path}: expected a pickled (bins, issame_list) pair, got {type(data).__name__}")
+        raise VerificationDataError(
+            f"{path}: expected a pickled (bins, issame_list) pair, got {type(data).__name__}"
+        )
     bins, issame = data
     if not isinstance(bins, (list, tuple, np.ndarray)) or not isinstance(issame, (list, tuple, np.ndarray)):
-        raise VerificationDataError(f"{path}: expected (list of encoded images, list of bools), got "
-                                    f"({type(bins).__name__}, {type(issame).__name__})")
+        raise VerificationDataError(
+            f"{path}: expected (list of encoded images, list of bools), got "
+            f"({type(bins).__name__}, {type(issame).__name__})"
+        )
     bad = next((i for i, b in enumerate(bins) if not isinstance(b, (bytes, bytearray, np.ndarray))), None)
     if bad is not None:
-        raise VerificationDataError(f"{path}: image {bad} is a {type(bins[bad]).__name__}, not encoded image bytes")
+        raise VerificationDataError(
+            f"{path}: image {bad} is a {type(bins[bad]).__name__}, not encoded image bytes"
+        )
     bad = next((i for i, v in enumerate(issame) if not isinstance(v, (bool, np.bool_))), None)
     if bad is not None:
         raise VerificationDataError(f"{path}: issame entry {bad} is {issame[bad]!r}, not a bool")
     if len(bins) % 2:
         raise VerificationDataError(f"{path}: odd number of images ({len(bins)}); pairs need an even count")
     if len(bins) != 2 * len(issame):
-        raise VerificationDataError(f"{path}: {len(bins)} images but {len(issame)} issame entries "
-                                    f"(expected {len(bins) // 2})")
+        raise VerificationDataError(
+            f"{path}: {len(bins)} images but {len(issame)} issame entries (expected {len(bins) // 2})"
+        )
     if len(issame) < min_pairs:
-        raise VerificationDataError(f"{path}: {len(issame)} pairs, fewer than the {min_pairs} folds of the protocol")
+        raise VerificationDataError(
+            f"{path}: {len(issame)} pairs, fewer than the {min_pairs} folds of the protocol"
+        )
     h, w = image_size
     images = torch.empty((len(bins), 3, h, w), dtype=torch.uint8)
     for i, data in enumerate(bins):
         try:  # Pillow decodes lazily: the pixels are read here, inside the error handling
-            img = to_rgb(Image.open(io.BytesIO(np.asarray(data, dtype=np.uint8).tobytes()
-                                               if isinstance(data, np.ndarray) else bytes(data))))
+            img = to_rgb(
+                Image.open(
+                    io.BytesIO(
+                        np.asarray(data, dtype=np.uint8).tobytes()
+                        if isinstance(data, np.ndarray)
+                        else bytes(data)
+                    )
+                )
+            )
             if img.size != (w, h):
                 img = img.resize((w, h), Image.BILINEAR)
             pixels = np.asarray(img).copy()
         except Exception as exc:
-            raise VerificationDataError(f"{path}: image {i} (pair {i // 2}) cannot be decoded ({exc})") from None
+            raise VerificationDataError(
+                f"{path}: image {i} (pair {i // 2}) cannot be decoded ({exc})"
+            ) from None
         images[i] = torch.from_numpy(pixels).permute(2, 0, 1)
     return [images, torch.flip(images, dims=[3])], [bool(s) for s in issame]
 
@@ -154,6 +188,7 @@ def _folds(nrof_folds: int):
     """insightface's 10-fold split: consecutive pairs, not shuffled. sklearn is imported here, not
     with this module: it adds a second and a half to the start of every tool and training rank."""
     from sklearn.model_selection import KFold
+
     return KFold(n_splits=nrof_folds, shuffle=False)
 
 
@@ -198,11 +233,11 @@ def evaluate(embeddings, actual_issame, nrof_folds: int = 10):
 
 @dataclass(frozen=True)
 class VerificationResult:
-    accuracy: float         # 10-fold accuracy with the images alone
+    accuracy: float  # 10-fold accuracy with the images alone
     std: float
-    accuracy_flip: float    # with each image's mirror embedding added before L2 normalisation
+    accuracy_flip: float  # with each image's mirror embedding added before L2 normalisation
     std_flip: float
-    xnorm: float            # mean L2 norm of the raw embeddings
+    xnorm: float  # mean L2 norm of the raw embeddings
     embeddings: np.ndarray  # N x D of the images
     embeddings_flip: np.ndarray  # N x D of their mirror images
 
@@ -214,8 +249,15 @@ def test(data_set, backbone: torch.nn.Module, batch_size: int, nfolds: int = NFO
     xnorm = float(np.mean([np.linalg.norm(e, axis=1).mean() for e in (emb, emb_flip)]))
     acc = evaluate(l2_normalize(emb), issame, nfolds)[2]
     acc_flip = evaluate(l2_normalize(emb + emb_flip), issame, nfolds)[2]
-    return VerificationResult(float(np.mean(acc)), float(np.std(acc)), float(np.mean(acc_flip)),
-                              float(np.std(acc_flip)), xnorm, emb, emb_flip)
+    return VerificationResult(
+        float(np.mean(acc)),
+        float(np.std(acc)),
+        float(np.mean(acc_flip)),
+        float(np.std(acc_flip)),
+        xnorm,
+        emb,
+        emb_flip,
+    )
 
 
 def bin_path(val_dir: str, name: str) -> str:

@@ -1,5 +1,6 @@
 """The one alignment function: the least-squares similarity transform mapping five landmarks (left eye,
 right eye, nose tip, left and right mouth corner; image pixels) onto a template's, and the crop it warps."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from dataset.images import to_rgb
 @dataclass(frozen=True)
 class Template:
     """Where a network wants the five landmarks in its input crop of `size` (height, width)."""
+
     name: str
     size: tuple[int, int]
     points: np.ndarray  # 5 x 2, (x, y) in crop pixels
@@ -24,9 +26,14 @@ class Template:
 
 
 # insightface's 112x112 ArcFace template (the crops of MS1M, Glint360K, WebFace and the .bin sets).
-ARCFACE_112 = Template("arcface-112", (112, 112), np.array(
-    [[38.2946, 51.6963], [73.5318, 51.5014], [56.0252, 71.7366], [41.5493, 92.3655], [70.7299, 92.2041]],
-    dtype=np.float64))
+ARCFACE_112 = Template(
+    "arcface-112",
+    (112, 112),
+    np.array(
+        [[38.2946, 51.6963], [73.5318, 51.5014], [56.0252, 71.7366], [41.5493, 92.3655], [70.7299, 92.2041]],
+        dtype=np.float64,
+    ),
+)
 
 
 def similarity_transform(src: np.ndarray, dst: np.ndarray) -> np.ndarray:

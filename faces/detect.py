@@ -17,6 +17,7 @@ midway between the eye centres, x the vector from the left to the right eye cent
 the least-squares fit to the 68-point model's five points on 188 real faces (the 94 of scikit-image's
 LFW subset that HOG finds, upscaled, and their mirror images; `python benchmarks/faces.py --fit`);
 what the substitution costs: benchmarks/README.md ('Faces')."""
+
 from __future__ import annotations
 
 import functools
@@ -36,11 +37,13 @@ LANDMARKS = {"5": "shape_predictor_5_face_landmarks.dat", "68": "shape_predictor
 MAX_SIDE = 1600
 # rows: 1, u, v of the nose base; columns: (u, v) of left eye, right eye, nose tip, left mouth
 # corner, right mouth corner, in the eyes' frame (see the module docstring)
-FROM_NOSE_BASE = np.array([
-    [-0.4847, -0.0167, 0.4859, -0.0010, 0.0311, -0.3216, -0.5111, 0.5141, 0.4476, 0.5469],
-    [0.0555, -0.0164, 0.0693, 0.0060, 1.4250, 0.0278, 0.2093, 0.0454, 0.2218, -0.0088],
-    [-0.0177, 0.0160, 0.0164, -0.0057, -0.0446, 1.1314, 0.0918, 0.7403, -0.0010, 0.6984],
-])
+FROM_NOSE_BASE = np.array(
+    [
+        [-0.4847, -0.0167, 0.4859, -0.0010, 0.0311, -0.3216, -0.5111, 0.5141, 0.4476, 0.5469],
+        [0.0555, -0.0164, 0.0693, 0.0060, 1.4250, 0.0278, 0.2093, 0.0454, 0.2218, -0.0088],
+        [-0.0177, 0.0160, 0.0164, -0.0057, -0.0446, 1.1314, 0.0918, 0.7403, -0.0010, 0.6984],
+    ]
+)
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class Face:
     """One face: `box` (x0, y0, x1, y1) in photo pixels, `points` 5 x 2 (x, y) in insightface's order, `score`
     the detector's (HOG: SVM margin, MMOD: CNN score; > 0 kept), `shape` dlib's landmarks (5 or 68 x 2, its
     order: faces.dlib_chip cuts from them), `embedding` the model's unit row once embedded (infer.stream)."""
+
     box: tuple[float, float, float, float]
     points: np.ndarray
     score: float
@@ -64,7 +68,9 @@ def _dlib():
     try:
         import dlib
     except ImportError:
-        raise ModelFileError("dlib is not installed: install it with `make setup` (pip install dlib-bin)") from None
+        raise ModelFileError(
+            "dlib is not installed: install it with `make setup` (pip install dlib-bin)"
+        ) from None
     return dlib
 
 
@@ -107,24 +113,40 @@ def _boxes(pixels: np.ndarray, detector: str, upsample: int) -> list[tuple[tuple
     if detector == "hog":
         rects, scores, _ = found.run(pixels, upsample, 0.0)
         return [((r.left(), r.top(), r.right(), r.bottom()), float(s)) for r, s in zip(rects, scores)]
-    return [((d.rect.left(), d.rect.top(), d.rect.right(), d.rect.bottom()), float(d.confidence))
-            for d in found(pixels, upsample)]
+    return [
+        ((d.rect.left(), d.rect.top(), d.rect.right(), d.rect.bottom()), float(d.confidence))
+        for d in found(pixels, upsample)
+    ]
 
 
-def detect_faces(img: Image.Image | np.ndarray, detector: str = "hog", upsample: int = 1,
-                 landmarks: str = "5", min_score: float = 0.0, max_side: int = MAX_SIDE) -> list[Face]:
+def detect_faces(
+    img: Image.Image | np.ndarray,
+    detector: str = "hog",
+    upsample: int = 1,
+    landmarks: str = "5",
+    min_score: float = 0.0,
+    max_side: int = MAX_SIDE,
+) -> list[Face]:
     """The faces of a photo (PIL image of any mode, or H x W (x 3) uint8 array) scoring at least
     `min_score`, largest first; `landmarks` "68" is not for commercial use (module docstring)."""
     rgb = to_rgb(img if isinstance(img, Image.Image) else Image.fromarray(np.asarray(img, np.uint8)))
     pixels = np.ascontiguousarray(np.asarray(rgb, np.uint8))
     scale = min(1.0, max_side / max(rgb.size))
-    searched = pixels if scale == 1.0 else np.asarray(rgb.resize(
-        (max(1, round(rgb.width * scale)), max(1, round(rgb.height * scale))), Image.BILINEAR))
+    searched = (
+        pixels
+        if scale == 1.0
+        else np.asarray(
+            rgb.resize((max(1, round(rgb.width * scale)), max(1, round(rgb.height * scale))), Image.BILINEAR)
+        )
+    )
     landmark_predictor(landmarks)  # a missing model file is one error, faces or not
     with _DLIB_LOCK:
         found = _boxes(np.ascontiguousarray(searched), detector, upsample)
-        faces = [face_in_box(pixels, tuple(float(v) / scale for v in box), score, landmarks)
-                 for box, score in found if score >= min_score]
+        faces = [
+            face_in_box(pixels, tuple(float(v) / scale for v in box), score, landmarks)
+            for box, score in found
+            if score >= min_score
+        ]
     return sorted(faces, key=lambda f: (-f.area, -f.score))
 
 
@@ -140,6 +162,7 @@ def face_in_box(pixels: np.ndarray, box: tuple[float, ...], score: float, landma
 @dataclass(frozen=True)
 class Detection:
     """How faces are found: the detector, its upsampling, the landmark model, the score kept."""
+
     detector: str = "hog"
     upsample: int = 1
     landmarks: str = "5"

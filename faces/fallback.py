@@ -7,6 +7,7 @@ A photo's fallback is the set's median transform (per parameter), taken back to 
 pixels, applied to the chip frame's points: in centred portraits (LFW), an upright face at the
 centre, of the median size. It is an ordinary `Face`: every crop (insightface's 112, dlib's chip)
 is cut from it as from a detected one."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ def face_transform(face: Face, size: tuple[int, int], shape5: bool) -> np.ndarra
 @dataclass(frozen=True)
 class Fallback:
     """The set's median `face_transform` (a, b, tx, ty)."""
+
     transform: np.ndarray
     shape5: bool
 

@@ -1,6 +1,7 @@
 """The model files of face-recognition-models (dlib's detectors, landmark predictors and face
 descriptor), found on disk without importing that package: its `__init__` imports
 `pkg_resources`, which a fresh virtual environment may lack."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -16,7 +17,7 @@ FILES = {
     "mmod_human_face_detector.dat": "dlib's CNN (MMOD) face detector",
     "shape_predictor_5_face_landmarks.dat": "dlib's 5-point landmark predictor",
     "shape_predictor_68_face_landmarks.dat": "dlib's 68-point landmark predictor (iBUG 300-W data: "
-                                             "not for commercial use)",
+    "not for commercial use)",
     "dlib_face_recognition_resnet_model_v1.dat": "dlib's 128-D ResNet face descriptor",
 }
 

@@ -9,6 +9,7 @@ Every user of faces goes through `stream` (docs/architecture.md): the tools, the
 (which adds embeddings) and training's aligned folders (whose loader cuts with the same `Crop`). A photo is a
 path, a PIL image or an H x W (x 3) uint8 array; faces known already (`faces=`: fallback faces, an earlier
 search) are cut, not searched. Built on it: `find_faces`, `usable`, `align_groups`, `aligned_pngs`."""
+
 from __future__ import annotations
 
 import io
@@ -34,7 +35,11 @@ MAX_HINTED_UPSAMPLE = 3  # each doubling costs 4x the time: beyond this, no more
 
 def photo_name(photo, index: int = 0) -> str:
     """How messages name a photo: its path, or its place in the list given."""
-    return os.fsdecode(photo) if isinstance(photo, (str, os.PathLike)) else f"photo {index} ({type(photo).__name__})"
+    return (
+        os.fsdecode(photo)
+        if isinstance(photo, (str, os.PathLike))
+        else f"photo {index} ({type(photo).__name__})"
+    )
 
 
 def open_image(photo, index: int = 0) -> Image.Image:
@@ -45,12 +50,16 @@ def open_image(photo, index: int = 0) -> Image.Image:
         image = to_rgb(photo)
     elif isinstance(photo, np.ndarray):
         if photo.dtype != np.uint8 or photo.ndim not in (2, 3) or (photo.ndim == 3 and photo.shape[2] != 3):
-            raise DataError(f"{photo_name(photo, index)}: an array photo must be H x W x 3 (RGB) or H x W uint8, "
-                            f"got {photo.dtype} of shape {photo.shape}")
+            raise DataError(
+                f"{photo_name(photo, index)}: an array photo must be H x W x 3 (RGB) or H x W uint8, "
+                f"got {photo.dtype} of shape {photo.shape}"
+            )
         image = to_rgb(Image.fromarray(photo))
     else:
-        raise DataError(f"{photo_name(photo, index)}: a photo is a file path, a PIL image or a uint8 array, "
-                        f"not a {type(photo).__name__}")
+        raise DataError(
+            f"{photo_name(photo, index)}: a photo is a file path, a PIL image or a uint8 array, "
+            f"not a {type(photo).__name__}"
+        )
     if 0 in image.size:
         raise DataError(f"{photo_name(photo, index)}: an empty ({image.size[0]}x{image.size[1]}) image")
     return image
@@ -61,6 +70,7 @@ class Crop:
     """Cuts a face's crop for a template, H x W x 3 uint8, from anything `open_image` takes: the five-point
     alignment, or with `dlib_chip` (MODEL dlib) dlib's own chip from its 5-point shape, as face_recognition
     cuts it (with 68 landmarks: the five points on the chip's template). `png`: PNG bytes (lossless) instead."""
+
     template: Template
     dlib_chip: bool = False
     png: bool = False
@@ -82,8 +92,9 @@ class Crop:
 class Photo:
     """One photo's faces, largest first ([]: none found), and `cuts[i]`, the cut of `faces[i]`
     (the largest only with `largest_only`; none without a cut)."""
+
     name: str
-    size: tuple[int, int]          # (width, height)
+    size: tuple[int, int]  # (width, height)
     faces: list[Face]
     cuts: list
 
@@ -106,6 +117,7 @@ def crop_pixels(photo, index: int = 0, resize: tuple[int, int] | None = None) ->
 @dataclass(frozen=True)
 class _Task:
     """What a worker does to one (index, photo, its known faces or None)."""
+
     detection: Detection | None  # None: each photo is a crop already (its one face: the whole image)
     cut: Callable | None
     largest_only: bool
@@ -125,9 +137,16 @@ class _Task:
         return Photo(name, image.size, faces, cuts)
 
 
-def stream(photos: Iterable, detection: Detection | None = Detection(), cut: Callable | None = None,
-           workers: int = 1, largest_only: bool = False, faces: list[list[Face]] | None = None,
-           progress: Callable[[], None] | None = None, resize: tuple[int, int] | None = None) -> Iterator[Photo]:
+def stream(
+    photos: Iterable,
+    detection: Detection | None = Detection(),
+    cut: Callable | None = None,
+    workers: int = 1,
+    largest_only: bool = False,
+    faces: list[list[Face]] | None = None,
+    progress: Callable[[], None] | None = None,
+    resize: tuple[int, int] | None = None,
+) -> Iterator[Photo]:
     """Each photo's `Photo`, in order (module docstring). `detection` None: each photo is a crop already,
     its one face and its cut the whole image (resized to `resize` where given). `faces[i]`: photo i's
     faces, known already. `cut(image, face)` runs in the workers, on every face or the largest only."""
@@ -137,12 +156,15 @@ def stream(photos: Iterable, detection: Detection | None = Detection(), cut: Cal
     task = _Task(detection, cut, largest_only, resize)
     items = [(i, p, None if faces is None else faces[i]) for i, p in enumerate(photos)]
     setup = detection.worker_setup() if detection is not None and faces is None else None
-    return map_photos(task, items, workers, progress, name=lambda item: photo_name(item[1], item[0]), setup=setup)
+    return map_photos(
+        task, items, workers, progress, name=lambda item: photo_name(item[1], item[0]), setup=setup
+    )
 
 
 @dataclass
 class Found:
     """The faces of a set of photos: `faces[path]`, largest first (empty: no face found)."""
+
     faces: dict[str, list[Face]] = field(default_factory=dict)
     detection: Detection = Detection()  # how they were searched (the hints of messages suggest more)
 
@@ -156,13 +178,22 @@ class Found:
         if not several:
             return None
         more = f" and {len(several) - SHOWN} more" if len(several) > SHOWN else ""
-        return (f"{len(several)} of {len(self.faces)} photos hold several faces, the largest of each used: "
-                + ", ".join(f"{p} ({n} faces)" for p, n in several[:SHOWN]) + more)
+        return (
+            f"{len(several)} of {len(self.faces)} photos hold several faces, the largest of each used: "
+            + ", ".join(f"{p} ({n} faces)" for p, n in several[:SHOWN])
+            + more
+        )
 
 
-def find_faces(paths: Iterable[str], detection: Detection = Detection(),
-               progress: Callable[[], None] | None = None, workers: int = 1) -> Found:
-    return Found({p.name: p.faces for p in stream(paths, detection, workers=workers, progress=progress)}, detection)
+def find_faces(
+    paths: Iterable[str],
+    detection: Detection = Detection(),
+    progress: Callable[[], None] | None = None,
+    workers: int = 1,
+) -> Found:
+    return Found(
+        {p.name: p.faces for p in stream(paths, detection, workers=workers, progress=progress)}, detection
+    )
 
 
 def no_face_message(paths: list[str], total: int, detection: Detection = Detection()) -> str:
@@ -193,13 +224,21 @@ def usable(found: Found, strict: bool) -> dict[str, Face]:
 
 def aligned_pngs(paths: list[str], faces: dict[str, Face], workers: int = 1) -> Iterator[bytes]:
     """Each photo's face (`faces[path]`) cut to insightface's 112x112 template, as PNG bytes, in order."""
-    for photo in stream(paths, faces=[[faces[p]] for p in paths], cut=Crop(ARCFACE_112, png=True), workers=workers):
+    for photo in stream(
+        paths, faces=[[faces[p]] for p in paths], cut=Crop(ARCFACE_112, png=True), workers=workers
+    ):
         yield photo.cuts[0]
 
 
-def align_groups(groups: list[list[str]], detection: Detection, strict: bool,
-                 progress: Callable[[], None] | None = None, names: list[str] | None = None,
-                 workers: int = 1, found: Found | None = None) -> tuple[list[list[str]], dict[str, Face]]:
+def align_groups(
+    groups: list[list[str]],
+    detection: Detection,
+    strict: bool,
+    progress: Callable[[], None] | None = None,
+    names: list[str] | None = None,
+    workers: int = 1,
+    found: Found | None = None,
+) -> tuple[list[list[str]], dict[str, Face]]:
     """Identity groups of photos -> (the groups less photos without a face, each kept photo's largest face),
     from `found` where found already (faces.ranked). An identity left without a photo is a DataError
     naming it: dropping it would renumber every later label."""
@@ -213,6 +252,11 @@ def align_groups(groups: list[list[str]], detection: Detection, strict: bool,
             raise DataError(f"{who}: no face found in any of its {len(before)} photos")
     extra = sum(max(0, len(f) - 1) for f in found.faces.values())
     if extra:
-        logger.warning("faces found in %d of %d photos; %d further faces in photos with several (the largest of "
-                       "each is used)", len(faces), len(found.faces), extra)
+        logger.warning(
+            "faces found in %d of %d photos; %d further faces in photos with several (the largest of "
+            "each is used)",
+            len(faces),
+            len(found.faces),
+            extra,
+        )
     return kept, faces

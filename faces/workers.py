@@ -21,6 +21,7 @@ number. The engine is `concurrent.futures.ProcessPoolExecutor`; this module adds
 
 `fn` and the items must be picklable: a module-level function, or a functools.partial of one
 holding what every item shares (it reaches each worker once, at its start)."""
+
 from __future__ import annotations
 
 import collections
@@ -66,16 +67,25 @@ def check_workers(workers: int) -> int:
     return workers
 
 
-def map_photos(fn: Callable[[T], R], items: Iterable[T], workers: int,
-               progress: Callable[[], None] | None = None, what: str = "photo",
-               name: Callable[[T], str] = str, window: int | None = None,
-               setup: Callable[[], None] | None = None) -> Iterator[R]:
+def map_photos(
+    fn: Callable[[T], R],
+    items: Iterable[T],
+    workers: int,
+    progress: Callable[[], None] | None = None,
+    what: str = "photo",
+    name: Callable[[T], str] = str,
+    window: int | None = None,
+    setup: Callable[[], None] | None = None,
+) -> Iterator[R]:
     """`fn(item)` for each of `items`, in order (module docstring). `progress()` once per result; `what`
     and `name(item)` word a dead worker's error; `window` (default 4 x workers) bounds the items out;
     `setup()` runs once in each worker (not with one worker: this process is set up already)."""
     workers = _capped(check_workers(workers), items)
-    results = ((fn(item) for item in items) if workers == 1
-               else _pooled(fn, items, workers, window or 4 * workers, what, name, setup))
+    results = (
+        (fn(item) for item in items)
+        if workers == 1
+        else _pooled(fn, items, workers, window or 4 * workers, what, name, setup)
+    )
     with contextlib.closing(results):
         for result in results:
             if progress is not None:
@@ -97,9 +107,14 @@ def _say_once(message: str) -> None:
 def _capped(workers: int, items: Iterable) -> int:
     if workers == 1 or _worker is not None or multiprocessing.current_process().daemon:
         return 1
-    wanted, cores = min(workers, max(1, len(items))) if hasattr(items, "__len__") else workers, default_workers()
+    wanted, cores = (
+        min(workers, max(1, len(items))) if hasattr(items, "__len__") else workers,
+        default_workers(),
+    )
     if wanted > cores:
-        _say_once(f"{workers} worker processes asked for; this process may use {cores} cores: {cores} started")
+        _say_once(
+            f"{workers} worker processes asked for; this process may use {cores} cores: {cores} started"
+        )
     return min(wanted, cores)
 
 
@@ -107,13 +122,18 @@ def _fork_is_safe() -> bool:
     """Whether forking here leaves no thread behind. Pools that stop themselves around a fork
     (numpy's OpenBLAS) do not count: a child that exits at once is forked to stop them first."""
     torch = sys.modules.get("torch")
-    if ("fork" not in multiprocessing.get_all_start_methods() or threading.active_count() > 1
-            or (torch is not None and torch.cuda.is_initialized())):
+    if (
+        "fork" not in multiprocessing.get_all_start_methods()
+        or threading.active_count() > 1
+        or (torch is not None and torch.cuda.is_initialized())
+    ):
         return False
     try:
         if len(os.listdir("/proc/self/task")) > 1:
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+ warns of forking with threads
+                warnings.simplefilter(
+                    "ignore", DeprecationWarning
+                )  # Python 3.12+ warns of forking with threads
                 pid = os.fork()
                 if pid == 0:
                     os._exit(0)
@@ -128,7 +148,9 @@ def _context(fn) -> tuple[multiprocessing.context.BaseContext, dict | None]:
     if _fork_is_safe():
         return multiprocessing.get_context("fork"), None
     if _forkserver(fn):
-        return multiprocessing.get_context("forkserver"), dict(os.environ)  # else they would have the server's
+        return multiprocessing.get_context("forkserver"), dict(
+            os.environ
+        )  # else they would have the server's
     return multiprocessing.get_context("spawn"), None
 
 
@@ -144,12 +166,16 @@ def _forkserver(fn) -> bool:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return False
     from multiprocessing import forkserver
+
     preload = {_module_of(fn)}
     if preload == {"__main__"}:
-        preload = {v.__name__ if isinstance(v, types.ModuleType) else getattr(v, "__module__", None)
-                   for v in vars(sys.modules["__main__"]).values()}
+        preload = {
+            v.__name__ if isinstance(v, types.ModuleType) else getattr(v, "__module__", None)
+            for v in vars(sys.modules["__main__"]).values()
+        }
     multiprocessing.get_context("forkserver").set_forkserver_preload(
-        sorted(m for m in preload if isinstance(m, str) and m not in ("__main__", "builtins")))
+        sorted(m for m in preload if isinstance(m, str) and m not in ("__main__", "builtins"))
+    )
     # Python 3.11's server drops the sys.path it is handed (and skips what it cannot import,
     # silently): give it ours through the environment it starts with.
     saved = os.environ.get("PYTHONPATH")
@@ -158,10 +184,15 @@ def _forkserver(fn) -> bool:
         forkserver.ensure_running()
         return True
     except OSError as exc:
-        why = ("no writable temporary directory" if isinstance(exc, FileNotFoundError)
-               else f"the temporary directory cannot hold its socket ({exc}; TMPDIR={os.environ.get('TMPDIR')})")
-        _say_once(f"worker processes are spawned, each importing what it needs (seconds), instead of forked from a "
-                  f"forkserver: {why}")
+        why = (
+            "no writable temporary directory"
+            if isinstance(exc, FileNotFoundError)
+            else f"the temporary directory cannot hold its socket ({exc}; TMPDIR={os.environ.get('TMPDIR')})"
+        )
+        _say_once(
+            f"worker processes are spawned, each importing what it needs (seconds), instead of forked from a "
+            f"forkserver: {why}"
+        )
         return False
     finally:
         del os.environ["PYTHONPATH"]
@@ -196,7 +227,9 @@ def _start_worker(fn, setup, pids, env: dict | None) -> None:
     if os.getppid() != parent:  # it died before the call
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a fork inherits our handlers and mask: terminate() must end it
+    signal.signal(
+        signal.SIGTERM, signal.SIG_DFL
+    )  # a fork inherits our handlers and mask: terminate() must end it
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     if env is not None:
         os.environ.clear()
@@ -243,8 +276,9 @@ def _pooled(fn, items: Iterable, workers: int, window: int, what: str, name: Cal
                 if executor is None:
                     ctx, env = _context(fn)
                     pids = ctx.Array("q", window, lock=False)
-                    executor = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start_worker,
-                                                   initargs=(fn, setup, pids, env))
+                    executor = ProcessPoolExecutor(
+                        workers, mp_context=ctx, initializer=_start_worker, initargs=(fn, setup, pids, env)
+                    )
                 with _main_hidden(fn):  # a forkserver's or spawned worker starts on submit
                     out.append((index, item, executor.submit(_work, index, item)))
             if not out:
@@ -262,7 +296,9 @@ def _pooled(fn, items: Iterable, workers: int, window: int, what: str, name: Cal
             executor.shutdown(wait=True)
 
 
-def _died(executor: ProcessPoolExecutor, pids, out: collections.deque, what: str, name: Callable) -> WorkerDied:
+def _died(
+    executor: ProcessPoolExecutor, pids, out: collections.deque, what: str, name: Callable
+) -> WorkerDied:
     """The error of the worker that ended by itself: the executor then ends the others with
     SIGTERM (a SIGTERM from elsewhere cannot be told from theirs: the earliest item is named)."""
     processes = list((executor._processes or {}).values())
@@ -273,5 +309,7 @@ def _died(executor: ProcessPoolExecutor, pids, out: collections.deque, what: str
         return WorkerDied(f"the worker processes ended before their first {what}")
     dead = min(ended, key=lambda p: (p.pid not in held, held.get(p.pid, (0,))[0]))
     if dead.pid in held:
-        return WorkerDied(f"{name(held[dead.pid][1])}: the worker process on this {what} {_how(dead.exitcode)}")
+        return WorkerDied(
+            f"{name(held[dead.pid][1])}: the worker process on this {what} {_how(dead.exitcode)}"
+        )
     return WorkerDied(f"a worker process {_how(dead.exitcode)} between {what}s")

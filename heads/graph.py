@@ -5,6 +5,7 @@ slow host exceeds their run time (benchmarks/head_profile.py --graph measured th
 at 1.69x eager on Glint360K's 8-GPU shapes). Captured once and replayed, the whole forward is one
 launch and the whole backward another.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,8 +54,10 @@ class CapturedHead:
 
     def __init__(self, head: PartialFC, eager_calls: int = 2, warmup: int = 2, emulate: bool = False):
         if head.plan.fused:  # builders.head_graph_blocker names this to the user
-            raise ValueError("CapturedHead: a fused head steps its optimizer inside backward, at a learning "
-                             "rate a graph would freeze")
+            raise ValueError(
+                "CapturedHead: a fused head steps its optimizer inside backward, at a learning "
+                "rate a graph would freeze"
+            )
         self.head, self.eager_calls, self.warmup, self.emulate = head, max(1, eager_calls), warmup, emulate
         self.params = [p for p in head.parameters() if p.requires_grad]
         self.calls = 0
@@ -81,8 +84,12 @@ class CapturedHead:
         elif key != self.captured_key:
             if key not in self._logged_keys:
                 self._logged_keys.add(key)
-                logger.info("head_graph: a batch of %s differs from the captured %s: the head runs eagerly for "
-                            "batches of that shape", _describe(key), _describe(self.captured_key))
+                logger.info(
+                    "head_graph: a batch of %s differs from the captured %s: the head runs eagerly for "
+                    "batches of that shape",
+                    _describe(key),
+                    _describe(self.captured_key),
+                )
             return head(local_embeddings, local_labels)
         return _Replayed.apply(local_embeddings, local_labels, self)
 
@@ -161,11 +168,17 @@ class CapturedHead:
                 self._graphs = (forward, backward)
         except Exception as exc:  # noqa: BLE001  (any failure: the step still trains, eagerly)
             self.failed = True
-            logger.warning("head_graph: capturing the head failed (%s: %s): it runs eagerly from here",
-                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            logger.warning(
+                "head_graph: capturing the head failed (%s: %s): it runs eagerly from here",
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+            )
             return False
-        logger.info("head_graph: the head's forward and backward captured in CUDA graphs for batches of %s%s",
-                    _describe(self.captured_key), " (emulated: replays run eagerly)" if self.emulate else "")
+        logger.info(
+            "head_graph: the head's forward and backward captured in CUDA graphs for batches of %s%s",
+            _describe(self.captured_key),
+            " (emulated: replays run eagerly)" if self.emulate else "",
+        )
         return True
 
     def _warm_up(self, device: torch.device) -> None:
@@ -211,5 +224,7 @@ def _key(emb: torch.Tensor, labels: torch.Tensor) -> tuple:
 
 def _describe(key: tuple) -> str:
     emb_shape, emb_dtype, label_shape = key[:3]
-    return f"{'x'.join(map(str, emb_shape))} {str(emb_dtype).removeprefix('torch.')} embeddings, " \
-           f"{'x'.join(map(str, label_shape))} labels"
+    return (
+        f"{'x'.join(map(str, emb_shape))} {str(emb_dtype).removeprefix('torch.')} embeddings, "
+        f"{'x'.join(map(str, label_shape))} labels"
+    )

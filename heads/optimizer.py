@@ -1,4 +1,5 @@
 """An optimizer for the head that steps only the rows Partial FC sampled."""
+
 from __future__ import annotations
 
 import torch
@@ -62,15 +63,20 @@ class SampledRowsOptimizer(WrappedOptimizer):
         self._scalars = None
 
     @torch.no_grad()
-    def step_rows(self, rows: slice | torch.Tensor, grad: torch.Tensor, decay: torch.Tensor | None = None) -> None:
+    def step_rows(
+        self, rows: slice | torch.Tensor, grad: torch.Tensor, decay: torch.Tensor | None = None
+    ) -> None:
         """One optimizer step of `weight[rows]` with gradient `grad` + decay_j weight_j (`decay`:
         one value per row, or None; one tile of a fused head, or the sampled rows): the rows and
         their state are stepped as their own parameter. `grad` may be modified."""
         weight = self.head.weight
         full_state = self.optimizer.state.setdefault(weight, {})
         if self._scalars is None:  # every tile of this step starts from the state before it
-            self._scalars = {k: v.clone() if torch.is_tensor(v) else v
-                             for k, v in full_state.items() if not _per_row(v, weight)}
+            self._scalars = {
+                k: v.clone() if torch.is_tensor(v) else v
+                for k, v in full_state.items()
+                if not _per_row(v, weight)
+            }
             self._row_keys = [k for k, v in full_state.items() if _per_row(v, weight)]
         # contiguous rows (a fused head's tile) are stepped in place through views; sampled
         # rows are gathered, stepped and written back
@@ -78,13 +84,19 @@ class SampledRowsOptimizer(WrappedOptimizer):
         part = nn.Parameter(weight[rows] if view else weight[rows].clone())
         group = self.optimizer.param_groups[0]
         weight_decay = group.get("weight_decay", 0.0)
-        folded = decay is not None and not torch.is_tensor(weight_decay) and weight_decay != 0 \
+        folded = (
+            decay is not None
+            and not torch.is_tensor(weight_decay)
+            and weight_decay != 0
             and _coupled_decay(self.optimizer, group)
+        )
         if decay is not None:  # one pass for the head's radial term and the optimizer's L2 decay
             grad.addcmul_(part.detach(), (decay + weight_decay if folded else decay)[:, None])
         part.grad = grad.to(weight.dtype)
         state = {k: v.clone() if torch.is_tensor(v) else v for k, v in self._scalars.items()}
-        state.update({k: full_state[k][rows] if view else full_state[k][rows].clone() for k in self._row_keys})
+        state.update(
+            {k: full_state[k][rows] if view else full_state[k][rows].clone() for k in self._row_keys}
+        )
         self.optimizer.state[part] = state
         group["params"] = [part]
         if folded:

@@ -1,4 +1,5 @@
 """PartialFC: the class-sharded margin-softmax head (model-parallel over classes)."""
+
 from __future__ import annotations
 
 import torch
@@ -86,24 +87,38 @@ class PartialFC(nn.Module):
     here. Everything ShardFace adds is keyword-only.
     """
 
-    def __init__(self, margin_loss: MarginLoss, embedding_size: int, num_classes: int,
-                 sample_rate: float = 1.0, fp16: bool = False, *, chunk_size: int | None = None,
-                 process_group=None, validate: bool = True, row_block: int = 128, precision: str | None = None,
-                 fused_optimizer: bool = False):
+    def __init__(
+        self,
+        margin_loss: MarginLoss,
+        embedding_size: int,
+        num_classes: int,
+        sample_rate: float = 1.0,
+        fp16: bool = False,
+        *,
+        chunk_size: int | None = None,
+        process_group=None,
+        validate: bool = True,
+        row_block: int = 128,
+        precision: str | None = None,
+        fused_optimizer: bool = False,
+    ):
         super().__init__()
         if not 0.0 <= sample_rate <= 1.0:  # 0: only the batch's classes (arcface_torch allows it)
             raise ValueError(f"sample_rate must be in [0, 1], got {sample_rate}")
         if precision is None:  # PartialFC_V2's fp16: its logits GEMM at 16 bits; ours has bf16 for that
             precision = "bf16" if fp16 else "fp32"
         elif fp16 and precision != "bf16":
-            raise ValueError(f"fp16=True asks for 16-bit logits but precision={precision!r}: pass one of them")
+            raise ValueError(
+                f"fp16=True asks for 16-bit logits but precision={precision!r}: pass one of them"
+            )
         self.margin_loss = margin_loss
         self.embedding_size = embedding_size
         self.num_classes = num_classes
         self.sample_rate = sample_rate
         self.chunk_size = chunk_size or None
-        self.plan = HeadPlan(tile=self.chunk_size or 2**62, row_block=row_block, precision=precision,
-                             fused=fused_optimizer)
+        self.plan = HeadPlan(
+            tile=self.chunk_size or 2**62, row_block=row_block, precision=precision, fused=fused_optimizer
+        )
         self.step_rows = None  # set by SampledRowsOptimizer on a fused head
         self.group = process_group
         self.world_size = get_world_size(process_group)
@@ -113,7 +128,9 @@ class PartialFC(nn.Module):
         self.subcenters = margin_loss.subcenters
         self.num_sample = self.num_local if sample_rate >= 1.0 else int(sample_rate * self.num_local)
         # N(0, 0.01) rows drawn per class from torch's seed: the same head at any world size
-        self.weight = nn.Parameter(initial_class_rows(shard, self.subcenters, embedding_size, torch.initial_seed()))
+        self.weight = nn.Parameter(
+            initial_class_rows(shard, self.subcenters, embedding_size, torch.initial_seed())
+        )
         self.validate = validate
         self.raise_on_bad_labels: bool | None = None
         self._label_errors: torch.Tensor | None = None  # device count of forwards with a bad label
@@ -121,9 +138,11 @@ class PartialFC(nn.Module):
         self._shapes_checked = False
 
     def extra_repr(self) -> str:
-        return (f"classes [{self.class_start}, {self.class_start + self.num_local}) of {self.num_classes}, "
-                f"D={self.embedding_size}, k={self.subcenters}, sample_rate={self.sample_rate}, "
-                f"chunk_size={self.chunk_size}, row_block={self.plan.row_block}, precision={self.plan.precision}")
+        return (
+            f"classes [{self.class_start}, {self.class_start + self.num_local}) of {self.num_classes}, "
+            f"D={self.embedding_size}, k={self.subcenters}, sample_rate={self.sample_rate}, "
+            f"chunk_size={self.chunk_size}, row_block={self.plan.row_block}, precision={self.plan.precision}"
+        )
 
     def _check_shapes(self, emb: torch.Tensor, labels: torch.Tensor) -> None:
         """Once: every rank passes (b, D) embeddings with b labels and the same b (a mismatch
@@ -152,8 +171,10 @@ class PartialFC(nn.Module):
         if bool(bad.any()):
             at = int(bad.int().argmax())
             b = labels.numel() // self.world_size
-            raise ValueError(f"PartialFC: label {int(labels[at])} outside [0, {self.num_classes}) at position "
-                             f"{at % b} of rank {at // b}'s batch")
+            raise ValueError(
+                f"PartialFC: label {int(labels[at])} outside [0, {self.num_classes}) at position "
+                f"{at % b} of rank {at // b}'s batch"
+            )
 
     def sample(self, local_labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pick the shard classes for this step; return (sorted index, labels remapped into it)."""
@@ -172,14 +193,17 @@ class PartialFC(nn.Module):
         (distill/head.py) passes the result to forward as `gathered`: one all-gather serves both."""
         return all_gather_rows(local_embeddings, self.group, grad_scale=float(self.world_size))
 
-    def forward(self, local_embeddings: torch.Tensor, local_labels: torch.Tensor,
-                gathered: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, local_embeddings: torch.Tensor, local_labels: torch.Tensor, gathered: torch.Tensor | None = None
+    ) -> torch.Tensor:
         local_labels = local_labels.reshape(-1).long()
         if self.validate and not self._shapes_checked:
             self._check_shapes(local_embeddings, local_labels)
         embeddings = self.gather(local_embeddings) if gathered is None else gathered
         labels = all_gather_no_grad(local_labels, self.group)
-        on_host = labels.device.type == "cpu" if self.raise_on_bad_labels is None else self.raise_on_bad_labels
+        on_host = (
+            labels.device.type == "cpu" if self.raise_on_bad_labels is None else self.raise_on_bad_labels
+        )
         if self.validate and on_host:
             self._check_labels(labels)
 
@@ -196,8 +220,17 @@ class PartialFC(nn.Module):
         weight = self.weight
         if not torch.is_grad_enabled():  # evaluation: statistics only (autograd would still flag the inputs)
             emb_n, norms, weight = emb_n.detach(), norms.detach(), weight.detach()
-        loss = ShardedMarginCE.apply(emb_n, norms if margin.uses_norms else norms.detach(), weight, local,
-                                     index, margin, self.plan, self.group, self.step_rows)
+        loss = ShardedMarginCE.apply(
+            emb_n,
+            norms if margin.uses_norms else norms.detach(),
+            weight,
+            local,
+            index,
+            margin,
+            self.plan,
+            self.group,
+            self.step_rows,
+        )
         reg = margin.regularizer(norms)
         if reg is not None:  # identical on every rank: its gradient must count once in the sum over ranks
             share = 1.0 / self.world_size
@@ -218,4 +251,3 @@ class PartialFC(nn.Module):
         not raised at once (labels on a device). Reads the device: call where the loop waits."""
         count, self._label_errors = self._label_errors, None
         return 0 if count is None else int(count.item())
-

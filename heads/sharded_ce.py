@@ -43,6 +43,7 @@ Nothing here waits on the device: no `nonzero`, `unique`, `.item()` or boolean i
 rows without a target on this rank are handled with gathers and scatters that write an
 unchanged value back.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -77,6 +78,7 @@ class HeadPlan:
     recomputes each tile's cosines for the whole batch (a fourth GEMM), and as soon as a
     tile's weight gradient is complete hands it to `step_rows(rows, grad, decay)` (the head
     optimizer's update of those rows with gradient grad + decay_j w_j), then drops it."""
+
     tile: int = 8192
     row_block: int = 128
     precision: str = "fp32"
@@ -136,7 +138,7 @@ def _row_dots(a: torch.Tensor, b: torch.Tensor, rows: int | None = None) -> torc
         rows = ROW_DOTS_CPU_ROWS if on_cpu else max(ROW_DOTS_CPU_ROWS, ROW_DOTS_DEVICE_VALUES // a.shape[1])
     out = a.new_empty(a.shape[0])
     for r0 in range(0, a.shape[0], rows):
-        torch.linalg.vecdot(a[r0:r0 + rows], b[r0:r0 + rows], out=out[r0:r0 + rows])
+        torch.linalg.vecdot(a[r0 : r0 + rows], b[r0 : r0 + rows], out=out[r0 : r0 + rows])
     return out
 
 
@@ -148,16 +150,19 @@ class _Shard:
     def __init__(self, weight: torch.Tensor, index: torch.Tensor | None, k: int):
         self.weight, self.index, self.k = weight, index, k
         self.classes = weight.shape[0] // k if index is None else index.numel()
-        self.inv_norm = None if index is not None else \
-            torch.linalg.vector_norm(weight.float(), dim=1).clamp_min_(EPS).reciprocal_()
+        self.inv_norm = (
+            None
+            if index is not None
+            else torch.linalg.vector_norm(weight.float(), dim=1).clamp_min_(EPS).reciprocal_()
+        )
         self._sampled_inv: dict[int, torch.Tensor] = {}
 
     def tile(self, c0: int, c1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(weight rows of classes [c0, c1) as fp32, their inverse norms, their shard rows)."""
         k = self.k
         if self.index is None:
-            w = self.weight[c0 * k:c1 * k].float()
-            return w, self.inv_norm[c0 * k:c1 * k], None
+            w = self.weight[c0 * k : c1 * k].float()
+            return w, self.inv_norm[c0 * k : c1 * k], None
         rows = rows_of_classes(self.index[c0:c1], k)
         w = self.weight[rows].float()
         inv = self._sampled_inv.get(c0)
@@ -189,8 +194,9 @@ class ShardedMarginCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, emb_n, norms, weight, labels, index, margin: MarginLoss, plan: HeadPlan, group,
-                step_rows=None):
+    def forward(
+        ctx, emb_n, norms, weight, labels, index, margin: MarginLoss, plan: HeadPlan, group, step_rows=None
+    ):
         world = get_world_size(group)
         grads = any(ctx.needs_input_grad[:3])
         k = margin.subcenters
@@ -212,8 +218,7 @@ class ShardedMarginCE(torch.autograd.Function):
         t_logit = t_logit.detach()
         rows = {n: v.detach() for n, v in rows.items()}
 
-        walk = _Walk(emb_n, shard, labels, has, t_logit, margin, rows, plan, group,
-                     grads and not plan.fused)
+        walk = _Walk(emb_n, shard, labels, has, t_logit, margin, rows, plan, group, grads and not plan.fused)
         if grads:
             walk.d_t_dcos = d_t[0]
         log_z = walk.run()  # every block's statistics; every block's gradient but the last's
@@ -221,8 +226,10 @@ class ShardedMarginCE(torch.autograd.Function):
 
         if grads:
             if plan.fused and step_rows is None:
-                raise RuntimeError("PartialFC(fused_optimizer=True) needs its SampledRowsOptimizer: "
-                                   "create one for the head before the first backward")
+                raise RuntimeError(
+                    "PartialFC(fused_optimizer=True) needs its SampledRowsOptimizer: "
+                    "create one for the head before the first backward"
+                )
             walk.log_z, walk.step_rows = log_z, step_rows if plan.fused else None
             ctx.walk, ctx.d_t, ctx.weight_dtype = walk, d_t, weight.dtype
         return loss
@@ -245,8 +252,19 @@ class ShardedMarginCE(torch.autograd.Function):
 class _Walk:
     """One pass over row blocks x class tiles (see the module docstring)."""
 
-    def __init__(self, emb_n, shard: _Shard, labels, has, t_logit, margin: MarginLoss, rows,
-                 plan: HeadPlan, group, grads: bool):
+    def __init__(
+        self,
+        emb_n,
+        shard: _Shard,
+        labels,
+        has,
+        t_logit,
+        margin: MarginLoss,
+        rows,
+        plan: HeadPlan,
+        group,
+        grads: bool,
+    ):
         self.emb_n, self.shard, self.labels, self.has = emb_n, shard, labels, has
         self.t_logit, self.margin, self.rows, self.plan, self.group = t_logit, margin, rows, plan, group
         self.grads = grads
@@ -296,28 +314,29 @@ class _Walk:
             else:  # unsampled rows get an exact zero
                 self.grad_weight = torch.zeros(shard.weight.shape, dtype=torch.float32, device=emb_n.device)
             self.d_target = torch.zeros(B, dtype=torch.float32, device=emb_n.device)
-            later = max((r1 - r0 for r0, r1 in self.blocks[1 if in_grad else 0:]), default=0)
+            later = max((r1 - r0 for r0, r1 in self.blocks[1 if in_grad else 0 :]), default=0)
             self.cos_buf = torch.empty(later * n_rows, dtype=torch.float32, device=emb_n.device)
 
     def _kept(self, r0: int, pos: int, width: int, n: int) -> torch.Tensor:
         """Where the cosines (or, with `exp_scale`, exp(logit)) of rows [r0, r0 + n) x shard
         rows [pos, pos + width) are kept."""
         if r0 == 0 and self.first_in_grad:
-            return self.grad_weight[pos:pos + width].view(-1)[:n * width].view(n, width)
-        return self.cos_buf[pos * n:(pos + width) * n].view(n, width)
+            return self.grad_weight[pos : pos + width].view(-1)[: n * width].view(n, width)
+        return self.cos_buf[pos * n : (pos + width) * n].view(n, width)
 
     def _kept_logits(self, pos: int, width: int, n: int) -> torch.Tensor:
         """With `keep_logits`: the first block's logits, beside their exponentials in the same
         gradient rows (2 n x width floats fit in those width x D rows)."""
-        return self.grad_weight[pos:pos + width].view(-1)[n * width:2 * n * width].view(n, width)
+        return self.grad_weight[pos : pos + width].view(-1)[n * width : 2 * n * width].view(n, width)
 
     def _scratch(self, name: str, n: int, width: int) -> torch.Tensor:
         """A tile-sized buffer, one per name, reused by every tile of the step."""
         buf = self._scratch_bufs.get(name)
         if buf is None or buf.numel() < n * width:
-            buf = self._scratch_bufs[name] = torch.empty(n * self.K * self.k, dtype=torch.float32,
-                                                         device=self.emb_n.device)
-        return buf[:n * width].view(n, width)
+            buf = self._scratch_bufs[name] = torch.empty(
+                n * self.K * self.k, dtype=torch.float32, device=self.emb_n.device
+            )
+        return buf[: n * width].view(n, width)
 
     def _gemm_in(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(torch.bfloat16) if self.plan.precision == "bf16" else x
@@ -335,7 +354,9 @@ class _Walk:
         vals, arg = cos_sub.view(cos_sub.shape[0], -1, self.k).max(2)
         return vals, arg
 
-    def _exp_logits(self, raw: torch.Tensor, inv: torch.Tensor, c0: int, logits: torch.Tensor | None = None) -> None:
+    def _exp_logits(
+        self, raw: torch.Tensor, inv: torch.Tensor, c0: int, logits: torch.Tensor | None = None
+    ) -> None:
         """e . w_j (the tile of classes from c0) -> exp(other logit), in place, for margins with
         linear other logits; the logits themselves (s cos, clamped) into `logits` when given."""
         inv_s = self._inv_s.get(c0)
@@ -356,7 +377,11 @@ class _Walk:
             tile = torch.where(self.has[r0:r1], labels.div(self.K, rounding_mode="floor"), -1)[:, None]
             col = labels.clamp_min(0).remainder_(self.K)[:, None]
             last = self.tiles[-1][1] - self.tiles[-1][0]  # a narrower last tile: columns within it
-            cached = self._block_targets[(r0, r1)] = (tile, col, col.clamp_max(last - 1) if last < self.K else col)
+            cached = self._block_targets[(r0, r1)] = (
+                tile,
+                col,
+                col.clamp_max(last - 1) if last < self.K else col,
+            )
         tile, col, col_last = cached
         return col_last if width < self.K else col, tile == c0 // self.K
 
@@ -433,14 +458,22 @@ class _Walk:
                 self.d_target[:r0].mul_(grad_loss)
             self._gradient(r0, r1, _slice_rows(self.rows, r0, r1), self.log_z[r0:r1], scale=grad_loss)
 
-    def _exp_dcos(self, x: torch.Tensor, logits: torch.Tensor | None, r0: int, r1: int, c0: int,
-                  row_scale: torch.Tensor, dcos_y: torch.Tensor, in_place: bool):
+    def _exp_dcos(
+        self,
+        x: torch.Tensor,
+        logits: torch.Tensor | None,
+        r0: int,
+        r1: int,
+        c0: int,
+        row_scale: torch.Tensor,
+        dcos_y: torch.Tensor,
+        in_place: bool,
+    ):
         """On the exp path: d loss / d cos of a tile from its exp(logit) `x` (times the row scale
         coef * s / Z_i; the target column dcos_y; clamped logits 0), and, given the tile's logits
         (s cos), s sum_i dcos_ij cos_ij (else None; `_decay` divides by s)."""
         n, width = x.shape
-        clamped = None if self.clamp is None else \
-            (x <= self.exp_clamp[0]).logical_or_(x >= self.exp_clamp[1])
+        clamped = None if self.clamp is None else (x <= self.exp_clamp[0]).logical_or_(x >= self.exp_clamp[1])
         dcos = x.mul_(row_scale) if in_place else torch.mul(x, row_scale, out=self._scratch("dcos", n, width))
         if clamped is not None:
             dcos.masked_fill_(clamped, 0.0)
@@ -464,7 +497,9 @@ class _Walk:
             dcos = dsub.view(n, width)
         return dcos, cos_sub.mul_(dcos).sum(0) if self.radial_from_tile else None  # cosines no longer needed
 
-    def _gradient(self, r0: int, r1: int, rows, log_z: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    def _gradient(
+        self, r0: int, r1: int, rows, log_z: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> None:
         """Softmax gradient of the block, tile by tile, into dE and dW (or, fused, into the
         head optimizer's update of each tile). `scale`: the incoming gradient (the last block,
         in backward); None for earlier blocks (scale 1, in forward)."""
@@ -500,11 +535,13 @@ class _Walk:
                     dcos, radial = self._general_dcos(raw.mul_(inv), r0, r1, c0, rows, log_z, coef, dcos_y)
             elif self.exp_scale is not None:
                 logits = self._kept_logits(rr.start, width, n) if r0 == 0 and self.keep_logits else None
-                dcos, radial = self._exp_dcos(self._kept(r0, rr.start, width, n), logits, r0, r1, c0,
-                                              row_scale, dcos_y, not in_grad)
+                dcos, radial = self._exp_dcos(
+                    self._kept(r0, rr.start, width, n), logits, r0, r1, c0, row_scale, dcos_y, not in_grad
+                )
             else:  # (in the first block, a view of the gradient rows this tile writes below)
-                dcos, radial = self._general_dcos(self._kept(r0, rr.start, width, n), r0, r1, c0, rows,
-                                                  log_z, coef, dcos_y)
+                dcos, radial = self._general_dcos(
+                    self._kept(r0, rr.start, width, n), r0, r1, c0, rows, log_z, coef, dcos_y
+                )
             dcos.mul_(inv)  # now d loss / d (e . w_j)
             if c0 == 0:
                 torch.mm(dcos, w, out=grad_e)
@@ -522,7 +559,9 @@ class _Walk:
             # decay_j = -inv_j^2 sum_i dcos_ij cos_ij = -inv_j^2 <g_j, w_j> (g_j before the correction)
             if fused:  # the tile's gradient is complete: step its rows now and drop it
                 g = dcos.t() @ e
-                self.step_rows(rr if shard_rows is None else shard_rows, g, self._decay(radial, g, w, inv, rr))
+                self.step_rows(
+                    rr if shard_rows is None else shard_rows, g, self._decay(radial, g, w, inv, rr)
+                )
                 continue
             if shard_rows is None:
                 g = self.grad_weight[rr]
@@ -538,8 +577,9 @@ class _Walk:
             if shard_rows is not None:
                 self.grad_weight.index_copy_(0, shard_rows, g)
 
-    def _decay(self, radial: torch.Tensor | None, g: torch.Tensor, w: torch.Tensor, inv: torch.Tensor,
-               rr: slice) -> torch.Tensor:
+    def _decay(
+        self, radial: torch.Tensor | None, g: torch.Tensor, w: torch.Tensor, inv: torch.Tensor, rr: slice
+    ) -> torch.Tensor:
         """-inv_j^2 sum_i dcos_ij cos_ij, from the tile's sum (`_exp_dcos`': s times it), or as
         <g_j, w_j> of the complete rows (the tile's shard rows `rr`, when not sampled)."""
         from_logits = radial is not None and self.exp_scale is not None

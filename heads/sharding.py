@@ -1,4 +1,5 @@
 """Which classes each rank owns: the insightface convention, so weights move between the two."""
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,10 @@ def check_world_fits(num_classes: int, world_size: int) -> None:
     if world_size < 1:
         raise ConfigError(f"world size {world_size}: a job needs at least one rank")
     if num_classes < world_size:
-        raise ConfigError(f"config num_classes = {num_classes} is fewer than the world size {world_size}: every rank "
-                          f"needs at least one class of the head; run at most {num_classes} ranks")
+        raise ConfigError(
+            f"config num_classes = {num_classes} is fewer than the world size {world_size}: every rank "
+            f"needs at least one class of the head; run at most {num_classes} ranks"
+        )
 
 
 INIT_BLOCK = 4096  # classes drawn from one generator seed
@@ -40,6 +43,7 @@ def initial_class_rows(classes: Range, k: int, dim: int, seed: int, std: float =
         lo, hi = max(classes.start, block * INIT_BLOCK), min(classes.end, (block + 1) * INIT_BLOCK)
         g = torch.Generator().manual_seed((seed * 1_000_003 + block) % 2**63)
         rows = torch.normal(0.0, std, (INIT_BLOCK * k, dim), generator=g)  # whole blocks: the same draw
-        out[(lo - classes.start) * k:(hi - classes.start) * k] = \
-            rows[(lo - block * INIT_BLOCK) * k:(hi - block * INIT_BLOCK) * k]
+        out[(lo - classes.start) * k : (hi - classes.start) * k] = rows[
+            (lo - block * INIT_BLOCK) * k : (hi - block * INIT_BLOCK) * k
+        ]
     return out

@@ -12,6 +12,7 @@ found, as a photo without a face) and the rows, under the kind's `field`.
   file's entries, read again just before (another run's too), with this run's.
 - A long run saves its new entries every `save_every_s` seconds to `PATH.parts/HOST-PID/part-N.npz`:
   a later or concurrent run of the same header takes them up; `save` removes its own and dead processes'."""
+
 from __future__ import annotations
 
 import contextlib
@@ -29,9 +30,9 @@ from dataset.errors import DataError
 from dataset.fingerprint import file_ends
 from utils.atomic import OutputError, check_output_file, host_name, process_alive, publishing
 
-FORMAT = 3                # 3: every kind in one layout, keyed by content (2: the gallery's own)
-HASH_BLOCK = 1 << 16      # the bytes hashed at each end of a photo
-SAVE_EVERY_S = 30.0       # a killed run loses at most this much work (and one batch)
+FORMAT = 3  # 3: every kind in one layout, keyed by content (2: the gallery's own)
+HASH_BLOCK = 1 << 16  # the bytes hashed at each end of a photo
+SAVE_EVERY_S = 30.0  # a killed run loses at most this much work (and one batch)
 logger = logging.getLogger("shardface")
 
 
@@ -48,7 +49,9 @@ def content_key(path: str) -> str:
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        return f"{size}:" + hashlib.sha256(str(size).encode() + file_ends(fd, size, HASH_BLOCK)).hexdigest()[:32]
+        return (
+            f"{size}:" + hashlib.sha256(str(size).encode() + file_ends(fd, size, HASH_BLOCK)).hexdigest()[:32]
+        )
     finally:
         os.close(fd)
 
@@ -56,11 +59,18 @@ def content_key(path: str) -> str:
 class Cache:
     """key -> row (an array of `shape`) or None, read from `path` (None: in memory only) and its saved
     parts unless `rebuild`. Each kind's `what`, `hint` and `redo` word its messages."""
+
     kind = what = hint = redo = ""
     field, unit = "embeddings", False
 
-    def __init__(self, path: str | None, header: dict, shape: tuple, rebuild: bool = False,
-                 save_every_s: float = SAVE_EVERY_S):
+    def __init__(
+        self,
+        path: str | None,
+        header: dict,
+        shape: tuple,
+        rebuild: bool = False,
+        save_every_s: float = SAVE_EVERY_S,
+    ):
         self.path, self.shape, self.rebuild, self.save_every_s = path, tuple(shape), rebuild, save_every_s
         self.header = {"kind": self.kind, "format": FORMAT, **header}
         self.entries, self.new, self.unsaved = {}, set(), {}
@@ -101,8 +111,9 @@ class Cache:
             header, reason = None, f"{type(exc).__name__}: {exc}"
         if isinstance(header, dict) and cls.ours(header):
             return header
-        raise CacheError(f"{path}: exists and is not a ShardFace {cls.what} ({reason}); it is left as it is: "
-                         f"{cls.hint}")
+        raise CacheError(
+            f"{path}: exists and is not a ShardFace {cls.what} ({reason}); it is left as it is: {cls.hint}"
+        )
 
     @classmethod
     def check(cls, path: str, write: bool = False) -> dict | None:
@@ -151,7 +162,11 @@ class Cache:
         parts = f"{self.path}.parts"
         for folder in glob.glob(os.path.join(glob.escape(parts), "*-*")):
             host, _, pid = os.path.basename(folder).rpartition("-")
-            if host == host_name() and pid.isdigit() and (int(pid) == os.getpid() or not process_alive(int(pid))):
+            if (
+                host == host_name()
+                and pid.isdigit()
+                and (int(pid) == os.getpid() or not process_alive(int(pid)))
+            ):
                 shutil.rmtree(folder, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.rmdir(parts)
@@ -177,6 +192,10 @@ class Cache:
     def _write(self, path: str, entries: dict) -> None:
         rows = [r for r in entries.values() if r is not None]
         with publishing(path) as tmp, open(tmp, "wb") as f:
-            np.savez(f, header=np.array(json.dumps(self.header, sort_keys=True)), keys=np.array(list(entries), str),
-                     has_row=np.array([r is not None for r in entries.values()], bool),
-                     **{self.field: np.array(rows).reshape(len(rows), *self.shape)})
+            np.savez(
+                f,
+                header=np.array(json.dumps(self.header, sort_keys=True)),
+                keys=np.array(list(entries), str),
+                has_row=np.array([r is not None for r in entries.values()], bool),
+                **{self.field: np.array(rows).reshape(len(rows), *self.shape)},
+            )

@@ -1,5 +1,6 @@
 """Crops to embeddings, for infer.stream (photos) and training's verification (the .bin sets): a
 network's forward over batches of uint8 crops, L2 normalisation, and refusing non-finite rows."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -30,15 +31,19 @@ def embed(images: torch.Tensor, module: nn.Module, batch_size: int, precision: s
     device = module_device(module)
     # channels-last batches: the same math, faster (benchmarks/README.md, 'Channels-last batches');
     # a module without weights (the ONNX form) takes them as given
-    nhwc = device.type in ("cpu", "cuda") and next(module.parameters(), None) is not None and images.dim() == 4
+    nhwc = (
+        device.type in ("cpu", "cuda") and next(module.parameters(), None) is not None and images.dim() == 4
+    )
     layout = torch.channels_last if nhwc else torch.contiguous_format
     autocast = device.type == "cuda" and precision in AUTOCAST
     was_training = module.training
     module.eval()
     try:
         with torch.autocast("cuda", AUTOCAST.get(precision, torch.float16), enabled=autocast):
-            out = [module(normalize_images(batch.to(device).contiguous(memory_format=layout))).float().cpu()
-                   for batch in images.split(batch_size)]
+            out = [
+                module(normalize_images(batch.to(device).contiguous(memory_format=layout))).float().cpu()
+                for batch in images.split(batch_size)
+            ]
     finally:
         module.train(was_training)
     return torch.cat(out).numpy()
@@ -49,6 +54,8 @@ def refuse_non_finite_embeddings(emb: np.ndarray, where: str) -> np.ndarray:
     cosine of NaN compares as neither same nor different)."""
     bad = ~np.isfinite(emb).all(axis=1)
     if bad.any():
-        raise CheckpointError(f"{where}: {int(bad.sum())} of {len(bad)} embeddings are not finite (NaN or inf), "
-                              f"the first row {int(np.argmax(bad))}; the model's output is unusable")
+        raise CheckpointError(
+            f"{where}: {int(bad.sum())} of {len(bad)} embeddings are not finite (NaN or inf), "
+            f"the first row {int(np.argmax(bad))}; the model's output is unusable"
+        )
     return emb

@@ -8,6 +8,7 @@ with what made them: a later run embeds only new images, says why it embeds all 
 another MODEL's file (`rebuild` replaces it) and resumes from saved parts; Python and the `identify`
 tool share it. A face is named when its best score reaches the threshold (the one given, else the
 model's own); a model without one names no one (ThresholdError)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,7 +31,7 @@ from infer.stream import analyse, template_for
 from infer.thresholds import chosen_threshold, no_threshold
 from utils.progress import Progress
 
-COLLAPSED = 0.99          # mean cosine between different people's templates above which we warn
+COLLAPSED = 0.99  # mean cosine between different people's templates above which we warn
 logger = logging.getLogger("shardface")
 
 
@@ -41,17 +42,18 @@ class GalleryError(DataError):
 @dataclass
 class EmbeddedFace:
     """One face found in a photo (or a crop file's one face): where it is and its embedding."""
+
     path: str
-    index: int                            # 0 = the largest face of the photo
-    box: tuple[int, int, int, int]        # x0, y0, x1, y1 in photo pixels (the whole crop without alignment)
-    embedding: np.ndarray                 # D, L2-normalised
+    index: int  # 0 = the largest face of the photo
+    box: tuple[int, int, int, int]  # x0, y0, x1, y1 in photo pixels (the whole crop without alignment)
+    embedding: np.ndarray  # D, L2-normalised
 
 
 @dataclass
 class Enrolment:
-    names: list[str]        # one per person, sorted
-    templates: np.ndarray   # people x D: each person's mean template
-    images: int             # images enrolled
+    names: list[str]  # one per person, sorted
+    templates: np.ndarray  # people x D: each person's mean template
+    images: int  # images enrolled
 
 
 def list_gallery(folder: str) -> list[tuple[str, list[str]]]:
@@ -62,18 +64,28 @@ def list_gallery(folder: str) -> list[tuple[str, list[str]]]:
     people = []
     for name in identity_folders(folder):  # hidden ones skipped (the cache's parts), those with images named
         if any(c in name for c in "\n\r"):  # it would forge a line of identify's output
-            raise GalleryError(f"{os.path.join(folder, name)!r}: a person's name with a line break cannot be "
-                               "printed one answer a line; rename the folder")
+            raise GalleryError(
+                f"{os.path.join(folder, name)!r}: a person's name with a line break cannot be "
+                "printed one answer a line; rename the folder"
+            )
         found = sorted(os.path.relpath(f, folder) for f in walk_images(os.path.join(folder, name)))
         if not found:
-            raise GalleryError(f"{os.path.join(folder, name)}: person folder without images "
-                               f"({', '.join(IMAGE_EXTENSIONS)})")
+            raise GalleryError(
+                f"{os.path.join(folder, name)}: person folder without images ({', '.join(IMAGE_EXTENSIONS)})"
+            )
         people.append((name, found))
-    loose = [e for e in sorted(os.listdir(folder)) if not hidden(e) and e.lower().endswith(IMAGE_EXTENSIONS)
-             and not os.path.isdir(os.path.join(folder, e))]
+    loose = [
+        e
+        for e in sorted(os.listdir(folder))
+        if not hidden(e)
+        and e.lower().endswith(IMAGE_EXTENSIONS)
+        and not os.path.isdir(os.path.join(folder, e))
+    ]
     if loose:
-        raise GalleryError(f"{os.path.join(folder, loose[0])}: an image outside a person folder "
-                           f"({len(loose)} such); the gallery is one folder per person, named for them")
+        raise GalleryError(
+            f"{os.path.join(folder, loose[0])}: an image outside a person folder "
+            f"({len(loose)} such); the gallery is one folder per person, named for them"
+        )
     if not people:
         raise GalleryError(f"{folder}: empty gallery; it needs one folder per person, each with their images")
     odd = not_regular([os.path.join(folder, f) for _, found in people for f in found])
@@ -89,24 +101,46 @@ def check_image(path: str, template: Template, align: bool) -> None:
     size = image_size(path, path)
     if not align and template_for(size, template) is None:
         sizes = " or ".join(sorted({f"{t.size[1]}x{t.size[0]}" for t in (template, ARCFACE_112)}))
-        raise GalleryError(f"{path}: a {size[1]}x{size[0]} image is not an aligned {sizes} face crop; "
-                           f"pass --align to find and align the faces in photos")
+        raise GalleryError(
+            f"{path}: a {size[1]}x{size[0]} image is not an aligned {sizes} face crop; "
+            f"pass --align to find and align the faces in photos"
+        )
 
 
-def embedded_faces(paths: list[str], model, align: bool, batch_size: int = 64, workers: int = 1,
-                   largest_only: bool = False, show_progress: bool = False,
-                   strict: bool = False) -> list[EmbeddedFace]:
+def embedded_faces(
+    paths: list[str],
+    model,
+    align: bool,
+    batch_size: int = 64,
+    workers: int = 1,
+    largest_only: bool = False,
+    show_progress: bool = False,
+    strict: bool = False,
+) -> list[EmbeddedFace]:
     """Every face (or the largest) of every photo (one per file without `align`), in order, embedded a
     batch at a time after every header is read; `strict` refuses a photo without a face, naming it."""
     for path in paths:
         check_image(path, model.template, align)
-    progress = Progress(len(paths), "finding and embedding faces" if align else "embedding").update \
-        if show_progress and len(paths) > batch_size else None
+    progress = (
+        Progress(len(paths), "finding and embedding faces" if align else "embedding").update
+        if show_progress and len(paths) > batch_size
+        else None
+    )
     out = []
-    for photo in analyse(model, paths, workers, largest_only=largest_only, align=align, batch_size=batch_size,
-                         progress=progress):
-        out += [EmbeddedFace(photo.name, i, tuple(int(round(v)) for v in face.box), face.embedding)
-                for i, face in enumerate(photo.faces) if face.embedding is not None]
+    for photo in analyse(
+        model,
+        paths,
+        workers,
+        largest_only=largest_only,
+        align=align,
+        batch_size=batch_size,
+        progress=progress,
+    ):
+        out += [
+            EmbeddedFace(photo.name, i, tuple(int(round(v)) for v in face.box), face.embedding)
+            for i, face in enumerate(photo.faces)
+            if face.embedding is not None
+        ]
     seen = {f.path for f in out}
     missing = [p for p in paths if p not in seen]
     if strict and missing:
@@ -121,15 +155,27 @@ def default_cache(folder: str, ema: bool = True) -> str:
 
 class GalleryFile(Cache):
     """A gallery's cache: an image's content key -> its largest face's unit embedding (None: no face)."""
-    kind, what, hint, redo, unit = "shardface gallery", "gallery file", "pass another --cache FILE", \
-        "enrolling every image again", True
 
-    def __init__(self, path: str, model, align: bool, rebuild: bool = False, save_every_s: float = SAVE_EVERY_S):
+    kind, what, hint, redo, unit = (
+        "shardface gallery",
+        "gallery file",
+        "pass another --cache FILE",
+        "enrolling every image again",
+        True,
+    )
+
+    def __init__(
+        self, path: str, model, align: bool, rebuild: bool = False, save_every_s: float = SAVE_EVERY_S
+    ):
         crops = f"{model.template.name} {model.template.size[1]}x{model.template.size[0]}"
-        header = {"model": os.path.realpath(model.name) if os.path.exists(model.name) else model.name,
-                  "fingerprint": model.fingerprint, "ema": bool(model.ema), "align": bool(align),
-                  "template": model.crop_name if align else crops,
-                  "detection": dataclasses.asdict(model.detection) if align else None}
+        header = {
+            "model": os.path.realpath(model.name) if os.path.exists(model.name) else model.name,
+            "fingerprint": model.fingerprint,
+            "ema": bool(model.ema),
+            "align": bool(align),
+            "template": model.crop_name if align else crops,
+            "detection": dataclasses.asdict(model.detection) if align else None,
+        }
         super().__init__(path, header, (model.dim,), rebuild, save_every_s)
 
     @classmethod
@@ -141,30 +187,48 @@ class GalleryFile(Cache):
         new, said = self.header, []
         if old["model"] != new["model"]:
             made = [f"{h['model']} (fingerprint {h.get('fingerprint')})" for h in (old, new)]
-            raise GalleryError(f"{self.path}: this gallery file was enrolled with model {made[0]}, not {made[1]}; "
-                               "pass --rebuild to enrol the gallery again with this model, or --cache FILE to keep "
-                               "a second gallery file")
+            raise GalleryError(
+                f"{self.path}: this gallery file was enrolled with model {made[0]}, not {made[1]}; "
+                "pass --rebuild to enrol the gallery again with this model, or --cache FILE to keep "
+                "a second gallery file"
+            )
         weights = {True: "EMA", False: "raw (--no_ema)"}
         if old.get("format") != new["format"]:
             said.append(f"the gallery file's format ({old.get('format')}, now {new['format']})")
         if old.get("fingerprint") != new["fingerprint"] and old.get("ema", True) != new["ema"]:
             said.append(f"the weights chosen ({weights[old.get('ema', True)]}, now {weights[new['ema']]})")
         elif old.get("fingerprint") != new["fingerprint"]:
-            said.append(f"the model's weights (fingerprint {old.get('fingerprint')}, now {new['fingerprint']})")
+            said.append(
+                f"the model's weights (fingerprint {old.get('fingerprint')}, now {new['fingerprint']})"
+            )
         if old.get("template") != new["template"]:
             said.append(f"the template ({old.get('template')}, now {new['template']})")
         if old.get("align") != new["align"]:
             said.append("the alignment (--align now " + ("given)" if new["align"] else "left out)"))
         elif new["align"] and old.get("detection") != new["detection"]:
             was = old.get("detection") or {}
-            said.append("the face options (" + ", ".join(f"--{k} {was.get(k)}, now {v}" for k, v in
-                                                         new["detection"].items() if was.get(k) != v) + ")")
+            said.append(
+                "the face options ("
+                + ", ".join(
+                    f"--{k} {was.get(k)}, now {v}" for k, v in new["detection"].items() if was.get(k) != v
+                )
+                + ")"
+            )
         return said
 
 
-def enrol(folder: str, model, align: bool = False, cache: str | None = None, rebuild: bool = False,
-          batch_size: int = 64, show_progress: bool = True,
-          strict: bool = False, save_every_s: float = SAVE_EVERY_S, workers: int = 1) -> Enrolment:
+def enrol(
+    folder: str,
+    model,
+    align: bool = False,
+    cache: str | None = None,
+    rebuild: bool = False,
+    batch_size: int = 64,
+    show_progress: bool = True,
+    strict: bool = False,
+    save_every_s: float = SAVE_EVERY_S,
+    workers: int = 1,
+) -> Enrolment:
     """The gallery of `folder` under `model`, from its cache file where still valid, saved when anything
     is new. `strict`: a gallery image without a face is refused (after the enrolment is saved)."""
     people = list_gallery(folder)
@@ -176,8 +240,18 @@ def enrol(folder: str, model, align: bool = False, cache: str | None = None, reb
     for path in todo.values():  # every header before the first embedding
         check_image(path, model.template, align)
     progress = Progress(len(todo), "enrolling").update if show_progress and todo else None
-    for key, photo in zip(todo, analyse(model, list(todo.values()), workers, largest_only=True, align=align,
-                                        batch_size=batch_size, progress=progress)):
+    for key, photo in zip(
+        todo,
+        analyse(
+            model,
+            list(todo.values()),
+            workers,
+            largest_only=True,
+            align=align,
+            batch_size=batch_size,
+            progress=progress,
+        ),
+    ):
         store.put(key, photo.face.embedding if photo.face is not None else None)
     store.save()  # before any refusal
     rows, means = iter([store.get(k) for k in keys]), []
@@ -197,9 +271,14 @@ def enrol(folder: str, model, align: bool = False, cache: str | None = None, reb
     # templates of different people in nearly the same direction: every query would score alike for everyone
     mean = mean_cross_cosine(gallery.templates) if len(names) > 1 else 0.0
     if mean > COLLAPSED:
-        logger.warning("%s: the %d people's templates are nearly identical (mean cosine %.4f between different "
-                       "people): this model does not tell them apart, so its answers mean nothing (a collapsed "
-                       "or untrained model?)", cache, len(names), mean)
+        logger.warning(
+            "%s: the %d people's templates are nearly identical (mean cosine %.4f between different "
+            "people): this model does not tell them apart, so its answers mean nothing (a collapsed "
+            "or untrained model?)",
+            cache,
+            len(names),
+            mean,
+        )
     return gallery
 
 
@@ -213,8 +292,9 @@ def mean_cross_cosine(templates: np.ndarray) -> float:
 
 def identify(gallery: Enrolment, queries: np.ndarray, k: int = 1, engine: str = "auto", device="cpu"):
     """(scores, person indices), Q x min(k, people), best first; `engine`, `device`: as infer.search.make_index."""
-    index = make_index(gallery.templates.shape[1], engine, size=len(gallery.templates), queries=len(queries),
-                       device=device)
+    index = make_index(
+        gallery.templates.shape[1], engine, size=len(gallery.templates), queries=len(queries), device=device
+    )
     index.add(gallery.templates)
     return index.search(queries, k)
 
@@ -223,6 +303,7 @@ def identify(gallery: Enrolment, queries: np.ndarray, k: int = 1, engine: str = 
 class Match:
     """A query photo's face and who it is: `name` (None: nobody reaches the threshold), `score` the best
     person's cosine, `face`, and `candidates`, the `top` best (name, score), best first, whatever the threshold."""
+
     name: str | None
     score: float
     face: Face
@@ -233,14 +314,17 @@ class Match:
         return self.face.box
 
 
-def matches(faces: list[Face], enrolment, threshold: float, top: int = 1, engine: str = "auto",
-            device="cpu") -> list[Match]:
+def matches(
+    faces: list[Face], enrolment, threshold: float, top: int = 1, engine: str = "auto", device="cpu"
+) -> list[Match]:
     """Each embedded face's Match (anything with .embedding: a Face, an EmbeddedFace) against the people."""
     if not faces:
         return []
     scores, ids = identify(enrolment, np.stack([f.embedding for f in faces]), top, engine, device)
     best = [[(enrolment.names[j], float(v)) for v, j in zip(s, i) if j >= 0] for s, i in zip(scores, ids)]
-    return [Match(b[0][0] if b[0][1] >= threshold else None, b[0][1], face, b) for face, b in zip(faces, best)]
+    return [
+        Match(b[0][0] if b[0][1] >= threshold else None, b[0][1], face, b) for face, b in zip(faces, best)
+    ]
 
 
 class Gallery:

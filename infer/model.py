@@ -12,6 +12,7 @@ another template (the 112x112 `.bin` sets, a student's batch) are re-framed by `
 
 MODEL `dlib` is dlib's face descriptor (infer.weights): 128-D on dlib's 150x150 chip, cut exactly as
 dlib cuts it (faces.dlib_chip), so its embeddings are face_recognition's `face_encodings`."""
+
 from __future__ import annotations
 
 import functools
@@ -34,19 +35,26 @@ from faces.dlib_chip import DLIB_150
 from faces.models import model_file
 from faces.stream import open_image
 from infer.embed import module_device
-from infer.stream import analyse, embed_crops
 from infer.onnx import OnnxBackbone
+from infer.stream import analyse, embed_crops
 from infer.thresholds import DLIB_OWN, Threshold, run_threshold
 from infer.weights import DLIB, DLIB_FILE, dlib_state, load_backbone
 
 MODEL_HELP = "run output, checkpoint dir, model.pt (ShardFace or arcface_torch), .onnx or dlib"
 PRECISIONS = ("fp32", "fp16", "bf16")
-FOUND, NOBODY = (0, 220, 90), (255, 170, 0)  # Model.draw's colours: a face named or plainly found; one matching nobody
+FOUND, NOBODY = (
+    (0, 220, 90),
+    (255, 170, 0),
+)  # Model.draw's colours: a face named or plainly found; one matching nobody
 
 
 def tool_device() -> torch.device:
     """Where a one-process tool runs a model: the current GPU, else the CPU (a training rank passes its own)."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
 
 def model_kind(spec: str) -> str:
@@ -64,6 +72,7 @@ def model_files(spec: str) -> list[str]:
     if not os.path.isdir(spec):
         return [spec, os.path.join(os.path.dirname(os.path.abspath(spec)), "config.json")]
     from checkpoint.folders import find_checkpoint
+
     ckpt = find_checkpoint(spec) or spec
     run = [os.path.join(spec, f) for f in ("config.json", "latest", "model.pt")]
     return run + ([os.path.join(ckpt, f) for f in os.listdir(ckpt)] if os.path.isdir(ckpt) else [])
@@ -72,6 +81,7 @@ def model_files(spec: str) -> list[str]:
 @dataclass(frozen=True)
 class Comparison:
     """Two photos compared: the cosine of their largest faces and the verdict at `threshold` (None: none known)."""
+
     score: float
     same: bool | None
     threshold: float | None
@@ -86,13 +96,14 @@ class Comparison:
 @dataclass
 class Model:
     """A frozen face-embedding network, the crop it wants, and what derived files record of it."""
-    module: nn.Module       # eval mode; N x 3 x h x w float in [-1, 1] -> N x D
-    template: Template      # the crop geometry (size and five-point positions) it was trained on
-    name: str               # the MODEL it was loaded from, for messages and derived files
-    fingerprint: str        # a hash of its weights (or ONNX file): derived files record it
+
+    module: nn.Module  # eval mode; N x 3 x h x w float in [-1, 1] -> N x D
+    template: Template  # the crop geometry (size and five-point positions) it was trained on
+    name: str  # the MODEL it was loaded from, for messages and derived files
+    fingerprint: str  # a hash of its weights (or ONNX file): derived files record it
     threshold: Threshold | None = None  # its own verdict threshold (infer/thresholds.py), if it has one
-    ema: bool = True        # the EMA weights were asked for (False: --no_ema); derived files record it
-    kind: str = "weights"   # model_kind(name): "dlib", "onnx" or "weights"
+    ema: bool = True  # the EMA weights were asked for (False: --no_ema); derived files record it
+    kind: str = "weights"  # model_kind(name): "dlib", "onnx" or "weights"
     detection: Detection = Detection()  # how `faces` and `embed` find faces in photos
     precision: str = "fp32"  # on a GPU, "fp16" or "bf16" embeds under autocast (infer.embed)
     # from_crops' warps per (template, device, dtype), made once: each made anew would wait on a host copy
@@ -122,18 +133,25 @@ class Model:
         if self._is_own(made_for):
             return x
         key = (made_for.size, np.asarray(made_for.points, np.float64).tobytes(), x.device, x.dtype)
-        if key not in self._thetas:  # 1 x 2 x 3: output pixel -> input pixel, in affine_grid's [-1, 1] coordinates
+        if (
+            key not in self._thetas
+        ):  # 1 x 2 x 3: output pixel -> input pixel, in affine_grid's [-1, 1] coordinates
             m = similarity_transform(self.template.points, made_for.points)
             (h_out, w_out), (h_in, w_in) = self.template.size, made_for.size
             to_px = np.array([[w_out / 2, 0, w_out / 2 - 0.5], [0, h_out / 2, h_out / 2 - 0.5], [0, 0, 1]])
             to_grid = np.array([[2 / w_in, 0, 1 / w_in - 1], [0, 2 / h_in, 1 / h_in - 1], [0, 0, 1]])
             theta = (to_grid @ np.vstack([m, [0, 0, 1]]) @ to_px)[:2]
             self._thetas[key] = torch.as_tensor(theta, dtype=x.dtype, device=x.device)[None]
-        grid = torch.nn.functional.affine_grid(self._thetas[key].expand(len(x), 2, 3),
-                                               [len(x), 3, *self.template.size], align_corners=False)
+        grid = torch.nn.functional.affine_grid(
+            self._thetas[key].expand(len(x), 2, 3), [len(x), 3, *self.template.size], align_corners=False
+        )
         # outside the crop is black, as alignment leaves it: -1 in [-1, 1]
-        return torch.nn.functional.grid_sample(x + 1, grid, mode="bilinear", padding_mode="zeros",
-                                               align_corners=False) - 1
+        return (
+            torch.nn.functional.grid_sample(
+                x + 1, grid, mode="bilinear", padding_mode="zeros", align_corners=False
+            )
+            - 1
+        )
 
     def for_crops(self, made_for: Template = ARCFACE_112) -> nn.Module:
         """A module taking [-1, 1] crops aligned to `made_for` (the .bin sets' 112x112, IJB's):
@@ -144,16 +162,19 @@ class Model:
         return made_for.size == self.template.size and np.allclose(made_for.points, self.template.points)
 
     # the Python API: the face stream's two functions as methods (infer.stream), and thin layers on them
-    analyse = analyse            # model.analyse(photos, workers=4): each photo with its faces and their embeddings
-    embed_crops = embed_crops    # model.embed_crops(crops, made_for=None): crops aligned to a template, embedded
+    analyse = analyse  # model.analyse(photos, workers=4): each photo with its faces and their embeddings
+    embed_crops = (
+        embed_crops  # model.embed_crops(crops, made_for=None): crops aligned to a template, embedded
+    )
 
     def faces(self, photo, flip: bool = True) -> list[Face]:
         """Every face of one photo, largest first, each with its embedding."""
         (found,) = self.analyse([photo], flip=flip)
         return found.faces
 
-    def embed(self, photos, align: bool = True, flip: bool = True, batch_size: int = 64,
-              missing: str = "raise") -> np.ndarray:
+    def embed(
+        self, photos, align: bool = True, flip: bool = True, batch_size: int = 64, missing: str = "raise"
+    ) -> np.ndarray:
         """N x D float32 unit rows, one per photo: with `align`, its largest face; without, the photo taken
         as a crop aligned for this model. A photo without a face is a DataError naming it (`missing="raise"`)
         or a row of NaN (`missing="nan"`). One photo (not in a list) gives one row of D. `flip` adds the
@@ -163,12 +184,15 @@ class Model:
         if isinstance(photos, bytes):
             raise DataError("bytes: not a photo (a path, a PIL image or an array, or a list of them)")
         single = isinstance(photos, (str, os.PathLike, Image.Image)) or (
-            isinstance(photos, np.ndarray) and photos.ndim in (2, 3) and photos.dtype == np.uint8)
+            isinstance(photos, np.ndarray) and photos.ndim in (2, 3) and photos.dtype == np.uint8
+        )
         rows = []
         for photo in self.analyse([photos] if single else list(photos), 1, flip, True, align, batch_size):
             if photo.face is None and missing == "raise":
                 raise DataError(f"{photo.name}: no face found")
-            rows.append(photo.face.embedding if photo.face is not None else np.full(self.dim, np.nan, np.float32))
+            rows.append(
+                photo.face.embedding if photo.face is not None else np.full(self.dim, np.nan, np.float32)
+            )
         out = np.stack(rows) if rows else np.zeros((0, self.dim), np.float32)
         return out[0] if single else out
 
@@ -212,8 +236,9 @@ class _Reframed(nn.Module):
         return self.inner(self.model.from_crops(x, self.made_for))
 
 
-def load_module(spec: str, network: str | None = None, ema: bool = True,
-                device: torch.device | None = None) -> nn.Module:
+def load_module(
+    spec: str, network: str | None = None, ema: bool = True, device: torch.device | None = None
+) -> nn.Module:
     """The eval-mode network of a MODEL: an `.onnx` through onnxruntime; `dlib`'s (150x150 chip) or
     trained weights (infer.weights.load_backbone) on `device` (default `tool_device()`)."""
     kind = model_kind(spec)
@@ -227,8 +252,14 @@ def load_module(spec: str, network: str | None = None, ema: bool = True,
     return module.eval().to(device if device is not None else tool_device())
 
 
-def load_model(spec: str, network: str | None = None, ema: bool = True, device: torch.device | None = None,
-               detection: Detection = Detection(), precision: str = "fp32") -> Model:
+def load_model(
+    spec: str,
+    network: str | None = None,
+    ema: bool = True,
+    device: torch.device | None = None,
+    detection: Detection = Detection(),
+    precision: str = "fp32",
+) -> Model:
     """The Model of a MODEL argument on `device` (default `tool_device()`; an `.onnx` runs where onnxruntime
     places it), finding faces with `detection`, embedding at `precision` (fp16, bf16: autocast on a GPU only)."""
     if precision not in PRECISIONS:
@@ -236,7 +267,12 @@ def load_model(spec: str, network: str | None = None, ema: bool = True, device: 
     kind = model_kind(spec)
     module = load_module(spec, network, ema, device)
     if kind == "dlib":  # one set of weights, no EMA to choose
-        template, fingerprint, threshold, ema = DLIB_150, fingerprint_file(model_file(DLIB_FILE)), DLIB_OWN, True
+        template, fingerprint, threshold, ema = (
+            DLIB_150,
+            fingerprint_file(model_file(DLIB_FILE)),
+            DLIB_OWN,
+            True,
+        )
     elif kind == "onnx":
         template, fingerprint, threshold = module.template, fingerprint_file(spec), module.threshold
     else:  # the hash files derived from these weights record (checkpoint.state.weights_fingerprint)

@@ -1,6 +1,7 @@
 """MODEL form `.onnx`: an exported model (scripts/export_onnx.py) run by onnxruntime behind the
 module interface the rest of the code takes. Its crop template and its threshold travel in the
 file's metadata (`TEMPLATE_KEY`, infer.thresholds.THRESHOLD_KEY)."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,9 @@ TEMPLATE_KEY = "shardface.template"  # ONNX metadata: the crop template the mode
 
 
 def template_json(template: Template) -> str:
-    return json.dumps({"name": template.name, "size": list(template.size),
-                       "points": np.asarray(template.points).tolist()})
+    return json.dumps(
+        {"name": template.name, "size": list(template.size), "points": np.asarray(template.points).tolist()}
+    )
 
 
 MIN_SPREAD = 0.02  # the five points' spread across their narrower principal axis, in crop sides
@@ -42,8 +44,11 @@ def template_problem(template: Template) -> str | None:
         return f"point {int(np.flatnonzero(outside)[0]) + 1} lies outside the {width}x{height} crop"
     spread = np.linalg.svd(points - points.mean(0), compute_uv=False) / np.sqrt(len(points))
     if spread[-1] < MIN_SPREAD * min(height, width):
-        return ("its five points coincide" if spread[0] < MIN_SPREAD * min(height, width)
-                else "its five points lie on one line") + f" (spread {spread[-1]:.2f} pixels)"
+        return (
+            "its five points coincide"
+            if spread[0] < MIN_SPREAD * min(height, width)
+            else "its five points lie on one line"
+        ) + f" (spread {spread[-1]:.2f} pixels)"
     return None
 
 
@@ -57,9 +62,12 @@ class OnnxBackbone(nn.Module):
         import onnx  # only the ONNX form needs them
         import onnxruntime as ort
         from onnx import numpy_helper
+
         if not os.path.isfile(path):
             raise CheckpointError(f"{path}: ONNX model not found")
-        providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
+        providers = [
+            p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()
+        ]
         options = ort.SessionOptions()
         # torch's thread count (torchrun gives each of W ranks its share), not a pool of every core per process
         options.intra_op_num_threads = torch.get_num_threads()
@@ -77,14 +85,20 @@ class OnnxBackbone(nn.Module):
         self.threshold = saved_threshold(record, f"{path} metadata")
         inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
         if len(inputs) != 1 or list(inputs[0].shape[1:]) != [3, *self.template.size]:
-            raise CheckpointError(f"{path}: expected one input of shape N x 3 x {self.template.size[0]} x "
-                                  f"{self.template.size[1]} (as scripts.export_onnx writes), got "
-                                  f"{[(i.name, i.shape) for i in inputs]}")
+            raise CheckpointError(
+                f"{path}: expected one input of shape N x 3 x {self.template.size[0]} x "
+                f"{self.template.size[1]} (as scripts.export_onnx writes), got "
+                f"{[(i.name, i.shape) for i in inputs]}"
+            )
         if len(outputs[0].shape) != 2:
-            raise CheckpointError(f"{path}: its output '{outputs[0].name}' has shape {outputs[0].shape}, not "
-                                  f"N x D (one embedding per image); export the embedding, not a feature map")
+            raise CheckpointError(
+                f"{path}: its output '{outputs[0].name}' has shape {outputs[0].shape}, not "
+                f"N x D (one embedding per image); export the embedding, not a feature map"
+            )
         weights = {w.name: numpy_helper.to_array(w) for w in graph.initializer}
-        refuse_non_finite({k: torch.from_numpy(w.copy()) for k, w in weights.items() if w.dtype.kind == "f"}, path)
+        refuse_non_finite(
+            {k: torch.from_numpy(w.copy()) for k, w in weights.items() if w.dtype.kind == "f"}, path
+        )
         self.input_name = inputs[0].name
         batch = inputs[0].shape[0]
         self.fixed_batch = batch if isinstance(batch, int) and batch > 0 else None
@@ -96,13 +110,18 @@ class OnnxBackbone(nn.Module):
             return ARCFACE_112
         try:
             t = json.loads(recorded)
-            template = Template(str(t["name"]), (int(t["size"][0]), int(t["size"][1])),
-                                np.asarray(t["points"], np.float64).reshape(5, 2))
+            template = Template(
+                str(t["name"]),
+                (int(t["size"][0]), int(t["size"][1])),
+                np.asarray(t["points"], np.float64).reshape(5, 2),
+            )
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise CheckpointError(f"{path}: unreadable {TEMPLATE_KEY} metadata ({exc})") from None
         problem = template_problem(template)
         if problem:
-            raise CheckpointError(f"{path}: {TEMPLATE_KEY} metadata names no usable crop ({problem}): {recorded}")
+            raise CheckpointError(
+                f"{path}: {TEMPLATE_KEY} metadata names no usable crop ({problem}): {recorded}"
+            )
         return template
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -111,11 +130,13 @@ class OnnxBackbone(nn.Module):
         step = self.fixed_batch or max(n, 1)
         parts = []
         for start in range(0, n, step):
-            chunk = x[start:start + step]
+            chunk = x[start : start + step]
             if len(chunk) < step:  # a fixed batch size: pad the last chunk, keep its rows only
                 chunk = np.concatenate([chunk, np.zeros((step - len(chunk), *chunk.shape[1:]), chunk.dtype)])
-            parts.append(self.session.run(None, {self.input_name: chunk})[0][:min(step, n - start)])
+            parts.append(self.session.run(None, {self.input_name: chunk})[0][: min(step, n - start)])
         out = np.concatenate(parts) if parts else np.zeros((0, 0), np.float32)
         if out.ndim != 2 or out.shape[0] != n:
-            raise CheckpointError(f"{self.path}: output of shape {out.shape} for {n} images; expected {n} x D")
+            raise CheckpointError(
+                f"{self.path}: output of shape {out.shape} for {n} images; expected {n} x D"
+            )
         return torch.from_numpy(out).to(images.device)

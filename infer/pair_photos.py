@@ -8,6 +8,7 @@ each photo is searched once under the tools' face options, those without a face 
 Both are cached (infer.cache) beside the list, or in `cache_paths`' folder: the faces, for every
 model, in `LIST.shardface_faces.npz` (`FacesCache`); each model's embeddings, keyed by the face cut
 (right whichever search found it), in `LIST.shardface_pairs.FINGERPRINT.npz` (`EmbeddingCache`)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,14 +27,19 @@ from infer.cache import Cache, content_key
 from infer.stream import analyse
 from utils.progress import Progress
 
-SHOWN = 20           # photos named in a report
-SHAPE = 68           # the most points of dlib's shape a face row holds
+SHOWN = 20  # photos named in a report
+SHAPE = 68  # the most points of dlib's shape a face row holds
 
 
 class FacesCache(Cache):
     """(photo content, face options) -> its size and largest face, as one row (`_row`)."""
-    kind, what, hint, redo = "shardface pair-list faces", "pair-list cache file", "pass --cache_dir DIR", \
-        "searching every photo again"
+
+    kind, what, hint, redo = (
+        "shardface pair-list faces",
+        "pair-list cache file",
+        "pass --cache_dir DIR",
+        "searching every photo again",
+    )
     field = "faces"
 
     def __init__(self, path: str | None):
@@ -42,8 +48,13 @@ class FacesCache(Cache):
 
 class EmbeddingCache(Cache):
     """(photo content, face) -> one model's raw embeddings of the crop and of its mirror, 2 x D."""
-    kind, what, hint, redo = "shardface pair-list embeddings", FacesCache.what, FacesCache.hint, \
-        "embedding every photo again"
+
+    kind, what, hint, redo = (
+        "shardface pair-list embeddings",
+        FacesCache.what,
+        FacesCache.hint,
+        "embedding every photo again",
+    )
 
     def __init__(self, path: str | None, model):
         super().__init__(path, {"fingerprint": model.fingerprint, "crop": model.crop_name}, (2, model.dim))
@@ -55,7 +66,9 @@ def cache_paths(list_path: str, fingerprint: str | None, folder: str | None = No
     list_path = list_path.rstrip(os.sep) or list_path
     home = list_path if os.path.isdir(list_path) else os.path.dirname(os.path.abspath(list_path))
     base = os.path.join(folder if folder is not None else home, os.path.basename(os.path.abspath(list_path)))
-    return f"{base}.shardface_faces.npz", (f"{base}.shardface_pairs.{fingerprint}.npz" if fingerprint else None)
+    return f"{base}.shardface_faces.npz", (
+        f"{base}.shardface_pairs.{fingerprint}.npz" if fingerprint else None
+    )
 
 
 def check_cache(path: str) -> None:
@@ -70,14 +83,22 @@ def _row(size: tuple[int, int], face: Face | None) -> np.ndarray:
     if face is not None:
         shape = np.zeros((0, 2)) if face.shape is None else np.asarray(face.shape)
         row[3:19] = (*face.box, *np.ravel(face.points), face.score, len(shape))
-        row[19:19 + shape.size] = shape.ravel()
+        row[19 : 19 + shape.size] = shape.ravel()
     return row
 
 
 def _face(row: np.ndarray) -> tuple[tuple[int, int], Face | None]:
     n = int(row[18])
-    face = Face(tuple(float(v) for v in row[3:7]), row[7:17].reshape(5, 2).copy(), float(row[17]),
-                row[19:19 + 2 * n].reshape(n, 2).copy() if n else None) if row[2] else None
+    face = (
+        Face(
+            tuple(float(v) for v in row[3:7]),
+            row[7:17].reshape(5, 2).copy(),
+            float(row[17]),
+            row[19 : 19 + 2 * n].reshape(n, 2).copy() if n else None,
+        )
+        if row[2]
+        else None
+    )
     return (int(row[0]), int(row[1])), face
 
 
@@ -85,6 +106,7 @@ def _face(row: np.ndarray) -> tuple[tuple[int, int], Face | None]:
 class Retries:
     """Searches again of the photos where no face was found: the same detector with `upsample`
     doublings (None: not tried), then dlib's CNN (MMOD) detector (`mmod`)."""
+
     upsample: int | None = None
     mmod: bool = False
 
@@ -92,7 +114,9 @@ class Retries:
         """[(the option, the Detection it searches with)], in the order they are tried."""
         out = []
         if self.upsample is not None:
-            out.append((f"--retry_upsample {self.upsample}", dataclasses.replace(detection, upsample=self.upsample)))
+            out.append(
+                (f"--retry_upsample {self.upsample}", dataclasses.replace(detection, upsample=self.upsample))
+            )
         if self.mmod:
             out.append(("--retry_mmod", dataclasses.replace(detection, detector="mmod")))
         return out
@@ -101,32 +125,45 @@ class Retries:
 @dataclass
 class PairFaces:
     """Every photo's face: its largest detected one, or its fallback."""
+
     faces: dict[str, Face]
-    content: dict[str, str]                     # each photo's content key (infer.cache.content_key)
-    fallbacks: list[str]                        # photos given the fallback face, in order
-    recovered: list[tuple[str, int, int]]       # (retry option, photos it found a face in, photos it searched)
-    searched: int                               # photo searches run now (the rest came from the cache)
+    content: dict[str, str]  # each photo's content key (infer.cache.content_key)
+    fallbacks: list[str]  # photos given the fallback face, in order
+    recovered: list[tuple[str, int, int]]  # (retry option, photos it found a face in, photos it searched)
+    searched: int  # photo searches run now (the rest came from the cache)
 
     def report(self, pairs: list[tuple[str, str]]) -> list[str]:
         """Lines counting the searches the cache answered and what the retries recovered, naming fallbacks."""
         cached = len(self.faces) + sum(tried for _, _, tried in self.recovered) - self.searched
         lines = [f"faces: {self.searched} photo searches run, {cached} answered by the cache"]
-        lines += [f"{option}: a face found in {found} of the {tried} photos searched again"
-                  for option, found, tried in self.recovered]
+        lines += [
+            f"{option}: a face found in {found} of the {tried} photos searched again"
+            for option, found, tried in self.recovered
+        ]
         if self.fallbacks:
             fallback, tried = set(self.fallbacks), {option.split()[0] for option, _, _ in self.recovered}
             untried = [o for o in ("--retry_upsample N", "--retry_mmod") if o.split()[0] not in tried]
-            lines.append(f"no face found in {len(self.fallbacks)} of {len(self.faces)} photos (in "
-                         f"{sum(a in fallback or b in fallback for a, b in pairs)} of {len(pairs)} pairs): each is "
-                         "cut at a fallback face, the set's median face at its place and scale in the photo"
-                         + (f" ({' or '.join(untried)} may find more)" if untried else "") + ":")
+            lines.append(
+                f"no face found in {len(self.fallbacks)} of {len(self.faces)} photos (in "
+                f"{sum(a in fallback or b in fallback for a, b in pairs)} of {len(pairs)} pairs): each is "
+                "cut at a fallback face, the set's median face at its place and scale in the photo"
+                + (f" ({' or '.join(untried)} may find more)" if untried else "")
+                + ":"
+            )
             lines += [f"  {p}" for p in self.fallbacks[:SHOWN]]
             lines += [f"  and {len(self.fallbacks) - SHOWN} more"] if len(self.fallbacks) > SHOWN else []
         return lines
 
 
-def _search(photos: list[str], detection: Detection, content: dict, cache: FacesCache, label: str,
-            show_progress: bool, workers: int = 1) -> tuple[dict[str, tuple[tuple[int, int], Face | None]], int]:
+def _search(
+    photos: list[str],
+    detection: Detection,
+    content: dict,
+    cache: FacesCache,
+    label: str,
+    show_progress: bool,
+    workers: int = 1,
+) -> tuple[dict[str, tuple[tuple[int, int], Face | None]], int]:
     """({photo: (its size, its largest face or None)}, searches run) under `detection`, on `workers`."""
     options = json.dumps(dataclasses.asdict(detection), sort_keys=True)
     keys = {p: f"{content[p]}|{options}" for p in photos}
@@ -137,9 +174,15 @@ def _search(photos: list[str], detection: Detection, content: dict, cache: Faces
     return {p: _face(cache.get(keys[p])) for p in photos}, len(todo)
 
 
-def pair_faces(photos: list[str], detection: Detection = Detection(), retries: Retries = Retries(),
-               cache: FacesCache | None = None, strict: bool = False, show_progress: bool = True,
-               workers: int = 1) -> PairFaces:
+def pair_faces(
+    photos: list[str],
+    detection: Detection = Detection(),
+    retries: Retries = Retries(),
+    cache: FacesCache | None = None,
+    strict: bool = False,
+    show_progress: bool = True,
+    workers: int = 1,
+) -> PairFaces:
     """Each photo's face (see the module docstring); `strict` refuses photos without one instead
     of giving them the fallback. Unreadable photos are an ImageDecodeError naming them."""
     cache = cache if cache is not None else FacesCache(None)
@@ -151,7 +194,9 @@ def pair_faces(photos: list[str], detection: Detection = Detection(), retries: R
             missing = [p for p in photos if found[p][1] is None]
             if not missing:
                 break
-            more, n = _search(missing, again, content, cache, f"finding faces ({option})", show_progress, workers)
+            more, n = _search(
+                missing, again, content, cache, f"finding faces ({option})", show_progress, workers
+            )
             searched += n
             found.update({p: v for p, v in more.items() if v[1] is not None})
             recovered.append((option, sum(v[1] is not None for v in more.values()), len(missing)))
@@ -161,12 +206,18 @@ def pair_faces(photos: list[str], detection: Detection = Detection(), retries: R
     if missing:
         named = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         if strict:
-            raise DataError(f"no face found in {len(missing)} of {len(photos)} photos: {named}; --strict refuses "
-                            "them (without it each is cut at a fallback face, and no pair is dropped)")
+            raise DataError(
+                f"no face found in {len(missing)} of {len(photos)} photos: {named}; --strict refuses "
+                "them (without it each is cut at a fallback face, and no pair is dropped)"
+            )
         if len(missing) == len(photos):
-            raise DataError(f"no face found in any of the {len(photos)} photos ({named}): a fallback face takes its "
-                            "place and scale from the faces found, so there is nothing to place it by")
-    fallback = Fallback.of([(face, size) for size, face in found.values() if face is not None]) if missing else None
+            raise DataError(
+                f"no face found in any of the {len(photos)} photos ({named}): a fallback face takes its "
+                "place and scale from the faces found, so there is nothing to place it by"
+            )
+    fallback = (
+        Fallback.of([(face, size) for size, face in found.values() if face is not None]) if missing else None
+    )
     faces = {p: found[p][1] if found[p][1] is not None else fallback.face(found[p][0]) for p in photos}
     return PairFaces(faces, content, missing, recovered, searched)
 
@@ -174,16 +225,23 @@ def pair_faces(photos: list[str], detection: Detection = Detection(), retries: R
 @dataclass
 class PairEmbeddings:
     """Raw embeddings of each photo's crop and of its mirror image, rows as the photos given."""
+
     emb: np.ndarray
     emb_flip: np.ndarray
-    embedded: int   # photos embedded now (the rest came from the cache)
+    embedded: int  # photos embedded now (the rest came from the cache)
 
     def report(self) -> str:
         return f"embeddings: {self.embedded} photos embedded, {len(self.emb) - self.embedded} from the cache"
 
 
-def pair_embeddings(model, photos: list[str], faces: PairFaces, cache: EmbeddingCache | None = None,
-                    batch_size: int = 64, show_progress: bool = True) -> PairEmbeddings:
+def pair_embeddings(
+    model,
+    photos: list[str],
+    faces: PairFaces,
+    cache: EmbeddingCache | None = None,
+    batch_size: int = 64,
+    show_progress: bool = True,
+) -> PairEmbeddings:
     """Each photo's crop for `model` (its own template) embedded with its mirror image, read from
     the cache where it has them (infer.stream refuses embeddings that are not finite)."""
     cache = cache if cache is not None else EmbeddingCache(None, model)
@@ -191,8 +249,17 @@ def pair_embeddings(model, photos: list[str], faces: PairFaces, cache: Embedding
     todo = [p for p in photos if keys[p] not in cache]
     progress = Progress(len(todo), "embedding").update if show_progress and len(todo) > batch_size else None
     try:
-        for p, photo in zip(todo, analyse(model, todo, faces=[[faces.faces[p]] for p in todo], batch_size=batch_size,
-                                          progress=progress, raw=True)):
+        for p, photo in zip(
+            todo,
+            analyse(
+                model,
+                todo,
+                faces=[[faces.faces[p]] for p in todo],
+                batch_size=batch_size,
+                progress=progress,
+                raw=True,
+            ),
+        ):
             cache.put(keys[p], photo.face.embedding)
     finally:
         cache.save()

@@ -10,6 +10,7 @@ on the engine, the block sizes or the thread count. k is clamped to the gallery'
 anything is allocated, so `--top 1000000000` gives N columns, not Q x k places of nothing (faiss
 would allocate them, padded with score -inf and id -1). Neither engine is the faster everywhere:
 `pick_engine` reads the table `FASTER` (benchmarks/runs/search_grid.md)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -68,7 +69,7 @@ def _block_top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     crowded = values[:, k - 1] == values[:, k]
     if bool(crowded.any()):
         rows = crowded.nonzero().squeeze(1)
-        cols[rows] = torch.argsort(scores[rows], dim=1, descending=True, stable=True)[:, :k + 1]
+        cols[rows] = torch.argsort(scores[rows], dim=1, descending=True, stable=True)[:, : k + 1]
         values[rows] = scores[rows].gather(1, cols[rows])
     return values[:, :k], cols[:, :k]
 
@@ -82,8 +83,14 @@ class ExactIndex:
     product: benchmarks/README.md, '1:N search'), laid out as Q x B for torch.topk along contiguous rows,
     in two reused tiles (a fresh one of several MB per block would cost its page faults every time)."""
 
-    def __init__(self, dim: int, dtype: torch.dtype = torch.float32, gallery_block: int = 8192,
-                 query_block: int = 512, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        dim: int,
+        dtype: torch.dtype = torch.float32,
+        gallery_block: int = 8192,
+        query_block: int = 512,
+        device: torch.device | str = "cpu",
+    ):
         self.dim, self.dtype, self.device = dim, dtype, torch.device(device)
         self.gallery_block, self.query_block = gallery_block, query_block
         self.blocks: list[torch.Tensor] = []
@@ -103,7 +110,11 @@ class ExactIndex:
     def search(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         k = _clamped(k, self.ntotal)
         on = {"device": self.device}
-        q_all = torch.as_tensor(_check_rows(x, self.dim, "search"), dtype=torch.float32).to(self.device).contiguous()
+        q_all = (
+            torch.as_tensor(_check_rows(x, self.dim, "search"), dtype=torch.float32)
+            .to(self.device)
+            .contiguous()
+        )
         best_s = torch.full((len(q_all), k), -torch.inf, **on)
         best_i = torch.full((len(q_all), k), -1, dtype=torch.int64, **on)
         if not len(q_all) or not self.blocks:
@@ -114,16 +125,17 @@ class ExactIndex:
         as_float = torch.empty(rows, self.dim, **on) if self.dtype != torch.float32 else None
         offset = 0
         for block in self.blocks:
-            g = block if as_float is None else as_float[:len(block)].copy_(block)
+            g = block if as_float is None else as_float[: len(block)].copy_(block)
             for qs in range(0, len(q_all), self.query_block):
-                q = q_all[qs:qs + self.query_block]
+                q = q_all[qs : qs + self.query_block]
                 n = len(g) * len(q)
                 scores = torch.mm(g, q.T, out=by_gallery[:n].view(len(g), len(q)))
                 scores = by_query[:n].view(len(q), len(g)).copy_(scores.T)
                 s, cols = _block_top(scores, k)
                 mine = slice(qs, qs + len(q))
-                best_s[mine], best_i[mine] = _order(torch.cat([best_s[mine], s], 1),
-                                                    torch.cat([best_i[mine], cols + offset], 1), k)
+                best_s[mine], best_i[mine] = _order(
+                    torch.cat([best_s[mine], s], 1), torch.cat([best_i[mine], cols + offset], 1), k
+                )
             offset += len(block)
         return best_s.cpu().numpy(), best_i.cpu().numpy()
 
@@ -135,9 +147,13 @@ class FaissIndex:
 
     def __init__(self, dim: int, fp16: bool = False):
         import faiss  # only this engine needs it
+
         self.dim = dim
-        self.index = (faiss.IndexScalarQuantizer(dim, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
-                      if fp16 else faiss.IndexFlatIP(dim))
+        self.index = (
+            faiss.IndexScalarQuantizer(dim, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
+            if fp16
+            else faiss.IndexFlatIP(dim)
+        )
 
     @property
     def ntotal(self) -> int:
@@ -176,16 +192,26 @@ def pick_engine(size: int, queries: int, threads: int, fp16: bool = False) -> st
     return FASTER[n, q][(threads > 1) + 2 * fp16]
 
 
-def make_index(dim: int, engine: str = "exact", fp16: bool = False, size: int | None = None,
-               queries: int | None = None, device: torch.device | str = "cpu") -> ExactIndex | FaissIndex:
+def make_index(
+    dim: int,
+    engine: str = "exact",
+    fp16: bool = False,
+    size: int | None = None,
+    queries: int | None = None,
+    device: torch.device | str = "cpu",
+) -> ExactIndex | FaissIndex:
     """An empty index of `engine` for `dim`-D vectors: "exact" (ours), "faiss" (IndexFlatIP) or "auto", the
     faster by `pick_engine` for a gallery of `size` rows, `queries` queries at once and torch's thread count;
     on a GPU `device` (the model's) auto is ours there, as faiss-cpu cannot search on it."""
     device = torch.device(device)
     if engine == "auto":
         if size is None or queries is None:
-            raise ValueError("engine auto picks by the gallery's size and the number of queries: give size and queries")
-        engine = "exact" if device.type == "cuda" else pick_engine(size, queries, torch.get_num_threads(), fp16)
+            raise ValueError(
+                "engine auto picks by the gallery's size and the number of queries: give size and queries"
+            )
+        engine = (
+            "exact" if device.type == "cuda" else pick_engine(size, queries, torch.get_num_threads(), fp16)
+        )
     if engine == "exact":
         return ExactIndex(dim, torch.float16 if fp16 else torch.float32, device=device)
     if engine == "faiss":

@@ -1,6 +1,7 @@
 """Photos to embedded faces: the face stream (faces.stream) cut to a model's crop, each batch of crops
 embedded while the workers find the next photos' faces. The only forward of a model on photos: the
 Python API, enrolment, the pair protocols and every tool's `--align` are layers on it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,9 +17,19 @@ from faces.stream import Crop, Photo, stream
 from infer.embed import embed, l2_normalize, refuse_non_finite_embeddings
 
 
-def analyse(model, photos: Iterable, workers: int = 1, flip: bool = True, largest_only: bool = False,
-            align: bool = True, batch_size: int = 64, progress: Callable[[], None] | None = None,
-            faces: list[list[Face]] | None = None, resize: bool = False, raw: bool = False) -> Iterator[Photo]:
+def analyse(
+    model,
+    photos: Iterable,
+    workers: int = 1,
+    flip: bool = True,
+    largest_only: bool = False,
+    align: bool = True,
+    batch_size: int = 64,
+    progress: Callable[[], None] | None = None,
+    faces: list[list[Face]] | None = None,
+    resize: bool = False,
+    raw: bool = False,
+) -> Iterator[Photo]:
     """Each photo's `Photo` (faces.stream), in order, its faces (all, or the largest only; `faces`: known
     already) carrying `.embedding` (`embed_crops`'s row). Without `align` each photo is a crop aligned for
     the model (or ARCFACE_112, re-framed), its one face the whole image; `resize` fits other sizes to the model's."""
@@ -26,8 +37,13 @@ def analyse(model, photos: Iterable, workers: int = 1, flip: bool = True, larges
         crop = Crop(model.template, dlib_chip=model.kind == "dlib")  # picklable: the workers cut the crops
         found = stream(photos, model.detection, crop, workers, largest_only, faces, progress)
     else:
-        found = stream(photos, None, workers=workers, progress=progress,
-                       resize=tuple(model.template.size) if resize else None)
+        found = stream(
+            photos,
+            None,
+            workers=workers,
+            progress=progress,
+            resize=tuple(model.template.size) if resize else None,
+        )
     pending: list[Photo] = []
     for photo in found:
         pending.append(photo)
@@ -50,20 +66,37 @@ def _embedded(model, photos: list[Photo], flip: bool, batch_size: int, raw: bool
             template = template_for(crop.shape[:2], model.template)
             if template is None:
                 (h, w), (th, tw) = crop.shape[:2], model.template.size
-                raise DataError(f"{photo.name}: a {w}x{h} image is not a {tw}x{th} crop aligned for {model.name}; "
-                                "pass align=True to find and align its face")
+                raise DataError(
+                    f"{photo.name}: a {w}x{h} image is not a {tw}x{th} crop aligned for {model.name}; "
+                    "pass align=True to find and align its face"
+                )
             groups.setdefault(template.name, (template, []))[1].append((p, f))
     rows: dict[tuple[int, int], np.ndarray] = {}
     for template, where in groups.values():
-        crops = torch.stack([torch.from_numpy(np.array(photos[p].cuts[f])).permute(2, 0, 1) for p, f in where])
+        crops = torch.stack(
+            [torch.from_numpy(np.array(photos[p].cuts[f])).permute(2, 0, 1) for p, f in where]
+        )
         rows.update(zip(where, embed_crops(model, crops, template, flip, batch_size, raw)))
-    return [dataclasses.replace(photo, faces=[dataclasses.replace(face, embedding=rows[p, f]) if (p, f) in rows
-                                              else face for f, face in enumerate(photo.faces)])
-            for p, photo in enumerate(photos)]
+    return [
+        dataclasses.replace(
+            photo,
+            faces=[
+                dataclasses.replace(face, embedding=rows[p, f]) if (p, f) in rows else face
+                for f, face in enumerate(photo.faces)
+            ],
+        )
+        for p, photo in enumerate(photos)
+    ]
 
 
-def embed_crops(model, crops: torch.Tensor, made_for: Template | None = None, flip: bool = True,
-                batch_size: int = 64, raw: bool = False) -> np.ndarray:
+def embed_crops(
+    model,
+    crops: torch.Tensor,
+    made_for: Template | None = None,
+    flip: bool = True,
+    batch_size: int = 64,
+    raw: bool = False,
+) -> np.ndarray:
     """N x D unit rows of N x 3 x h x w uint8 crops aligned to `made_for` (default the model's template; others
     re-framed): each crop's embedding plus its mirror's (the flip test), or its own without `flip`; `raw`: the
     two as the network gives them, N x 2 x D (the pair protocols score both). Non-finite rows are refused."""
@@ -71,6 +104,11 @@ def embed_crops(model, crops: torch.Tensor, made_for: Template | None = None, fl
     own = refuse_non_finite_embeddings(embed(crops, module, batch_size, precision), model.name)
     if not (flip or raw):
         return l2_normalize(own).astype(np.float32)
-    mirror = refuse_non_finite_embeddings(embed(torch.flip(crops, dims=[3]), module, batch_size, precision),
-                                          model.name)
-    return np.stack([own, mirror], axis=1).astype(np.float32) if raw else l2_normalize(own + mirror).astype(np.float32)
+    mirror = refuse_non_finite_embeddings(
+        embed(torch.flip(crops, dims=[3]), module, batch_size, precision), model.name
+    )
+    return (
+        np.stack([own, mirror], axis=1).astype(np.float32)
+        if raw
+        else l2_normalize(own + mirror).astype(np.float32)
+    )

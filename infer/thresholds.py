@@ -7,6 +7,7 @@ own: for `dlib` its author's rule, Euclidean distance 0.6 between raw descriptor
 is at their mean norm (derived in docs/identification.md, "dlib's threshold"), for a trained run its
 threshold at a stated FAR on its validation set (`threshold_at_far`, saved by training, carried
 into ONNX). A MODEL without a known threshold names no one: `identify` refuses at start."""
+
 from __future__ import annotations
 
 import json
@@ -20,13 +21,13 @@ from checkpoint.state import weights_fingerprint
 from configs.errors import ConfigError
 from infer.weights import load_backbone_state
 
-DLIB_DISTANCE = 0.6   # dlib's same-person rule on its raw descriptors (dlib's face_recognition example)
-DLIB_NORM = 1.36      # the mean norm of dlib's descriptors of real faces (docs/identification.md)
+DLIB_DISTANCE = 0.6  # dlib's same-person rule on its raw descriptors (dlib's face_recognition example)
+DLIB_NORM = 1.36  # the mean norm of dlib's descriptors of real faces (docs/identification.md)
 
 
 def cosine_for_distance(distance: float, norm: float) -> float:
     """The cosine of two vectors of norm `norm` at Euclidean distance `distance`."""
-    return 1.0 - distance ** 2 / (2.0 * norm ** 2)
+    return 1.0 - distance**2 / (2.0 * norm**2)
 
 
 DLIB_THRESHOLD = cosine_for_distance(DLIB_DISTANCE, DLIB_NORM)
@@ -38,8 +39,8 @@ class ThresholdError(ConfigError):
 
 @dataclass(frozen=True)
 class Threshold:
-    value: float     # cos >= value is "same" / a name
-    source: str      # where it came from, printed beside it
+    value: float  # cos >= value is "same" / a name
+    source: str  # where it came from, printed beside it
     record: dict | None = None  # a trained run's measurement (threshold_at_far's, with val_target and step)
 
     def line(self) -> str:
@@ -49,19 +50,25 @@ class Threshold:
 def checked(value: float, flag: str = "--threshold") -> float:
     """`value` if it is a cosine (a finite real number in [-1, 1], not a bool), else a ThresholdError naming it."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
-        raise ThresholdError(f"{flag} {value!r}: a threshold is a number in [-1, 1], not a {type(value).__name__}")
+        raise ThresholdError(
+            f"{flag} {value!r}: a threshold is a number in [-1, 1], not a {type(value).__name__}"
+        )
     if not math.isfinite(value) or not -1.0 <= value <= 1.0:
         raise ThresholdError(f"{flag} {value}: not a cosine score; a threshold is a finite number in [-1, 1]")
     return float(value)
 
 
 # MODEL dlib's own threshold (Model.threshold)
-DLIB_OWN = Threshold(DLIB_THRESHOLD, f"dlib's own rule, distance {DLIB_DISTANCE} between its descriptors (cosine "
-                                     f"1 - {DLIB_DISTANCE}^2 / (2 x {DLIB_NORM}^2) at their mean norm {DLIB_NORM})")
+DLIB_OWN = Threshold(
+    DLIB_THRESHOLD,
+    f"dlib's own rule, distance {DLIB_DISTANCE} between its descriptors (cosine "
+    f"1 - {DLIB_DISTANCE}^2 / (2 x {DLIB_NORM}^2) at their mean norm {DLIB_NORM})",
+)
 
 
-def chosen_threshold(given: float | None, fitted: tuple[float, float, str, int] | None = None,
-                     own: Threshold | None = None) -> Threshold | None:
+def chosen_threshold(
+    given: float | None, fitted: tuple[float, float, str, int] | None = None, own: Threshold | None = None
+) -> Threshold | None:
     """The threshold to decide at, in the module docstring's order: `given`, `fitted` ((threshold,
     accuracy, .bin path, pairs) of eval.verification.best_threshold), `own` (Model.threshold)."""
     if given is not None:
@@ -69,23 +76,28 @@ def chosen_threshold(given: float | None, fitted: tuple[float, float, str, int] 
     if fitted is not None:
         value, accuracy, path, pairs = fitted
         # fitted to these pairs: its accuracy is an upper bound, not a measure
-        return Threshold(value, f"from {path}: the best over all its {pairs} pairs, {accuracy:.4f} of them right "
-                                f"at it (best-threshold accuracy; scripts.verify reports the 10-fold accuracy, "
-                                f"each fold judged at a threshold chosen on the other 9)")
+        return Threshold(
+            value,
+            f"from {path}: the best over all its {pairs} pairs, {accuracy:.4f} of them right "
+            f"at it (best-threshold accuracy; scripts.verify reports the 10-fold accuracy, "
+            f"each fold judged at a threshold chosen on the other 9)",
+        )
     return own
 
 
 def no_threshold(model: str) -> ThresholdError:
     """The one-line refusal to name anyone under a MODEL without a known threshold."""
-    return ThresholdError(f"{model}: no known threshold for this model, so no face can be named (every face would be "
-                          f"somebody); pass --threshold T (a cosine in [-1, 1]) or --threshold_from VAL.bin (a "
-                          f"verification set of people, e.g. from scripts.make_bin: the threshold that separates "
-                          f"its pairs best)")
+    return ThresholdError(
+        f"{model}: no known threshold for this model, so no face can be named (every face would be "
+        f"somebody); pass --threshold T (a cosine in [-1, 1]) or --threshold_from VAL.bin (a "
+        f"verification set of people, e.g. from scripts.make_bin: the threshold that separates "
+        f"its pairs best)"
+    )
 
 
 # A trained run's own threshold: training's verification (eval/callback.py) saves it beside the run's weights
 # (THRESHOLD_FILE, with its step and the weights' fingerprint); export_onnx puts it in the .onnx (THRESHOLD_KEY).
-FARS = (1e-3, 1e-2, 1e-1)   # the lowest one the set's different-person pairs can measure is used
+FARS = (1e-3, 1e-2, 1e-1)  # the lowest one the set's different-person pairs can measure is used
 THRESHOLD_FILE = "threshold.json"
 THRESHOLD_KEY = "shardface.threshold"
 
@@ -103,8 +115,13 @@ def threshold_at_far(cosines, same) -> dict | None:
         value = -1.0 if allowed >= len(different) else float(np.nextafter(different[allowed], np.inf))
         if value > 1.0:  # different pairs at cosine 1 (duplicates): no cosine threshold keeps this FAR
             continue
-        return {"threshold": value, "far": far, "tar": float((cosines[same] >= value).mean()) if same.any() else 0.0,
-                "pairs": int(len(cosines)), "different_pairs": int(len(different))}
+        return {
+            "threshold": value,
+            "far": far,
+            "tar": float((cosines[same] >= value).mean()) if same.any() else 0.0,
+            "pairs": int(len(cosines)),
+            "different_pairs": int(len(different)),
+        }
     return None
 
 
@@ -114,10 +131,13 @@ def saved_threshold(record: dict | None, where: str) -> Threshold | None:
         return None
     try:
         value = checked(record["threshold"], f"{where}: threshold")
-        return Threshold(value, record=record,
-                         source=f"the run's own, at FAR {record['far']:g} on {record['val_target']} "
-                                f"({record['different_pairs']} different-person pairs; TAR {record['tar']:.4f} there), "
-                                f"measured at step {record['step']} ({where})")
+        return Threshold(
+            value,
+            record=record,
+            source=f"the run's own, at FAR {record['far']:g} on {record['val_target']} "
+            f"({record['different_pairs']} different-person pairs; TAR {record['tar']:.4f} there), "
+            f"measured at step {record['step']} ({where})",
+        )
     except (KeyError, TypeError, ValueError):
         raise ThresholdError(f"{where}: unreadable threshold record {record!r}") from None
 
@@ -128,9 +148,12 @@ def run_threshold(path: str, ema: bool = True, fingerprint: str | None = None) -
     them: at their step and, where the record names a fingerprint, theirs (`fingerprint`, else read from
     `path`); else None (an earlier run's file in the same folder is not theirs)."""
     from checkpoint.folders import CHECKPOINT_NAME, find_checkpoint
+
     run = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     ckpt = find_checkpoint(run)
-    if ckpt is not None and os.path.abspath(ckpt) == os.path.abspath(run):  # a checkpoint dir: its run holds the file
+    if ckpt is not None and os.path.abspath(ckpt) == os.path.abspath(
+        run
+    ):  # a checkpoint dir: its run holds the file
         run = os.path.dirname(os.path.abspath(ckpt))
     file = os.path.join(run, THRESHOLD_FILE)
     if not os.path.isfile(file):

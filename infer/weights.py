@@ -1,5 +1,6 @@
 """Trained weights for evaluation, export and fine-tuning: a backbone built from any form that
 checkpoint.load.read_backbone_weights reads, or from `dlib` (dlib's descriptor, network `dlib_resnet`)."""
+
 from __future__ import annotations
 
 import functools
@@ -9,9 +10,9 @@ from torch import nn
 
 from backbones import get_model
 from backbones.dlib_resnet import DlibResNet
+from checkpoint.dlib_format import read_network, state_dict_for
 from checkpoint.files import CheckpointError
 from checkpoint.load import read_backbone_weights, refuse_non_finite, state_mismatch
-from checkpoint.dlib_format import read_network, state_dict_for
 from faces.models import model_file
 
 DLIB = "dlib"  # the MODEL / init_backbone name of dlib's face descriptor
@@ -63,5 +64,7 @@ def init_backbone_from(backbone: nn.Module, path: str, network: str) -> None:
     state, _ = load_backbone_state(path)
     problem = state_mismatch(state, backbone.state_dict())
     if problem:
-        raise CheckpointError(f"init_backbone {path}: these weights do not fit network '{network}': {problem}")
+        raise CheckpointError(
+            f"init_backbone {path}: these weights do not fit network '{network}': {problem}"
+        )
     backbone.load_state_dict(state, strict=True)

@@ -6,5 +6,16 @@ from losses.magface import MagFace
 from losses.margin import AMSoftmax, ArcFace, CombinedMarginLoss, CosFace
 from losses.subcenter import SubCenterArcFace
 
-__all__ = ["MarginLoss", "CombinedMarginLoss", "ArcFace", "CosFace", "AMSoftmax", "AdaFace", "MagFace",
-           "CurricularFace", "SubCenterArcFace", "build_margin", "MARGINS"]
+__all__ = [
+    "MarginLoss",
+    "CombinedMarginLoss",
+    "ArcFace",
+    "CosFace",
+    "AMSoftmax",
+    "AdaFace",
+    "MagFace",
+    "CurricularFace",
+    "SubCenterArcFace",
+    "build_margin",
+    "MARGINS",
+]

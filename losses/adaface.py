@@ -1,4 +1,5 @@
 """AdaFace (Kim et al., CVPR 2022): a margin adapted to image quality, read off the feature norm."""
+
 from __future__ import annotations
 
 import math

@@ -15,6 +15,7 @@ the target cosines are all-reduced and the norms come from the all-gathered embe
 Running statistics (AdaFace's norm mean/std, CurricularFace's t) are registered buffers,
 updated in `begin_step` while training, so they are checkpointed with the head.
 """
+
 from __future__ import annotations
 
 import math
@@ -74,7 +75,9 @@ class MarginLoss(nn.Module):
         """A term added to the loss from the global batch's norms (MagFace), or None."""
         return None
 
-    def forward(self, cos: torch.Tensor, labels: torch.Tensor, norms: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, cos: torch.Tensor, labels: torch.Tensor, norms: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """arcface_torch's call: logits from a full B x C cosine matrix (one class per column,
         `labels` index columns, -1 for rows whose class is elsewhere). The input is not modified."""
         cos = cos.clamp(-1.0, 1.0)
@@ -82,8 +85,9 @@ class MarginLoss(nn.Module):
         has = labels >= 0
         cols = labels.clamp_min(0)
         target_cos = cos[b, cols]
-        rows = self.begin_step(target_cos.detach(),
-                               norms if norms is not None else cos.new_ones(cos.shape[0]))
+        rows = self.begin_step(
+            target_cos.detach(), norms if norms is not None else cos.new_ones(cos.shape[0])
+        )
         out = self.other_logits(cos, rows)
         target = self.target_logit(target_cos, rows)
         return out.index_put((b[has], cols[has]), target[has])

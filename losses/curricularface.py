@@ -1,4 +1,5 @@
 """CurricularFace (Huang et al., CVPR 2020): hard negatives weigh more as training goes on."""
+
 from __future__ import annotations
 
 import math
@@ -31,7 +32,9 @@ class CurricularFace(MarginLoss):
         cos = cos.clamp(-1.0, 1.0)
         sin = (1.0 - cos * cos).clamp_min(0.0).sqrt()
         with_margin = cos * math.cos(self.m) - sin * math.sin(self.m)
-        target = torch.where(cos > math.cos(math.pi - self.m), with_margin, cos - math.sin(math.pi - self.m) * self.m)
+        target = torch.where(
+            cos > math.cos(math.pi - self.m), with_margin, cos - math.sin(math.pi - self.m) * self.m
+        )
         return self.s * target
 
     def linear_other_logits(self) -> None:

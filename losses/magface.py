@@ -1,5 +1,6 @@
 """MagFace (Meng et al., CVPR 2021): a margin that grows with the feature magnitude, plus a
 regulariser that rewards magnitude for easy samples."""
+
 from __future__ import annotations
 
 import math
@@ -18,12 +19,21 @@ class MagFace(MarginLoss):
 
     uses_norms = True
 
-    def __init__(self, s: float = 64.0, l_a: float = 10.0, u_a: float = 110.0, l_m: float = 0.45,
-                 u_m: float = 0.8, lambda_g: float = 20.0, easy_margin: bool = True):
+    def __init__(
+        self,
+        s: float = 64.0,
+        l_a: float = 10.0,
+        u_a: float = 110.0,
+        l_m: float = 0.45,
+        u_m: float = 0.8,
+        lambda_g: float = 20.0,
+        easy_margin: bool = True,
+    ):
         super().__init__(s)
         if not (0 < l_a < u_a and l_m <= u_m):
-            raise ValueError(f"MagFace needs 0 < l_a < u_a and l_m <= u_m; got l_a={l_a}, u_a={u_a}, "
-                             f"l_m={l_m}, u_m={u_m}")
+            raise ValueError(
+                f"MagFace needs 0 < l_a < u_a and l_m <= u_m; got l_a={l_a}, u_a={u_a}, l_m={l_m}, u_m={u_m}"
+            )
         self.l_a, self.u_a, self.l_m, self.u_m = float(l_a), float(u_a), float(l_m), float(u_m)
         self.lambda_g, self.easy_margin = float(lambda_g), bool(easy_margin)
 
@@ -47,8 +57,10 @@ class MagFace(MarginLoss):
 
     def regularizer(self, norms: torch.Tensor) -> torch.Tensor:
         a = self._magnitude(norms)
-        return self.lambda_g * (a / self.u_a ** 2 + 1.0 / a).mean()
+        return self.lambda_g * (a / self.u_a**2 + 1.0 / a).mean()
 
     def extra_repr(self) -> str:
-        return (f"s={self.s}, l_a={self.l_a}, u_a={self.u_a}, l_m={self.l_m}, u_m={self.u_m}, "
-                f"lambda_g={self.lambda_g}, easy_margin={self.easy_margin}")
+        return (
+            f"s={self.s}, l_a={self.l_a}, u_a={self.u_a}, l_m={self.l_m}, u_m={self.u_m}, "
+            f"lambda_g={self.lambda_g}, easy_margin={self.easy_margin}"
+        )

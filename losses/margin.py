@@ -2,6 +2,7 @@
 
 ArcFace = (1, m2, 0), CosFace / AM-softmax = (1, 0, m3), SphereFace = (m1, 0, 0).
 """
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,16 @@ class CombinedMarginLoss(MarginLoss):
     the loss being minimised; True reproduces an arcface_torch run.
     """
 
-    def __init__(self, s: float = 64.0, m1: float = 1.0, m2: float = 0.5, m3: float = 0.0,
-                 interclass_filtering_threshold: float = 0.0, *, straight_through: bool = False):
+    def __init__(
+        self,
+        s: float = 64.0,
+        m1: float = 1.0,
+        m2: float = 0.5,
+        m3: float = 0.0,
+        interclass_filtering_threshold: float = 0.0,
+        *,
+        straight_through: bool = False,
+    ):
         super().__init__(s, interclass_filtering_threshold)
         self.straight_through = bool(straight_through)
         if m1 < 1.0 or m2 < 0 or m3 < 0:

@@ -1,4 +1,5 @@
 """Sub-center ArcFace (Deng et al., ECCV 2020): k centres per class, the closest one counts."""
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,9 @@ class SubCenterArcFace(CombinedMarginLoss):
 
 
 @torch.no_grad()
-def dominant_subcenters(weight: torch.Tensor, embeddings: torch.Tensor, labels: torch.Tensor,
-                        k: int) -> torch.Tensor:
+def dominant_subcenters(
+    weight: torch.Tensor, embeddings: torch.Tensor, labels: torch.Tensor, k: int
+) -> torch.Tensor:
     """For each class, the sub-centre (0..k-1) nearest to most of its training images (the
     paper's dominant sub-centre); classes without images keep centre 0."""
     num_classes = weight.shape[0] // k
@@ -43,8 +45,14 @@ def drop_subcenters(weight: torch.Tensor, dominant: torch.Tensor, k: int) -> tor
 
 
 @torch.no_grad()
-def far_from_dominant(weight: torch.Tensor, dominant: torch.Tensor, embeddings: torch.Tensor,
-                      labels: torch.Tensor, k: int, max_degrees: float = 75.0) -> torch.Tensor:
+def far_from_dominant(
+    weight: torch.Tensor,
+    dominant: torch.Tensor,
+    embeddings: torch.Tensor,
+    labels: torch.Tensor,
+    k: int,
+    max_degrees: float = 75.0,
+) -> torch.Tensor:
     """Indices of images whose angle to their class's dominant centre exceeds `max_degrees`:
     the paper drops them as label noise before retraining."""
     centres = torch.nn.functional.normalize(drop_subcenters(weight, dominant, k).float(), dim=1)

@@ -4,5 +4,17 @@ from parallel.flat import FlatLayout, ParamSlot, Range, build_layouts
 from parallel.scaler import DynamicLossScaler
 from parallel.zero import Zero2Optimizer
 
-__all__ = ["Zero2Optimizer", "ShardedEMA", "DynamicLossScaler", "FlatLayout", "ParamSlot", "Range",
-           "build_layouts", "DistInfo", "init_distributed", "setup_logging", "get_rank", "get_world_size"]
+__all__ = [
+    "Zero2Optimizer",
+    "ShardedEMA",
+    "DynamicLossScaler",
+    "FlatLayout",
+    "ParamSlot",
+    "Range",
+    "build_layouts",
+    "DistInfo",
+    "init_distributed",
+    "setup_logging",
+    "get_rank",
+    "get_world_size",
+]

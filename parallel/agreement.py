@@ -5,6 +5,7 @@ with the others, each applying its own settings, while config.json records rank 
 `all_gather_object` of the values' text forms, at start-up only; every rank then finds the
 same differences and raises the same error, so the job stops on every rank with one line.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -38,8 +39,10 @@ def describe_differences(per_rank: Sequence[dict], secret: Sequence[str] = ()) -
         if len(groups) == 1:
             continue
         ordered = sorted(groups.items(), key=lambda item: item[1][0])
-        shown = [f"{'<hidden>' if key in secret else value[:60]} on {_ranks(ranks)}"
-                 for value, ranks in ordered[:_GROUPS_SHOWN]]
+        shown = [
+            f"{'<hidden>' if key in secret else value[:60]} on {_ranks(ranks)}"
+            for value, ranks in ordered[:_GROUPS_SHOWN]
+        ]
         if len(ordered) > _GROUPS_SHOWN:
             shown.append(f"{len(ordered) - _GROUPS_SHOWN} more values")
         parts.append(f"{key} {', '.join(shown)}")
@@ -49,7 +52,11 @@ def describe_differences(per_rank: Sequence[dict], secret: Sequence[str] = ()) -
 def check_same_on_every_rank(values: dict, what: str, secret: Sequence[str] = ()) -> None:
     """Raise ConfigError on every rank unless `values` (compared by their repr) are the same on
     every rank, naming each key that differs, its values and ranks. Collective (CPU group)."""
-    problem = describe_differences(from_every_rank({key: repr(value) for key, value in values.items()}), secret)
+    problem = describe_differences(
+        from_every_rank({key: repr(value) for key, value in values.items()}), secret
+    )
     if problem:
-        raise ConfigError(f"{what} differs between the ranks of this job: {problem}; start every rank with the "
-                          f"same config file and --key values")
+        raise ConfigError(
+            f"{what} differs between the ranks of this job: {problem}; start every rank with the "
+            f"same config file and --key values"
+        )

@@ -1,4 +1,5 @@
 """Collectives with autograd and the small compatibility layer over torch versions."""
+
 from __future__ import annotations
 
 import torch
@@ -11,8 +12,9 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
-                        async_op: bool = False):
+def reduce_scatter_flat(
+    output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False
+):
     """Reduce `input` (W * n elements) over ranks with `op` (sum by default); rank r receives
     elements [r*n, (r+1)*n)."""
     return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)

@@ -1,4 +1,5 @@
 """The plain data-parallel alternative to ZeRO-2, with the same optimizer surface."""
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,9 @@ class DDPOptimizer(WrappedOptimizer):
         self.module = module
         if self.world_size > 1:
             _refuse_crashing_debug_mode(process_group)
-            self.ddp = DistributedDataParallel(module, process_group=process_group,
-                                               broadcast_buffers=False, gradient_as_bucket_view=True)
+            self.ddp = DistributedDataParallel(
+                module, process_group=process_group, broadcast_buffers=False, gradient_as_bucket_view=True
+            )
         else:
             self.ddp = module
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -65,22 +67,28 @@ class DDPOptimizer(WrappedOptimizer):
         if to_rank is not None and get_rank(self.group) != to_rank:
             return None
         index = {id(p): n for n, p in self.named}
-        state = {index[id(p)]: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in s.items()}
-                 for p, s in self.optimizer.state.items()}
+        state = {
+            index[id(p)]: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+            for p, s in self.optimizer.state.items()
+        }
         return {"state": state, "param_groups": self._param_groups_state(), "master": {}}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._load_param_groups(state_dict["param_groups"])
         for name, p in self.named:
             if name in state_dict["state"]:
-                self.optimizer.state[p] = {k: (v.clone().to(p.device) if torch.is_tensor(v) and v.dim() else v)
-                                           for k, v in state_dict["state"][name].items()}
+                self.optimizer.state[p] = {
+                    k: (v.clone().to(p.device) if torch.is_tensor(v) and v.dim() else v)
+                    for k, v in state_dict["state"][name].items()
+                }
 
 
 def _refuse_crashing_debug_mode(group) -> None:
     """torch 2.15's DDP constructor dies with SIGSEGV (in its construction-time logger) on a
     gloo group made under TORCH_DISTRIBUTED_DEBUG=DETAIL: say so instead of crashing."""
     if dist.get_debug_level() == dist.DebugLevel.DETAIL and dist.get_backend(group) == "gloo":
-        raise RuntimeError("TORCH_DISTRIBUTED_DEBUG=DETAIL crashes torch's DistributedDataParallel on gloo "
-                           "(SIGSEGV while it is built): unset it or use INFO, or train with ZeRO-2 "
-                           "(--zero true), which does not use DDP")
+        raise RuntimeError(
+            "TORCH_DISTRIBUTED_DEBUG=DETAIL crashes torch's DistributedDataParallel on gloo "
+            "(SIGSEGV while it is built): unset it or use INFO, or train with ZeRO-2 "
+            "(--zero true), which does not use DDP"
+        )

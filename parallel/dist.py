@@ -1,4 +1,5 @@
 """Distributed bootstrap: torchrun environment -> process group, device, rank-0 logging."""
+
 from __future__ import annotations
 
 import contextlib
@@ -74,8 +75,10 @@ def check_launch_variables(env) -> str | None:
     if "WORLD_SIZE" not in env:  # one process; a non-zero rank would write as if rank 0 existed elsewhere
         stray = " ".join(f"{n}={env[n]}" for n in ("RANK", "LOCAL_RANK") if int(env.get(n, "0")) != 0)
         if stray:
-            return (f"{stray} is set but WORLD_SIZE is not: a leftover from another job's environment? unset it "
-                    f"for one process, or launch with torchrun --nproc_per_node N")
+            return (
+                f"{stray} is set but WORLD_SIZE is not: a leftover from another job's environment? unset it "
+                f"for one process, or launch with torchrun --nproc_per_node N"
+            )
         return None
     world_size, rank = int(env["WORLD_SIZE"]), int(env.get("RANK", "0"))
     if world_size < 1 or not 0 <= rank < world_size:
@@ -85,9 +88,11 @@ def check_launch_variables(env) -> str | None:
             return f"WORLD_SIZE={world_size} but RANK is not set: launch with torchrun --nproc_per_node {world_size}"
         missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not env.get(n)]
         if missing:
-            return (f"WORLD_SIZE={world_size} but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
-                    f"set, so the ranks cannot meet: launch with torchrun --nproc_per_node {world_size} (or unset "
-                    f"WORLD_SIZE for one process)")
+            return (
+                f"WORLD_SIZE={world_size} but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+                f"set, so the ranks cannot meet: launch with torchrun --nproc_per_node {world_size} (or unset "
+                f"WORLD_SIZE for one process)"
+            )
     return None
 
 
@@ -102,13 +107,20 @@ def attempt_store(world_size: int, timeout: datetime.timedelta, env=None):
     shared store with restarts is refused (clearly, at start) in favour of torch's fix,
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per rendezvous round)."""
     env = os.environ if env is None else env
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0:
+    if (
+        env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        or int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0
+    ):
         return None
     if int(env.get("GROUP_WORLD_SIZE", "1")) > 1:
-        raise RuntimeError("torchrun --max-restarts across several nodes needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-                           "in torchrun's environment (scripts/train_multinode.sh sets it): with the shared store a "
-                           "restarted job would connect to the previous attempt's ranks (pytorch#135712)")
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=False, timeout=timeout)
+        raise RuntimeError(
+            "torchrun --max-restarts across several nodes needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            "in torchrun's environment (scripts/train_multinode.sh sets it): with the shared store a "
+            "restarted job would connect to the previous attempt's ranks (pytorch#135712)"
+        )
+    store = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
     return dist.PrefixStore(f"/shardface/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
@@ -117,13 +129,17 @@ def check_local_rank(local_rank: int, gpus: int, local_world_size: int | None = 
     Every local rank refuses (LOCAL_WORLD_SIZE), not only the ones without a GPU, so none is
     left waiting for the others at the rendezvous."""
     if local_rank >= gpus:
-        raise RuntimeError(f"LOCAL_RANK {local_rank} but this node has {gpus} visible GPU(s): start at most "
-                           f"{gpus} processes per node (torchrun --nproc_per_node {gpus}) or make more GPUs "
-                           f"visible (CUDA_VISIBLE_DEVICES)")
+        raise RuntimeError(
+            f"LOCAL_RANK {local_rank} but this node has {gpus} visible GPU(s): start at most "
+            f"{gpus} processes per node (torchrun --nproc_per_node {gpus}) or make more GPUs "
+            f"visible (CUDA_VISIBLE_DEVICES)"
+        )
     if local_world_size is not None and local_world_size > gpus:
-        raise RuntimeError(f"LOCAL_WORLD_SIZE {local_world_size} processes on this node but it has {gpus} "
-                           f"visible GPU(s): two ranks would share a GPU; start at most {gpus} "
-                           f"(torchrun --nproc_per_node {gpus})")
+        raise RuntimeError(
+            f"LOCAL_WORLD_SIZE {local_world_size} processes on this node but it has {gpus} "
+            f"visible GPU(s): two ranks would share a GPU; start at most {gpus} "
+            f"(torchrun --nproc_per_node {gpus})"
+        )
 
 
 def _host_address() -> str:
@@ -133,8 +149,13 @@ def _host_address() -> str:
         return "unresolvable"
 
 
-def gloo_interface_problem(world_size: int, local_world_size: int, ifname: str | None = None,
-                           host_address: str | None = None, interfaces: list[str] | None = None) -> str | None:
+def gloo_interface_problem(
+    world_size: int,
+    local_world_size: int,
+    ifname: str | None = None,
+    host_address: str | None = None,
+    interfaces: list[str] | None = None,
+) -> str | None:
     """Why gloo cannot connect these ranks, when that is known before trying, else None.
 
     gloo binds to GLOO_SOCKET_IFNAME, or else to the address the hostname resolves to; across
@@ -147,15 +168,19 @@ def gloo_interface_problem(world_size: int, local_world_size: int, ifname: str |
     if ifname:
         missing = [name for name in ifname.split(",") if name not in interfaces]
         if missing:
-            return (f"GLOO_SOCKET_IFNAME={ifname}: no interface '{missing[0]}' on this host "
-                    f"(interfaces: {', '.join(interfaces)})")
+            return (
+                f"GLOO_SOCKET_IFNAME={ifname}: no interface '{missing[0]}' on this host "
+                f"(interfaces: {', '.join(interfaces)})"
+            )
         return None
     host_address = _host_address() if host_address is None else host_address
     multi_node = world_size > local_world_size
     if multi_node and (host_address.startswith("127.") or host_address in ("::1", "unresolvable")):
-        return (f"{world_size} ranks on several nodes, but this host's name {socket.gethostname()} resolves to "
-                f"{host_address}, which other nodes cannot reach: set GLOO_SOCKET_IFNAME to the interface "
-                f"that connects the nodes (interfaces: {', '.join(interfaces)})")
+        return (
+            f"{world_size} ranks on several nodes, but this host's name {socket.gethostname()} resolves to "
+            f"{host_address}, which other nodes cannot reach: set GLOO_SOCKET_IFNAME to the interface "
+            f"that connects the nodes (interfaces: {', '.join(interfaces)})"
+        )
     return None
 
 
@@ -168,11 +193,16 @@ def _naming_gloo_interface(uses_gloo: bool, what: str):
         if not uses_gloo:
             raise
         ifname = os.environ.get("GLOO_SOCKET_IFNAME")
-        chosen = f"GLOO_SOCKET_IFNAME={ifname}" if ifname else \
-            f"GLOO_SOCKET_IFNAME unset, so the hostname's address {_host_address()}"
-        raise RuntimeError(f"{what} could not connect the ranks ({chosen}): {type(exc).__name__}: {exc}. "
-                           f"Set GLOO_SOCKET_IFNAME to the network interface that reaches the other "
-                           f"nodes (e.g. GLOO_SOCKET_IFNAME=eth0)") from exc
+        chosen = (
+            f"GLOO_SOCKET_IFNAME={ifname}"
+            if ifname
+            else f"GLOO_SOCKET_IFNAME unset, so the hostname's address {_host_address()}"
+        )
+        raise RuntimeError(
+            f"{what} could not connect the ranks ({chosen}): {type(exc).__name__}: {exc}. "
+            f"Set GLOO_SOCKET_IFNAME to the network interface that reaches the other "
+            f"nodes (e.g. GLOO_SOCKET_IFNAME=eth0)"
+        ) from exc
 
 
 def get_rank(group=None) -> int:
@@ -243,10 +273,12 @@ def cpu_group(group=None):
         return group
     key = id(group) if group is not None else None
     if key not in _CPU_GROUPS:
-        raise RuntimeError(f"no gloo side group for the {dist.get_backend(group)} group "
-                           f"{'(default)' if group is None else dist.get_process_group_ranks(group)}: "
-                           f"create it at set-up with parallel.dist.create_cpu_group(group) on every rank "
-                           f"(init_distributed does so for the default group)")
+        raise RuntimeError(
+            f"no gloo side group for the {dist.get_backend(group)} group "
+            f"{'(default)' if group is None else dist.get_process_group_ranks(group)}: "
+            f"create it at set-up with parallel.dist.create_cpu_group(group) on every rank "
+            f"(init_distributed does so for the default group)"
+        )
     return _CPU_GROUPS[key]
 
 
@@ -295,8 +327,9 @@ def open_log_file() -> None:
             handler.open()
 
 
-def setup_logging(rank: int, log_file: str | None = None, level: int = logging.INFO,
-                  held: bool = False) -> logging.Logger:
+def setup_logging(
+    rank: int, log_file: str | None = None, level: int = logging.INFO, held: bool = False
+) -> logging.Logger:
     """Rank 0 logs progress to stdout (and `log_file`; with `held`, only from `open_log_file()`
     on, the lines before kept until then); other ranks only report errors."""
     logger = logging.getLogger("shardface")

@@ -1,4 +1,5 @@
 """Sharded EMA: each rank keeps the fp32 EMA of its 1/W of the flat layout."""
+
 from __future__ import annotations
 
 import copy
@@ -28,8 +29,14 @@ class ShardedEMA:
     model.pt) gathers once: `state = ema.state_dict(to_rank=0)` and hands `state` to both.
     """
 
-    def __init__(self, module: nn.Module, decay: float = 0.9999, tau: float = 2000.0,
-                 optimizer=None, process_group=None):
+    def __init__(
+        self,
+        module: nn.Module,
+        decay: float = 0.9999,
+        tau: float = 2000.0,
+        optimizer=None,
+        process_group=None,
+    ):
         self.module, self.decay, self.tau = module, decay, tau
         self.group = process_group
         self.world_size = get_world_size(process_group)
@@ -41,8 +48,10 @@ class ShardedEMA:
         else:
             self.layouts = build_layouts(module, self.world_size, get_rank(process_group))
             # views of the parameter slices this rank owns (build the EMA after moving the model)
-            self.sources = [layout.local_pieces({s.name: s.param.detach() for s in layout.slots})
-                            for layout in self.layouts]
+            self.sources = [
+                layout.local_pieces({s.name: s.param.detach() for s in layout.slots})
+                for layout in self.layouts
+            ]
         self.shards = []
         for layout, pieces in zip(self.layouts, self.sources):
             shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=layout.device)
@@ -80,8 +89,11 @@ class ShardedEMA:
             return shard
         if to_rank is None:
             return all_gather_no_grad(shard, self.group)
-        parts = [torch.empty_like(shard) for _ in range(self.world_size)] \
-            if get_rank(self.group) == to_rank else None
+        parts = (
+            [torch.empty_like(shard) for _ in range(self.world_size)]
+            if get_rank(self.group) == to_rank
+            else None
+        )
         dst = to_rank if self.group is None else dist.get_global_rank(self.group, to_rank)
         dist.gather(shard, parts, dst=dst, group=self.group)
         return torch.cat(parts) if parts is not None else None

@@ -17,6 +17,7 @@ straddle ranks and segments. The index math lives in named ranges (Megatron-LM's
 (`slot.owned` lists the parts: none when another rank owns the whole parameter, two or more
 when it straddles segments.)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,12 +46,13 @@ class Range:
         return Range(self.start - origin, self.end - origin)
 
     def of(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.start:self.end]
+        return flat[self.start : self.end]
 
 
 @dataclass(frozen=True)
 class ShardPiece:
     """A rank's piece of one segment: where it lies in the buffer and in the rank's shard."""
+
     global_range: Range
     shard_range: Range
 
@@ -58,6 +60,7 @@ class ShardPiece:
 @dataclass(frozen=True)
 class OwnedPart:
     """A piece of one parameter that this rank owns, in the three coordinates it is used in."""
+
     global_range: Range
     param_range: Range
     shard_range: Range
@@ -79,8 +82,13 @@ class FlatLayout:
     one segment.
     """
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], world_size: int, rank: int,
-                 segment_numel: int | None = None):
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        world_size: int,
+        rank: int,
+        segment_numel: int | None = None,
+    ):
         if not named_params:
             raise ValueError("FlatLayout needs at least one parameter")
         self.dtype = named_params[0][1].dtype
@@ -102,8 +110,13 @@ class FlatLayout:
             for piece in self.pieces:
                 part = whole.intersect(piece.global_range)
                 if part.size:
-                    owned.append(OwnedPart(part, part.shift(whole.start),
-                                           part.shift(piece.global_range.start - piece.shard_range.start)))
+                    owned.append(
+                        OwnedPart(
+                            part,
+                            part.shift(whole.start),
+                            part.shift(piece.global_range.start - piece.shard_range.start),
+                        )
+                    )
             self.slots.append(ParamSlot(name, p, whole, tuple(owned)))
 
     def pieces_of(self, rank: int) -> list[ShardPiece]:
@@ -111,8 +124,12 @@ class FlatLayout:
         pieces, offset = [], 0
         for seg in self.segments:
             size = seg.size // self.world_size
-            pieces.append(ShardPiece(Range(seg.start + rank * size, seg.start + (rank + 1) * size),
-                                     Range(offset, offset + size)))
+            pieces.append(
+                ShardPiece(
+                    Range(seg.start + rank * size, seg.start + (rank + 1) * size),
+                    Range(offset, offset + size),
+                )
+            )
             offset += size
         return pieces
 
@@ -137,7 +154,9 @@ class FlatLayout:
         if len(self.segments) == 1:
             return gathered
         by_rank = gathered.view(self.world_size, self.shard_numel)
-        return torch.cat([by_rank[:, p.shard_range.start:p.shard_range.end].reshape(-1) for p in self.pieces])
+        return torch.cat(
+            [by_rank[:, p.shard_range.start : p.shard_range.end].reshape(-1) for p in self.pieces]
+        )
 
     def flatten(self, tensors: dict[str, torch.Tensor], dtype=None) -> torch.Tensor:
         """Pack per-parameter tensors (by name) into a full flat vector; gaps are zero."""
@@ -160,8 +179,9 @@ class FlatLayout:
         return pieces
 
 
-def build_layouts(module: nn.Module, world_size: int, rank: int, reverse: bool = False,
-                  segment_bytes: float | None = None) -> list[FlatLayout]:
+def build_layouts(
+    module: nn.Module, world_size: int, rank: int, reverse: bool = False, segment_bytes: float | None = None
+) -> list[FlatLayout]:
     """One layout per dtype over the module's trainable parameters (frozen ones stay out);
     `segment_bytes` cuts each into segments of about that size (see FlatLayout)."""
     by_dtype: dict[torch.dtype, list] = {}

@@ -6,6 +6,7 @@ ZeRO-2's shards, the head's class shard), whose squares are summed across ranks,
 
 Nothing here reads a value on the host: the norm and the found-inf flag stay on the device.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,9 @@ def _sq_sum(tensors, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_global_norm_(sharded: list[torch.Tensor], replicated: list[torch.Tensor], max_norm: float,
-                      group=None) -> torch.Tensor:
+def clip_global_norm_(
+    sharded: list[torch.Tensor], replicated: list[torch.Tensor], max_norm: float, group=None
+) -> torch.Tensor:
     """Scale all gradients so their global L2 norm is at most max_norm (torch's rule:
     coefficient max_norm / (norm + 1e-6), capped at 1); returns the fp32 norm before clipping."""
     device = (sharded + replicated)[0].device
@@ -55,7 +57,8 @@ def unscale_and_check_(grads: list[torch.Tensor], inv_scale: float, group=None) 
     for dev, tensors in by_device.items():
         flag = found if dev == device else torch.zeros((), dtype=torch.float32, device=dev)
         torch._amp_foreach_non_finite_check_and_unscale_(
-            tensors, flag, torch.full((), inv_scale, dtype=torch.float32, device=dev))
+            tensors, flag, torch.full((), inv_scale, dtype=torch.float32, device=dev)
+        )
         if flag is not found:
             found += flag.to(device)
     return _sum_over_ranks(found, group)

@@ -1,4 +1,5 @@
 """Dynamic loss scaling for fp16 whose skip decision is shared by every rank."""
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,14 @@ class DynamicLossScaler:
             opt.step(); head_opt.step()
     """
 
-    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000, min_scale: float = 1.0):
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float = 1.0,
+    ):
         self.scale_value = float(init_scale)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.min_scale = growth_interval, min_scale
@@ -52,8 +59,11 @@ class DynamicLossScaler:
                 self.clean_steps = 0
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale_value, "clean_steps": self.clean_steps,
-                "skipped_in_a_row": self.skipped_in_a_row}
+        return {
+            "scale": self.scale_value,
+            "clean_steps": self.clean_steps,
+            "skipped_in_a_row": self.skipped_in_a_row,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.scale_value = float(state["scale"])

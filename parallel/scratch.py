@@ -1,4 +1,5 @@
 """Reusable 1-D buffers for ZeRO-2's gradient buckets and received gradient pieces."""
+
 from __future__ import annotations
 
 import torch

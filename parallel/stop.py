@@ -1,5 +1,6 @@
 """Stop requests (SIGTERM / SIGINT): honoured at a step end on every rank alike inside the
 training loop, at once anywhere else."""
+
 from __future__ import annotations
 
 import contextlib
@@ -81,8 +82,11 @@ class StopSignal:
                 self._exit_now(signum, f"no training step ended within {self.grace_s:.0f} s")
 
     def _exit_now(self, signum: int, why: str) -> None:
-        logger.error("%s received, %s: exiting now; the checkpoints on disk are intact",
-                     signal.Signals(signum).name, why)
+        logger.error(
+            "%s received, %s: exiting now; the checkpoints on disk are intact",
+            signal.Signals(signum).name,
+            why,
+        )
         for handler in logger.handlers:
             handler.flush()
         os._exit(128 + signum)
@@ -98,8 +102,12 @@ class StopSignal:
         _ACTIVE = None
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-        threading.Thread(target=_worker_signal_waiter, args=(os.getppid(), self.SIGNALS),
-                         name="worker-stop-signal", daemon=True).start()
+        threading.Thread(
+            target=_worker_signal_waiter,
+            args=(os.getppid(), self.SIGNALS),
+            name="worker-stop-signal",
+            daemon=True,
+        ).start()
 
     @contextlib.contextmanager
     def deferred(self):

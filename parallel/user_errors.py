@@ -10,6 +10,7 @@ Rank 0 prints before any rank exits, so torchrun, which stops the job at the fir
 cannot cut its message off; a rank whose collective then loses its peer sees the mark and
 exits quietly instead of adding a traceback.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -44,8 +45,14 @@ def _mark_key(env) -> str:
 
 def _store(env, timeout_s: float):
     import torch.distributed as dist
-    return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+    return dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
 
 
 def _reported(env, wait_s: float) -> bool:
@@ -95,11 +102,17 @@ def _interrupt_in_one_line(shown: Callable) -> Callable:
     """A `sys.excepthook` that shows a Ctrl-C which reached the top of the program as one line, as
     training does (the tools publish their outputs whole or not at all: nothing to point at), and
     everything else as `shown` does; SHARDFACE_DEBUG=1 shows the traceback."""
+
     def hook(kind, exc, tb):
         if issubclass(kind, KeyboardInterrupt) and os.environ.get(DEBUG_ENV, "") in ("", "0"):
-            print("SIGINT received: stopped; outputs are published whole or not at all", file=sys.stderr, flush=True)
+            print(
+                "SIGINT received: stopped; outputs are published whole or not at all",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
             shown(kind, exc, tb)
+
     hook.interrupt_in_one_line = True
     return hook
 
@@ -111,6 +124,7 @@ def exits_on_user_error(main: F) -> F:
     does) but is shown as one line, not a traceback. Under torchrun, a rank that fails in any
     other way after a peer printed a user error (its collective lost the peer) exits with 2 as
     well, silently."""
+
     @functools.wraps(main)
     def entry(*args, **kwargs):
         debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
@@ -127,4 +141,5 @@ def exits_on_user_error(main: F) -> F:
             if not debug and _peer_reported(os.environ):
                 return EXIT_USER_ERROR
             raise
+
     return entry

@@ -1,4 +1,5 @@
 """The part of the torch.optim.Optimizer surface every ShardFace optimizer forwards."""
+
 from __future__ import annotations
 
 import torch

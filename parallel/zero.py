@@ -1,4 +1,5 @@
 """ZeRO-2: sharded optimizer state, fp32 master weights and gradients over one flat layout."""
+
 from __future__ import annotations
 
 import contextlib
@@ -21,11 +22,12 @@ from parallel.wrapped import WrappedOptimizer
 
 class BucketState(Enum):
     """Where a gradient bucket is in one backward pass."""
-    EMPTY = "empty"        # no gradient of this pass yet
-    FILLING = "filling"    # some of its parameters' gradients arrived
-    READY = "ready"        # all arrived; waits for the buckets before it to launch
+
+    EMPTY = "empty"  # no gradient of this pass yet
+    FILLING = "filling"  # some of its parameters' gradients arrived
+    READY = "ready"  # all arrived; waits for the buckets before it to launch
     LAUNCHED = "launched"  # reduction in flight
-    DONE = "done"          # added to the gradient shard, scratch released
+    DONE = "done"  # added to the gradient shard, scratch released
 
 
 @dataclass(eq=False)  # identity: buckets are compared by object, never by tensor contents
@@ -33,13 +35,14 @@ class _Bucket:
     """A fixed element range of a flat buffer whose gradients are reduced together (a large
     parameter spans several buckets; `slots` are the parameters overlapping the range).
     Collective exchange: the bucket is a segment of the layout and `piece` this rank's 1/W."""
+
     range: Range
     slots: list[ParamSlot]
     piece: ShardPiece | None = None
     state: BucketState = BucketState.EMPTY
     pending: int = 0
     scratch: torch.Tensor | None = None  # p2p: the bucket's gradients, copied in by the hooks
-    tag: int = 0                 # distinct per bucket: names its point-to-point messages
+    tag: int = 0  # distinct per bucket: names its point-to-point messages
     handles: list = field(default_factory=list)
     pieces: list = field(default_factory=list)  # (shard range, [summands]) this rank owns
 
@@ -48,6 +51,7 @@ class _Bucket:
 class MasterShard:
     """This rank's fp32 master weights of one dtype's layout, as (shard range, tensor) pieces
     that together cover the shard: what the optimizer steps and what an EMA follows."""
+
     layout: FlatLayout
     pieces: list[tuple[Range, torch.Tensor]]
 
@@ -55,8 +59,9 @@ class MasterShard:
 class _DtypeGroup:
     """The flat parameter buffer of one dtype, its fp32 master shard and fp32 gradient shard."""
 
-    def __init__(self, layout: FlatLayout, bucket_numel: int, chunk_numel: int, first_tag: int,
-                 collective: bool):
+    def __init__(
+        self, layout: FlatLayout, bucket_numel: int, chunk_numel: int, first_tag: int, collective: bool
+    ):
         self.layout = layout
         self.buffer = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)
         for slot in layout.slots:
@@ -90,15 +95,23 @@ class _DtypeGroup:
             # gradients accumulate in place in persistent views of `grad_buffer`
             ranges = layout.segments
             self.grad_buffer = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)
-            self.grad_views = {s.name: s.global_range.of(self.grad_buffer).view(s.param.shape) for s in layout.slots}
+            self.grad_views = {
+                s.name: s.global_range.of(self.grad_buffer).view(s.param.shape) for s in layout.slots
+            }
         else:
             # fixed element ranges: a parameter may span buckets (its gradient is copied into
             # each), so every bucket, received piece and pooled buffer is at most bucket_numel
-            ranges = [Range(s, min(s + bucket_numel, layout.numel)) for s in range(0, layout.numel, bucket_numel)]
+            ranges = [
+                Range(s, min(s + bucket_numel, layout.numel)) for s in range(0, layout.numel, bucket_numel)
+            ]
             self.grad_buffer, self.grad_views = None, {}
         for i, r in enumerate(ranges):
-            bucket = _Bucket(r, [s for s in layout.slots if s.global_range.intersect(r).size], tag=first_tag + i,
-                             piece=layout.pieces[i] if collective else None)
+            bucket = _Bucket(
+                r,
+                [s for s in layout.slots if s.global_range.intersect(r).size],
+                tag=first_tag + i,
+                piece=layout.pieces[i] if collective else None,
+            )
             self.buckets.append(bucket)
             for slot in bucket.slots:
                 self.buckets_of[slot.name].append(bucket)
@@ -128,8 +141,10 @@ def resolve_exchange(exchange: str, backend: str) -> str:
     if exchange not in ("auto", "p2p", "collective"):
         raise ValueError(f"Zero2Optimizer exchange must be 'auto', 'p2p' or 'collective', not {exchange!r}")
     if exchange == "p2p" and backend == "nccl":
-        raise ValueError("Zero2Optimizer exchange='p2p' is for gloo: under NCCL point-to-point sends are "
-                         "slower than its reduce-scatter and all-gather; use exchange='collective' (or 'auto')")
+        raise ValueError(
+            "Zero2Optimizer exchange='p2p' is for gloo: under NCCL point-to-point sends are "
+            "slower than its reduce-scatter and all-gather; use exchange='collective' (or 'auto')"
+        )
     if backend == "none":  # no process group: one rank, nothing to exchange
         return "local"
     if exchange == "auto":
@@ -179,9 +194,17 @@ class Zero2Optimizer(WrappedOptimizer):
         opt.step(); opt.zero_grad()
     """
 
-    def __init__(self, module: nn.Module, optimizer_class=torch.optim.SGD, process_group=None,
-                 bucket_cap_mb: float = 16.0, max_inflight_buckets: int | None = None,
-                 step_chunk_mb: float = 4.0, exchange: str = "auto", **defaults):
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer_class=torch.optim.SGD,
+        process_group=None,
+        bucket_cap_mb: float = 16.0,
+        max_inflight_buckets: int | None = None,
+        step_chunk_mb: float = 4.0,
+        exchange: str = "auto",
+        **defaults,
+    ):
         self.module = module
         self.group = process_group
         self.world_size = get_world_size(process_group)
@@ -196,7 +219,9 @@ class Zero2Optimizer(WrappedOptimizer):
         self.groups: list[_DtypeGroup] = []
         tags = 0
         segment_bytes = bucket_cap_mb * 2**20 if self._collective else None
-        for layout in build_layouts(module, self.world_size, self.rank, reverse=True, segment_bytes=segment_bytes):
+        for layout in build_layouts(
+            module, self.world_size, self.rank, reverse=True, segment_bytes=segment_bytes
+        ):
             bucket_numel = max(1, int(bucket_cap_mb * 2**20 / layout.element_size))
             chunk_numel = max(1, int(step_chunk_mb * 2**20 / 4))  # fp32 master elements
             self.groups.append(_DtypeGroup(layout, bucket_numel, chunk_numel, tags, self._collective))
@@ -207,12 +232,12 @@ class Zero2Optimizer(WrappedOptimizer):
             max_inflight_buckets = 3 if device.type == "cuda" else 1
         self.max_inflight_buckets = max(1, int(max_inflight_buckets))
         self._inflight: deque = deque()  # (group, bucket) launched, not yet completed
-        self._param_handles: list = []   # the all-gathers of the parameters after step()
+        self._param_handles: list = []  # the all-gathers of the parameters after step()
         self._in_backward = False
         self._no_sync = False
-        self._unreduced = False          # gradients accumulated under no_sync, not reduced yet
+        self._unreduced = False  # gradients accumulated under no_sync, not reduced yet
         self._arrived: set[str] = set()  # parameters whose gradient this backward pass delivered
-        self.scratch = ScratchPool()     # bucket and receive buffers, reused every backward
+        self.scratch = ScratchPool()  # bucket and receive buffers, reused every backward
         self._hooks = []
         for g in self.groups:
             for slot in g.layout.slots:
@@ -224,9 +249,15 @@ class Zero2Optimizer(WrappedOptimizer):
         ref = weakref.ref(self)
         # (a deep copy keeps these hooks too: each acts only on the module it was built for)
         self._hooks.append(module.register_forward_pre_hook(lambda m, args: _call(ref, "wait_params", m)))
-        self._hooks.append(module.register_state_dict_pre_hook(lambda m, prefix, keep: _call(ref, "wait_params", m)))
-        self._hooks.append(module.register_load_state_dict_pre_hook(lambda m, *args: _call(ref, "wait_params", m)))
-        self._hooks.append(module.register_load_state_dict_post_hook(lambda m, keys: _call(ref, "refresh_master", m)))
+        self._hooks.append(
+            module.register_state_dict_pre_hook(lambda m, prefix, keep: _call(ref, "wait_params", m))
+        )
+        self._hooks.append(
+            module.register_load_state_dict_pre_hook(lambda m, *args: _call(ref, "wait_params", m))
+        )
+        self._hooks.append(
+            module.register_load_state_dict_post_hook(lambda m, keys: _call(ref, "refresh_master", m))
+        )
 
     # ----- the fp32 master shards ----------------------------------------------------------
     def master_shards(self) -> list[MasterShard]:
@@ -283,11 +314,14 @@ class Zero2Optimizer(WrappedOptimizer):
                     bucket.state, bucket.pending = BucketState.FILLING, len(bucket.slots)
                 if self._p2p:
                     part = slot.global_range.intersect(bucket.range)
-                    part.shift(bucket.range.start).of(bucket.scratch).copy_(part.shift(slot.global_range.start).of(grad))
+                    part.shift(bucket.range.start).of(bucket.scratch).copy_(
+                        part.shift(slot.global_range.start).of(grad)
+                    )
                 bucket.pending -= 1
                 if bucket.pending == 0:
                     bucket.state = BucketState.READY
                     self._launch_ready(group)  # before filling the next: bounds the scratch
+
         return hook
 
     def _end_of_backward(self) -> None:
@@ -298,7 +332,8 @@ class Zero2Optimizer(WrappedOptimizer):
             raise RuntimeError(
                 f"Zero2Optimizer: parameter '{missing[0]}' ({len(missing)} in all) got no gradient in "
                 f"this backward pass; every trainable parameter must be used in every pass "
-                f"(freeze unused ones with requires_grad_(False) before building the optimizer)")
+                f"(freeze unused ones with requires_grad_(False) before building the optimizer)"
+            )
         if self._collective:
             # the next backward accumulates into the same bucket views: the reductions reading
             # them must be complete first (on CUDA, wait() only orders the streams)
@@ -321,8 +356,15 @@ class Zero2Optimizer(WrappedOptimizer):
         copies of its own piece (p2p)."""
         if self._collective:
             out = self.scratch.take(bucket.piece.global_range.size, group.layout.dtype, group.layout.device)
-            bucket.handles.append(reduce_scatter_flat(out, bucket.range.of(group.grad_buffer), op=self._reduce_op,
-                                                      group=self.group, async_op=True))
+            bucket.handles.append(
+                reduce_scatter_flat(
+                    out,
+                    bucket.range.of(group.grad_buffer),
+                    op=self._reduce_op,
+                    group=self.group,
+                    async_op=True,
+                )
+            )
             bucket.pieces.append((bucket.piece.shard_range, [out]))
         else:
             for r in range(self.world_size):
@@ -336,11 +378,19 @@ class Zero2Optimizer(WrappedOptimizer):
                     for other in range(self.world_size):
                         if other != r:
                             summands.append(self.scratch.take(piece.size, data.dtype, data.device))
-                            bucket.handles.append(dist.irecv(summands[-1], src=self._global_rank(other),
-                                                             group=self.group, tag=bucket.tag))
+                            bucket.handles.append(
+                                dist.irecv(
+                                    summands[-1],
+                                    src=self._global_rank(other),
+                                    group=self.group,
+                                    tag=bucket.tag,
+                                )
+                            )
                     bucket.pieces.append((piece.shift(owned.start), summands))
                 else:
-                    bucket.handles.append(dist.isend(data, dst=self._global_rank(r), group=self.group, tag=bucket.tag))
+                    bucket.handles.append(
+                        dist.isend(data, dst=self._global_rank(r), group=self.group, tag=bucket.tag)
+                    )
         bucket.state = BucketState.LAUNCHED
         self._inflight.append((group, bucket))
         while len(self._inflight) > self.max_inflight_buckets:  # bound the scratch memory
@@ -435,15 +485,22 @@ class Zero2Optimizer(WrappedOptimizer):
             if self._p2p and self.world_size > 1:
                 # gloo's all-gather is slow: every rank broadcasts its shard, concurrently
                 owned = [g.layout.pieces_of(r)[0].global_range for r in range(self.world_size)]
-                handles = [dist.broadcast(o.of(g.buffer), src=self._global_rank(r), group=self.group, async_op=True)
-                           for r, o in enumerate(owned)]
+                handles = [
+                    dist.broadcast(o.of(g.buffer), src=self._global_rank(r), group=self.group, async_op=True)
+                    for r, o in enumerate(owned)
+                ]
                 for h in handles:
                     h.wait()
             elif self._collective:
                 for bucket in g.buckets:  # in place: this rank's piece is the r-th 1/W of the bucket
-                    self._param_handles.append(all_gather_flat(
-                        bucket.range.of(g.buffer), bucket.piece.global_range.of(g.buffer),
-                        group=self.group, async_op=True))
+                    self._param_handles.append(
+                        all_gather_flat(
+                            bucket.range.of(g.buffer),
+                            bucket.piece.global_range.of(g.buffer),
+                            group=self.group,
+                            async_op=True,
+                        )
+                    )
 
     def wait_params(self) -> None:
         """Wait for the parameter all-gathers of the last `step()` (on CUDA: the current stream
@@ -465,7 +522,9 @@ class Zero2Optimizer(WrappedOptimizer):
                 joined[key] = value
         return joined
 
-    def _gather_full(self, layout: FlatLayout, shard: torch.Tensor, to_rank: int | None) -> torch.Tensor | None:
+    def _gather_full(
+        self, layout: FlatLayout, shard: torch.Tensor, to_rank: int | None
+    ) -> torch.Tensor | None:
         """The full flat vector of a shard-sized tensor: on every rank (to_rank None) or on
         group rank `to_rank` only (None elsewhere)."""
         if self.world_size == 1:
@@ -492,7 +551,9 @@ class Zero2Optimizer(WrappedOptimizer):
                     per_element[key] = value
                 elif keep:
                     for slot in g.layout.slots:
-                        state.setdefault(slot.name, {})[key] = value.cpu().clone() if torch.is_tensor(value) else value
+                        state.setdefault(slot.name, {})[key] = (
+                            value.cpu().clone() if torch.is_tensor(value) else value
+                        )
             if g.master is not None:
                 per_element[None] = g.master
             for key, value in per_element.items():

@@ -15,11 +15,13 @@ output is the same, byte for byte, whatever their number. Many machines: under t
 with --rank R --world W on machines sharing DST's folder, each rank aligns its share of the
 sorted photos into DST.parts-<key>/rank-R-of-W, and rank 0 joins the parts into DST, the same
 files one process writes (dataset/shares.py)."""
+
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
     import os
     import sys
+
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import csv
@@ -34,15 +36,20 @@ from dataset import DataError, DataLayoutError
 from dataset.folders import walk_images
 from dataset.geometry import check_files
 from dataset.images import IMAGE_EXTENSIONS
+from dataset.shares import WAIT_MIN_S, Parts, launch_rank, list_key, share_of
 from faces.align import ARCFACE_112
 from faces.detect import Detection, check_available
-from dataset.shares import WAIT_MIN_S, Parts, launch_rank, list_key, share_of
 from faces.stream import Crop, no_face_message, stream
 from faces.workers import warm_up
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from scripts.options import add_detection_options, add_rank_options, add_workers_option, detection_from, \
-    workers_from
+from scripts.options import (
+    add_detection_options,
+    add_rank_options,
+    add_workers_option,
+    detection_from,
+    workers_from,
+)
 from utils.atomic import OutputError, check_output_dir, publishing_dir
 from utils.progress import Progress
 
@@ -50,8 +57,9 @@ REPORT = "align_report.csv"
 MAX_SIZE = 1024  # crop side: 112 for insightface's networks, 150 for dlib's
 _FACE_N = re.compile(r"\.face\d+$")
 POINTS = ("left_eye", "right_eye", "nose", "mouth_left", "mouth_right")
-COLUMNS = ["photo", "faces", "face", "crop", "score", "x0", "y0", "x1", "y1"] + \
-          [f"{p}_{c}" for p in POINTS for c in "xy"]
+COLUMNS = ["photo", "faces", "face", "crop", "score", "x0", "y0", "x1", "y1"] + [
+    f"{p}_{c}" for p in POINTS for c in "xy"
+]
 
 
 def photos_under(src: str) -> list[str]:
@@ -83,21 +91,38 @@ def inside(path: str, folder: str) -> bool:
 def report_row(photo: str, count: int, number: int | None, crop: str, face=None) -> list:
     if face is None:
         return [photo, count] + [""] * (len(COLUMNS) - 2)
-    return [photo, count, number, crop, f"{face.score:.4f}"] + [f"{v:.1f}" for v in face.box] + \
-        [f"{v:.2f}" for v in face.points.ravel()]
+    return (
+        [photo, count, number, crop, f"{face.score:.4f}"]
+        + [f"{v:.1f}" for v in face.box]
+        + [f"{v:.2f}" for v in face.points.ravel()]
+    )
 
 
-def align_into(src: str, photos: list[str], out: str, detection: Detection, side: int, largest_only: bool,
-               progress: Progress | None, workers: int = 1,
-               names: dict[str, str] | None = None) -> tuple[int, list[str]]:
+def align_into(
+    src: str,
+    photos: list[str],
+    out: str,
+    detection: Detection,
+    side: int,
+    largest_only: bool,
+    progress: Progress | None,
+    workers: int = 1,
+    names: dict[str, str] | None = None,
+) -> tuple[int, list[str]]:
     """Crops and the report of every photo into the folder `out`, found and cut by `workers`
     processes (faces.stream: the same files whatever their number); -> (crops written, photos
     without a face). `names`: the crop stems of the whole list (crop_stems), where `photos` is
     one rank's share of it."""
     stems, written, without = names or crop_stems(photos), 0, []
     cut = Crop(ARCFACE_112.scaled(side), png=True)
-    found = stream([os.path.join(src, p) for p in photos], detection, cut, workers, largest_only,
-                   progress=progress and progress.update)
+    found = stream(
+        [os.path.join(src, p) for p in photos],
+        detection,
+        cut,
+        workers,
+        largest_only,
+        progress=progress and progress.update,
+    )
     with open(os.path.join(out, REPORT), "w", newline="", encoding="utf-8", errors="surrogateescape") as f:
         report = csv.writer(f)
         report.writerow(COLUMNS)
@@ -106,7 +131,11 @@ def align_into(src: str, photos: list[str], out: str, detection: Detection, side
                 report.writerow(report_row(rel, 0, None, ""))
                 without.append(photo.name)
             for number, face in enumerate(photo.faces, 1):
-                crop = "" if largest_only and number > 1 else stems[rel] + (".png" if number == 1 else f".face{number}.png")
+                crop = (
+                    ""
+                    if largest_only and number > 1
+                    else stems[rel] + (".png" if number == 1 else f".face{number}.png")
+                )
                 if crop:
                     os.makedirs(os.path.dirname(os.path.join(out, crop)) or out, exist_ok=True)
                     with open(os.path.join(out, crop), "wb") as png:
@@ -123,22 +152,42 @@ def check_names(photos: list[str], stems: dict[str, str], largest_only: bool) ->
     for photo in photos:
         name = os.path.basename(stems[photo]) + tail
         if len(os.fsencode(name)) > 255:
-            raise DataError(f"{photo}: its crops' file names ({name!r}) would be over 255 bytes; rename the photo")
+            raise DataError(
+                f"{photo}: its crops' file names ({name!r}) would be over 255 bytes; rename the photo"
+            )
 
 
-def align_ranked(src: str, photos: list[str], dst: str, detection: Detection, side: int, largest_only: bool,
-                 workers: int, rank: int, world: int) -> tuple[int, list[str]] | None:
+def align_ranked(
+    src: str,
+    photos: list[str],
+    dst: str,
+    detection: Detection,
+    side: int,
+    largest_only: bool,
+    workers: int,
+    rank: int,
+    world: int,
+) -> tuple[int, list[str]] | None:
     """Rank `rank` of `world` aligns its share of `photos` into its part beside `dst`; rank 0
     then waits for every part and publishes their join as `dst`, what one process writes
     (dataset.shares). -> (crops written, photos without a face) on rank 0, None on the others."""
     parts = Parts(dst, list_key(photos, detection, side, largest_only, root=src), world)
     start, mine = time.monotonic(), share_of(len(photos), rank, world)
-    share = photos[mine.start:mine.end]
+    share = photos[mine.start : mine.end]
     if parts.manifest(rank, photos) is None:  # else done by an earlier run of this job: kept
         progress = Progress(len(share), f"aligning (rank 0's share of {world})") if rank == 0 else None
         with parts.writing(rank, photos) as part:
-            crops, without = align_into(src, share, part.folder, detection, side, largest_only, progress, workers,
-                                        names=crop_stems(photos))
+            crops, without = align_into(
+                src,
+                share,
+                part.folder,
+                detection,
+                side,
+                largest_only,
+                progress,
+                workers,
+                names=crop_stems(photos),
+            )
             part.summary.update(crops=crops, without=[os.path.relpath(p, src) for p in without])
     if rank != 0:
         return None
@@ -153,18 +202,30 @@ def align_ranked(src: str, photos: list[str], dst: str, detection: Detection, si
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("source", help="folder of photos (sub-folders, e.g. one per person, are kept)")
-    p.add_argument("output", help="folder to write the crops and align_report.csv to (must not exist, "
-                                  "or pass --overwrite; not inside SOURCE)")
+    p.add_argument(
+        "output",
+        help="folder to write the crops and align_report.csv to (must not exist, "
+        "or pass --overwrite; not inside SOURCE)",
+    )
     add_detection_options(p)
     p.add_argument("--size", type=int, default=112, help="crop side in pixels (the 112x112 template scaled)")
-    p.add_argument("--largest", action="store_true",
-                   help="write only each photo's largest face (identity folders for training: other faces "
-                        "in a photo are usually other people); the report still lists every face")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing OUTPUT (the old one stays until the new one is complete)")
+    p.add_argument(
+        "--largest",
+        action="store_true",
+        help="write only each photo's largest face (identity folders for training: other faces "
+        "in a photo are usually other people); the report still lists every face",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing OUTPUT (the old one stays until the new one is complete)",
+    )
     add_workers_option(p)
-    add_rank_options(p, "aligns its share of the sorted photos into a part folder beside OUTPUT; rank 0 "
-                        "joins the parts into OUTPUT")
+    add_rank_options(
+        p,
+        "aligns its share of the sorted photos into a part folder beside OUTPUT; rank 0 "
+        "joins the parts into OUTPUT",
+    )
     args = p.parse_args(argv)
     rank, world = launch_rank(args.rank, args.world)
     workers = workers_from(args)
@@ -172,7 +233,9 @@ def main(argv=None) -> int:
     if not os.path.isdir(src):
         raise DataLayoutError(f"{src}: photo folder not found")
     if inside(dst, src):
-        raise OutputError(f"{dst} is inside {src}: write the crops elsewhere (they would be taken for photos)")
+        raise OutputError(
+            f"{dst} is inside {src}: write the crops elsewhere (they would be taken for photos)"
+        )
     if inside(src, dst):
         raise OutputError(f"{src} is inside {dst}: --overwrite would delete the photos")
     check_output_dir(dst)
@@ -182,7 +245,9 @@ def main(argv=None) -> int:
     if not os.path.isdir(parent):
         raise OutputError(f"{parent}: output directory not found")
     if not 16 <= args.size <= MAX_SIZE:
-        raise ConfigError(f"--size {args.size}: from 16 to {MAX_SIZE} pixels (a crop is size x size x 3 bytes in memory)")
+        raise ConfigError(
+            f"--size {args.size}: from 16 to {MAX_SIZE} pixels (a crop is size x size x 3 bytes in memory)"
+        )
     detection = detection_from(args)
     warm_up(stream, workers)  # the workers' imports, while the photos are listed and checked
     check_available(detection.detector, detection.landmarks)  # a missing model file: one line, at start
@@ -192,15 +257,27 @@ def main(argv=None) -> int:
     if world > 1:
         done = align_ranked(src, photos, dst, detection, args.size, args.largest, workers, rank, world)
         if done is None:
-            print(f"rank {rank} of {world}: its share of the {len(photos)} photos is aligned; rank 0 writes {dst}")
+            print(
+                f"rank {rank} of {world}: its share of the {len(photos)} photos is aligned; rank 0 writes {dst}"
+            )
             return 0
         written, without = done
     else:
         with publishing_dir(dst) as tmp:  # utils.atomic: staged beside DST, swapped in when complete
-            written, without = align_into(src, photos, tmp, detection, args.size, args.largest,
-                                          Progress(len(photos), "aligning"), workers)
-    print(f"wrote {written} crops of {len(photos) - len(without)} photos with faces into {dst}; "
-          f"report: {os.path.join(dst, REPORT)}")
+            written, without = align_into(
+                src,
+                photos,
+                tmp,
+                detection,
+                args.size,
+                args.largest,
+                Progress(len(photos), "aligning"),
+                workers,
+            )
+    print(
+        f"wrote {written} crops of {len(photos) - len(without)} photos with faces into {dst}; "
+        f"report: {os.path.join(dst, REPORT)}"
+    )
     if without:
         print(no_face_message(without, len(photos), detection))
     return 0

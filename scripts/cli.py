@@ -7,6 +7,7 @@ Every argument it is given must have a help text. A tool's `--seed` is declared 
 takes negative seeds, numpy refuses them; train.py's `seed` key is held to the same). The
 tools' entry points are wrapped in `parallel.user_errors.exits_on_user_error`, so a config,
 data or checkpoint error is one line, `error: <message>`, with exit code 2."""
+
 from __future__ import annotations
 
 import argparse
@@ -42,5 +43,7 @@ class ArgumentParser(argparse.ArgumentParser):
         parsed, rest = super().parse_known_args([underscored(a) for a in args[:end]] + args[end:], namespace)
         seed = getattr(parsed, "seed", None) if getattr(self, "_seeded", False) else None
         if seed is not None and seed < 0:
-            raise ConfigError(f"--seed {seed}: a seed is an integer >= 0 (numpy's rule, which every tool keeps)")
+            raise ConfigError(
+                f"--seed {seed}: a seed is an integer >= 0 (numpy's rule, which every tool keeps)"
+            )
         return parsed, rest

@@ -11,11 +11,13 @@ trained run's, at a stated FAR on its validation set, saved by training and carr
 the threshold used and where it came from are printed.
 With --align the two images are photos: the largest face of each is aligned to the model's
 template (no face: refused); a photo with several faces is named, with its count."""
+
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
     import os
     import sys
+
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import sys
@@ -23,8 +25,8 @@ import sys
 import numpy as np
 
 from dataset import DataError
-from eval.verification import best_threshold, load_bin
 from dataset.geometry import check_files
+from eval.verification import best_threshold, load_bin
 from faces.stream import Found, no_face_message
 from infer.stream import analyse
 from infer.thresholds import chosen_threshold
@@ -40,12 +42,24 @@ def main(argv=None) -> int:
     p.add_argument("image_a", help="the first face image (aligned: 112x112; dlib 150x150 chips)")
     p.add_argument("image_b", help="the second face image")
     how = p.add_mutually_exclusive_group()
-    how.add_argument("--threshold", type=float, default=None,
-                     help="cosine similarity at or above which the two are the same person, in [-1, 1] "
-                          "(default: the MODEL's own; dlib: its distance 0.6)")
-    how.add_argument("--threshold_from", default=None, metavar="BIN",
-                     help="a verification .bin: use the threshold that separates its pairs best")
-    p.add_argument("--resize", action="store_true", help="resize images that are not the model's crop size (not alignment)")
+    how.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="cosine similarity at or above which the two are the same person, in [-1, 1] "
+        "(default: the MODEL's own; dlib: its distance 0.6)",
+    )
+    how.add_argument(
+        "--threshold_from",
+        default=None,
+        metavar="BIN",
+        help="a verification .bin: use the threshold that separates its pairs best",
+    )
+    p.add_argument(
+        "--resize",
+        action="store_true",
+        help="resize images that are not the model's crop size (not alignment)",
+    )
     add_align_options(p, "the two images", strict=False)  # a photo without a face is always refused
     args = p.parse_args(argv)
     threshold = chosen_threshold(args.threshold)  # a threshold that is no cosine: refused at start
@@ -56,8 +70,17 @@ def main(argv=None) -> int:
     if not args.align:
         check_files(pair, args.resize, size=tuple(model.template.size))
     workers = workers_from(args) if args.align and args.workers else 1  # two photos: no pool unless asked
-    photos = list(analyse(model, pair, workers, largest_only=True, align=args.align, batch_size=args.batch_size,
-                          resize=args.resize))
+    photos = list(
+        analyse(
+            model,
+            pair,
+            workers,
+            largest_only=True,
+            align=args.align,
+            batch_size=args.batch_size,
+            resize=args.resize,
+        )
+    )
     without = [p.name for p in photos if p.face is None]
     if without:
         raise DataError(f"{no_face_message(without, len(pair))}: compare needs a face in each")
@@ -67,16 +90,21 @@ def main(argv=None) -> int:
     a, b = (p.face.embedding for p in photos)
     if args.threshold_from:
         pairs = load_bin(args.threshold_from)
-        threshold = chosen_threshold(None, (*best_threshold(pairs, model, args.batch_size), args.threshold_from,
-                                            len(pairs[1])))
+        threshold = chosen_threshold(
+            None, (*best_threshold(pairs, model, args.batch_size), args.threshold_from, len(pairs[1]))
+        )
     cosine = float(np.dot(a.astype(np.float64), b.astype(np.float64)))
     print(f"cosine similarity {cosine:.4f}")
     if threshold is None:
-        print(f"{args.model} has no known threshold: pass --threshold T or --threshold-from VAL.bin to decide "
-              f"same or different")
+        print(
+            f"{args.model} has no known threshold: pass --threshold T or --threshold-from VAL.bin to decide "
+            f"same or different"
+        )
     else:
         print(threshold.line())
-        print(f"{'same' if cosine >= threshold.value else 'different'} person (threshold {threshold.value:.4f})")
+        print(
+            f"{'same' if cosine >= threshold.value else 'different'} person (threshold {threshold.value:.4f})"
+        )
     return 0
 
 

@@ -2,11 +2,13 @@
 """`make demo`: generate the drawn-faces set (if absent), verify the untrained backbone, train
 configs/demo.py on N gloo ranks, verify the trained model on unseen identities, export ONNX.
 `python -m scripts.demo [--nproc 2]` from the repository root."""
+
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
     import os
     import sys
+
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import os
@@ -37,8 +39,12 @@ def run(cmd: list[str], env=None) -> None:
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__)
     p.add_argument("--nproc", type=int, default=2, help="gloo ranks to train on (default 2)")
-    p.add_argument("--min_accuracy", type=float, default=0.90,
-                   help="fail when the trained verification accuracy is below this (default 0.90)")
+    p.add_argument(
+        "--min_accuracy",
+        type=float,
+        default=0.90,
+        help="fail when the trained verification accuracy is below this (default 0.90)",
+    )
     p.add_argument("--margin", default="", help="train with this margin head instead (see configs/base.py)")
     args = p.parse_args(argv)
     overrides = ["--margin", args.margin, "--output", f"work_dirs/demo_{args.margin}"] if args.margin else []
@@ -58,16 +64,21 @@ def main(argv=None) -> int:
 
     shutil.rmtree(os.path.join(ROOT, cfg.output), ignore_errors=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
-                "--standalone"] if args.nproc > 1 else [sys.executable]
+    torchrun = (
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--standalone"]
+        if args.nproc > 1
+        else [sys.executable]
+    )
     run(torchrun + ["train.py", CONFIG, *overrides], env=env)
     run([sys.executable, "-m", "scripts.verify", cfg.output, "--bin", val_bin])
     onnx_path = os.path.join(cfg.output, "model.onnx")
     run([sys.executable, "-m", "scripts.export_onnx", cfg.output, onnx_path])
 
     after = test(val, load_backbone(os.path.join(ROOT, cfg.output)), 200).accuracy_flip
-    print(f"\ndemo done in {time.time() - start:.0f}s: verification accuracy on unseen identities "
-          f"{before:.4f} untrained -> {after:.4f} trained (EMA weights); ONNX model at {onnx_path}")
+    print(
+        f"\ndemo done in {time.time() - start:.0f}s: verification accuracy on unseen identities "
+        f"{before:.4f} untrained -> {after:.4f} trained (EMA weights); ONNX model at {onnx_path}"
+    )
     if after < args.min_accuracy:
         print(f"FAILED: accuracy {after:.4f} below {args.min_accuracy}", file=sys.stderr)
         return 1

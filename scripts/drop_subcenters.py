@@ -8,11 +8,13 @@ of its images are nearest to (Deng et al., ECCV 2020), and writes `head_dominant
 C x D weight of those centres) and `noisy_images.txt` (dataset indices of images more than
 `--max_degrees` from their class's dominant centre, which the paper drops before retraining).
 """
+
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
     import os
     import sys
+
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import argparse
@@ -51,14 +53,21 @@ def _training_config(run: str, checkpoint: str) -> dict:
             with open(path) as f:
                 return json.load(f)
         except ValueError as exc:
-            raise CheckpointError(f"{path}: unreadable ({exc}); the config in {checkpoint}/meta.pt is used if you "
-                                  f"pass the checkpoint directory instead") from None
+            raise CheckpointError(
+                f"{path}: unreadable ({exc}); the config in {checkpoint}/meta.pt is used if you "
+                f"pass the checkpoint directory instead"
+            ) from None
     return safe_load(os.path.join(checkpoint, "meta.pt")).get("config") or {}
 
 
 def _files_under(*folders: str) -> list[str]:
     """The files the run's weights are read from (an output must not be one of them)."""
-    return [os.path.join(folder, name) for folder in folders if os.path.isdir(folder) for name in os.listdir(folder)]
+    return [
+        os.path.join(folder, name)
+        for folder in folders
+        if os.path.isdir(folder)
+        for name in os.listdir(folder)
+    ]
 
 
 @exits_on_user_error
@@ -67,14 +76,22 @@ def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", help="a training output directory (config.json and checkpoints)")
     p.add_argument("--out", required=True, help="directory for head_dominant.pt and noisy_images.txt")
-    p.add_argument("--max_degrees", type=float, default=75.0,
-                   help="list images farther than this angle from their dominant centre (default 75)")
+    p.add_argument(
+        "--max_degrees",
+        type=float,
+        default=75.0,
+        help="list images farther than this angle from their dominant centre (default 75)",
+    )
     p.add_argument("--batch_size", type=int, default=256, help="images per forward pass (default 256)")
-    p.add_argument("--overwrite", action="store_true", help="replace head_dominant.pt and noisy_images.txt in --out")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace head_dominant.pt and noisy_images.txt in --out"
+    )
     args = p.parse_args(argv)
     if os.path.exists(args.out) and not os.path.isdir(args.out):  # found now, not after the whole pass
-        raise OutputError(f"--out {args.out}: a file is in its place; give a directory (it receives "
-                          f"head_dominant.pt and noisy_images.txt)")
+        raise OutputError(
+            f"--out {args.out}: a file is in its place; give a directory (it receives "
+            f"head_dominant.pt and noisy_images.txt)"
+        )
     outputs = [os.path.join(args.out, "head_dominant.pt"), os.path.join(args.out, "noisy_images.txt")]
     if os.path.isdir(args.out):
         for path in outputs:
@@ -86,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     if k < 2:
         raise CheckpointError(f"{args.run}: the head has one centre per class; nothing to drop")
     model = load_backbone(args.run).eval()
-    dataset = build_train_dataset(cfg, train=False, normalize=True)  # as trained: align, resize, skipped images
+    dataset = build_train_dataset(
+        cfg, train=False, normalize=True
+    )  # as trained: align, resize, skipped images
     os.makedirs(args.out, exist_ok=True)  # an unwritable --out fails here, before the pass
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=cfg.num_workers)
     embeddings, labels = [], []
@@ -102,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.save(drop_subcenters(weight, dominant, k), head_tmp)
         with open(noisy_tmp, "w") as f:
             f.writelines(f"{i}\n" for i in noisy.tolist())
-    print(f"\n{len(dominant)} classes kept one centre each; {len(noisy)} of {len(labels)} images are more "
-          f"than {args.max_degrees:g} degrees from it (listed in noisy_images.txt)")
+    print(
+        f"\n{len(dominant)} classes kept one centre each; {len(noisy)} of {len(labels)} images are more "
+        f"than {args.max_degrees:g} degrees from it (listed in noisy_images.txt)"
+    )
     return 0
 
 

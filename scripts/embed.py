@@ -11,11 +11,13 @@ an exported .onnx (onnxruntime) or `dlib` (dlib's face descriptor: 150x150 dlib 
 gives its single-view descriptors). With --align the inputs are photos: each photo's largest face
 is aligned to the model's template, and photos without a face are left out of both files and
 named (refused with --strict)."""
+
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
     import os
     import sys
+
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import logging
@@ -46,24 +48,31 @@ def main(argv=None) -> int:
     p.add_argument("inputs", nargs="+", help="image files and folders")
     p.add_argument("--out", required=True, help="the .npy file to write; the file list goes beside it (.txt)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT.npy and its .txt")
-    p.add_argument("--resize", action="store_true",
-                   help="resize images that are not the model's crop size (112x112; dlib 150x150) instead of "
-                        "refusing them (resizing is not alignment; see docs/photos.md)")
-    p.add_argument("--no_flip", action="store_true",
-                   help="each image's own embedding, without its mirror image's (dlib's descriptor is single-view)")
+    p.add_argument(
+        "--resize",
+        action="store_true",
+        help="resize images that are not the model's crop size (112x112; dlib 150x150) instead of "
+        "refusing them (resizing is not alignment; see docs/photos.md)",
+    )
+    p.add_argument(
+        "--no_flip",
+        action="store_true",
+        help="each image's own embedding, without its mirror image's (dlib's descriptor is single-view)",
+    )
     add_align_options(p, "the inputs")
     args = p.parse_args(argv)
     if os.path.isdir(args.out):
         raise OutputError(f"--out {args.out} is a directory; name a file")
     out = args.out if args.out.endswith(".npy") else args.out + ".npy"
-    listing = out[:-len(".npy")] + ".txt"
+    listing = out[: -len(".npy")] + ".txt"
     for path in (out, listing):
         check_output_file(path, overwrite=args.overwrite, what="--out")
     paths = image_files(args.inputs)
     broken = next((p for p in paths if "\n" in p or "\r" in p), None)
     if broken is not None:  # it would break the one-path-per-line listing
-        raise DataError(f"{broken!r}: a file name with a line break cannot be listed one per line in "
-                        f"{listing}; rename it")
+        raise DataError(
+            f"{broken!r}: a file name with a line break cannot be listed one per line in {listing}; rename it"
+        )
     refuse_inputs([out, listing], [*paths, *model_files(args.model)])
     detection = face_detection(args)
     model = model_from(args, detection)
@@ -71,10 +80,22 @@ def main(argv=None) -> int:
         check_files(paths, args.resize, size=tuple(model.template.size))
     found, rows, kept = Found(detection=detection), [], []
     shown = args.align or len(paths) > args.batch_size  # crops alone: a few batches go by unannounced
-    progress = Progress(len(paths), "finding and embedding faces" if args.align else "embedding").update \
-        if shown else None
-    for photo in analyse(model, paths, workers_from(args) if args.align else 1, not args.no_flip, True, args.align,
-                         args.batch_size, progress, resize=args.resize):
+    progress = (
+        Progress(len(paths), "finding and embedding faces" if args.align else "embedding").update
+        if shown
+        else None
+    )
+    for photo in analyse(
+        model,
+        paths,
+        workers_from(args) if args.align else 1,
+        not args.no_flip,
+        True,
+        args.align,
+        args.batch_size,
+        progress,
+        resize=args.resize,
+    ):
         found.faces[photo.name] = photo.faces
         if photo.face is not None:  # faces found on every core, each batch embedded as it comes back
             rows.append(photo.face.embedding)

@@ -8,11 +8,13 @@ replaced only with `--overwrite`, except the run's own `model.onnx` that an earl
 which each export refreshes (`refreshes`). The model's crop
 template is recorded in the file's metadata (`shardface.template`), so the ONNX form is fed as the
 original."""
+
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
     import os
     import sys
+
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import json
@@ -34,13 +36,20 @@ from scripts.options import add_model_options, model_from
 from utils.atomic import check_output_file, publishing, refuse_inputs
 
 
-def export(model: torch.nn.Module, output: str, opset: int = 17, template: Template = ARCFACE_112,
-           parity: bool = False, threshold: dict | None = None) -> None:
+def export(
+    model: torch.nn.Module,
+    output: str,
+    opset: int = 17,
+    template: Template = ARCFACE_112,
+    parity: bool = False,
+    threshold: dict | None = None,
+) -> None:
     """Write `model` to `output` with its crop template in the metadata, and the run's own
     threshold where it has one (infer.thresholds: THRESHOLD_KEY), published atomically
     (utils.atomic): with `parity`, the file is checked against torch (`check_parity`) before it
     replaces anything."""
     import onnx
+
     model = model.float().eval()
     dummy = torch.zeros(1, 3, *template.size)
     # the TorchScript exporter: the dynamo one needs onnxscript, not among our dependencies
@@ -48,9 +57,16 @@ def export(model: torch.nn.Module, output: str, opset: int = 17, template: Templ
     # dlib's add_prev compares shapes, fixed by the fixed input size: the trace is exact
     warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module="backbones.dlib_resnet")
     with publishing(output) as tmp:
-        torch.onnx.export(model, dummy, tmp, input_names=["data"], output_names=["embedding"],
-                          dynamic_axes={"data": {0: "batch"}, "embedding": {0: "batch"}},
-                          opset_version=opset, dynamo=False)
+        torch.onnx.export(
+            model,
+            dummy,
+            tmp,
+            input_names=["data"],
+            output_names=["embedding"],
+            dynamic_axes={"data": {0: "batch"}, "embedding": {0: "batch"}},
+            opset_version=opset,
+            dynamo=False,
+        )
         proto = onnx.load(tmp)
         entry = proto.metadata_props.add()
         entry.key, entry.value = TEMPLATE_KEY, template_json(template)
@@ -62,12 +78,19 @@ def export(model: torch.nn.Module, output: str, opset: int = 17, template: Templ
             check_parity(model, tmp, size=template.size, name=output)
 
 
-def check_parity(model: torch.nn.Module, onnx_path: str, batches=(1, 8), seed: int = 0,
-                 size: tuple[int, int] = (112, 112), name: str | None = None) -> float:
+def check_parity(
+    model: torch.nn.Module,
+    onnx_path: str,
+    batches=(1, 8),
+    seed: int = 0,
+    size: tuple[int, int] = (112, 112),
+    name: str | None = None,
+) -> float:
     """max |onnx - torch| relative to max(1, max |torch|); raises when it exceeds 1e-4, and
     when either output is not finite (NaN compares as no difference at all)."""
     import onnx
     import onnxruntime as ort
+
     name = name or onnx_path
     onnx.checker.check_model(onnx.load(onnx_path))
     session = ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"])
@@ -82,11 +105,15 @@ def check_parity(model: torch.nn.Module, onnx_path: str, batches=(1, 8), seed: i
             raise RuntimeError(f"onnx output shape {out.shape} != torch {ref.shape} at batch {n}")
         for what, values in (("torch", ref), ("onnxruntime", out)):
             if not np.isfinite(values).all():
-                raise CheckpointError(f"{name}: {what}'s output is not finite (NaN or inf) at batch {n}; "
-                                      f"the model is unusable, nothing was exported")
+                raise CheckpointError(
+                    f"{name}: {what}'s output is not finite (NaN or inf) at batch {n}; "
+                    f"the model is unusable, nothing was exported"
+                )
         rel = float(np.abs(out - ref).max() / max(1.0, float(np.abs(ref).max())))
-        print(f"batch {n}: max |onnx - torch| = {np.abs(out - ref).max():.3e} "
-              f"(relative to max(1, max|torch|) = {rel:.3e})")
+        print(
+            f"batch {n}: max |onnx - torch| = {np.abs(out - ref).max():.3e} "
+            f"(relative to max(1, max|torch|) = {rel:.3e})"
+        )
         worst = max(worst, rel)
     if worst > 1e-4:
         raise RuntimeError(f"{name}: onnxruntime differs from torch by {worst:.3e} > 1e-4")
@@ -108,6 +135,7 @@ def output_path(checkpoint: str, output: str | None) -> str:
 def is_export(path: str) -> bool:
     """Whether `path` is an ONNX model this export wrote (its metadata records the crop template)."""
     import onnx
+
     if not os.path.isfile(path):
         return False
     try:
@@ -131,12 +159,19 @@ def refreshes(model: str, output: str) -> bool:
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__)
     add_model_options(p, batch_size=None)
-    p.add_argument("output", nargs="?", default=None,
-                   help="the .onnx file, or a directory for model.onnx (default: model.onnx in the run's directory)")
+    p.add_argument(
+        "output",
+        nargs="?",
+        default=None,
+        help="the .onnx file, or a directory for model.onnx (default: model.onnx in the run's directory)",
+    )
     p.add_argument("--opset", type=int, default=17, help="ONNX opset version (default 17)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing OUT (the run's own model.onnx of an earlier export is refreshed "
-                        "without it)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing OUT (the run's own model.onnx of an earlier export is refreshed "
+        "without it)",
+    )
     args = p.parse_args(argv)
     kind = model_kind(args.model)
     if kind == "dlib" and args.output is None:
@@ -152,8 +187,10 @@ def main(argv=None) -> int:
     module = model.module.cpu()
     own = model.threshold.record if model.threshold is not None else None
     export(module, output, args.opset, model.template, parity=True, threshold=own)
-    print(f"exported {output}" + (f" with the run's threshold {own['threshold']:.4f} (at FAR {own['far']:g})"
-                                   if own else ""))
+    print(
+        f"exported {output}"
+        + (f" with the run's threshold {own['threshold']:.4f} (at FAR {own['far']:g})" if own else "")
+    )
     return 0
 
 

@@ -9,11 +9,13 @@ attention products (arcface_torch's "Total-GFLOPs" for ViTs); normalisations and
 which ptflops adds, are left out (under 3%: mbf 0.44 here, 0.45 there). The model is built and
 run on the meta device, so no memory is allocated and even r2060 takes seconds.
 """
+
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
     import os
     import sys
+
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import argparse
@@ -41,14 +43,24 @@ def complexity(network: str, num_features: int = 512) -> tuple[int, int]:
 @exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("network", choices=list_models(), metavar="NETWORK",
-                   help=f"a backbones.get_model name: {', '.join(list_models())}")
-    p.add_argument("--embedding_size", type=int, default=512,
-                   help="embedding dimension (num_features), as the config's embedding_size")
+    p.add_argument(
+        "network",
+        choices=list_models(),
+        metavar="NETWORK",
+        help=f"a backbones.get_model name: {', '.join(list_models())}",
+    )
+    p.add_argument(
+        "--embedding_size",
+        type=int,
+        default=512,
+        help="embedding dimension (num_features), as the config's embedding_size",
+    )
     args = p.parse_args(argv)
     params, macs = complexity(args.network, args.embedding_size)
-    print(f"{args.network}: {macs / 1e9:.3f} GFLOPs (multiply-accumulates at 112x112), "
-          f"{params / 1e6:.3f} Mparams ({params:,} parameters)")
+    print(
+        f"{args.network}: {macs / 1e9:.3f} GFLOPs (multiply-accumulates at 112x112), "
+        f"{params / 1e6:.3f} Mparams ({params:,} parameters)"
+    )
     return 0
 
 

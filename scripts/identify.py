@@ -11,21 +11,29 @@ threshold (in --json, `"name": null`).
 The threshold used and where it came from are printed first (infer/thresholds.py): --threshold,
 --threshold_from, or the MODEL's own (dlib's distance 0.6; a trained run's, at a stated FAR on
 its validation set, saved by training and carried by export_onnx); a MODEL with none names no one."""
+
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
     import os
     import sys
+
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import json
 import sys
 
-
-from eval.verification import best_threshold, load_bin
-from infer.enrolment import GalleryError, GalleryFile, check_image, default_cache, embedded_faces, enrol
-from infer.enrolment import matches
 from dataset.folders import image_files
+from eval.verification import best_threshold, load_bin
+from infer.enrolment import (
+    GalleryError,
+    GalleryFile,
+    check_image,
+    default_cache,
+    embedded_faces,
+    enrol,
+    matches,
+)
 from infer.search import ENGINES
 from infer.thresholds import chosen_threshold, no_threshold
 from parallel.user_errors import exits_on_user_error
@@ -48,9 +56,17 @@ def query_files(inputs: list[str], template, align: bool) -> list[str]:
 def result_rows(matched) -> list[dict]:
     """One JSON row per face (its Match: infer.enrolment); `name` is null where nobody reaches the
     threshold (a person may be called "unknown")."""
-    return [{"file": m.face.path, "face": m.face.index, "box": list(m.face.box), "name": m.name,
-             "score": round(m.score, 6), "candidates": [{"name": n, "score": round(v, 6)} for n, v in m.candidates]}
-            for m in matched]
+    return [
+        {
+            "file": m.face.path,
+            "face": m.face.index,
+            "box": list(m.face.box),
+            "name": m.name,
+            "score": round(m.score, 6),
+            "candidates": [{"name": n, "score": round(v, 6)} for n, v in m.candidates],
+        }
+        for m in matched
+    ]
 
 
 def format_row(row: dict, threshold, top: int) -> str:
@@ -74,19 +90,37 @@ def main(argv=None) -> int:
     p.add_argument("--gallery", required=True, help="folder with one folder of images per person")
     p.add_argument("--top", type=int, default=1, help="candidates to list per face (default 1)")
     how = p.add_mutually_exclusive_group()
-    how.add_argument("--threshold", type=float, default=None,
-                     help="cosine score below which a face is `unknown`, in [-1, 1] (default: the MODEL's own; "
-                          "dlib: its distance 0.6)")
-    how.add_argument("--threshold_from", default=None, metavar="BIN",
-                     help="a verification .bin: use the threshold that separates its pairs best")
+    how.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="cosine score below which a face is `unknown`, in [-1, 1] (default: the MODEL's own; "
+        "dlib: its distance 0.6)",
+    )
+    how.add_argument(
+        "--threshold_from",
+        default=None,
+        metavar="BIN",
+        help="a verification .bin: use the threshold that separates its pairs best",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document instead of lines")
-    p.add_argument("--cache", default=None, help="the gallery file (default GALLERY/.shardface_gallery.npz, "
-                   "with --no_ema GALLERY/.shardface_gallery.no_ema.npz)")
-    p.add_argument("--rebuild", action="store_true", help="enrol every image again, replacing the gallery file")
-    p.add_argument("--engine", default="auto", choices=ENGINES,
-                   help="search engine, all exact with the same results: auto (default: the faster of the two "
-                        "for the gallery's size, the number of faces and the threads, by the table in "
-                        "benchmarks/runs/search_grid.md), faiss (IndexFlatIP) or exact (ours, blocked torch)")
+    p.add_argument(
+        "--cache",
+        default=None,
+        help="the gallery file (default GALLERY/.shardface_gallery.npz, "
+        "with --no_ema GALLERY/.shardface_gallery.no_ema.npz)",
+    )
+    p.add_argument(
+        "--rebuild", action="store_true", help="enrol every image again, replacing the gallery file"
+    )
+    p.add_argument(
+        "--engine",
+        default="auto",
+        choices=ENGINES,
+        help="search engine, all exact with the same results: auto (default: the faster of the two "
+        "for the gallery's size, the number of faces and the threads, by the table in "
+        "benchmarks/runs/search_grid.md), faiss (IndexFlatIP) or exact (ours, blocked torch)",
+    )
     args = p.parse_args(argv)
     if args.top < 1:
         p.error(f"--top must be at least 1, got {args.top}")
@@ -98,23 +132,54 @@ def main(argv=None) -> int:
     chosen = chosen_threshold(args.threshold, own=embedder.threshold)
     if chosen is None and not args.threshold_from:  # refused before the gallery is enrolled
         raise no_threshold(args.model)
-    queries = list(dict.fromkeys(query_files(args.queries, embedder.template, args.align)))  # each answered once
+    queries = list(
+        dict.fromkeys(query_files(args.queries, embedder.template, args.align))
+    )  # each answered once
     if args.threshold_from:
-        pairs = load_bin(args.threshold_from)  # insightface's 112x112 crops, re-framed onto the model's template
+        pairs = load_bin(
+            args.threshold_from
+        )  # insightface's 112x112 crops, re-framed onto the model's template
         fitted = (*best_threshold(pairs, embedder, args.batch_size), args.threshold_from, len(pairs[1]))
         chosen = chosen_threshold(None, fitted, embedder.threshold)
     threshold = chosen.value
     workers = workers_from(args)
-    gallery = enrol(args.gallery, embedder, args.align, cache, args.rebuild, batch_size=args.batch_size,
-                    show_progress=not args.json, strict=args.strict, workers=workers)
-    faces = embedded_faces(queries, embedder, args.align, args.batch_size, workers, show_progress=not args.json,
-                           strict=args.strict)
+    gallery = enrol(
+        args.gallery,
+        embedder,
+        args.align,
+        cache,
+        args.rebuild,
+        batch_size=args.batch_size,
+        show_progress=not args.json,
+        strict=args.strict,
+        workers=workers,
+    )
+    faces = embedded_faces(
+        queries,
+        embedder,
+        args.align,
+        args.batch_size,
+        workers,
+        show_progress=not args.json,
+        strict=args.strict,
+    )
     rows = result_rows(matches(faces, gallery, threshold, args.top, args.engine, embedder.device))
     without = [q for q in queries if q not in {f.path for f in faces}]
     if args.json:
-        print(json.dumps({"model": embedder.name, "gallery": args.gallery, "people": len(gallery.names),
-                          "threshold": threshold,
-                          "threshold_source": chosen.source, "faces": rows, "no_face": without}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "model": embedder.name,
+                    "gallery": args.gallery,
+                    "people": len(gallery.names),
+                    "threshold": threshold,
+                    "threshold_source": chosen.source,
+                    "faces": rows,
+                    "no_face": without,
+                },
+                indent=1,
+            )
+        )
         return 0
     print(chosen.line())
     for path in queries:  # in the order given

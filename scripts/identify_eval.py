@@ -12,11 +12,13 @@ out and named, enrolment and probes apart; a person left with no enrolled face i
 their probes left out (not counted as non-mated). A figure the data cannot support is `n/a`,
 saying what it needs: rank-k with k people enrolled or fewer, TPIR at FPIR f with fewer than
 1/f non-mated probes."""
+
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
     import os
     import sys
+
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import json
@@ -25,9 +27,16 @@ import sys
 
 import numpy as np
 
+from eval.identification import (
+    FPIR_LEVELS,
+    cmc,
+    det_curve,
+    mate_ranks,
+    nonmated_needed,
+    plot_cmc_det,
+    tpir_at_fpir,
+)
 from infer.enrolment import GalleryError, embedded_faces, list_gallery
-from eval.identification import (FPIR_LEVELS, cmc, det_curve, mate_ranks, nonmated_needed, plot_cmc_det,
-                                 tpir_at_fpir)
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 from scripts.options import add_align_options, add_model_options, face_detection, model_from, workers_from
@@ -49,9 +58,19 @@ def split(people: list[tuple[str, list[str]]], per_id: int, unknown: int, seed: 
     return enrolled, mated, nonmated
 
 
-def evaluate(model, folder: str, align: bool, per_id: int, unknown: int, seed: int,
-             batch_size: int = 64, max_rank: int = 20, strict: bool = False, workers: int = 1,
-             show_progress: bool = False):
+def evaluate(
+    model,
+    folder: str,
+    align: bool,
+    per_id: int,
+    unknown: int,
+    seed: int,
+    batch_size: int = 64,
+    max_rank: int = 20,
+    strict: bool = False,
+    workers: int = 1,
+    show_progress: bool = False,
+):
     people = list_gallery(folder)
     if unknown < 0:
         raise GalleryError(f"--unknown_ids {unknown}: the number of people held out, 0 or more")
@@ -59,11 +78,21 @@ def evaluate(model, folder: str, align: bool, per_id: int, unknown: int, seed: i
         raise GalleryError(f"{folder}: --unknown_ids {unknown} leaves no one to enrol ({len(people)} people)")
     enrolled, mated, nonmated = split(people, per_id, unknown, seed)
     if not mated:
-        raise GalleryError(f"{folder}: no person has more than --gallery_per_id {per_id} images, so no mated probes")
+        raise GalleryError(
+            f"{folder}: no person has more than --gallery_per_id {per_id} images, so no mated probes"
+        )
     files = sorted({f for _, fs in enrolled for f in fs} | {f for _, f in mated + nonmated})
     faces, paths = {}, [os.path.join(folder, f) for f in files]
     found = embedded_faces(  # every header is read before the first embedding
-        paths, model, align, batch_size, workers, largest_only=True, show_progress=show_progress, strict=strict)
+        paths,
+        model,
+        align,
+        batch_size,
+        workers,
+        largest_only=True,
+        show_progress=show_progress,
+        strict=strict,
+    )
     for face in found:  # the largest face of each image
         faces[os.path.relpath(face.path, folder)] = face.embedding
     names, templates, not_enrolled = [], [], []
@@ -76,58 +105,89 @@ def evaluate(model, folder: str, align: bool, per_id: int, unknown: int, seed: i
         else:
             not_enrolled.append(name)
     if not names:
-        raise GalleryError(f"{folder}: none of the {sum(len(fs) for _, fs in enrolled)} images drawn for enrolment "
-                           f"has a face, so no one is enrolled")
+        raise GalleryError(
+            f"{folder}: none of the {sum(len(fs) for _, fs in enrolled)} images drawn for enrolment "
+            f"has a face, so no one is enrolled"
+        )
     # a person with no enrolled face is in no gallery, yet not held out: their probes are left
     # out (counted as non-mated they would shift FPIR)
     left_out = [f for n, f in mated if n in set(not_enrolled)]
     mated = [(n, f) for n, f in mated if n not in set(not_enrolled)]
-    no_face = {"enrolment": [f for _, fs in enrolled for f in fs if f not in faces],
-               "probes": [f for _, f in mated + nonmated if f not in faces]}
+    no_face = {
+        "enrolment": [f for _, fs in enrolled for f in fs if f not in faces],
+        "probes": [f for _, f in mated + nonmated if f not in faces],
+    }
     if not any(f in faces for _, f in mated):
-        raise GalleryError(f"{folder}: no mated probe has a face to search for ({len(no_face['probes'])} probe "
-                           f"image(s) without a face, {len(left_out)} of people left unenrolled)")
+        raise GalleryError(
+            f"{folder}: no mated probe has a face to search for ({len(no_face['probes'])} probe "
+            f"image(s) without a face, {len(left_out)} of people left unenrolled)"
+        )
     probes = [(n, faces[f]) for n, f in mated + nonmated if f in faces]
     scores = np.stack([e for _, e in probes]) @ np.stack(templates).T
     ranks, mate = mate_ranks(scores, np.array(names), np.array([n for n, _ in probes]))
     nonmated_top = scores[ranks < 0].max(1) if (ranks < 0).any() else np.zeros(0)
-    result = {"people_enrolled": len(names), "mated_probes": int((ranks >= 0).sum()),
-              "nonmated_probes": int((ranks < 0).sum()), "no_face": no_face,
-              "not_enrolled": {"people": not_enrolled, "probes_left_out": left_out},
-              "cmc": cmc(ranks, min(max_rank, len(names))).tolist()}
+    result = {
+        "people_enrolled": len(names),
+        "mated_probes": int((ranks >= 0).sum()),
+        "nonmated_probes": int((ranks < 0).sum()),
+        "no_face": no_face,
+        "not_enrolled": {"people": not_enrolled, "probes_left_out": left_out},
+        "cmc": cmc(ranks, min(max_rank, len(names))).tolist(),
+    }
     # rank-k says something only when k is below the people enrolled (at k >= people it is 1)
     result["rank1"], result["rank5"] = ((result["cmc"][k - 1] if k < len(names) else None) for k in (1, 5))
     if len(nonmated_top):
         measured = tpir_at_fpir(ranks, mate, nonmated_top, FPIR_LEVELS)
         result["tpir_at_fpir"] = {
-            str(f): ({"tpir": t, "threshold": th} if len(nonmated_top) >= nonmated_needed(f) else
-                     {"tpir": None, "threshold": None, "needs_nonmated_probes": nonmated_needed(f)})
-            for f, (t, th) in measured.items()}
+            str(f): (
+                {"tpir": t, "threshold": th}
+                if len(nonmated_top) >= nonmated_needed(f)
+                else {"tpir": None, "threshold": None, "needs_nonmated_probes": nonmated_needed(f)}
+            )
+            for f, (t, th) in measured.items()
+        }
     return result, (ranks, mate, nonmated_top)
 
 
 def report_lines(result: dict, folder: str, per_id: int, unknown: int) -> list[str]:
     """The text report: counts, what was left out and why, and each figure or why it is n/a."""
-    lines = [f"{result['people_enrolled']} people enrolled ({per_id} images each at most), "
-             f"{result['mated_probes']} mated probes, {result['nonmated_probes']} non-mated probes ({unknown} people)"]
+    lines = [
+        f"{result['people_enrolled']} people enrolled ({per_id} images each at most), "
+        f"{result['mated_probes']} mated probes, {result['nonmated_probes']} non-mated probes ({unknown} people)"
+    ]
     for kind, files in result["no_face"].items():
         if files:
-            lines.append(f"no face found in {len(files)} {'probe' if kind == 'probes' else kind} image(s), left out: "
-                         + ", ".join(os.path.join(folder, f) for f in files))
+            lines.append(
+                f"no face found in {len(files)} {'probe' if kind == 'probes' else kind} image(s), left out: "
+                + ", ".join(os.path.join(folder, f) for f in files)
+            )
     if result["not_enrolled"]["people"]:
-        lines.append(f"not enrolled, no enrolment image with a face: {', '.join(result['not_enrolled']['people'])}; "
-                     f"their {len(result['not_enrolled']['probes_left_out'])} probe(s) left out")
-    ranks = [f"rank-{k} " + (f"{result[f'rank{k}']:.4f}" if result[f"rank{k}"] is not None else
-                             f"n/a (needs more than {k} people enrolled)") for k in (1, 5)]
+        lines.append(
+            f"not enrolled, no enrolment image with a face: {', '.join(result['not_enrolled']['people'])}; "
+            f"their {len(result['not_enrolled']['probes_left_out'])} probe(s) left out"
+        )
+    ranks = [
+        f"rank-{k} "
+        + (
+            f"{result[f'rank{k}']:.4f}"
+            if result[f"rank{k}"] is not None
+            else f"n/a (needs more than {k} people enrolled)"
+        )
+        for k in (1, 5)
+    ]
     lines.append("closed set: " + "  ".join(ranks))
     if "tpir_at_fpir" not in result:
         lines.append("open set: n/a (no non-mated probes: hold people out with --unknown_ids)")
     for f, v in result.get("tpir_at_fpir", {}).items():
         if v["tpir"] is None:
-            lines.append(f"open set: TPIR@FPIR {float(f):.0e}: n/a (needs >= {v['needs_nonmated_probes']} "
-                         f"non-mated probes, has {result['nonmated_probes']})")
+            lines.append(
+                f"open set: TPIR@FPIR {float(f):.0e}: n/a (needs >= {v['needs_nonmated_probes']} "
+                f"non-mated probes, has {result['nonmated_probes']})"
+            )
         else:
-            lines.append(f"open set: TPIR@FPIR {float(f):.0e}: {v['tpir']:.4f} (threshold {v['threshold']:.4f})")
+            lines.append(
+                f"open set: TPIR@FPIR {float(f):.0e}: {v['tpir']:.4f} (threshold {v['threshold']:.4f})"
+            )
     return lines
 
 
@@ -138,8 +198,12 @@ def main(argv=None) -> int:
     add_align_options(p, "the folder's images")
     p.add_argument("folder", help="one folder of images per person")
     p.add_argument("--gallery_per_id", type=int, default=1, help="images enrolled per person (default 1)")
-    p.add_argument("--unknown_ids", type=int, default=None,
-                   help="people held out as non-mated probes (default: a tenth, at least 1)")
+    p.add_argument(
+        "--unknown_ids",
+        type=int,
+        default=None,
+        help="people held out as non-mated probes (default: a tenth, at least 1)",
+    )
     p.add_seed(0, "draws the held-out people and the enrolled images (default 0)")
     p.add_argument("--plot", default=None, help="PNG path for the CMC and DET curves")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --plot file")
@@ -147,19 +211,38 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.gallery_per_id < 1:
         p.error(f"--gallery_per_id must be at least 1, got {args.gallery_per_id}")
-    if args.plot:  # before the evaluation: a directory, a missing folder or an existing file without --overwrite
+    if (
+        args.plot
+    ):  # before the evaluation: a directory, a missing folder or an existing file without --overwrite
         check_output_file(args.plot, overwrite=args.overwrite, what="--plot")
-    unknown = args.unknown_ids if args.unknown_ids is not None else max(1, len(list_gallery(args.folder)) // 10)
+    unknown = (
+        args.unknown_ids if args.unknown_ids is not None else max(1, len(list_gallery(args.folder)) // 10)
+    )
     detection = face_detection(args)
     model = model_from(args, detection)
-    result, (ranks, mate, non) = evaluate(model, args.folder, args.align, args.gallery_per_id, unknown, args.seed,
-                                          args.batch_size, strict=args.strict, workers=workers_from(args),
-                                          show_progress=not args.json)
+    result, (ranks, mate, non) = evaluate(
+        model,
+        args.folder,
+        args.align,
+        args.gallery_per_id,
+        unknown,
+        args.seed,
+        args.batch_size,
+        strict=args.strict,
+        workers=workers_from(args),
+        show_progress=not args.json,
+    )
     if args.plot:
         fpir, fnir = det_curve(ranks, mate, non) if len(non) else (np.zeros(0), None)
-        plot_cmc_det(np.array(result["cmc"]), fpir, fnir, args.plot, f"{os.path.basename(args.folder)}: "
-                     f"{result['people_enrolled']} enrolled, {result['mated_probes']} mated and "
-                     f"{result['nonmated_probes']} non-mated probes")
+        plot_cmc_det(
+            np.array(result["cmc"]),
+            fpir,
+            fnir,
+            args.plot,
+            f"{os.path.basename(args.folder)}: "
+            f"{result['people_enrolled']} enrolled, {result['mated_probes']} mated and "
+            f"{result['nonmated_probes']} non-mated probes",
+        )
     if args.json:
         print(json.dumps(result, indent=1))
         return 0

@@ -18,11 +18,13 @@ asked for (--retry_upsample, --retry_mmod), is cut at a fallback face (infer.pai
 scripts.verify does) and named; --strict refuses such photos instead. Each photo is aligned once
 however many pairs name it; its detection is cached beside the list (infer.cache), where
 scripts.verify finds it."""
+
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
     import os
     import sys
+
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import itertools
@@ -40,16 +42,24 @@ from faces.stream import align_groups, aligned_pngs
 from infer.pair_photos import cache_paths, check_cache
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from scripts.options import (add_align_options, add_pair_list_options, detection_from, face_detection, list_faces,
-                             retries_from, workers_from)
+from scripts.options import (
+    add_align_options,
+    add_pair_list_options,
+    detection_from,
+    face_detection,
+    list_faces,
+    retries_from,
+    workers_from,
+)
 from utils.atomic import check_output_file, refuse_inputs
 from utils.progress import Progress
-
 
 DEFAULT_PAIRS = 3000
 
 
-def draw_pairs(groups: list[list[str]], pairs: int | None, seed: int) -> tuple[list[tuple[str, str]], list[bool]]:
+def draw_pairs(
+    groups: list[list[str]], pairs: int | None, seed: int
+) -> tuple[list[tuple[str, str]], list[bool]]:
     """`pairs` pairs of paths (same and different alternating, same first) and their issame;
     `pairs=None` takes DEFAULT_PAIRS or as many balanced pairs as the images allow."""
     rng = random.Random(seed)
@@ -60,12 +70,16 @@ def draw_pairs(groups: list[list[str]], pairs: int | None, seed: int) -> tuple[l
         pairs = min(DEFAULT_PAIRS, 2 * len(same_pool), 2 * n_possible)
     n_same, n_diff = (pairs + 1) // 2, pairs // 2
     if len(same_pool) < n_same:
-        raise ValueError(f"{len(same_pool)} same-identity pairs exist (identities with 2 or more images), "
-                         f"{n_same} needed: pass --pairs {2 * len(same_pool)} or fewer, or add images")
+        raise ValueError(
+            f"{len(same_pool)} same-identity pairs exist (identities with 2 or more images), "
+            f"{n_same} needed: pass --pairs {2 * len(same_pool)} or fewer, or add images"
+        )
     same = rng.sample(same_pool, n_same)
     if n_possible < n_diff:
-        raise ValueError(f"{n_possible} different-identity pairs exist, {n_diff} needed: "
-                         f"pass --pairs {2 * n_possible} or fewer, or add identities")
+        raise ValueError(
+            f"{n_possible} different-identity pairs exist, {n_diff} needed: "
+            f"pass --pairs {2 * n_possible} or fewer, or add identities"
+        )
     diff: list[tuple[str, str]] = []
     seen: set[frozenset] = set()
     while len(diff) < n_diff:
@@ -74,8 +88,12 @@ def draw_pairs(groups: list[list[str]], pairs: int | None, seed: int) -> tuple[l
             seen.add(frozenset((a, b)))
             diff.append((a, b))
     order = [p for pair in itertools.zip_longest(same, diff) for p in pair if p is not None]
-    issame = [bool(v) for pair in itertools.zip_longest([True] * n_same, [False] * n_diff)
-              for v in pair if v is not None]
+    issame = [
+        bool(v)
+        for pair in itertools.zip_longest([True] * n_same, [False] * n_diff)
+        for v in pair
+        if v is not None
+    ]
     return order, issame
 
 
@@ -85,7 +103,9 @@ def write_list_bin(args) -> int:
         if given:
             raise ConfigError(f"{name} draws pairs; --pairs_list takes the list's own")
     if not args.align and (args.retry_upsample is not None or args.retry_mmod or args.cache_dir is not None):
-        raise ConfigError("--retry_upsample, --retry_mmod and --cache_dir search photos for faces: pass --align")
+        raise ConfigError(
+            "--retry_upsample, --retry_mmod and --cache_dir search photos for faces: pass --align"
+        )
     detection = face_detection(args)
     retries_from(args, detection)
     check_output_file(args.output, overwrite=args.overwrite)
@@ -97,16 +117,20 @@ def write_list_bin(args) -> int:
     if args.align:
         check_cache(cache)
         faces = list_faces(args, pair_list, detection, args.strict).faces
-        encoded = dict(zip(photos, aligned_pngs(photos, faces, workers=workers_from(args))))  # each photo once
+        encoded = dict(
+            zip(photos, aligned_pngs(photos, faces, workers=workers_from(args)))
+        )  # each photo once
     else:
         check_files(photos, args.resize)
         encoded = {p: stored_bytes(p, args.resize) for p in photos}
     issame = pair_list.issame
     write_bin(args.output, [encoded[p] for pair in pair_list.pairs for p in pair], issame)
     sizes = sorted({stop - start for start, stop in pair_list.folds})
-    print(f"wrote {args.output}: {len(issame)} pairs ({sum(issame)} same, {len(issame) - sum(issame)} different) "
-          f"of {args.pairs_list} in its order, its {len(pair_list.folds)} folds of "
-          f"{' or '.join(map(str, sizes))} pairs verification's folds, {len(photos)} images")
+    print(
+        f"wrote {args.output}: {len(issame)} pairs ({sum(issame)} same, {len(issame) - sum(issame)} different) "
+        f"of {args.pairs_list} in its order, its {len(pair_list.folds)} folds of "
+        f"{' or '.join(map(str, sizes))} pairs verification's folds, {len(photos)} images"
+    )
     return 0
 
 
@@ -115,18 +139,28 @@ def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("folder", help="image folder, one sub-folder per held-out identity")
     p.add_argument("output", help="the .bin file to write")
-    p.add_argument("--pairs", type=int, default=None,
-                   help=f"number of pairs, half same, half different (default {DEFAULT_PAIRS}, or as many as "
-                        "the images allow; LFW has 6000)")
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=None,
+        help=f"number of pairs, half same, half different (default {DEFAULT_PAIRS}, or as many as "
+        "the images allow; LFW has 6000)",
+    )
     p.add_seed(None, "fixes which pairs are drawn (default 0)")
-    p.add_argument("--pairs_list", default=None,
-                   help="write the pairs of this list, in its order: LFW's pairs.txt (images FOLDER/name/"
-                        "name_000n.jpg) or one `path1 path2 1|0` pair a line, paths relative to FOLDER (an "
-                        "absolute path is read where it points, even outside FOLDER); with --align a photo "
-                        "without a face is cut at a fallback face, never left out")
-    p.add_argument("--resize", action="store_true",
-                   help="resize images that are not 112x112 instead of refusing them (resizing is not "
-                        "alignment; see docs/photos.md)")
+    p.add_argument(
+        "--pairs_list",
+        default=None,
+        help="write the pairs of this list, in its order: LFW's pairs.txt (images FOLDER/name/"
+        "name_000n.jpg) or one `path1 path2 1|0` pair a line, paths relative to FOLDER (an "
+        "absolute path is read where it points, even outside FOLDER); with --align a photo "
+        "without a face is cut at a fallback face, never left out",
+    )
+    p.add_argument(
+        "--resize",
+        action="store_true",
+        help="resize images that are not 112x112 instead of refusing them (resizing is not "
+        "alignment; see docs/photos.md)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT.bin")
     add_align_options(p, "the images")
     add_pair_list_options(p)
@@ -134,33 +168,48 @@ def main(argv=None) -> int:
     if args.pairs_list is not None:
         return write_list_bin(args)
     if args.retry_upsample is not None or args.retry_mmod or args.cache_dir is not None or args.protocol:
-        raise ConfigError("--retry_upsample, --retry_mmod, --cache_dir and --protocol are for --pairs_list (photos "
-                          "without a face are left out of a drawn set)")
+        raise ConfigError(
+            "--retry_upsample, --retry_mmod, --cache_dir and --protocol are for --pairs_list (photos "
+            "without a face are left out of a drawn set)"
+        )
     args.seed = 0 if args.seed is None else args.seed
     if args.pairs is not None and args.pairs < NFOLDS:
         raise DataError(f"--pairs {args.pairs}: verification needs at least {NFOLDS} pairs (its folds)")
     check_output_file(args.output, overwrite=args.overwrite)
     names, groups = list_identity_folders(args.folder)
     if args.align:
-        groups, faces = align_groups(groups, detection_from(args), args.strict,
-                                     Progress(sum(map(len, groups)), "finding faces").update, names, workers_from(args))
+        groups, faces = align_groups(
+            groups,
+            detection_from(args),
+            args.strict,
+            Progress(sum(map(len, groups)), "finding faces").update,
+            names,
+            workers_from(args),
+        )
     try:
         pairs, issame = draw_pairs(groups, args.pairs, args.seed)
     except ValueError as exc:  # too few pairs
         raise DataError(f"{args.folder}: {exc}") from None
     if len(issame) < NFOLDS:
-        raise DataError(f"{args.folder}: only {len(issame)} balanced pairs can be drawn, fewer than the {NFOLDS} "
-                        "folds of verification: add people or images")
+        raise DataError(
+            f"{args.folder}: only {len(issame)} balanced pairs can be drawn, fewer than the {NFOLDS} "
+            "folds of verification: add people or images"
+        )
     used = sorted({path for pair in pairs for path in pair})
     refuse_inputs([args.output], used)
     if not args.align:
         check_files(used, args.resize)
     # each is decoded (a truncated one is named) or aligned
-    encoded = dict(zip(used, aligned_pngs(used, faces, workers=workers_from(args)))) if args.align else \
-        {path: stored_bytes(path, args.resize) for path in used}
+    encoded = (
+        dict(zip(used, aligned_pngs(used, faces, workers=workers_from(args))))
+        if args.align
+        else {path: stored_bytes(path, args.resize) for path in used}
+    )
     write_bin(args.output, [encoded[path] for pair in pairs for path in pair], issame)
-    print(f"wrote {args.output}: {len(issame)} pairs ({sum(issame)} same, {len(issame) - sum(issame)} "
-          f"different) of {len(groups)} identities, {len(used)} images")
+    print(
+        f"wrote {args.output}: {len(issame)} pairs ({sum(issame)} same, {len(issame) - sum(issame)} "
+        f"different) of {len(groups)} identities, {len(used)} images"
+    )
     return 0
 
 

@@ -10,11 +10,13 @@ set stays as it was. An image is stored as its file's bytes; with --resize an im
 size is stored resized, as PNG. With --align the images are photos: each photo's largest face is
 stored aligned to 112x112, as PNG (photos without a face are left out and named, or refused with
 --strict; further faces are counted)."""
+
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
     import os
     import sys
+
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import os
@@ -27,9 +29,9 @@ from dataset.folders import regular_file
 from dataset.geometry import check_files
 from dataset.images import stored_bytes
 from dataset.pack import write_insightface_rec
+from dataset.shares import launch_rank
 from faces.ranked import find_faces_ranked
 from faces.stream import align_groups, aligned_pngs
-from dataset.shares import launch_rank
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
 from scripts.options import add_align_options, add_rank_options, face_detection, workers_from
@@ -42,8 +44,10 @@ def collect(source: str) -> list[list[str]]:
     if os.path.isdir(source):
         return list_identity_folders(source)[1]
     if not regular_file(source):
-        raise DataLayoutError(f"{source}: not an image folder or a list file"
-                              f"{'' if not os.path.exists(source) else ' (not a regular file)'}")
+        raise DataLayoutError(
+            f"{source}: not an image folder or a list file"
+            f"{'' if not os.path.exists(source) else ' (not a regular file)'}"
+        )
     by_label = defaultdict(list)
     base = os.path.dirname(source)
     with open(source) as f:
@@ -68,20 +72,31 @@ def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__)
     p.add_argument("source", help="image folder or list file")
     p.add_argument("output", help="directory for train.rec, train.idx, property")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing set (the old one stays until the new one is complete)")
-    p.add_argument("--resize", action="store_true",
-                   help="resize images that are not 112x112 (bilinear) instead of refusing them. Models "
-                        "expect aligned crops (insightface's five-point template): resizing is not "
-                        "alignment, so align first where you can (docs/photos.md)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing set (the old one stays until the new one is complete)",
+    )
+    p.add_argument(
+        "--resize",
+        action="store_true",
+        help="resize images that are not 112x112 (bilinear) instead of refusing them. Models "
+        "expect aligned crops (insightface's five-point template): resizing is not "
+        "alignment, so align first where you can (docs/photos.md)",
+    )
     add_align_options(p, "the images")
-    add_rank_options(p, "finds the faces of its share of the sorted photos (--align) into a part beside "
-                        "OUT_DIR; rank 0 packs them all")
+    add_rank_options(
+        p,
+        "finds the faces of its share of the sorted photos (--align) into a part beside "
+        "OUT_DIR; rank 0 packs them all",
+    )
     args = p.parse_args(argv)
     rank, world = launch_rank(args.rank, args.world)
     if world > 1 and not args.align:
-        raise ConfigError(f"--world {world} (or torchrun's WORLD_SIZE): only --align's face finding is shared "
-                          "among machines; without --align pack in one process")
+        raise ConfigError(
+            f"--world {world} (or torchrun's WORLD_SIZE): only --align's face finding is shared "
+            "among machines; without --align pack in one process"
+        )
     outputs = [os.path.join(args.output, n) for n in ("train.rec", "train.idx", "property")]
     check_output_dir(args.output)
     if os.path.isdir(args.output):
@@ -94,10 +109,19 @@ def main(argv=None) -> int:
         names = list_identity_folders(args.source)[0] if os.path.isdir(args.source) else None
         detection = face_detection(args)
         what = "finding faces" + (f" (rank 0's share of {world})" if world > 1 else "")
-        found = find_faces_ranked([p for g in groups for p in g], detection, args.output, rank, world,
-                                  Progress(total, what).update if rank == 0 else None, workers_from(args))
+        found = find_faces_ranked(
+            [p for g in groups for p in g],
+            detection,
+            args.output,
+            rank,
+            world,
+            Progress(total, what).update if rank == 0 else None,
+            workers_from(args),
+        )
         if found is None:
-            print(f"rank {rank} of {world}: the faces of its share are in the part beside {args.output}; rank 0 packs")
+            print(
+                f"rank {rank} of {world}: the faces of its share are in the part beside {args.output}; rank 0 packs"
+            )
             return 0
         groups, faces = align_groups(groups, detection, args.strict, names=names, found=found)
         total = sum(len(g) for g in groups)
@@ -111,9 +135,16 @@ def main(argv=None) -> int:
 
         def stored(path: str) -> bytes:  # decodes it: a truncated image stops the pack, naming it
             return stored_bytes(path, args.resize)
+
     progress = Progress(total, "packing")
-    write_insightface_rec(args.output, ([stored(p) for p in g] for g in groups), total,
-                          len(groups), progress, overwrite=args.overwrite)
+    write_insightface_rec(
+        args.output,
+        ([stored(p) for p in g] for g in groups),
+        total,
+        len(groups),
+        progress,
+        overwrite=args.overwrite,
+    )
     print(f"packed {total} images of {len(groups)} identities into {args.output}")
     return 0
 

@@ -8,11 +8,13 @@ the batch size, head weight, gradient, optimizer state and buffers), whether the
 the largest num_classes that would, the head's tile size and the bytes each rank sends per
 step. The model is planner.py's; tests hold it against peaks measured on the CPU.
 """
+
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
     import os
     import sys
+
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import argparse
@@ -31,8 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", help="a job config (configs/x or configs/x.py); --key value overrides follow")
     p.add_argument("--gpus", type=int, required=True, help="world size (ranks)")
     p.add_argument("--gpu_mem_gb", type=float, default=80.0, help="memory of one GPU in GB (default 80)")
-    p.add_argument("--table", action="store_true",
-                   help="print docs/heads.md's capacity table (r50, r100; 8 and 64 GPUs; ours vs PFC v2)")
+    p.add_argument(
+        "--table",
+        action="store_true",
+        help="print docs/heads.md's capacity table (r50, r100; 8 and 64 GPUs; ours vs PFC v2)",
+    )
     args, overrides = p.parse_known_args(argv)
     if args.gpus < 1:
         p.error(f"--gpus {args.gpus}: a job needs at least one rank")
@@ -42,17 +47,23 @@ def main(argv: list[str] | None = None) -> int:
         return capacity_table(args.config, overrides, args.gpu_mem_gb, budget)
     result = plan(cfg, args.gpus)
     classes = f"{cfg.num_classes:,} classes" if cfg.num_classes else "label-free (num_classes 0: no head)"
-    print(f"{args.config}: {cfg.network}, {classes}, batch {cfg.batch_size}/rank, "
-          f"{args.gpus} ranks, {'ZeRO-2' if cfg.zero else 'DDP'}, sample_rate {cfg.sample_rate}, "
-          f"fused head optimizer {cfg.head_fused_optimizer}")
+    print(
+        f"{args.config}: {cfg.network}, {classes}, batch {cfg.batch_size}/rank, "
+        f"{args.gpus} ranks, {'ZeRO-2' if cfg.zero else 'DDP'}, sample_rate {cfg.sample_rate}, "
+        f"fused head optimizer {cfg.head_fused_optimizer}"
+    )
     print("\nper rank:")
     for name, value in result.parts.items():
         print(f"  {name:32s} {value / GB:9.3f} GB")
-    print(f"  {'total':32s} {result.total / GB:9.3f} GB   (budget {budget / GB:.1f} GB: "
-          f"{args.gpu_mem_gb:g} GB less {CUDA_RESERVE / GB:g} GB for CUDA, NCCL and the allocator)")
+    print(
+        f"  {'total':32s} {result.total / GB:9.3f} GB   (budget {budget / GB:.1f} GB: "
+        f"{args.gpu_mem_gb:g} GB less {CUDA_RESERVE / GB:g} GB for CUDA, NCCL and the allocator)"
+    )
     fits = result.total <= budget
-    print(f"\nfits: {'yes' if fits else 'NO'}; largest num_classes that fits: "
-          f"{max_classes(cfg, args.gpus, budget):,}")
+    print(
+        f"\nfits: {'yes' if fits else 'NO'}; largest num_classes that fits: "
+        f"{max_classes(cfg, args.gpus, budget):,}"
+    )
     if cfg.num_classes:  # label-free (0): no head
         n = class_shard(cfg.num_classes, args.gpus, 0).size
         print(f"head tile: {min(cfg.chunk_size or n, n):,} classes; row block {cfg.row_block} rows")
@@ -64,14 +75,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def capacity_table(config: str, overrides: list[str], gpu_mem_gb: float, budget: float) -> int:
-    print(f"| network | GPUs | ours | ours, fused head optimizer | PFC v2 (memory model) |")
+    print("| network | GPUs | ours | ours, fused head optimizer | PFC v2 (memory model) |")
     print("|---|---|---|---|---|")
     for network in ("r50", "r100"):
         for gpus in (8, 64):
             base = overrides + ["--network", network, "--batch_size", "128", "--sample_rate", "1.0"]
             ours = max_classes(get_config(config, base), gpus, budget)
-            fused = max_classes(get_config(config, base + ["--head_fused_optimizer", "true", "--fp16", "false",
-                                                           "--bf16", "true", "--clip_head", "false"]), gpus, budget)
+            fused = max_classes(
+                get_config(
+                    config,
+                    base
+                    + [
+                        "--head_fused_optimizer",
+                        "true",
+                        "--fp16",
+                        "false",
+                        "--bf16",
+                        "true",
+                        "--clip_head",
+                        "false",
+                    ],
+                ),
+                gpus,
+                budget,
+            )
             theirs = pfc_v2_max_classes(get_config(config, base), gpus, budget)
             print(f"| {network} | {gpus} | {ours / 1e6:.0f}M | {fused / 1e6:.0f}M | {theirs / 1e6:.0f}M |")
     print(f"\n{gpu_mem_gb:g} GB per GPU, batch 128 per GPU, sample_rate 1, D=512, SGD with momentum.")

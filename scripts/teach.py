@@ -10,11 +10,13 @@ the data set's fingerprint and how its images were read. The data is read as the
 `--align_detector`, `--align_strict`). Train with `--teacher OUT`; a file made from other data,
 or from the same data read otherwise, is refused. An existing OUT is replaced only with
 `--overwrite`, and never when it is one of the files teach reads."""
+
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
     import os
     import sys
+
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import os
@@ -44,9 +46,18 @@ def data_config(args) -> EasyDict:
     and a folder is every image under it, which for identity sub-folders is their order in
     training too (dataset.folders.list_images): one file serves a run with identities and a
     label-free one."""
-    return EasyDict({**BASE, "rec": args.data, "num_classes": 0, "align": args.align,
-                     "align_detector": args.align_detector, "align_strict": args.align_strict,
-                     "resize": args.resize, "skip_bad_images": False})
+    return EasyDict(
+        {
+            **BASE,
+            "rec": args.data,
+            "num_classes": 0,
+            "align": args.align,
+            "align_detector": args.align_detector,
+            "align_strict": args.align_strict,
+            "resize": args.resize,
+            "skip_bad_images": False,
+        }
+    )
 
 
 def data_files(path: str) -> list[str]:
@@ -66,13 +77,26 @@ def main(argv=None) -> int:
     p.add_argument("out", help="the teacher file to write")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--num_workers", type=int, default=2, help="image-decoding worker processes")
-    p.add_argument("--resize", action="store_true", help="as the run's resize true: images not 112x112 resized")
-    p.add_argument("--align", action="store_true", help="as the run's align true: DATA is a folder of photos, "
-                                                        "each read as its largest face aligned to 112x112")
-    p.add_argument("--align_detector", default=BASE.align_detector, choices=("hog", "mmod"),
-                   help="as the run's align_detector: with --align, dlib's face detector (default hog)")
-    p.add_argument("--align_strict", action="store_true",
-                   help="as the run's align_strict: with --align, refuse photos without a face")
+    p.add_argument(
+        "--resize", action="store_true", help="as the run's resize true: images not 112x112 resized"
+    )
+    p.add_argument(
+        "--align",
+        action="store_true",
+        help="as the run's align true: DATA is a folder of photos, "
+        "each read as its largest face aligned to 112x112",
+    )
+    p.add_argument(
+        "--align_detector",
+        default=BASE.align_detector,
+        choices=("hog", "mmod"),
+        help="as the run's align_detector: with --align, dlib's face detector (default hog)",
+    )
+    p.add_argument(
+        "--align_strict",
+        action="store_true",
+        help="as the run's align_strict: with --align, refuse photos without a face",
+    )
     args = p.parse_args(argv)
     # the output rule (utils.atomic), before any work: its kind and place, --overwrite, no input
     check_output_file(args.out, overwrite=args.overwrite, what="OUT")
@@ -82,8 +106,11 @@ def main(argv=None) -> int:
     device = device_from(args) or tool_device()  # --device, else the current GPU where there is one
     precision = None if args.precision == "fp32" else args.precision  # fp16/bf16: on a GPU only (model_from)
     teacher = OnlineTeacher(model_from(args, device=device), device, precision, made_for=ARCFACE_112)
-    header = {"data": os.path.abspath(args.data), "data_fingerprint": data.fingerprint(),
-              "transform": data_transform(cfg)}
+    header = {
+        "data": os.path.abspath(args.data),
+        "data_fingerprint": data.fingerprint(),
+        "transform": data_transform(cfg),
+    }
     write_teacher_file(teacher, data, header, args.out, args.batch_size, args.num_workers)
     print(f"wrote {args.out} ({len(data)} x {teacher.dim} float16, teacher {args.model})")
     return 0

@@ -17,11 +17,13 @@ the retries asked for) is cut at a fallback face and named, as scripts.make_bin 
 decides: infer.pair_photos); --strict refuses such photos instead. Detected faces are cached
 beside the list per photo content and face options, embeddings per model (infer.cache), so
 a second model on the same list does not detect again, and a second run embeds nothing."""
+
 from __future__ import annotations
 
 if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
     import os
     import sys
+
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import os
@@ -36,8 +38,16 @@ from infer.embed import refuse_non_finite_embeddings
 from infer.pair_photos import EmbeddingCache, cache_paths, check_cache, pair_embeddings
 from parallel.user_errors import exits_on_user_error
 from scripts.cli import ArgumentParser
-from scripts.options import (add_detection_options, add_model_options, add_pair_list_options, add_workers_option,
-                             face_detection, list_faces, model_from, retries_from)
+from scripts.options import (
+    add_detection_options,
+    add_model_options,
+    add_pair_list_options,
+    add_workers_option,
+    face_detection,
+    list_faces,
+    model_from,
+    retries_from,
+)
 from utils.atomic import refuse_inputs
 
 
@@ -49,7 +59,9 @@ def verify_list(args, embedder, pair_list, detection):
         check_cache(path)
     print(f"{embedder.name}: each photo cut to its own crop, {embedder.crop_name}")
     faces = list_faces(args, pair_list, detection, args.strict)
-    embedded = pair_embeddings(embedder, pair_list.photos, faces, EmbeddingCache(emb_cache, embedder), args.batch_size)
+    embedded = pair_embeddings(
+        embedder, pair_list.photos, faces, EmbeddingCache(emb_cache, embedder), args.batch_size
+    )
     print(embedded.report())
     return score_pairs(pair_list, embedded.emb, embedded.emb_flip)
 
@@ -59,14 +71,20 @@ def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n")[0])
     add_model_options(p, batch_size=128)
     p.add_argument("--bin", action="append", default=[], help="a .bin file (repeatable)")
-    p.add_argument("--pairs_list", default=None,
-                   help="verify the pairs of this list from photos: LFW's pairs.txt (images FOLDER/name/"
-                        "name_000n.jpg), one `path1 path2 1|0` pair a line, paths relative to --images (an "
-                        "absolute path is read where it points, even outside --images), or a CFP root with "
-                        "--protocol")
+    p.add_argument(
+        "--pairs_list",
+        default=None,
+        help="verify the pairs of this list from photos: LFW's pairs.txt (images FOLDER/name/"
+        "name_000n.jpg), one `path1 path2 1|0` pair a line, paths relative to --images (an "
+        "absolute path is read where it points, even outside --images), or a CFP root with "
+        "--protocol",
+    )
     p.add_argument("--images", default=None, help="with --pairs_list, the folder of its photos")
-    p.add_argument("--strict", action="store_true",
-                   help="with --pairs_list, refuse photos without a face instead of cutting them at a fallback face")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="with --pairs_list, refuse photos without a face instead of cutting them at a fallback face",
+    )
     add_detection_options(p)
     add_workers_option(p)
     add_pair_list_options(p)
@@ -84,7 +102,9 @@ def main(argv=None) -> int:
     embedder = model_from(args, detection)
     model = embedder.for_crops(ARCFACE_112)
     if args.bin and model is not embedder.module:
-        print(f"{embedder.name} takes {embedder.template.name} crops: the sets' {ARCFACE_112.name} crops are re-framed onto it")
+        print(
+            f"{embedder.name} takes {embedder.template.name} crops: the sets' {ARCFACE_112.name} crops are re-framed onto it"
+        )
     rows = []
     if pair_list is not None:
         r = verify_list(args, embedder, pair_list, detection)
@@ -97,9 +117,11 @@ def main(argv=None) -> int:
     print(f"{'set':<20} {'acc':>8} {'acc-flip':>9} {'std':>7} {'XNorm':>8}")
     for name, acc, acc_flip, std_flip, xnorm in rows:
         print(f"{name:<20} {acc:8.4f} {acc_flip:9.4f} {std_flip:7.4f} {xnorm:8.3f}")
-    print(f"acc, acc-flip: {NFOLDS}-fold accuracy (insightface's protocol: each fold judged at the threshold best on "
-          f"the other {NFOLDS - 1}); scripts.compare --threshold-from prints the best-threshold accuracy over all "
-          f"pairs, fitted to them and so usually higher")
+    print(
+        f"acc, acc-flip: {NFOLDS}-fold accuracy (insightface's protocol: each fold judged at the threshold best on "
+        f"the other {NFOLDS - 1}); scripts.compare --threshold-from prints the best-threshold accuracy over all "
+        f"pairs, fitted to them and so usually higher"
+    )
     return 0
 
 

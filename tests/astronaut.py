@@ -1,5 +1,6 @@
 """Faces in a real photo: scikit-image's astronaut (public domain), cropped to her head, a photo
 holding that head twice at two sizes, and a folder of such photos for the alignment tools."""
+
 from __future__ import annotations
 
 import os
@@ -9,6 +10,7 @@ from PIL import Image
 
 def astronaut_head() -> Image.Image:
     from skimage import data
+
     return Image.fromarray(data.astronaut()).crop((120, 20, 320, 240))  # 200x220, face about 90 px
 
 

@@ -2,6 +2,7 @@
 photo lists and Split/{FF,FP}/01..10/{same,diff}.txt), made of the astronaut's face: the input of
 the CFP protocol tests. Each fold holds one same and one different pair; one profile photo holds
 no face (a fallback crop)."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,10 @@ def _photos(person: int) -> tuple[list[Image.Image], list[Image.Image]]:
     if person % 2:
         head = head.transpose(Image.FLIP_LEFT_RIGHT)
     frontal = [head.rotate(4 * i, resample=Image.BILINEAR, fillcolor=(90, 90, 90)) for i in range(FRONTAL)]
-    profile = [head.rotate(-8, resample=Image.BILINEAR, fillcolor=(90, 90, 90)),
-               Image.new("RGB", head.size, (120 + 20 * person, 140, 160))]  # the second: no face
+    profile = [
+        head.rotate(-8, resample=Image.BILINEAR, fillcolor=(90, 90, 90)),
+        Image.new("RGB", head.size, (120 + 20 * person, 140, 160)),
+    ]  # the second: no face
     return frontal, profile
 
 

@@ -5,6 +5,7 @@ torch.distributed, and the aliases parallel.collectives took at import, for the 
 call is written down as (function name, described positional args, described kwargs):
 tensors as ("tensor", shape, dtype), groups by their ranks, reduce ops by name.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -15,9 +16,25 @@ import torch.distributed as dist
 
 import parallel.collectives as collectives
 
-COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-               "all_gather_single", "reduce_scatter_single", "broadcast", "reduce", "barrier", "all_to_all_single",
-               "gather", "scatter", "all_gather_object", "broadcast_object_list", "send", "recv"]
+COLLECTIVES = [
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "broadcast",
+    "reduce",
+    "barrier",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "all_gather_object",
+    "broadcast_object_list",
+    "send",
+    "recv",
+]
 POINT_TO_POINT = ["isend", "irecv"]  # matched by (peer, tag): their order may differ by rank
 
 
@@ -45,6 +62,7 @@ def recording():
             entry = (real.__name__, [describe(a) for a in args], seen_kwargs)
             (p2p if real.__name__ in POINT_TO_POINT else log).append(entry)
             return real(*args, **kwargs)
+
         setattr(target, name, recorded)
 
     patched = [(dist, n, getattr(dist, n)) for n in COLLECTIVES + POINT_TO_POINT if hasattr(dist, n)]

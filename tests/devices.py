@@ -1,5 +1,6 @@
 """The device kinds the GPU kit's tests take: `cuda` (marked gpu, skipped without CUDA) and
 `cpu`, which runs the same bodies everywhere, in this process and in subprocesses."""
+
 from __future__ import annotations
 
 import os

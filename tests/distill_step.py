@@ -3,11 +3,18 @@ train.py builds it, for the checks that count what one step does (tests/test_hos
 CPU, the GPU kit's sync-debug run): backbone -> [head] + distillation loss -> backward -> clip ->
 optimizers -> EMA, fed batches from the run's own DataLoader (rows of a teacher file arrive with
 them)."""
+
 from __future__ import annotations
 
 import torch
 
-from builders import build_backbone, build_data_parallel, build_head, build_head_optimizer, build_train_dataset
+from builders import (
+    build_backbone,
+    build_data_parallel,
+    build_head,
+    build_head_optimizer,
+    build_train_dataset,
+)
 from configs import get_config
 from dataset import ResumableDistributedSampler, get_dataloader, normalize_images
 from distill.run import build_distillation

@@ -17,6 +17,7 @@ the ranks are then spawned. On a machine with a CUDA device they are always spaw
 a process forked after the CUDA driver was touched cannot use CUDA, and forking has not been
 proven on a GPU.
 """
+
 from __future__ import annotations
 
 import io
@@ -73,12 +74,17 @@ def _worker(rank, world_size, port, fn, args, results, init, env, cwd, caller):
         os.environ.update(env)  # the caller's, at the call (the forkserver's are from its start)
         os.chdir(cwd)
         torch.set_num_threads(1)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-                          TORCHELASTIC_RUN_ID="tests")  # torchrun's own mark (dataset.shares.launch_rank)
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            TORCHELASTIC_RUN_ID="tests",
+        )  # torchrun's own mark (dataset.shares.launch_rank)
         if init:
-            dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=60))
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
         try:
             # serialised here: shared-memory tensors would die with this process
             buf = io.BytesIO()
@@ -91,15 +97,19 @@ def _worker(rank, world_size, port, fn, args, results, init, env, cwd, caller):
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, init: bool = True,
-                    fresh: bool = False) -> list:
+def run_distributed(
+    fn, world_size: int, *args, timeout: float = 180.0, init: bool = True, fresh: bool = False
+) -> list:
     ctx = _context(fresh)
     results = ctx.Queue()
     port = free_port()
     env, cwd, caller = dict(os.environ), os.getcwd(), None if fresh else os.getpid()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, init, env, cwd, caller),
-                         daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_worker, args=(r, world_size, port, fn, args, results, init, env, cwd, caller), daemon=True
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     out, errors = {}, []
@@ -114,10 +124,14 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, init: bo
                     time.sleep(1.0)  # a result may still be in flight from a rank that just exited
                     if results.empty():
                         codes = {r: procs[r].exitcode for r in dead}
-                        raise RuntimeError(f"{fn.__name__} on {world_size} ranks: ranks exited without a "
-                                           f"result (exit codes {codes})") from None
+                        raise RuntimeError(
+                            f"{fn.__name__} on {world_size} ranks: ranks exited without a "
+                            f"result (exit codes {codes})"
+                        ) from None
                 if time.time() > deadline:
-                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks: no result after {timeout}s") from None
+                    raise TimeoutError(
+                        f"{fn.__name__} on {world_size} ranks: no result after {timeout}s"
+                    ) from None
                 continue
             if status == "error":
                 errors.append(f"--- rank {rank} ---\n{value}")

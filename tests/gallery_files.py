@@ -1,5 +1,6 @@
 """A gallery folder of people, the model that embeds it and scripts.identify run as a test
 calls it: the inputs of the identification and gallery tests."""
+
 from __future__ import annotations
 
 import json

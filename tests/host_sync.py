@@ -8,6 +8,7 @@ of a CPU tensor dispatch no aten op, so a TorchFunctionMode beside it sees those
 and `.to("cpu")` are not counted: on a CPU run they are no-ops that cannot be told from a
 device copy; on a GPU, `torch.cuda.set_sync_debug_mode` in the gpu tests catches them.)
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,10 +16,19 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _SYNCING = {
-    "aten::_local_scalar_dense",   # .item(), float(t), bool(t), torch.is_nonzero
-    "aten::nonzero", "aten::nonzero_static_unused", "aten::argwhere",
-    "aten::unique", "aten::_unique", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
-    "aten::masked_select", "aten::is_nonzero", "aten::_assert_async", "aten::equal",
+    "aten::_local_scalar_dense",  # .item(), float(t), bool(t), torch.is_nonzero
+    "aten::nonzero",
+    "aten::nonzero_static_unused",
+    "aten::argwhere",
+    "aten::unique",
+    "aten::_unique",
+    "aten::_unique2",
+    "aten::unique_dim",
+    "aten::unique_consecutive",
+    "aten::masked_select",
+    "aten::is_nonzero",
+    "aten::_assert_async",
+    "aten::equal",
     "aten::repeat_interleave",
 }
 _INDEXING = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
@@ -102,6 +112,7 @@ class HostDataCounter(TorchFunctionMode):
         def counted(*args, **kwargs):
             self.calls.append(f"torch.{name}")
             return real(*args, **kwargs)
+
         return counted
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -1,5 +1,6 @@
 """A generated IJB-C folder whose TAR@FAR is known by construction, and the network that embeds it
 (each face a solid colour; its embedding the mean colour)."""
+
 from __future__ import annotations
 
 import os
@@ -27,7 +28,7 @@ class MeanColour(torch.nn.Module):
 
 def _pair_directions(cos, rng):
     q, _ = np.linalg.qr(rng.normal(size=(3, 3)))
-    return q[:, 0], cos * q[:, 0] + np.sqrt(1 - cos ** 2) * q[:, 1]
+    return q[:, 0], cos * q[:, 0] + np.sqrt(1 - cos**2) * q[:, 1]
 
 
 def make_ijb_fixture(root):
@@ -36,7 +37,8 @@ def make_ijb_fixture(root):
     rng = np.random.default_rng(0)
     genuine = [1.0] * 7 + [0.5] + [-0.9] * 2
     impostor = [0.6, 0.55] + list(np.linspace(-0.5, 0.4, 18))
-    os.makedirs(root / "meta"); os.makedirs(root / "loose_crop")
+    os.makedirs(root / "meta")
+    os.makedirs(root / "loose_crop")
     faces, marks, pairs = [], [], []
     template = 0
     for cos, label in [(c, 1) for c in genuine] + [(c, 0) for c in impostor]:
@@ -47,7 +49,9 @@ def make_ijb_fixture(root):
                 Image.new("RGB", (150, 150), colour).save(root / "loose_crop" / name)
                 faces.append(f"{name} {template} {template * 10 + media}")
                 pts = ARCFACE_TEMPLATE + 15 + rng.normal(0, 1, ARCFACE_TEMPLATE.shape)
-                marks.append(name + " " + " ".join(f"{v:.3f}" for v in pts.ravel()) + f" {rng.uniform(0.6, 1):.3f}")
+                marks.append(
+                    name + " " + " ".join(f"{v:.3f}" for v in pts.ravel()) + f" {rng.uniform(0.6, 1):.3f}"
+                )
             template += 1
         pairs.append(f"{template - 2} {template - 1} {label}")
     (root / "meta" / "ijbc_face_tid_mid.txt").write_text("\n".join(faces) + "\n")

@@ -1,5 +1,6 @@
 """An LFW-layout folder of the astronaut's face (and photos without one) and pair lists over it:
 the inputs of the pair-list verification tests and of benchmarks/lfw_anchor.py's test."""
+
 from __future__ import annotations
 
 import os
@@ -29,10 +30,16 @@ def lfw_folder(root) -> str:
     """`root` as an LFW-layout folder: Eileen and Mirror (three photos of a face each), Wall (two
     photos without a face), Tiny (a face found only with --retry_upsample 2), Masked (only by MMOD)."""
     head = astronaut_head()
-    photos = {"Eileen": [head, ImageEnhance.Brightness(head).enhance(0.7),
-                         head.rotate(12, resample=Image.BILINEAR, fillcolor=GREY)],
-              "Wall": [Image.new("RGB", head.size, (120, 140, 160)), Image.new("RGB", head.size, (200, 180, 160))],
-              "Tiny": [_small(head)], "Masked": [_masked(head)]}
+    photos = {
+        "Eileen": [
+            head,
+            ImageEnhance.Brightness(head).enhance(0.7),
+            head.rotate(12, resample=Image.BILINEAR, fillcolor=GREY),
+        ],
+        "Wall": [Image.new("RGB", head.size, (120, 140, 160)), Image.new("RGB", head.size, (200, 180, 160))],
+        "Tiny": [_small(head)],
+        "Masked": [_masked(head)],
+    }
     photos["Mirror"] = [p.transpose(Image.FLIP_LEFT_RIGHT) for p in photos["Eileen"]]
     for name, images in photos.items():
         os.makedirs(root / name)
@@ -41,10 +48,30 @@ def lfw_folder(root) -> str:
     return str(root)
 
 
-SAME = ["Eileen 1 2", "Eileen 1 3", "Eileen 2 3", "Mirror 1 2", "Mirror 1 3", "Mirror 2 3", "Wall 1 2",
-        "Eileen 3 1", "Mirror 3 2", "Eileen 2 1"]
-DIFF = ["Eileen 1 Mirror 1", "Eileen 2 Wall 1", "Tiny 1 Eileen 3", "Mirror 3 Wall 2", "Mirror 2 Tiny 1",
-        "Eileen 3 Mirror 2", "Wall 1 Mirror 1", "Eileen 1 Tiny 1", "Mirror 1 Eileen 2", "Wall 2 Eileen 1"]
+SAME = [
+    "Eileen 1 2",
+    "Eileen 1 3",
+    "Eileen 2 3",
+    "Mirror 1 2",
+    "Mirror 1 3",
+    "Mirror 2 3",
+    "Wall 1 2",
+    "Eileen 3 1",
+    "Mirror 3 2",
+    "Eileen 2 1",
+]
+DIFF = [
+    "Eileen 1 Mirror 1",
+    "Eileen 2 Wall 1",
+    "Tiny 1 Eileen 3",
+    "Mirror 3 Wall 2",
+    "Mirror 2 Tiny 1",
+    "Eileen 3 Mirror 2",
+    "Wall 1 Mirror 1",
+    "Eileen 1 Tiny 1",
+    "Mirror 1 Eileen 2",
+    "Wall 2 Eileen 1",
+]
 
 
 def lfw_list(path, same=SAME, diff=DIFF) -> str:

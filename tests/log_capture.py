@@ -1,4 +1,5 @@
 """What code logs through the "shardface" logger, for tests that assert on its lines."""
+
 from __future__ import annotations
 
 import logging

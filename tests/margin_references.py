@@ -5,6 +5,7 @@ Each `*_loss(emb, weight, labels, state)` returns (loss, new_state); `state` hol
 running statistics before the step. `classes` restricts the softmax to those classes
 (Partial FC's sample), labels given as class ids.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,8 +49,20 @@ def adaface_loss(emb, weight, labels, state, s=64.0, m=0.4, h=0.333, t_alpha=0.0
     return _ce(logits, labels, classes), {"mean": mean, "std": std}
 
 
-def magface_loss(emb, weight, labels, state, s=64.0, l_a=10.0, u_a=110.0, l_m=0.45, u_m=0.8, lambda_g=20.0,
-                 easy_margin=True, classes=None):
+def magface_loss(
+    emb,
+    weight,
+    labels,
+    state,
+    s=64.0,
+    l_a=10.0,
+    u_a=110.0,
+    l_m=0.45,
+    u_m=0.8,
+    lambda_g=20.0,
+    easy_margin=True,
+    classes=None,
+):
     a = emb.norm(dim=1).clamp(l_a, u_a)
     margin = (u_m - l_m) / (u_a - l_a) * (a - l_a) + l_m
     cos = (F.normalize(emb) @ F.normalize(weight).t()).clamp(-1, 1)
@@ -59,9 +72,11 @@ def magface_loss(emb, weight, labels, state, s=64.0, l_a=10.0, u_a=110.0, l_m=0.
     if easy_margin:
         target = torch.where(cos_y > 0, with_margin, cos_y)
     else:
-        target = torch.where(cos_y > torch.cos(math.pi - margin), with_margin, cos_y - torch.sin(math.pi - margin) * margin)
+        target = torch.where(
+            cos_y > torch.cos(math.pi - margin), with_margin, cos_y - torch.sin(math.pi - margin) * margin
+        )
     logits = (s * cos).index_put((b, labels), s * target)
-    reg = (a / u_a ** 2 + 1 / a).mean()
+    reg = (a / u_a**2 + 1 / a).mean()
     return _ce(logits, labels, classes) + lambda_g * reg, state
 
 
@@ -84,5 +99,9 @@ def subcenter_arcface_loss(emb, weight, labels, state, s=64.0, margin=0.5, k=3, 
     return _ce(logits, labels, classes), state
 
 
-INITIAL_STATE = {"adaface": {"mean": torch.tensor(20.0), "std": torch.tensor(100.0)},
-                 "curricularface": {"t": torch.tensor(0.0)}, "magface": {}, "subcenter_arcface": {}}
+INITIAL_STATE = {
+    "adaface": {"mean": torch.tensor(20.0), "std": torch.tensor(100.0)},
+    "curricularface": {"t": torch.tensor(0.0)},
+    "magface": {},
+    "subcenter_arcface": {},
+}

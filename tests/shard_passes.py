@@ -12,6 +12,7 @@ A tensor is shard-like when it is 2-D with D columns (or a transposed view with 
 number of rows the caller names as weight rows (the shard's, a sample's, a tile's): the caller
 picks sizes where these cannot be confused with the batch's rows.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict

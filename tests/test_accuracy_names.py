@@ -2,6 +2,7 @@
 --threshold-from` prints the best threshold's accuracy over all pairs (fitted to them),
 `verify` the 10-fold protocol's (each fold judged at a threshold chosen on the others;
 its legend is checked where tests/test_own_images.py runs it, which costs seconds)."""
+
 import os
 
 import torch
@@ -11,7 +12,9 @@ from scripts.compare import main as compare
 from tests.tool_files import jpeg
 
 
-def test_compare_names_its_accuracy_the_best_threshold_one_over_all_pairs_not_verifys_10_fold(drawn_faces, tmp_path, capsys):
+def test_compare_names_its_accuracy_the_best_threshold_one_over_all_pairs_not_verifys_10_fold(
+    drawn_faces, tmp_path, capsys
+):
     torch.manual_seed(0)
     model = str(tmp_path / "model.pt")
     torch.save(get_model("tiny", num_features=128).state_dict(), model)
@@ -24,4 +27,6 @@ def test_compare_names_its_accuracy_the_best_threshold_one_over_all_pairs_not_ve
     assert compare([model, *faces, "--network", "tiny", "--threshold-from", val]) == 0
     said = capsys.readouterr().out
     assert f"from {val}: the best over all its 40 pairs, " in said
-    assert " of them right at it (best-threshold accuracy; scripts.verify reports the 10-fold accuracy" in said
+    assert (
+        " of them right at it (best-threshold accuracy; scripts.verify reports the 10-fold accuracy" in said
+    )

@@ -2,6 +2,7 @@
 would not fit in memory and photo names whose crops' names the file system cannot hold; and a
 photo name that is not UTF-8 (a Latin-1 `José.jpg` from an old camera) is written to its report
 as the file system has it."""
+
 import os
 
 import pytest
@@ -34,7 +35,9 @@ def test_a_photo_whose_crop_names_would_be_too_long_is_named_before_any_work(one
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and os.path.join("p", name) in err[0] and "over 255 bytes" in err[0]
     assert not os.path.exists(tmp_path / "dst")
-    assert align_tool([one_photo, str(tmp_path / "dst"), "--workers", "1", "--largest"]) == 0  # one crop: fits
+    assert (
+        align_tool([one_photo, str(tmp_path / "dst"), "--workers", "1", "--largest"]) == 0
+    )  # one crop: fits
 
 
 def test_a_photo_name_that_is_not_utf8_is_reported_as_the_file_system_has_it(one_photo, tmp_path):

@@ -3,6 +3,7 @@ same output whatever the number of worker processes, a photo's error is named as
 process, a killed worker ends the tool with one line naming its photo and keeps the earlier
 output, and two ranks joined give what one process writes (faces/workers.py, dataset/shares.py).
 Photos are small copies of scikit-image's astronaut (a real, detectable face)."""
+
 import os
 import signal
 import time
@@ -12,9 +13,9 @@ import pytest
 from PIL import Image
 
 from dataset.errors import DataError, ImageDecodeError
+from dataset.shares import PartError, Parts, launch_rank, list_key, share_of
 from faces.detect import Detection
 from faces.stream import find_faces
-from dataset.shares import PartError, Parts, launch_rank, list_key, share_of
 from faces.workers import WorkerDied, default_workers, map_photos
 from scripts.align import main as align_tool
 from tests.astronaut import align_photos
@@ -50,8 +51,9 @@ def _summary(out: str, dst: str) -> str:
     return out.replace(dst, "DST")
 
 
-def test_align_writes_the_same_bytes_and_says_the_same_with_one_and_two_workers(photos, one_process, tmp_path,
-                                                                                capsys):
+def test_align_writes_the_same_bytes_and_says_the_same_with_one_and_two_workers(
+    photos, one_process, tmp_path, capsys
+):
     said = []
     for workers in ("1", "2"):
         dst = str(tmp_path / f"crops{workers}")
@@ -122,16 +124,20 @@ class _DieOnDoomed(Detection):
 
 
 def test_a_killed_worker_ends_align_with_one_line_naming_its_photo_and_keeps_the_earlier_output(
-        photos, tmp_path, monkeypatch, capsys):
+    photos, tmp_path, monkeypatch, capsys
+):
     import scripts.align
+
     dst = tmp_path / "crops"
     os.makedirs(dst)
     (dst / "earlier.txt").write_text("kept")
     monkeypatch.setattr(scripts.align, "detection_from", lambda args: _DieOnDoomed())
     assert align_tool([photos, str(dst), "--workers", "2", "--overwrite"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == (f"error: {os.path.join(photos, DOOMED)}: the worker process on this photo was killed by "
-                       "SIGKILL (the out-of-memory killer sends it)")
+    assert err[-1] == (
+        f"error: {os.path.join(photos, DOOMED)}: the worker process on this photo was killed by "
+        "SIGKILL (the out-of-memory killer sends it)"
+    )
     assert _tree(dst) == {"earlier.txt": b"kept"} and os.listdir(tmp_path) == ["crops"]
 
 
@@ -142,7 +148,9 @@ def _name_or_die(item):
 
 
 def test_a_worker_killed_by_the_engine_test_function_is_named_with_its_item():
-    with pytest.raises(WorkerDied, match=r"^q/m1\.jpg: the worker process on this photo was killed by SIGKILL"):
+    with pytest.raises(
+        WorkerDied, match=r"^q/m1\.jpg: the worker process on this photo was killed by SIGKILL"
+    ):
         list(map_photos(_name_or_die, [("p/x", ""), (DOOMED, ""), ("p/y", "")], 2, name=lambda item: item[0]))
 
 
@@ -157,7 +165,9 @@ def test_two_ranks_publish_what_one_process_writes(photos, one_process, tmp_path
     assert os.listdir(tmp_path) == ["crops"]  # the parts are removed once joined
 
 
-def test_ranks_run_one_after_another_by_hand_join_to_one_process_output(photos, one_process, tmp_path, capsys):
+def test_ranks_run_one_after_another_by_hand_join_to_one_process_output(
+    photos, one_process, tmp_path, capsys
+):
     """--rank/--world on one machine in turn: the later rank 0 finds rank 1's part and joins it;
     a rank whose part is complete keeps it (a job run again redoes only what is missing)."""
     dst = str(tmp_path / "crops")
@@ -175,8 +185,8 @@ def _write_part(parts: Parts, rank: int, items: list[str], rows: list[str] | Non
     r = share_of(len(items), rank, parts.world)
     with parts.writing(rank, items) as part:
         with open(os.path.join(part.folder, "report.csv"), "w") as f:
-            f.write("photo,crop\n" + "".join(f"{p},{p}.png\n" for p in (rows or items[r.start:r.end])))
-        for p in items[r.start:r.end]:
+            f.write("photo,crop\n" + "".join(f"{p},{p}.png\n" for p in (rows or items[r.start : r.end])))
+        for p in items[r.start : r.end]:
             open(os.path.join(part.folder, f"{p}.png"), "w").write(p)
 
 
@@ -186,12 +196,17 @@ def test_the_join_is_checked_and_a_missing_part_is_named_after_the_wait(tmp_path
     _write_part(parts, 0, items)
     _write_part(parts, 2, items)
     os.makedirs(Parts(str(tmp_path / "out"), list_key(items[1:]), 3).folder(1))  # another list's rank 1
-    with pytest.raises(PartError, match=r"no complete part of rank 1 of 3 after 0 s; .* \(\S+out\.parts-\w+ came "
-                                        r"from another photo list or other options\)"):
+    with pytest.raises(
+        PartError,
+        match=r"no complete part of rank 1 of 3 after 0 s; .* \(\S+out\.parts-\w+ came "
+        r"from another photo list or other options\)",
+    ):
         parts.wait(items, 0.1, poll_s=0.02)
     _write_part(parts, 1, items, rows=["f3", "f2", "f4"])  # its share is f3, f4: a report of another list
     os.makedirs(tmp_path / "joined")
-    with pytest.raises(PartError, match=r"rank-1-of-3/report.csv: its rows list 3 photos, not the 2 of its share"):
+    with pytest.raises(
+        PartError, match=r"rank-1-of-3/report.csv: its rows list 3 photos, not the 2 of its share"
+    ):
         parts.join(str(tmp_path / "joined"), items, "report.csv")
     parts.remove()
     for rank in range(3):
@@ -214,9 +229,11 @@ def test_shares_are_contiguous_cover_the_list_and_differ_by_one_at_most():
 
 
 def test_rank_and_worker_options_are_checked_in_one_line(photos, tmp_path, capsys):
-    for argv, message in ((["--workers", "0"], "--workers 0: at least 1"),
-                          (["--rank", "2", "--world", "2"], "--rank 2 --world 2: the world is at least 1"),
-                          (["--rank", "1"], "--rank and --world: give both")):
+    for argv, message in (
+        (["--workers", "0"], "--workers 0: at least 1"),
+        (["--rank", "2", "--world", "2"], "--rank 2 --world 2: the world is at least 1"),
+        (["--rank", "1"], "--rank and --world: give both"),
+    ):
         assert align_tool([photos, str(tmp_path / "out"), *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: {message}")
@@ -236,19 +253,32 @@ def test_list_key_depends_on_the_list_its_order_and_the_options():
     photos = ["a/1.jpg", "a/2.jpg"]
     key = list_key(photos, Detection(), 112)
     assert key == list_key(list(photos), Detection(), 112)
-    assert len({key, list_key(photos[::-1], Detection(), 112), list_key(photos, Detection(upsample=2), 112),
-                list_key(photos, Detection(), 128)}) == 4
+    assert (
+        len(
+            {
+                key,
+                list_key(photos[::-1], Detection(), 112),
+                list_key(photos, Detection(upsample=2), 112),
+                list_key(photos, Detection(), 128),
+            }
+        )
+        == 4
+    )
 
 
 def _rank_packs(rank, world, photos, out):
     from scripts.pack_rec import main as pack_rec
-    return pack_rec([photos, out, "--align", "--workers", "1"])  # torchrun's RANK and WORLD_SIZE say which share
+
+    return pack_rec(
+        [photos, out, "--align", "--workers", "1"]
+    )  # torchrun's RANK and WORLD_SIZE say which share
 
 
 def test_two_ranks_of_pack_rec_align_write_the_recordio_of_one_process(photos, tmp_path):
     """Each rank finds its share's faces into a part; rank 0 packs them all: the same bytes as one
     process with two workers, and the parts are gone."""
     from scripts.pack_rec import main as pack_rec
+
     assert pack_rec([photos, str(tmp_path / "one"), "--align", "--workers", "2"]) == 0
     assert run_distributed(_rank_packs, 2, photos, str(tmp_path / "two"), init=False) == [0, 0]
     assert _tree(tmp_path / "two") == _tree(tmp_path / "one")
@@ -257,14 +287,16 @@ def test_two_ranks_of_pack_rec_align_write_the_recordio_of_one_process(photos, t
 
 def test_pack_rec_shares_only_face_finding_among_machines(photos, tmp_path, capsys):
     from scripts.pack_rec import main as pack_rec
+
     assert pack_rec([photos, str(tmp_path / "out"), "--rank", "0", "--world", "2", "--resize"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "only --align's face finding is shared" in err
     assert not os.path.exists(tmp_path / "out")
 
 
-def test_rank_variables_left_in_a_shell_are_named_and_align_runs_as_one_process(photos, one_process, tmp_path,
-                                                                              monkeypatch, capsys):
+def test_rank_variables_left_in_a_shell_are_named_and_align_runs_as_one_process(
+    photos, one_process, tmp_path, monkeypatch, capsys
+):
     """RANK and WORLD_SIZE without torchrun (no TORCHELASTIC_RUN_ID) once made align take half
     the photos and wait 600 s in silence for a rank that never comes."""
     monkeypatch.setenv("RANK", "0")
@@ -273,11 +305,14 @@ def test_rank_variables_left_in_a_shell_are_named_and_align_runs_as_one_process(
     dst = str(tmp_path / "crops")
     assert align_tool([photos, dst, "--workers", "1"]) == 0
     assert _tree(dst) == one_process
-    assert "RANK=0 and WORLD_SIZE=2 are set, but torchrun did not start this process" in capsys.readouterr().err
+    assert (
+        "RANK=0 and WORLD_SIZE=2 are set, but torchrun did not start this process" in capsys.readouterr().err
+    )
 
 
 def test_a_photo_replaced_under_its_name_is_aligned_again_not_taken_from_a_finished_part(photos, tmp_path):
     import shutil
+
     src = tmp_path / "photos"
     shutil.copytree(photos, src)
     dst = str(tmp_path / "crops")
@@ -297,8 +332,11 @@ def test_a_part_of_another_world_size_is_named_when_the_wait_ends(tmp_path):
     _write_part(Parts(str(tmp_path / "out"), list_key(items), 3), 1, items)
     two = Parts(str(tmp_path / "out"), list_key(items), 2)
     _write_part(two, 0, items)
-    with pytest.raises(PartError, match=r"no complete part of rank 1 of 2 after 0 s; .*rank-1-of-3 in \S+ came "
-                                        r"from another world size"):
+    with pytest.raises(
+        PartError,
+        match=r"no complete part of rank 1 of 2 after 0 s; .*rank-1-of-3 in \S+ came "
+        r"from another world size",
+    ):
         two.wait(items, 0.1, poll_s=0.02)
 
 

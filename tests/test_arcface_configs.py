@@ -1,4 +1,5 @@
 """arcface_torch job configs load unchanged, each key with its meaning there; shipped configs by name."""
+
 import os
 import sys
 
@@ -20,7 +21,7 @@ wf42m_pfc03_40epoch_64gpu_vit_t wf42m_pfc03_40epoch_8gpu_vit_b wf42m_pfc03_40epo
 wf4m_r50""".split()
 
 # the arcface_torch format: no base, `config = edict()` and its keys, wandb and DALI keys included
-VERBATIM = '''from easydict import EasyDict as edict
+VERBATIM = """from easydict import EasyDict as edict
 
 # make training faster
 config = edict()
@@ -59,7 +60,7 @@ config.num_image = 5179510
 config.num_epoch = 20
 config.warmup_epoch = 0
 config.val_targets = ['lfw', 'cfp_fp', "agedb_30"]
-'''
+"""
 
 
 def test_configs_ship_all_42_arcface_torch_job_configs_and_each_loads():
@@ -72,11 +73,24 @@ def test_configs_ship_all_42_arcface_torch_job_configs_and_each_loads():
 
 def test_shipped_arcface_configs_keep_their_values():
     cfg = get_config("configs/ms1mv3_r50")
-    assert (cfg.network, tuple(cfg.margin_list), cfg.lr, cfg.num_classes, cfg.num_image, cfg.fp16) == \
-        ("r50", (1.0, 0.5, 0.0), 0.1, 93431, 5179510, True)
+    assert (cfg.network, tuple(cfg.margin_list), cfg.lr, cfg.num_classes, cfg.num_image, cfg.fp16) == (
+        "r50",
+        (1.0, 0.5, 0.0),
+        0.1,
+        93431,
+        5179510,
+        True,
+    )
     cfg = get_config("configs/wf42m_pfc02_vit_h")
-    assert (cfg.network, cfg.optimizer, cfg.lr, cfg.sample_rate, cfg.batch_size, cfg.dali, cfg.dali_aug) == \
-        ("vit_h", "adamw", 0.001, 0.5, 768, True, True)
+    assert (cfg.network, cfg.optimizer, cfg.lr, cfg.sample_rate, cfg.batch_size, cfg.dali, cfg.dali_aug) == (
+        "vit_h",
+        "adamw",
+        0.001,
+        0.5,
+        768,
+        True,
+        True,
+    )
     assert get_config("configs/glint360k_r100").margin_list == (1.0, 0.0, 0.4)
 
 
@@ -100,8 +114,10 @@ def test_dali_is_served_by_shardface_loader_with_one_warning():
 
 def test_unknown_keys_all_named_at_once_hint_only_when_close(tmp_path):
     job = tmp_path / "job.py"
-    job.write_text("from easydict import EasyDict as edict\nconfig = edict()\n"
-                   "config.sample_rat = 0.3\nconfig.zzz_unrelated = 1\nconfig.lr_schedular = 'poly'\n")
+    job.write_text(
+        "from easydict import EasyDict as edict\nconfig = edict()\n"
+        "config.sample_rat = 0.3\nconfig.zzz_unrelated = 1\nconfig.lr_schedular = 'poly'\n"
+    )
     with pytest.raises(ConfigError) as err:
         get_config(str(job), ["--colour", "red"])
     msg = str(err.value)
@@ -124,7 +140,8 @@ def test_shipped_configs_found_by_name_from_another_directory(tmp_path, monkeypa
         get_config("configs/nope")
     (tmp_path / "configs").mkdir()  # a local file of the same name wins over the shipped one
     (tmp_path / "configs" / "ms1mv3_r50.py").write_text(
-        "from easydict import EasyDict as edict\nconfig = edict()\nconfig.num_classes = 7\n")
+        "from easydict import EasyDict as edict\nconfig = edict()\nconfig.num_classes = 7\n"
+    )
     assert get_config("configs/ms1mv3_r50").num_classes == 7
 
 

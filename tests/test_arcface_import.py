@@ -6,6 +6,7 @@ The arcface_torch run files here are written from the format as documented (per 
 torch.save dict of epoch, global_step, state_dict_backbone, state_dict_softmax_fc,
 state_optimizer, state_lr_scheduler), out of a ShardFace run's checkpoint, so that an
 uninterrupted run exists to compare the continued one with."""
+
 import os
 import re
 import shutil
@@ -80,7 +81,7 @@ def polynomial_lr_warmup(n, warmup, total, base=BASE_LR, power=1.0):
 
 def adamw_moments(weight):
     """Stand-in AdamW moments of a parameter (distinct per element, so misplaced rows show)."""
-    return {"step": torch.tensor(float(CUT)), "exp_avg": weight * 0.01, "exp_avg_sq": weight ** 2 * 1e-3}
+    return {"step": torch.tensor(float(CUT)), "exp_avg": weight * 0.01, "exp_avg_sq": weight**2 * 1e-3}
 
 
 def write_arcface_run(ckpt, run_dir, world_size, step=CUT, epoch=1, optimizer="sgd"):
@@ -97,27 +98,39 @@ def write_arcface_run(ckpt, run_dir, world_size, step=CUT, epoch=1, optimizer="s
     base, extra = divmod(CLASSES, world_size)
     for rank in range(world_size):
         start, n = base * rank + min(rank, extra), base + int(rank < extra)
-        shard = torch.nn.Parameter(rows[start:start + n].clone())
+        shard = torch.nn.Parameter(rows[start : start + n].clone())
         # torch's own SGD state_dict over [backbone params, head shard], as train_v2 builds it
         groups = [{"params": list(model.parameters())}, {"params": [shard]}]
         if optimizer == "sgd":
             opt = torch.optim.SGD(groups, lr=BASE_LR, momentum=0.9, weight_decay=5e-4)
             for name, p in model.named_parameters():
                 opt.state[p] = {"momentum_buffer": saved_opt[name]["momentum_buffer"].clone()}
-            opt.state[shard] = {"momentum_buffer": momentum[start:start + n].clone()}
+            opt.state[shard] = {"momentum_buffer": momentum[start : start + n].clone()}
         else:
             opt = torch.optim.AdamW(groups, lr=BASE_LR, weight_decay=5e-4)
             for p in [*model.parameters(), shard]:
                 opt.state[p] = adamw_moments(p.detach())
         for group in opt.param_groups:
             group["initial_lr"] = BASE_LR  # a torch scheduler adds it
-        torch.save({"epoch": epoch, "global_step": step, "state_dict_backbone": model.state_dict(),
-                    "state_dict_softmax_fc": {"weight": shard.detach().clone()},
-                    "state_optimizer": opt.state_dict(),
-                    "state_lr_scheduler": {"last_epoch": step, "base_lrs": [BASE_LR, BASE_LR], "_step_count": step + 1,
-                                           "warmup_iters": CUT, "total_iters": SCHEDULE, "power": 1.0,
-                                           "_last_lr": [BASE_LR, BASE_LR]}},
-                   os.path.join(run_dir, f"checkpoint_gpu_{rank}.pt"))
+        torch.save(
+            {
+                "epoch": epoch,
+                "global_step": step,
+                "state_dict_backbone": model.state_dict(),
+                "state_dict_softmax_fc": {"weight": shard.detach().clone()},
+                "state_optimizer": opt.state_dict(),
+                "state_lr_scheduler": {
+                    "last_epoch": step,
+                    "base_lrs": [BASE_LR, BASE_LR],
+                    "_step_count": step + 1,
+                    "warmup_iters": CUT,
+                    "total_iters": SCHEDULE,
+                    "power": 1.0,
+                    "_last_lr": [BASE_LR, BASE_LR],
+                },
+            },
+            os.path.join(run_dir, f"checkpoint_gpu_{rank}.pt"),
+        )
     torch.save(model.state_dict(), os.path.join(run_dir, "model.pt"))
     return run_dir
 
@@ -153,9 +166,14 @@ def one_rank(drawn_faces, tmp_path_factory):
     real_set_lr, real_clip = train.set_lr, Zero2Optimizer.clip_grad_norm_
     mp = pytest.MonkeyPatch()
     mp.setattr(train, "set_lr", lambda opts, lr: (lrs.append(lr), real_set_lr(opts, lr)))
-    mp.setattr(Zero2Optimizer, "clip_grad_norm_",
-               lambda self, norm, extra_params=(): (clipped.append((norm, len(list(extra_params)))),
-                                                    real_clip(self, norm, extra_params))[1])
+    mp.setattr(
+        Zero2Optimizer,
+        "clip_grad_norm_",
+        lambda self, norm, extra_params=(): (
+            clipped.append((norm, len(list(extra_params)))),
+            real_clip(self, norm, extra_params),
+        )[1],
+    )
     try:
         assert train.main(run_argv(config, out, "--stop_after_steps", str(STEPS))) == 0
     finally:
@@ -188,7 +206,9 @@ def chained_polynomial_lr_warmup(n, warmup, total, power):
         if step <= warmup:
             lr = step / warmup
         else:
-            lr *= ((1 - (step - warmup) / (total - warmup)) / (1 - (step - 1 - warmup) / (total - warmup))) ** power
+            lr *= (
+                (1 - (step - warmup) / (total - warmup)) / (1 - (step - 1 - warmup) / (total - warmup))
+            ) ** power
     return lr
 
 
@@ -200,19 +220,30 @@ def test_negative_warmup_as_in_3millions_is_polynomial_lr_warmup_stepped(warmup,
 
 
 def test_logged_lr_of_step_n_is_the_rate_it_used_and_readme_says_arcface_torch_logs_the_next(one_rank):
-    logged = {int(n): float(lr) for n, lr in re.findall(r"step (\d+)/\d+ .*? lr ([0-9.]+)",
-                                                        open(os.path.join(one_rank["full"], "training.log")).read())}
+    logged = {
+        int(n): float(lr)
+        for n, lr in re.findall(
+            r"step (\d+)/\d+ .*? lr ([0-9.]+)", open(os.path.join(one_rank["full"], "training.log")).read()
+        )
+    }
     assert sorted(logged) == list(range(1, STEPS + 1))
     for n, lr in logged.items():
-        assert lr == pytest.approx(one_rank["lrs"][n - 1], abs=6e-6), n  # step n trained with rate n - 1 (0-based)
+        assert lr == pytest.approx(one_rank["lrs"][n - 1], abs=6e-6), (
+            n
+        )  # step n trained with rate n - 1 (0-based)
         # arcface_torch's line for global_step n: after scheduler.step(), the rate of step n + 1
         if n < STEPS:
             assert polynomial_lr_warmup(n, CUT, SCHEDULE) == pytest.approx(one_rank["lrs"][n], abs=1e-12), n
     assert logged[4] != pytest.approx(polynomial_lr_warmup(4, CUT, SCHEDULE), abs=1e-4)  # so they differ
-    readme = " ".join(open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "arcface_torch.md"))
-                      .read().split())
-    assert ("the `lr` logged at step n is the rate step n trained with, where arcface_torch logs it after "
-            "`scheduler.step()`, so its line for step n shows the rate of step n + 1") in readme
+    readme = " ".join(
+        open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "arcface_torch.md"))
+        .read()
+        .split()
+    )
+    assert (
+        "the `lr` logged at step n is the rate step n trained with, where arcface_torch logs it after "
+        "`scheduler.step()`, so its line for step n shows the rate of step n + 1"
+    ) in readme
 
 
 def test_arcface_keys_alone_clip_the_backbone_alone_at_norm_5(one_rank):
@@ -241,8 +272,12 @@ def test_imported_run_continues_as_the_uninterrupted_run_on_one_rank(one_rank, t
     mp = pytest.MonkeyPatch()
     mp.setattr(train, "set_lr", lambda opts, lr: (lrs.append(lr), real_set_lr(opts, lr)))
     try:
-        assert train.main(run_argv(one_rank["config"], out, "--resume", "true",
-                                   "--stop_after_steps", str(STEPS - CUT))) == 0
+        assert (
+            train.main(
+                run_argv(one_rank["config"], out, "--resume", "true", "--stop_after_steps", str(STEPS - CUT))
+            )
+            == 0
+        )
     finally:
         mp.undo()
     assert lrs == one_rank["lrs"][CUT:]
@@ -258,7 +293,9 @@ def test_imported_run_continues_as_the_uninterrupted_run_on_two_ranks(drawn_face
     config = arcface_config(tmp_path / "af_tiny_w2.py", drawn_faces, 8)
     full, out = str(tmp_path / "full"), str(tmp_path / "imported")
     assert run_distributed(_train, 2, run_argv(config, full, "--stop_after_steps", str(STEPS))) == [0, 0]
-    run = write_arcface_run(os.path.join(full, f"checkpoint-{CUT:08d}"), str(tmp_path / "af_run"), world_size=2)
+    run = write_arcface_run(
+        os.path.join(full, f"checkpoint-{CUT:08d}"), str(tmp_path / "af_run"), world_size=2
+    )
     assert import_arcface_torch.main([config, run, out]) == 0
     resume = run_argv(config, out, "--resume", "true", "--stop_after_steps", str(STEPS - CUT))
     assert run_distributed(_train, 2, resume) == [0, 0]
@@ -278,16 +315,30 @@ def test_adamw_run_imports_its_moments_per_parameter_and_head_rows_in_class_orde
         assert state[name].keys() == expected.keys(), name
         for key, value in expected.items():
             torch.testing.assert_close(state[name][key], value, rtol=0, atol=0, msg=f"{name} {key}")
-    heads = [torch.load(os.path.join(imported, f)) for f in sorted(os.listdir(imported)) if f.startswith("head-")]
+    heads = [
+        torch.load(os.path.join(imported, f)) for f in sorted(os.listdir(imported)) if f.startswith("head-")
+    ]
     assert len(heads) == 1
-    rows = torch.cat([h["weight"] for h in (torch.load(os.path.join(ckpt, f)) for f in sorted(os.listdir(ckpt))
-                                             if f.startswith("head-"))])
+    rows = torch.cat(
+        [
+            h["weight"]
+            for h in (
+                torch.load(os.path.join(ckpt, f)) for f in sorted(os.listdir(ckpt)) if f.startswith("head-")
+            )
+        ]
+    )
     torch.testing.assert_close(heads[0]["weight"], rows, rtol=0, atol=0)
     for key, value in adamw_moments(rows).items():
         torch.testing.assert_close(heads[0]["state"][key], value, rtol=0, atol=0, msg=key)
     # and it continues: AdamW resumes on this state
-    assert train.main(run_argv(one_rank["config"], out, "--optimizer", "adamw", "--resume", "true",
-                               "--stop_after_steps", "1")) == 0
+    assert (
+        train.main(
+            run_argv(
+                one_rank["config"], out, "--optimizer", "adamw", "--resume", "true", "--stop_after_steps", "1"
+            )
+        )
+        == 0
+    )
     assert resolve_checkpoint(out).endswith(f"checkpoint-{CUT + 1:08d}")
 
 
@@ -307,19 +358,45 @@ def _drop_key(path, key):
     torch.save(ckpt, path)
 
 
-@pytest.mark.parametrize("change,overrides,message", [
-    (lambda run: os.remove(os.path.join(run, "checkpoint_gpu_1.pt")), (), r"checkpoint_gpu_1\.pt: missing"),
-    (lambda run: os.remove(os.path.join(run, "checkpoint_gpu_2.pt")), (),
-     r"checkpoint_gpu_0\.pt: state_dict_softmax_fc\.weight has shape \(6, 128\), rank 0 of 2 .* holds \(8, 128\)"),
-    (lambda run: _drop_key(os.path.join(run, "checkpoint_gpu_2.pt"), "state_optimizer"), (),
-     r"checkpoint_gpu_2\.pt: key 'state_optimizer' missing"),
-    (lambda run: None, ("--embedding_size", "64"),
-     r"checkpoint_gpu_0\.pt: state_dict_backbone does not fit network 'tiny': 'fc\.weight' has shape"),
-    (lambda run: None, ("--num_classes", "20"), r"checkpoint_gpu_0\.pt: state_dict_softmax_fc\.weight has shape"),
-    (lambda run: None, ("--optimizer", "adamw"), r"checkpoint_gpu_0\.pt: state_optimizer holds \['momentum_buffer'\]"),
-    (lambda run: None, ("--lr", "0.1"), r"checkpoint_gpu_0\.pt: state_lr_scheduler\.base_lrs is 0\.05"),
-])
-def test_bad_arcface_run_is_one_line_naming_file_and_key(one_rank, tmp_path, capsys, change, overrides, message):
+@pytest.mark.parametrize(
+    "change,overrides,message",
+    [
+        (
+            lambda run: os.remove(os.path.join(run, "checkpoint_gpu_1.pt")),
+            (),
+            r"checkpoint_gpu_1\.pt: missing",
+        ),
+        (
+            lambda run: os.remove(os.path.join(run, "checkpoint_gpu_2.pt")),
+            (),
+            r"checkpoint_gpu_0\.pt: state_dict_softmax_fc\.weight has shape \(6, 128\), rank 0 of 2 .* holds \(8, 128\)",
+        ),
+        (
+            lambda run: _drop_key(os.path.join(run, "checkpoint_gpu_2.pt"), "state_optimizer"),
+            (),
+            r"checkpoint_gpu_2\.pt: key 'state_optimizer' missing",
+        ),
+        (
+            lambda run: None,
+            ("--embedding_size", "64"),
+            r"checkpoint_gpu_0\.pt: state_dict_backbone does not fit network 'tiny': 'fc\.weight' has shape",
+        ),
+        (
+            lambda run: None,
+            ("--num_classes", "20"),
+            r"checkpoint_gpu_0\.pt: state_dict_softmax_fc\.weight has shape",
+        ),
+        (
+            lambda run: None,
+            ("--optimizer", "adamw"),
+            r"checkpoint_gpu_0\.pt: state_optimizer holds \['momentum_buffer'\]",
+        ),
+        (lambda run: None, ("--lr", "0.1"), r"checkpoint_gpu_0\.pt: state_lr_scheduler\.base_lrs is 0\.05"),
+    ],
+)
+def test_bad_arcface_run_is_one_line_naming_file_and_key(
+    one_rank, tmp_path, capsys, change, overrides, message
+):
     assert re.search(message, _import_error(one_rank, tmp_path, capsys, change, *overrides))
 
 
@@ -354,10 +431,14 @@ def first_forward_of(argv):
 @pytest.mark.parametrize("form", ["arcface model.pt", "arcface checkpoint_gpu_0.pt", "shardface run"])
 def test_fine_tune_run_starts_from_the_pretrained_backbone(one_rank, tmp_path, form):
     run = write_arcface_run(os.path.join(one_rank["full"], f"checkpoint-{CUT:08d}"), str(tmp_path / "af"), 2)
-    path = {"arcface model.pt": os.path.join(run, "model.pt"),
-            "arcface checkpoint_gpu_0.pt": os.path.join(run, "checkpoint_gpu_0.pt"),
-            "shardface run": one_rank["full"]}[form]
-    images, out = first_forward_of(run_argv(one_rank["config"], str(tmp_path / "ft"), "--init_backbone", path))
+    path = {
+        "arcface model.pt": os.path.join(run, "model.pt"),
+        "arcface checkpoint_gpu_0.pt": os.path.join(run, "checkpoint_gpu_0.pt"),
+        "shardface run": one_rank["full"],
+    }[form]
+    images, out = first_forward_of(
+        run_argv(one_rank["config"], str(tmp_path / "ft"), "--init_backbone", path)
+    )
     pretrained = get_model("tiny", num_features=DIM)
     pretrained.load_state_dict(load_backbone_state(path)[0])
     exact = images.device.type == "cpu"  # GPU kernels may be chosen differently per call
@@ -369,16 +450,39 @@ def test_fine_tune_run_starts_from_the_pretrained_backbone(one_rank, tmp_path, f
 
 
 def test_fine_tune_weights_that_do_not_fit_the_network_are_refused_naming_the_key(one_rank, tmp_path):
-    with pytest.raises(CheckpointError, match=r"init_backbone .*model\.pt: .*network 'tiny': 'fc\.weight' has shape"):
-        train.main(run_argv(one_rank["config"], str(tmp_path / "ft"), "--init_backbone",
-                            os.path.join(one_rank["full"], "model.pt"), "--embedding_size", "64"))
+    with pytest.raises(
+        CheckpointError, match=r"init_backbone .*model\.pt: .*network 'tiny': 'fc\.weight' has shape"
+    ):
+        train.main(
+            run_argv(
+                one_rank["config"],
+                str(tmp_path / "ft"),
+                "--init_backbone",
+                os.path.join(one_rank["full"], "model.pt"),
+                "--embedding_size",
+                "64",
+            )
+        )
 
 
 def test_resume_ignores_init_backbone_with_a_log_line(one_rank, tmp_path):
     out = str(tmp_path / "again")
     shutil.copytree(one_rank["full"], out)
-    assert train.main(run_argv(one_rank["config"], out, "--resume", "true", "--init_backbone", "/no/such.pt",
-                                 "--max_steps", str(STEPS))) == 0
+    assert (
+        train.main(
+            run_argv(
+                one_rank["config"],
+                out,
+                "--resume",
+                "true",
+                "--init_backbone",
+                "/no/such.pt",
+                "--max_steps",
+                str(STEPS),
+            )
+        )
+        == 0
+    )
     assert "init_backbone /no/such.pt ignored" in open(os.path.join(out, "training.log")).read()
 
 
@@ -387,8 +491,9 @@ def _folder_bytes(folder):
 
 
 @pytest.mark.parametrize("with_model", [True, False], ids=["model.pt", "no model.pt"])
-def test_arcface_torch_run_folder_is_never_written_whatever_resume_and_overwrite_say(one_rank, tmp_path, capsys,
-                                                                                    with_model):
+def test_arcface_torch_run_folder_is_never_written_whatever_resume_and_overwrite_say(
+    one_rank, tmp_path, capsys, with_model
+):
     run = write_arcface_run(os.path.join(one_rank["full"], f"checkpoint-{CUT:08d}"), str(tmp_path / "af"), 2)
     with open(os.path.join(run, "training.log"), "w") as f:
         f.write("arcface_torch's own log\n")
@@ -407,8 +512,10 @@ def test_arcface_torch_run_folder_is_never_written_whatever_resume_and_overwrite
         assert f"{run} is an arcface_torch run (checkpoint_gpu_0.pt, checkpoint_gpu_1.pt)" in err, flags
         # the import command, with the folder and this command's config overrides filled in
         command = err.split(": ")[-1]
-        assert command == (f"python -m scripts.import_arcface_torch {one_rank['config']} {run} {run}_shardface "
-                           f"--checkpoint_interval 4 --keep_checkpoints 0 --num_epoch 3"), flags
+        assert command == (
+            f"python -m scripts.import_arcface_torch {one_rank['config']} {run} {run}_shardface "
+            f"--checkpoint_interval 4 --keep_checkpoints 0 --num_epoch 3"
+        ), flags
         assert _folder_bytes(run) == before, flags  # byte-identical, and nothing added (no run.lock, no log)
 
 
@@ -421,7 +528,8 @@ def _continue_command(printed):
 
 
 def test_import_prints_the_resume_command_with_every_override_and_following_it_changes_nothing(
-        one_rank, tmp_path, capsys):
+    one_rank, tmp_path, capsys
+):
     run = write_arcface_run(os.path.join(one_rank["full"], f"checkpoint-{CUT:08d}"), str(tmp_path / "af"), 3)
     out = str(tmp_path / "imported")
     overrides = ["--num_epoch", "3", "--max_grad_norm", "4.0", "--frequent", "2"]
@@ -436,46 +544,89 @@ def test_import_prints_the_resume_command_with_every_override_and_following_it_c
 def test_resume_with_another_config_than_the_checkpoints_names_each_changed_key(one_rank, tmp_path):
     out = str(tmp_path / "again")
     shutil.copytree(one_rank["full"], out)
-    assert train.main(run_argv(one_rank["config"], out, "--resume", "true", "--num_epoch", "3", "--fp16", "true",
-                               "--max_grad_norm", "4.0", "--stop_after_steps", "1")) == 0
+    assert (
+        train.main(
+            run_argv(
+                one_rank["config"],
+                out,
+                "--resume",
+                "true",
+                "--num_epoch",
+                "3",
+                "--fp16",
+                "true",
+                "--max_grad_norm",
+                "4.0",
+                "--stop_after_steps",
+                "1",
+            )
+        )
+        == 0
+    )
     log = open(os.path.join(out, "training.log")).read()
     # this run's values are used: the schedule now spans 3 epochs of 8 steps
-    assert ("config num_epoch 2 (checkpoint) -> 3 (this run): the LR schedule now spans 24 steps (arcface_torch "
-            "keeps its saved total: pass --num_epoch 2 to keep it)") in log
+    assert (
+        "config num_epoch 2 (checkpoint) -> 3 (this run): the LR schedule now spans 24 steps (arcface_torch "
+        "keeps its saved total: pass --num_epoch 2 to keep it)"
+    ) in log
     assert "config fp16 False (checkpoint) -> True (this run)" in log
     assert "config max_grad_norm 5.0 (checkpoint) -> 4.0 (this run)" in log
     assert "config frequent" not in log  # not a change to what is trained
 
 
-@pytest.mark.parametrize("ranks,batch,said", [
-    ((2, 8), (1, 16), "2 ranks x 8 (checkpoint) -> 1 x 16 (this run): the same global batch of 16, so steps per "
-                      "epoch (8) and the LR schedule are unchanged"),
-    ((2, 8), (2, 4), "global batch 16 (checkpoint) -> 8 (this run): 16 steps per epoch now, so the LR schedule is "
-                     "re-spread over 32 steps; lr 0.05 is not rescaled (2 ranks x 8 (checkpoint) -> 2 x 4 (this run))"),
-])
+@pytest.mark.parametrize(
+    "ranks,batch,said",
+    [
+        (
+            (2, 8),
+            (1, 16),
+            "2 ranks x 8 (checkpoint) -> 1 x 16 (this run): the same global batch of 16, so steps per "
+            "epoch (8) and the LR schedule are unchanged",
+        ),
+        (
+            (2, 8),
+            (2, 4),
+            "global batch 16 (checkpoint) -> 8 (this run): 16 steps per epoch now, so the LR schedule is "
+            "re-spread over 32 steps; lr 0.05 is not rescaled (2 ranks x 8 (checkpoint) -> 2 x 4 (this run))",
+        ),
+    ],
+)
 def test_resume_on_another_world_size_or_batch_says_what_changes(ranks, batch, said):
     from checkpoint.changes import log_resume_changes
     from tests.log_capture import shardface_messages
+
     cfg = get_config(None, ["--batch_size", str(batch[1]), "--lr", "0.05"])
     meta = {"world_size": ranks[0], "batch_size": ranks[1], "config": {**cfg, "batch_size": ranks[1]}}
-    assert shardface_messages(lambda: log_resume_changes(meta, cfg, batch[0], 128 // (batch[0] * batch[1]),
-                                                         2 * 128 // (batch[0] * batch[1]))) == [said]
+    assert shardface_messages(
+        lambda: log_resume_changes(
+            meta, cfg, batch[0], 128 // (batch[0] * batch[1]), 2 * 128 // (batch[0] * batch[1])
+        )
+    ) == [said]
 
 
-def test_import_into_an_arcface_torch_run_folder_is_refused_and_leaves_it_as_it_was(one_rank, tmp_path, capsys):
+def test_import_into_an_arcface_torch_run_folder_is_refused_and_leaves_it_as_it_was(
+    one_rank, tmp_path, capsys
+):
     run = write_arcface_run(os.path.join(one_rank["full"], f"checkpoint-{CUT:08d}"), str(tmp_path / "af"), 2)
     before = _folder_bytes(run)
     assert import_arcface_torch.main([one_rank["config"], run, run]) == 2
-    assert f"{run} is an arcface_torch run (checkpoint_gpu_<rank>.pt): import into a new directory" in \
-        capsys.readouterr().err
+    assert (
+        f"{run} is an arcface_torch run (checkpoint_gpu_<rank>.pt): import into a new directory"
+        in capsys.readouterr().err
+    )
     assert _folder_bytes(run) == before
 
 
-def test_import_into_a_folder_holding_an_earlier_runs_model_pt_is_refused_and_keeps_it(one_rank, tmp_path, capsys):
+def test_import_into_a_folder_holding_an_earlier_runs_model_pt_is_refused_and_keeps_it(
+    one_rank, tmp_path, capsys
+):
     run = write_arcface_run(os.path.join(one_rank["full"], f"checkpoint-{CUT:08d}"), str(tmp_path / "af"), 2)
     out = tmp_path / "finished"
     out.mkdir()
     (out / "model.pt").write_bytes(b"an earlier run's weights")
     assert import_arcface_torch.main([one_rank["config"], run, str(out)]) == 2
     assert f"{out} holds model.pt of an earlier run: import into a new directory" in capsys.readouterr().err
-    assert sorted(os.listdir(out)) == ["model.pt"] and (out / "model.pt").read_bytes() == b"an earlier run's weights"
+    assert (
+        sorted(os.listdir(out)) == ["model.pt"]
+        and (out / "model.pt").read_bytes() == b"an earlier run's weights"
+    )

@@ -17,24 +17,62 @@ from backbones.common import run_segments
 # insightface arcface_torch's backbones.get_model (num_features 512), dumped once from its
 # backbones/ package on the meta device: the contract that lets its published model.pt files
 # load into ours, and its optimizer states (ordered like parameters()) map onto ours.
-ARCFACE_TORCH_STATE_DICTS = os.path.join(os.path.dirname(__file__), "fixtures", "arcface_torch_state_dicts.json.gz")
+ARCFACE_TORCH_STATE_DICTS = os.path.join(
+    os.path.dirname(__file__), "fixtures", "arcface_torch_state_dicts.json.gz"
+)
 with gzip.open(ARCFACE_TORCH_STATE_DICTS, "rt") as _f:
-    ARCFACE_TORCH = {name: [(k, tuple(shape)) for k, shape in entries] for name, entries in json.load(_f).items()}
+    ARCFACE_TORCH = {
+        name: [(k, tuple(shape)) for k, shape in entries] for name, entries in json.load(_f).items()
+    }
 
-ARCFACE_TORCH_NAMES = ["r18", "r34", "r50", "r100", "r200", "r2060", "mbf", "mbf_large",
-                       "vit_t", "vit_t_dp005_mask0", "vit_s", "vit_s_dp005_mask_0", "vit_b",
-                       "vit_b_dp005_mask_005", "vit_l_dp005_mask_005", "vit_h"]
+ARCFACE_TORCH_NAMES = [
+    "r18",
+    "r34",
+    "r50",
+    "r100",
+    "r200",
+    "r2060",
+    "mbf",
+    "mbf_large",
+    "vit_t",
+    "vit_t_dp005_mask0",
+    "vit_s",
+    "vit_s_dp005_mask_0",
+    "vit_b",
+    "vit_b_dp005_mask_005",
+    "vit_l_dp005_mask_005",
+    "vit_h",
+]
 ARCFACE_TORCH_PARAM_COUNTS = {
-    "r18": 24_025_600, "r34": 34_139_328, "r50": 43_590_848, "r100": 65_156_160,
-    "r200": 118_833_920, "r2060": 1_122_301_120, "mbf": 2_059_520, "mbf_large": 6_314_880,
-    "vit_t": 19_137_792, "vit_t_dp005_mask0": 19_137_792, "vit_s": 76_023_296,
-    "vit_s_dp005_mask_0": 76_023_296, "vit_b": 113_833_472, "vit_b_dp005_mask_005": 113_833_472,
-    "vit_l_dp005_mask_005": 255_684_352, "vit_h": 756_393_984,
+    "r18": 24_025_600,
+    "r34": 34_139_328,
+    "r50": 43_590_848,
+    "r100": 65_156_160,
+    "r200": 118_833_920,
+    "r2060": 1_122_301_120,
+    "mbf": 2_059_520,
+    "mbf_large": 6_314_880,
+    "vit_t": 19_137_792,
+    "vit_t_dp005_mask0": 19_137_792,
+    "vit_s": 76_023_296,
+    "vit_s_dp005_mask_0": 76_023_296,
+    "vit_b": 113_833_472,
+    "vit_b_dp005_mask_005": 113_833_472,
+    "vit_l_dp005_mask_005": 255_684_352,
+    "vit_h": 756_393_984,
 }
 # too large to allocate in the default suite, or a variant of a smaller name's class: checked on
 # the meta device (tests/test_vit.py checks the ViT's function at small sizes)
-LARGE = {"r2060", "vit_h", "vit_l_dp005_mask_005", "vit_b", "vit_b_dp005_mask_005", "vit_s", "vit_s_dp005_mask_0",
-         "vit_t_dp005_mask0"}
+LARGE = {
+    "r2060",
+    "vit_h",
+    "vit_l_dp005_mask_005",
+    "vit_b",
+    "vit_b_dp005_mask_005",
+    "vit_s",
+    "vit_s_dp005_mask_0",
+    "vit_t_dp005_mask0",
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,8 +117,9 @@ def test_bf16_trunk_keeps_fp32_output_and_gradients():
     out = model(x)
     assert out.dtype == torch.float32
     out.sum().backward()
-    assert all(p.grad is not None and p.grad.dtype == torch.float32
-               for p in model.parameters() if p.requires_grad)
+    assert all(
+        p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad
+    )
 
 
 def test_gradient_checkpointing_gives_identical_gradients():
@@ -122,14 +161,20 @@ def test_channels_last_batch_gives_the_same_embedding_and_gradients(name):
 def test_channels_last_benchmark_runs():
     """benchmarks/channels_last.py at its smoke size (so that the script cannot rot)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "benchmarks/channels_last.py", "--smoke", "--networks", "tiny"],
-                          cwd=root, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "benchmarks/channels_last.py", "--smoke", "--networks", "tiny"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert re.search(r"^ *tiny( +[0-9.]+){6}$", done.stdout, re.M), done.stdout
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "r2060" else n
-                                  for n in sorted(LARGE)])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "r2060" else n for n in sorted(LARGE)]
+)
 def test_large_network_forward_gives_num_features_embedding_on_meta(name):
     with torch.device("meta"):
         model = backbones.get_model(name, num_features=128)
@@ -145,20 +190,28 @@ def test_state_dict_names_shapes_and_order_equal_arcface_torch(name):
 
 def test_arcface_torch_state_dict_loads_strictly(name="vit_t"):
     """A state dict made from the fixture alone (as a published model.pt) loads with strict=True."""
-    published = {k: torch.full(shape, 3, dtype=torch.long if k.endswith("num_batches_tracked") else torch.float32)
-                 for k, shape in ARCFACE_TORCH[name]}
+    published = {
+        k: torch.full(shape, 3, dtype=torch.long if k.endswith("num_batches_tracked") else torch.float32)
+        for k, shape in ARCFACE_TORCH[name]
+    }
     with torch.device("meta"):
         model = backbones.get_model(name)
     model.load_state_dict(published, strict=True, assign=True)
     assert all(v.device.type == "cpu" and (v == 3).all() for v in model.state_dict().values())
     with pytest.raises(RuntimeError, match="mask_token"):
-        model.load_state_dict({k: v for k, v in published.items() if k != "mask_token"}, strict=True, assign=True)
+        model.load_state_dict(
+            {k: v for k, v in published.items() if k != "mask_token"}, strict=True, assign=True
+        )
 
 
 def test_segments_checkpoint_with_identical_gradients_and_fewer_saved_tensors():
     torch.manual_seed(0)
-    layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16),
-                                                       torch.nn.PReLU(16)) for _ in range(8)]).double()
+    layers = torch.nn.Sequential(
+        *[
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.PReLU(16))
+            for _ in range(8)
+        ]
+    ).double()
     x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
     results = []
     for segments in (0, 4):
@@ -168,6 +221,7 @@ def test_segments_checkpoint_with_identical_gradients_and_fewer_saved_tensors():
         def pack(t, count=count):
             count[0] += 1
             return t
+
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = run_segments(layers, x, segments) if segments else layers(x)
         out.square().sum().backward()
@@ -183,7 +237,9 @@ def test_r2060_trains_its_deep_stages_in_arcface_torch_segments(monkeypatch):
     grad_checkpoint says, and runs them plainly in eval (shown at reduced depth on the meta device)."""
     assert _meta_model("r2060").segments == (0, 20, 100, 0)
     calls = []
-    monkeypatch.setattr(iresnet, "run_segments", lambda layers, x, n: calls.append((len(layers), n)) or layers(x))
+    monkeypatch.setattr(
+        iresnet, "run_segments", lambda layers, x, n: calls.append((len(layers), n)) or layers(x)
+    )
     with torch.device("meta"):
         model = iresnet.IResNet((1, 4, 6, 1), num_features=8, segments=(0, 2, 3, 0))
     x = torch.empty(2, 3, 112, 112, device="meta")
@@ -212,10 +268,16 @@ def test_mistyped_network_is_one_line_listing_the_known_names_in_every_tool(tmp_
     """`--network resnet18` is a config error the tools print as `error: ...`, not a traceback."""
     from configs.errors import ConfigError
     from scripts.export_onnx import main as export_onnx
+
     with pytest.raises(ConfigError, match=r"unknown network 'resnet18'; known networks: .*r18"):
         backbones.get_model("resnet18")
     torch.save(backbones.get_model("tiny").state_dict(), tmp_path / "model.pt")
     capsys.readouterr()
     assert export_onnx([str(tmp_path / "model.pt"), str(tmp_path / "m.onnx"), "--network", "resnet18"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: ") and "unknown network 'resnet18'" in err and "r50" in err
+    assert (
+        err.count("\n") == 1
+        and err.startswith("error: ")
+        and "unknown network 'resnet18'" in err
+        and "r50" in err
+    )

@@ -2,6 +2,7 @@
 its own 10 folds, every bad line named by file and line, `--protocol` refused where it means
 nothing, and the .bin files make_bin writes from it read by training's loader and, as its
 format says, by arcface_torch's, scoring what the photos score."""
+
 import os
 import pickle
 import subprocess
@@ -47,17 +48,36 @@ def test_the_protocol_reads_in_split_order_on_its_own_ten_folds(cfp, protocol):
 
 def _copy(cfp, tmp_path) -> str:
     import shutil
+
     shutil.copytree(cfp, tmp_path / "cfp")
     return str(tmp_path / "cfp")
 
 
-@pytest.mark.parametrize("file,line,text,message", [
-    ("Protocol/Split/FP/03/diff.txt", 1, "2;3", r"Split/FP/03/diff.txt:1: expected `i,j`"),
-    ("Protocol/Split/FP/07/same.txt", 1, "2,99", r"Split/FP/07/same.txt:1: pair 2,99 is outside the lists"),
-    ("Protocol/Split/FP/02/same.txt", 1, "2,³", r"Split/FP/02/same.txt:1: expected `i,j`"),
-    ("Protocol/Pair_list_P.txt", 3, "7 ../Data/Images/002/profile/01.jpg", r"Pair_list_P.txt:3: expected `3 PATH`"),
-    ("Protocol/Pair_list_F.txt", 2, "2 ../Data/Images/001/frontal/09.jpg", r"Pair_list_F.txt:2: photo \S+09.jpg not found"),
-])
+@pytest.mark.parametrize(
+    "file,line,text,message",
+    [
+        ("Protocol/Split/FP/03/diff.txt", 1, "2;3", r"Split/FP/03/diff.txt:1: expected `i,j`"),
+        (
+            "Protocol/Split/FP/07/same.txt",
+            1,
+            "2,99",
+            r"Split/FP/07/same.txt:1: pair 2,99 is outside the lists",
+        ),
+        ("Protocol/Split/FP/02/same.txt", 1, "2,³", r"Split/FP/02/same.txt:1: expected `i,j`"),
+        (
+            "Protocol/Pair_list_P.txt",
+            3,
+            "7 ../Data/Images/002/profile/01.jpg",
+            r"Pair_list_P.txt:3: expected `3 PATH`",
+        ),
+        (
+            "Protocol/Pair_list_F.txt",
+            2,
+            "2 ../Data/Images/001/frontal/09.jpg",
+            r"Pair_list_F.txt:2: photo \S+09.jpg not found",
+        ),
+    ],
+)
 def test_a_bad_protocol_line_is_named_by_file_and_line(cfp, tmp_path, file, line, text, message):
     root = _copy(cfp, tmp_path)
     path = os.path.join(root, file)
@@ -80,11 +100,17 @@ def test_protocol_options_where_they_mean_nothing_are_one_line(cfp, tmp_path, ca
     model = seeded_model(str(tmp_path / "m"), 0)
     listing = tmp_path / "pairs.txt"
     listing.write_text("a.jpg b.jpg 1\n" * 10)
-    for argv, said in ((["--pairs_list", cfp], "a CFP root; pass --protocol FP"),
-                       (["--pairs_list", str(listing), "--images", str(tmp_path), "--protocol", "FP"],
-                        "--protocol FP: for a CFP root"),
-                       (["--pairs_list", cfp, "--protocol", "FP", "--images", str(tmp_path)],
-                        "CFP's photos are under its root")):
+    for argv, said in (
+        (["--pairs_list", cfp], "a CFP root; pass --protocol FP"),
+        (
+            ["--pairs_list", str(listing), "--images", str(tmp_path), "--protocol", "FP"],
+            "--protocol FP: for a CFP root",
+        ),
+        (
+            ["--pairs_list", cfp, "--protocol", "FP", "--images", str(tmp_path)],
+            "CFP's photos are under its root",
+        ),
+    ):
         assert verify([model, *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and said in err[0]
@@ -99,6 +125,7 @@ def _arcface_torch_reads(path: str) -> tuple[list[np.ndarray], list[bool]]:
     encoded images, list of bools), read with encoding='bytes' under Python 3, each image decoded
     to H x W x 3 RGB, two images a pair."""
     import io
+
     with open(path, "rb") as f:
         bins, issame = pickle.load(f, encoding="bytes")
     assert len(bins) == 2 * len(issame)
@@ -106,12 +133,31 @@ def _arcface_torch_reads(path: str) -> tuple[list[np.ndarray], list[bool]]:
 
 
 @pytest.mark.parametrize("protocol", ["FP", "FF"])
-def test_make_bin_writes_the_protocol_in_pair_order_for_training_and_arcface_torch(cfp, tmp_path, capsys, protocol):
+def test_make_bin_writes_the_protocol_in_pair_order_for_training_and_arcface_torch(
+    cfp, tmp_path, capsys, protocol
+):
     from eval.callback import VerificationCallback
+
     name = f"cfp_{protocol.lower()}"
     out = str(tmp_path / f"{name}.bin")
-    assert make_bin([cfp, out, "--pairs_list", cfp, "--protocol", protocol, "--align", "--workers", "1",
-                     "--cache_dir", str(tmp_path)]) == 0
+    assert (
+        make_bin(
+            [
+                cfp,
+                out,
+                "--pairs_list",
+                cfp,
+                "--protocol",
+                protocol,
+                "--align",
+                "--workers",
+                "1",
+                "--cache_dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     said = capsys.readouterr().out
     pairs = read_cfp(cfp, protocol)
     (images, _), issame = load_bin(out)
@@ -120,7 +166,9 @@ def test_make_bin_writes_the_protocol_in_pair_order_for_training_and_arcface_tor
     assert their_issame == pairs.issame and all(i.shape == (112, 112, 3) for i in theirs)
     np.testing.assert_array_equal(np.stack(theirs), images.permute(0, 2, 3, 1).numpy())
     if protocol == "FP":
-        assert "no face found in" in said and "profile/02.jpg" in said  # the faceless profiles: fallbacks, named
+        assert (
+            "no face found in" in said and "profile/02.jpg" in said
+        )  # the faceless profiles: fallbacks, named
     # training's verification reads it by its insightface name from val_dir
     callback = VerificationCallback([name], str(tmp_path), 1, None)
     assert list(callback.sets) == [name] and callback.sets[name][1] == pairs.issame
@@ -130,11 +178,45 @@ def test_verify_from_the_photos_scores_what_verify_of_the_bin_scores(cfp, tmp_pa
     """A 112x112 model sees the same crops both ways (the .bin's are lossless PNGs)."""
     out = str(tmp_path / "cfp_fp.bin")
     model = seeded_model(str(tmp_path / "m"), 1)
-    assert make_bin([cfp, out, "--pairs_list", cfp, "--protocol", "FP", "--align", "--workers", "1",
-                     "--cache_dir", str(tmp_path)]) == 0
+    assert (
+        make_bin(
+            [
+                cfp,
+                out,
+                "--pairs_list",
+                cfp,
+                "--protocol",
+                "FP",
+                "--align",
+                "--workers",
+                "1",
+                "--cache_dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
-    assert verify([model, "--bin", out, "--pairs_list", cfp, "--protocol", "FP", "--cache_dir", str(tmp_path),
-                   "--batch_size", "8", "--workers", "1"]) == 0
+    assert (
+        verify(
+            [
+                model,
+                "--bin",
+                out,
+                "--pairs_list",
+                cfp,
+                "--protocol",
+                "FP",
+                "--cache_dir",
+                str(tmp_path),
+                "--batch_size",
+                "8",
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     rows = [line.split() for line in table.splitlines() if line.startswith("cfp_fp")]
     assert len(rows) == 2 and rows[0][0] == "cfp_fp" and rows[1][0] == "cfp_fp.bin"
@@ -146,21 +228,35 @@ def test_the_detector_study_scores_what_verify_scores_and_resumes(cfp, tmp_path,
     scored on an option's faces exactly as `verify --pairs_list CFP --protocol FP` scores them
     with the same detector; a chain keeps the first option's faces; a second run searches nothing."""
     root = cfp_root(tmp_path / "study")
-    study = [sys.executable, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "cfp_detectors.py"),
-             root]
-    done = subprocess.run([*study, "--options", "hog1,hog0", "--accuracy", "hog1,hog1+hog0"], capture_output=True,
-                          text=True, timeout=600)
+    study = [
+        sys.executable,
+        os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "cfp_detectors.py"),
+        root,
+    ]
+    done = subprocess.run(
+        [*study, "--options", "hog1,hog0", "--accuracy", "hog1,hog1+hog0"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     frontal, profile = PEOPLE * FRONTAL, PEOPLE * PROFILE
     for option in ("hog0", "hog1"):
         assert f"| {option} | {frontal} / {frontal} (1.0000) | {PEOPLE} / {profile} (0.5000) |" in done.stdout
-    rows = [line.split("|")[2:] for line in done.stdout.splitlines()
-            if line.startswith(("| hog1 |", "| hog1+hog0 |")) and " / " not in line]  # the accuracy table's
+    rows = [
+        line.split("|")[2:]
+        for line in done.stdout.splitlines()
+        if line.startswith(("| hog1 |", "| hog1+hog0 |")) and " / " not in line
+    ]  # the accuracy table's
     assert len(rows) == 2 and rows[0] == rows[1], done.stdout
     faceless, acc, acc_flip = rows[0][0].strip(), rows[0][1].split()[0], rows[0][2].split()[0]
     assert faceless == f"{PEOPLE} of {len(read_cfp(root, 'FP').photos)}"  # the blank profiles
-    assert verify(["dlib", "--pairs_list", root, "--protocol", "FP", "--cache_dir", str(tmp_path),
-                   "--workers", "1"]) == 0
+    assert (
+        verify(
+            ["dlib", "--pairs_list", root, "--protocol", "FP", "--cache_dir", str(tmp_path), "--workers", "1"]
+        )
+        == 0
+    )
     scored = next(line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("cfp_fp"))
     assert scored[1:3] == [acc, acc_flip]
     again = subprocess.run([*study, "--options", "hog1"], capture_output=True, text=True, timeout=600)

@@ -1,5 +1,6 @@
 """Checkpoints a real user's mistakes cannot lose: a second run into the same output, elastic
 restarts (`resume auto`), broken `latest`, missing or truncated files, another optimizer."""
+
 import logging
 import os
 import re
@@ -19,9 +20,17 @@ from tests.train_runs import train_argv
 def _fake_checkpoint(output, step, run_id):
     path = os.path.join(output, f"checkpoint-{step:08d}")
     os.makedirs(path)
-    torch.save({"step": step, "run_id": run_id, "num_classes": 4, "world_size": 2}, os.path.join(path, "meta.pt"))
-    for name in ("backbone.pt", "optimizer.pt", "head-0000000000-0000000002.pt", "head-0000000002-0000000004.pt",
-                 "rng-rank0.pt", "rng-rank1.pt"):
+    torch.save(
+        {"step": step, "run_id": run_id, "num_classes": 4, "world_size": 2}, os.path.join(path, "meta.pt")
+    )
+    for name in (
+        "backbone.pt",
+        "optimizer.pt",
+        "head-0000000000-0000000002.pt",
+        "head-0000000002-0000000004.pt",
+        "rng-rank0.pt",
+        "rng-rank1.pt",
+    ):
         torch.save({}, os.path.join(path, name))
     return path
 
@@ -56,8 +65,10 @@ def test_dangling_or_garbage_latest_falls_back_to_newest_intact_checkpoint(tmp_p
         assert "not an intact checkpoint" in caplog.text
 
 
-@pytest.mark.parametrize("lost,named", [("head-0000000002-0000000004.pt", "head files for classes [2, 4)"),
-                                        ("rng-rank1.pt", "rng-rank1.pt")])
+@pytest.mark.parametrize(
+    "lost,named",
+    [("head-0000000002-0000000004.pt", "head files for classes [2, 4)"), ("rng-rank1.pt", "rng-rank1.pt")],
+)
 def test_checkpoint_missing_a_head_or_rng_file_is_not_intact(tmp_path, caplog, lost, named):
     """A save interrupted (or raced) after some ranks wrote their files: not a checkpoint to resume."""
     out = str(tmp_path)
@@ -89,7 +100,10 @@ def eight_steps(drawn_faces, tmp_path_factory):
 def test_saved_weights_are_compact_cpu_tensors(eight_steps):
     # ZeRO-2's parameters are views of one flat buffer (on the GPU, a CUDA one): saved as they
     # are, each tensor would carry the whole buffer, and a CPU-only host could not open the file
-    for path in (os.path.join(find_checkpoint(eight_steps), "backbone.pt"), os.path.join(eight_steps, "model.pt")):
+    for path in (
+        os.path.join(find_checkpoint(eight_steps), "backbone.pt"),
+        os.path.join(eight_steps, "model.pt"),
+    ):
         for name, t in torch.load(path, weights_only=True).items():
             assert t.device.type == "cpu", (path, name)
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), (path, name)
@@ -103,7 +117,9 @@ def _copy(src, tmp_path, name="run"):
 
 def test_second_run_into_the_same_output_is_refused_and_keeps_the_first(drawn_faces, eight_steps, tmp_path):
     out = _copy(eight_steps, tmp_path)
-    with pytest.raises(CheckpointError, match="holds checkpoints of an earlier run.*--resume true.*--overwrite"):
+    with pytest.raises(
+        CheckpointError, match="holds checkpoints of an earlier run.*--resume true.*--overwrite"
+    ):
         _train(drawn_faces, out, "--max_steps", "4")
     assert _steps(out) == [4, 8] and find_checkpoint(out).endswith("checkpoint-00000008")
 
@@ -118,6 +134,7 @@ def test_overwrite_starts_over_and_its_checkpoints_resume(drawn_faces, eight_ste
 
 def _logged_steps(output, tag="train/loss"):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = EventAccumulator(os.path.join(output, "tensorboard"))
     events.Reload()
     return [e.step for e in events.Scalars(tag)]
@@ -125,16 +142,23 @@ def _logged_steps(output, tag="train/loss"):
 
 def test_overwrite_starts_tensorboard_and_training_log_over(drawn_faces, eight_steps, tmp_path):
     out = _copy(eight_steps, tmp_path)
-    assert _logged_steps(out) == list(range(1, 9)) and "step 8/8" in open(os.path.join(out, "training.log")).read()
+    assert (
+        _logged_steps(out) == list(range(1, 9))
+        and "step 8/8" in open(os.path.join(out, "training.log")).read()
+    )
     assert _train(drawn_faces, out, "--max_steps", "3", "--overwrite", "true") == 0
     assert _logged_steps(out) == [1, 2, 3]
     log = open(os.path.join(out, "training.log")).read()
-    assert "step 3/3" in log and "step 8/8" not in log and len(re.findall(r"^network\s", log, re.M)) == 1  # one config dump
+    assert (
+        "step 3/3" in log and "step 8/8" not in log and len(re.findall(r"^network\s", log, re.M)) == 1
+    )  # one config dump
 
 
 def test_resume_drops_the_events_logged_after_its_checkpoint(drawn_faces, eight_steps, tmp_path):
     out = _copy(eight_steps, tmp_path)
-    shutil.rmtree(os.path.join(out, "checkpoint-00000008"))  # as if killed after step 8's events, before its save
+    shutil.rmtree(
+        os.path.join(out, "checkpoint-00000008")
+    )  # as if killed after step 8's events, before its save
     os.remove(os.path.join(out, "latest"))
     assert _train(drawn_faces, out, "--max_steps", "8", "--resume", "true") == 0  # from step 4: 5..8 again
     assert _logged_steps(out) == list(range(1, 9))
@@ -184,11 +208,15 @@ def test_full_disk_names_the_path(tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoint_files.torch, "save", no_space)
     target = str(tmp_path / "backbone.pt")
-    with pytest.raises(CheckpointError, match=rf"{target}: cannot write \(No space left on device\); free space"):
+    with pytest.raises(
+        CheckpointError, match=rf"{target}: cannot write \(No space left on device\); free space"
+    ):
         checkpoint_files.atomic_save({}, target)
 
 
-def test_resume_with_another_global_batch_says_what_it_does_to_the_schedule(drawn_faces, eight_steps, tmp_path):
+def test_resume_with_another_global_batch_says_what_it_does_to_the_schedule(
+    drawn_faces, eight_steps, tmp_path
+):
     out = _copy(eight_steps, tmp_path)
     assert _train(drawn_faces, out, "--max_steps", "10", "--resume", "true", "--batch_size", "4") == 0
     log = open(os.path.join(out, "training.log")).read()
@@ -199,30 +227,37 @@ def test_resume_with_another_global_batch_says_what_it_does_to_the_schedule(draw
 def test_fp16_on_the_cpu_is_warned_about(drawn_faces, tmp_path):
     out = str(tmp_path / "fp16")
     assert _train(drawn_faces, out, "--max_steps", "1", "--fp16", "true", "--ema", "false") == 0
-    assert "fp16 on the CPU is emulated and many times slower" in open(os.path.join(out, "training.log")).read()
+    assert (
+        "fp16 on the CPU is emulated and many times slower" in open(os.path.join(out, "training.log")).read()
+    )
 
 
 def _repacked(drawn_faces, out, per_id):
     """The drawn faces re-packed with `per_id` images per identity (their own 8, then repeats)."""
     from dataset import MXFaceDataset, unpack
+
     source = MXFaceDataset(drawn_faces)
     groups = [[unpack(source.reader.read(1 + 8 * c + i % 8))[1] for i in range(per_id)] for c in range(16)]
     write_insightface_rec(out, groups, 16 * per_id, 16)
     return out
 
 
-@pytest.mark.parametrize("per_id,change", [(10, "128 -> 160 samples"), (3, "128 -> 48 samples")],
-                         ids=["grown", "shrunk"])
-def test_resume_on_a_changed_data_set_restarts_the_epoch_and_says_so(drawn_faces, eight_steps, tmp_path, per_id,
-                                                                      change):
+@pytest.mark.parametrize(
+    "per_id,change", [(10, "128 -> 160 samples"), (3, "128 -> 48 samples")], ids=["grown", "shrunk"]
+)
+def test_resume_on_a_changed_data_set_restarts_the_epoch_and_says_so(
+    drawn_faces, eight_steps, tmp_path, per_id, change
+):
     # stopped at step 8, batch 8 of the 16 in epoch 0; the data set is then replaced (the
     # shrunk one has 6 batches per epoch: the saved batch 8 would lie past its end)
     out, data = _copy(eight_steps, tmp_path), _repacked(drawn_faces, str(tmp_path / "data"), per_id)
     before = safe_load(os.path.join(out, "checkpoint-00000008", "backbone.pt"))
     assert _train(data, out, "--max_steps", "9", "--resume", "true") == 0
     log = open(os.path.join(out, "training.log")).read()
-    assert (f"{data} changed since the checkpoint of step 8 ({change}): its position (epoch 0, batch 8) is one in "
-            f"the old data's order, so epoch 0 restarts from its first batch") in log
+    assert (
+        f"{data} changed since the checkpoint of step 8 ({change}): its position (epoch 0, batch 8) is one in "
+        f"the old data's order, so epoch 0 restarts from its first batch"
+    ) in log
     assert "resumed at step 8 (epoch 0, batch 0)" in log
     meta = safe_load(os.path.join(out, "checkpoint-00000009", "meta.pt"))
     assert (meta["epoch"], meta["batch_in_epoch"], meta["data_size"]) == (0, 1, 16 * per_id)
@@ -255,21 +290,43 @@ def test_output_with_only_model_and_config_is_an_earlier_run(drawn_faces, eight_
     assert all(open(os.path.join(out, name), "rb").read() == data for name, data in kept.items())
 
 
-def test_resume_with_a_margin_that_keeps_statistics_is_refused_naming_the_change(drawn_faces, eight_steps, tmp_path):
+def test_resume_with_a_margin_that_keeps_statistics_is_refused_naming_the_change(
+    drawn_faces, eight_steps, tmp_path
+):
     out = _copy(eight_steps, tmp_path)
     before = {name: os.path.getmtime(os.path.join(out, name)) for name in ("model.pt", "latest")}
     for margin in ("adaface", "curricularface"):
-        with pytest.raises(CheckpointError, match=rf"trained with margin 'combined', this run uses '{margin}'.*"
-                                                  r"--margin combined, or pass --reset_margin true"):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"trained with margin 'combined', this run uses '{margin}'.*"
+            r"--margin combined, or pass --reset_margin true",
+        ):
             _train(drawn_faces, out, "--max_steps", "10", "--resume", "true", "--margin", margin)
     assert {name: os.path.getmtime(os.path.join(out, name)) for name in before} == before
     assert find_checkpoint(out).endswith("checkpoint-00000008")
 
 
-def test_resume_with_stateless_margin_acc_or_ema_off_continues_saying_what_changes(drawn_faces, eight_steps, tmp_path):
+def test_resume_with_stateless_margin_acc_or_ema_off_continues_saying_what_changes(
+    drawn_faces, eight_steps, tmp_path
+):
     out = _copy(eight_steps, tmp_path)
-    assert _train(drawn_faces, out, "--max_steps", "9", "--resume", "true", "--margin", "arcface",
-                  "--gradient_acc", "2", "--ema", "false") == 0
+    assert (
+        _train(
+            drawn_faces,
+            out,
+            "--max_steps",
+            "9",
+            "--resume",
+            "true",
+            "--margin",
+            "arcface",
+            "--gradient_acc",
+            "2",
+            "--ema",
+            "false",
+        )
+        == 0
+    )
     log = open(os.path.join(out, "training.log")).read()
     assert "margin 'combined' (checkpoint) -> 'arcface' (this run): the head's weights carry over" in log
     assert "gradient_acc 1 (checkpoint) -> 2 (this run): an optimizer step now takes 2 batches" in log
@@ -293,12 +350,31 @@ def test_epochs_hold_whole_steps_when_batches_are_not_a_multiple_of_gradient_acc
     batch skipped; no step's micro-batches span two epochs, so each checkpoint's position is
     epoch * 5 steps plus whole steps into the epoch."""
     out = str(tmp_path / "acc")
-    assert _train(drawn_faces, out, "--gradient_acc", "3", "--max_steps", "8", "--checkpoint_interval", "2",
-                  "--num_epoch", "2", "--ema", "false") == 0
+    assert (
+        _train(
+            drawn_faces,
+            out,
+            "--gradient_acc",
+            "3",
+            "--max_steps",
+            "8",
+            "--checkpoint_interval",
+            "2",
+            "--num_epoch",
+            "2",
+            "--ema",
+            "false",
+        )
+        == 0
+    )
     for step, path in list_checkpoints(out):
         meta = torch.load(os.path.join(path, "meta.pt"), weights_only=True)
         assert meta["batch_in_epoch"] % 3 == 0, (step, meta["batch_in_epoch"])
-        assert step == meta["epoch"] * 5 + meta["batch_in_epoch"] // 3, (step, meta["epoch"], meta["batch_in_epoch"])
+        assert step == meta["epoch"] * 5 + meta["batch_in_epoch"] // 3, (
+            step,
+            meta["epoch"],
+            meta["batch_in_epoch"],
+        )
     assert [s for s, _ in list_checkpoints(out)] == [2, 4, 6, 8]
 
 
@@ -309,6 +385,7 @@ def test_a_failed_prune_is_logged_not_silent(tmp_path, monkeypatch, caplog):
 
     def refuse(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", path)
+
     monkeypatch.setattr(os, "rmdir", refuse)  # the old checkpoint's directory cannot go
     with caplog.at_level(logging.WARNING, logger="shardface"):
         prune_checkpoints(out, 12, "me", keep=2)

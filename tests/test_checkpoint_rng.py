@@ -1,5 +1,6 @@
 """Checkpoint RNG states: each rank keeps its own CUDA generator state, so a run resumes on a
 different number of GPUs per node, and a CPU-only host opens what a GPU host wrote."""
+
 import random
 
 import numpy as np

@@ -6,6 +6,7 @@ collective more, or another shape, would hang NCCL or mix up its buckets.
 The real torch.distributed functions are wrapped inside each spawned rank: the collective
 still runs (gloo), the wrapper only writes down what was asked for.
 """
+
 from checkpoint.load import load_checkpoint
 from checkpoint.save import save_checkpoint
 from checkpoint.state import TrainState
@@ -64,10 +65,13 @@ def test_every_rank_issues_the_same_collectives_through_steps_checkpoint_and_res
         logs = [[_comparable(entry, rank) for entry in r[exchange][0]] for rank, r in enumerate(results)]
         names = [entry[0] for entry in logs[0]]
         # the sequence is not trivially short: every part of the step and the checkpoint is in it
-        for expected in ({"all_gather_into_tensor", "all_gather_single"},  # torch >= 2.14 spells them _single
-                         {"reduce_scatter_tensor", "reduce_scatter_single"}, {"all_reduce"},
-                         {"barrier", "all_gather_object"},  # the checkpoint's ranks agree on its writes
-                         {"gather"}):  # the checkpoint's sharded states go to rank 0 alone
+        for expected in (
+            {"all_gather_into_tensor", "all_gather_single"},  # torch >= 2.14 spells them _single
+            {"reduce_scatter_tensor", "reduce_scatter_single"},
+            {"all_reduce"},
+            {"barrier", "all_gather_object"},  # the checkpoint's ranks agree on its writes
+            {"gather"},
+        ):  # the checkpoint's sharded states go to rank 0 alone
             assert expected & set(names), (exchange, expected, sorted(set(names)))
         assert "reduce" not in names  # the collective exchange reduce-scatters; p2p sends to the owners
         for rank in range(1, WORLD):

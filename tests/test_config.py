@@ -4,8 +4,10 @@ from configs import ConfigError, get_config
 
 
 def test_job_config_overrides_base_and_cli_overrides_both():
-    cfg = get_config("configs/ms1mv3_r50.py", ["--lr", "0.2", "--fp16", "false", "--batch-size=64",
-                                               "--margin_list", "1.0,0.0,0.4"])
+    cfg = get_config(
+        "configs/ms1mv3_r50.py",
+        ["--lr", "0.2", "--fp16", "false", "--batch-size=64", "--margin_list", "1.0,0.0,0.4"],
+    )
     assert cfg.network == "r50" and cfg.num_classes == 93431
     assert cfg.lr == 0.2 and cfg.fp16 is False and cfg.batch_size == 64
     assert tuple(cfg.margin_list) == (1.0, 0.0, 0.4)
@@ -31,30 +33,36 @@ def test_shipped_job_configs_resolve(job):
     assert cfg.num_classes > 0 and cfg.batch_size > 0
 
 
-@pytest.mark.parametrize("override,message", [
-    (["--batch_size", "-1"], "batch_size = -1: expected a positive integer"),
-    (["--batch_size", "0"], "batch_size = 0"),
-    (["--num_epoch", "0"], "num_epoch = 0"),
-    (["--gradient_acc", "0"], "gradient_acc = 0"),
-    (["--checkpoint_interval", "0"], "checkpoint_interval = 0"),
-    (["--frequent", "0"], "frequent = 0"),
-    (["--scale", "-32"], "scale = -32.0: expected a finite number > 0"),
-    (["--lr", "inf"], "lr = inf: expected a finite number > 0"),
-    (["--lr", "nan"], "lr = nan: expected a finite number > 0"),
-    (["--lr", "-0.1"], "lr = -0.1: expected a finite number > 0"),
-    (["--weight_decay", "inf"], "weight_decay = inf: expected a finite number >= 0"),
-    (["--margin_list", "1.0,1e999,0.0"], r"margin_list = \(1.0, inf, 0.0\): expected three finite numbers"),
-    (["--chunk_size", "-5"], "chunk_size = -5: expected an integer >= 0"),
-    (["--keep_checkpoints", "-1"], "keep_checkpoints = -1"),
-    (["--margin_list", "1.0,0.5"], r"margin_list = \(1.0, 0.5\): expected three finite numbers"),
-    (["--lr_scheduler", "step"], "lr_scheduler = 'step': expected one of 'poly', 'cosine'"),
-    (["--optimizer", "lamb"], "optimizer = 'lamb'"),
-    (["--sample_rate", "-0.1"], r"sample_rate = -0.1: expected a number in \[0.0, 1.0\]"),
-    (["--fp16", "true", "--bf16", "true"], "choose one"),
-    (["--distill_center_samples", "0"], "distill_center_samples = 0: expected an integer >= 2"),
-    (["--distill_center_samples", "-1"], "distill_center_samples = -1: expected an integer >= 2"),
-    (["--distill_center_samples", "1"], "distill_center_samples = 1: expected an integer >= 2"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (["--batch_size", "-1"], "batch_size = -1: expected a positive integer"),
+        (["--batch_size", "0"], "batch_size = 0"),
+        (["--num_epoch", "0"], "num_epoch = 0"),
+        (["--gradient_acc", "0"], "gradient_acc = 0"),
+        (["--checkpoint_interval", "0"], "checkpoint_interval = 0"),
+        (["--frequent", "0"], "frequent = 0"),
+        (["--scale", "-32"], "scale = -32.0: expected a finite number > 0"),
+        (["--lr", "inf"], "lr = inf: expected a finite number > 0"),
+        (["--lr", "nan"], "lr = nan: expected a finite number > 0"),
+        (["--lr", "-0.1"], "lr = -0.1: expected a finite number > 0"),
+        (["--weight_decay", "inf"], "weight_decay = inf: expected a finite number >= 0"),
+        (
+            ["--margin_list", "1.0,1e999,0.0"],
+            r"margin_list = \(1.0, inf, 0.0\): expected three finite numbers",
+        ),
+        (["--chunk_size", "-5"], "chunk_size = -5: expected an integer >= 0"),
+        (["--keep_checkpoints", "-1"], "keep_checkpoints = -1"),
+        (["--margin_list", "1.0,0.5"], r"margin_list = \(1.0, 0.5\): expected three finite numbers"),
+        (["--lr_scheduler", "step"], "lr_scheduler = 'step': expected one of 'poly', 'cosine'"),
+        (["--optimizer", "lamb"], "optimizer = 'lamb'"),
+        (["--sample_rate", "-0.1"], r"sample_rate = -0.1: expected a number in \[0.0, 1.0\]"),
+        (["--fp16", "true", "--bf16", "true"], "choose one"),
+        (["--distill_center_samples", "0"], "distill_center_samples = 0: expected an integer >= 2"),
+        (["--distill_center_samples", "-1"], "distill_center_samples = -1: expected an integer >= 2"),
+        (["--distill_center_samples", "1"], "distill_center_samples = 1: expected an integer >= 2"),
+    ],
+)
 def test_out_of_range_values_fail_at_start_naming_key_and_value(override, message):
     with pytest.raises(ConfigError, match=message):
         get_config("configs/demo.py", override)
@@ -67,13 +75,19 @@ def test_job_config_values_are_validated_too(tmp_path):
         get_config(str(job))
 
 
-@pytest.mark.parametrize("body,where,what", [
-    ("config = (\n", ":1:", "was never closed"),
-    ("from easydict import EasyDict as edict\nconfig = edict()\nconfig.lr = undefined_name\n", ":3:",
-     "NameError: name 'undefined_name' is not defined"),
-    ("x = 1\nconfig = 5\n", ":2:", "config is int 5, expected a mapping"),
-    ("x = 1\n", "", "defines no `config`"),
-])
+@pytest.mark.parametrize(
+    "body,where,what",
+    [
+        ("config = (\n", ":1:", "was never closed"),
+        (
+            "from easydict import EasyDict as edict\nconfig = edict()\nconfig.lr = undefined_name\n",
+            ":3:",
+            "NameError: name 'undefined_name' is not defined",
+        ),
+        ("x = 1\nconfig = 5\n", ":2:", "config is int 5, expected a mapping"),
+        ("x = 1\n", "", "defines no `config`"),
+    ],
+)
 def test_a_config_file_that_fails_is_one_error_naming_file_and_line(tmp_path, body, where, what):
     job = tmp_path / "job.py"
     job.write_text(body)
@@ -96,5 +110,6 @@ def test_batch_size_1_is_refused_for_batchnorm():
 
 def test_a_run_ending_inside_its_warmup_is_named_and_a_longer_one_is_not():
     from configs.validate import warmup_problem
+
     assert "step 100, inside its 500-step warmup" in warmup_problem(100, 500)
     assert warmup_problem(500, 500) is None and warmup_problem(1000, 0) is None

@@ -1,6 +1,7 @@
 """A checkpoint whose files hold something else than ShardFace writes is one error naming the file
 (and the missing entry), never a traceback; a run folder whose checkpoints were deleted names the
 model.pt it still holds (issue #54, items 24 and 30)."""
+
 import json
 import os
 
@@ -19,8 +20,10 @@ def _checkpoint(folder, meta=None, ema=None) -> str:
     os.makedirs(folder)
     torch.manual_seed(0)
     weights = get_model("tiny", num_features=64).state_dict()
-    torch.save(meta if meta is not None else {"step": 4, "config": {"network": "tiny", "embedding_size": 64}},
-               os.path.join(folder, "meta.pt"))
+    torch.save(
+        meta if meta is not None else {"step": 4, "config": {"network": "tiny", "embedding_size": 64}},
+        os.path.join(folder, "meta.pt"),
+    )
     torch.save(weights, os.path.join(folder, "backbone.pt"))
     if ema is not None:
         torch.save(ema, os.path.join(folder, "ema.pt"))
@@ -41,12 +44,19 @@ def test_a_meta_pt_that_is_not_a_dict_is_one_error_naming_it(tmp_path, meta):
         with pytest.raises(CheckpointError) as exc:
             read()
         message = _one_line(exc)
-        assert message.startswith(f"{meta_pt}: holds a {type(meta).__name__}, not the dict a checkpoint file holds")
+        assert message.startswith(
+            f"{meta_pt}: holds a {type(meta).__name__}, not the dict a checkpoint file holds"
+        )
 
 
-@pytest.mark.parametrize("ema,said", [({"updates": 3}, "no 'state' entry in it"),
-                                      ([1, 2], "holds a list, not the dict"),
-                                      ({"state": [1, 2], "updates": 3}, "its 'state' is a list, not a state dict")])
+@pytest.mark.parametrize(
+    "ema,said",
+    [
+        ({"updates": 3}, "no 'state' entry in it"),
+        ([1, 2], "holds a list, not the dict"),
+        ({"state": [1, 2], "updates": 3}, "its 'state' is a list, not a state dict"),
+    ],
+)
 def test_an_ema_pt_without_its_state_is_one_error_naming_it(tmp_path, ema, said):
     ckpt = _checkpoint(tmp_path / "checkpoint-00000004", ema=ema)
     with pytest.raises(CheckpointError) as exc:
@@ -72,5 +82,7 @@ def test_a_run_whose_checkpoints_were_deleted_names_its_model_pt(tmp_path):
     for read in (lambda: resolve_checkpoint(str(run)), lambda: read_backbone_weights(str(run))):
         with pytest.raises(CheckpointError) as exc:
             read()
-        assert _one_line(exc).endswith(f"; its exported model.pt is there: pass {run / 'model.pt'} for its weights")
+        assert _one_line(exc).endswith(
+            f"; its exported model.pt is there: pass {run / 'model.pt'} for its weights"
+        )
     assert load_model(str(run / "model.pt")).name == str(run / "model.pt")  # and that loads

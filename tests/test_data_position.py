@@ -1,5 +1,6 @@
 """A checkpoint's data position is kept only on the data set it was saved on: the fingerprints
 that tell data sets apart, and the rule applied on resume (runs: tests/test_checkpoint.py)."""
+
 import logging
 import shutil
 
@@ -24,12 +25,16 @@ def test_folder_fingerprint_follows_the_file_list_not_the_location(tmp_path):
     assert build_dataset(str(tmp_path / "moved"), 2).fingerprint() == first
     (tmp_path / "moved" / "id0" / "9.jpg").write_bytes(jpeg((0, 0, 0)))  # one image more
     assert build_dataset(str(tmp_path / "moved"), 2).fingerprint() != first
-    assert build_dataset(_folders(tmp_path / "b", [3, 2]), 2).fingerprint() != first  # same count, other files
+    assert (
+        build_dataset(_folders(tmp_path / "b", [3, 2]), 2).fingerprint() != first
+    )  # same count, other files
 
 
 def test_recordio_fingerprint_follows_the_packed_set_not_the_location(tmp_path):
     def packed(name, colors):
-        write_insightface_rec(str(tmp_path / name), [[jpeg(c)] * 2 for c in colors], 2 * len(colors), len(colors))
+        write_insightface_rec(
+            str(tmp_path / name), [[jpeg(c)] * 2 for c in colors], 2 * len(colors), len(colors)
+        )
         return build_dataset(str(tmp_path / name), len(colors)).fingerprint()
 
     first = packed("a", [(200, 0, 0), (0, 200, 0)])
@@ -46,7 +51,11 @@ def test_checkpoint_without_a_recorded_data_set_restarts_only_past_the_epoch_end
         with caplog.at_level(logging.WARNING, logger="shardface"):
             caplog.clear()
             assert follow_data(state, {"step": 30}, 50, "f", "/data/x", batches_per_epoch=5) is restarted
-        assert (state.batch_in_epoch, state.data_size, state.data_fingerprint) == (0 if restarted else batch, 50, "f")
+        assert (state.batch_in_epoch, state.data_size, state.data_fingerprint) == (
+            0 if restarted else batch,
+            50,
+            "f",
+        )
         assert ("the saved batch 6 is past this data's 5 per epoch" in caplog.text) is restarted
 
 

@@ -1,11 +1,20 @@
 """Face datasets in the insightface and im2rec layouts, workers, sampler resume, bad input."""
+
 import os
 
 import pytest
 import torch
 
-from dataset import (DataLayoutError, ImageDecodeError, LabelError, MXFaceDataset, ResumableDistributedSampler,
-                     build_dataset, get_dataloader, normalize_images)
+from dataset import (
+    DataLayoutError,
+    ImageDecodeError,
+    LabelError,
+    MXFaceDataset,
+    ResumableDistributedSampler,
+    build_dataset,
+    get_dataloader,
+    normalize_images,
+)
 from dataset.pack import write_insightface_rec
 from dataset.recordio import IRHeader, RecordWriter, pack
 from tests.tool_files import jpeg
@@ -47,6 +56,7 @@ def test_fast_jpeg_decoder_matches_pil_and_rejects_truncation():
     from PIL import Image
 
     from dataset.images import decode_chw, decode_image
+
     rng = np.random.default_rng(0)
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 255, (112, 112, 3), dtype=np.uint8)).save(buf, format="JPEG", quality=90)
@@ -67,19 +77,21 @@ def test_damaged_jpeg_body_is_reported_with_its_key(caplog, capfd):
     from PIL import Image
 
     from dataset.images import decode_chw
+
     rng = np.random.default_rng(0)
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 255, (112, 112, 3), dtype=np.uint8)).save(buf, format="JPEG", quality=90)
     data = bytearray(buf.getvalue())
     middle = len(data) // 2
-    data[middle:middle + 40] = b"\xff\xd3" * 20
+    data[middle : middle + 40] = b"\xff\xd3" * 20
     capfd.readouterr()
     with caplog.at_level("WARNING", logger="shardface"):
         assert decode_chw(bytes(buf.getvalue()), "good.rec key 1").shape == (3, 112, 112)
         assert not caplog.records
         assert decode_chw(bytes(data), "train.rec key 7").shape == (3, 112, 112)
     assert [r.getMessage() for r in caplog.records] == [
-        "train.rec key 7: damaged JPEG data, decoded anyway (Corrupt JPEG data: premature end of data segment)"]
+        "train.rec key 7: damaged JPEG data, decoded anyway (Corrupt JPEG data: premature end of data segment)"
+    ]
     assert "Corrupt JPEG" not in capfd.readouterr().err
 
 
@@ -102,7 +114,9 @@ def test_training_flip_mirrors_the_image(tmp_path):
 
 def test_label_beyond_num_classes_names_file_and_key(tmp_path):
     root = _insightface_set(tmp_path)
-    ds = MXFaceDataset(root, num_classes=2)  # (a property of 2 classes disagrees with the header: test_layout)
+    ds = MXFaceDataset(
+        root, num_classes=2
+    )  # (a property of 2 classes disagrees with the header: test_layout)
     with pytest.raises(LabelError, match=r"train\.rec key 9: label 2 outside \[0, 2\)"):
         ds[8]
 
@@ -146,7 +160,7 @@ def test_sampler_ranks_are_disjoint_and_resume_skips_what_was_seen():
     assert len(seen[0]) == (n // (world * bs)) * bs
     resumed = ResumableDistributedSampler(n, world, 1, bs, seed=1)
     resumed.set_epoch(3, start_batch=2)
-    assert list(resumed) == seen[1][2 * bs:]
+    assert list(resumed) == seen[1][2 * bs :]
     other_epoch = ResumableDistributedSampler(n, world, 1, bs, seed=1)
     other_epoch.set_epoch(4)
     assert list(other_epoch) != seen[1]
@@ -156,7 +170,7 @@ def _old_definition(n, world, rank, bs, seed, epoch, start_batch=0):
     """The sampler's order as first written: the full permutation as a list on every rank."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
     used = (n // (world * bs)) * bs * world
-    return order[rank:used:world][start_batch * bs:]
+    return order[rank:used:world][start_batch * bs :]
 
 
 @pytest.mark.parametrize("n,world,bs,start", [(50, 2, 4, 0), (1000, 3, 7, 5), (100_003, 8, 128, 60)])
@@ -179,13 +193,16 @@ def test_ranks_partition_the_epoch_exactly():
     every = torch.cat(parts)
     used = (n // (world * bs)) * bs * world
     assert every.numel() == used and every.unique().numel() == used
-    assert set(every.tolist()) == set(torch.randperm(n, generator=torch.Generator().manual_seed(7))[:used].tolist())
+    assert set(every.tolist()) == set(
+        torch.randperm(n, generator=torch.Generator().manual_seed(7))[:used].tolist()
+    )
 
 
 def test_sampler_memory_per_rank_is_its_own_indices_not_the_data_set():
     """A rank holds an int64 tensor of n/W indices and a bounded slice of Python ints; the
     old list of all n indices would take ~36 bytes * n of Python objects on every rank."""
     import tracemalloc
+
     n, world, bs = 2_000_000, 8, 128
     s = ResumableDistributedSampler(n, world, 3, bs, seed=1)
     held = s.epoch_indices()
@@ -245,19 +262,27 @@ def test_pack_rec_refuses_to_overwrite(tmp_path):
 
 
 def test_pack_rec_script_packs_an_image_folder(tmp_path):
-    import subprocess, sys
+    import subprocess
+    import sys
+
     for i, color in enumerate(COLORS):
         d = tmp_path / "faces" / f"id{i}"
         d.mkdir(parents=True)
         for j in range(2):
             (d / f"{j}.jpg").write_bytes(jpeg(color))
     out = tmp_path / "rec"
-    subprocess.run([sys.executable, "-m", "scripts.pack_rec", str(tmp_path / "faces"), str(out)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "scripts.pack_rec", str(tmp_path / "faces"), str(out)],
+        check=True,
+        capture_output=True,
+    )
     ds = MXFaceDataset(str(out), train=False)
     assert len(ds) == 6 and [ds[i][1].item() for i in range(6)] == [0, 0, 1, 1, 2, 2]
-    again = subprocess.run([sys.executable, "-m", "scripts.pack_rec", str(tmp_path / "faces"), str(out)],
-                           capture_output=True, text=True)
+    again = subprocess.run(
+        [sys.executable, "-m", "scripts.pack_rec", str(tmp_path / "faces"), str(out)],
+        capture_output=True,
+        text=True,
+    )
     assert again.returncode != 0 and "--overwrite" in again.stderr
 
 
@@ -289,5 +314,6 @@ def test_skipped_images_are_counted_across_loader_workers(tmp_path):
 
 def test_property_file_with_a_utf8_bom_reads_as_without(tmp_path):
     from dataset.faces import read_property
+
     (tmp_path / "property").write_bytes(b"\xef\xbb\xbf93431,112,112\n")
     assert read_property(str(tmp_path)) == (93431, 112, 112)

@@ -1,15 +1,16 @@
 """Distillation (issue #29): the losses against formulas written here, W ranks = one process,
 the teacher's start checks, and training with a teacher (exact resume, teacher files)."""
+
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from heads import PartialFC
 from distill.head import DistillLoss
-from losses import CosFace
 from distill.losses import cosine_distill, relational_distill
+from heads import PartialFC
+from losses import CosFace
 from tests.distributed import run_distributed
 
 
@@ -19,7 +20,10 @@ def _cos(a, b):
 
 def test_cosine_loss_is_mean_of_one_minus_cosine():
     g = torch.Generator().manual_seed(0)
-    s, t = torch.randn(5, 6, generator=g, dtype=torch.float64), torch.randn(5, 6, generator=g, dtype=torch.float64)
+    s, t = (
+        torch.randn(5, 6, generator=g, dtype=torch.float64),
+        torch.randn(5, 6, generator=g, dtype=torch.float64),
+    )
     expected = sum(1 - _cos(s[i].tolist(), t[i].tolist()) for i in range(5)) / 5
     assert abs(cosine_distill(s, t).item() - expected) < 1e-6
 
@@ -28,8 +32,11 @@ def test_relational_loss_compares_cosine_matrices_of_different_sizes():
     g = torch.Generator().manual_seed(1)
     s, t = torch.randn(6, 4, generator=g), torch.randn(6, 9, generator=g)  # no projection needed
     rows = [1, 2]
-    expected = sum((_cos(s[i].tolist(), s[j].tolist()) - _cos(t[i].tolist(), t[j].tolist())) ** 2
-                   for i in rows for j in range(6)) / (len(rows) * 6)
+    expected = sum(
+        (_cos(s[i].tolist(), s[j].tolist()) - _cos(t[i].tolist(), t[j].tolist())) ** 2
+        for i in rows
+        for j in range(6)
+    ) / (len(rows) * 6)
     assert abs(relational_distill(s[rows], s, t[rows], t).item() - expected) < 1e-6
     assert relational_distill(s, s, s * 3.0, s).item() < 1e-10  # scale-free
 
@@ -39,9 +46,13 @@ B, D, DT, C = 8, 6, 5, 11  # global batch, student dims, teacher dims, classes (
 
 def _problem():
     g = torch.Generator().manual_seed(7)
-    return dict(x=torch.randn(B, 10, generator=g), labels=torch.randint(0, C, (B,), generator=g),
-                teacher=torch.randn(B, DT, generator=g), net=torch.randn(D, 10, generator=g) * 0.3,
-                proj=torch.randn(DT, D, generator=g) * 0.4)
+    return dict(
+        x=torch.randn(B, 10, generator=g),
+        labels=torch.randint(0, C, (B,), generator=g),
+        teacher=torch.randn(B, DT, generator=g),
+        net=torch.randn(D, 10, generator=g) * 0.3,
+        proj=torch.randn(DT, D, generator=g) * 0.4,
+    )
 
 
 def _step(rank, world_size, kind, with_head):
@@ -57,7 +68,8 @@ def _step(rank, world_size, kind, with_head):
     torch.manual_seed(3)  # the head's initial rows: the same at any world size
     head = PartialFC(CosFace(s=16.0, m=0.2), D, C) if with_head else None
     loss = DistillLoss(kind, 0.7, proj if kind == "cosine" else None)(
-        head, net(p["x"][mine]), p["labels"][mine], p["teacher"][mine])
+        head, net(p["x"][mine]), p["labels"][mine], p["teacher"][mine]
+    )
     loss.backward()
     replicated = [net.weight.grad] + ([proj.weight.grad] if kind == "cosine" else [])
     if world_size > 1:  # what ZeRO-2 / DDP do to replicated parameters' gradients
@@ -74,6 +86,7 @@ def _label_free_probe(rank):
     """Whether this rank refuses a label-free save whose embeddings overflow on rank 1 alone
     (utils.divergence.check_weights with no head)."""
     from utils.divergence import TrainingStopped, check_weights
+
     net = torch.nn.Linear(3, 2)
     with torch.no_grad():
         net.weight.fill_(2e38)  # finite; three of them summed are not
@@ -108,7 +121,9 @@ def test_two_ranks_equal_one_process_with_the_global_batch(two_ranks):
             for got, want in zip(rank[i][1], one[1]):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=str(case))
         if case[1]:
-            torch.testing.assert_close(torch.cat([r[i][2] for r in two]), one[2], rtol=1e-5, atol=1e-6, msg=str(case))
+            torch.testing.assert_close(
+                torch.cat([r[i][2] for r in two]), one[2], rtol=1e-5, atol=1e-6, msg=str(case)
+            )
 
 
 def test_label_free_ranks_refuse_a_save_together(two_ranks):

@@ -1,6 +1,7 @@
 """Centred distillation targets (issue #40): a teacher whose embeddings share one direction
 rewards a constant student unless its mean is taken out; the centre is measured alike at any
 world size, kept by a resume, and the log compares the student with a constant one."""
+
 import logging
 import os
 
@@ -22,13 +23,20 @@ def _cone_targets(ids: int = 12, per_id: int = 5, dim: int = 32, seed: int = 0):
     u = torch.nn.functional.normalize(torch.randn(dim, generator=g, dtype=torch.float64), dim=0)
     own = torch.nn.functional.normalize(torch.randn(ids, dim, generator=g, dtype=torch.float64), dim=1)
     labels = torch.arange(ids).repeat_interleave(per_id)
-    rows = SHARED * u + OWN * own[labels] + 0.02 * torch.randn(ids * per_id, dim, generator=g, dtype=torch.float64)
+    rows = (
+        SHARED * u
+        + OWN * own[labels]
+        + 0.02 * torch.randn(ids * per_id, dim, generator=g, dtype=torch.float64)
+    )
     return torch.nn.functional.normalize(rows, dim=1), own, labels
 
 
 def test_centred_targets_are_the_unit_targets_less_their_mean_renormalised():
     g = torch.Generator().manual_seed(1)
-    t, c = torch.randn(7, 5, generator=g, dtype=torch.float64) * 3.0, torch.randn(5, generator=g, dtype=torch.float64)
+    t, c = (
+        torch.randn(7, 5, generator=g, dtype=torch.float64) * 3.0,
+        torch.randn(5, generator=g, dtype=torch.float64),
+    )
     for i in range(7):
         unit = t[i] / t[i].norm()
         want = (unit - c) / (unit - c).norm()
@@ -41,12 +49,15 @@ def test_uncentred_a_constant_student_beats_one_that_tells_identities_apart_cent
     separating = own[labels]  # each identity's own direction: perfect identification, no shared part
     constant = targets.mean(0).expand_as(targets)  # the best constant: the mean direction
     assert cosine_distill(constant, targets) < cosine_distill(separating, targets) / 4
-    assert relational_distill(constant, constant, targets, targets) < relational_distill(separating, separating,
-                                                                                           targets, targets)
+    assert relational_distill(constant, constant, targets, targets) < relational_distill(
+        separating, separating, targets, targets
+    )
     c = targets.mean(0)
     assert cosine_distill(separating, centred(targets, c)) < cosine_distill(constant, centred(targets, c)) / 4
-    assert relational_distill(separating, separating, centred(targets, c), centred(targets, c)) < \
-        relational_distill(constant, constant, centred(targets, c), centred(targets, c)) / 4
+    assert (
+        relational_distill(separating, separating, centred(targets, c), centred(targets, c))
+        < relational_distill(constant, constant, centred(targets, c), centred(targets, c)) / 4
+    )
     # the guard's number is the best constant's loss, written from the formula
     for kind, loss in (("cosine", cosine_distill), ("relational", None)):
         level = constant_student_loss(kind, targets)
@@ -55,19 +66,27 @@ def test_uncentred_a_constant_student_beats_one_that_tells_identities_apart_cent
         else:
             ones = torch.ones(len(targets), len(targets), dtype=torch.float64)
             assert abs(level - float((ones - targets @ targets.T).square().mean())) < 1e-9
-    assert constant_student_loss("cosine", targets) < 0.1 < 0.9 < constant_student_loss("cosine", centred(targets, c))
+    assert (
+        constant_student_loss("cosine", targets)
+        < 0.1
+        < 0.9
+        < constant_student_loss("cosine", centred(targets, c))
+    )
 
 
 # ----- the centre of a real teacher over a data set: 1 rank = 2 ranks; a teacher file's rows -----
+
 
 def _centre(rank, world_size, data, teacher, samples=40):
     from builders import build_train_dataset
     from configs import get_config
     from distill.teacher import load_teacher, teacher_statistics
+
     cfg = get_config("configs/demo.py", ["--rec", data, "--num_classes", "16"])
     dataset = build_train_dataset(cfg)
-    mean, sample = teacher_statistics(load_teacher(teacher, "tiny", torch.device("cpu")), dataset, samples,
-                                      torch.device("cpu"))
+    mean, sample = teacher_statistics(
+        load_teacher(teacher, "tiny", torch.device("cpu")), dataset, samples, torch.device("cpu")
+    )
     return mean, sample
 
 
@@ -77,7 +96,9 @@ def test_teacher_centre_is_the_same_measured_on_one_rank_or_two(drawn_faces, tea
     for mean, part in two:
         torch.testing.assert_close(mean, one, rtol=1e-5, atol=1e-6)
         assert len(part) == 20
-    torch.testing.assert_close(torch.cat([two[0][1], two[1][1]]).mean(0), sample.mean(0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.cat([two[0][1], two[1][1]]).mean(0), sample.mean(0), rtol=1e-5, atol=1e-6
+    )
     assert len(sample) == 40 and abs(float(one.norm()) - float(sample.mean(0).norm())) < 1e-5
     # the measured mean is that of the teacher's unit embeddings of those records, written out here
     assert torch.allclose(sample.norm(dim=1), torch.ones(40), atol=1e-5)
@@ -85,8 +106,11 @@ def test_teacher_centre_is_the_same_measured_on_one_rank_or_two(drawn_faces, tea
 
 def test_teacher_file_mean_is_its_rows_mean(tmp_path):
     from distill.teacher_file import FORMAT, TeacherFile, header_bytes
+
     rows = np.random.default_rng(0).standard_normal((50, 8))
-    rows = (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype("<f2")  # unit rows, as scripts.teach writes
+    rows = (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype(
+        "<f2"
+    )  # unit rows, as scripts.teach writes
     path = str(tmp_path / "t.teacher")
     with open(path, "wb") as f:
         f.write(header_bytes({"format": FORMAT, "data_size": 50, "dim": 8}))
@@ -96,13 +120,28 @@ def test_teacher_file_mean_is_its_rows_mean(tmp_path):
 
 # ----- in training: saved with each checkpoint, kept by a resume, the guard in the log -----
 
+
 def _argv(data, out, teacher, *extra):
-    return train_argv(data, out, "--num_classes", "0", "--teacher", teacher, "--teacher_network", "tiny",
-                      "--checkpoint_interval", "2", "--distill_center_samples", "24", *extra)
+    return train_argv(
+        data,
+        out,
+        "--num_classes",
+        "0",
+        "--teacher",
+        teacher,
+        "--teacher_network",
+        "tiny",
+        "--checkpoint_interval",
+        "2",
+        "--distill_center_samples",
+        "24",
+        *extra,
+    )
 
 
 def test_the_centre_is_checkpointed_and_a_resume_keeps_it(drawn_faces, teacher_pt, tmp_path, monkeypatch):
     from checkpoint.folders import resolve_checkpoint
+
     out = str(tmp_path / "run")
     assert train.main(_argv(drawn_faces, out, teacher_pt, "--max_steps", "2")) == 0
     saved = torch.load(os.path.join(resolve_checkpoint(out), "meta.pt"))["distill"]
@@ -111,20 +150,29 @@ def test_the_centre_is_checkpointed_and_a_resume_keeps_it(drawn_faces, teacher_p
     assert saved["center"].device.type == "cpu"
     assert 0 < saved["constant_loss"] < 2
     import distill.teacher
-    monkeypatch.setattr(distill.teacher, "teacher_statistics", lambda *a, **k: pytest.fail("measured again on resume"))
+
+    monkeypatch.setattr(
+        distill.teacher, "teacher_statistics", lambda *a, **k: pytest.fail("measured again on resume")
+    )
     import distill.run
-    monkeypatch.setattr(distill.run, "teacher_statistics", lambda *a, **k: pytest.fail("measured again on resume"))
+
+    monkeypatch.setattr(
+        distill.run, "teacher_statistics", lambda *a, **k: pytest.fail("measured again on resume")
+    )
     assert train.main(_argv(drawn_faces, out, teacher_pt, "--max_steps", "4", "--resume", "true")) == 0
     again = torch.load(os.path.join(resolve_checkpoint(out), "meta.pt"))["distill"]
     assert torch.equal(again["center"], saved["center"]) and again["constant_loss"] == saved["constant_loss"]
 
 
-def test_a_resume_with_another_teacher_measures_its_centre_again_and_says_so(drawn_faces, teacher_pt, tmp_path):
+def test_a_resume_with_another_teacher_measures_its_centre_again_and_says_so(
+    drawn_faces, teacher_pt, tmp_path
+):
     """The checkpoint records which teacher its centre came from (name, fingerprint); a resume
     under another teacher measures that teacher's centre and constant-student loss, in one line."""
     from backbones import get_model
     from checkpoint.folders import resolve_checkpoint
     from infer.model import load_model
+
     out, other = str(tmp_path / "run"), str(tmp_path / "other" / "model.pt")
     assert train.main(_argv(drawn_faces, out, teacher_pt, "--max_steps", "2")) == 0
     first = torch.load(os.path.join(resolve_checkpoint(out), "meta.pt"))["distill"]
@@ -141,15 +189,18 @@ def test_a_resume_with_another_teacher_measures_its_centre_again_and_says_so(dra
     assert again["constant_loss"] != first["constant_loss"]
     assert again["teacher"] == {"name": other, "fingerprint": load_model(other, "tiny").fingerprint}
     lines = [m.split("] ", 1)[-1] for m in said if "came from teacher" in m]  # less the time and rank
-    assert lines == [f"teacher {other} (fingerprint {again['teacher']['fingerprint']}) now, but the checkpoint's "
-                     f"centre and constant-student loss came from teacher {teacher_pt} (fingerprint "
-                     f"{first['teacher']['fingerprint']}): measured again for this teacher"]
+    assert lines == [
+        f"teacher {other} (fingerprint {again['teacher']['fingerprint']}) now, but the checkpoint's "
+        f"centre and constant-student loss came from teacher {teacher_pt} (fingerprint "
+        f"{first['teacher']['fingerprint']}): measured again for this teacher"
+    ]
     assert not [m for m in said if "the targets change from this step" in m]  # the centring did not change
 
 
 def test_log_shows_the_term_beside_a_constant_students_and_warns_once_when_not_clearly_below(caplog):
     from distill.head import DistillLoss
     from distill.run import Distillation
+
     loss = DistillLoss("cosine", 1.0)
     distill = Distillation(teacher=None, loss=loss)
     distill.constant_loss = 0.1
@@ -160,20 +211,26 @@ def test_log_shows_the_term_beside_a_constant_students_and_warns_once_when_not_c
     said = [r.getMessage() for r in caplog.records]
     assert sum("(a constant student: 0.1000)" in m for m in said) == 4
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and warnings[0].startswith("step 40: the distillation term 0.2000 is not clearly below")
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "step 40: the distillation term 0.2000 is not clearly below"
+    )
 
 
 def _nearest_same_identity(model_pt: str | None, data: str, labels: list[int]) -> float:
     """The share of images whose nearest other image (cosine) is of the same identity."""
     from dataset import build_dataset, normalize_images
     from infer.weights import load_backbone
+
     if model_pt is None:  # the untrained network, as a run starts
         from backbones import get_model
+
         torch.manual_seed(0)
         model = get_model("tiny", num_features=128).eval()
     else:
         model = load_backbone(model_pt).eval()
-    images = torch.stack([build_dataset(data, 16, train=False, normalize=False)[i][0] for i in range(len(labels))])
+    images = torch.stack(
+        [build_dataset(data, 16, train=False, normalize=False)[i][0] for i in range(len(labels))]
+    )
     with torch.no_grad():
         emb = torch.nn.functional.normalize(model(normalize_images(images)), dim=1)
     sim = emb @ emb.T
@@ -188,6 +245,7 @@ def _oracle_teacher_file(data: str, path: str, dim: int = 32) -> list[int]:
     from configs import get_config
     from dataset import build_dataset
     from distill.teacher_file import FORMAT, data_transform, header_bytes
+
     cfg = get_config("configs/demo.py", ["--rec", data, "--num_classes", "16"])
     records = build_train_dataset(cfg)  # the records in the order a label-free run reads them
     labelled = build_dataset(data, 16, train=False, normalize=False)
@@ -196,8 +254,15 @@ def _oracle_teacher_file(data: str, path: str, dim: int = 32) -> list[int]:
     u = torch.nn.functional.normalize(torch.randn(dim, generator=g), dim=0)
     own = torch.nn.functional.normalize(torch.randn(16, dim, generator=g), dim=1)
     rows = torch.nn.functional.normalize(SHARED * u + OWN * own[torch.tensor(labels)], dim=1)
-    header = {"format": FORMAT, "data_size": len(records), "dim": dim, "teacher": "oracle", "data": data,
-              "data_fingerprint": records.fingerprint(), "transform": data_transform(cfg)}
+    header = {
+        "format": FORMAT,
+        "data_size": len(records),
+        "dim": dim,
+        "teacher": "oracle",
+        "data": data,
+        "data_fingerprint": records.fingerprint(),
+        "transform": data_transform(cfg),
+    }
     with open(path, "wb") as f:
         f.write(header_bytes(header))
         f.write(rows.numpy().astype("<f2").tobytes())
@@ -208,7 +273,9 @@ STEPS = "120"
 
 
 @pytest.mark.slow
-def test_label_free_student_of_a_narrow_cone_teacher_tells_identities_apart_only_centred(drawn_faces, tmp_path):
+def test_label_free_student_of_a_narrow_cone_teacher_tells_identities_apart_only_centred(
+    drawn_faces, tmp_path
+):
     """Measured: the share of the 128 training images whose nearest other image is of the same
     identity (chance: 7/127), for the untrained network, and for label-free students of one
     narrow-cone teacher trained alike with raw and with centred targets."""
@@ -217,11 +284,33 @@ def test_label_free_student_of_a_narrow_cone_teacher_tells_identities_apart_only
     shares = {"untrained": _nearest_same_identity(None, drawn_faces, labels)}
     for centre in ("false", "true"):
         out = str(tmp_path / f"centre_{centre}")
-        assert train.main(train_argv(drawn_faces, out, "--num_classes", "0", "--teacher", teacher, "--max_steps", STEPS,
-                                     "--checkpoint_interval", STEPS, "--distill_center", centre, "--ema", "false",
-                                     "--lr", "0.1")) == 0
+        assert (
+            train.main(
+                train_argv(
+                    drawn_faces,
+                    out,
+                    "--num_classes",
+                    "0",
+                    "--teacher",
+                    teacher,
+                    "--max_steps",
+                    STEPS,
+                    "--checkpoint_interval",
+                    STEPS,
+                    "--distill_center",
+                    centre,
+                    "--ema",
+                    "false",
+                    "--lr",
+                    "0.1",
+                )
+            )
+            == 0
+        )
         shares[centre] = _nearest_same_identity(os.path.join(out, "model.pt"), drawn_faces, labels)
     # 2026-11-26, 120 steps: untrained 0.148, raw targets 0.078 (chance 0.055: collapsed onto the
     # shared direction), centred 0.250. At 40 steps: raw 0.164, centred 0.219 (barely trained).
     chance = 7 / 127
-    assert shares["true"] > max(2 * chance, shares["untrained"]) and shares["true"] > shares["false"] + 0.1, shares
+    assert shares["true"] > max(2 * chance, shares["untrained"]) and shares["true"] > shares["false"] + 0.1, (
+        shares
+    )

@@ -1,5 +1,6 @@
 """train.py with a teacher (issue #29): exact resume, the projection checkpointed but not
 exported, one teacher in three forms, teacher files (made, used, refused), start checks."""
+
 import os
 import shutil
 
@@ -29,8 +30,9 @@ def _run(rank, world_size, args):
 
 
 def _argv(data, out, teacher, *extra):
-    return train_argv(data, out, "--teacher", teacher, "--teacher_network", "tiny", "--max_steps", str(STEPS),
-                      *extra)
+    return train_argv(
+        data, out, "--teacher", teacher, "--teacher_network", "tiny", "--max_steps", str(STEPS), *extra
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +75,10 @@ def test_one_teacher_as_run_model_pt_and_onnx_gives_the_same_targets(distilled, 
     shutil.copytree(distilled["full"], run)
     export_onnx([run, str(tmp_path / "t.onnx")])
     images = _batch(drawn_faces)
-    targets = [OnlineTeacher(load_model(m), torch.device("cpu")).targets(images, None)
-               for m in (run, os.path.join(run, "model.pt"), str(tmp_path / "t.onnx"))]
+    targets = [
+        OnlineTeacher(load_model(m), torch.device("cpu")).targets(images, None)
+        for m in (run, os.path.join(run, "model.pt"), str(tmp_path / "t.onnx"))
+    ]
     assert targets[0].shape == (6, 128)
     for other in targets[1:]:
         torch.testing.assert_close(other, targets[0], rtol=0, atol=1e-4)
@@ -93,14 +97,28 @@ def _folder_set(root):
 def test_teacher_file_trains_relational_and_other_data_is_refused(drawn_faces, teacher_pt, tmp_path):
     own, other = str(tmp_path / "own.teacher"), str(tmp_path / "other.teacher")
     assert teach([teacher_pt, drawn_faces, own, "--network", "tiny", "--num_workers", "0"]) == 0
-    assert teach([teacher_pt, _folder_set(str(tmp_path / "folders")), other, "--network", "tiny",
-                  "--num_workers", "0"]) == 0
+    assert (
+        teach(
+            [
+                teacher_pt,
+                _folder_set(str(tmp_path / "folders")),
+                other,
+                "--network",
+                "tiny",
+                "--num_workers",
+                "0",
+            ]
+        )
+        == 0
+    )
     rows = TeacherFile(own)
     assert rows.rows.shape == (128, 64) and rows.rows.dtype == "float16"
     # the row of record i is the teacher's flip-fused embedding of record i
     teacher = OnlineTeacher(load_model(teacher_pt, "tiny"), torch.device("cpu"))
     images = _batch(drawn_faces, 3)
-    want = torch.nn.functional.normalize(teacher.targets(images, None) + teacher.targets(images.flip(3), None))
+    want = torch.nn.functional.normalize(
+        teacher.targets(images, None) + teacher.targets(images.flip(3), None)
+    )
     torch.testing.assert_close(rows.targets(images, rows.read(torch.arange(3))), want, rtol=0, atol=2e-3)
 
     out = str(tmp_path / "from_file")
@@ -111,7 +129,9 @@ def test_teacher_file_trains_relational_and_other_data_is_refused(drawn_faces, t
     with pytest.raises(ConfigError) as refused:
         train.main(train_argv(drawn_faces, str(tmp_path / "refused"), "--teacher", other))
     message = str(refused.value)
-    assert "belongs to other data" in message and str(tmp_path / "folders") in message and drawn_faces in message
+    assert (
+        "belongs to other data" in message and str(tmp_path / "folders") in message and drawn_faces in message
+    )
     assert not os.path.exists(str(tmp_path / "refused" / "checkpoint-00000000"))
 
 
@@ -149,6 +169,7 @@ def test_teacher_on_another_template_gets_its_own_crops():
 def test_planner_counts_an_on_the_fly_teacher(teacher_pt):
     from configs import get_config
     from planner import plan
+
     base = ["--num_classes", "1000", "--batch_size", "16"]
     without = plan(get_config("configs/demo.py", base), 2)
     cfg = get_config("configs/demo.py", base + ["--teacher", teacher_pt, "--teacher_network", "tiny"])
@@ -163,6 +184,7 @@ def test_planner_counts_an_on_the_fly_teacher(teacher_pt):
 def test_loader_yields_each_image_with_its_record_index(drawn_faces):
     """What a teacher file's rows are read by: shuffled, on rank 1 of 2, mid-epoch."""
     from dataset import ResumableDistributedSampler, get_dataloader
+
     dataset = build_dataset(drawn_faces, 16, train=True, normalize=False)
     sampler = ResumableDistributedSampler(len(dataset), 2, 1, 8, seed=3)
     sampler.set_epoch(1, 2)
@@ -178,7 +200,9 @@ def test_loader_yields_each_image_with_its_record_index(drawn_faces):
 def test_distillation_checkpoint_resumes_on_one_rank(distilled, drawn_faces, teacher_pt, tmp_path):
     out = str(tmp_path / "one_rank")
     os.makedirs(out)
-    shutil.copytree(os.path.join(distilled["full"], "checkpoint-00000004"), os.path.join(out, "checkpoint-00000004"))
+    shutil.copytree(
+        os.path.join(distilled["full"], "checkpoint-00000004"), os.path.join(out, "checkpoint-00000004")
+    )
     with open(os.path.join(out, "latest"), "w") as f:
         f.write("checkpoint-00000004\n")
     before = checkpoint_tensors(out)
@@ -186,4 +210,6 @@ def test_distillation_checkpoint_resumes_on_one_rank(distilled, drawn_faces, tea
     assert run_distributed(_run, 1, args) == [0]
     after = checkpoint_tensors(out)
     assert resolve_checkpoint(out).endswith("checkpoint-00000006")
-    assert not torch.equal(after["backbone.distill_projection.weight"], before["backbone.distill_projection.weight"])
+    assert not torch.equal(
+        after["backbone.distill_projection.weight"], before["backbone.distill_projection.weight"]
+    )

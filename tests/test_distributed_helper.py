@@ -42,8 +42,9 @@ def forkserver_started():
 
 
 @pytest.mark.parametrize("fresh", [False, True])
-def test_ranks_see_the_callers_environment_directory_and_output_at_the_call(fresh, forkserver_started, tmp_path,
-                                                                           monkeypatch, capfd):
+def test_ranks_see_the_callers_environment_directory_and_output_at_the_call(
+    fresh, forkserver_started, tmp_path, monkeypatch, capfd
+):
     """Forked ranks come from a server started earlier, with its own environment, directory and
     stdout/stderr: the caller's, as they are now, must reach them as they reach spawned ones."""
     monkeypatch.setenv("SHARDFACE_TEST_MARK", "set after the server started")

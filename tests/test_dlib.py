@@ -2,6 +2,7 @@
 reference here and only here), on dlib's own chip; its file reader refuses damaged files by
 offset; the 112 front is the embedder's re-framing; ONNX export agrees and records the chip;
 init_backbone `dlib` fine-tunes on 112 crops."""
+
 import json
 import math
 import os
@@ -15,11 +16,11 @@ from PIL import Image
 from backbones import get_model
 from backbones.dlib_resnet import DlibResNet, add_prev
 from checkpoint.dlib_format import DlibFormatError, read_network, state_dict_for
-from infer.model import Model, load_model
-from infer.weights import DLIB_FILE, dlib_state
 from faces.align import ARCFACE_112, align
 from faces.dlib_chip import DLIB_150, DLIB_150_SHAPE5, chip_transform, dlib_chip
 from faces.models import model_file
+from infer.model import Model, load_model
+from infer.weights import DLIB_FILE, dlib_state
 
 dlib = pytest.importorskip("dlib")
 
@@ -28,6 +29,7 @@ dlib = pytest.importorskip("dlib")
 def astronaut():
     """skimage's astronaut photo, dlib's 5-point shape of its face and dlib's descriptor of it."""
     from skimage import data
+
     img = data.astronaut()
     box = max(dlib.get_frontal_face_detector()(img, 0), key=lambda r: r.area())
     shape = dlib.shape_predictor(model_file("shape_predictor_5_face_landmarks.dat"))(img, box)
@@ -53,8 +55,10 @@ def test_dlib_chip_is_dlibs_own_chip_pixel_for_pixel(astronaut, zoom):
     img, points = astronaut["img"], astronaut["points"] * zoom + (zoom - 1) / 2
     if zoom != 1:
         img = np.asarray(Image.fromarray(img).resize((512 * zoom,) * 2, Image.BICUBIC))
-    shape = dlib.full_object_detection(dlib.rectangle(0, 0, img.shape[1] - 1, img.shape[0] - 1),
-                                       [dlib.point(int(round(x)), int(round(y))) for x, y in points])
+    shape = dlib.full_object_detection(
+        dlib.rectangle(0, 0, img.shape[1] - 1, img.shape[0] - 1),
+        [dlib.point(int(round(x)), int(round(y))) for x, y in points],
+    )
     points = np.array([[p.x, p.y] for p in shape.parts()], np.float64)
     ours = np.asarray(dlib_chip(Image.fromarray(img), points)).astype(int)
     theirs = np.asarray(dlib.get_face_chip(img, shape, 150, 0.25)).astype(int)
@@ -67,7 +71,9 @@ def test_torch_port_gives_dlibs_descriptor_on_the_astronaut_photo(astronaut):
     out = embed_chip(embedder, dlib_chip(Image.fromarray(astronaut["img"]), astronaut["points"]))
     assert out.shape == (128,)
     assert cosine(out, astronaut["descriptor"]) >= 0.9999
-    np.testing.assert_allclose(out, astronaut["descriptor"], atol=1e-4)  # dlib's scale too, not only its direction
+    np.testing.assert_allclose(
+        out, astronaut["descriptor"], atol=1e-4
+    )  # dlib's scale too, not only its direction
 
 
 @pytest.mark.slow
@@ -105,6 +111,7 @@ def test_reframed_112_crop_costs_dlib_little_against_its_own_chip(astronaut):
 def test_verify_runs_dlib_on_a_bin_set_reframing_its_112_crops(drawn_faces, capsys):
     from scripts.make_drawn_faces import VAL_NAME
     from scripts.verify import main as verify
+
     assert verify(["dlib", "--bin", os.path.join(drawn_faces, f"{VAL_NAME}.bin")]) == 0
     out = capsys.readouterr().out
     assert "dlib takes dlib-150 crops: the sets' arcface-112 crops are re-framed onto it" in out
@@ -113,6 +120,7 @@ def test_verify_runs_dlib_on_a_bin_set_reframing_its_112_crops(drawn_faces, caps
 
 def test_embed_no_flip_of_a_dlib_chip_is_dlibs_descriptor(astronaut, tmp_path):
     from scripts.embed import main as embed
+
     chip = tmp_path / "chip.png"
     dlib_chip(Image.fromarray(astronaut["img"]), astronaut["points"]).save(chip)
     out = tmp_path / "e.npy"
@@ -160,7 +168,9 @@ def test_damaged_or_foreign_dlib_files_are_refused_by_name(tmp_path):
 def test_weights_of_another_geometry_are_refused_naming_the_layer():
     net = read_network(model_file(DLIB_FILE))
     wider = DlibResNet(num_features=64)
-    with pytest.raises(DlibFormatError, match=r"fc_2 at byte \d+: weight has shape \(128, 256\), .*fc.weight \(64, 256\)"):
+    with pytest.raises(
+        DlibFormatError, match=r"fc_2 at byte \d+: weight has shape \(128, 256\), .*fc.weight \(64, 256\)"
+    ):
         state_dict_for(wider, net)
 
 
@@ -175,14 +185,19 @@ def test_add_prev_sums_top_left_aligned_with_zeros_outside_the_smaller():
 def test_112_front_is_the_embedders_reframing_of_insightface_crops():
     chip_net, crop_net = DlibResNet(input_size=150), get_model("dlib_resnet")
     embedder = Model(chip_net, DLIB_150, "test", "")
-    crops = torch.randint(0, 256, (2, 3, 112, 112), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    crops = torch.randint(
+        0, 256, (2, 3, 112, 112), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
     expected = chip_net.chip(embedder.from_crops(crops, ARCFACE_112))
-    torch.testing.assert_close(crop_net.chip(crops.float().sub(127.5).div(127.5)), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        crop_net.chip(crops.float().sub(127.5).div(127.5)), expected, rtol=0, atol=1e-5
+    )
 
 
 @pytest.mark.slow
 def test_export_onnx_of_dlib_agrees_with_torch_and_records_its_chip(tmp_path):
     from scripts.export_onnx import main as export_onnx
+
     out = tmp_path / "dlib.onnx"
     assert export_onnx(["dlib", str(out)]) == 0
     onnx_embedder, torch_embedder = load_model(str(out)), load_model("dlib")
@@ -190,12 +205,15 @@ def test_export_onnx_of_dlib_agrees_with_torch_and_records_its_chip(tmp_path):
     np.testing.assert_allclose(onnx_embedder.template.points, DLIB_150.points)
     x = torch.rand(4, 3, 150, 150, generator=torch.Generator().manual_seed(1)) * 2 - 1
     with torch.no_grad():
-        diff = (onnx_embedder.module(x) - torch_embedder.module(x.to(torch_embedder.device)).cpu()).abs().max()
+        diff = (
+            (onnx_embedder.module(x) - torch_embedder.module(x.to(torch_embedder.device)).cpu()).abs().max()
+        )
     assert float(diff) <= 1e-4
 
 
 def test_export_onnx_refusals_write_nothing(tmp_path, monkeypatch):
     from scripts.export_onnx import main as export_onnx
+
     monkeypatch.chdir(tmp_path)
     assert export_onnx(["dlib"]) == 2  # no run directory to write model.onnx into
     fake = tmp_path / "m.onnx"
@@ -206,7 +224,8 @@ def test_export_onnx_refusals_write_nothing(tmp_path, monkeypatch):
 
 def test_onnx_template_metadata_is_checked(tmp_path):
     from checkpoint.files import CheckpointError
-    from infer.onnx import OnnxBackbone, TEMPLATE_KEY
+    from infer.onnx import TEMPLATE_KEY, OnnxBackbone
+
     with pytest.raises(CheckpointError, match=rf"x.onnx: unreadable {TEMPLATE_KEY} metadata"):
         OnnxBackbone._template(str(tmp_path / "x.onnx"), json.dumps({"name": "t", "size": [150]}))
     assert OnnxBackbone._template("x.onnx", None) is ARCFACE_112
@@ -216,22 +235,44 @@ def test_onnx_template_metadata_is_checked(tmp_path):
 def test_init_backbone_dlib_fine_tunes_dlibs_network_on_112_crops(drawn_faces, tmp_path):
     import train
     from tests.train_runs import train_argv
+
     seen = []
     real = train.build_backbone
 
     def spied(cfg):
         model = real(cfg)
-        model.register_forward_hook(lambda m, args, out: seen.append((args[0].detach().clone(), out.detach().clone()))
-                                    if not seen else None)
+        model.register_forward_hook(
+            lambda m, args, out: (
+                seen.append((args[0].detach().clone(), out.detach().clone())) if not seen else None
+            )
+        )
         return model
 
     out = str(tmp_path / "ft")
     mp = pytest.MonkeyPatch()
     mp.setattr(train, "build_backbone", spied)
     try:
-        assert train.main(train_argv(drawn_faces, out, "--network", "dlib_resnet", "--embedding_size", "128",
-                                     "--init_backbone", "dlib", "--max_steps", "2", "--checkpoint_interval", "2",
-                                     "--ema", "false")) == 0
+        assert (
+            train.main(
+                train_argv(
+                    drawn_faces,
+                    out,
+                    "--network",
+                    "dlib_resnet",
+                    "--embedding_size",
+                    "128",
+                    "--init_backbone",
+                    "dlib",
+                    "--max_steps",
+                    "2",
+                    "--checkpoint_interval",
+                    "2",
+                    "--ema",
+                    "false",
+                )
+            )
+            == 0
+        )
     finally:
         mp.undo()
     images, first = seen[0]
@@ -250,6 +291,7 @@ def test_init_backbone_dlib_fine_tunes_dlibs_network_on_112_crops(drawn_faces, t
 def test_export_onnx_of_dlib_resnet_on_112_crops_keeps_the_batch_dynamic(tmp_path):
     """A fine-tuned `dlib_resnet` (its 112 front a grid_sample) exports with any batch size."""
     from scripts.export_onnx import check_parity, export
+
     model = get_model("dlib_resnet").eval()
     export(model, str(tmp_path / "ft.onnx"))
     assert check_parity(model, str(tmp_path / "ft.onnx"), batches=(1, 3)) <= 1e-4
@@ -262,12 +304,18 @@ def _lfw_chips(count: int) -> list[np.ndarray]:
     """skimage's LFW faces (25x25, centred like a chip) upscaled to dlib's 150x150: real faces,
     other people than the astronaut."""
     from skimage import data
-    return [np.asarray(Image.fromarray((f * 255).astype(np.uint8)).resize((150, 150), Image.BICUBIC).convert("RGB"))
-            for f in data.lfw_subset()[:count]]
+
+    return [
+        np.asarray(
+            Image.fromarray((f * 255).astype(np.uint8)).resize((150, 150), Image.BICUBIC).convert("RGB")
+        )
+        for f in data.lfw_subset()[:count]
+    ]
 
 
 def test_dlib_threshold_is_dlibs_distance_rule_turned_into_a_cosine(astronaut):
     from infer.thresholds import DLIB_DISTANCE, DLIB_NORM, DLIB_THRESHOLD, cosine_for_distance
+
     rec = dlib.face_recognition_model_v1(model_file(DLIB_FILE))
     chip = np.asarray(dlib_chip(Image.fromarray(astronaut["img"]), astronaut["points"]))
     chips = [chip, np.ascontiguousarray(chip[:, ::-1])] + _lfw_chips(10)
@@ -278,7 +326,9 @@ def test_dlib_threshold_is_dlibs_distance_rule_turned_into_a_cosine(astronaut):
     dlib_same = np.linalg.norm(d[rows] - d[cols], axis=1) < DLIB_DISTANCE
     unit = d / norms[:, None]
     ours_same = np.sum(unit[rows] * unit[cols], axis=1) >= DLIB_THRESHOLD
-    assert dlib_same[0] and (ours_same == dlib_same).mean() >= 0.9  # astronaut and mirror: same, by both rules
+    assert (
+        dlib_same[0] and (ours_same == dlib_same).mean() >= 0.9
+    )  # astronaut and mirror: same, by both rules
     # exact where the norms are the conversion's: rescale two real descriptors to DLIB_NORM
     a, b = d[0] / norms[0] * DLIB_NORM, d[2] / norms[2] * DLIB_NORM
     dist, cos = np.linalg.norm(a - b), float(unit[0] @ unit[2])
@@ -289,6 +339,7 @@ def test_dlib_threshold_is_dlibs_distance_rule_turned_into_a_cosine(astronaut):
 def test_identify_dlib_calls_a_stranger_unknown_at_dlibs_own_threshold(astronaut, tmp_path, capsys):
     from infer.thresholds import DLIB_THRESHOLD
     from scripts.identify import main as identify
+
     chip = dlib_chip(Image.fromarray(astronaut["img"]), astronaut["points"])
     os.makedirs(tmp_path / "g" / "eileen")
     chip.save(tmp_path / "g" / "eileen" / "chip.png")

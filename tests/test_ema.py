@@ -1,4 +1,5 @@
 """The sharded EMA equals a plain full EMA with d = decay * (1 - exp(-updates / tau))."""
+
 import math
 
 import pytest
@@ -20,7 +21,8 @@ def _plain_ema_run():
     for step in range(STEPS):
         x, y = step_batch(step)
         mse_loss(model, x, y).backward()
-        opt.step(); opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
         d = DECAY * (1 - math.exp(-(step + 1) / TAU))
         for n, p in model.named_parameters():
             ema[n] = d * ema[n] + (1 - d) * p.detach().double()
@@ -30,19 +32,22 @@ def _plain_ema_run():
 def _sharded_ema_worker(rank, world_size, with_zero, exchange="auto"):
     model = TwoDtypeNet()
     if with_zero:
-        opt = Zero2Optimizer(model, torch.optim.SGD, bucket_cap_mb=TINY_BUCKET_MB, exchange=exchange,
-                             lr=0.1, momentum=0.9)
+        opt = Zero2Optimizer(
+            model, torch.optim.SGD, bucket_cap_mb=TINY_BUCKET_MB, exchange=exchange, lr=0.1, momentum=0.9
+        )
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ema = ShardedEMA(model, decay=DECAY, tau=TAU, optimizer=opt if with_zero else None)
     b = GLOBAL_BATCH // world_size
     for step in range(STEPS):
         x, y = step_batch(step)
-        mse_loss(model, x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
+        mse_loss(model, x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]).backward()
         if not with_zero and world_size > 1:  # what DDP does
             for p in model.parameters():
-                dist.all_reduce(p.grad); p.grad /= world_size
-        opt.step(); opt.zero_grad()
+                dist.all_reduce(p.grad)
+                p.grad /= world_size
+        opt.step()
+        opt.zero_grad()
         ema.update()
     shard_sizes = [s.numel() for s in ema.shards]
     return ema.state_dict(), shard_sizes, sum(p.numel() for p in model.parameters())

@@ -1,4 +1,5 @@
 """ONNX export parity (r18, mbf) and clear errors for checkpoints of another network."""
+
 import os
 import subprocess
 import sys
@@ -18,12 +19,24 @@ def test_export_runs_onnxruntime_within_tolerance(tmp_path, network):
     model = backbones.get_model(network)
     # insightface-style plain state dict, as published model.pt files are
     torch.save(model.state_dict(), tmp_path / "model.pt")
-    out = subprocess.run([sys.executable, "-m", "scripts.export_onnx", str(tmp_path / "model.pt"),
-                          str(tmp_path / "m.onnx"), "--network", network],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scripts.export_onnx",
+            str(tmp_path / "model.pt"),
+            str(tmp_path / "m.onnx"),
+            "--network",
+            network,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "batch 1: max |onnx - torch|" in out.stdout and "batch 8:" in out.stdout
     import onnx
+
     graph = onnx.load(str(tmp_path / "m.onnx")).graph
     assert [i.name for i in graph.input] == ["data"] and len(graph.output) == 1
     assert graph.input[0].type.tensor_type.shape.dim[0].dim_param  # dynamic batch
@@ -56,6 +69,7 @@ def test_corrupt_config_json_beside_model_is_named_and_network_gets_around_it(tm
 def test_config_json_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
     from checkpoint.files import atomic_write_text
     from configs import get_config, save_config
+
     cfg = get_config("configs/demo.py", [])
     save_config(cfg, str(tmp_path), atomic_write_text)
     before = (tmp_path / "config.json").read_text()
@@ -63,6 +77,7 @@ def test_config_json_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
 
     def no_space(*args):
         raise OSError(28, "No space left on device")
+
     monkeypatch.setattr(os, "replace", no_space)  # the new text is written, never put in place
     with pytest.raises(CheckpointError, match="config.json: cannot write"):
         save_config(cfg, str(tmp_path), atomic_write_text)
@@ -70,10 +85,13 @@ def test_config_json_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
     assert (tmp_path / "config.json").read_text() == before
 
 
-def test_export_replaces_an_existing_out_only_with_overwrite_but_refreshes_the_runs_own_model_onnx(tmp_path, capsys):
+def test_export_replaces_an_existing_out_only_with_overwrite_but_refreshes_the_runs_own_model_onnx(
+    tmp_path, capsys
+):
     """README: outputs are replaced only with --overwrite, except the run's own model.onnx that
     an earlier export wrote. A photo, a text file or another model's .onnx at OUT is the user's."""
     from scripts.export_onnx import main as export_onnx
+
     torch.manual_seed(0)
     torch.save(backbones.get_model("tiny").state_dict(), tmp_path / "model.pt")
     model = str(tmp_path / "model.pt")
@@ -103,20 +121,26 @@ def test_export_replaces_an_existing_out_only_with_overwrite_but_refreshes_the_r
 ARC = [[38.2946, 51.6963], [73.5318, 51.5014], [56.0252, 71.7366], [41.5493, 92.3655], [70.7299, 92.2041]]
 
 
-@pytest.mark.parametrize("points,why", [
-    ([[56.0, 70.0]] * 5, "its five points coincide"),
-    ([[10.0 + 20 * i, 20.0 + 15 * i] for i in range(5)], "its five points lie on one line"),
-    ([p[:] for p in ARC[:4]] + [[70.7, 192.2]], "point 5 lies outside the 112x112 crop"),
-    ([[-1.0, 51.7]] + ARC[1:], "point 1 lies outside"),
-])
+@pytest.mark.parametrize(
+    "points,why",
+    [
+        ([[56.0, 70.0]] * 5, "its five points coincide"),
+        ([[10.0 + 20 * i, 20.0 + 15 * i] for i in range(5)], "its five points lie on one line"),
+        ([p[:] for p in ARC[:4]] + [[70.7, 192.2]], "point 5 lies outside the 112x112 crop"),
+        ([[-1.0, 51.7]] + ARC[1:], "point 1 lies outside"),
+    ],
+)
 def test_onnx_whose_template_cannot_align_a_face_is_refused_naming_file_and_key(tmp_path, points, why):
     """Five coincident points made every crop black and two people cosine 1.0000: such a file is
     refused at load, by file and metadata key, as a non-finite one is."""
     import json
+
     import onnx
+
     from infer.model import load_module
     from infer.onnx import TEMPLATE_KEY
     from scripts.export_onnx import export
+
     path = str(tmp_path / "m.onnx")
     export(backbones.get_model("tiny").eval(), path)
     load_module(path)  # as exported: fine
@@ -124,6 +148,8 @@ def test_onnx_whose_template_cannot_align_a_face_is_refused_naming_file_and_key(
     entry = next(e for e in proto.metadata_props if e.key == TEMPLATE_KEY)
     entry.value = json.dumps({"name": "odd", "size": [112, 112], "points": points})
     onnx.save(proto, path)
-    with pytest.raises(CheckpointError, match=rf"m.onnx: {TEMPLATE_KEY} metadata names no usable crop \({why}") as e:
+    with pytest.raises(
+        CheckpointError, match=rf"m.onnx: {TEMPLATE_KEY} metadata names no usable crop \({why}"
+    ) as e:
         load_module(path)
     assert "\n" not in str(e.value)

@@ -2,6 +2,7 @@
 landmarks, alignment onto insightface's template checked by finding the landmarks again in the
 crop, scripts.align's crops and report, and `--align` in pack_rec, make_bin, embed, compare and
 image-folder training. Photos are small (detection on a CPU) and detected once per session."""
+
 import csv
 import json
 import os
@@ -34,9 +35,12 @@ def photos(tmp_path_factory) -> str:
     without a face; photos/mirror: four mirrored photos; photos/nobody: one photo, no face."""
     root = tmp_path_factory.mktemp("photos")
     head = astronaut_head()
-    variants = {"one.jpg": head, "two.png": two_faces_photo(head),
-                "dark.png": ImageEnhance.Brightness(head).enhance(0.7),
-                "turned.png": head.rotate(12, resample=Image.BILINEAR, fillcolor=(90, 90, 90))}
+    variants = {
+        "one.jpg": head,
+        "two.png": two_faces_photo(head),
+        "dark.png": ImageEnhance.Brightness(head).enhance(0.7),
+        "turned.png": head.rotate(12, resample=Image.BILINEAR, fillcolor=(90, 90, 90)),
+    }
     for person, flip in (("eileen", False), ("mirror", True)):
         os.makedirs(root / person)
         for name, img in variants.items():
@@ -54,6 +58,7 @@ def aligned(photos, tmp_path_factory) -> tuple[str, str]:
     import io
 
     from scripts.align import main as align_tool
+
     dst = str(tmp_path_factory.mktemp("aligned") / "crops")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -89,6 +94,7 @@ def test_a_face_is_found_with_five_landmarks_in_insightface_order(head_faces):
 
 def test_aligned_crop_puts_eyes_within_pixels_of_the_template_and_a_resize_misses_by_tens(head, head_faces):
     from skimage import data
+
     portrait = Image.fromarray(data.astronaut())  # the whole 512x512 portrait, as a user has it
     face = detect_faces(portrait, upsample=0)[0]
     for photo, landmarks in ((head, head_faces[0].points), (portrait, face.points)):
@@ -129,6 +135,7 @@ def test_mmod_detector_finds_the_face_where_hog_does(head, head_faces):
 
 # ----- scripts.align -------------------------------------------------------------------------------
 
+
 def _report(dst: str) -> list[dict]:
     with open(os.path.join(dst, "align_report.csv")) as f:
         return list(csv.DictReader(f))
@@ -136,11 +143,21 @@ def _report(dst: str) -> list[dict]:
 
 def test_align_writes_a_crop_per_face_keeping_folders_largest_by_its_name(aligned):
     dst, _ = aligned
-    crops = sorted(os.path.relpath(os.path.join(d, f), dst) for d, _, fs in os.walk(dst) for f in fs
-                   if f.endswith(".png"))
-    assert crops == [f"{p}/{n}" for p in ("eileen", "mirror") for n in
-                     ("dark.png", "one.png", "turned.png", "two.face2.png", "two.png")]
-    big, small = Image.open(os.path.join(dst, "eileen/two.png")), Image.open(os.path.join(dst, "eileen/two.face2.png"))
+    crops = sorted(
+        os.path.relpath(os.path.join(d, f), dst)
+        for d, _, fs in os.walk(dst)
+        for f in fs
+        if f.endswith(".png")
+    )
+    assert crops == [
+        f"{p}/{n}"
+        for p in ("eileen", "mirror")
+        for n in ("dark.png", "one.png", "turned.png", "two.face2.png", "two.png")
+    ]
+    big, small = (
+        Image.open(os.path.join(dst, "eileen/two.png")),
+        Image.open(os.path.join(dst, "eileen/two.face2.png")),
+    )
     assert big.size == small.size == (112, 112)
     # both crops are the same face aligned alike: the eyes found again agree with the template
     for crop in (big, small):
@@ -152,10 +169,13 @@ def test_align_reports_every_photo_and_counts_and_names_those_without_a_face(ali
     rows = _report(dst)
     assert sorted({r["photo"] for r in rows}) == sorted(
         [f"{p}/{n}" for p in ("eileen", "mirror") for n in ("dark.png", "one.jpg", "turned.png", "two.png")]
-        + ["eileen/wall.png", "nobody/floor.png"])
+        + ["eileen/wall.png", "nobody/floor.png"]
+    )
     two = [r for r in rows if r["photo"] == "eileen/two.png"]
-    assert [(r["faces"], r["face"], r["crop"]) for r in two] == [("2", "1", "eileen/two.png"),
-                                                                 ("2", "2", "eileen/two.face2.png")]
+    assert [(r["faces"], r["face"], r["crop"]) for r in two] == [
+        ("2", "1", "eileen/two.png"),
+        ("2", "2", "eileen/two.face2.png"),
+    ]
     assert float(two[0]["x1"]) - float(two[0]["x0"]) > float(two[1]["x1"]) - float(two[1]["x0"])
     assert float(two[0]["left_eye_x"]) < float(two[0]["right_eye_x"]) and float(two[0]["score"]) > 0
     empty = [r for r in rows if r["faces"] == "0"]
@@ -166,11 +186,14 @@ def test_align_reports_every_photo_and_counts_and_names_those_without_a_face(ali
 
 def test_align_refusals_write_nothing(photos, tmp_path, capsys):
     from scripts.align import main as align_tool
+
     inside = os.path.join(photos, "eileen", "out")
-    for argv, message in (([photos, inside], "is inside"),
-                          ([photos, str(tmp_path / "no" / "out")], "output directory not found"),
-                          ([str(tmp_path / "gone"), str(tmp_path / "out")], "photo folder not found"),
-                          ([photos, str(tmp_path / "out"), "--detector", "mmod", "--upsample", "-1"], "--upsample")):
+    for argv, message in (
+        ([photos, inside], "is inside"),
+        ([photos, str(tmp_path / "no" / "out")], "output directory not found"),
+        ([str(tmp_path / "gone"), str(tmp_path / "out")], "photo folder not found"),
+        ([photos, str(tmp_path / "out"), "--detector", "mmod", "--upsample", "-1"], "--upsample"),
+    ):
         assert align_tool(argv) == 2
         assert message in capsys.readouterr().err
     assert not os.path.exists(inside) and os.listdir(tmp_path) == []
@@ -190,6 +213,7 @@ def test_align_refusals_write_nothing(photos, tmp_path, capsys):
 
 # ----- --align in the tools and in training --------------------------------------------------------
 
+
 def _people(photos: str, tmp_path, names=("eileen", "mirror")):
     """A photo folder of some of `photos`' people (links)."""
     src = tmp_path / "src"
@@ -199,10 +223,12 @@ def _people(photos: str, tmp_path, names=("eileen", "mirror")):
     return src
 
 
-def test_pack_rec_align_packs_largest_faces_leaves_out_and_names_the_rest_strict_refuses(photos, tmp_path, caplog,
-                                                                                        capsys):
+def test_pack_rec_align_packs_largest_faces_leaves_out_and_names_the_rest_strict_refuses(
+    photos, tmp_path, caplog, capsys
+):
     from dataset import MXFaceDataset
     from scripts.pack_rec import main as pack_rec
+
     src = _people(photos, tmp_path)  # the two people with faces (nobody has none: refused, below)
     assert pack_rec([str(src), str(tmp_path / "strict"), "--align", "--strict"]) == 2
     err = capsys.readouterr().err
@@ -214,13 +240,18 @@ def test_pack_rec_align_packs_largest_faces_leaves_out_and_names_the_rest_strict
     assert pack_rec([str(src), out, "--align"]) == 0
     assert "wall.png" in caplog.text and "2 further faces" in caplog.text  # two.png's second face, twice
     data = MXFaceDataset(out, train=False, normalize=False)
-    assert len(data) == 8 and data.num_classes == 2 and open(os.path.join(out, "property")).read().strip() == "2,112,112"
+    assert (
+        len(data) == 8
+        and data.num_classes == 2
+        and open(os.path.join(out, "property")).read().strip() == "2,112,112"
+    )
     image, label = data.load(0)
     assert tuple(image.shape) == (3, 112, 112) and label == 0
 
 
 def test_align_options_refuse_resize_with_align(photos, tmp_path, capsys):
     from scripts.pack_rec import main as pack_rec
+
     assert pack_rec([photos, str(tmp_path / "rec"), "--align", "--resize"]) == 2
     assert "choose one" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
@@ -229,6 +260,7 @@ def test_align_options_refuse_resize_with_align(photos, tmp_path, capsys):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     from backbones import get_model
+
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("model")
     torch.save(get_model("tiny", num_features=32).eval().state_dict(), root / "model.pt")
@@ -236,9 +268,11 @@ def tiny_model(tmp_path_factory) -> str:
     return str(root / "model.pt")
 
 
-def test_embed_align_equals_embedding_the_align_tools_crops_and_leaves_out_faceless(photos, aligned, tiny_model,
-                                                                                   tmp_path, caplog, capsys):
+def test_embed_align_equals_embedding_the_align_tools_crops_and_leaves_out_faceless(
+    photos, aligned, tiny_model, tmp_path, caplog, capsys
+):
     from scripts.embed import main as embed
+
     dst, _ = aligned
     eileen = os.path.join(photos, "eileen")
     out = str(tmp_path / "e.npy")
@@ -256,6 +290,7 @@ def test_embed_align_equals_embedding_the_align_tools_crops_and_leaves_out_facel
 
 def test_compare_align_compares_faces_and_refuses_a_photo_without_one(photos, tiny_model, capsys):
     from scripts.compare import main as compare
+
     one, two = os.path.join(photos, "eileen", "one.jpg"), os.path.join(photos, "eileen", "two.png")
     assert compare([tiny_model, one, two, "--align", "--threshold", "0.5"]) == 0
     cosine = float(capsys.readouterr().out.split("cosine similarity ")[1].split()[0])
@@ -267,6 +302,7 @@ def test_compare_align_compares_faces_and_refuses_a_photo_without_one(photos, ti
 def test_make_bin_align_draws_pairs_of_aligned_faces(photos, tmp_path, capsys):
     from eval.verification import load_bin
     from scripts.make_bin import main as make_bin
+
     src = _people(photos, tmp_path)
     out = str(tmp_path / "v.bin")
     assert make_bin([str(src), out, "--pairs", "10", "--align", "--strict"]) == 2
@@ -278,8 +314,9 @@ def test_make_bin_align_draws_pairs_of_aligned_faces(photos, tmp_path, capsys):
 
 
 def test_training_set_align_true_yields_aligned_faces_of_photos_with_one(photos, tmp_path):
-    from configs import get_config
     from builders import build_train_dataset
+    from configs import get_config
+
     src = _people(photos, tmp_path)
     cfg = get_config("configs/demo.py", ["--rec", str(src), "--num_classes", "2", "--align", "true"])
     data = build_train_dataset(cfg)
@@ -298,17 +335,21 @@ def test_training_set_align_true_yields_aligned_faces_of_photos_with_one(photos,
 def test_training_set_align_true_label_free_takes_every_photo_with_a_face_under_the_folder(photos):
     """num_classes 0 (docs/distillation.md): the sub-folders are not people; a folder whose one
     photo has no face ('nobody') is no error, as an identity without a photo would be."""
-    from configs import get_config
     from builders import build_train_dataset
-    cfg = get_config("configs/demo.py", ["--rec", photos, "--num_classes", "0", "--teacher", "t.teacher",
-                                         "--align", "true"])
+    from configs import get_config
+
+    cfg = get_config(
+        "configs/demo.py",
+        ["--rec", photos, "--num_classes", "0", "--teacher", "t.teacher", "--align", "true"],
+    )
     data = build_train_dataset(cfg)
     assert len(data) == 8 and {label for _, label in data.samples} == {0}  # wall.png, floor.png: no face
     assert all(os.path.basename(os.path.dirname(p)) in ("eileen", "mirror") for p, _ in data.samples)
 
 
-def test_teach_align_makes_the_rows_of_an_align_true_runs_faces_and_a_resize_file_is_refused(photos, tiny_model,
-                                                                                               tmp_path):
+def test_teach_align_makes_the_rows_of_an_align_true_runs_faces_and_a_resize_file_is_refused(
+    photos, tiny_model, tmp_path
+):
     """scripts.teach reads the data as the run does (builders.build_train_dataset): with --align,
     row i is the teacher's embedding of the run's aligned face i; a file made from the same photos
     resized is refused by the align true run, naming both readings."""
@@ -320,11 +361,14 @@ def test_teach_align_makes_the_rows_of_an_align_true_runs_faces_and_a_resize_fil
     from distill.teacher_file import TeacherFile
     from infer.model import load_model
     from scripts.teach import main as teach
+
     aligned_file, resized_file = str(tmp_path / "aligned.teacher"), str(tmp_path / "resized.teacher")
     assert teach([tiny_model, photos, aligned_file, "--align", "--num_workers", "0"]) == 0
     assert teach([tiny_model, photos, resized_file, "--resize", "--num_workers", "0"]) == 0
-    cfg = get_config("configs/demo.py", ["--rec", photos, "--num_classes", "0", "--teacher", aligned_file,
-                                         "--align", "true"])
+    cfg = get_config(
+        "configs/demo.py",
+        ["--rec", photos, "--num_classes", "0", "--teacher", aligned_file, "--align", "true"],
+    )
     data = build_train_dataset(cfg, train=False)
     rows = TeacherFile(aligned_file)
     Distillation(rows, None).check_data(cfg, data)
@@ -332,19 +376,29 @@ def test_teach_align_makes_the_rows_of_an_align_true_runs_faces_and_a_resize_fil
     face = data[0][0][None]
     want = torch.nn.functional.normalize(teacher.targets(face, None) + teacher.targets(face.flip(3), None))
     torch.testing.assert_close(rows.targets(face, rows.read([0])), want, rtol=0, atol=2e-3)
-    with pytest.raises(ConfigError, match=f"made from {photos} read with align false, resize true; this run reads "
-                                          f"{photos} with align true \\(detector hog\\)"):
+    with pytest.raises(
+        ConfigError,
+        match=f"made from {photos} read with align false, resize true; this run reads "
+        f"{photos} with align true \\(detector hog\\)",
+    ):
         Distillation(TeacherFile(resized_file), None).check_data(cfg, data)
 
 
 def test_crop_names_keep_folders_and_tell_apart_photos_sharing_a_name():
     from scripts.align import crop_stems
+
     assert crop_stems(["a/p1.jpg", "a/p1.png", "a/p2.jpg", "b/p1.jpg"]) == {
-        "a/p1.jpg": "a/p1.jpg", "a/p1.png": "a/p1.png", "a/p2.jpg": "a/p2", "b/p1.jpg": "b/p1"}
+        "a/p1.jpg": "a/p1.jpg",
+        "a/p1.png": "a/p1.png",
+        "a/p2.jpg": "a/p2",
+        "b/p1.jpg": "b/p1",
+    }
     # names that met before: a_jpg.png beside a.jpg + a.png; a.jpg.png beside a.jpg; k.face2.jpg beside k.jpg
     photos = ["a/a.jpg", "a/a.png", "a/a_jpg.png", "a/a.jpg.png", "k/k.jpg", "k/k.face2.jpg", "k/k.face3.png"]
     stems = crop_stems(photos)
-    crops = [stems[p] + suffix for p in photos for suffix in [".png"] + [f".face{n}.png" for n in range(2, 5)]]
+    crops = [
+        stems[p] + suffix for p in photos for suffix in [".png"] + [f".face{n}.png" for n in range(2, 5)]
+    ]
     assert len(set(crops)) == len(crops), stems
     assert stems["a/a_jpg.png"] == "a/a_jpg" and stems["k/k.jpg"] == "k/k"
 
@@ -353,6 +407,7 @@ def test_align_writes_one_crop_file_per_reported_face_whatever_the_names(head, t
     """a.jpg, a.png and a_jpg.png in one folder, and a two-face k.jpg beside k.face2.jpg: every
     face the report lists has its own crop file."""
     from scripts.align import main as align_tool
+
     os.makedirs(tmp_path / "src" / "p")
     for name in ("a.jpg", "a.png", "a_jpg.png", "k.face2.jpg"):
         head.save(tmp_path / "src" / "p" / name)
@@ -361,14 +416,21 @@ def test_align_writes_one_crop_file_per_reported_face_whatever_the_names(head, t
     assert align_tool([str(tmp_path / "src"), dst]) == 0
     rows = [r for r in _report(dst) if r["crop"]]
     assert len(rows) == 6 and len({r["crop"] for r in rows}) == 6
-    files = sorted(os.path.relpath(os.path.join(d, f), dst) for d, _, fs in os.walk(dst) for f in fs if f.endswith(".png"))
+    files = sorted(
+        os.path.relpath(os.path.join(d, f), dst)
+        for d, _, fs in os.walk(dst)
+        for f in fs
+        if f.endswith(".png")
+    )
     assert files == sorted(r["crop"] for r in rows)
 
 
 def test_align_overwrite_swaps_folders_and_cleans_what_killed_runs_left(photos, tmp_path, capsys):
+    import shutil
+
     from scripts.align import main as align_tool
     from tests.tool_files import dead_pid
-    import shutil
+
     src = tmp_path / "src"
     shutil.copytree(os.path.join(photos, "nobody"), src / "nobody")
     (tmp_path / "out").write_text("a file")  # --overwrite onto a regular file: refused before the work
@@ -379,7 +441,11 @@ def test_align_overwrite_swaps_folders_and_cleans_what_killed_runs_left(photos, 
     os.makedirs(dst)
     (dst / "earlier").write_text("x")
     pid, host = dead_pid(), socket.gethostname()
-    for litter in (f".dst.partial-{host}-{pid}", f"dst.partial-{pid}", f"dst.old-{pid}"):  # utils.atomic's, older align's
+    for litter in (
+        f".dst.partial-{host}-{pid}",
+        f"dst.partial-{pid}",
+        f"dst.old-{pid}",
+    ):  # utils.atomic's, older align's
         os.makedirs(tmp_path / litter / "p")
     assert align_tool([str(src), str(dst), "--overwrite"]) == 0
     assert sorted(os.listdir(tmp_path)) == ["dst", "out", "src"] and os.listdir(dst) == ["align_report.csv"]
@@ -390,6 +456,7 @@ def test_align_killed_between_moving_the_earlier_folder_aside_and_the_new_one_in
     journaled backup leaves no DST; the next run puts the earlier one back before it starts."""
     from tests.tool_files import dead_pid
     from utils import atomic
+
     dst, backup = tmp_path / "dst", tmp_path / f".dst.old-{socket.gethostname()}-{dead_pid()}"
     os.makedirs(backup)
     (backup / "earlier").write_text("x")
@@ -399,6 +466,7 @@ def test_align_killed_between_moving_the_earlier_folder_aside_and_the_new_one_in
 def test_a_photo_stored_sideways_with_exif_orientation_is_turned_upright(head, head_faces, tmp_path):
     from faces.detect import Detection
     from faces.stream import stream
+
     path = str(tmp_path / "sideways.jpg")
     exif = Image.Exif()
     exif[0x0112] = 6  # "rotate 90 degrees clockwise to view": the pixels lie turned left
@@ -410,11 +478,37 @@ def test_a_photo_stored_sideways_with_exif_orientation_is_turned_upright(head, h
 
 def test_train_py_align_true_trains_on_a_folder_of_raw_photos(photos, tmp_path):
     import train
+
     src = _people(photos, tmp_path)
     run = str(tmp_path / "run")
-    assert train.main(["configs/demo.py", "--rec", str(src), "--num_classes", "2", "--align", "true",
-                       "--batch_size", "4", "--num_workers", "0", "--max_steps", "2", "--warmup_epoch", "0",
-                       "--val_targets", "[]", "--frequent", "1", "--output", run]) == 0
+    assert (
+        train.main(
+            [
+                "configs/demo.py",
+                "--rec",
+                str(src),
+                "--num_classes",
+                "2",
+                "--align",
+                "true",
+                "--batch_size",
+                "4",
+                "--num_workers",
+                "0",
+                "--max_steps",
+                "2",
+                "--warmup_epoch",
+                "0",
+                "--val_targets",
+                "[]",
+                "--frequent",
+                "1",
+                "--output",
+                run,
+            ]
+        )
+        == 0
+    )
     log = open(os.path.join(run, "training.log")).read()
     assert "step 2/2" in log
     assert "eileen/wall.png" in log and "left out" in log  # what building the data set said is in the log too
@@ -424,6 +518,7 @@ def test_a_missing_model_file_stops_the_tool_at_start_in_one_line(photos, tmp_pa
     import faces.models
     from faces.detect import face_detector, landmark_predictor
     from scripts.align import main as align_tool
+
     empty = tmp_path / "models"
     os.makedirs(empty)
     monkeypatch.setattr(faces.models, "models_dir", lambda: str(empty))
@@ -443,13 +538,30 @@ def test_identify_align_names_each_face_of_a_photo_largest_first(photos, tiny_mo
     import shutil
 
     from scripts.identify import main as identify
+
     gallery = tmp_path / "people"
     for person, photo in (("eileen", "one.jpg"), ("other", "turned.png")):
         os.makedirs(gallery / person)
         shutil.copy(os.path.join(photos, "eileen", photo), gallery / person / photo)
     one, two = os.path.join(photos, "eileen", "one.jpg"), os.path.join(photos, "eileen", "two.png")
-    assert identify([tiny_model, "--gallery", str(gallery), "--align", "--top", "2", "--json", "--threshold", "-1",
-                     one, two]) == 0
+    assert (
+        identify(
+            [
+                tiny_model,
+                "--gallery",
+                str(gallery),
+                "--align",
+                "--top",
+                "2",
+                "--json",
+                "--threshold",
+                "-1",
+                one,
+                two,
+            ]
+        )
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)["faces"]
     assert [(r["file"], r["face"]) for r in rows] == [(one, 0), (two, 0), (two, 1)]
     assert rows[0]["name"] == "eileen" and abs(rows[0]["score"] - 1) < 1e-5
@@ -468,6 +580,7 @@ def _eval_folder(photos, root, people: dict[str, int], faceless, per_id=1, unkno
     import shutil
 
     from scripts.identify_eval import split
+
     layout = [(name, [f"{name}/{i}.png" for i in range(n)]) for name, n in sorted(people.items())]
     enrolled, mated, nonmated = split(layout, per_id, unknown, 0)
     roles = {f: "enrolled" for _, fs in enrolled for f in fs}
@@ -480,48 +593,76 @@ def _eval_folder(photos, root, people: dict[str, int], faceless, per_id=1, unkno
 
 
 def test_identify_eval_counts_and_names_faceless_images_and_leaves_out_probes_of_people_not_enrolled(
-        photos, tiny_model, tmp_path, capsys):
+    photos, tiny_model, tmp_path, capsys
+):
     from scripts.identify_eval import main as identify_eval
+
     # blank's enrolment image has no face, its probe has one: counted as non-mated it would be
     # an impostor in a test that holds no one out
-    folder, roles = _eval_folder(photos, tmp_path / "people", {"ann": 2, "bob": 3, "blank": 2},
-                                 lambda name, role: (name, role) in {("blank", "enrolled"), ("bob", "mated")})
+    folder, roles = _eval_folder(
+        photos,
+        tmp_path / "people",
+        {"ann": 2, "bob": 3, "blank": 2},
+        lambda name, role: (name, role) in {("blank", "enrolled"), ("bob", "mated")},
+    )
     args = [tiny_model, folder, "--align", "--unknown_ids", "0"]
     assert identify_eval([*args, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     faceless_enrolled = sorted(f for f, r in roles.items() if r == "enrolled" and f.startswith("blank"))
     faceless_probes = sorted(f for f, r in roles.items() if r == "mated" and f.startswith("bob"))
     assert result["no_face"] == {"enrolment": faceless_enrolled, "probes": faceless_probes}
-    assert result["not_enrolled"] == {"people": ["blank"],
-                                      "probes_left_out": [f for f, r in roles.items() if r == "mated" and
-                                                          f.startswith("blank")]}
+    assert result["not_enrolled"] == {
+        "people": ["blank"],
+        "probes_left_out": [f for f, r in roles.items() if r == "mated" and f.startswith("blank")],
+    }
     assert result["nonmated_probes"] == 0 and result["people_enrolled"] == 2
     assert result["mated_probes"] == 1  # ann's one probe; bob's two have no face
     assert identify_eval(args) == 0
     out = capsys.readouterr().out
-    assert f"no face found in 1 enrolment image(s), left out: {os.path.join(folder, faceless_enrolled[0])}" in out
-    assert "no face found in 2 probe image(s), left out: " in out and os.path.join(folder, faceless_probes[1]) in out
+    assert (
+        f"no face found in 1 enrolment image(s), left out: {os.path.join(folder, faceless_enrolled[0])}"
+        in out
+    )
+    assert (
+        "no face found in 2 probe image(s), left out: " in out
+        and os.path.join(folder, faceless_probes[1]) in out
+    )
     assert "not enrolled, no enrolment image with a face: blank; their 1 probe(s) left out" in out
 
 
-def test_identify_eval_with_every_mated_probe_faceless_is_one_error_line(photos, tiny_model, tmp_path, capsys):
+def test_identify_eval_with_every_mated_probe_faceless_is_one_error_line(
+    photos, tiny_model, tmp_path, capsys
+):
     from scripts.identify_eval import main as identify_eval
-    folder, _ = _eval_folder(photos, tmp_path / "people", {"ann": 2, "bob": 2}, lambda name, role: role == "mated")
+
+    folder, _ = _eval_folder(
+        photos, tmp_path / "people", {"ann": 2, "bob": 2}, lambda name, role: role == "mated"
+    )
     assert identify_eval([tiny_model, folder, "--align", "--unknown_ids", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and folder in err and "no mated probe has a face" in err
 
 
 def test_compare_align_counts_a_photos_further_faces_and_refuses_a_faceless_one_without_naming_strict(
-        photos, tiny_model, capsys):
+    photos, tiny_model, capsys
+):
     from scripts.compare import main as compare
+
     one, two = os.path.join(photos, "eileen", "one.jpg"), os.path.join(photos, "eileen", "two.png")
     assert compare([tiny_model, one, two, "--align", "--threshold", "0.5"]) == 0
-    assert f"1 of 2 photos hold several faces, the largest of each used: {two} (2 faces)" in capsys.readouterr().out
+    assert (
+        f"1 of 2 photos hold several faces, the largest of each used: {two} (2 faces)"
+        in capsys.readouterr().out
+    )
     floor = os.path.join(photos, "nobody", "floor.png")
     assert compare([tiny_model, one, floor, "--align", "--threshold", "0.5"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and floor in err and "compare needs a face in each" in err and "--strict" not in err
+    assert (
+        err.count("\n") == 1
+        and floor in err
+        and "compare needs a face in each" in err
+        and "--strict" not in err
+    )
     with pytest.raises(SystemExit):  # --strict would change nothing: compare refuses a faceless photo anyway
         compare([tiny_model, one, two, "--align", "--strict"])
     assert "unrecognized arguments: --strict" in capsys.readouterr().err
@@ -529,6 +670,11 @@ def test_compare_align_counts_a_photos_further_faces_and_refuses_a_faceless_one_
 
 def test_embed_align_counts_each_photos_further_faces(photos, tiny_model, tmp_path, caplog):
     from scripts.embed import main as embed
-    assert embed([tiny_model, os.path.join(photos, "eileen"), "--out", str(tmp_path / "e.npy"), "--align"]) == 0
-    assert f"1 of 5 photos hold several faces, the largest of each used: " \
-           f"{os.path.join(photos, 'eileen', 'two.png')} (2 faces)" in caplog.text
+
+    assert (
+        embed([tiny_model, os.path.join(photos, "eileen"), "--out", str(tmp_path / "e.npy"), "--align"]) == 0
+    )
+    assert (
+        f"1 of 5 photos hold several faces, the largest of each used: "
+        f"{os.path.join(photos, 'eileen', 'two.png')} (2 faces)" in caplog.text
+    )

@@ -1,5 +1,6 @@
 """Launched with torchrun like users do: a stop signal on one rank saves and exits cleanly on
 every rank; a rank that dies makes the others exit instead of hanging."""
+
 import json
 import os
 import re
@@ -17,9 +18,26 @@ from tests.train_runs import train_argv
 
 
 def _launch(data_dir, output, *extra, console=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "train.py", *train_argv(data_dir, output, "--max_steps", "100000", "--num_epoch", "1000",
-                                   "--checkpoint_interval", "100000", *extra)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "train.py",
+        *train_argv(
+            data_dir,
+            output,
+            "--max_steps",
+            "100000",
+            "--num_epoch",
+            "1000",
+            "--checkpoint_interval",
+            "100000",
+            *extra,
+        ),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     console = open(console or output + ".console", "w")
     return subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -40,7 +58,9 @@ def _wait_for_step(output, step, proc, timeout=120, after=0):
     log = os.path.join(output, "training.log")
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if os.path.isfile(log) and any(int(n) >= step for n in re.findall(r"step (\d+)/", open(log).read()[after:])):
+        if os.path.isfile(log) and any(
+            int(n) >= step for n in re.findall(r"step (\d+)/", open(log).read()[after:])
+        ):
             return
         if proc.poll() is not None:
             console = open(output + ".console").read()
@@ -67,6 +87,7 @@ def _bad_label(data):
     import struct
 
     from dataset.recordio import read_index
+
     index = read_index(os.path.join(data, "train.idx"))
     with open(os.path.join(data, "train.rec"), "r+b") as f:
         for key in range(121, 129):  # the images of identity 15 now carry label 16, out of range
@@ -77,6 +98,7 @@ def _bad_label(data):
 
 def _corrupt_record(data):
     from dataset.recordio import read_index
+
     offset = read_index(os.path.join(data, "train.idx"))[40]
     with open(os.path.join(data, "train.rec"), "r+b") as f:
         f.seek(offset)
@@ -113,12 +135,25 @@ def test_sigterm_during_process_group_setup_exits_promptly(drawn_faces, tmp_path
     """Rank 0 of two waits in init_process_group for a rank that never comes; torchrun's
     SIGTERM must end it within seconds, not after the rendezvous timeout."""
     from tests.distributed import free_port
+
     port = free_port()
     out = str(tmp_path / "setup")
-    env = dict(os.environ, OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="2",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    proc = subprocess.Popen([sys.executable, "train.py", *train_argv(drawn_faces, out, "--dist_timeout_min", "5")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *train_argv(drawn_faces, out, "--dist_timeout_min", "5")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 120
         while not _listening(port):  # rank 0's store is up: it is waiting for rank 1
@@ -191,8 +226,10 @@ def test_second_job_on_a_live_jobs_output_is_refused_at_once_and_the_first_saves
         second = _launch(drawn_faces, out, "--resume", "auto", console=out + ".second")
         assert _finish(second, 90, "the second job") != 0
         console = open(out + ".second").read()
-        assert (f"in use by a live run (host {socket.gethostname()}, pid {holder['pid']}, user {holder['user']}"
-                in console)
+        assert (
+            f"in use by a live run (host {socket.gethostname()}, pid {holder['pid']}, user {holder['user']}"
+            in console
+        )
         log = open(os.path.join(out, "training.log")).read()
         assert log.count("config configs/demo.py") == 1 and "resumed at step" not in log  # it wrote nothing
         assert first.poll() is None  # the first job is unharmed and still training
@@ -225,10 +262,15 @@ def test_dead_rank_makes_the_job_exit_instead_of_hanging(drawn_faces, tmp_path):
 def _assert_resumable(data_dir, out):
     """The newest intact checkpoint loads and training continues from it (one process)."""
     import train
+
     step = int(resolve_checkpoint(out).rsplit("-", 1)[1])
     # the launches' epoch count: the checkpoint may lie past train_argv's 3 epochs
-    assert train.main(train_argv(data_dir, out, "--resume", "auto", "--max_steps", str(step + 1),
-                                 "--num_epoch", "1000")) == 0
+    assert (
+        train.main(
+            train_argv(data_dir, out, "--resume", "auto", "--max_steps", str(step + 1), "--num_epoch", "1000")
+        )
+        == 0
+    )
     assert int(resolve_checkpoint(out).rsplit("-", 1)[1]) == step + 1
 
 
@@ -238,7 +280,9 @@ def test_repeated_kills_during_checkpoint_writes_leave_an_intact_checkpoint(draw
     for round, delay in enumerate((0.3, 0.7, 1.1)):
         # a checkpoint every step: the kill lands in or near a write
         before = _log_size(out)
-        proc = _launch(drawn_faces, out, "--resume", "auto", "--checkpoint_interval", "1", "--num_workers", "1")
+        proc = _launch(
+            drawn_faces, out, "--resume", "auto", "--checkpoint_interval", "1", "--num_workers", "1"
+        )
         try:
             _wait_for_step(out, 3 + 3 * round, proc, after=before)
             time.sleep(delay)
@@ -254,12 +298,39 @@ def test_repeated_kills_during_checkpoint_writes_leave_an_intact_checkpoint(draw
 @pytest.mark.slow
 def test_elastic_restart_with_resume_auto_continues_from_the_last_checkpoint(drawn_faces, tmp_path):
     out = str(tmp_path / "elastic")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts",
-           "1", "train.py", *train_argv(drawn_faces, out, "--resume", "auto", "--max_steps", "40", "--num_epoch",
-                                        "10", "--checkpoint_interval", "5", "--num_workers", "1")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "--max-restarts",
+        "1",
+        "train.py",
+        *train_argv(
+            drawn_faces,
+            out,
+            "--resume",
+            "auto",
+            "--max_steps",
+            "40",
+            "--num_epoch",
+            "10",
+            "--checkpoint_interval",
+            "5",
+            "--num_workers",
+            "1",
+        ),
+    ]
     console = open(out + ".console", "w")
-    proc = subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=console,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        start_new_session=True,
+    )
     try:
         _wait_for_step(out, 12, proc)
         os.kill(_workers(proc.pid)[1], signal.SIGKILL)  # torchrun restarts both ranks

@@ -2,6 +2,7 @@
 where arcface_torch's README puts them: r18 2.6, r50 6.3, mobilefacenet 0.45 (ptflops also
 counts norms and activations, which we leave out: a few percent on mbf), ViT-T 1.5 with
 attention (its "Total-GFLOPs")."""
+
 import functools
 
 import pytest

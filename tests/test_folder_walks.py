@@ -1,6 +1,7 @@
 """Every tool walks image folders alike: symlinked folders are followed (a link up the tree is
 no loop), hidden folders are skipped, and a hidden folder holding images is named, never
 left out without a word."""
+
 import logging
 import os
 
@@ -8,8 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dataset.folders import list_identity_folders, list_images
-from dataset.folders import image_files
+from dataset.folders import image_files, list_identity_folders, list_images
 from infer.enrolment import list_gallery
 from scripts.align import photos_under
 
@@ -22,11 +22,13 @@ def _png(path):
 def _walks(root):
     """Each walker's images under `root`, as paths relative to it."""
     rel = lambda paths: sorted(os.path.relpath(p, root) for p in paths)  # noqa: E731
-    return {"align": sorted(photos_under(root)),
-            "embed/identify queries": rel(image_files([root])),
-            "gallery": sorted(f for _, files in list_gallery(root) for f in files),
-            "training": rel(p for g in list_identity_folders(root)[1] for p in g),
-            "label-free training": rel(list_images(root))}
+    return {
+        "align": sorted(photos_under(root)),
+        "embed/identify queries": rel(image_files([root])),
+        "gallery": sorted(f for _, files in list_gallery(root) for f in files),
+        "training": rel(p for g in list_identity_folders(root)[1] for p in g),
+        "label-free training": rel(list_images(root)),
+    }
 
 
 def test_symlinked_person_folders_are_followed_by_every_walker_and_a_link_up_the_tree_is_no_loop(tmp_path):

@@ -1,6 +1,7 @@
 """A disk that fills up during a checkpoint: torch.save's own failure is reported as no space,
 naming the file and the space a checkpoint needs; the partial save is removed; every rank
 stops alike (none waits at a barrier); the earlier checkpoints still load."""
+
 import errno
 import os
 
@@ -23,7 +24,7 @@ class _FillingFile:
 
     def write(self, data):
         if len(data) > self.room:
-            self.f.write(bytes(data[:self.room]))  # what fitted stays on disk, as the kernel leaves it
+            self.f.write(bytes(data[: self.room]))  # what fitted stays on disk, as the kernel leaves it
             self.room = 0
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self.room -= len(data)
@@ -41,14 +42,17 @@ class _FillingFile:
 
 def fill_disk_at(monkeypatch, fragment: str, room: int = 1000) -> None:
     """Writes to files whose path contains `fragment` run out of space after `room` bytes."""
+
     def opening(path, mode="r", *args, **kw):
         f = open(path, mode, *args, **kw)
         return _FillingFile(f, room) if fragment in path and "w" in mode else f
+
     monkeypatch.setattr(checkpoint_files, "open", opening, raising=False)
 
 
 def test_full_disk_during_a_checkpoint_names_file_and_space_and_removes_the_partial_save(
-        drawn_faces, tmp_path, monkeypatch):
+    drawn_faces, tmp_path, monkeypatch
+):
     out = str(tmp_path / "run")
     fill_disk_at(monkeypatch, os.path.join("checkpoint-00000004.tmp", ".backbone.pt.partial-"))
     with pytest.raises(NoSpaceError) as full:
@@ -70,6 +74,7 @@ def _save_with_rank1_disk_full(rank, world_size, output):
     from checkpoint.save import save_checkpoint
     from checkpoint.state import TrainState
     from tests.tiny_zero_run import build_parts, train_step
+
     parts = build_parts(rank, "collective")
     train_step(parts)
     save_checkpoint(output, TrainState(step=1, run_id="r"), **parts, rank=rank, world_size=world_size)
@@ -88,7 +93,9 @@ def _save_with_rank1_disk_full(rank, world_size, output):
 def test_full_disk_on_one_rank_stops_every_rank_alike(tmp_path):
     out = str(tmp_path / "run")
     messages = run_distributed(_save_with_rank1_disk_full, 2, out, timeout=120)
-    assert messages[0] == messages[1] and "rng-rank1.pt: cannot write (No space left on device)" in messages[0]
+    assert (
+        messages[0] == messages[1] and "rng-rank1.pt: cannot write (No space left on device)" in messages[0]
+    )
     assert "a checkpoint needs about" in messages[0]
     assert [step for step, _ in list_checkpoints(out)] == [1]
     assert not os.path.exists(os.path.join(out, "checkpoint-00000002.tmp"))

@@ -2,6 +2,7 @@
 a gallery file is never replaced, images are known by their content, loaded arrays are checked,
 the face options and the EMA choice are recorded, concurrent and killed enrolments keep their
 saved work, and a collapsed model is named."""
+
 import logging
 import os
 import signal
@@ -57,8 +58,16 @@ def test_a_directory_as_cache_is_refused_before_anything_is_enrolled(tmp_path, c
     real, seen = s.crop_pixels, []
     s.crop_pixels = lambda *a: seen.append(a) or real(*a)
     try:
-        code, out, err = run_identify(capsys, model, "--gallery", gallery, "--cache", str(folder), "--rebuild",
-                                      noise_face(tmp_path / "q.png", 5))
+        code, out, err = run_identify(
+            capsys,
+            model,
+            "--gallery",
+            gallery,
+            "--cache",
+            str(folder),
+            "--rebuild",
+            noise_face(tmp_path / "q.png", 5),
+        )
     finally:
         s.crop_pixels = real
     assert code == 2 and err.count("\n") == 1 and str(folder) in err and "directory" in err
@@ -205,7 +214,9 @@ def test_the_ema_choice_keeps_its_own_gallery_file_and_is_named_when_it_changes(
         assert seen == []
     assert "since enrolment" not in caplog.text
     assert sorted(f for f in os.listdir(gallery) if f.startswith(".")) == [
-        ".shardface_gallery.no_ema.npz", ".shardface_gallery.npz"]
+        ".shardface_gallery.no_ema.npz",
+        ".shardface_gallery.npz",
+    ]
     shared = str(tmp_path / "one.npz")  # one file named for both: the change is said as what it is
     enrol(gallery, ema, cache=shared, show_progress=False)
     with caplog.at_level(logging.WARNING, "shardface"):
@@ -215,9 +226,12 @@ def test_the_ema_choice_keeps_its_own_gallery_file_and_is_named_when_it_changes(
 
 class _Projection(torch.nn.Module):
     """A random projection of the pixels: noise images land far apart."""
+
     def __init__(self):
         super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(3 * 112 * 112, 16, generator=torch.Generator().manual_seed(0)))
+        self.w = torch.nn.Parameter(
+            torch.randn(3 * 112 * 112, 16, generator=torch.Generator().manual_seed(0))
+        )
 
     def forward(self, x):
         return x.flatten(1) @ self.w
@@ -225,6 +239,7 @@ class _Projection(torch.nn.Module):
 
 class _Collapsed(torch.nn.Module):
     """Every face lands on (nearly) the same embedding."""
+
     def __init__(self):
         super().__init__()
         self.w = torch.nn.Parameter(torch.ones(16))
@@ -237,8 +252,12 @@ def test_a_gallery_of_nearly_identical_templates_is_warned_about(tmp_path, caplo
     gallery = gallery_folder(tmp_path / "g")
     collapsed = Model(_Collapsed().eval(), ARCFACE_112, "collapsed", "c0")
     with caplog.at_level(logging.WARNING, "shardface"):
-        enrol(gallery, Model(_Projection().eval(), ARCFACE_112, "projection", "p0"), cache=str(tmp_path / "a.npz"),
-              show_progress=False)
+        enrol(
+            gallery,
+            Model(_Projection().eval(), ARCFACE_112, "projection", "p0"),
+            cache=str(tmp_path / "a.npz"),
+            show_progress=False,
+        )
         assert "nearly identical" not in caplog.text
         enrol(gallery, collapsed, cache=str(tmp_path / "b.npz"), show_progress=False)
     assert caplog.text.count("nearly identical") == 1 and "3 people" in caplog.text
@@ -253,6 +272,7 @@ def test_mean_cross_cosine_is_the_mean_over_pairs_of_different_people():
 
 def astronaut_head(path):
     from skimage import data
+
     Image.fromarray(data.astronaut()).crop((120, 20, 320, 240)).save(path)  # 200x220, face about 90 px
     return str(path)
 
@@ -266,8 +286,9 @@ def test_face_options_are_recorded_and_a_change_enrols_again_saying_which(tmp_pa
     code, out, _ = run_identify(capsys, model, "--gallery", gallery, "--align", query)
     assert code == 0 and "face 0" in out
     with caplog.at_level(logging.WARNING, "shardface"):
-        code, out, _ = run_identify(capsys, model, "--gallery", gallery, "--align", "--upsample", "0", "--max_side",
-                                    "900", query)
+        code, out, _ = run_identify(
+            capsys, model, "--gallery", gallery, "--align", "--upsample", "0", "--max_side", "900", query
+        )
     assert code == 0 and "face 0" in out
     assert "the face options (--upsample 1, now 0, --max_side" in caplog.text
     assert "enrolling every image again" in caplog.text
@@ -283,6 +304,7 @@ def test_a_min_score_that_is_not_finite_is_one_error_line(tmp_path, capsys, tool
         code, out, err = run_identify(capsys, *argv)
     else:
         from scripts.embed import main as embed
+
         code = embed([model, query, "--out", str(tmp_path / "out"), "--align", "--min_score", "nan"])
         err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--min_score nan" in err and "finite" in err
@@ -308,5 +330,7 @@ def test_strict_refuses_a_query_photo_without_a_face(tmp_path, capsys):
     Image.new("RGB", (80, 80), (128, 128, 128)).save(blank)
     code, out, _ = run_identify(capsys, model, "--gallery", str(tmp_path / "g"), "--align", blank)
     assert code == 0 and "no face found" in out
-    code, out, err = run_identify(capsys, model, "--gallery", str(tmp_path / "g"), "--align", "--strict", blank)
+    code, out, err = run_identify(
+        capsys, model, "--gallery", str(tmp_path / "g"), "--align", "--strict", blank
+    )
     assert code == 2 and err.count("\n") == 1 and blank in err and "--strict" in err

@@ -16,6 +16,7 @@ selected by `make test-gpu`); the cheap cpu cases of the same bodies run in `mak
 kit cannot rot where no GPU has run it (it had: stale imports and expectations that only a GPU
 run would have shown). A cpu case proves the harness, not the GPU.
 """
+
 import contextlib
 import os
 import re
@@ -74,22 +75,46 @@ print("opened", len(paths), "files; step", state.step)
 
 # cuda: every precision with both data-parallel optimizers, on an IResNet (BatchNorm, PReLU,
 # autocast), fp16 and bf16 with the batch in channels-last memory; cpu: one case, the demo's tiny CNN
-TRAIN_CASES = [pytest.param("cuda", p, z, marks=pytest.mark.gpu, id=f"cuda-{p}-{'zero2' if z else 'ddp'}")
-               for p in ("fp32", "fp16", "bf16") for z in (True, False)] + \
-              [pytest.param("cpu", "fp32", True, id="cpu-fp32-zero2")]
+TRAIN_CASES = [
+    pytest.param("cuda", p, z, marks=pytest.mark.gpu, id=f"cuda-{p}-{'zero2' if z else 'ddp'}")
+    for p in ("fp32", "fp16", "bf16")
+    for z in (True, False)
+] + [pytest.param("cpu", "fp32", True, id="cpu-fp32-zero2")]
 
 
 @pytest.mark.parametrize("kind,precision,zero", TRAIN_CASES)
-def test_train_runs_on_the_device_and_its_files_open_on_a_cpu_only_host(drawn_faces, tmp_path, kind, precision,
-                                                                         zero):
+def test_train_runs_on_the_device_and_its_files_open_on_a_cpu_only_host(
+    drawn_faces, tmp_path, kind, precision, zero
+):
     out = str(tmp_path / "run")
-    argv = train_argv(drawn_faces, out, "--max_steps", str(SMOKE_STEPS), "--checkpoint_interval", "3",
-                      "--num_workers", "2", "--network", "r18" if kind == "cuda" else "tiny",
-                      "--zero", str(zero).lower(), "--fp16", str(precision == "fp16").lower(),
-                      "--bf16", str(precision == "bf16").lower(),
-                      "--channels_last", str(precision != "fp32").lower())  # NHWC on tensor cores
-    done = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, env=env_for(kind), capture_output=True,
-                          text=True, timeout=600)
+    argv = train_argv(
+        drawn_faces,
+        out,
+        "--max_steps",
+        str(SMOKE_STEPS),
+        "--checkpoint_interval",
+        "3",
+        "--num_workers",
+        "2",
+        "--network",
+        "r18" if kind == "cuda" else "tiny",
+        "--zero",
+        str(zero).lower(),
+        "--fp16",
+        str(precision == "fp16").lower(),
+        "--bf16",
+        str(precision == "bf16").lower(),
+        "--channels_last",
+        str(precision != "fp32").lower(),
+    )  # NHWC on tensor cores
+    done = subprocess.run(
+        [sys.executable, "train.py", *argv],
+        cwd=ROOT,
+        env=env_for(kind),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     log = open(os.path.join(out, "training.log")).read()
     assert f"(world size 1, {kind}" in log  # it trained on that device
@@ -97,21 +122,30 @@ def test_train_runs_on_the_device_and_its_files_open_on_a_cpu_only_host(drawn_fa
     assert len(losses) == SMOKE_STEPS and all(v not in ("nan", "inf") for v in losses), losses
     assert bool(re.search(r"loss [0-9.]+ .*scale \d+", log)) == (precision == "fp16")  # the loss scaler ran
     from checkpoint.folders import resolve_checkpoint
+
     assert resolve_checkpoint(out).endswith(f"checkpoint-{SMOKE_STEPS:08d}")
     assert os.path.isfile(os.path.join(out, "model.pt"))
 
-    opened = subprocess.run([sys.executable, "-c", _OPEN_ON_CPU, out, *argv], cwd=ROOT, env=env_for("cpu"),
-                            capture_output=True, text=True, timeout=300)
+    opened = subprocess.run(
+        [sys.executable, "-c", _OPEN_ON_CPU, out, *argv],
+        cwd=ROOT,
+        env=env_for("cpu"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert opened.returncode == 0, opened.stderr[-3000:]
     assert f"step {SMOKE_STEPS}" in opened.stdout, opened.stdout
 
 
 # ----- the multi-rank code paths at world size 1 (NCCL on a GPU, gloo on the CPU) -----------------
 
+
 def _small_model(device) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 256), nn.PReLU(256), nn.Linear(256, 256), nn.PReLU(256),
-                         nn.Linear(256, 32)).to(device)
+    return nn.Sequential(
+        nn.Linear(64, 256), nn.PReLU(256), nn.Linear(256, 256), nn.PReLU(256), nn.Linear(256, 32)
+    ).to(device)
 
 
 def _plain_sgd_model(device, x) -> nn.Module:
@@ -133,9 +167,18 @@ def _zero2_steps(device, x, side_stream: bool):
     """Two ZeRO-2 steps (collective exchange, small buckets, two in flight), forward/backward
     on the current or a side stream: gradient shards after each backward and the weights."""
     from parallel import Zero2Optimizer
+
     model = _small_model(device)
-    opt = Zero2Optimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=5e-4, bucket_cap_mb=0.1,
-                         max_inflight_buckets=2, exchange="collective")
+    opt = Zero2Optimizer(
+        model,
+        torch.optim.SGD,
+        lr=0.1,
+        momentum=0.9,
+        weight_decay=5e-4,
+        bucket_cap_mb=0.1,
+        max_inflight_buckets=2,
+        exchange="collective",
+    )
     assert len(opt.groups[0].buckets) > 2  # several buckets, so some are in flight together
     grads = []
     for _ in range(2):
@@ -159,14 +202,19 @@ def _zero2_steps(device, x, side_stream: bool):
 def _world_one(rank, world_size):
     from parallel.collectives import _AllGatherRows
     from parallel.dist import cpu_group, init_distributed
+
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     dist.set_debug_level_from_env()  # torch read the variable at import, before this worker set it
     # cuBLAS is deterministic across streams only with a fixed workspace (set before CUDA starts)
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     info = init_distributed(timeout_min=2, force_group=True)
     device = info.device
-    report = {"backend": dist.get_backend(), "device": str(device), "debug": str(dist.get_debug_level()),
-              "side_backend": dist.get_backend(cpu_group())}
+    report = {
+        "backend": dist.get_backend(),
+        "device": str(device),
+        "debug": str(dist.get_debug_level()),
+        "side_backend": dist.get_backend(cpu_group()),
+    }
     flag = torch.ones(1)
     dist.all_reduce(flag, group=cpu_group())
     report["side_sum"] = flag.item()
@@ -182,7 +230,9 @@ def _world_one(rank, world_size):
         dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
     report["calls"] = sorted({entry[0] for entry in log})
     report["p2p"] = len(p2p)
-    report["gather_exact"] = bool(torch.equal(gathered, emb) and torch.equal(emb.grad, torch.full_like(emb, 2.0)))
+    report["gather_exact"] = bool(
+        torch.equal(gathered, emb) and torch.equal(emb.grad, torch.full_like(emb, 2.0))
+    )
     report["max_exact"] = bool(torch.equal(reduced, row_max))
 
     # ZeRO-2 (collective exchange) equals the plain optimizer
@@ -190,9 +240,9 @@ def _world_one(rank, world_size):
 
     if device.type == "cuda":  # forward/backward on a side stream: the same values, bit for bit
         side_grads, side_params = _zero2_steps(device, x, side_stream=True)
-        report["side_stream_bitwise"] = all(torch.equal(a, b) for ga, gb in zip(grads, side_grads)
-                                            for a, b in zip(ga, gb)) \
-            and all(torch.equal(a, b) for a, b in zip(params, side_params))
+        report["side_stream_bitwise"] = all(
+            torch.equal(a, b) for ga, gb in zip(grads, side_grads) for a, b in zip(ga, gb)
+        ) and all(torch.equal(a, b) for a, b in zip(params, side_params))
         torch.cuda.synchronize()
     return report
 
@@ -203,18 +253,25 @@ def _ddp_world_one(rank, world_size):
     construction-time logger) on a process group made under DETAIL."""
     from parallel.ddp import DDPOptimizer
     from parallel.dist import init_distributed
+
     device = init_distributed(timeout_min=2, force_group=True).device
     x = torch.randn(48, 64, device=device)
     model = _small_model(device)
     ddp_opt = DDPOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=5e-4)
     ddp_opt.ddp = nn.parallel.DistributedDataParallel(  # DDPOptimizer skips the wrapper at W=1
-        model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
-        gradient_as_bucket_view=True)
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        broadcast_buffers=False,
+        gradient_as_bucket_view=True,
+    )
     for _ in range(2):
         ddp_opt.ddp(x).square().mean().backward()
         ddp_opt.step()
         ddp_opt.zero_grad()
-    return {"backend": dist.get_backend(), "ddp_vs_plain": _max_diff(model.parameters(), _plain_sgd_model(device, x))}
+    return {
+        "backend": dist.get_backend(),
+        "ddp_vs_plain": _max_diff(model.parameters(), _plain_sgd_model(device, x)),
+    }
 
 
 @pytest.mark.parametrize("kind", [CUDA, "cpu"])
@@ -227,8 +284,12 @@ def test_world_size_one_group_runs_the_multi_rank_paths(kind, monkeypatch):
     assert r["debug"].endswith("DETAIL") and r["side_backend"] == "gloo" and r["side_sum"] == 1.0, r
     # the collectives the multi-rank code issues did run through the group
     calls = set(r["calls"])
-    assert "all_reduce" in calls and {"reduce_scatter_tensor", "reduce_scatter_single"} & calls \
-        and {"all_gather_into_tensor", "all_gather_single"} & calls and "reduce" not in calls, calls
+    assert (
+        "all_reduce" in calls
+        and {"reduce_scatter_tensor", "reduce_scatter_single"} & calls
+        and {"all_gather_into_tensor", "all_gather_single"} & calls
+        and "reduce" not in calls
+    ), calls
     assert r["p2p"] == 0
     assert r["gather_exact"] and r["max_exact"]
     assert r["zero_vs_plain"] < 1e-6, r
@@ -237,6 +298,7 @@ def test_world_size_one_group_runs_the_multi_rank_paths(kind, monkeypatch):
 
 
 # ----- the head on the device --------------------------------------------------------------------
+
 
 def _fp64_errors(kind: str, **kw) -> dict:
     if kind == "cpu":  # the same check at a size two CPU cores do in a second
@@ -255,8 +317,9 @@ def test_head_matches_fp64_full_softmax_in_fp32(kind, chunk):
 @pytest.mark.parametrize("chunk", [None, 4096])
 @pytest.mark.parametrize("how", ["global", "head_precision"])
 def test_head_with_tf32_stays_close_to_fp64_full_softmax(how, chunk):
-    err = _fp64_errors("cuda", tf32=how == "global", precision="tf32" if how == "head_precision" else "fp32",
-                       chunk=chunk)
+    err = _fp64_errors(
+        "cuda", tf32=how == "global", precision="tf32" if how == "head_precision" else "fp32", chunk=chunk
+    )
     assert err["loss"] < 1e-4 and err["grad_emb"] < 5e-3 and err["grad_weight"] < 5e-3, err
     assert not torch.backends.cuda.matmul.allow_tf32  # both restore torch's default afterwards
 
@@ -274,8 +337,15 @@ def test_head_with_bf16_logits_stays_close_to_fp64_full_softmax(kind):
 def test_head_forward_and_backward_never_synchronise_the_host(chunk, sample_rate, fused):
     device = device_of("cuda")
     torch.manual_seed(0)
-    head = PartialFC(CombinedMarginLoss(S, 1.0, M2, 0.0), 128, 8000, sample_rate, chunk_size=chunk, validate=False,
-                     fused_optimizer=fused).to(device)
+    head = PartialFC(
+        CombinedMarginLoss(S, 1.0, M2, 0.0),
+        128,
+        8000,
+        sample_rate,
+        chunk_size=chunk,
+        validate=False,
+        fused_optimizer=fused,
+    ).to(device)
     emb = torch.randn(256, 128, device=device, requires_grad=True)
     labels = torch.randint(0, 8000, (256,), device=device)
     head_opt = SampledRowsOptimizer(head, torch.optim.SGD, lr=0.1, momentum=0.9)
@@ -297,26 +367,59 @@ def test_head_forward_and_backward_never_synchronise_the_host(chunk, sample_rate
 
 # ----- benchmarks/gpu.py -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", [CUDA, "cpu"])
 def test_gpu_benchmark_runs_every_part_at_toy_sizes(kind):
-    done = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke"], cwd=ROOT, env=env_for(kind),
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "benchmarks/gpu.py", "--smoke"],
+        cwd=ROOT,
+        env=env_for(kind),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for title in ("backbone step", "head forward+backward", "head vs fp64 full softmax", "distillation step",
-                  "embedding 16 crops"):
+    for title in (
+        "backbone step",
+        "head forward+backward",
+        "head vs fp64 full softmax",
+        "distillation step",
+        "embedding 16 crops",
+    ):
         assert title in done.stdout, done.stdout
-    distill = re.findall(r"\n\s*(\S+)\s+\d+\s+(\d+)\s+(\d+)\s+(\d+\.\d+)\s", done.stdout.split("distillation step")[1])
-    assert [row[0] for row in distill] == ["tiny"] and all(int(r[1]) > 0 and int(r[2]) > 0 for r in distill), \
-        done.stdout  # the plain and the distillation step's samples/s of each backbone
+    distill = re.findall(
+        r"\n\s*(\S+)\s+\d+\s+(\d+)\s+(\d+)\s+(\d+\.\d+)\s", done.stdout.split("distillation step")[1]
+    )
+    assert [row[0] for row in distill] == ["tiny"] and all(
+        int(r[1]) > 0 and int(r[2]) > 0 for r in distill
+    ), done.stdout  # the plain and the distillation step's samples/s of each backbone
     rows = re.findall(r"\s(ours|pfc_v2)\s+(off|on)\s", done.stdout)  # (head, TF32) of each head row
-    assert sorted(rows) == sorted([(h, t) for h in ("ours", "pfc_v2") for t in ("off", "on")] * 2), done.stdout
+    assert sorted(rows) == sorted([(h, t) for h in ("ours", "pfc_v2") for t in ("off", "on")] * 2), (
+        done.stdout
+    )
 
 
 @pytest.mark.parametrize("kind", [CUDA, "cpu"])
 def test_head_profile_splits_gemm_from_the_rest(kind):
-    done = subprocess.run([sys.executable, "benchmarks/head_profile.py", "--smoke", "--sweep", "--chunks", "64",
-                           "--row_blocks", "4", "--case", "WebFace42M"], cwd=ROOT, env=env_for(kind),
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/head_profile.py",
+            "--smoke",
+            "--sweep",
+            "--chunks",
+            "64",
+            "--row_blocks",
+            "4",
+            "--case",
+            "WebFace42M",
+        ],
+        cwd=ROOT,
+        env=env_for(kind),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # its step, GEMM and non-GEMM times, an op table with the GEMMs marked, a sweep row (the
     # sampled case: Partial FC's path)
@@ -331,11 +434,18 @@ def test_head_profile_splits_gemm_from_the_rest(kind):
 def test_the_head_step_replayed_from_a_cuda_graph_gives_the_eager_gradients(case):
     """The head's forward and backward capture in one CUDA graph (no host sync, Partial FC's
     sampling included), and a replay writes the eager step's embedding gradient."""
-    done = subprocess.run([sys.executable, "benchmarks/head_profile.py", "--smoke", "--graph", "--case", case],
-                          cwd=ROOT, env=env_for("cuda"), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "benchmarks/head_profile.py", "--smoke", "--graph", "--case", case],
+        cwd=ROOT,
+        env=env_for("cuda"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ours = re.search(rf"^\s*{case}\s+ours\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(.+)$",
-                     done.stdout, re.M)
+    ours = re.search(
+        rf"^\s*{case}\s+ours\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(.+)$", done.stdout, re.M
+    )
     assert ours, done.stdout  # a failed capture prints "capture failed" where the replay's ms go
     eager_ms, replay_ms, diff = float(ours[1]), float(ours[3]), ours[5].strip()
     assert eager_ms > 0 and replay_ms > 0

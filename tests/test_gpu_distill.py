@@ -10,6 +10,7 @@ rot unrun; a cpu case proves the harness, not the GPU.
 - a whole distillation step under `torch.cuda.set_sync_debug_mode("error")`, making no tensor
   from host data (tests/host_sync.HostDataCounter).
 """
+
 import contextlib
 import os
 import re
@@ -31,13 +32,15 @@ STEPS = 2
 
 
 def _python(kind: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env_for(kind), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env_for(kind), capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
 def teacher_onnx(teacher_pt, tmp_path_factory) -> str:
     from scripts.export_onnx import main as export_onnx
+
     path = str(tmp_path_factory.mktemp("onnx") / "teacher.onnx")
     assert export_onnx([teacher_pt, path, "--network", "tiny"]) == 0
     return path
@@ -56,8 +59,9 @@ CASES = {
 
 # every teacher form on the GPU; on the CPU (make test) the one with loader workers proves the
 # harness: each form's CPU training is tested elsewhere (test_distill_training, test_label_free)
-DEVICE_CASES = [pytest.param("cuda", case, marks=pytest.mark.gpu, id=f"cuda-{case}") for case in CASES] + \
-    [pytest.param("cpu", "teacher_file", id="cpu-teacher_file")]
+DEVICE_CASES = [pytest.param("cuda", case, marks=pytest.mark.gpu, id=f"cuda-{case}") for case in CASES] + [
+    pytest.param("cpu", "teacher_file", id="cpu-teacher_file")
+]
 
 
 @pytest.mark.parametrize("kind,case", DEVICE_CASES)
@@ -72,13 +76,26 @@ def test_distillation_trains_on_the_device(kind, case, drawn_faces, teacher_pt, 
             assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-3000:]
         else:  # in this process: no second interpreter start in make test
             from scripts.teach import main as teach
+
             assert teach(args[2:] + ["--num_workers", "0"]) == 0
     else:
         teacher = source if source == "dlib" else request.getfixturevalue(source)
     out = str(tmp_path / "run")
-    argv = train_argv(drawn_faces, out, "--teacher", teacher, "--max_steps", str(STEPS), "--checkpoint_interval",
-                      str(STEPS), "--fp16", str(precision == "fp16").lower(),
-                      "--bf16", str(precision == "bf16").lower(), *extra)
+    argv = train_argv(
+        drawn_faces,
+        out,
+        "--teacher",
+        teacher,
+        "--max_steps",
+        str(STEPS),
+        "--checkpoint_interval",
+        str(STEPS),
+        "--fp16",
+        str(precision == "fp16").lower(),
+        "--bf16",
+        str(precision == "bf16").lower(),
+        *extra,
+    )
     done = _python(kind, "train.py", *argv)
     if case == "onnx" and kind == "cuda":  # onnxruntime would run it on the host: refused at start
         assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
@@ -99,13 +116,19 @@ def test_distillation_trains_on_the_device(kind, case, drawn_faces, teacher_pt, 
 def _astronaut_crops(n: int) -> torch.Tensor:
     """n 112x112 crops of skimage's astronaut photo, [-1, 1]."""
     from skimage import data
+
     img = torch.from_numpy(data.astronaut()).permute(2, 0, 1).float()
-    return torch.stack([img[:, 20 + 20 * i:132 + 20 * i, 150 + 10 * i:262 + 10 * i] for i in range(n)]) / 127.5 - 1
+    return (
+        torch.stack([img[:, 20 + 20 * i : 132 + 20 * i, 150 + 10 * i : 262 + 10 * i] for i in range(n)])
+        / 127.5
+        - 1
+    )
 
 
 def _dlib_student(**kw):
     from backbones.dlib_resnet import DlibResNet
     from infer.weights import dlib_state
+
     net = DlibResNet(input_size=112, **kw)
     net.load_state_dict(dlib_state())
     return net
@@ -133,14 +156,17 @@ def test_dlib_resnet_student_in_16_bits_matches_fp32_on_the_cpu(kind, precision)
         torch.backends.cudnn.benchmark = benchmark
     assert got.dtype == torch.float32 and got.device.type == kind
     assert _cosine(got.detach().cpu(), want.detach()).min() >= 0.999
-    grads = [torch.cat([p.grad.detach().cpu().flatten() for p in net.parameters()]) for net in (student, reference)]
+    grads = [
+        torch.cat([p.grad.detach().cpu().flatten() for p in net.parameters()]) for net in (student, reference)
+    ]
     assert _cosine(*grads, dim=0) >= 0.99
 
 
 @pytest.mark.parametrize("kind", [CUDA, "cpu"])
 def test_gallery_enrolment_with_the_model_on_the_device_matches_the_cpu(kind, teacher_pt, tmp_path):
-    from infer.model import load_model
     from infer.enrolment import enrol
+    from infer.model import load_model
+
     crops = ((_astronaut_crops(6) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
     gallery = tmp_path / "gallery"
     for i, crop in enumerate(crops):
@@ -149,25 +175,35 @@ def test_gallery_enrolment_with_the_model_on_the_device_matches_the_cpu(kind, te
     on_device = load_model(teacher_pt, "tiny", device=device_of(kind))
     assert on_device.device.type == kind
     got = enrol(str(gallery), on_device, cache=str(tmp_path / "device.npz"), show_progress=False)
-    want = enrol(str(gallery), load_model(teacher_pt, "tiny", device=torch.device("cpu")),
-                 cache=str(tmp_path / "cpu.npz"), show_progress=False)
+    want = enrol(
+        str(gallery),
+        load_model(teacher_pt, "tiny", device=torch.device("cpu")),
+        cache=str(tmp_path / "cpu.npz"),
+        show_progress=False,
+    )
     assert got.names == want.names == ["person0", "person1", "person2"] and got.images == 6
     np.testing.assert_allclose(got.templates, want.templates, atol=5e-3)  # cuDNN may run convolutions in TF32
 
 
-STEP_CASES = [("teacher_file", ("--teacher_network", "tiny")),
-              ("dlib", ("--distill_loss", "relational", "--num_classes", "0"))]
+STEP_CASES = [
+    ("teacher_file", ("--teacher_network", "tiny")),
+    ("dlib", ("--distill_loss", "relational", "--num_classes", "0")),
+]
 
 
-@pytest.mark.parametrize("teacher,extra", STEP_CASES, ids=["teacher_file_cosine", "dlib_relational_label_free"])
+@pytest.mark.parametrize(
+    "teacher,extra", STEP_CASES, ids=["teacher_file_cosine", "dlib_relational_label_free"]
+)
 @pytest.mark.parametrize("kind", [CUDA, "cpu"])
-def test_distillation_step_never_synchronises_the_host_nor_copies_host_data(kind, teacher, extra, drawn_faces,
-                                                                            teacher_pt, tmp_path):
+def test_distillation_step_never_synchronises_the_host_nor_copies_host_data(
+    kind, teacher, extra, drawn_faces, teacher_pt, tmp_path
+):
     """A whole step after the first (backbone, teacher, head, loss, backward, clip, optimizers,
     EMA): on a GPU under sync debug "error"; on the CPU under the sync counter. Neither makes a
     tensor from host data (a copy from pageable memory neither of them sees)."""
     if teacher == "teacher_file":
         from scripts.teach import main as teach
+
         teacher = str(tmp_path / "tiny.teacher")
         assert teach([teacher_pt, drawn_faces, teacher, "--network", "tiny", "--num_workers", "0"]) == 0
     device = device_of(kind)
@@ -178,7 +214,10 @@ def test_distillation_step_never_synchronises_the_host_nor_copies_host_data(kind
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
     try:
-        with HostDataCounter() as made, HostSyncCounter() if kind == "cpu" else contextlib.nullcontext() as synced:
+        with (
+            HostDataCounter() as made,
+            HostSyncCounter() if kind == "cpu" else contextlib.nullcontext() as synced,
+        ):
             loss = step(batch)
     finally:
         if kind == "cuda":

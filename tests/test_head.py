@@ -1,4 +1,5 @@
 """The sharded head equals single-process cross-entropy over the concatenated logits."""
+
 import math
 
 import pytest
@@ -49,7 +50,7 @@ def _sharded_worker(rank, world_size):
             head = PartialFC(make(), D, C, chunk_size=chunk, row_block=ROW_BLOCKS[chunk])
             assert (head.class_start, head.num_local) == (shard.start, shard.size)
             with torch.no_grad():
-                head.weight.copy_(weight[shard.start:shard.end])
+                head.weight.copy_(weight[shard.start : shard.end])
             local_emb = emb[rows].clone().requires_grad_(True)
             loss = head(local_emb, labels[rows])
             loss.backward()
@@ -75,8 +76,9 @@ def test_sharded_ce_matches_full_softmax_uneven_classes(world_size):
 
 def _tiny_backbone():
     torch.manual_seed(1)
-    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 16), torch.nn.PReLU(16),
-                               torch.nn.Linear(16, D))
+    return torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(12, 16), torch.nn.PReLU(16), torch.nn.Linear(16, D)
+    )
 
 
 def _train_data(steps, global_batch):
@@ -93,25 +95,29 @@ STEPS = 5
 def _train(rank, world_size, global_batch, chunk):
     """W ranks x b images, backbone grads averaged across ranks like DDP."""
     import torch.distributed as dist
+
     backbone = _tiny_backbone()
     head = PartialFC(CombinedMarginLoss(16.0, 1.0, 0.3, 0.1), D, C, chunk_size=chunk)
     full_w = torch.randn(C, D, generator=torch.Generator().manual_seed(2))
     shard = class_shard(C, world_size, rank)
     with torch.no_grad():
-        head.weight.copy_(full_w[shard.start:shard.end])
+        head.weight.copy_(full_w[shard.start : shard.end])
     opt = torch.optim.SGD(backbone.parameters(), lr=0.2, momentum=0.9, weight_decay=1e-3)
     hopt = SampledRowsOptimizer(head, torch.optim.SGD, lr=0.2, momentum=0.9, weight_decay=1e-3)
     x, y = _train_data(STEPS, global_batch)
     b = global_batch // world_size
     losses = []
     for step in range(STEPS):
-        loss = head(backbone(x[step, rank * b:(rank + 1) * b]), y[step, rank * b:(rank + 1) * b])
+        loss = head(backbone(x[step, rank * b : (rank + 1) * b]), y[step, rank * b : (rank + 1) * b])
         loss.backward()
         if world_size > 1:
             for p in backbone.parameters():
                 dist.all_reduce(p.grad)
                 p.grad /= world_size
-        opt.step(); hopt.step(); opt.zero_grad(); hopt.zero_grad()
+        opt.step()
+        hopt.step()
+        opt.zero_grad()
+        hopt.zero_grad()
         losses.append(loss.item())
     return losses, [p.detach() for p in backbone.parameters()], head.weight.detach()
 
@@ -197,8 +203,9 @@ def _bad_input_worker(rank, world_size, kind):
     return "no error"
 
 
-@pytest.mark.parametrize("kind,message", [("label", "outside"), ("batch", "batch sizes differ"),
-                                          ("width", "embeddings of shape")])
+@pytest.mark.parametrize(
+    "kind,message", [("label", "outside"), ("batch", "batch sizes differ"), ("width", "embeddings of shape")]
+)
 def test_bad_input_raises_on_every_rank_without_hanging(kind, message):
     errors = run_distributed(_bad_input_worker, 2, kind, timeout=60)
     assert all(e != "no error" for e in errors)
@@ -212,23 +219,29 @@ def _initial_weight_worker(rank, world_size, num_classes=9001):
 
 def test_initial_head_is_the_same_at_any_world_size_and_no_two_shards_start_alike():
     from heads.sharding import INIT_BLOCK, initial_class_rows
+
     C_INIT = 9001  # uneven over 3 ranks; shards start inside and across the generator's blocks
     assert C_INIT > 2 * INIT_BLOCK
     whole = _initial_weight_worker(0, 1, C_INIT)  # one process, no group
     shards = run_distributed(_initial_weight_worker, 3, C_INIT)
     torch.testing.assert_close(torch.cat(shards), whole, rtol=0, atol=0)
-    assert not torch.equal(shards[0][:100], shards[1][:100]) and not torch.equal(shards[1][:100], shards[2][:100])
+    assert not torch.equal(shards[0][:100], shards[1][:100]) and not torch.equal(
+        shards[1][:100], shards[2][:100]
+    )
     assert abs(whole.std().item() - 0.01) < 2e-4 and abs(whole.mean().item()) < 2e-4
     # sub-centres: k rows per class, class-major, the same for any split of the classes
     k3 = initial_class_rows(class_shard(C_INIT, 1, 0), 3, D, seed=7)
     part = class_shard(C_INIT, 4, 2)
-    torch.testing.assert_close(initial_class_rows(part, 3, D, seed=7), k3[part.start * 3:part.end * 3], rtol=0, atol=0)
+    torch.testing.assert_close(
+        initial_class_rows(part, 3, D, seed=7), k3[part.start * 3 : part.end * 3], rtol=0, atol=0
+    )
 
 
 def _device_label_worker(rank, world_size):
     """The path labels on a GPU take (no raise: that would wait on the device), on the CPU."""
     from parallel import DynamicLossScaler
     from utils.divergence import TrainingStopped, check_loss
+
     head = PartialFC(CosFace(), D, C)
     head.raise_on_bad_labels = False
     emb = torch.randn(B_LOCAL, D, requires_grad=True)
@@ -310,7 +323,7 @@ def _special_worker(rank, world_size, kind, chunk, row_block):
     shard = class_shard(C, world_size, rank)
     head = PartialFC(margin, D, C, chunk_size=chunk, row_block=row_block)
     with torch.no_grad():
-        head.weight.copy_(weight[shard.start * k:shard.end * k])
+        head.weight.copy_(weight[shard.start * k : shard.end * k])
     rows = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
     local_emb = emb[rows].clone().requires_grad_(True)
     loss = head(local_emb, labels[rows])
@@ -327,7 +340,9 @@ def test_norm_and_subcenter_margins_match_full_softmax(kind, world_size, chunk, 
     _, emb, labels = _problem(world_size)
     weight = torch.randn(C * k, D, generator=torch.Generator().manual_seed(9))
     emb = emb * torch.linspace(0.6, 2.5, len(emb))[:, None]
-    ref_loss, ref_dw, ref_de = (_norm_reference if kind == "norm" else _subcenter_reference)(weight, emb, labels)
+    ref_loss, ref_dw, ref_de = (_norm_reference if kind == "norm" else _subcenter_reference)(
+        weight, emb, labels
+    )
     results = run_distributed(_special_worker, world_size, kind, chunk, row_block)
     for loss, no_grad_loss, _, _ in results:
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
@@ -343,11 +358,15 @@ def _sampled_worker(rank, world_size, chunk):
     num_classes = 40
     weight = torch.randn(num_classes, D, generator=torch.Generator().manual_seed(7))
     emb = torch.randn(world_size * B_LOCAL, D, generator=torch.Generator().manual_seed(8))
-    labels = torch.randint(0, num_classes, (world_size * B_LOCAL,), generator=torch.Generator().manual_seed(6))
+    labels = torch.randint(
+        0, num_classes, (world_size * B_LOCAL,), generator=torch.Generator().manual_seed(6)
+    )
     shard = class_shard(num_classes, world_size, rank)
-    head = PartialFC(ArcFace(s=16.0, margin=0.4), D, num_classes, sample_rate=0.5, chunk_size=chunk, row_block=3)
+    head = PartialFC(
+        ArcFace(s=16.0, margin=0.4), D, num_classes, sample_rate=0.5, chunk_size=chunk, row_block=3
+    )
     with torch.no_grad():
-        head.weight.copy_(weight[shard.start:shard.end])
+        head.weight.copy_(weight[shard.start : shard.end])
     rows = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
     local_emb = emb[rows].clone().requires_grad_(True)
     loss = head(local_emb, labels[rows])
@@ -360,7 +379,9 @@ def test_partial_fc_sampling_matches_softmax_over_the_sampled_classes(world_size
     num_classes = 40
     weight = torch.randn(num_classes, D, generator=torch.Generator().manual_seed(7))
     emb = torch.randn(world_size * B_LOCAL, D, generator=torch.Generator().manual_seed(8))
-    labels = torch.randint(0, num_classes, (world_size * B_LOCAL,), generator=torch.Generator().manual_seed(6))
+    labels = torch.randint(
+        0, num_classes, (world_size * B_LOCAL,), generator=torch.Generator().manual_seed(6)
+    )
     results = run_distributed(_sampled_worker, world_size, chunk)
     sampled = torch.cat([r[3] for r in results])
     assert set(labels.tolist()) <= set(sampled.tolist())
@@ -383,8 +404,9 @@ def test_bf16_logits_stay_close_to_an_fp64_reference():
     labels = torch.randint(0, n, (b,))
     loss = head(emb, labels)
     loss.backward()
-    ref_loss, ref_dw, ref_de = _reference(ArcFace(s=64.0, margin=0.5), head.weight.detach().double(),
-                                          emb.detach().double(), labels)
+    ref_loss, ref_dw, ref_de = _reference(
+        ArcFace(s=64.0, margin=0.5), head.weight.detach().double(), emb.detach().double(), labels
+    )
     assert abs(loss.item() - ref_loss.item()) < 2e-2 * abs(ref_loss.item())
     assert (head.weight.grad.double() - ref_dw).norm() < 0.05 * ref_dw.norm()
     assert (emb.grad.double() - ref_de).norm() < 0.05 * ref_de.norm()
@@ -394,19 +416,32 @@ def _fused_worker(rank, world_size, optimizer, sample_rate, fused):
     torch.manual_seed(200 + rank)  # Partial FC draws the same samples in both runs
     num_classes = 30
     shard = class_shard(num_classes, world_size, rank)
-    head = PartialFC(CosFace(s=16.0, m=0.3), D, num_classes, sample_rate=sample_rate, chunk_size=4,
-                     row_block=3, fused_optimizer=fused)
+    head = PartialFC(
+        CosFace(s=16.0, m=0.3),
+        D,
+        num_classes,
+        sample_rate=sample_rate,
+        chunk_size=4,
+        row_block=3,
+        fused_optimizer=fused,
+    )
     with torch.no_grad():
-        head.weight.copy_(torch.randn(num_classes, D, generator=torch.Generator().manual_seed(3))[shard.start:shard.end])
-    cls, kw = {"sgd": (torch.optim.SGD, dict(lr=0.5, momentum=0.9, weight_decay=0.05)),
-               "adamw": (torch.optim.AdamW, dict(lr=0.05, weight_decay=0.05)),
-               "adam": (torch.optim.Adam, dict(lr=0.05, weight_decay=0.05))}[optimizer]
+        head.weight.copy_(
+            torch.randn(num_classes, D, generator=torch.Generator().manual_seed(3))[shard.start : shard.end]
+        )
+    cls, kw = {
+        "sgd": (torch.optim.SGD, dict(lr=0.5, momentum=0.9, weight_decay=0.05)),
+        "adamw": (torch.optim.AdamW, dict(lr=0.05, weight_decay=0.05)),
+        "adam": (torch.optim.Adam, dict(lr=0.05, weight_decay=0.05)),
+    }[optimizer]
     opt = SampledRowsOptimizer(head, cls, **kw)
     g = torch.Generator().manual_seed(4)
     grads = []
     for step in range(4):
-        emb = torch.randn(world_size * B_LOCAL, D, generator=g)[rank * B_LOCAL:(rank + 1) * B_LOCAL]
-        labels = torch.randint(0, num_classes, (world_size * B_LOCAL,), generator=g)[rank * B_LOCAL:(rank + 1) * B_LOCAL]
+        emb = torch.randn(world_size * B_LOCAL, D, generator=g)[rank * B_LOCAL : (rank + 1) * B_LOCAL]
+        labels = torch.randint(0, num_classes, (world_size * B_LOCAL,), generator=g)[
+            rank * B_LOCAL : (rank + 1) * B_LOCAL
+        ]
         emb.requires_grad_(True)
         (head(emb, labels) * 0.5).backward()  # a grad_output other than 1 reaches the fused update
         grads.append(emb.grad)
@@ -417,8 +452,17 @@ def _fused_worker(rank, world_size, optimizer, sample_rate, fused):
 
 # world size 1: 4 rows <= D / 2, the weight's radial term from the tile (the fused head keeps its
 # logits in a second tile); 2: 8 rows, from the rows' dot products
-@pytest.mark.parametrize("optimizer,sample_rate,world_size", [("sgd", 1.0, 2), ("adamw", 1.0, 2), ("sgd", 0.4, 2),
-                                                              ("adam", 0.4, 2), ("sgd", 1.0, 1), ("adamw", 0.4, 1)])
+@pytest.mark.parametrize(
+    "optimizer,sample_rate,world_size",
+    [
+        ("sgd", 1.0, 2),
+        ("adamw", 1.0, 2),
+        ("sgd", 0.4, 2),
+        ("adam", 0.4, 2),
+        ("sgd", 1.0, 1),
+        ("adamw", 0.4, 1),
+    ],
+)
 def test_fused_head_optimizer_equals_the_unfused_step(optimizer, sample_rate, world_size):
     fused = run_distributed(_fused_worker, world_size, optimizer, sample_rate, True)
     plain = run_distributed(_fused_worker, world_size, optimizer, sample_rate, False)
@@ -437,9 +481,18 @@ def test_head_forward_and_backward_never_wait_on_the_device(chunk, sample_rate, 
     """Zero host syncs in the head's forward+backward (labels handed in on the device path:
     the CPU label check is the only read, and it is skipped with validate=False)."""
     from tests.host_sync import HostSyncCounter
+
     torch.manual_seed(0)
-    head = PartialFC(ArcFace(s=16.0, margin=0.5), D, 40, sample_rate=sample_rate, chunk_size=chunk,
-                     row_block=3, validate=False, fused_optimizer=fused)
+    head = PartialFC(
+        ArcFace(s=16.0, margin=0.5),
+        D,
+        40,
+        sample_rate=sample_rate,
+        chunk_size=chunk,
+        row_block=3,
+        validate=False,
+        fused_optimizer=fused,
+    )
     opt = SampledRowsOptimizer(head, torch.optim.SGD, lr=0.1, momentum=0.9)
     emb = torch.randn(7, D, requires_grad=True)
     labels = torch.randint(0, 40, (7,))
@@ -482,7 +535,7 @@ def _storages_allocated(head, emb, labels):
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            for t in (out if isinstance(out, (tuple, list)) else [out]):
+            for t in out if isinstance(out, (tuple, list)) else [out]:
                 if isinstance(t, torch.Tensor):
                     self.sizes.add(t.untyped_storage().nbytes())
             return out
@@ -499,11 +552,14 @@ def test_first_row_block_is_kept_inside_the_weight_gradient():
     n, dim, tile, row_block = 40, 16, 10, 3
     head = PartialFC(ArcFace(s=16.0, margin=0.5), dim, n, chunk_size=tile, row_block=row_block)
     grad_bytes = n * dim * 4
-    small = _storages_allocated(head, torch.randn(dim // 2, dim, requires_grad=True), torch.randint(0, n, (dim // 2,)))
+    small = _storages_allocated(
+        head, torch.randn(dim // 2, dim, requires_grad=True), torch.randint(0, n, (dim // 2,))
+    )
     assert grad_bytes in small
     assert row_block * n * 4 not in small and max(s for s in small if s != grad_bytes) < (dim // 2) * n * 4
-    large = _storages_allocated(head, torch.randn(3 * dim // 2, dim, requires_grad=True),
-                                torch.randint(0, n, (3 * dim // 2,)))
+    large = _storages_allocated(
+        head, torch.randn(3 * dim // 2, dim, requires_grad=True), torch.randint(0, n, (3 * dim // 2,))
+    )
     assert row_block * n * 4 in large
 
 
@@ -526,8 +582,10 @@ def _exp_elements(head, emb, labels):
     return count.n
 
 
-@pytest.mark.parametrize("margin,passes", [(ArcFace(s=64.0, margin=0.5), 1), (CosFace(s=64.0, m=0.35), 1),
-                                           (CurricularFace(s=64.0, m=0.5), 2)])
+@pytest.mark.parametrize(
+    "margin,passes",
+    [(ArcFace(s=64.0, margin=0.5), 1), (CosFace(s=64.0, m=0.35), 1), (CurricularFace(s=64.0, m=0.5), 2)],
+)
 @pytest.mark.parametrize("rate", [1.0, 0.5])
 def test_linear_margins_take_one_exp_per_logit(margin, passes, rate):
     """Where other logits are s * cos, the head keeps exp(logit) from the statistics for the

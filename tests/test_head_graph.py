@@ -10,6 +10,7 @@ accumulation), Partial FC's sampled rows, the label-error count, the warm-up und
 what a replay runs never waits on the device, and where no graph can be (a CPU, a fused head, a
 teacher, a batch of another shape, a failed capture) the head runs eagerly, said in one line.
 """
+
 import os
 import re
 import subprocess
@@ -40,8 +41,10 @@ def _parts(device, margin: str, sample_rate: float, seed: int = 0):
     backbone = nn.Linear(24, D).to(device)
     margin_loss = AdaFace(s=16.0) if margin == "adaface" else ArcFace(s=16.0, margin=0.5)
     head = PartialFC(margin_loss, D, CLASSES, sample_rate, chunk_size=16, row_block=4).to(device)
-    opts = [torch.optim.SGD(backbone.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4),
-            SampledRowsOptimizer(head, torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=5e-4)]
+    opts = [
+        torch.optim.SGD(backbone.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4),
+        SampledRowsOptimizer(head, torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=5e-4),
+    ]
     return backbone, head, opts
 
 
@@ -80,9 +83,11 @@ def _case_id(kind: str, case: tuple) -> str:
     return f"{kind}-{case[0]}-pfc{case[1]}-scale{case[2]:g}-acc{case[3]}"
 
 
-@pytest.mark.parametrize("kind,case", [pytest.param("cuda", c, marks=pytest.mark.gpu, id=_case_id("cuda", c))
-                                       for c in CASES]
-                         + [pytest.param("cpu", c, id=_case_id("cpu", c)) for c in CASES + CPU_ONLY])
+@pytest.mark.parametrize(
+    "kind,case",
+    [pytest.param("cuda", c, marks=pytest.mark.gpu, id=_case_id("cuda", c)) for c in CASES]
+    + [pytest.param("cpu", c, id=_case_id("cpu", c)) for c in CASES + CPU_ONLY],
+)
 def test_twenty_steps_replayed_from_the_graphs_equal_the_eager_steps(kind, case):
     """Losses, gradients (backbone and head, each step) and the final weights and margin
     statistics; on the CPU the graphs are emulated, exactly the same arithmetic."""
@@ -136,6 +141,7 @@ def test_replayed_steps_never_synchronise_the_host_on_a_gpu(sample_rate):
             opt.step()
             opt.zero_grad()
         losses.append(loss.detach())
+
     for _ in range(4):  # two eager calls, the capture, a replay
         one()
     torch.cuda.synchronize()
@@ -176,9 +182,11 @@ def test_a_batch_of_another_shape_runs_eagerly_with_one_line_per_shape():
     x, labels = torch.randn(BATCH - 5, 24), torch.randint(0, CLASSES, (BATCH - 5,))
     losses = []
     messages = shardface_messages(lambda: losses.extend(step(backbone(x), labels) for _ in range(2)))
-    assert messages == [f"head_graph: a batch of {BATCH - 5}x{D} float32 embeddings, {BATCH - 5} labels differs from "
-                        f"the captured {BATCH}x{D} float32 embeddings, {BATCH} labels: the head runs eagerly for "
-                        "batches of that shape"]
+    assert messages == [
+        f"head_graph: a batch of {BATCH - 5}x{D} float32 embeddings, {BATCH - 5} labels differs from "
+        f"the captured {BATCH}x{D} float32 embeddings, {BATCH} labels: the head runs eagerly for "
+        "batches of that shape"
+    ]
     for loss in losses:
         torch.testing.assert_close(loss, head(backbone(x), labels), rtol=0, atol=0)
         assert "Replayed" not in type(loss.grad_fn).__name__
@@ -194,8 +202,10 @@ def test_a_capture_that_fails_leaves_the_head_eager_with_one_warning():
     batches = [(torch.randn(BATCH, 24), torch.randint(0, CLASSES, (BATCH,))) for _ in range(5)]
     losses = []
     messages = shardface_messages(lambda: losses.extend(step(backbone(x), y) for x, y in batches))
-    assert messages == ["head_graph: capturing the head failed (RuntimeError: CUDA graphs need CUDA tensors; these "
-                        "are on the CPU): it runs eagerly from here"]
+    assert messages == [
+        "head_graph: capturing the head failed (RuntimeError: CUDA graphs need CUDA tensors; these "
+        "are on the CPU): it runs eagerly from here"
+    ]
     assert step.failed
     for (x, y), loss in zip(batches, losses):
         torch.testing.assert_close(loss, head(backbone(x), y), rtol=0, atol=0)
@@ -212,17 +222,26 @@ def test_head_graph_is_off_by_default_and_validated():
         get_config("configs/demo.py", ["--head_graph", "7"])
 
 
-@pytest.mark.parametrize("overrides,device,teacher,reason", [
-    ((), "cpu", None, "CUDA graphs need a CUDA device; this run is on the CPU"),
-    (("--head_fused_optimizer", "true"), "cuda", None,
-     "head_fused_optimizer steps the head inside backward, at a learning rate a graph would freeze"),
-    ((), "cuda", "a teacher", "distillation calls the head with a batch of its own"),
-])
+@pytest.mark.parametrize(
+    "overrides,device,teacher,reason",
+    [
+        ((), "cpu", None, "CUDA graphs need a CUDA device; this run is on the CPU"),
+        (
+            ("--head_fused_optimizer", "true"),
+            "cuda",
+            None,
+            "head_fused_optimizer steps the head inside backward, at a learning rate a graph would freeze",
+        ),
+        ((), "cuda", "a teacher", "distillation calls the head with a batch of its own"),
+    ],
+)
 def test_where_no_graph_can_be_the_head_runs_eagerly_said_in_one_line(overrides, device, teacher, reason):
     cfg = get_config("configs/demo.py", ["--head_graph", "true", *overrides])
     head = PartialFC(ArcFace(), 8, 10)
     built = []
-    messages = shardface_messages(lambda: built.append(build_head_step(cfg, head, torch.device(device), teacher)))
+    messages = shardface_messages(
+        lambda: built.append(build_head_step(cfg, head, torch.device(device), teacher))
+    )
     assert messages == [f"head_graph true: the head runs eagerly ({reason})"]
     assert built == [head]
 
@@ -233,7 +252,10 @@ def test_head_graph_true_on_a_gpu_wraps_the_head_and_false_leaves_it_alone():
     cuda = torch.device("cuda")
     assert head_graph_blocker(get_config("configs/demo.py"), cuda) is None
     built = []
-    assert shardface_messages(lambda: built.append(build_head_step(get_config("configs/demo.py"), head, cuda))) == []
+    assert (
+        shardface_messages(lambda: built.append(build_head_step(get_config("configs/demo.py"), head, cuda)))
+        == []
+    )
     assert built == [head]
     step = build_head_step(get_config("configs/demo.py", ["--head_graph", "true"]), head, cuda)
     assert isinstance(step, CapturedHead) and step.head is head and not step.emulate
@@ -241,10 +263,17 @@ def test_head_graph_true_on_a_gpu_wraps_the_head_and_false_leaves_it_alone():
 
 # ----- train.py: 20 steps with the head captured, stopped and resumed, against the eager run -------
 
+
 def _run(kind: str, out: str, data: str, steps: int, *extra: str) -> str:
     argv = train_argv(data, out, "--max_steps", str(steps), "--checkpoint_interval", str(steps // 2), *extra)
-    done = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, env=env_for(kind), capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "train.py", *argv],
+        cwd=ROOT,
+        env=env_for(kind),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
@@ -255,14 +284,17 @@ def _said(log: str) -> list[str]:
 
 def test_train_py_with_head_graph_on_the_cpu_trains_with_the_eager_head_said_once(drawn_faces, tmp_path):
     log = _run("cpu", str(tmp_path / "run"), drawn_faces, 2, "--head_graph", "true")
-    assert _said(log) == ["head_graph true: the head runs eagerly (CUDA graphs need a CUDA device; this run is on "
-                          "the CPU)"]
+    assert _said(log) == [
+        "head_graph true: the head runs eagerly (CUDA graphs need a CUDA device; this run is on the CPU)"
+    ]
     assert len(re.findall(r"loss ([0-9.]+) ", log)) == 2
 
 
 # the cpu case (the same body, 6 steps) proves the harness only, in three processes: slow
 @pytest.mark.parametrize("kind", [CUDA, pytest.param("cpu", marks=pytest.mark.slow)])
-def test_a_head_graph_run_stopped_and_resumed_mid_run_ends_where_the_eager_run_ends(drawn_faces, tmp_path, kind):
+def test_a_head_graph_run_stopped_and_resumed_mid_run_ends_where_the_eager_run_ends(
+    drawn_faces, tmp_path, kind
+):
     """One process trains 20 steps eagerly; another with head_graph true stops after 10 (a
     checkpoint) and a third resumes it to 20 (capturing anew). Losses and the final backbone, EMA
     and head (rows and momentum) agree. On the CPU (6 steps, 3 + 3: the plumbing) the head runs
@@ -270,12 +302,19 @@ def test_a_head_graph_run_stopped_and_resumed_mid_run_ends_where_the_eager_run_e
     steps = 20 if kind == "cuda" else 6
     eager_out, graph_out = str(tmp_path / "eager"), str(tmp_path / "graph")
     eager_log = _run(kind, eager_out, drawn_faces, steps)
-    logs = [_run(kind, graph_out, drawn_faces, steps, "--head_graph", "true", "--stop_after_steps", str(steps // 2)),
-            _run(kind, graph_out, drawn_faces, steps, "--head_graph", "true", "--resume", "true")]
+    logs = [
+        _run(
+            kind, graph_out, drawn_faces, steps, "--head_graph", "true", "--stop_after_steps", str(steps // 2)
+        ),
+        _run(kind, graph_out, drawn_faces, steps, "--head_graph", "true", "--resume", "true"),
+    ]
     for log in logs:
         said = _said(log)
-        expected = "head_graph: the head's forward and backward captured in CUDA graphs" if kind == "cuda" else \
-            "head_graph true: the head runs eagerly (CUDA graphs need a CUDA device; this run is on the CPU)"
+        expected = (
+            "head_graph: the head's forward and backward captured in CUDA graphs"
+            if kind == "cuda"
+            else "head_graph true: the head runs eagerly (CUDA graphs need a CUDA device; this run is on the CPU)"
+        )
         assert len(said) == 1 and said[0].startswith(expected), said
     eager_losses = [float(v) for v in re.findall(r"loss ([0-9.]+) ", eager_log)]
     graph_losses = [float(v) for log in logs for v in re.findall(r"loss ([0-9.]+) ", log)]

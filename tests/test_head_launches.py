@@ -6,6 +6,7 @@ global batch 8 x 128, D = 512). A tile must cost a fixed number of kernels, what
 (no loop over slices of a tile's rows, as the CPU's cache-sized row dot products are), and no
 more than today's: each `(block, tile)` visit forms its targets with one comparison and puts
 them with three kernels."""
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -19,8 +20,12 @@ B, D = 1024, 512
 # (before: 78, 58, 88, 35): two row blocks (B > D); fused optimizer (the batch in one block);
 # Partial FC at 0.5; one row block (B = 128)
 PER_TILE = {"two blocks": 41, "fused": 31, "sampled": 53, "one block": 22}
-CASES = {"two blocks": {}, "fused": {"fused_optimizer": True}, "sampled": {"sample_rate": 0.5},
-         "one block": {"batch": 128}}
+CASES = {
+    "two blocks": {},
+    "fused": {"fused_optimizer": True},
+    "sampled": {"sample_rate": 0.5},
+    "one block": {"batch": 128},
+}
 
 
 class _Kernels(TorchDispatchMode):
@@ -36,11 +41,13 @@ class _Kernels(TorchDispatchMode):
 def _step_kernels(classes: int, tile: int, batch: int = B, **head_args) -> tuple[int, int]:
     """(kernels of the third step (forward, backward, optimizer step), its tiles)."""
     torch.manual_seed(0)
-    head = PartialFC(ArcFace(s=64.0, margin=0.5), D, classes, chunk_size=tile, row_block=512, validate=False,
-                     **head_args).to("meta")
+    head = PartialFC(
+        ArcFace(s=64.0, margin=0.5), D, classes, chunk_size=tile, row_block=512, validate=False, **head_args
+    ).to("meta")
     opt = SampledRowsOptimizer(head, torch.optim.SGD, lr=0.1, momentum=0.9)
     emb = torch.randn(batch, D, device="meta", requires_grad=True)
     labels = torch.randint(0, classes, (batch,), device="meta")
+
     def step():
         head(emb, labels).backward()
         opt.step()

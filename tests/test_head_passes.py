@@ -8,6 +8,7 @@ The correction's coefficient sum_i dcos_ij cos_ij comes from the tile where that
 bytes: its product and column sum move 4 x rows x K values, the rows' dot products <g_j, w_j>
 2 x K x D, so the tile where the batch is one block of at most D / 2 rows, the dot products
 (a mul and a sum over the shard) beyond that."""
+
 import os
 import re
 import shutil
@@ -27,23 +28,45 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # batch's row counts (batches and row blocks) are all different, so the counter cannot take
 # one for another
 C, D, TILE, ROW_BLOCK = 60, 24, 16, 5
-NORM_AND_CORRECTION = {"linalg_vector_norm": 1.0,  # the rows' norms, once per step
-                       "addcmul_": 1.0}  # g_j -= r_j inv_j^2 w_j, each tile right after its dW GEMM
+NORM_AND_CORRECTION = {
+    "linalg_vector_norm": 1.0,  # the rows' norms, once per step
+    "addcmul_": 1.0,
+}  # g_j -= r_j inv_j^2 w_j, each tile right after its dW GEMM
 ROW_DOTS = {"mul": 1.0, "sum": 1.0}  # <g_j, w_j> over the complete gradient rows, once
-MARGINS = {"arcface": lambda: ArcFace(s=16.0, margin=0.5), "cosface": lambda: CosFace(s=16.0, m=0.35),
-           "adaface": lambda: AdaFace(s=16.0), "curricularface": lambda: CurricularFace(s=16.0, m=0.5),
-           "subcenter": lambda: SubCenterArcFace(s=16.0, margin=0.5, k=3)}
+MARGINS = {
+    "arcface": lambda: ArcFace(s=16.0, margin=0.5),
+    "cosface": lambda: CosFace(s=16.0, m=0.35),
+    "adaface": lambda: AdaFace(s=16.0),
+    "curricularface": lambda: CurricularFace(s=16.0, m=0.5),
+    "subcenter": lambda: SubCenterArcFace(s=16.0, margin=0.5, k=3),
+}
 
 
-def _step_passes(margin="arcface", batch=10, sample_rate=1.0, fused=False, precision="fp32",
-                 optimizer=torch.optim.SGD, **opt_args):
+def _step_passes(
+    margin="arcface",
+    batch=10,
+    sample_rate=1.0,
+    fused=False,
+    precision="fp32",
+    optimizer=torch.optim.SGD,
+    **opt_args,
+):
     """Shard passes of the third forward+backward (the optimizer's state exists by then), in
     units of the whole shard's C x k x D values; GEMM passes summed."""
     torch.manual_seed(0)
     m = MARGINS[margin]()
     k = m.subcenters
-    head = PartialFC(m, D, C, sample_rate=sample_rate, chunk_size=TILE, row_block=ROW_BLOCK, validate=False,
-                     fused_optimizer=fused, precision=precision)
+    head = PartialFC(
+        m,
+        D,
+        C,
+        sample_rate=sample_rate,
+        chunk_size=TILE,
+        row_block=ROW_BLOCK,
+        validate=False,
+        fused_optimizer=fused,
+        precision=precision,
+    )
     opt = SampledRowsOptimizer(head, optimizer, lr=0.1, **(opt_args or dict(momentum=0.9, weight_decay=1e-3)))
     emb = torch.randn(batch, D, requires_grad=True)
     labels = torch.randint(0, C, (batch,))
@@ -110,7 +133,15 @@ def test_fused_adamw_adds_only_its_own_update():
     """AdamW's weight decay is decoupled (it scales the weight), so the correction stays its own
     addcmul_; every other pass is AdamW's update (moments, bias correction, step)."""
     gemms, other = _step_passes(fused=True, optimizer=torch.optim.AdamW, weight_decay=0.01)
-    adamw = {"lerp_": 1.0, "mul_": 2.0, "addcmul_": 1.0, "sqrt": 1.0, "div": 1.0, "add_": 1.0, "addcdiv_": 1.0}
+    adamw = {
+        "lerp_": 1.0,
+        "mul_": 2.0,
+        "addcmul_": 1.0,
+        "sqrt": 1.0,
+        "div": 1.0,
+        "add_": 1.0,
+        "addcdiv_": 1.0,
+    }
     assert gemms == 4.0
     assert other == {"linalg_vector_norm": 1.0, **adamw, "addcmul_": 2.0}
 
@@ -125,10 +156,19 @@ def test_partial_fc_touches_the_sampled_rows_and_zeroes_the_rest(batch, blocks):
     gemms, other = _step_passes(batch=batch, sample_rate=0.5)
     half = 0.5
     assert gemms == 3.0 * half * blocks
-    expected = {"zeros": 1.0, "index": 2 * half * blocks, "linalg_vector_norm": half, "addcmul_": half,
-                "index_copy_": half, "mul": half, "sum": half}
+    expected = {
+        "zeros": 1.0,
+        "index": 2 * half * blocks,
+        "linalg_vector_norm": half,
+        "addcmul_": half,
+        "index_copy_": half,
+        "mul": half,
+        "sum": half,
+    }
     if blocks > 1:
-        expected.update({"index": 2 * half * blocks + half, "index_add_": half * (blocks - 1), "addcmul_": 2 * half})
+        expected.update(
+            {"index": 2 * half * blocks + half, "index_add_": half * (blocks - 1), "addcmul_": 2 * half}
+        )
     assert other == pytest.approx(expected)
 
 
@@ -136,8 +176,13 @@ def test_partial_fc_touches_the_sampled_rows_and_zeroes_the_rest(batch, blocks):
 @pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile's CPU kernels need a C++ compiler")
 def test_fusion_benchmark_times_both_sides():
     """benchmarks/head_fusion.py (the tile passes eager and compiled) runs: one round's row."""
-    done = subprocess.run([sys.executable, "benchmarks/head_fusion.py", "--smoke"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "benchmarks/head_fusion.py", "--smoke"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rounds = re.findall(r"\n\s+1\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\n", done.stdout)
     assert len(rounds) == 1 and all(float(v) > 0 for v in rounds[0]), done.stdout

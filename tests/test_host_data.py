@@ -2,15 +2,16 @@
 each would be a copy from pageable memory that waits for the device, and neither the sync
 counter nor CUDA's sync debug mode sees it; a teacher file's rows come from the loader workers.
 The whole step's count: tests/test_gpu_distill.py, whose cpu cases run in make test."""
+
 import numpy as np
 import pytest
 import torch
 
 from backbones import get_model
 from dataset import ResumableDistributedSampler, build_dataset, get_dataloader
-from infer.model import Model
 from distill.teacher_file import TeacherFile
 from faces.dlib_chip import DLIB_150
+from infer.model import Model
 from scripts.teach import main as teach
 from tests.host_sync import HostDataCounter
 
@@ -85,9 +86,12 @@ def test_teacher_file_rows_arrive_with_the_batch_from_the_loader_workers(drawn_f
     sampler = ResumableDistributedSampler(len(dataset), 2, 1, 8, seed=3)
     sampler.set_epoch(1, 2)
     dataset.set_epoch(1, 3)
-    loader = get_dataloader(dataset, sampler, 2, with_index=True, teacher_rows=rows.row, persistent_workers=False)
+    loader = get_dataloader(
+        dataset, sampler, 2, with_index=True, teacher_rows=rows.row, persistent_workers=False
+    )
     images, labels, indices, got = next(iter(loader))
     assert indices.tolist() == sampler.epoch_indices()[16:24].tolist()
     assert got.dtype == torch.float32 and got.shape == (8, rows.dim)
-    torch.testing.assert_close(got, torch.from_numpy(np.asarray(rows.rows[indices.numpy()], np.float32)),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        got, torch.from_numpy(np.asarray(rows.rows[indices.numpy()], np.float32)), rtol=0, atol=0
+    )

@@ -1,5 +1,6 @@
 """Host synchronisation: the counter catches each op that makes a CUDA host wait (and none
 of their fixed-size replacements); the head's forward+backward must make none."""
+
 import pytest
 import torch
 
@@ -18,7 +19,11 @@ SYNCING = [
     ("masked_select", lambda x: torch.masked_select(x, x > 0), "aten::masked_select"),
     ("bool_mask_index", lambda x: x[x > 0], "aten::index(bool mask)"),
     # a tensor value: torch >= 2.15 turns `x[mask] = <Python scalar>` into masked_fill_ (no sync)
-    ("bool_mask_assign", lambda x: x.clone().__setitem__(x > 0, torch.tensor(0.0)), "aten::index_put_(bool mask)"),
+    (
+        "bool_mask_assign",
+        lambda x: x.clone().__setitem__(x > 0, torch.tensor(0.0)),
+        "aten::index_put_(bool mask)",
+    ),
     ("assert_async", lambda x: torch._assert_async(x[1] > 0), "aten::_assert_async"),
     ("equal", lambda x: torch.equal(x, x), "aten::equal"),
     ("repeat_interleave", lambda x: torch.repeat_interleave(torch.tensor([1, 2])), "aten::repeat_interleave"),

@@ -1,19 +1,28 @@
 """1:N metrics equal their definitions computed directly, probe by probe and threshold by threshold."""
+
 import math
 
 import numpy as np
 import pytest
 
-from eval.identification import (cmc, det_curve, insightface_tpir, mate_ranks, plot_cmc_det, rank_accuracy,
-                                 tpir_at_fpir)
+from eval.identification import (
+    cmc,
+    det_curve,
+    insightface_tpir,
+    mate_ranks,
+    plot_cmc_det,
+    rank_accuracy,
+    tpir_at_fpir,
+)
 
 
 def _case(seed, n_gallery=12, n_probes=60, levels=7):
     """Scores on a coarse grid (many ties); identities 0..n_gallery-1 enrolled, 100+ not."""
     rng = np.random.default_rng(seed)
     gallery_labels = rng.permutation(n_gallery)
-    probe_labels = np.where(rng.random(n_probes) < 0.7, rng.integers(0, n_gallery, n_probes),
-                            100 + rng.integers(0, 5, n_probes))
+    probe_labels = np.where(
+        rng.random(n_probes) < 0.7, rng.integers(0, n_gallery, n_probes), 100 + rng.integers(0, 5, n_probes)
+    )
     scores = rng.integers(0, levels, (n_probes, n_gallery)).astype(np.float32) / levels
     return scores, gallery_labels, probe_labels
 
@@ -42,8 +51,11 @@ def test_ranks_cmc_and_rank_k_equal_a_direct_sort_per_probe(seed):
 def direct_tpir_at_fpir(scores, g, p, fpir):
     """Try every score as threshold (and +inf); keep the best TPIR whose FPIR <= fpir."""
     nonmated = [row.max() for row, label in zip(scores, p) if label not in set(g)]
-    mated = [(direct_rank(row, g, label), row[[j for j in range(len(g)) if g[j] == label]].max())
-             for row, label in zip(scores, p) if label in set(g)]
+    mated = [
+        (direct_rank(row, g, label), row[[j for j in range(len(g)) if g[j] == label]].max())
+        for row, label in zip(scores, p)
+        if label in set(g)
+    ]
     best = 0.0
     for t in sorted(set(scores.ravel().tolist())) + [math.inf]:
         fp = sum(s >= t for s in nonmated) / len(nonmated)
@@ -89,5 +101,7 @@ def test_insightface_figure_is_its_stated_rule():
 def test_open_set_without_non_mated_probes_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no non-mated probes"):
         tpir_at_fpir(np.array([0, 1]), np.array([0.5, 0.4]), np.array([]))
-    plot_cmc_det(np.array([0.5, 0.8, 1.0]), np.array([1.0, 0.1]), np.array([0.0, 0.3]), str(tmp_path / "c.png"), "t")
+    plot_cmc_det(
+        np.array([0.5, 0.8, 1.0]), np.array([1.0, 0.1]), np.array([0.0, 0.3]), str(tmp_path / "c.png"), "t"
+    )
     assert (tmp_path / "c.png").stat().st_size > 0

@@ -1,5 +1,6 @@
 """scripts.identify: enrolment (cache reuse, updates, resume, another model refused), search
 results equal a direct computation, and every bad input is one error line naming it."""
+
 import json
 import os
 
@@ -46,7 +47,9 @@ def test_cache_is_reused_updated_when_the_folder_changes_and_another_model_is_re
     cache = os.path.join(gallery, ".shardface_gallery.npz")
     stamp = os.stat(cache).st_mtime_ns
     again = enrol(gallery, embedder, show_progress=False)
-    assert os.stat(cache).st_mtime_ns == stamp and first.names == again.names  # nothing re-embedded or written
+    assert (
+        os.stat(cache).st_mtime_ns == stamp and first.names == again.names
+    )  # nothing re-embedded or written
     np.testing.assert_array_equal(first.templates, again.templates)
     noise_face(tmp_path / "g" / "person0" / "new.png", 77)
     os.remove(tmp_path / "g" / "person2" / "2.png")
@@ -56,23 +59,29 @@ def test_cache_is_reused_updated_when_the_folder_changes_and_another_model_is_re
     fresh = enrol(gallery, embedder, cache=str(tmp_path / "fresh.npz"), show_progress=False)
     assert updated.names == fresh.names == ["person0", "person1", "person2", "person3"]
     np.testing.assert_allclose(updated.templates, fresh.templates, atol=1e-6)
-    code, _, err = run_identify(capsys, other, "--gallery", gallery, str(tmp_path / "g" / "person3" / "a.png"))
+    code, _, err = run_identify(
+        capsys, other, "--gallery", gallery, str(tmp_path / "g" / "person3" / "a.png")
+    )
     assert code == 2 and err.count("\n") == 1
     assert cache in err and os.path.realpath(model) in err and "--rebuild" in err
-    code, out, _ = run_identify(capsys, other, "--gallery", gallery, "--rebuild",
-                                str(tmp_path / "g" / "person3" / "a.png"))
+    code, out, _ = run_identify(
+        capsys, other, "--gallery", gallery, "--rebuild", str(tmp_path / "g" / "person3" / "a.png")
+    )
     assert code == 0 and "person3 1.0000" in out
 
 
-@pytest.mark.parametrize("case,named", [
-    ("empty gallery", "empty gallery"),
-    ("person without images", "person folder without images"),
-    ("image outside a person folder", "outside a person folder"),
-    ("query not an image", "cannot read image"),
-    ("gallery image not an image", "cannot read image"),
-    ("query missing", "no such image file or folder"),
-    ("query of the wrong size", "pass --align"),
-])
+@pytest.mark.parametrize(
+    "case,named",
+    [
+        ("empty gallery", "empty gallery"),
+        ("person without images", "person folder without images"),
+        ("image outside a person folder", "outside a person folder"),
+        ("query not an image", "cannot read image"),
+        ("gallery image not an image", "cannot read image"),
+        ("query missing", "no such image file or folder"),
+        ("query of the wrong size", "pass --align"),
+    ],
+)
 def test_bad_input_is_one_error_line_naming_it(tmp_path, capsys, case, named):
     model = seeded_model(tmp_path / "m", 0)
     g = tmp_path / "g"
@@ -108,12 +117,18 @@ def test_bad_input_is_one_error_line_naming_it(tmp_path, capsys, case, named):
 def test_identify_eval_split_and_rank1_equal_a_direct_computation(tmp_path, capsys):
     from scripts.identify_eval import main as identify_eval
     from scripts.identify_eval import split
+
     model = seeded_model(tmp_path / "m", 0)
     root = gallery_folder(tmp_path / "g", (3, 3, 2, 1, 3))
     png = str(tmp_path / "curves.png")
-    assert identify_eval([model, root, "--gallery_per_id", "2", "--unknown_ids", "1", "--json", "--plot", png]) == 0
+    assert (
+        identify_eval([model, root, "--gallery_per_id", "2", "--unknown_ids", "1", "--json", "--plot", png])
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
-    people = [(f"person{p}", sorted(f"person{p}/{i}.png" for i in range(n))) for p, n in enumerate((3, 3, 2, 1, 3))]
+    people = [
+        (f"person{p}", sorted(f"person{p}/{i}.png" for i in range(n))) for p, n in enumerate((3, 3, 2, 1, 3))
+    ]
     enrolled, mated, nonmated = split(people, 2, 1, 0)
     assert len(enrolled) == 4 and len(nonmated) in (1, 2, 3) and all(len(f) <= 2 for _, f in enrolled)
     emb = lambda fs: as_model(load_module(model)).embed([os.path.join(root, f) for f in fs], align=False)  # noqa
@@ -129,6 +144,7 @@ def test_identify_eval_split_and_rank1_equal_a_direct_computation(tmp_path, caps
 @pytest.mark.parametrize("value", ["nan", "inf", "2", "-5", "1.0001"])
 def test_threshold_that_is_not_a_cosine_is_refused_in_one_line_before_any_work(tmp_path, capsys, tool, value):
     from scripts.compare import main as compare
+
     model = seeded_model(tmp_path / "m", 0)
     gallery = gallery_folder(tmp_path / "g")
     query = noise_face(tmp_path / "q.png", 5)
@@ -153,13 +169,16 @@ def test_model_without_a_known_threshold_names_no_one_and_says_how_to_get_one(tm
 
 def test_identify_and_compare_print_the_threshold_they_used_and_where_it_came_from(tmp_path, capsys):
     from scripts.compare import main as compare
+
     model = seeded_model(tmp_path / "m", 0)
     gallery = gallery_folder(tmp_path / "g")
     query = noise_face(tmp_path / "q.png", 5)
     code, out, _ = run_identify(capsys, model, "--gallery", gallery, "--threshold", "0.25", query)
     assert code == 0 and out.splitlines()[0] == "threshold 0.2500: given by --threshold"
     code, out, _ = run_identify(capsys, model, "--gallery", gallery, "--threshold", "0.25", "--json", query)
-    assert json.loads(out)["threshold"] == 0.25 and json.loads(out)["threshold_source"] == "given by --threshold"
+    assert (
+        json.loads(out)["threshold"] == 0.25 and json.loads(out)["threshold_source"] == "given by --threshold"
+    )
     assert compare([model, query, query, "--threshold", "0.25"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1:] == ["threshold 0.2500: given by --threshold", "same person (threshold 0.2500)"]
@@ -171,6 +190,7 @@ def test_identify_eval_gives_no_figure_the_data_cannot_support(tmp_path, capsys)
     """4 people enrolled: rank-5 is 1 whatever the model, so n/a; 2 non-mated probes cannot
     measure FPIR 0.1 (needs 10) or 0.01 (needs 100)."""
     from scripts.identify_eval import main as identify_eval
+
     model = seeded_model(tmp_path / "m", 0)
     root = gallery_folder(tmp_path / "g", (3, 3, 2, 2, 3))
     args = [model, root, "--gallery_per_id", "1", "--unknown_ids", "1", "--seed", "1"]
@@ -178,8 +198,10 @@ def test_identify_eval_gives_no_figure_the_data_cannot_support(tmp_path, capsys)
     result = json.loads(capsys.readouterr().out)
     assert result["people_enrolled"] == 4 and result["nonmated_probes"] < 10
     assert result["rank1"] is not None and result["rank5"] is None
-    assert result["tpir_at_fpir"] == {"0.1": {"tpir": None, "threshold": None, "needs_nonmated_probes": 10},
-                                      "0.01": {"tpir": None, "threshold": None, "needs_nonmated_probes": 100}}
+    assert result["tpir_at_fpir"] == {
+        "0.1": {"tpir": None, "threshold": None, "needs_nonmated_probes": 10},
+        "0.01": {"tpir": None, "threshold": None, "needs_nonmated_probes": 100},
+    }
     assert identify_eval(args) == 0
     out = capsys.readouterr().out
     assert "rank-5 n/a (needs more than 5 people enrolled)" in out
@@ -188,6 +210,7 @@ def test_identify_eval_gives_no_figure_the_data_cannot_support(tmp_path, capsys)
 
 def test_identify_eval_negative_unknown_ids_is_one_error_line(tmp_path, capsys):
     from scripts.identify_eval import main as identify_eval
+
     model = seeded_model(tmp_path / "m", 0)
     root = gallery_folder(tmp_path / "g", (2, 2))
     assert identify_eval([model, root, "--unknown_ids", "-1"]) == 2
@@ -198,6 +221,7 @@ def test_identify_eval_negative_unknown_ids_is_one_error_line(tmp_path, capsys):
 @pytest.mark.parametrize("seed", range(3))
 def test_threshold_at_far_accepts_at_most_far_of_different_pairs_and_no_lower_threshold_does(seed):
     from infer.thresholds import threshold_at_far
+
     rng = np.random.default_rng(seed)
     n = [5, 40, 1500][seed]
     cos = np.round(rng.uniform(-1, 1, 2 * n), 2)  # ties
@@ -216,7 +240,9 @@ def test_threshold_at_far_accepts_at_most_far_of_different_pairs_and_no_lower_th
     assert got["tar"] == pytest.approx((cos[same] >= got["threshold"]).mean())
 
 
-def test_trained_runs_threshold_is_saved_by_verification_used_by_identify_and_carried_into_onnx(tmp_path, capsys):
+def test_trained_runs_threshold_is_saved_by_verification_used_by_identify_and_carried_into_onnx(
+    tmp_path, capsys
+):
     """The callback saves threshold.json beside the run's weights; identify and compare take it as
     the MODEL's own, stated; export_onnx writes it into the .onnx, whose tools state the same."""
     import io
@@ -225,6 +251,7 @@ def test_trained_runs_threshold_is_saved_by_verification_used_by_identify_and_ca
     from eval.verification import write_bin
     from scripts.compare import main as compare
     from scripts.export_onnx import main as export_onnx
+
     model = seeded_model(tmp_path / "run", 0)
     images = []
     for i in range(80):  # 40 pairs, 20 of them different people: FAR 0.1 is measurable, 0.01 is not
@@ -235,7 +262,12 @@ def test_trained_runs_threshold_is_saved_by_verification_used_by_identify_and_ca
     backbone = load_module(model)
     VerificationCallback(["v"], str(tmp_path), 1, backbone, output=str(tmp_path / "run"))(7)
     saved = json.load(open(tmp_path / "run" / "threshold.json"))["raw"]
-    assert saved["far"] == 0.1 and saved["different_pairs"] == 20 and saved["step"] == 7 and saved["val_target"] == "v"
+    assert (
+        saved["far"] == 0.1
+        and saved["different_pairs"] == 20
+        and saved["step"] == 7
+        and saved["val_target"] == "v"
+    )
     gallery = gallery_folder(tmp_path / "g")
     query = noise_face(tmp_path / "q.png", 5)
     stated = f"threshold {saved['threshold']:.4f}: the run's own, at FAR 0.1 on v (20 different-person pairs"
@@ -250,14 +282,17 @@ def test_trained_runs_threshold_is_saved_by_verification_used_by_identify_and_ca
 
 def test_identify_eval_plot_is_checked_before_the_evaluation(tmp_path, capsys, monkeypatch):
     from scripts import identify_eval as tool
+
     model = seeded_model(tmp_path / "m", 0)
     root = gallery_folder(tmp_path / "g", (3, 3, 2, 1, 3))
     monkeypatch.setattr(tool, "model_from", lambda *a, **k: pytest.fail("evaluated before checking --plot"))
     (tmp_path / "curves.png").write_bytes(b"an earlier plot")
     (tmp_path / "plots").mkdir()
-    for plot, said in ((tmp_path / "curves.png", "exists; pass --overwrite to replace it"),
-                       (tmp_path / "plots", "is a directory; name a file"),
-                       (tmp_path / "no" / "c.png", "does not exist")):
+    for plot, said in (
+        (tmp_path / "curves.png", "exists; pass --overwrite to replace it"),
+        (tmp_path / "plots", "is a directory; name a file"),
+        (tmp_path / "no" / "c.png", "does not exist"),
+    ):
         assert tool.main([model, root, "--plot", str(plot)]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: --plot {plot}") and said in err and err.count("\n") == 1
@@ -268,6 +303,7 @@ def test_identify_eval_embeds_batch_by_batch_with_progress_and_the_same_figures(
     """A folder larger than a batch: progress with an ETA on stderr, and batches of 4 give the
     figures one batch of all gives."""
     from scripts.identify_eval import main as identify_eval
+
     model = seeded_model(tmp_path / "m", 0)
     root = gallery_folder(tmp_path / "g", (3, 3, 2, 2, 3))
     args = [model, root, "--gallery_per_id", "1", "--unknown_ids", "1"]
@@ -287,7 +323,9 @@ def test_a_person_called_unknown_is_named_when_they_match_and_nobody_is_null_in_
     code, out, _ = run_identify(capsys, model, "--gallery", str(people), "--threshold", "0.5", face)
     assert code == 0 and out.splitlines()[-1].endswith("unknown 1.0000")  # a match, not "unknown (best ..."
     stranger = noise_face(tmp_path / "q.png", 2)
-    code, out, _ = run_identify(capsys, model, "--gallery", str(people), "--threshold", "0.9999", "--json", stranger)
+    code, out, _ = run_identify(
+        capsys, model, "--gallery", str(people), "--threshold", "0.9999", "--json", stranger
+    )
     assert json.loads(out)["faces"][0]["name"] is None
 
 
@@ -310,7 +348,9 @@ def test_a_query_named_twice_is_answered_once(tmp_path, capsys):
 
 def test_a_person_without_a_face_stops_the_gallery_after_the_others_are_saved(tmp_path):
     from PIL import Image
+
     from infer.enrolment import GalleryError, default_cache
+
     model = load_model(seeded_model(tmp_path / "m", 0))
     people = tmp_path / "g"
     os.makedirs(people / "wall")
@@ -319,4 +359,6 @@ def test_a_person_without_a_face_stops_the_gallery_after_the_others_are_saved(tm
     Image.fromarray(np.zeros((160, 160, 3), np.uint8)).save(people / "eve" / "0.png")
     with pytest.raises(GalleryError, match="no face found in any of"):
         enrol(str(people), model, align=True, show_progress=False)
-    assert os.path.isfile(default_cache(str(people)))  # the searches are kept: a rerun with a photo added is quick
+    assert os.path.isfile(
+        default_cache(str(people))
+    )  # the searches are kept: a rerun with a photo added is quick

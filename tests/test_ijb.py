@@ -1,4 +1,5 @@
 """IJB 1:1 evaluation on a generated fixture whose TAR@FAR is known by construction."""
+
 import numpy as np
 import pytest
 import torch
@@ -33,6 +34,7 @@ def test_alignment_moves_landmarks_onto_template():
     img = Image.new("RGB", (200, 200), "black")
     marks = ARCFACE_TEMPLATE * 1.5 + 20
     from PIL import ImageDraw
+
     d = ImageDraw.Draw(img)
     x, y = marks[0]
     d.ellipse([x - 3, y - 3, x + 3, y + 3], fill="white")
@@ -52,9 +54,11 @@ def test_missing_meta_file_is_named(tmp_path):
 
 def test_roc_path_in_a_missing_directory_is_refused_before_embedding(tmp_path):
     make_ijb_fixture(tmp_path)
+
     class NeverCalled(MeanColour):
         def forward(self, x):
             raise AssertionError("embedded images before checking the output")
+
     with pytest.raises(ValueError, match=r"--roc .*missing/roc.png: the directory .*missing does not exist"):
         evaluate_ijb(str(tmp_path), NeverCalled(), "ijbc", roc_path=str(tmp_path / "missing" / "roc.png"))
 
@@ -75,6 +79,7 @@ class NeverCalled(MeanColour):
 def test_roc_over_an_existing_file_is_refused_before_embedding_unless_overwrite(tmp_path):
     """--roc follows every tool's output rule (identify_eval's --plot): a photo there stays."""
     from utils.atomic import OutputError
+
     make_ijb_fixture(tmp_path)
     photo = tmp_path / "holiday.png"
     Image.new("RGB", (8, 8), "red").save(photo)
@@ -88,6 +93,7 @@ def test_roc_over_an_existing_file_is_refused_before_embedding_unless_overwrite(
 
 def _tool(argv, capsys):
     from scripts.ijb import main
+
     capsys.readouterr()
     rc = main(argv)
     return rc, capsys.readouterr().err.strip()
@@ -106,15 +112,46 @@ def test_ijb_tool_refuses_an_existing_roc_and_a_wrong_root_in_one_line(tmp_path,
     assert rc == 2 and err.count("\n") == 0 and "no meta/ folder" in err
 
 
-@pytest.mark.parametrize("file,line,damage,expected", [
-    ("ijbc_name_5pts_score.txt", 3, lambda f: [f[0], "x3.5", *f[2:]], r"ijbc_name_5pts_score.txt:3: field 2 is 'x3.5'"),
-    ("ijbc_name_5pts_score.txt", 1, lambda f: [*f[:11], "nan"], r"ijbc_name_5pts_score.txt:1: field 12 is 'nan'"),
-    ("ijbc_face_tid_mid.txt", 2, lambda f: [f[0], "seven", f[2]], r"ijbc_face_tid_mid.txt:2: field 2 is 'seven'"),
-    ("ijbc_template_pair_label.txt", 4, lambda f: [f[0], f[1], "2"], r"ijbc_template_pair_label.txt:4: label 2"),
-    ("ijbc_template_pair_label.txt", 5, lambda f: f[:2], r"ijbc_template_pair_label.txt:5: expected 3 fields"),
-])
-def test_malformed_meta_line_is_a_data_error_naming_file_line_and_field(tmp_path, file, line, damage, expected):
+@pytest.mark.parametrize(
+    "file,line,damage,expected",
+    [
+        (
+            "ijbc_name_5pts_score.txt",
+            3,
+            lambda f: [f[0], "x3.5", *f[2:]],
+            r"ijbc_name_5pts_score.txt:3: field 2 is 'x3.5'",
+        ),
+        (
+            "ijbc_name_5pts_score.txt",
+            1,
+            lambda f: [*f[:11], "nan"],
+            r"ijbc_name_5pts_score.txt:1: field 12 is 'nan'",
+        ),
+        (
+            "ijbc_face_tid_mid.txt",
+            2,
+            lambda f: [f[0], "seven", f[2]],
+            r"ijbc_face_tid_mid.txt:2: field 2 is 'seven'",
+        ),
+        (
+            "ijbc_template_pair_label.txt",
+            4,
+            lambda f: [f[0], f[1], "2"],
+            r"ijbc_template_pair_label.txt:4: label 2",
+        ),
+        (
+            "ijbc_template_pair_label.txt",
+            5,
+            lambda f: f[:2],
+            r"ijbc_template_pair_label.txt:5: expected 3 fields",
+        ),
+    ],
+)
+def test_malformed_meta_line_is_a_data_error_naming_file_line_and_field(
+    tmp_path, file, line, damage, expected
+):
     from dataset.errors import DataError
+
     make_ijb_fixture(tmp_path)
     path = tmp_path / "meta" / file
     lines = path.read_text().splitlines()
@@ -126,6 +163,7 @@ def test_malformed_meta_line_is_a_data_error_naming_file_line_and_field(tmp_path
 
 def test_malformed_meta_through_the_tool_is_one_line(tmp_path, capsys):
     import backbones
+
     make_ijb_fixture(tmp_path)
     torch.save(backbones.get_model("tiny").state_dict(), tmp_path / "model.pt")
     path = tmp_path / "meta" / "ijbc_face_tid_mid.txt"

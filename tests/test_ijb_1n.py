@@ -1,5 +1,6 @@
 """IJB 1:N on a generated miniature in IJB-C's file layout: every figure equals one computed in
 this file from the definitions (pooling, ranks, thresholds tried one by one)."""
+
 import math
 
 import numpy as np
@@ -39,7 +40,9 @@ def _make(root, rng, prefix="ijbc", galleries=("G1", "G2")):
                     name = f"{template}_{media}_{k}.png"
                     u = directions[subject] + rng.normal(0, 0.9, 3)
                     colour = np.round(127.5 + 100 * u / np.abs(u).max()).astype(int)
-                    Image.new("RGB", (150, 150), tuple(int(c) for c in colour)).save(root / "loose_crop" / name)
+                    Image.new("RGB", (150, 150), tuple(int(c) for c in colour)).save(
+                        root / "loose_crop" / name
+                    )
                     score = rng.uniform(0.5, 1)
                     faces.append(f"{name} {template} {template * 10 + media}")
                     pts = ARCFACE_112.points + 15 + rng.normal(0, 1, (5, 2))
@@ -66,7 +69,9 @@ def _pooled(csv_rows, colour_of, score_of, media_of):
     for (t, s), names in images.items():
         total = np.zeros(3)
         for m in sorted({media_of[n] for n in names}):
-            total += np.mean([2 * (colour_of[n] - 127.5) / 127.5 * score_of[n] for n in names if media_of[n] == m], 0)
+            total += np.mean(
+                [2 * (colour_of[n] - 127.5) / 127.5 * score_of[n] for n in names if media_of[n] == m], 0
+            )
         out[t] = (s, total / np.linalg.norm(total))
     return out
 
@@ -121,8 +126,10 @@ def test_ijbb_layout_through_the_tool_and_a_missing_gallery_file_is_named(tmp_pa
     root = tmp_path / "IJBB"
     _make(root, np.random.default_rng(1), "ijbb", ("S1", "S2"))
     model = tmp_path / "model.pt"
-    from backbones import get_model
     import json
+
+    from backbones import get_model
+
     torch.save(get_model("tiny", num_features=16).eval().state_dict(), model)
     json.dump({"network": "tiny"}, open(tmp_path / "config.json", "w"))
     assert ijb([str(model), "--root", str(root), "--target", "IJBB", "--protocol", "1:N"]) == 0

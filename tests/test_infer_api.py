@@ -1,6 +1,7 @@
 """The Python API (infer/): a user's photos in any form give the same embeddings, MODEL `dlib`
 embeds a photo as dlib (and so face_recognition) does, a Gallery answers as `identify` does, and
 the README's example runs."""
+
 import json
 import os
 import subprocess
@@ -27,6 +28,7 @@ def dlib_model():
 def portrait(tmp_path_factory):
     """skimage's astronaut, as a file a user has."""
     from skimage import data
+
     path = tmp_path_factory.mktemp("portrait") / "astronaut.png"
     Image.fromarray(data.astronaut()).save(path)
     return str(path)
@@ -36,6 +38,7 @@ def _dlibs_own_descriptor(img: np.ndarray) -> np.ndarray:
     """face_recognition's `face_encodings(img)[0]`, written with dlib's calls: HOG at one
     upsampling, the 5-point shape of the largest face, dlib's descriptor of its chip."""
     from faces.models import model_file
+
     box = max(dlib.get_frontal_face_detector()(img, 1), key=lambda r: r.area())
     shape = dlib.shape_predictor(model_file("shape_predictor_5_face_landmarks.dat"))(img, box)
     net = dlib.face_recognition_model_v1(model_file("dlib_face_recognition_resnet_model_v1.dat"))
@@ -67,12 +70,16 @@ def test_faces_come_largest_first_with_box_points_and_score(dlib_model):
     assert all(x0 <= x <= x1 and y0 <= y <= y1 for x, y in faces[0].points)
 
 
-def test_compare_is_the_cosine_of_the_two_embeddings_and_a_photo_without_a_face_is_named(dlib_model, portrait,
-                                                                                       tmp_path):
+def test_compare_is_the_cosine_of_the_two_embeddings_and_a_photo_without_a_face_is_named(
+    dlib_model, portrait, tmp_path
+):
     flipped = Image.open(portrait).transpose(Image.FLIP_LEFT_RIGHT)
     a, b = dlib_model.embed([portrait, flipped], flip=False).astype(np.float64)
     assert dlib_model.compare(portrait, flipped, flip=False).score == pytest.approx(float(a @ b), abs=1e-6)
-    assert dlib_model.threshold is not None and dlib_model.compare(portrait, flipped).score > dlib_model.threshold.value
+    assert (
+        dlib_model.threshold is not None
+        and dlib_model.compare(portrait, flipped).score > dlib_model.threshold.value
+    )
     wall = tmp_path / "wall.png"
     Image.new("RGB", (160, 160), (120, 140, 160)).save(wall)
     with pytest.raises(Exception, match=f"{wall}: no face found"):
@@ -83,6 +90,7 @@ def test_compare_is_the_cosine_of_the_two_embeddings_and_a_photo_without_a_face_
 
 def test_gallery_answers_as_identify_does(tmp_path, capsys):
     from scripts.identify import main as identify
+
     model = seeded_model(tmp_path / "m", 0)
     people = gallery_folder(tmp_path / "g")
     queries = [str(tmp_path / "g" / "person1" / "0.png"), noise_face(tmp_path / "q.png", 99)]
@@ -103,11 +111,21 @@ def test_the_readme_example_runs(tmp_path, portrait):
     people = tmp_path / "people" / "eileen"
     os.makedirs(people)
     astronaut_head().save(people / "one.jpg")
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "use_a_model.py"), "dlib",
-                          str(tmp_path / "people"), portrait], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "examples", "use_a_model.py"),
+            "dlib",
+            str(tmp_path / "people"),
+            portrait,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("face at (") and "embedding: 128 numbers" in lines
-    answers = lines[[i for i, line in enumerate(lines) if line.startswith("cosine to ")][0] + 1:]
+    answers = lines[[i for i, line in enumerate(lines) if line.startswith("cosine to ")][0] + 1 :]
     assert answers[0].startswith("eileen (")  # her face, the largest; the badge on her suit is nobody
     assert all(a.startswith("unknown (") for a in answers[1:])

@@ -1,5 +1,6 @@
 """Label-free training (issue #29, docs/distillation.md): `num_classes 0` with a teacher trains
 on the distillation loss alone, with no margin head, on data without identities."""
+
 import os
 import re
 import shutil
@@ -31,8 +32,11 @@ def photos(tmp_path_factory):
     """16 photos of nobody in particular: 6 in the folder itself, 10 in sub-folders that are not
     people (two levels), plus a file that is not an image."""
     root = str(tmp_path_factory.mktemp("photos") / "photos")
-    names = [f"p{i}.jpg" for i in range(6)] + [f"2024/holiday/h{i}.png" for i in range(4)] + \
-        [f"2023/s{i}.jpeg" for i in range(6)]
+    names = (
+        [f"p{i}.jpg" for i in range(6)]
+        + [f"2024/holiday/h{i}.png" for i in range(4)]
+        + [f"2023/s{i}.jpeg" for i in range(6)]
+    )
     for i, name in enumerate(names):
         _write(os.path.join(root, name), (20 + 13 * i, 200 - 9 * i, (70 * i) % 250))
     with open(os.path.join(root, "notes.txt"), "w") as f:
@@ -41,8 +45,19 @@ def photos(tmp_path_factory):
 
 
 def _argv(data, out, teacher, *extra):
-    return train_argv(data, out, "--num_classes", "0", "--teacher", teacher, "--teacher_network", "tiny",
-                      "--checkpoint_interval", "2", *extra)
+    return train_argv(
+        data,
+        out,
+        "--num_classes",
+        "0",
+        "--teacher",
+        teacher,
+        "--teacher_network",
+        "tiny",
+        "--checkpoint_interval",
+        "2",
+        *extra,
+    )
 
 
 def _losses(out):
@@ -63,7 +78,9 @@ def test_num_classes_0_without_a_teacher_or_with_weight_0_is_one_error_line(draw
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: config num_classes = 0") and "--teacher" in err[0]
     assert not os.path.exists(out)
-    with pytest.raises(ConfigError, match=r"^config distill_weight = 0.0: with num_classes 0 the distillation loss is"):
+    with pytest.raises(
+        ConfigError, match=r"^config distill_weight = 0.0: with num_classes 0 the distillation loss is"
+    ):
         get_config(argv[0], argv[1:] + ["--teacher", "t.teacher", "--distill_weight", "0.0"])
 
 
@@ -71,8 +88,9 @@ def test_folder_without_identities_reads_every_image_under_it(photos):
     data = FolderFaceDataset(photos, train=False, normalize=False, label_free=True)
     paths = [os.path.relpath(p, photos) for p, _ in data.samples]
     # the folder's own images first, then each sub-folder depth first, sorted at every level
-    assert paths == [f"p{i}.jpg" for i in range(6)] + [f"2023/s{i}.jpeg" for i in range(6)] + \
-        [f"2024/holiday/h{i}.png" for i in range(4)]
+    assert paths == [f"p{i}.jpg" for i in range(6)] + [f"2023/s{i}.jpeg" for i in range(6)] + [
+        f"2024/holiday/h{i}.png" for i in range(4)
+    ]
     assert {int(data[i][1]) for i in range(len(data))} == {0} and data.num_classes == 0
     assert build_dataset(photos, 0, normalize=False).fingerprint() == data.fingerprint()
 
@@ -112,18 +130,32 @@ def test_label_free_step_under_ddp_gradient_acc_and_clipping(photos, teacher_pt,
     """The step's other paths with no head: DDP's no_sync micro-batches and a clip that binds,
     over the backbone (and projection) alone."""
     out = str(tmp_path / "ddp")
-    args = _argv(photos, out, teacher_pt, "--zero", "false", "--gradient_acc", "2",
-                 "--max_grad_norm", "0.01", "--max_steps", "1")
+    args = _argv(
+        photos,
+        out,
+        teacher_pt,
+        "--zero",
+        "false",
+        "--gradient_acc",
+        "2",
+        "--max_grad_norm",
+        "0.01",
+        "--max_steps",
+        "1",
+    )
     assert train.main(args) == 0
     assert resolve_checkpoint(out).endswith("checkpoint-00000001") and len(_losses(out)) == 1
 
 
 def test_planner_counts_no_head_label_free(teacher_pt):
     from planner import plan
+
     base = ["--batch_size", "16", "--teacher", teacher_pt, "--teacher_network", "tiny"]
     with_head = plan(get_config("configs/demo.py", base + ["--num_classes", "1000"]), 2)
     cosine = plan(get_config("configs/demo.py", base + ["--num_classes", "0"]), 2)
-    relational = plan(get_config("configs/demo.py", base + ["--num_classes", "0", "--distill_loss", "relational"]), 2)
+    relational = plan(
+        get_config("configs/demo.py", base + ["--num_classes", "0", "--distill_loss", "relational"]), 2
+    )
     assert with_head.head_bytes() > 0 and cosine.head_bytes() == 0
     assert with_head.total - cosine.total == with_head.head_bytes()
     assert list(cosine.sends) == ["ZeRO-2 gradients + parameters"]
@@ -133,6 +165,7 @@ def test_planner_counts_no_head_label_free(teacher_pt):
 
 def test_label_free_builds_no_head_nor_head_optimizer(teacher_pt):
     from builders import build_head, build_head_optimizer
+
     cfg = get_config("configs/demo.py", ["--num_classes", "0", "--teacher", teacher_pt])
     assert build_head(cfg) is None and build_head_optimizer(cfg, None) is None
 
@@ -156,8 +189,10 @@ def relational_runs(photos, teacher_pt, tmp_path_factory):
     full, cut = str(base / "full"), str(base / "cut")
 
     def argv(out, *extra):
-        return _argv(photos, out, rows, "--distill_loss", "relational", "--num_epoch", "10", "--max_steps", "4",
-                     *extra)
+        return _argv(
+            photos, out, rows, "--distill_loss", "relational", "--num_epoch", "10", "--max_steps", "4", *extra
+        )
+
     assert run_distributed(_run, 2, argv(full)) == [0, 0]
     assert run_distributed(_run, 2, argv(cut, "--stop_after_steps", "2")) == [0, 0]
     assert run_distributed(_run, 2, argv(cut, "--resume", "true")) == [0, 0]
@@ -179,8 +214,9 @@ def test_label_free_checkpoint_resumes_exactly_at_two_ranks(relational_runs, pho
 def test_label_free_checkpoint_of_two_ranks_resumes_on_one(relational_runs, tmp_path):
     out = str(tmp_path / "one_rank")
     os.makedirs(out)
-    shutil.copytree(os.path.join(relational_runs["full"], "checkpoint-00000002"),
-                    os.path.join(out, "checkpoint-00000002"))
+    shutil.copytree(
+        os.path.join(relational_runs["full"], "checkpoint-00000002"), os.path.join(out, "checkpoint-00000002")
+    )
     with open(os.path.join(out, "latest"), "w") as f:
         f.write("checkpoint-00000002\n")
     assert train.main(relational_runs["argv"](out, "--resume", "true", "--stop_after_steps", "1")) == 0
@@ -193,6 +229,7 @@ def test_label_free_save_refuses_finite_weights_whose_embeddings_overflow():
     """With no head the checkpoint probe is the batch's embeddings: finite weights that give
     inf embeddings are not saved."""
     from utils.divergence import TrainingStopped, check_weights
+
     net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4))
     batch = (torch.ones(2, 3, 2, 2), torch.zeros(2, dtype=torch.long))
     check_weights(1, net, None, batch)

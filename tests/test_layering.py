@@ -1,4 +1,5 @@
 """The one-way layering docs/architecture.md states: a package imports only from packages in layers below it."""
+
 import ast
 import os
 
@@ -6,8 +7,21 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # lowest first; a module may import its own layer's package and any earlier layer
-LAYERS = [["configs"], ["parallel"], ["utils"], ["checkpoint"], ["backbones", "losses"], ["heads"], ["dataset"],
-          ["faces"], ["infer"], ["distill"], ["eval"], ["builders", "planner", "train"], ["scripts"]]
+LAYERS = [
+    ["configs"],
+    ["parallel"],
+    ["utils"],
+    ["checkpoint"],
+    ["backbones", "losses"],
+    ["heads"],
+    ["dataset"],
+    ["faces"],
+    ["infer"],
+    ["distill"],
+    ["eval"],
+    ["builders", "planner", "train"],
+    ["scripts"],
+]
 OURS = {name for layer in LAYERS for name in layer}
 
 

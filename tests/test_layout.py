@@ -1,6 +1,7 @@
 """The RecordIO layout is read from the header's agreement with the index and `property`,
 never from record 0's flag alone: packed-label im2rec sets train every image, insightface
 sets only their images, and what fits both or neither is refused naming the file."""
+
 import os
 
 import pytest
@@ -56,8 +57,11 @@ def test_image_whose_labels_also_describe_the_index_is_refused_as_ambiguous(tmp_
     # 1..3, identity records 4..11 whose labels run from 1 to 4, and property's 8 classes
     special = {0: [4, 12], 4: [1, 2], 11: [3, 4]}
     root = _im2rec_set(tmp_path, lambda key: special.get(key, [key % 8, 0]), 12, 8)
-    with pytest.raises(RecordIOError, match=r"train\.rec: ambiguous layout: key 0 holds an image, and its labels "
-                                            r"\[4\.0, 12\.0\].*scripts\.pack_rec"):
+    with pytest.raises(
+        RecordIOError,
+        match=r"train\.rec: ambiguous layout: key 0 holds an image, and its labels "
+        r"\[4\.0, 12\.0\].*scripts\.pack_rec",
+    ):
         MXFaceDataset(root)
     special[11] = [3, 5]  # the same labels, but the last identity record does not end at key 4
     root = _im2rec_set(tmp_path, lambda key: special.get(key, [key % 8, 0]), 12, 8)
@@ -74,9 +78,12 @@ def test_header_that_does_not_match_a_truncated_index_is_refused(tmp_path):
     root = _insightface(tmp_path)
     lines = (root / "train.idx").read_text().splitlines(keepends=True)
     (root / "train.idx").write_text("".join(lines[:9]))  # header and 8 of the 12 images
-    with pytest.raises(RecordIOError, match=r"train\.rec: key 0 is a header record \(labels \[13\.0, 17\.0\], no "
-                                            r"image\) that does not match .*train\.idx: it puts images at keys "
-                                            r"1\.\.12 .* but the index holds 9 keys from 0 to 8"):
+    with pytest.raises(
+        RecordIOError,
+        match=r"train\.rec: key 0 is a header record \(labels \[13\.0, 17\.0\], no "
+        r"image\) that does not match .*train\.idx: it puts images at keys "
+        r"1\.\.12 .* but the index holds 9 keys from 0 to 8",
+    ):
         MXFaceDataset(str(root))
 
 
@@ -91,25 +98,34 @@ def test_header_counting_other_identities_than_property_is_refused(tmp_path):
 
 def test_insightface_set_without_property_counts_its_classes_from_the_header(tmp_path):
     from dataset import DataLayoutError, build_dataset
+
     root = _insightface(tmp_path)  # 4 identities of 3 images; header labels (13, 17)
     os.remove(root / "property")
     said = shardface_messages(lambda: build_dataset(str(root), 4, train=False))
     assert said[-1] == f"{root}: 4 classes, from the {root}/train.rec header (key 0; no {root}/property)"
     assert len(build_dataset(str(root), 4, train=False)) == 12
-    with pytest.raises(DataLayoutError, match=rf"{root}/train\.rec header \(key 0; no .*property\): 4 classes, "
-                                              r"config num_classes is 5"):
+    with pytest.raises(
+        DataLayoutError,
+        match=rf"{root}/train\.rec header \(key 0; no .*property\): 4 classes, "
+        r"config num_classes is 5",
+    ):
         build_dataset(str(root), 5)
 
 
 def test_im2rec_set_without_property_takes_its_class_count_from_the_config(tmp_path):
     from dataset import DataLayoutError, build_dataset
+
     root = _im2rec_set(tmp_path, lambda key: [key % 4], 8, 4)
     os.remove(os.path.join(root, "property"))
     said = shardface_messages(lambda: build_dataset(root, 4, train=False))
     assert said[-1] == f"{root}: 4 classes, from the config num_classes"
     ds = build_dataset(root, 4, train=False)
     assert ds.keys == list(range(8)) and [ds[i][1].item() for i in range(8)] == [k % 4 for k in range(8)]
-    with pytest.raises(Exception, match=r"key 3: label 3 outside \[0, 3\) \(num_classes from config num_classes\)"):
+    with pytest.raises(
+        Exception, match=r"key 3: label 3 outside \[0, 3\) \(num_classes from config num_classes\)"
+    ):
         build_dataset(root, 3, train=False)[3]
-    with pytest.raises(DataLayoutError, match=r"property file not found, and .*train\.rec has no insightface header"):
+    with pytest.raises(
+        DataLayoutError, match=r"property file not found, and .*train\.rec has no insightface header"
+    ):
         MXFaceDataset(root)

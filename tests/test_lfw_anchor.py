@@ -2,6 +2,7 @@
 and the .bin path) runs end to end on the small LFW-layout folder of tests/lfw_folder.py, so it
 cannot rot (`make test-all`); its figures there mean nothing. The real run takes LFW's paths
 (benchmarks/runs/real_faces.md)."""
+
 import os
 import subprocess
 import sys
@@ -21,12 +22,27 @@ def lfw(tmp_path_factory) -> str:
 @pytest.mark.slow  # ~20 s: it guards a benchmark (make test-all runs it)
 def test_the_anchor_scores_every_pair_and_names_what_dlib_s_own_pipeline_misses(lfw, tmp_path):
     listing = lfw_list(tmp_path / "pairs.txt")
-    done = subprocess.run([sys.executable, "benchmarks/lfw_anchor.py", "--images", lfw, "--pairs_list", listing,
-                           "--cache_dir", str(tmp_path), "--workers", "1"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/lfw_anchor.py",
+            "--images",
+            lfw,
+            "--pairs_list",
+            listing,
+            "--cache_dir",
+            str(tmp_path),
+            "--workers",
+            "1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
-    table = lines[next(i for i, line in enumerate(lines) if line.startswith("MODEL dlib")) + 1:]
+    table = lines[next(i for i, line in enumerate(lines) if line.startswith("MODEL dlib")) + 1 :]
     rows = {line[:40].strip(): line[40:].split() for line in table}
     # HOG (upsample 1) misses Wall's two photos and Tiny's: 8 of the 20 pairs hold one of them.
     # The retries find Tiny's face; Wall's photos get the fallback face, and no pair is dropped

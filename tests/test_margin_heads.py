@@ -1,5 +1,6 @@
 """AdaFace, MagFace, CurricularFace and sub-center ArcFace, class-sharded and chunked, equal
 their papers' single-process formulations (tests/margin_references.py)."""
+
 import copy
 import os
 
@@ -17,8 +18,11 @@ HEADS = {
     "magface": (lambda: MagFace(s=S), ref.magface_loss, dict(s=S)),
     "magface_hard": (lambda: MagFace(s=S, easy_margin=False), ref.magface_loss, dict(s=S, easy_margin=False)),
     "curricularface": (lambda: CurricularFace(s=S, m=0.5), ref.curricularface_loss, dict(s=S)),
-    "subcenter_arcface": (lambda: SubCenterArcFace(s=S, margin=0.5, k=3), ref.subcenter_arcface_loss,
-                          dict(s=S, k=3)),
+    "subcenter_arcface": (
+        lambda: SubCenterArcFace(s=S, margin=0.5, k=3),
+        ref.subcenter_arcface_loss,
+        dict(s=S, k=3),
+    ),
 }
 # (classes per tile, rows per block, sample_rate): unchunked, chunked with several blocks, Partial FC
 LAYOUTS = [(None, 128, 1.0), (4, 3, 1.0), (4, 5, 0.5)]
@@ -27,7 +31,11 @@ LAYOUTS = [(None, 128, 1.0), (4, 3, 1.0), (4, 5, 0.5)]
 def _data(world_size, step):
     g = torch.Generator().manual_seed(10 + step)
     n = world_size * B_LOCAL
-    emb = torch.randn(n, D, generator=g) * torch.linspace(3.0, 130.0, n)[torch.randperm(n, generator=g)][:, None] / 3
+    emb = (
+        torch.randn(n, D, generator=g)
+        * torch.linspace(3.0, 130.0, n)[torch.randperm(n, generator=g)][:, None]
+        / 3
+    )
     labels = torch.randint(0, C, (n,), generator=g)
     labels[:2] = torch.tensor([0, C - 1])
     return emb, labels
@@ -48,7 +56,7 @@ def _worker(rank, world_size):
             k = margin.subcenters
             head = PartialFC(margin, D, C, sample_rate=rate, chunk_size=chunk, row_block=row_block)
             with torch.no_grad():
-                head.weight.copy_(_weight(k)[shard.start * k:shard.end * k])
+                head.weight.copy_(_weight(k)[shard.start * k : shard.end * k])
             steps = []
             for step in range(STEPS):
                 emb, labels = _data(world_size, step)
@@ -83,14 +91,20 @@ def test_margin_heads_match_their_papers_sharded_chunked_and_sampled(world_size)
                 for p in parts:
                     torch.testing.assert_close(p[0], loss.detach(), rtol=1e-5, atol=1e-5, msg=where)
                 dw = torch.cat([p[1] for p in parts])
-                torch.testing.assert_close(dw, w.grad, rtol=1e-5, atol=1e-5 * w.grad.abs().max().item(), msg=where)
+                torch.testing.assert_close(
+                    dw, w.grad, rtol=1e-5, atol=1e-5 * w.grad.abs().max().item(), msg=where
+                )
                 de = torch.cat([p[2] for p in parts]) / world_size
-                torch.testing.assert_close(de, e.grad, rtol=1e-5, atol=1e-5 * e.grad.abs().max().item(), msg=where)
+                torch.testing.assert_close(
+                    de, e.grad, rtol=1e-5, atol=1e-5 * e.grad.abs().max().item(), msg=where
+                )
             buffers = results[0][(name, chunk, rate)][1]
             for key, value in state.items():  # running statistics, identical on every rank
                 own = {"mean": "batch_mean", "std": "batch_std", "t": "t"}[key]
                 for r in results:
-                    torch.testing.assert_close(r[(name, chunk, rate)][1][own], value.float(), msg=f"{name} {key}")
+                    torch.testing.assert_close(
+                        r[(name, chunk, rate)][1][own], value.float(), msg=f"{name} {key}"
+                    )
             del buffers
 
 
@@ -135,7 +149,10 @@ def test_magface_with_a_fixed_margin_and_no_regulariser_is_arcface():
 def test_straight_through_keeps_the_loss_and_takes_the_margin_derivative_as_one():
     torch.manual_seed(3)
     cos = (torch.rand(5) * 1.8 - 0.9).requires_grad_(True)
-    exact, straight = CombinedMarginLoss(S, 1.0, 0.5, 0.0), CombinedMarginLoss(S, 1.0, 0.5, 0.0, straight_through=True)
+    exact, straight = (
+        CombinedMarginLoss(S, 1.0, 0.5, 0.0),
+        CombinedMarginLoss(S, 1.0, 0.5, 0.0, straight_through=True),
+    )
     torch.testing.assert_close(straight.target_logit(cos), exact.target_logit(cos))
     (g,) = torch.autograd.grad(straight.target_logit(cos).sum(), cos)
     torch.testing.assert_close(g, torch.full_like(g, S))
@@ -160,6 +177,7 @@ def test_running_statistics_survive_state_dict_and_eval_does_not_move_them():
 
 def test_dominant_subcenters_keep_the_centre_most_images_are_nearest():
     from losses.subcenter import dominant_subcenters, drop_subcenters, far_from_dominant
+
     k = 3
     weight = torch.eye(6).repeat_interleave(1, 0)[:6]  # 2 classes x 3 centres, orthogonal
     labels = torch.tensor([0, 0, 0, 1, 1, 1])
@@ -179,6 +197,7 @@ def _checkpoint_worker(rank, world_size, output, save):
     from checkpoint.save import save_checkpoint
     from checkpoint.state import TrainState
     from parallel.ddp import DDPOptimizer
+
     torch.manual_seed(0)
     backbone = torch.nn.Linear(4, D)
     backbone_opt = DDPOptimizer(backbone, torch.optim.SGD, lr=0.1)
@@ -189,14 +208,29 @@ def _checkpoint_worker(rank, world_size, output, save):
     head_opt = torch.optim.SGD([head.weight], lr=0.1)
     if save:
         with torch.no_grad():
-            head.weight.copy_(full[shard.start * 2:shard.end * 2])
+            head.weight.copy_(full[shard.start * 2 : shard.end * 2])
             curricular.t.fill_(0.25)
-        save_checkpoint(output, TrainState(3, 0, 0), backbone=backbone, backbone_opt=backbone_opt, head=head,
-                        head_opt=head_opt, rank=rank, world_size=world_size)
+        save_checkpoint(
+            output,
+            TrainState(3, 0, 0),
+            backbone=backbone,
+            backbone_opt=backbone_opt,
+            head=head,
+            head_opt=head_opt,
+            rank=rank,
+            world_size=world_size,
+        )
         return None
-    load_checkpoint(output, backbone=backbone, backbone_opt=backbone_opt, head=head, head_opt=head_opt,
-                    rank=rank, world_size=world_size)
-    return head.weight.detach().clone(), float(curricular.t), full[shard.start * 2:shard.end * 2]
+    load_checkpoint(
+        output,
+        backbone=backbone,
+        backbone_opt=backbone_opt,
+        head=head,
+        head_opt=head_opt,
+        rank=rank,
+        world_size=world_size,
+    )
+    return head.weight.detach().clone(), float(curricular.t), full[shard.start * 2 : shard.end * 2]
 
 
 @pytest.mark.parametrize("load_world", [1, 3])
@@ -209,8 +243,9 @@ def test_margin_state_and_subcentre_rows_resume_on_another_world_size(tmp_path, 
 
 # scales whose s * (1 - eps) is far from its fp32 rounding (30, 60) as well as exact ones
 @pytest.mark.parametrize("s", [S, 30.0, 60.0, 64.0])
-@pytest.mark.parametrize("chunk,rate,rows", [(None, 1.0, 6), (4, 1.0, 6), (4, 0.5, 6),
-                                             (None, 1.0, 4), (4, 1.0, 4)])  # 4 <= D / 2: logits kept
+@pytest.mark.parametrize(
+    "chunk,rate,rows", [(None, 1.0, 6), (4, 1.0, 6), (4, 0.5, 6), (None, 1.0, 4), (4, 1.0, 4)]
+)  # 4 <= D / 2: logits kept
 def test_adaface_non_target_cosines_past_its_clamp_carry_no_gradient(chunk, rate, rows, s):
     """AdaFace clamps every cosine to [-1 + eps, 1 - eps]: embeddings pointing along (or against)
     a non-target class give that logit no gradient, in the head as in the paper's formulation."""
@@ -236,8 +271,14 @@ def test_adaface_non_target_cosines_past_its_clamp_carry_no_gradient(chunk, rate
     index = head.sampled.index()
     w = weight.clone().requires_grad_(True)
     ref_e = emb.clone().requires_grad_(True)
-    expected, _ = ref.adaface_loss(ref_e, w, labels, copy.deepcopy(ref.INITIAL_STATE["adaface"]), s=s,
-                                   classes=None if index is None else index)
+    expected, _ = ref.adaface_loss(
+        ref_e,
+        w,
+        labels,
+        copy.deepcopy(ref.INITIAL_STATE["adaface"]),
+        s=s,
+        classes=None if index is None else index,
+    )
     expected.backward()
     torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(head.weight.grad, w.grad, rtol=1e-5, atol=1e-5 * w.grad.abs().max().item())
@@ -248,17 +289,36 @@ def test_adaface_non_target_cosines_past_its_clamp_carry_no_gradient(chunk, rate
 def subcenter_run(drawn_faces, tmp_path_factory):
     import train
     from tests.train_runs import train_argv
+
     out = str(tmp_path_factory.mktemp("subcenter") / "run")
-    assert train.main(train_argv(drawn_faces, out, "--max_steps", "2", "--margin", "subcenter_arcface",
-                                 "--subcenter_k", "2", "--ema", "false")) == 0
+    assert (
+        train.main(
+            train_argv(
+                drawn_faces,
+                out,
+                "--max_steps",
+                "2",
+                "--margin",
+                "subcenter_arcface",
+                "--subcenter_k",
+                "2",
+                "--ema",
+                "false",
+            )
+        )
+        == 0
+    )
     return out
 
 
 def test_drop_subcenters_checks_its_output_before_the_pass(subcenter_run, tmp_path, monkeypatch, capsys):
     from scripts import drop_subcenters
+
     taken = tmp_path / "taken"
     taken.write_text("a file")
-    monkeypatch.setattr(drop_subcenters, "build_train_dataset", lambda *a, **k: pytest.fail("embedded before checking"))
+    monkeypatch.setattr(
+        drop_subcenters, "build_train_dataset", lambda *a, **k: pytest.fail("embedded before checking")
+    )
     assert drop_subcenters.main([subcenter_run, "--out", str(taken)]) == 2
     assert capsys.readouterr().err.startswith(f"error: --out {taken}: a file is in its place")
     assert taken.read_text() == "a file"
@@ -266,7 +326,10 @@ def test_drop_subcenters_checks_its_output_before_the_pass(subcenter_run, tmp_pa
     out.mkdir()
     (out / "noisy_images.txt").write_text("an earlier list")
     assert drop_subcenters.main([subcenter_run, "--out", str(out)]) == 2
-    assert capsys.readouterr().err == f"error: output {out / 'noisy_images.txt'} exists; pass --overwrite to replace it\n"
+    assert (
+        capsys.readouterr().err
+        == f"error: output {out / 'noisy_images.txt'} exists; pass --overwrite to replace it\n"
+    )
     assert (out / "noisy_images.txt").read_text() == "an earlier list"
     ckpt = sorted(n for n in os.listdir(subcenter_run) if n.startswith("checkpoint-"))[-1]
     inside = os.path.join(subcenter_run, ckpt)  # writing into the checkpoint it reads: its files are refused
@@ -283,6 +346,7 @@ def test_drop_subcenters_reads_the_data_as_the_run_did(tmp_path):
 
     import train
     from scripts import drop_subcenters
+
     rng = np.random.default_rng(0)
     for i in range(4):
         os.makedirs(tmp_path / "faces" / f"id{i}")
@@ -290,10 +354,38 @@ def test_drop_subcenters_reads_the_data_as_the_run_did(tmp_path):
             pixels = rng.integers(0, 256, (120, 120, 3), dtype=np.uint8)
             Image.fromarray(pixels).save(tmp_path / "faces" / f"id{i}" / f"{j}.png")
     out = str(tmp_path / "run")
-    assert train.main(["configs/demo.py", "--rec", str(tmp_path / "faces"), "--num_classes", "4", "--resize", "true",
-                       "--batch_size", "8", "--num_workers", "0", "--val_targets", "[]", "--max_steps", "2",
-                       "--warmup_epoch", "0", "--margin", "subcenter_arcface", "--subcenter_k", "2", "--ema", "false",
-                       "--output", out]) == 0
+    assert (
+        train.main(
+            [
+                "configs/demo.py",
+                "--rec",
+                str(tmp_path / "faces"),
+                "--num_classes",
+                "4",
+                "--resize",
+                "true",
+                "--batch_size",
+                "8",
+                "--num_workers",
+                "0",
+                "--val_targets",
+                "[]",
+                "--max_steps",
+                "2",
+                "--warmup_epoch",
+                "0",
+                "--margin",
+                "subcenter_arcface",
+                "--subcenter_k",
+                "2",
+                "--ema",
+                "false",
+                "--output",
+                out,
+            ]
+        )
+        == 0
+    )
     assert drop_subcenters.main([out, "--out", str(tmp_path / "clean")]) == 0
     assert torch.load(tmp_path / "clean" / "head_dominant.pt").shape == (4, 128)
     assert len(open(tmp_path / "clean" / "noisy_images.txt").read().split()) <= 16
@@ -302,5 +394,6 @@ def test_drop_subcenters_reads_the_data_as_the_run_did(tmp_path):
 def test_drop_subcenters_on_a_checkpoint_directory_reads_meta_config(subcenter_run, tmp_path):
     from checkpoint.folders import find_checkpoint
     from scripts import drop_subcenters
+
     assert drop_subcenters.main([find_checkpoint(subcenter_run), "--out", str(tmp_path / "clean")]) == 0
     assert torch.load(tmp_path / "clean" / "head_dominant.pt").shape == (16, 128)  # one centre per class

@@ -37,6 +37,7 @@ def test_margin_does_not_modify_input_and_filters_interclass():
     cos = torch.tensor([[0.9, 0.5, 0.1]])
     before = cos.clone()
     out = CombinedMarginLoss(s=2.0, m1=1.0, m2=0.0, m3=0.0, interclass_filtering_threshold=0.4)(
-        cos, torch.tensor([0]))
+        cos, torch.tensor([0])
+    )
     assert torch.equal(cos, before)
     torch.testing.assert_close(out, torch.tensor([[1.8, 0.0, 0.2]]))

@@ -2,6 +2,7 @@
 runs the detector on photos and only infer/stream.py runs a model's forward on them; the
 packages' imports have no circle; and the API a face_recognition or insightface user expects
 (faces with embeddings, a verdict, matches with boxes, a picture) are layers on it."""
+
 import ast
 import os
 import threading
@@ -11,8 +12,21 @@ import pytest
 from PIL import Image
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ["backbones", "checkpoint", "configs", "dataset", "distill", "eval", "faces", "heads", "infer", "losses",
-            "parallel", "scripts", "utils"]
+PACKAGES = [
+    "backbones",
+    "checkpoint",
+    "configs",
+    "dataset",
+    "distill",
+    "eval",
+    "faces",
+    "heads",
+    "infer",
+    "losses",
+    "parallel",
+    "scripts",
+    "utils",
+]
 MODULES = ["builders", "planner", "train"]
 
 
@@ -43,20 +57,27 @@ def _calls(tree: ast.Module) -> set[str]:
 
 
 def _imported_names(tree: ast.Module, module: str) -> set[str]:
-    return {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == module for a in n.names}
+    return {
+        a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module == module
+        for a in n.names
+    }
 
 
 def test_only_the_face_stream_runs_the_detector_on_photos():
-    runs = sorted(path for _, path in _sources()
-                  if {"detect_faces", "faces"} & _calls(_tree(path)) and path != os.path.join("faces", "detect.py"))
+    runs = sorted(
+        path
+        for _, path in _sources()
+        if {"detect_faces", "faces"} & _calls(_tree(path)) and path != os.path.join("faces", "detect.py")
+    )
     assert runs == [os.path.join("faces", "stream.py")]
 
 
 def test_only_infer_stream_runs_a_models_forward_on_photos():
     """infer.embed's forward (`embed`) is imported by infer/stream.py, and by
     eval/verification.py for the .bin sets' crops (no photos there)."""
-    users = sorted(path for _, path in _sources()
-                   if "embed" in _imported_names(_tree(path), "infer.embed"))
+    users = sorted(path for _, path in _sources() if "embed" in _imported_names(_tree(path), "infer.embed"))
     assert users == [os.path.join("eval", "verification.py"), os.path.join("infer", "stream.py")]
 
 
@@ -64,9 +85,13 @@ def _imports(tree: ast.Module, ours: set[str]) -> set[str]:
     """Our modules a module imports, at any depth of the file (function-level imports too)."""
     out = set()
     for node in ast.walk(tree):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module] + [f"{node.module}.{a.name}" for a in node.names] \
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+            else []
+        )
         out.update(n for n in names if n in ours)
     return out
 
@@ -93,7 +118,7 @@ def test_our_modules_import_one_another_without_a_circle():
     for m in sorted(graph):
         if m not in state:
             cycle = visit(m, [])
-            assert cycle is None, f"import circle: {' -> '.join(cycle[cycle.index(cycle[-1]):])}"
+            assert cycle is None, f"import circle: {' -> '.join(cycle[cycle.index(cycle[-1]) :])}"
 
 
 dlib = pytest.importorskip("dlib")
@@ -102,12 +127,14 @@ dlib = pytest.importorskip("dlib")
 @pytest.fixture(scope="module")
 def model():
     from infer import load_model
+
     return load_model("dlib")
 
 
 @pytest.fixture(scope="module")
 def astronaut(tmp_path_factory) -> str:
     from skimage import data
+
     path = tmp_path_factory.mktemp("photos") / "astronaut.jpg"
     Image.fromarray(data.astronaut()).save(path, quality=95)
     return str(path)
@@ -122,14 +149,18 @@ def test_faces_come_with_their_embeddings_equal_to_embeds_row(model, astronaut):
 
 def test_compare_gives_the_score_and_the_verdict_at_the_models_threshold(model, astronaut, tmp_path):
     from infer.model import Comparison
+
     mirrored = Image.open(astronaut).transpose(Image.FLIP_LEFT_RIGHT)
     same = model.compare(astronaut, mirrored)
     assert isinstance(same, Comparison) and same.same is True and same.threshold == model.threshold.value
     assert same.score >= same.threshold and "same person" in str(same)
     import dataclasses
+
     blind = dataclasses.replace(model, threshold=None)
     verdict = blind.compare(astronaut, mirrored)
-    assert verdict.same is None and verdict.score == pytest.approx(same.score) and "no verdict" in str(verdict)
+    assert (
+        verdict.same is None and verdict.score == pytest.approx(same.score) and "no verdict" in str(verdict)
+    )
 
 
 def test_embed_names_a_faceless_photo_or_gives_it_a_nan_row_as_asked(model, astronaut):
@@ -151,6 +182,7 @@ def test_a_path_given_alone_is_one_photo_not_its_characters(model, astronaut):
 
 def test_identify_returns_matches_with_boxes_and_one_type_whatever_top(model, astronaut, tmp_path):
     from infer import Gallery, Match
+
     people = tmp_path / "people"
     for name, photo in (("eileen", Image.open(astronaut)), ("unknown", Image.open(astronaut).rotate(3))):
         os.makedirs(people / name)
@@ -190,6 +222,7 @@ def test_the_api_is_safe_from_several_threads(model, astronaut):
                 got.append([f.box for f in model.faces(astronaut)])
         except Exception as exc:  # reported below: a thread's exception would be lost
             errors.append(exc)
+
     threads = [threading.Thread(target=work) for _ in range(4)]
     for t in threads:
         t.start()

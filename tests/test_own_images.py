@@ -1,6 +1,7 @@
 """Your own photos: every Pillow format and mode decodes to RGB in one defined way, images that
 are not 112x112 are refused at start (naming files) unless resized, pack_rec never loses an
 earlier set, skip_bad_images works on folders, make_bin writes an insightface .bin."""
+
 import io
 import os
 import pickle
@@ -57,8 +58,11 @@ LOSSLESS = [
     ("tiff-16bit", encoded(Image.fromarray(WORDS), "TIFF"), gray3(np.rint(WORDS / 257.0))),
     ("pgm-16bit", encoded(Image.fromarray(WORDS), "PPM"), gray3(np.rint(WORDS / 257.0))),
     ("png-rgba", encoded(Image.fromarray(np.dstack([RGB, ALPHA])), "PNG"), on_black(RGB, ALPHA)),
-    ("png-gray-alpha", encoded(Image.fromarray(np.dstack([GRAY, ALPHA])), "PNG"),
-     gray3(on_black(gray3(GRAY), ALPHA)[..., 0])),
+    (
+        "png-gray-alpha",
+        encoded(Image.fromarray(np.dstack([GRAY, ALPHA])), "PNG"),
+        gray3(on_black(gray3(GRAY), ALPHA)[..., 0]),
+    ),
     ("png-1bit", encoded(Image.fromarray(GRAY > 127).convert("1"), "PNG"), gray3((GRAY > 127) * 255)),
     ("tiff-1bit", encoded(Image.fromarray(GRAY > 127).convert("1"), "TIFF"), gray3((GRAY > 127) * 255)),
 ]
@@ -75,8 +79,11 @@ def test_sixteen_bit_white_is_white_and_mid_grey_is_mid_grey_not_saturated():
     out = np.asarray(to_rgb(Image.fromarray(words)))
     assert out[0, :, 0].tolist() == [0, 1, 128, 255]
     for mode in ("I;16B", "I"):  # big-endian 16-bit, and 32-bit I holding 16-bit values
-        img = Image.fromarray(words).convert(mode) if mode == "I" else Image.frombytes(
-            "I;16B", (4, 1), words.astype(">u2").tobytes())
+        img = (
+            Image.fromarray(words).convert(mode)
+            if mode == "I"
+            else Image.frombytes("I;16B", (4, 1), words.astype(">u2").tobytes())
+        )
         assert np.asarray(to_rgb(img))[0, :, 0].tolist() == [0, 1, 128, 255], mode
 
 
@@ -132,7 +139,9 @@ def test_pack_rec_refuses_wrong_sizes_writing_nothing_and_resize_packs_112(tmp_p
     out = str(tmp_path / "rec")
     assert pack_rec([root, out]) == 2  # a DataError: one line, exit code 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and re.match(r"error: 2 images are not 112x112 .*id0/0.pgm \(92x112\).*--resize", errors[0])
+    assert len(errors) == 1 and re.match(
+        r"error: 2 images are not 112x112 .*id0/0.pgm \(92x112\).*--resize", errors[0]
+    )
     assert not os.path.exists(out)
     pack_rec([root, out, "--resize"])
     data = build_dataset(out, 2, normalize=False)
@@ -143,14 +152,18 @@ def test_property_disagreeing_with_records_or_not_112_is_refused_at_start(tmp_pa
     small = encoded(Image.fromarray(RGB[:, :92]), "PNG")
     out = str(tmp_path / "rec")
     write_insightface_rec(out, [[small] * 3, [encoded(Image.fromarray(RGB), "PNG")] * 3], 6, 2)
-    with pytest.raises(ImageSizeError, match=r"property says 112x112, but 3 of 6 sampled records .*key 1 \(92x112\)"):
+    with pytest.raises(
+        ImageSizeError, match=r"property says 112x112, but 3 of 6 sampled records .*key 1 \(92x112\)"
+    ):
         build_dataset(out, 2)
     with open(os.path.join(out, "property"), "w") as f:
         f.write("2,250,250\n")
     with pytest.raises(ImageSizeError, match=r"property: images are 250x250, not 112x112"):
         build_dataset(out, 2)
     big = str(tmp_path / "big")  # a 250x250 set whose property says so: taken with resize
-    write_insightface_rec(big, [[encoded(Image.fromarray(np.zeros((250, 250, 3), np.uint8)), "PNG")] * 2], 2, 1)
+    write_insightface_rec(
+        big, [[encoded(Image.fromarray(np.zeros((250, 250, 3), np.uint8)), "PNG")] * 2], 2, 1
+    )
     with open(os.path.join(big, "property"), "w") as f:
         f.write("1,250,250\n")
     with pytest.raises(ImageSizeError, match=r"250x250"):
@@ -161,8 +174,9 @@ def test_property_disagreeing_with_records_or_not_112_is_refused_at_start(tmp_pa
 def test_a_wrong_size_record_missed_by_the_sample_is_named_when_read(tmp_path):
     good = encoded(Image.fromarray(RGB), "PNG")
     out = str(tmp_path / "rec")
-    write_insightface_rec(out, [[good] * 20, [good] * 9 + [encoded(Image.fromarray(RGB[:, :92]), "PNG")] + [good] * 10],
-                          40, 2)
+    write_insightface_rec(
+        out, [[good] * 20, [good] * 9 + [encoded(Image.fromarray(RGB[:, :92]), "PNG")] + [good] * 10], 40, 2
+    )
     data = MXFaceDataset(out, skip_bad_images=True)
     with pytest.raises(ImageSizeError, match=r"train.rec key 30: image is 92x112"):
         data[29]
@@ -188,6 +202,7 @@ def test_pack_failing_partway_with_overwrite_keeps_the_old_set(tmp_path):
     def identities():
         yield [encoded(Image.fromarray(RGB), "PNG")] * 50
         raise OSError(28, "No space left on device")
+
     with pytest.raises(OSError, match="No space"):
         write_insightface_rec(out, identities(), 100, 2, overwrite=True)
     assert {n: open(os.path.join(out, n), "rb").read() for n in before} == before
@@ -227,8 +242,11 @@ def test_make_bin_is_balanced_alternating_deterministic_and_reads_like_lfw(tmp_p
     assert open(a, "rb").read() == open(b, "rb").read() != open(c, "rb").read()
     bins, issame = pickle.load(open(a, "rb"))
     assert issame == [True, False] * 10 and len(bins) == 40
-    files = {open(os.path.join(root, d, f), "rb").read(): d for d in os.listdir(root)
-             for f in os.listdir(os.path.join(root, d))}
+    files = {
+        open(os.path.join(root, d, f), "rb").read(): d
+        for d in os.listdir(root)
+        for f in os.listdir(os.path.join(root, d))
+    }
     assert [files[bins[2 * i]] == files[bins[2 * i + 1]] for i in range(20)] == issame
     assert len({(bins[2 * i], bins[2 * i + 1]) for i in range(20)}) == 20  # no pair twice
     (images, _), read_issame = load_bin(a, min_pairs=10)
@@ -239,7 +257,9 @@ def test_make_bin_refusals_name_the_problem_and_write_nothing(tmp_path, capsys):
     root = _folder(tmp_path / "held", [[(112, 112)] * 2] * 3)
     out = str(tmp_path / "v.bin")
     assert make_bin([root, out, "--pairs", "20"]) == 2
-    assert re.match(r"error: .*3 same-identity pairs exist .* 10 needed: pass --pairs 6 or fewer", capsys.readouterr().err)
+    assert re.match(
+        r"error: .*3 same-identity pairs exist .* 10 needed: pass --pairs 6 or fewer", capsys.readouterr().err
+    )
     odd = _folder(tmp_path / "odd", [[(112, 92)] * 6] * 3)
     assert make_bin([odd, out, "--pairs", "10"]) == 2
     assert re.match(r"error: .*not 112x112 .*--resize", capsys.readouterr().err)
@@ -252,7 +272,9 @@ def test_make_bin_refusals_name_the_problem_and_write_nothing(tmp_path, capsys):
     one = _folder(tmp_path / "one", [[(112, 112)] * 2] * 2)
     capsys.readouterr()
     assert make_bin([one, str(tmp_path / "w.bin")]) == 2
-    assert re.match(r"error: .*only 4 balanced pairs can be drawn, fewer than the 10 folds", capsys.readouterr().err)
+    assert re.match(
+        r"error: .*only 4 balanced pairs can be drawn, fewer than the 10 folds", capsys.readouterr().err
+    )
     assert not os.path.exists(tmp_path / "w.bin")
 
 
@@ -260,13 +282,14 @@ def _identities(root, ids, per_id, seed=5):
     """Drawn faces, one folder per identity; every third image re-saved as a 16-bit PGM or an
     RGBA PNG (the formats the decoder must take)."""
     from dataset.drawn_faces import identity_images
+
     for i in ids:
         folder = os.path.join(root, f"person{i:02d}")
         os.makedirs(folder)
         for j, data in enumerate(identity_images(i, per_id, seed)):
             img = Image.open(io.BytesIO(data))
             if j % 3 == 1:
-                words = (np.asarray(img.convert("L"), dtype=np.uint16) * 257)
+                words = np.asarray(img.convert("L"), dtype=np.uint16) * 257
                 Image.fromarray(words).save(os.path.join(folder, f"{j}.png"))
             elif j % 3 == 2:
                 img.convert("RGBA").save(os.path.join(folder, f"{j}.webp"), lossless=True)
@@ -284,16 +307,45 @@ def test_own_photos_end_to_end_pack_train_make_bin_verify_embed_compare(tmp_path
     from scripts.embed import main as embed
     from scripts.export_onnx import main as export_onnx
     from scripts.verify import main as verify
+
     photos = _identities(tmp_path / "photos", range(8), 8)
     held = _identities(tmp_path / "held_out", range(8, 12), 5)
     rec = str(tmp_path / "rec")
     pack_rec([photos, rec])
     make_bin([held, os.path.join(rec, "own_val.bin"), "--pairs", "20"])
     run = str(tmp_path / "run")
-    assert train.main(["configs/demo.py", "--rec", rec, "--num_classes", "8", "--num_image", "64",
-                       "--batch_size", "8", "--num_workers", "0", "--max_steps", "4", "--warmup_epoch", "0",
-                       "--val_targets", "['own_val']", "--verbose", "4", "--frequent", "2",
-                       "--checkpoint_interval", "4", "--output", run]) == 0
+    assert (
+        train.main(
+            [
+                "configs/demo.py",
+                "--rec",
+                rec,
+                "--num_classes",
+                "8",
+                "--num_image",
+                "64",
+                "--batch_size",
+                "8",
+                "--num_workers",
+                "0",
+                "--max_steps",
+                "4",
+                "--warmup_epoch",
+                "0",
+                "--val_targets",
+                "['own_val']",
+                "--verbose",
+                "4",
+                "--frequent",
+                "2",
+                "--checkpoint_interval",
+                "4",
+                "--output",
+                run,
+            ]
+        )
+        == 0
+    )
     assert "[own_val][4]" in open(os.path.join(run, "training.log")).read()
     onnx_path = str(tmp_path / "model.onnx")
     export_onnx([run, onnx_path])
@@ -301,10 +353,14 @@ def test_own_photos_end_to_end_pack_train_make_bin_verify_embed_compare(tmp_path
     for model in (run, onnx_path):
         verify([model, "--bin", os.path.join(rec, "own_val.bin")])
     table = capsys.readouterr().out.splitlines()
-    assert table[1].split()[1:] == table[4].split()[1:]  # same accuracies, std, XNorm (each table then its legend)
-    assert table[2].startswith("acc, acc-flip: 10-fold accuracy (insightface's protocol: each fold judged at the "
-                               "threshold best on the other 9); scripts.compare --threshold-from prints the "
-                               "best-threshold accuracy over all pairs")
+    assert (
+        table[1].split()[1:] == table[4].split()[1:]
+    )  # same accuracies, std, XNorm (each table then its legend)
+    assert table[2].startswith(
+        "acc, acc-flip: 10-fold accuracy (insightface's protocol: each fold judged at the "
+        "threshold best on the other 9); scripts.compare --threshold-from prints the "
+        "best-threshold accuracy over all pairs"
+    )
 
     outs = {}
     for name, model in (("run", run), ("pt", os.path.join(run, "model.pt")), ("onnx", onnx_path)):
@@ -321,7 +377,9 @@ def test_own_photos_end_to_end_pack_train_make_bin_verify_embed_compare(tmp_path
     compare([onnx_path, files[0], files[1], "--threshold", "-1"])
     out = capsys.readouterr().out
     cosine = float(out.split("cosine similarity ")[1].split()[0])
-    assert abs(cosine - float(emb["run"][0] @ emb["run"][1])) < 1e-4 and "same person (threshold -1.0000)" in out
+    assert (
+        abs(cosine - float(emb["run"][0] @ emb["run"][1])) < 1e-4 and "same person (threshold -1.0000)" in out
+    )
     compare([run, files[0], files[1], "--threshold-from", os.path.join(rec, "own_val.bin")])
     assert "accuracy" in capsys.readouterr().out
 
@@ -332,11 +390,11 @@ def test_model_pt_and_its_onnx_export_embed_alike_and_verify_takes_onnx(tmp_path
     import json
 
     from backbones import get_model
-    from infer.model import load_module
     from dataset.folders import image_files
-    from infer.model import as_model
+    from infer.model import as_model, load_module
     from scripts.export_onnx import export
     from scripts.verify import main as verify
+
     torch.manual_seed(0)
     model = get_model("tiny", num_features=64).eval()
     with torch.no_grad():  # BatchNorm statistics that are not the identity
@@ -370,6 +428,7 @@ def test_unreadable_onnx_and_missing_inputs_are_one_line_errors(tmp_path, capsys
     from checkpoint.files import CheckpointError
     from infer.model import load_module
     from scripts.embed import main as embed
+
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not a model")
     with pytest.raises(CheckpointError, match=r"bad.onnx: not a readable ONNX model"):
@@ -386,11 +445,27 @@ def test_unreadable_onnx_and_missing_inputs_are_one_line_errors(tmp_path, capsys
 
 def test_training_on_wrong_size_images_is_refused_before_any_step(tmp_path):
     import train
+
     root = _folder(tmp_path / "f", [[(112, 92)] * 4, [(112, 112)] * 4])
     out = str(tmp_path / "run")
     with pytest.raises(ImageSizeError, match=r"4 images are not 112x112 .*id0/0.png \(92x112\)"):
-        train.main(["configs/demo.py", "--rec", root, "--num_classes", "2", "--batch_size", "2",
-                    "--num_workers", "0", "--val_targets", "[]", "--output", out])
+        train.main(
+            [
+                "configs/demo.py",
+                "--rec",
+                root,
+                "--num_classes",
+                "2",
+                "--batch_size",
+                "2",
+                "--num_workers",
+                "0",
+                "--val_targets",
+                "[]",
+                "--output",
+                out,
+            ]
+        )
     assert not os.path.exists(out)  # nothing is written before the data are accepted
 
 
@@ -407,6 +482,7 @@ def test_ijb_takes_an_onnx_model_and_finds_the_constructed_tar(tmp_path, capsys)
     from scripts.export_onnx import export
     from scripts.ijb import main as ijb
     from tests.ijb_fixture import MeanColour, make_ijb_fixture
+
     make_ijb_fixture(tmp_path)
     onnx_path = str(tmp_path / "mean_colour.onnx")
     export(MeanColour(), onnx_path)

@@ -1,5 +1,6 @@
 """`pip install .` ships the whole tree: every package folder, every top-level module and every
 command-line tool's module, and the installed copy works outside the repository."""
+
 from __future__ import annotations
 
 import ast
@@ -7,10 +8,10 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 import zipfile
 
 import pytest
+import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what a build must not see of this checkout: local state and what earlier builds left behind
@@ -19,8 +20,13 @@ _NOT_SOURCES = {"work_dirs", "data", "output", "build", "dist"}
 
 def _package_folders() -> list[str]:
     """Every top-level folder with an __init__.py: a package the wheel must hold (tests/ is not shipped)."""
-    return sorted(name for name in os.listdir(ROOT) if name != "tests" and not name.startswith(".")
-                  and os.path.isfile(os.path.join(ROOT, name, "__init__.py")))
+    return sorted(
+        name
+        for name in os.listdir(ROOT)
+        if name != "tests"
+        and not name.startswith(".")
+        and os.path.isfile(os.path.join(ROOT, name, "__init__.py"))
+    )
 
 
 def _top_modules() -> list[str]:
@@ -34,10 +40,12 @@ def _entry_points() -> dict[str, str]:
 
 def _source_copy(dest: str) -> str:
     """This checkout's sources in `dest`: the build runs there, so it leaves no build/ or egg-info here."""
+
     def ignore(folder, names):
         if os.path.abspath(folder) != ROOT:
             return [n for n in names if n == "__pycache__"]
         return [n for n in names if n.startswith(".") or n in _NOT_SOURCES or n.endswith(".egg-info")]
+
     shutil.copytree(ROOT, dest, ignore=ignore)
     return dest
 
@@ -47,8 +55,22 @@ def wheel(tmp_path_factory) -> str:
     """The wheel `pip wheel .` builds from this checkout."""
     tmp = tmp_path_factory.mktemp("wheel")
     source = _source_copy(str(tmp / "source"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                    "--wheel-dir", str(tmp / "dist"), source], check=True, cwd=str(tmp))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--quiet",
+            "--wheel-dir",
+            str(tmp / "dist"),
+            source,
+        ],
+        check=True,
+        cwd=str(tmp),
+    )
     (found,) = os.listdir(tmp / "dist")
     return str(tmp / "dist" / found)
 
@@ -68,7 +90,9 @@ def test_the_wheel_holds_every_package_folder_of_the_tree(wheel):
                 missing.append(f"{package}/{f}")
     assert not missing, f"the wheel lacks {missing}"
     folders = {n.split("/")[0] for n in names if "/" in n and ".dist-info/" not in n}
-    assert folders == set(_package_folders()), "only the package folders are shipped (not tests/, benchmarks/…)"
+    assert folders == set(_package_folders()), (
+        "only the package folders are shipped (not tests/, benchmarks/…)"
+    )
 
 
 def test_the_wheel_holds_every_top_level_module(wheel):
@@ -81,9 +105,13 @@ def _defines(source: str, name: str) -> bool:
     for node in ast.parse(source).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
             return True
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
+        ):
             return True
-        if isinstance(node, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name) == name for a in node.names):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+            (a.asname or a.name) == name for a in node.names
+        ):
             return True
     return False
 
@@ -98,22 +126,52 @@ def test_every_command_line_tool_resolves_to_a_module_in_the_wheel(wheel):
             path = module.replace(".", "/")
             found = [p for p in (f"{path}.py", f"{path}/__init__.py") if p in names]
             assert found, f"{tool} = {target}: the wheel has no module {module}"
-            assert _defines(z.read(found[0]).decode(), function), f"{tool} = {target}: {found[0]} defines no {function}"
+            assert _defines(z.read(found[0]).decode(), function), (
+                f"{tool} = {target}: {found[0]} defines no {function}"
+            )
 
 
 def test_the_installed_package_works_outside_the_repository(wheel, tmp_path):
     """Installed from the wheel and run from another folder, the models load and a tool runs."""
     target, elsewhere = tmp_path / "site", tmp_path / "elsewhere"
     elsewhere.mkdir()
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet", "--target",
-                    str(target), wheel], check=True, cwd=str(elsewhere))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--quiet",
+            "--target",
+            str(target),
+            wheel,
+        ],
+        check=True,
+        cwd=str(elsewhere),
+    )
     env = {**os.environ, "PYTHONPATH": str(target)}
-    done = subprocess.run([sys.executable, "-c", "import infer, train; from infer import load_model, Gallery; "
-                           "print(infer.__file__, train.__file__)"],
-                          cwd=str(elsewhere), env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import infer, train; from infer import load_model, Gallery; "
+            "print(infer.__file__, train.__file__)",
+        ],
+        cwd=str(elsewhere),
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     assert all(path.startswith(str(target)) for path in done.stdout.split()), done.stdout
-    tool = subprocess.run([str(target / "bin" / "shardface-identify"), "--help"], cwd=str(elsewhere), env=env,
-                          capture_output=True, text=True)
+    tool = subprocess.run(
+        [str(target / "bin" / "shardface-identify"), "--help"],
+        cwd=str(elsewhere),
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert tool.returncode == 0, tool.stderr
     assert "--gallery" in tool.stdout

@@ -4,6 +4,7 @@ before any work, no pair dropped (fallback faces counted and named, retries reco
 a list-made .bin scored on the list's folds, verify from photos equal to verify from that .bin
 for a 112 model, and the caches reused (a second model detects nothing, a second run embeds
 nothing). Fixtures: scikit-image's astronaut head and variants, faceless images, tiny models."""
+
 import os
 
 import numpy as np
@@ -14,10 +15,9 @@ import faces.detect
 from eval.pairs import PairListError, contiguous_folds, read_pair_list
 from eval.verification import _folds, load_bin
 from faces.align import ARCFACE_112, align, similarity_transform
-from faces.detect import Face
+from faces.detect import Detection, Face, five_from_dlib5, load_photo
 from faces.dlib_chip import chip_transform
 from faces.fallback import Fallback
-from faces.detect import Detection, five_from_dlib5, load_photo
 from infer.embed import embed
 from infer.model import load_model
 from infer.pair_photos import EmbeddingCache, FacesCache, cache_paths, pair_embeddings, pair_faces
@@ -41,6 +41,7 @@ def counted(monkeypatch) -> list:
     def counting(img, *args, **kwargs):
         calls.append(args)
         return real(img, *args, **kwargs)
+
     monkeypatch.setattr(faces.detect, "detect_faces", counting)
     return calls
 
@@ -53,7 +54,7 @@ def _kfold(n: int) -> list[tuple[int, int]]:
 def test_lfw_pairs_txt_read_in_order_with_view2_folds(tmp_path):
     same = [f"A{i} 1 {i + 2}" for i in range(20)]
     diff = [f"A{i} {i + 1} B{i} 3" for i in range(20)]
-    lines = ["10 2"] + [line for k in range(10) for line in same[2 * k:2 * k + 2] + diff[2 * k:2 * k + 2]]
+    lines = ["10 2"] + [line for k in range(10) for line in same[2 * k : 2 * k + 2] + diff[2 * k : 2 * k + 2]]
     (tmp_path / "pairs.txt").write_text("\n".join(lines) + "\n")
     got = read_pair_list(str(tmp_path / "pairs.txt"), "F")
     assert got.format == "lfw" and len(got.pairs) == 40
@@ -65,11 +66,17 @@ def test_lfw_pairs_txt_read_in_order_with_view2_folds(tmp_path):
 
 
 def test_plain_list_read_in_order_with_verification_folds(tmp_path):
-    lines = ["# my pairs", ""] + [f"p{i}/a.jpg p{i}/b.png {i % 2}" for i in range(22)] + ["x y/1.jpg\tz w/2.jpg\t1"]
+    lines = (
+        ["# my pairs", ""]
+        + [f"p{i}/a.jpg p{i}/b.png {i % 2}" for i in range(22)]
+        + ["x y/1.jpg\tz w/2.jpg\t1"]
+    )
     (tmp_path / "list.txt").write_text("\n".join(lines) + "\n")
     got = read_pair_list(str(tmp_path / "list.txt"), "F")
     assert got.format == "plain" and len(got.pairs) == 23
-    assert got.pairs[5] == (os.path.join("F", "p5/a.jpg"), os.path.join("F", "p5/b.png")) and got.lines[5] == 8
+    assert (
+        got.pairs[5] == (os.path.join("F", "p5/a.jpg"), os.path.join("F", "p5/b.png")) and got.lines[5] == 8
+    )
     assert got.pairs[-1] == (os.path.join("F", "x y/1.jpg"), os.path.join("F", "z w/2.jpg"))
     assert got.issame == [bool(i % 2) for i in range(22)] + [True]
     assert got.folds == contiguous_folds(23) == _kfold(23)
@@ -79,14 +86,17 @@ def test_plain_list_read_in_order_with_verification_folds(tmp_path):
 LFW_HEAD = ["10\t1", "A\t1\t2", "A\t1\tB\t1"]
 
 
-@pytest.mark.parametrize("lines,where", [
-    (LFW_HEAD + ["A\t1"], ":4:"),                                 # two fields
-    (LFW_HEAD + ["A\tx\t2"], ":4:"),                              # not a number
-    (LFW_HEAD + ["A\t0\t2"], ":4:"),                              # LFW counts from 1
-    (["5\t2"] + LFW_HEAD[1:], ":1:"),                             # folds verification does not score
-    ([f"a{i} b{i} 1" for i in range(12)] + ["a b 2"], ":13:"),    # a label that is not 1 or 0
-    ([f"a{i} b{i} 1" for i in range(3)] + ["a b"], ":4:"),        # two fields
-])
+@pytest.mark.parametrize(
+    "lines,where",
+    [
+        (LFW_HEAD + ["A\t1"], ":4:"),  # two fields
+        (LFW_HEAD + ["A\tx\t2"], ":4:"),  # not a number
+        (LFW_HEAD + ["A\t0\t2"], ":4:"),  # LFW counts from 1
+        (["5\t2"] + LFW_HEAD[1:], ":1:"),  # folds verification does not score
+        ([f"a{i} b{i} 1" for i in range(12)] + ["a b 2"], ":13:"),  # a label that is not 1 or 0
+        ([f"a{i} b{i} 1" for i in range(3)] + ["a b"], ":4:"),  # two fields
+    ],
+)
 def test_a_bad_line_is_one_error_naming_file_and_line(tmp_path, lines, where):
     path = tmp_path / "pairs.txt"
     path.write_text("\n".join(lines) + "\n")
@@ -107,8 +117,9 @@ def test_lfw_list_of_the_wrong_length_or_mix_is_refused(tmp_path):
 
 
 def test_missing_images_are_one_error_line_before_any_work(lfw, tmp_path, capsys, counted):
-    pairs = lfw_list(tmp_path / "pairs.txt", same=["Eileen 1 9"] + SAME[1:],
-                      diff=DIFF[:4] + ["Nobody 1 Wall 1"] + DIFF[5:])
+    pairs = lfw_list(
+        tmp_path / "pairs.txt", same=["Eileen 1 9"] + SAME[1:], diff=DIFF[:4] + ["Nobody 1 Wall 1"] + DIFF[5:]
+    )
     out = str(tmp_path / "v.bin")
     assert make_bin([lfw, out, "--pairs_list", pairs, "--align"]) == 2
     err = capsys.readouterr().err.strip()
@@ -136,19 +147,26 @@ def test_fallback_of_a_one_face_set_cuts_that_face_s_chip_alike_in_any_photo_siz
     assert np.allclose(bigger.shape, (same.shape - centre) * 2 + centre2, atol=1e-6)
     no_shape = Fallback.of([(Face(face.box, face.points, face.score, None), photo.size)]).face(photo.size)
     to_112 = [similarity_transform(ARCFACE_112.points, f.points) for f in (no_shape, face)]
-    assert no_shape.shape is None and np.allclose(*to_112, atol=0.1)  # fitted to the five points: within 0.1 px
+    assert no_shape.shape is None and np.allclose(
+        *to_112, atol=0.1
+    )  # fitted to the five points: within 0.1 px
 
 
 def test_make_bin_writes_every_pair_in_list_order_and_names_the_fallbacks(lfw, tmp_path, capsys, monkeypatch):
     import scripts.make_bin
+
     pairs = lfw_list(tmp_path / "pairs.txt")
     out = str(tmp_path / "v.bin")
     aligned = []
     real = scripts.make_bin.aligned_pngs
-    monkeypatch.setattr(scripts.make_bin, "aligned_pngs", lambda ps, *a, **k: aligned.extend(ps) or real(ps, *a, **k))
+    monkeypatch.setattr(
+        scripts.make_bin, "aligned_pngs", lambda ps, *a, **k: aligned.extend(ps) or real(ps, *a, **k)
+    )
     assert make_bin([lfw, out, "--pairs_list", pairs, "--align"]) == 0
     said = capsys.readouterr().out
-    faceless = [os.path.join(lfw, n) for n in ("Wall/Wall_0001.jpg", "Tiny/Tiny_0001.jpg", "Wall/Wall_0002.jpg")]
+    faceless = [
+        os.path.join(lfw, n) for n in ("Wall/Wall_0001.jpg", "Tiny/Tiny_0001.jpg", "Wall/Wall_0002.jpg")
+    ]
     assert "no face found in 3 of 9 photos (in 8 of 20 pairs)" in said
     assert all(p in said for p in faceless)
     pair_list = read_pair_list(pairs, lfw)
@@ -170,7 +188,9 @@ def test_make_bin_from_a_plain_list_of_crops_stores_them_in_list_order(tmp_path)
     rng = np.random.default_rng(0)
     os.makedirs(tmp_path / "crops")
     for i in range(4):
-        Image.fromarray(rng.integers(0, 256, (112, 112, 3), dtype=np.uint8)).save(tmp_path / "crops" / f"{i}.png")
+        Image.fromarray(rng.integers(0, 256, (112, 112, 3), dtype=np.uint8)).save(
+            tmp_path / "crops" / f"{i}.png"
+        )
     order = [(i % 4, (i * 3 + 1) % 4, i % 2) for i in range(11)]
     (tmp_path / "list.txt").write_text("".join(f"{a}.png {b}.png {s}\n" for a, b, s in order))
     out = str(tmp_path / "v.bin")
@@ -181,8 +201,20 @@ def test_make_bin_from_a_plain_list_of_crops_stores_them_in_list_order(tmp_path)
         for j, name in enumerate((a, b)):
             expected = np.asarray(Image.open(tmp_path / "crops" / f"{name}.png"))
             assert np.array_equal(images[2 * i + j].permute(1, 2, 0).numpy(), expected)
-    assert make_bin([str(tmp_path / "crops"), out, "--pairs_list", str(tmp_path / "list.txt"), "--overwrite",
-                     "--seed", "1"]) == 2
+    assert (
+        make_bin(
+            [
+                str(tmp_path / "crops"),
+                out,
+                "--pairs_list",
+                str(tmp_path / "list.txt"),
+                "--overwrite",
+                "--seed",
+                "1",
+            ]
+        )
+        == 2
+    )
 
 
 def test_retries_recover_faces_and_say_how_many(lfw, tmp_path, capsys):
@@ -193,10 +225,29 @@ def test_retries_recover_faces_and_say_how_many(lfw, tmp_path, capsys):
     assert "--retry_upsample 2: a face found in 1 of the 3 photos searched again" in said
     assert "no face found in 2 of 9 photos" in said and "Tiny_0001" not in said.split("no face found")[1]
     plain = tmp_path / "masked.txt"
-    names = ["Eileen/Eileen_0001.jpg", "Masked/Masked_0001.jpg", "Mirror/Mirror_0001.jpg", "Wall/Wall_0001.jpg"]
+    names = [
+        "Eileen/Eileen_0001.jpg",
+        "Masked/Masked_0001.jpg",
+        "Mirror/Mirror_0001.jpg",
+        "Wall/Wall_0001.jpg",
+    ]
     plain.write_text("".join(f"{names[i % 4]} {names[(i + 1) % 4]} 0\n" for i in range(10)))
-    assert make_bin([lfw, out, "--pairs_list", str(plain), "--align", "--upsample", "0", "--retry_mmod",
-                     "--overwrite"]) == 0
+    assert (
+        make_bin(
+            [
+                lfw,
+                out,
+                "--pairs_list",
+                str(plain),
+                "--align",
+                "--upsample",
+                "0",
+                "--retry_mmod",
+                "--overwrite",
+            ]
+        )
+        == 0
+    )
     said = capsys.readouterr().out
     assert "--retry_mmod: a face found in 1 of the 2 photos searched again" in said
     assert "no face found in 1 of 4 photos" in said
@@ -209,15 +260,24 @@ def test_verify_from_photos_equals_verify_from_the_list_bin_for_a_112_model(lfw,
     assert make_bin([lfw, out, "--pairs_list", pairs, "--align"]) == 0
     capsys.readouterr()
     before = sorted(os.listdir(tmp_path))
-    assert verify([model_path, "--bin", out, "--pairs_list", pairs, "--images", lfw, "--batch_size", "8"]) == 0
+    assert (
+        verify([model_path, "--bin", out, "--pairs_list", pairs, "--images", lfw, "--batch_size", "8"]) == 0
+    )
     table = capsys.readouterr().out
-    row = lambda name: next(line for line in table.splitlines() if line.startswith(name)).split()[1:]
+
+    def row(name):
+        return next(line for line in table.splitlines() if line.startswith(name)).split()[1:]
+
     assert row("pairs.txt") == row("v.bin")  # acc, acc-flip, std, XNorm
-    assert not [f for f in os.listdir(tmp_path) if f not in before and not f.endswith(".npz")]  # no .bin written
+    assert not [
+        f for f in os.listdir(tmp_path) if f not in before and not f.endswith(".npz")
+    ]  # no .bin written
     model = load_model(model_path)
     (images, mirrored), _ = load_bin(out)
     pair_list = read_pair_list(pairs, lfw)
-    emb = pair_embeddings(model, pair_list.photos, pair_faces(pair_list.photos, show_progress=False), batch_size=8)
+    emb = pair_embeddings(
+        model, pair_list.photos, pair_faces(pair_list.photos, show_progress=False), batch_size=8
+    )
     rows = pair_list.rows()
     assert np.allclose(emb.emb[rows], embed(images, model.module, 8), atol=1e-5)
     assert np.allclose(emb.emb_flip[rows], embed(mirrored, model.module, 8), atol=1e-5)
@@ -227,33 +287,62 @@ def test_a_second_model_reuses_the_detections_and_a_second_run_the_embeddings(lf
     pairs = lfw_list(tmp_path / "pairs.txt")
     cache = tmp_path / "cache"
     os.makedirs(cache)
-    assert make_bin([lfw, str(tmp_path / "v.bin"), "--pairs_list", pairs, "--align", "--cache_dir", str(cache),
-                     "--workers", "1"]) == 0  # searched in this process, where `counted` sees them
-    assert len(counted) == 9 and "faces: 9 photo searches run, 0 answered by the cache" in capsys.readouterr().out
+    assert (
+        make_bin(
+            [
+                lfw,
+                str(tmp_path / "v.bin"),
+                "--pairs_list",
+                pairs,
+                "--align",
+                "--cache_dir",
+                str(cache),
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )  # searched in this process, where `counted` sees them
+    assert (
+        len(counted) == 9
+        and "faces: 9 photo searches run, 0 answered by the cache" in capsys.readouterr().out
+    )
     a, b = seeded_model(str(tmp_path / "a"), 2), seeded_model(str(tmp_path / "b"), 3)
-    assert verify([a, "--pairs_list", pairs, "--images", lfw, "--cache_dir", str(cache), "--workers", "1"]) == 0
+    assert (
+        verify([a, "--pairs_list", pairs, "--images", lfw, "--cache_dir", str(cache), "--workers", "1"]) == 0
+    )
     said = capsys.readouterr().out
     assert len(counted) == 9 and "faces: 0 photo searches run, 9 answered by the cache" in said
     assert "embeddings: 9 photos embedded, 0 from the cache" in said
     faces_file, b_file = cache_paths(pairs, load_model(b).fingerprint, str(cache))
     model_b, photos = load_model(b), read_pair_list(pairs, lfw).photos
-    found = pair_faces(photos, cache=FacesCache(faces_file), show_progress=False)  # what verify runs for model b
+    found = pair_faces(
+        photos, cache=FacesCache(faces_file), show_progress=False
+    )  # what verify runs for model b
     assert len(counted) == 9 and found.searched == 0 and len(found.fallbacks) == 3
     first = pair_embeddings(model_b, photos, found, EmbeddingCache(b_file, model_b), show_progress=False)
     again = pair_embeddings(model_b, photos, found, EmbeddingCache(b_file, model_b), show_progress=False)
     assert (first.embedded, again.embedded) == (9, 0) and np.array_equal(first.emb, again.emb)
-    assert sorted(os.listdir(cache)) == sorted(["pairs.txt.shardface_faces.npz", os.path.basename(b_file),
-                                                f"pairs.txt.shardface_pairs.{load_model(a).fingerprint}.npz"])
+    assert sorted(os.listdir(cache)) == sorted(
+        [
+            "pairs.txt.shardface_faces.npz",
+            os.path.basename(b_file),
+            f"pairs.txt.shardface_pairs.{load_model(a).fingerprint}.npz",
+        ]
+    )
     (cache / "pairs.txt.shardface_faces.npz").write_text("not a cache")
     assert verify([a, "--pairs_list", pairs, "--images", lfw, "--cache_dir", str(cache)]) == 2
     assert "not a ShardFace pair-list cache" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("lines,where", [
-    (["10\t\u00b3"] + LFW_HEAD[1:], ":1:"),          # a superscript three: isdigit() says yes, int() no
-    (LFW_HEAD + ["A\t\u00b3\t2"], ":4:"),
-    (LFW_HEAD + ["A\t1\tB\t\u00b2"], ":4:"),
-])
+@pytest.mark.parametrize(
+    "lines,where",
+    [
+        (["10\t\u00b3"] + LFW_HEAD[1:], ":1:"),  # a superscript three: isdigit() says yes, int() no
+        (LFW_HEAD + ["A\t\u00b3\t2"], ":4:"),
+        (LFW_HEAD + ["A\t1\tB\t\u00b2"], ":4:"),
+    ],
+)
 def test_unicode_digits_int_refuses_are_a_bad_line_not_a_traceback(tmp_path, lines, where):
     path = tmp_path / "pairs.txt"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -267,13 +356,18 @@ def test_lfw_pairs_txt_with_a_utf8_bom_is_still_lfw(tmp_path):
     same = [f"A{i} 1 {i + 2}" for i in range(10)]
     diff = [f"A{i} {i + 1} B{i} 3" for i in range(10)]
     path = tmp_path / "pairs.txt"
-    path.write_bytes(b"\xef\xbb\xbf" + "\n".join(["10 1"] + [x for s, d in zip(same, diff) for x in (s, d)]).encode())
+    path.write_bytes(
+        b"\xef\xbb\xbf" + "\n".join(["10 1"] + [x for s, d in zip(same, diff) for x in (s, d)]).encode()
+    )
     got = read_pair_list(str(path), "F")
-    assert got.format == "lfw" and len(got.pairs) == 20 and got.folds == [(2 * k, 2 * k + 2) for k in range(10)]
+    assert (
+        got.format == "lfw" and len(got.pairs) == 20 and got.folds == [(2 * k, 2 * k + 2) for k in range(10)]
+    )
 
 
-def test_verify_of_a_list_from_a_pipe_refuses_its_cache_place_before_searching_any_photo(lfw, tmp_path, capsys,
-                                                                                       counted):
+def test_verify_of_a_list_from_a_pipe_refuses_its_cache_place_before_searching_any_photo(
+    lfw, tmp_path, capsys, counted
+):
     """verify --pairs_list <(...): the list is /dev/fd/N, where no cache can be saved, not even by
     root (os.access says yes to root there): refused before the photos are searched, saying how."""
     model = seeded_model(str(tmp_path / "m"), 0)
@@ -300,4 +394,6 @@ def test_absolute_paths_of_a_plain_list_are_read_where_they_point_and_the_help_s
     for tool in (verify, make_bin):
         with pytest.raises(SystemExit):
             tool(["--help"])
-        assert "absolute path is read where it points, even outside" in " ".join(capsys.readouterr().out.split())
+        assert "absolute path is read where it points, even outside" in " ".join(
+            capsys.readouterr().out.split()
+        )

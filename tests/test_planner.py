@@ -1,4 +1,5 @@
 """The capacity planner's head and ZeRO-2 figures against what the code really holds."""
+
 import pytest
 import torch
 
@@ -19,8 +20,9 @@ def _rss_status(field):
 def _head_peak(rank, world_size, fused):
     torch.set_num_threads(1)
     torch.manual_seed(rank)
-    head = PartialFC(CosFace(s=32.0, m=0.3), D, C, chunk_size=4096, row_block=32, validate=False,
-                     fused_optimizer=fused)
+    head = PartialFC(
+        CosFace(s=32.0, m=0.3), D, C, chunk_size=4096, row_block=32, validate=False, fused_optimizer=fused
+    )
     opt = SampledRowsOptimizer(head, torch.optim.SGD, lr=0.1, momentum=0.9)
     emb = torch.randn(B_LOCAL, D, requires_grad=True)
     labels = torch.randint(0, C, (B_LOCAL,))
@@ -48,6 +50,7 @@ def test_planner_head_memory_matches_the_measured_peak(fused, monkeypatch):
 
 def _zero_bytes(rank, world_size, optimizer):
     from backbones import get_model
+
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = get_model("r18", num_features=128)
@@ -57,8 +60,12 @@ def _zero_bytes(rank, world_size, optimizer):
         model(torch.randn(2, 3, 112, 112)).sum().backward()
         opt.step()
         opt.zero_grad()
-    state = sum(v.numel() * v.element_size() for s in opt.optimizer.state.values() for v in s.values()
-                if torch.is_tensor(v) and v.dim() > 0)
+    state = sum(
+        v.numel() * v.element_size()
+        for s in opt.optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
     grad = sum(g.grad_shard.numel() * 4 for g in opt.groups)
     buckets = sum(g.grad_buffer.numel() * g.grad_buffer.element_size() for g in opt.groups)
     return state, grad, buckets
@@ -67,6 +74,7 @@ def _zero_bytes(rank, world_size, optimizer):
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_planner_zero2_shards_and_gradient_buckets_match_the_optimizer(optimizer):
     from backbones import get_model
+
     params, _ = backbone_counts("r18", 128, 2)
     assert params == sum(p.numel() for p in get_model("r18", num_features=128).parameters())
     planned = zero_memory(params, 2, optimizer, 0.9)
@@ -78,6 +86,7 @@ def test_planner_zero2_shards_and_gradient_buckets_match_the_optimizer(optimizer
 
 def _empty_shard_rank(rank, world_size):
     from configs import ConfigError
+
     try:
         PartialFC(CosFace(), 8, world_size - 1)
     except ConfigError as exc:
@@ -89,14 +98,27 @@ def _empty_shard_rank(rank, world_size):
 def test_more_ranks_than_classes_is_refused_at_start_on_every_rank_and_by_the_plan():
     import subprocess
     import sys
+
     messages = run_distributed(_empty_shard_rank, 2, timeout=120)
-    assert messages == ["config num_classes = 1 is fewer than the world size 2: every rank needs at least one "
-                        "class of the head; run at most 1 ranks"] * 2
-    plan = subprocess.run([sys.executable, "-m", "scripts.plan", "configs/demo.py", "--gpus", "3", "--num_classes",
-                           "2"], capture_output=True, text=True)
+    assert (
+        messages
+        == [
+            "config num_classes = 1 is fewer than the world size 2: every rank needs at least one "
+            "class of the head; run at most 1 ranks"
+        ]
+        * 2
+    )
+    plan = subprocess.run(
+        [sys.executable, "-m", "scripts.plan", "configs/demo.py", "--gpus", "3", "--num_classes", "2"],
+        capture_output=True,
+        text=True,
+    )
     assert plan.returncode != 0 and "num_classes = 2 is fewer than the world size 3" in plan.stderr
-    zero = subprocess.run([sys.executable, "-m", "scripts.plan", "configs/demo.py", "--gpus", "0"],
-                          capture_output=True, text=True)
+    zero = subprocess.run(
+        [sys.executable, "-m", "scripts.plan", "configs/demo.py", "--gpus", "0"],
+        capture_output=True,
+        text=True,
+    )
     assert zero.returncode == 2 and "--gpus 0: a job needs at least one rank" in zero.stderr
     assert "ZeroDivisionError" not in zero.stderr
 
@@ -106,11 +128,14 @@ def test_channels_last_scratch_is_planned_per_sample_only_when_on():
     is one part of the plan, proportional to the batch, and absent in NCHW; nothing else moves."""
     from configs import get_config
     from planner import CHANNELS_LAST_SCRATCH_PER_SAMPLE, plan
+
     part = "backbone channels-last scratch"
     on = plan(get_config("configs/demo.py", ["--batch_size", "64"]), 2)
     doubled = plan(get_config("configs/demo.py", ["--batch_size", "128"]), 2)
     off = plan(get_config("configs/demo.py", ["--batch_size", "64", "--channels_last", "false"]), 2)
-    assert on.parts[part] == 64 * CHANNELS_LAST_SCRATCH_PER_SAMPLE and doubled.parts[part] == 2 * on.parts[part]
+    assert (
+        on.parts[part] == 64 * CHANNELS_LAST_SCRATCH_PER_SAMPLE and doubled.parts[part] == 2 * on.parts[part]
+    )
     assert part not in off.parts and on.total - off.total == on.parts[part]
 
 
@@ -118,12 +143,16 @@ def test_channels_last_scratch_is_planned_per_sample_only_when_on():
 def test_plan_refuses_a_gpu_memory_that_is_not_a_finite_size_above_the_reserve_in_one_line(value, capsys):
     """--gpu_mem_gb nan failed at int(nan) inside max_classes; -5 planned for an impossible GPU."""
     from scripts.plan import main
+
     assert main(["configs/demo.py", "--gpus", "2", "--gpu_mem_gb", value]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"error: --gpu_mem_gb {float(value)}: expected the GPU's memory")
+    assert err.count("\n") == 1 and err.startswith(
+        f"error: --gpu_mem_gb {float(value)}: expected the GPU's memory"
+    )
 
 
 def test_plan_of_a_real_gpu_still_answers(capsys):
     from scripts.plan import main
+
     assert main(["configs/demo.py", "--gpus", "2", "--gpu_mem_gb", "16"]) == 0
     assert "budget 14.5 GB" in capsys.readouterr().out

@@ -1,5 +1,6 @@
 """The training progress line: rate and ETA, and the warning that stop requests are polled
 too rarely for a pre-emption to save."""
+
 import logging
 import time
 
@@ -43,7 +44,11 @@ def test_polling_within_the_stop_grace_is_not_warned_about():
 
 
 def test_eta_format():
-    assert format_seconds(59) == "0:59" and format_seconds(3600 + 61) == "1:01:01" and format_seconds(-3) == "0:00"
+    assert (
+        format_seconds(59) == "0:59"
+        and format_seconds(3600 + 61) == "1:01:01"
+        and format_seconds(-3) == "0:00"
+    )
 
 
 class _Clock:
@@ -75,4 +80,6 @@ def _rates_and_etas(pause_s):
 
 
 def test_evaluation_time_is_out_of_samples_per_second_and_eta():
-    assert _rates_and_etas(pause_s=300.0) == _rates_and_etas(pause_s=0.0) == [("64.0", "1:30"), ("64.0", "1:20")]
+    assert (
+        _rates_and_etas(pause_s=300.0) == _rates_and_etas(pause_s=0.0) == [("64.0", "1:30"), ("64.0", "1:20")]
+    )

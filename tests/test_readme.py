@@ -6,6 +6,7 @@ README and docs/*.md that a CPU can run, each in a shell that did `source .venv/
 README says. Every command shown is listed in `COMMANDS`, with the reason when it is not run
 here; a new command fails the test until it is listed. (Commands quoted inline in the prose are
 not walked.)"""
+
 import glob
 import os
 import re
@@ -16,8 +17,11 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
-LINKED = DOCS + ["benchmarks/README.md"] + sorted(
-    os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "benchmarks", "runs", "*.md")))
+LINKED = (
+    DOCS
+    + ["benchmarks/README.md"]
+    + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "benchmarks", "runs", "*.md")))
+)
 # Files a link may name before they are committed: the lead generates this picture with
 # Model.draw (README 'Python'); drop the entry once it is in the tree.
 PENDING: set[str] = set()  # files a link may name before they are committed
@@ -83,14 +87,11 @@ COMMANDS = {
     "python -m scripts.export_onnx dlib dlib.onnx": "tests/test_dlib.py runs it (slow: a minute on 2 CPU cores)",
     "python train.py configs/demo.py --rec data/mine --num_classes 34 --network dlib_resnet "
     "--embedding_size 128 --init_backbone dlib --lr 0.01 --output work_dirs/mine_dlib": NEEDS_DATA,
-    "torchrun --nproc_per_node 8 train.py configs/ms1mv3_r50 --num_epoch 25 --output work_dirs/ms1mv3_r50 --resume true":
-        NEEDS_GPU,
+    "torchrun --nproc_per_node 8 train.py configs/ms1mv3_r50 --num_epoch 25 --output work_dirs/ms1mv3_r50 --resume true": NEEDS_GPU,
     "torchrun --nproc_per_node 8 train.py configs/my_faces --init_backbone ms1mv3_r50/model.pt": NEEDS_GPU,
-    "torchrun --nproc_per_node 8 train.py configs/ms1mv3_mbf --teacher work_dirs/ms1mv3_r100 --distill_loss cosine":
-        NEEDS_GPU,
+    "torchrun --nproc_per_node 8 train.py configs/ms1mv3_mbf --teacher work_dirs/ms1mv3_r100 --distill_loss cosine": NEEDS_GPU,
     "python -m scripts.teach work_dirs/ms1mv3_r100 /data/ms1m-retinaface-t1 r100_ms1m.teacher": NEEDS_DATA,
-    "torchrun --nproc_per_node 8 train.py configs/ms1mv3_mbf --teacher r100_ms1m.teacher --distill_loss relational":
-        NEEDS_GPU,
+    "torchrun --nproc_per_node 8 train.py configs/ms1mv3_mbf --teacher r100_ms1m.teacher --distill_loss relational": NEEDS_GPU,
     "torchrun --nproc_per_node 8 train.py configs/ms1mv3_mbf --rec /data/my_crops --num_classes 0 "
     "--teacher work_dirs/ms1mv3_r100": NEEDS_GPU,
 }
@@ -121,7 +122,9 @@ def documented_commands(root: str = ROOT) -> list[str]:
 def test_every_readme_command_is_listed():
     commands = documented_commands()
     unlisted = [c for c in commands if c not in COMMANDS]
-    assert not unlisted, f"commands of README/docs not in tests/test_readme.py's COMMANDS (run, or why not): {unlisted}"
+    assert not unlisted, (
+        f"commands of README/docs not in tests/test_readme.py's COMMANDS (run, or why not): {unlisted}"
+    )
     assert "make demo" in commands and "make test" in commands and len(commands) >= 10
     stale = [c for c in COMMANDS if c not in commands]
     assert not stale, f"COMMANDS lists commands no longer in README or docs/: {stale}"
@@ -197,18 +200,28 @@ def test_every_module_the_docs_run_exists():
 
 
 def test_every_shardface_command_name_is_installed():
-    names = set(re.findall(r"^(shardface-[a-z-]+)\s*=", open(os.path.join(ROOT, "pyproject.toml")).read(), flags=re.M))
-    unknown = [f"{name}: {tool}" for name in LINKED
-               for tool in re.findall(r"\b(shardface-[a-z][a-z-]*[a-z])\b", open(os.path.join(ROOT, name)).read())
-               if tool not in names]
+    names = set(
+        re.findall(r"^(shardface-[a-z-]+)\s*=", open(os.path.join(ROOT, "pyproject.toml")).read(), flags=re.M)
+    )
+    unknown = [
+        f"{name}: {tool}"
+        for name in LINKED
+        for tool in re.findall(r"\b(shardface-[a-z][a-z-]*[a-z])\b", open(os.path.join(ROOT, name)).read())
+        if tool not in names
+    ]
     assert not unknown, f"shardface-* names that pyproject.toml does not install: {unknown}"
 
 
 def _fresh_copy(dst: str) -> None:
     """The tree as a clone has it (tracked and new files, nothing git ignores), with a .venv
     made of links to this one's parts and a fresh install stamp, so make installs nothing."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
-                           capture_output=True, text=True).stdout.split("\0")
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split("\0")
     for name in filter(None, files):
         if os.path.isfile(os.path.join(ROOT, name)):
             os.makedirs(os.path.dirname(os.path.join(dst, name)) or dst, exist_ok=True)
@@ -231,8 +244,14 @@ def test_readme_commands_run_as_typed_after_make_demo(tmp_path):
         if COMMANDS.get(command, RUN) is not RUN:
             continue
         shell = command if command.startswith("make ") else f"source .venv/bin/activate && {command}"
-        proc = subprocess.run(["bash", "-c", shell], cwd=clone, env=env, capture_output=True, text=True,
-                              timeout=3600 if command == "make demo" else 900)
+        proc = subprocess.run(
+            ["bash", "-c", shell],
+            cwd=clone,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=3600 if command == "make demo" else 900,
+        )
         if proc.returncode != 0:
             failures.append(f"$ {command}  -> exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-1500:]}")
     assert not failures, "\n\n".join(failures)
@@ -242,19 +261,27 @@ def test_make_test_gpu_offline_installs_nothing():
     """On a GPU machine without internet (the lent ones), `make test-gpu PY=python3 GPU_SETUP=`
     runs the kit with that python: no venv, no pip (make -n -B: the whole plan, nothing run)."""
     import subprocess
-    plan = subprocess.run(["make", "-n", "-B", "test-gpu", "PY=python3", "GPU_SETUP="], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+
+    plan = subprocess.run(
+        ["make", "-n", "-B", "test-gpu", "PY=python3", "GPU_SETUP="],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert plan.returncode == 0, plan.stderr
     assert "pip" not in plan.stdout and "venv" not in plan.stdout
     assert "python3 -m pytest -q -m gpu" in plan.stdout
-    default = subprocess.run(["make", "-n", "-B", "test-gpu"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    default = subprocess.run(
+        ["make", "-n", "-B", "test-gpu"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert "pip install" in default.stdout  # the usual target still sets up .venv first
 
 
 def _python_block() -> str:
     """The README's Python section's code block, as the README holds it."""
     text = open(os.path.join(ROOT, "README.md")).read()
-    section = text[text.index("\n## Python\n"):]
+    section = text[text.index("\n## Python\n") :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -264,6 +291,7 @@ def test_the_readmes_python_block_runs_as_written(tmp_path, monkeypatch):
     pytest.importorskip("dlib")
     from PIL import Image
     from skimage import data
+
     photo = Image.fromarray(data.astronaut())
     photo.save(tmp_path / "astronaut.jpg", quality=95)
     photo.save(tmp_path / "a.jpg", quality=95)

@@ -1,12 +1,21 @@
 """RecordIO writer <-> reader round trips and each bad input named in the error."""
+
 import os
 import struct
 
 import numpy as np
 import pytest
 
-from dataset.recordio import (MAGIC, IndexedRecordReader, IRHeader, RecordIOError, RecordWriter,
-                              encode_record, pack, unpack)
+from dataset.recordio import (
+    MAGIC,
+    IndexedRecordReader,
+    IRHeader,
+    RecordIOError,
+    RecordWriter,
+    encode_record,
+    pack,
+    unpack,
+)
 
 MAGIC_BYTES = struct.pack("<I", MAGIC)
 
@@ -22,10 +31,10 @@ def _write(tmp_path, payloads):
 def test_single_and_multipart_records_round_trip(tmp_path):
     payloads = {
         0: b"",
-        1: b"abc",                                        # needs padding
-        2: b"x" * 8 + MAGIC_BYTES + b"y" * 5,             # one aligned magic word: 2 parts
+        1: b"abc",  # needs padding
+        2: b"x" * 8 + MAGIC_BYTES + b"y" * 5,  # one aligned magic word: 2 parts
         3: MAGIC_BYTES + b"z" * 4 + MAGIC_BYTES + MAGIC_BYTES + b"end",  # first/middle/last parts
-        4: b"q" + MAGIC_BYTES + b"unaligned",             # unaligned magic: no split
+        4: b"q" + MAGIC_BYTES + b"unaligned",  # unaligned magic: no split
     }
     reader = _write(tmp_path, payloads)
     for key, data in payloads.items():

@@ -1,4 +1,5 @@
 """A resume names each changed config key, and says the LR schedule changes only where it does."""
+
 import pytest
 
 from checkpoint.changes import log_resume_changes
@@ -13,15 +14,20 @@ def _total(cfg, steps_per_epoch: int = 8) -> int:
 
 def _said(saved: dict, cfg, steps_per_epoch: int = 8) -> list[str]:
     meta = {"world_size": 1, "batch_size": cfg.batch_size, "config": {**cfg, **saved}}
-    return shardface_messages(lambda: log_resume_changes(meta, cfg, 1, steps_per_epoch, _total(cfg, steps_per_epoch)))
+    return shardface_messages(
+        lambda: log_resume_changes(meta, cfg, 1, steps_per_epoch, _total(cfg, steps_per_epoch))
+    )
 
 
-@pytest.mark.parametrize("saved,argv,span_changes", [
-    ({"num_image": 100}, ["--num_image", "200"], False),        # the data set's images are counted instead
-    ({"max_steps": 0}, ["--max_steps", "1000"], False),         # a cap above the 3 x 8 steps
-    ({"max_steps": 0}, ["--max_steps", "10"], True),
-    ({"num_epoch": 2}, ["--num_epoch", "3"], True),
-])
+@pytest.mark.parametrize(
+    "saved,argv,span_changes",
+    [
+        ({"num_image": 100}, ["--num_image", "200"], False),  # the data set's images are counted instead
+        ({"max_steps": 0}, ["--max_steps", "1000"], False),  # a cap above the 3 x 8 steps
+        ({"max_steps": 0}, ["--max_steps", "10"], True),
+        ({"num_epoch": 2}, ["--num_epoch", "3"], True),
+    ],
+)
 def test_lr_schedule_is_said_to_span_new_steps_only_when_its_span_changes(saved, argv, span_changes):
     cfg = get_config(None, ["--num_epoch", "3", *argv])
     said = _said(saved, cfg)

@@ -1,5 +1,6 @@
 """One live run per output: a second start on a live run's output is refused at once, naming
 the live run, and changes nothing there; a lock left by a dead run is taken over."""
+
 import json
 import logging
 import os
@@ -41,8 +42,16 @@ def _write_lock(output, **holder):
     os.makedirs(output, exist_ok=True)
     path = os.path.join(output, LOCK_NAME)
     with open(path, "w") as f:
-        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "user": "someone",
-                   "start": "2026-01-01T00:00:00+00:00", **holder}, f)
+        json.dump(
+            {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "user": "someone",
+                "start": "2026-01-01T00:00:00+00:00",
+                **holder,
+            },
+            f,
+        )
     return path
 
 
@@ -54,8 +63,11 @@ def test_start_on_an_output_locked_by_a_live_process_writes_nothing(drawn_faces,
         _write_lock(out, pid=holder.pid)
         (tmp_path / "run" / "training.log").write_text("the live run's log\n")
         before = _snapshot(out)
-        with pytest.raises(CheckpointError, match=rf"in use by a live run \(host {socket.gethostname()}, "
-                                                  rf"pid {holder.pid}, user someone, started 2026-01-01"):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"in use by a live run \(host {socket.gethostname()}, "
+            rf"pid {holder.pid}, user someone, started 2026-01-01",
+        ):
             train.main(train_argv(drawn_faces, out, "--resume", "auto", "--max_steps", "10"))
         assert _snapshot(out) == before
     finally:
@@ -66,10 +78,19 @@ def test_start_on_an_output_locked_by_a_live_process_writes_nothing(drawn_faces,
 @pytest.mark.slow
 def test_second_run_on_a_live_output_is_refused_at_once_naming_the_first(drawn_faces, tmp_path):
     out = str(tmp_path / "run")
-    first = subprocess.Popen([sys.executable, "train.py", *train_argv(drawn_faces, out, "--max_steps", "100000",
-                                                                       "--num_epoch", "1000", "--checkpoint_interval", "2")],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                             env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "train.py",
+            *train_argv(
+                drawn_faces, out, "--max_steps", "100000", "--num_epoch", "1000", "--checkpoint_interval", "2"
+            ),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 120
         while find_checkpoint(out) is None:
@@ -93,7 +114,9 @@ def test_second_run_on_a_live_output_is_refused_at_once_naming_the_first(drawn_f
             os.killpg(first.pid, signal.SIGKILL)
     assert not os.path.exists(os.path.join(out, LOCK_NAME))  # released at its exit
     weights, config = read_backbone_weights(out)  # its newest checkpoint is intact and loads
-    assert config["lr"] == 0.05 and all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point())
+    assert config["lr"] == 0.05 and all(
+        torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()
+    )
 
 
 def test_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path, caplog):
@@ -104,7 +127,10 @@ def test_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="shardface"):
         lock.acquire(out)
     try:
-        assert f"taking over the stale lock of host {socket.gethostname()}, pid {dead}, user someone" in caplog.text
+        assert (
+            f"taking over the stale lock of host {socket.gethostname()}, pid {dead}, user someone"
+            in caplog.text
+        )
         assert json.load(open(path))["pid"] == os.getpid()
     finally:
         lock.release()
@@ -143,8 +169,12 @@ def test_read_only_output_is_refused_before_any_step(drawn_faces, tmp_path):
     out.chmod(0o555)
     try:
         if os.access(out, os.W_OK):
-            pytest.skip("running as root: chmod does not deny root's writes (the file-in-its-place test covers it)")
-        with pytest.raises(CheckpointError, match=rf"{out}: cannot write into the output directory \(Permission"):
+            pytest.skip(
+                "running as root: chmod does not deny root's writes (the file-in-its-place test covers it)"
+            )
+        with pytest.raises(
+            CheckpointError, match=rf"{out}: cannot write into the output directory \(Permission"
+        ):
             train.main(train_argv(drawn_faces, str(out)))
         assert os.listdir(out) == []
     finally:

@@ -1,6 +1,7 @@
 """A run's own threshold (threshold.json) belongs to the weights it was measured on: it records
 their fingerprint, a reader takes it only for weights of that fingerprint, and a run that
 overwrites an earlier one deletes the earlier run's file (issue #54, item 11)."""
+
 import json
 import os
 import shutil
@@ -25,7 +26,11 @@ def test_the_threshold_records_the_fingerprint_of_the_weights_the_tools_load(dra
     _run(drawn_faces, out, *VERIFIED)
     records = json.load(open(os.path.join(out, THRESHOLD_FILE)))
     assert set(records) == {"raw", "ema"} and records["ema"]["fingerprint"] != records["raw"]["fingerprint"]
-    for path, ema, kind in ((out, True, "ema"), (out, False, "raw"), (os.path.join(out, "model.pt"), True, "ema")):
+    for path, ema, kind in (
+        (out, True, "ema"),
+        (out, False, "raw"),
+        (os.path.join(out, "model.pt"), True, "ema"),
+    ):
         model = load_model(path, ema=ema)
         assert model.fingerprint == records[kind]["fingerprint"]
         assert model.threshold is not None and model.threshold.record == records[kind]

@@ -1,6 +1,7 @@
 """Gallery search: every engine equals a brute-force sort (ties to the lower id, k beyond the
 gallery clamped to its size), whatever the block sizes and storage; "auto" answers as both do
 and picks the engine its measured table names."""
+
 import numpy as np
 import pytest
 import torch
@@ -13,8 +14,10 @@ def brute_force(gallery: np.ndarray, queries: np.ndarray, k: int):
     k of each row, all of them where the gallery holds fewer."""
     scores = queries.astype(np.float64) @ gallery.astype(np.float64).T
     ranked = [sorted(range(len(row)), key=lambda j: (-row[j], j))[:k] for row in scores]
-    return (np.array([row[r] for row, r in zip(scores, ranked)]).reshape(len(queries), -1),
-            np.array(ranked, np.int64).reshape(len(queries), -1))
+    return (
+        np.array([row[r] for row, r in zip(scores, ranked)]).reshape(len(queries), -1),
+        np.array(ranked, np.int64).reshape(len(queries), -1),
+    )
 
 
 def tied_gallery(rng, n: int, dim: int) -> np.ndarray:
@@ -38,7 +41,7 @@ def test_search_equals_brute_force_with_ties_and_k_beyond_the_gallery(engine, n,
     gallery, queries = tied_gallery(rng, n, 4), tied_gallery(rng, 11, 4)
     index = ENGINES[engine](4)
     index.add(gallery[: n // 2])  # added in two calls: ids continue
-    index.add(gallery[n // 2:])
+    index.add(gallery[n // 2 :])
     scores, ids = index.search(queries, k)
     want_s, want_i = brute_force(gallery, queries, k)
     assert index.ntotal == n and scores.dtype == np.float32 and ids.dtype == np.int64
@@ -52,8 +55,11 @@ def test_faiss_engine_asks_again_until_ties_at_the_kth_place_are_settled_by_the_
     holds the wrong ones of 60 tied rows: the engine must fetch more places until the k-th
     score is settled, and still return the lowest ids."""
     import faiss
+
     rng = np.random.default_rng(0)
-    gallery = np.concatenate([np.tile([[1, 0, 0, 0]], (60, 1)), tied_gallery(rng, 20, 4) * 0.1]).astype(np.float32)
+    gallery = np.concatenate([np.tile([[1, 0, 0, 0]], (60, 1)), tied_gallery(rng, 20, 4) * 0.1]).astype(
+        np.float32
+    )
     queries = np.array([[1, 0, 0, 0], [2, 0, 0, 0]], np.float32)
     index = FaissIndex(4)
     index.index = faiss.IndexIDMap(faiss.IndexFlatIP(4))
@@ -89,8 +95,11 @@ def test_engines_agree_and_fp16_storage_changes_scores_only_by_its_rounding():
     gallery /= np.linalg.norm(gallery, axis=1, keepdims=True)
     queries = gallery[:50] + 0.2 * rng.normal(size=(50, 64)).astype(np.float32)
     results = {}
-    for name, index in {"exact": make_index(64), "faiss": make_index(64, "faiss"),
-                        "fp16": make_index(64, fp16=True)}.items():
+    for name, index in {
+        "exact": make_index(64),
+        "faiss": make_index(64, "faiss"),
+        "fp16": make_index(64, fp16=True),
+    }.items():
         index.add(gallery)
         results[name] = index.search(queries, 5)
     np.testing.assert_array_equal(results["exact"][1], results["faiss"][1])
@@ -121,8 +130,15 @@ def test_the_rule_covers_the_measured_grid_with_an_engine_per_threads_and_storag
 @pytest.mark.parametrize("threads", [1, 2, 16])
 def test_the_rule_picks_the_table_entry_of_the_nearest_measured_point(threads, fp16):
     column = (threads > 1) + 2 * fp16  # (1 thread, all) x (float32, float16)
-    nearest_size = {10_000: 10_000, 1: 10_000, 31_000: 10_000, 32_000: 100_000, 300_000: 100_000,
-                    317_000: 1_000_000, 50_000_000: 1_000_000}
+    nearest_size = {
+        10_000: 10_000,
+        1: 10_000,
+        31_000: 10_000,
+        32_000: 100_000,
+        300_000: 100_000,
+        317_000: 1_000_000,
+        50_000_000: 1_000_000,
+    }
     nearest_queries = {1: 1, 0: 1, 3: 1, 4: 10, 31: 10, 32: 100, 316: 100, 317: 1000, 10**6: 1000}
     for size, n in nearest_size.items():
         for queries, q in nearest_queries.items():
@@ -170,7 +186,7 @@ def test_k_far_beyond_the_gallery_is_clamped_before_anything_is_allocated(engine
     gallery, queries = tied_gallery(rng, 2, 4), tied_gallery(rng, 3, 4)
     index = ENGINES[engine](4)
     index.add(gallery)
-    scores, ids = index.search(queries, 10 ** 12)
+    scores, ids = index.search(queries, 10**12)
     want_s, want_i = brute_force(gallery, queries, 2)
     assert scores.shape == ids.shape == (3, 2)
     np.testing.assert_array_equal(ids, want_i)
@@ -180,15 +196,17 @@ def test_k_far_beyond_the_gallery_is_clamped_before_anything_is_allocated(engine
 def test_gallery_identify_with_a_huge_top_lists_everyone_once():
     """The path Gallery.identify(top=...) and scripts.identify share (infer.enrolment.identify)."""
     from infer.enrolment import identify
+
     rng = np.random.default_rng(3)
     templates = rng.normal(size=(2, 8)).astype(np.float32)
     templates /= np.linalg.norm(templates, axis=1, keepdims=True)
 
     class Two:  # the two fields identify reads of an Enrolment
         pass
+
     gallery = Two()
     gallery.templates, gallery.names = templates, ["ann", "bob"]
-    scores, ids = identify(gallery, templates[:1], 10 ** 12)
+    scores, ids = identify(gallery, templates[:1], 10**12)
     assert ids.tolist() == [[0, 1]] and scores.shape == (1, 2)
 
 

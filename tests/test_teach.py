@@ -2,6 +2,7 @@
 --overwrite, never one of the files it reads), a data fingerprint of the images' content and
 the way they were read, and teacher files that are old, cut or hold non-finite or non-unit rows
 (zero, near zero) refused at open in one line naming the file."""
+
 import os
 import shutil
 
@@ -67,22 +68,30 @@ def test_teach_never_writes_over_the_model_or_its_config(model, folder, capsys):
     for out in (model, config):
         err = _refused(capsys, [model, folder, out, "--overwrite", "--num_workers", "0"], model, config)
         assert "is also an input" in err
-    err = _refused(capsys, [model, folder, os.path.join(folder, "id0", "0.jpg"), "--overwrite"],
-                   os.path.join(folder, "id0", "0.jpg"))
+    err = _refused(
+        capsys,
+        [model, folder, os.path.join(folder, "id0", "0.jpg"), "--overwrite"],
+        os.path.join(folder, "id0", "0.jpg"),
+    )
     assert "is also an input" in err
 
 
 def test_teach_never_writes_over_a_runs_model_pt(drawn_faces, folder, tmp_path, capsys):
     run = str(tmp_path / "run")
-    assert train.main(train_argv(drawn_faces, run, "--max_steps", "1", "--checkpoint_interval", "1",
-                                 "--ema", "false")) == 0
+    assert (
+        train.main(
+            train_argv(drawn_faces, run, "--max_steps", "1", "--checkpoint_interval", "1", "--ema", "false")
+        )
+        == 0
+    )
     pt = os.path.join(run, "model.pt")
     err = _refused(capsys, [run, folder, pt, "--overwrite", "--num_workers", "0"], pt)
     assert "is also an input" in err and pt in err
 
 
-def test_teach_checks_its_output_before_the_work_and_replaces_only_with_overwrite(model, folder, made, tmp_path,
-                                                                                  capsys):
+def test_teach_checks_its_output_before_the_work_and_replaces_only_with_overwrite(
+    model, folder, made, tmp_path, capsys
+):
     missing_model = str(tmp_path / "no_such_model.pt")  # loading it would be the first failure of the work
     err = _refused(capsys, [missing_model, folder, made], made)
     assert err == f"error: OUT {made} exists; pass --overwrite to replace it"
@@ -100,7 +109,9 @@ def test_teach_checks_its_output_before_the_work_and_replaces_only_with_overwrit
 
 def _check(teacher_file, data, *keys):
     """What train.py does at start with a teacher file: Distillation.check_data on the run's data."""
-    cfg = get_config("configs/demo.py", ["--rec", data, "--num_classes", "0", "--teacher", teacher_file, *keys])
+    cfg = get_config(
+        "configs/demo.py", ["--rec", data, "--num_classes", "0", "--teacher", teacher_file, *keys]
+    )
     Distillation(TeacherFile(teacher_file), None).check_data(cfg, build_train_dataset(cfg, train=False))
 
 
@@ -109,13 +120,18 @@ def test_teacher_file_of_one_folder_is_refused_for_another_with_the_same_names(m
     _check(made, same)  # a moved copy is the same data
     others = photos(tmp_path / "others", ids=2, per_id=3, first_seed=1000)  # id0/0.jpg ... other people
     assert sorted(os.listdir(os.path.join(others, "id1"))) == sorted(os.listdir(os.path.join(folder, "id1")))
-    with pytest.raises(ConfigError, match=f"^teacher file {made} belongs to other data: it was made from {folder}"):
+    with pytest.raises(
+        ConfigError, match=f"^teacher file {made} belongs to other data: it was made from {folder}"
+    ):
         _check(made, others)
 
 
 def test_teacher_file_is_refused_for_a_run_reading_the_data_otherwise(made, folder, tmp_path):
-    with pytest.raises(ConfigError, match=f"^teacher file {made} was made from {folder} read with align false, "
-                                          f"resize false; this run reads {folder} with align false, resize true"):
+    with pytest.raises(
+        ConfigError,
+        match=f"^teacher file {made} was made from {folder} read with align false, "
+        f"resize false; this run reads {folder} with align false, resize true",
+    ):
         _check(made, folder, "--resize", "true")
     resized = str(tmp_path / "resized.teacher")
     assert teach([tiny_model(tmp_path / "m"), folder, resized, "--resize", "--num_workers", "0"]) == 0
@@ -140,7 +156,10 @@ def test_teacher_file_of_the_old_format_is_refused_in_one_line_saying_to_remake_
     old = {"format": 1, "data": "/data/x", "data_fingerprint": "abc", "data_size": 4, "dim": 3}
     path = _write_teacher_file(tmp_path / "old.teacher", old, np.ones((4, 3)))
     err = _opened(capsys, path)
-    assert err.startswith(f"error: {path}: teacher file format 1") and "remake it with `python -m scripts.teach`" in err
+    assert (
+        err.startswith(f"error: {path}: teacher file format 1")
+        and "remake it with `python -m scripts.teach`" in err
+    )
 
 
 def test_teacher_file_cut_inside_its_header_is_one_line_naming_it(made, tmp_path, capsys):
@@ -173,7 +192,9 @@ class _ScaledTeacher(torch.nn.Module):
 
 
 @pytest.mark.parametrize("factor,said", [(float("nan"), "is not finite"), (0.0, ".* has norm 0")])
-def test_teach_refuses_a_teacher_whose_embedding_of_a_record_is_not_finite_or_zero(folder, tmp_path, factor, said):
+def test_teach_refuses_a_teacher_whose_embedding_of_a_record_is_not_finite_or_zero(
+    folder, tmp_path, factor, said
+):
     from distill.teacher import OnlineTeacher
     from faces.align import ARCFACE_112
     from infer.model import Model
@@ -188,10 +209,17 @@ def test_teach_refuses_a_teacher_whose_embedding_of_a_record_is_not_finite_or_ze
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("scale,why", [(0.0, "all zero: one constant target"), (1e-4, "norm 1e-4: centring is a no-op"),
-                                       (1.5, "norm 1.5: not scripts.teach's")])
-def test_teacher_file_with_rows_that_are_not_unit_is_refused_at_open_naming_the_first(made, tmp_path, capsys,
-                                                                                    scale, why):
+@pytest.mark.parametrize(
+    "scale,why",
+    [
+        (0.0, "all zero: one constant target"),
+        (1e-4, "norm 1e-4: centring is a no-op"),
+        (1.5, "norm 1.5: not scripts.teach's"),
+    ],
+)
+def test_teacher_file_with_rows_that_are_not_unit_is_refused_at_open_naming_the_first(
+    made, tmp_path, capsys, scale, why
+):
     file = TeacherFile(made)
     rows = np.array(file.rows, dtype=np.float32)
     assert np.allclose(np.linalg.norm(rows, axis=1), 1.0, atol=1e-3)  # what teach writes

@@ -1,6 +1,7 @@
 """Where an on-the-fly teacher runs and in what type (issue #39): an ONNX teacher serves a CPU
 run and is refused, in one line pointing to scripts.teach, on a GPU rank (onnxruntime would run
 it on the host); under fp16/bf16 a frozen teacher's weights are cast once, not at every call."""
+
 import pytest
 import torch
 from torch import nn
@@ -8,9 +9,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from backbones import get_model
 from configs.errors import ConfigError
-from infer.model import Model, load_model
 from distill.teacher import OnlineTeacher, load_teacher
 from faces.align import ARCFACE_112
+from infer.model import Model, load_model
 from scripts.export_onnx import main as export_onnx
 
 
@@ -56,7 +57,11 @@ class _WeightCasts(TorchDispatchMode):
         self.ptrs, self.count = {p.data_ptr() for p in params}, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.name == "aten::_to_copy" and torch.is_tensor(args[0]) and args[0].data_ptr() in self.ptrs:
+        if (
+            func._schema.name == "aten::_to_copy"
+            and torch.is_tensor(args[0])
+            and args[0].data_ptr() in self.ptrs
+        ):
             self.count += 1
         return func(*args, **(kwargs or {}))
 

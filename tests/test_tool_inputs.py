@@ -2,6 +2,7 @@
 every packed image is decoded, a .bin image that does not decode is named with its pair, a
 model with non-finite weights or embeddings is refused by every tool, ONNX models of the
 wrong output shape are refused and fixed-batch ones work, and errors are one line, exit 2."""
+
 import contextlib
 import os
 import re
@@ -14,8 +15,8 @@ from torch import nn
 
 from checkpoint.files import CheckpointError
 from dataset import DataError, build_dataset
-from eval.verification import VerificationDataError, load_bin, write_bin
 from dataset.folders import image_files
+from eval.verification import VerificationDataError, load_bin, write_bin
 from infer.model import as_model, load_module
 from scripts.compare import main as compare
 from scripts.embed import main as embed
@@ -30,8 +31,10 @@ from tests.tool_files import noise_jpeg, photos, tiny_model, truncated_jpeg
 @contextlib.contextmanager
 def _no_hang(seconds: int = 20):
     """A blocked open (a FIFO) fails the test instead of hanging it."""
+
     def expire(*_):
         raise TimeoutError(f"blocked for {seconds} s")
+
     previous = signal.signal(signal.SIGALRM, expire)
     signal.alarm(seconds)
     try:
@@ -48,8 +51,9 @@ def _error(capsys) -> str:
     return "error: " + err.split("error: ")[1]
 
 
-@pytest.mark.parametrize("tool", ["pack_rec", "pack_rec_list", "make_bin", "embed", "embed_file", "compare",
-                                  "train_folder"])
+@pytest.mark.parametrize(
+    "tool", ["pack_rec", "pack_rec_list", "make_bin", "embed", "embed_file", "compare", "train_folder"]
+)
 def test_a_fifo_named_like_an_image_is_named_and_never_opened(tmp_path, capsys, tool):
     faces = photos(tmp_path / "faces", ids=3, per_id=4)
     fifo = os.path.join(faces, "id1", "x.jpg")
@@ -63,12 +67,14 @@ def test_a_fifo_named_like_an_image_is_named_and_never_opened(tmp_path, capsys, 
         if tool == "pack_rec_list":
             (tmp_path / "list.txt").write_text("faces/id0/0.jpg\t0\nfaces/id1/x.jpg\t1\n")
         model = tiny_model(tmp_path / "m")
-        argv = {"pack_rec": lambda: pack_rec([faces, str(tmp_path / "rec")]),
-                "pack_rec_list": lambda: pack_rec([str(tmp_path / "list.txt"), str(tmp_path / "rec")]),
-                "make_bin": lambda: make_bin([faces, str(tmp_path / "v.bin"), "--pairs", "10"]),
-                "embed": lambda: embed([model, faces, "--out", str(tmp_path / "e.npy")]),
-                "embed_file": lambda: embed([model, fifo, "--out", str(tmp_path / "e.npy")]),
-                "compare": lambda: compare([model, good, fifo])}[tool]
+        argv = {
+            "pack_rec": lambda: pack_rec([faces, str(tmp_path / "rec")]),
+            "pack_rec_list": lambda: pack_rec([str(tmp_path / "list.txt"), str(tmp_path / "rec")]),
+            "make_bin": lambda: make_bin([faces, str(tmp_path / "v.bin"), "--pairs", "10"]),
+            "embed": lambda: embed([model, faces, "--out", str(tmp_path / "e.npy")]),
+            "embed_file": lambda: embed([model, fifo, "--out", str(tmp_path / "e.npy")]),
+            "compare": lambda: compare([model, good, fifo]),
+        }[tool]
         assert argv() == 2
     assert f"{fifo}: not a regular file" in _error(capsys)
 
@@ -86,10 +92,12 @@ def test_non_finite_weights_are_refused_by_every_tool_naming_the_weight(tmp_path
     faces = photos(tmp_path / "faces", ids=1, per_id=2)
     a, b = sorted(image_files([faces]))
     val = _bin(tmp_path / "v.bin")
-    runs = [lambda: export_onnx([pt, str(tmp_path / "m.onnx")]),
-            lambda: embed([pt, faces, "--out", str(tmp_path / "e.npy")]),
-            lambda: compare([pt, a, b, "--threshold", "0.3"]),
-            lambda: verify([pt, "--bin", val])]
+    runs = [
+        lambda: export_onnx([pt, str(tmp_path / "m.onnx")]),
+        lambda: embed([pt, faces, "--out", str(tmp_path / "e.npy")]),
+        lambda: compare([pt, a, b, "--threshold", "0.3"]),
+        lambda: verify([pt, "--bin", val]),
+    ]
     for run in runs:
         assert run() == 2
         assert f"{pt}: weight 'body.0.1.weight' has 1 non-finite (NaN or inf) values" in _error(capsys)
@@ -99,6 +107,7 @@ def test_non_finite_weights_are_refused_by_every_tool_naming_the_weight(tmp_path
 def test_onnx_with_non_finite_weights_is_refused(tmp_path):
     import onnx
     from onnx import numpy_helper
+
     path = str(tmp_path / "m.onnx")
     export(load_module(tiny_model(tmp_path)), path)
     graph = onnx.load(path)
@@ -160,8 +169,11 @@ class FeatureMap(nn.Module):
 def test_onnx_whose_output_is_a_feature_map_is_refused_naming_the_shape(tmp_path):
     path = str(tmp_path / "fmap.onnx")
     export(FeatureMap(), path)
-    with pytest.raises(CheckpointError, match=r"fmap.onnx: its output 'embedding' has shape \['batch', 4, 56, 56\], "
-                                              r"not N x D"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"fmap.onnx: its output 'embedding' has shape \['batch', 4, 56, 56\], "
+        r"not N x D",
+    ):
         load_module(path)
 
 
@@ -169,8 +181,15 @@ def test_onnx_with_a_fixed_batch_of_one_embeds_as_the_dynamic_one(tmp_path):
     model = load_module(tiny_model(tmp_path))
     dynamic, fixed = str(tmp_path / "dynamic.onnx"), str(tmp_path / "fixed.onnx")
     export(model, dynamic)
-    torch.onnx.export(model.cpu(), torch.zeros(1, 3, 112, 112), fixed, input_names=["data"],
-                      output_names=["embedding"], opset_version=17, dynamo=False)
+    torch.onnx.export(
+        model.cpu(),
+        torch.zeros(1, 3, 112, 112),
+        fixed,
+        input_names=["data"],
+        output_names=["embedding"],
+        opset_version=17,
+        dynamo=False,
+    )
     files = image_files([photos(tmp_path / "faces", ids=2, per_id=3)])
     a = as_model(load_module(dynamic)).embed(files, align=False, batch_size=4)
     b = as_model(load_module(fixed)).embed(files, align=False, batch_size=4)
@@ -191,7 +210,10 @@ def test_truncated_jpeg_stops_pack_rec_and_make_bin_naming_it_and_keeps_the_old_
     assert f"{bad}: cannot decode image" in _error(capsys)
     assert make_bin([faces, val, "--overwrite", "--pairs", "24"]) == 2  # every image is in some pair
     assert f"{bad}: cannot decode image" in _error(capsys)
-    assert ({n: open(os.path.join(out, n), "rb").read() for n in os.listdir(out)}, open(val, "rb").read()) == before
+    assert (
+        {n: open(os.path.join(out, n), "rb").read() for n in os.listdir(out)},
+        open(val, "rb").read(),
+    ) == before
 
 
 def test_truncated_image_in_a_bin_is_named_with_its_pair_by_every_reader(tmp_path, capsys):

@@ -2,19 +2,20 @@
 the earlier output whole, a set of files is never left mixed in a form a reader takes for good,
 staging files of killed runs are cleaned, an output that is an input is refused, and outputs
 of the wrong kind are refused before the work."""
+
 import os
 import signal
 import socket
 
-import numpy as np
 import pytest
 
-from dataset import DataLayoutError, build_dataset
+from dataset import build_dataset
 from scripts.embed import main as embed
 from scripts.export_onnx import main as export_onnx
 from scripts.make_bin import main as make_bin
 from scripts.pack_rec import main as pack_rec
 from tests.tool_files import dead_pid, photos, tiny_model
+
 
 def _contents(path) -> dict | bytes:
     """A file's bytes, or a folder's files and their bytes."""
@@ -31,6 +32,7 @@ def _fail_on_call(n: int, real=os.replace):
         if len(calls) == n:
             raise KeyboardInterrupt(f"stopped at rename {n}")
         return real(src, dst)
+
     return replace
 
 
@@ -44,6 +46,7 @@ def test_export_onto_its_own_model_pt_is_refused_and_the_weights_stay(tmp_path, 
 
 def test_export_stopped_while_writing_keeps_the_previous_onnx_whole(tmp_path, monkeypatch):
     import torch
+
     pt = tiny_model(tmp_path)
     onnx_path = str(tmp_path / "model.onnx")
     assert export_onnx([pt, onnx_path]) == 0  # the previous export, which the next one refreshes
@@ -53,6 +56,7 @@ def test_export_stopped_while_writing_keeps_the_previous_onnx_whole(tmp_path, mo
         with open(path, "wb") as f:
             f.write(b"\x08\x07partial onnx")
         raise KeyboardInterrupt("killed")
+
     monkeypatch.setattr(torch.onnx, "export", killed_midway)
     with pytest.raises(KeyboardInterrupt):
         export_onnx([pt, onnx_path])
@@ -73,6 +77,7 @@ def _pack_killed_at(src: str, out: str, name: str, n: int) -> None:
                 if len(calls) == n:
                     os.kill(os.getpid(), signal.SIGKILL)
                 return real(*a, **kw)
+
             setattr(os, name, hook)
             pack_rec([src, out, "--overwrite"])
         finally:
@@ -95,8 +100,19 @@ def test_pack_killed_between_renames_leaves_the_earlier_set_which_the_reader_put
     assert len(build_dataset(out, 3)) == 12
 
 
-@pytest.mark.parametrize("name,n", [("link", 1), ("link", 3), ("remove", 1), ("replace", 1), ("replace", 2),
-                                    ("replace", 3), ("remove", 2), ("remove", 4)])
+@pytest.mark.parametrize(
+    "name,n",
+    [
+        ("link", 1),
+        ("link", 3),
+        ("remove", 1),
+        ("replace", 1),
+        ("replace", 2),
+        ("replace", 3),
+        ("remove", 2),
+        ("remove", 4),
+    ],
+)
 def test_pack_killed_at_any_step_of_the_swap_leaves_the_earlier_set_or_the_new_one(tmp_path, name, n):
     """SIGKILL at each link, remove and rename of pack_rec's swap (the journal's hard links, the
     key's removal, the three renames, the journal's removal): the next pack_rec finds the
@@ -107,6 +123,7 @@ def test_pack_killed_at_any_step_of_the_swap_leaves_the_earlier_set_or_the_new_o
     new = photos(tmp_path / "new", ids=3, per_id=4, first_seed=50)
     _pack_killed_at(new, out, name, n)
     from dataset.pack import recover_rec_set
+
     recover_rec_set(out)
     visible = {k: v for k, v in _contents(out).items() if not k.startswith(".")}
     assert sorted(visible) == ["property", "train.idx", "train.rec"], sorted(_contents(out))
@@ -139,7 +156,9 @@ def test_pack_list_file_that_is_also_an_output_is_refused(tmp_path, capsys):
     assert listing.read_text() == "../p/id0/0.jpg\t0\n../p/id1/0.jpg\t1\n"
 
 
-def test_embed_replaces_its_pair_only_with_overwrite_and_publishes_the_listing_last(tmp_path, monkeypatch, capsys):
+def test_embed_replaces_its_pair_only_with_overwrite_and_publishes_the_listing_last(
+    tmp_path, monkeypatch, capsys
+):
     pt = tiny_model(tmp_path / "m")
     faces = photos(tmp_path / "faces", ids=2, per_id=2)
     out = str(tmp_path / "emb.npy")
@@ -168,20 +187,25 @@ def test_outputs_of_the_wrong_kind_are_refused_before_the_work(tmp_path, capsys)
     assert capsys.readouterr().err == f"error: output {tmp_path / 'v.bin'} is a directory; name a file\n"
     assert os.listdir(tmp_path / "v.bin") == [] and os.listdir(tmp_path / "e.npy") == []
     from scripts.import_arcface_torch import main as import_arcface_torch
+
     (tmp_path / "run").mkdir()
     (tmp_path / "out").write_text("a file")
     assert import_arcface_torch(["configs/demo.py", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err.splitlines()[-1] == \
-        f"error: output {tmp_path / 'out'} is a file, not a directory; name a directory"
+    assert (
+        capsys.readouterr().err.splitlines()[-1]
+        == f"error: output {tmp_path / 'out'} is a file, not a directory; name a directory"
+    )
 
 
 def test_staging_files_of_dead_runs_on_this_host_are_removed_and_others_kept(tmp_path):
     faces = photos(tmp_path / "faces", ids=3, per_id=4)
     pid, host = dead_pid(), socket.gethostname()
     dead = [f".v.bin.partial-{host}-{pid}", f"v.bin.partial-{pid}"]  # the second: the old naming
-    kept = [f".v.bin.partial-{host}-{os.getppid()}",  # a live process
-            f".v.bin.partial-another-host-{pid}",  # its pid means nothing here
-            f".w.bin.partial-{host}-{pid}"]  # another output's: its own publish cleans it
+    kept = [
+        f".v.bin.partial-{host}-{os.getppid()}",  # a live process
+        f".v.bin.partial-another-host-{pid}",  # its pid means nothing here
+        f".w.bin.partial-{host}-{pid}",
+    ]  # another output's: its own publish cleans it
     for name in dead + kept:
         (tmp_path / name).write_bytes(b"litter")
     assert make_bin([faces, str(tmp_path / "v.bin"), "--pairs", "10"]) == 0
@@ -190,6 +214,7 @@ def test_staging_files_of_dead_runs_on_this_host_are_removed_and_others_kept(tmp
 
 def test_publishing_a_file_that_fails_leaves_the_earlier_file_and_no_staging_file(tmp_path):
     from utils import atomic
+
     path = tmp_path / "out.txt"
     path.write_text("earlier")
     with pytest.raises(RuntimeError):
@@ -203,13 +228,17 @@ def test_an_output_name_too_long_to_stage_is_refused_before_the_work_naming_it(t
     """The staging name adds `.` and `.partial-HOST-PID` to the name: a name that fits alone can
     pass the file system's 255 bytes once staged, which failed only at the publish, after the work."""
     from utils.atomic import OutputError, check_output_dir, check_output_file, staging_path
+
     extra = len(os.path.basename(staging_path(str(tmp_path / "x")))) - 1
     long_name = "v" * (255 - extra + 1 - len(".bin")) + ".bin"  # fits alone; its staging name does not
     assert len(long_name) <= 255
-    with pytest.raises(OutputError, match=rf"{long_name}: a name of {len(long_name)} bytes .* limit of 255: "
-                                          rf"choose a name of at most {255 - extra} bytes"):
+    with pytest.raises(
+        OutputError,
+        match=rf"{long_name}: a name of {len(long_name)} bytes .* limit of 255: "
+        rf"choose a name of at most {255 - extra} bytes",
+    ):
         check_output_file(str(tmp_path / long_name))
-    check_output_file(str(tmp_path / long_name[len(long_name) - (255 - extra):]))  # at the limit: fine
+    check_output_file(str(tmp_path / long_name[len(long_name) - (255 - extra) :]))  # at the limit: fine
     with pytest.raises(OutputError, match="limit of 255"):
         check_output_dir(str(tmp_path / long_name))
     faces = photos(tmp_path / "faces", ids=3, per_id=4)
@@ -223,6 +252,7 @@ def test_an_output_name_too_long_to_stage_is_refused_before_the_work_naming_it(t
 def test_an_output_folder_that_takes_no_file_is_refused_even_for_root(tmp_path, monkeypatch):
     """os.access says yes to root everywhere; the check creates the staging file instead."""
     from utils import atomic
+
     folder = tmp_path / "ro"
     folder.mkdir()
     real_open = os.open
@@ -231,9 +261,12 @@ def test_an_output_folder_that_takes_no_file_is_refused_even_for_root(tmp_path, 
         if os.path.dirname(path) == str(folder):
             raise PermissionError(13, "Permission denied", path)
         return real_open(path, flags, *a)
+
     monkeypatch.setattr(atomic.os, "access", lambda *a, **k: True)  # as root
     monkeypatch.setattr(atomic.os, "open", refusing)
-    with pytest.raises(atomic.OutputError, match=r"out.bin: cannot create a file in .*ro \(Permission denied\)"):
+    with pytest.raises(
+        atomic.OutputError, match=r"out.bin: cannot create a file in .*ro \(Permission denied\)"
+    ):
         atomic.check_output_file(str(folder / "out.bin"))
     monkeypatch.undo()
     atomic.check_output_file(str(folder / "out.bin"))
@@ -245,11 +278,14 @@ def test_pair_cache_of_a_list_read_from_a_pipe_is_refused_before_the_work(tmp_pa
     root's; the cache check says so, and how to keep a cache elsewhere."""
     from infer.pair_photos import cache_paths, check_cache
     from utils.atomic import OutputError
+
     r, w = os.pipe()
     try:
         faces_cache, emb_cache = cache_paths(f"/dev/fd/{r}", "abc")
         for path in (faces_cache, emb_cache):
-            with pytest.raises(OutputError, match=rf"cache file /dev/fd/{r}\.shardface_.*pass --cache_dir DIR"):
+            with pytest.raises(
+                OutputError, match=rf"cache file /dev/fd/{r}\.shardface_.*pass --cache_dir DIR"
+            ):
                 check_cache(path)
         for path in cache_paths(f"/dev/fd/{r}", "abc", str(tmp_path)):
             check_cache(path)  # elsewhere, fine
@@ -258,11 +294,13 @@ def test_pair_cache_of_a_list_read_from_a_pipe_is_refused_before_the_work(tmp_pa
 
 
 @pytest.mark.parametrize("exchange", [True, False])
-def test_folder_output_through_a_symlink_replaces_the_linked_folder_and_keeps_the_link(tmp_path, monkeypatch,
-                                                                                       exchange):
+def test_folder_output_through_a_symlink_replaces_the_linked_folder_and_keeps_the_link(
+    tmp_path, monkeypatch, exchange
+):
     """align --overwrite DST where DST links to a folder: the folder it names gets the new crops
     (none of the old left), the link stays a link, and no staging or backup folder is left."""
     from utils import atomic
+
     target = tmp_path / "disk" / "crops"
     target.mkdir(parents=True)
     (target / "old.png").write_bytes(b"old crop")

@@ -1,5 +1,6 @@
 """train.py end to end on a tiny generated set: learning, exact resume, resharded resume,
 DDP = ZeRO-2, stop signals, divergence and corrupt checkpoints."""
+
 import math
 import os
 import re
@@ -72,6 +73,7 @@ def _run_recording_conv_layouts(rank, world_size, args):
     def record(module, inputs):
         if isinstance(module, torch.nn.Conv2d) and module not in layouts:
             layouts[module] = inputs[0].is_contiguous(memory_format=torch.channels_last)
+
     handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
     try:
         assert train.main(args) == 0
@@ -80,9 +82,12 @@ def _run_recording_conv_layouts(rank, world_size, args):
     return sorted(set(layouts.values()))
 
 
-@pytest.mark.parametrize("flag,nhwc", [((), True), (("--channels_last", "false"), False)], ids=["default", "nchw"])
-def test_the_batch_layout_reaches_every_convolution_and_trains_the_same_losses(runs, drawn_faces, tmp_path, flag,
-                                                                               nhwc):
+@pytest.mark.parametrize(
+    "flag,nhwc", [((), True), (("--channels_last", "false"), False)], ids=["default", "nchw"]
+)
+def test_the_batch_layout_reaches_every_convolution_and_trains_the_same_losses(
+    runs, drawn_faces, tmp_path, flag, nhwc
+):
     # channels-last by default; the same math in either memory order (gradients equal:
     # tests/test_backbones.py); over steps, this batch-8 BatchNorm network amplifies the last
     # bits (the DDP comparison's note): the first step's loss, before any update, is held to the
@@ -118,8 +123,22 @@ def test_diverging_run_never_saves_poisoned_weights_and_its_last_checkpoint_resu
     out = str(tmp_path / "nan")
     sane = ("--ema", "false", "--checkpoint_interval", "1", "--stop_after_steps", "2")
     assert train.main(argv(drawn_faces, out, *sane)) == 0
-    code = train.main(argv(drawn_faces, out, "--resume", "true", "--lr", "1e30", "--max_grad_norm", "0",
-                           "--checkpoint_interval", "1", "--ema", "false"))
+    code = train.main(
+        argv(
+            drawn_faces,
+            out,
+            "--resume",
+            "true",
+            "--lr",
+            "1e30",
+            "--max_grad_norm",
+            "0",
+            "--checkpoint_interval",
+            "1",
+            "--ema",
+            "false",
+        )
+    )
     assert code == 3
     log = open(os.path.join(out, "training.log")).read()
     assert "training diverged" in log
@@ -137,16 +156,38 @@ def test_exploding_weights_are_never_saved_though_finite(drawn_faces, tmp_path):
     normalised head still gives a finite loss, but no checkpoint may keep them (the rule in
     utils/divergence.py); every checkpoint left has the weights' scale of the start."""
     from checkpoint.folders import list_checkpoints
+
     out = str(tmp_path / "exploded")
     sane = ("--max_steps", "2", "--checkpoint_interval", "2", "--ema", "false")
     assert train.main(argv(drawn_faces, out, *sane)) == 0  # a checkpoint of the start's scale, at step 2
-    assert train.main(argv(drawn_faces, out, "--resume", "true", "--lr", "1e6", "--checkpoint_interval", "1",
-                           "--ema", "false")) == 3
+    assert (
+        train.main(
+            argv(
+                drawn_faces,
+                out,
+                "--resume",
+                "true",
+                "--lr",
+                "1e6",
+                "--checkpoint_interval",
+                "1",
+                "--ema",
+                "false",
+            )
+        )
+        == 3
+    )
     saved = list_checkpoints(out)
     assert [step for step, _ in saved] == [2], saved  # every later step exploded: none of them was kept
     for _, ckpt in saved:
-        norm = sum(float(v.double().norm()) ** 2 for k, v in checkpoint_tensors_plain(ckpt).items()
-                   if v.is_floating_point() and "running" not in k) ** 0.5
+        norm = (
+            sum(
+                float(v.double().norm()) ** 2
+                for k, v in checkpoint_tensors_plain(ckpt).items()
+                if v.is_floating_point() and "running" not in k
+            )
+            ** 0.5
+        )
         assert norm < 100, (ckpt, norm)  # 31 at start
     assert "exploded: the backbone's weight norm is" in open(os.path.join(out, "training.log")).read()
 
@@ -155,16 +196,19 @@ def test_embedding_norm_is_logged_and_its_growth_warned_of_once():
     """EmbeddingNormWatch: the mean norm of the added batches per report; one warning when it
     passes NORM_GROWTH_WARN times the first report's, naming the step and the factor."""
     from utils.divergence import NORM_GROWTH_WARN, EmbeddingNormWatch
+
     watch, calls = EmbeddingNormWatch(), []
 
     def report(step, scale):
         for _ in range(2):
-            watch.add(torch.full((4, 8), scale / 8 ** 0.5))  # rows of norm `scale`
+            watch.add(torch.full((4, 8), scale / 8**0.5))  # rows of norm `scale`
         calls.append(watch(step))
+
     steady = shardface_messages(lambda: [report(step, 3.0 * (1 + step / 10)) for step in (1, 2, 3)])
     assert steady == [] and calls == pytest.approx([3.3, 3.6, 3.9])  # a healthy drift: no warning
-    grown = shardface_messages(lambda: [report(step, 3.3 * NORM_GROWTH_WARN * f)
-                                        for step, f in ((4, 0.9), (5, 2), (6, 50))])
+    grown = shardface_messages(
+        lambda: [report(step, 3.3 * NORM_GROWTH_WARN * f) for step, f in ((4, 0.9), (5, 2), (6, 50))]
+    )
     assert len(grown) == 1 and "mean norm is 660 at step 5, 200 times its 3.3 at step 1" in grown[0], grown
     assert "lower lr" in grown[0]
     assert watch(7) is None  # nothing added since the last report
@@ -174,10 +218,11 @@ def test_a_batchnorm_ended_network_keeps_its_embedding_norm(runs):
     """train.py writes rank 0's embedding norm each logged step; the demo network ends in
     BatchNorm1d over 128 features, so its norm stays near sqrt(128) x the BN scale, no warning."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = EventAccumulator(os.path.join(runs["full"], "tensorboard"))
     events.Reload()
     norms = [e.value for e in events.Scalars("train/embedding_norm")]
-    assert len(norms) == STEPS and all(0.5 < v / 128 ** 0.5 < 2 for v in norms), norms
+    assert len(norms) == STEPS and all(0.5 < v / 128**0.5 < 2 for v in norms), norms
     assert "mean norm" not in open(os.path.join(runs["full"], "training.log")).read()
 
 
@@ -199,6 +244,7 @@ def test_corrupt_checkpoint_is_a_clear_error(drawn_faces, tmp_path, runs):
 def test_images_skipped_on_every_rank_are_reported(tmp_path):
     from dataset.pack import write_insightface_rec
     from tests.tool_files import jpeg
+
     data = str(tmp_path / "with_bad")
     ids = [[jpeg((16 * c, 100, 200 - 8 * c)) for _ in range(8)] for c in range(16)]
     for c in (2, 7, 11):  # one undecodable image in three identities, never neighbours

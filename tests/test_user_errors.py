@@ -1,6 +1,7 @@
 """A config, data or checkpoint error reaches the user as one line, `error: <message>`, printed
 once per job (one process or a torchrun job), with exit code 2 and no traceback unless
 SHARDFACE_DEBUG=1; its message says how to fix it."""
+
 import datetime
 import io
 import os
@@ -28,19 +29,33 @@ def _cases(data, out):
     """(train.py arguments, error type, fragments the message must hold) per kind of user error."""
     return {
         "unknown_key": (train_argv(data, out, "--batch_szie", "8"), ConfigError, ["batch_szie"]),
-        "batch_size_1": (train_argv(data, out, "--batch_size", "1"), ConfigError, ["batch_size", "BatchNorm"]),
+        "batch_size_1": (
+            train_argv(data, out, "--batch_size", "1"),
+            ConfigError,
+            ["batch_size", "BatchNorm"],
+        ),
         "missing_rec": (train_argv(out + "_nowhere", out), DataError, [out + "_nowhere"]),
-        "resume_true_fresh_output": (train_argv(data, out, "--resume", "true"), CheckpointError, ["--resume auto"]),
-        "missing_val_bin": (train_argv(data, out, "--val_targets", "['lfw']", "--verbose", "4"), DataError,
-                            ["lfw.bin", "--val_targets '[]'", "--val_dir"]),
+        "resume_true_fresh_output": (
+            train_argv(data, out, "--resume", "true"),
+            CheckpointError,
+            ["--resume auto"],
+        ),
+        "missing_val_bin": (
+            train_argv(data, out, "--val_targets", "['lfw']", "--verbose", "4"),
+            DataError,
+            ["lfw.bin", "--val_targets '[]'", "--val_dir"],
+        ),
     }
 
 
-@pytest.mark.parametrize("case", ["unknown_key", "batch_size_1", "missing_rec", "resume_true_fresh_output",
-                                  "missing_val_bin"])
-def test_user_error_prints_one_line_and_exits_2_without_config_dump(drawn_faces, tmp_path, monkeypatch, capsys,
-                                                                     case):
+@pytest.mark.parametrize(
+    "case", ["unknown_key", "batch_size_1", "missing_rec", "resume_true_fresh_output", "missing_val_bin"]
+)
+def test_user_error_prints_one_line_and_exits_2_without_config_dump(
+    drawn_faces, tmp_path, monkeypatch, capsys, case
+):
     import train
+
     argv, kind, fragments = _cases(drawn_faces, str(tmp_path / "run"))[case]
     monkeypatch.setattr(sys, "argv", ["train.py", *argv])
     monkeypatch.delenv("SHARDFACE_DEBUG", raising=False)
@@ -59,8 +74,14 @@ def test_user_error_prints_one_line_and_exits_2_without_config_dump(drawn_faces,
 
 def test_user_error_from_the_command_line_has_no_traceback(drawn_faces, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "SHARDFACE_DEBUG"}
-    proc = subprocess.run([sys.executable, "train.py", *train_argv(drawn_faces, str(tmp_path / "run"), "--lr", "x")],
-                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "train.py", *train_argv(drawn_faces, str(tmp_path / "run"), "--lr", "x")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stdout == "" and "Traceback" not in proc.stderr
     assert _error_lines(proc.stderr) == ["error: --lr: could not convert string to float: 'x'"]
@@ -74,19 +95,35 @@ def test_user_error_under_torchrun_is_printed_once(drawn_faces, tmp_path, case):
     argv, _, fragments = _cases(drawn_faces, str(tmp_path / "run"))[case]
     env = {k: v for k, v in os.environ.items() if k != "SHARDFACE_DEBUG"}
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "train.py", *argv], cwd=ROOT, capture_output=True, text=True, env=env, timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "train.py",
+            *argv,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     text = proc.stdout + proc.stderr
     lines = _error_lines(text)
     assert len(lines) == 1 and all(f in lines[0] for f in fragments), text
     assert "exitcode  : 2" in text  # the rank's own exit code, in torchrun's summary
     assert proc.returncode == 1  # torchrun's, for any failed worker
     # the one traceback is torchrun's own (ChildFailedError): no frame of ours
-    assert text.count("Traceback (most recent call last)") <= 1 and "train.py\", line" not in text
+    assert text.count("Traceback (most recent call last)") <= 1 and 'train.py", line' not in text
 
 
 def test_dataloader_worker_error_is_reported_by_its_own_message():
     from torch._utils import ExceptionWrapper
+
     try:
         raise DataError("/data/train.rec: record 40 has a bad magic word")
     except DataError:
@@ -106,8 +143,9 @@ def test_config_data_and_checkpoint_errors_are_user_errors_and_keep_their_builti
 @pytest.fixture
 def job_store():
     port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=10))
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10)
+    )
     yield store, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
 
 
@@ -128,6 +166,7 @@ def test_a_rank_prints_the_error_rank_0_did_not_report(job_store):
 
 def test_a_rank_failing_after_a_peer_reported_a_user_error_exits_2_quietly(job_store, monkeypatch, capsys):
     from parallel.user_errors import exits_on_user_error
+
     _, env = job_store
     for key, value in dict(env, RANK="1").items():
         monkeypatch.setenv(key, value)

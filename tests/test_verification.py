@@ -1,4 +1,5 @@
 """Verification protocol, .bin loading (py3 and py2 pickles) and the flip test."""
+
 import io
 import pickle
 import pickletools
@@ -19,7 +20,8 @@ def _pairs(n_pairs, bad_same):
     emb, issame = [], []
     for i in range(n_pairs):
         same = i % 2 == 0
-        a = np.zeros(4); a[0] = 1
+        a = np.zeros(4)
+        a[0] = 1
         b = a.copy() if same and i // 2 >= bad_same else np.eye(4)[1]
         emb += [a, b]
         issame.append(same)
@@ -91,6 +93,7 @@ def test_flip_test_sums_mirror_embeddings_and_is_batch_size_independent(tmp_path
         arr = rng.integers(0, 255, (112, 112, 3), dtype=np.uint8)
         buf = io.BytesIO()
         from PIL import Image
+
         Image.fromarray(arr).save(buf, format="PNG")
         images.append(buf.getvalue())
     path = tmp_path / "v.bin"
@@ -101,7 +104,9 @@ def test_flip_test_sums_mirror_embeddings_and_is_batch_size_independent(tmp_path
     b = verification.test(data, model, batch_size=64, nfolds=10)
     fields = ("accuracy", "std", "accuracy_flip", "std_flip", "xnorm")
     assert [getattr(a, f) for f in fields] == pytest.approx([getattr(b, f) for f in fields])
-    np.testing.assert_allclose(a.embeddings_flip, embed(torch.flip(data[0][0], dims=[3]), model, 64), rtol=1e-6)
+    np.testing.assert_allclose(
+        a.embeddings_flip, embed(torch.flip(data[0][0], dims=[3]), model, 64), rtol=1e-6
+    )
     summed = a.embeddings + a.embeddings_flip
     summed /= np.linalg.norm(summed, axis=1, keepdims=True)
     assert a.accuracy_flip == pytest.approx(evaluate(summed, data[1])[2].mean())
@@ -115,6 +120,7 @@ class _RunsCode:
 
     def __reduce__(self):
         import os
+
         return os.system, (f"touch {self.marker}",)
 
 
@@ -122,17 +128,22 @@ def test_crafted_bin_cannot_run_code(tmp_path):
     marker = tmp_path / "ran"
     path = tmp_path / "evil.bin"
     path.write_bytes(pickle.dumps(([_RunsCode(marker)], [True])))
-    with pytest.raises(VerificationDataError, match=r"evil\.bin: .*refusing to load global '(posix|os)\.system'"):
+    with pytest.raises(
+        VerificationDataError, match=r"evil\.bin: .*refusing to load global '(posix|os)\.system'"
+    ):
         load_bin(str(path))
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("content,message", [
-    (7, "expected a pickled \\(bins, issame_list\\) pair, got int"),
-    ({"bins": [], "issame": []}, "expected a pickled .* pair, got dict"),
-    (([b"x", 3], [True]), "image 1 is a int"),
-    (([b"x", b"y"], ["yes"]), "issame entry 0 is 'yes', not a bool"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (7, "expected a pickled \\(bins, issame_list\\) pair, got int"),
+        ({"bins": [], "issame": []}, "expected a pickled .* pair, got dict"),
+        (([b"x", 3], [True]), "image 1 is a int"),
+        (([b"x", b"y"], ["yes"]), "issame entry 0 is 'yes', not a bool"),
+    ],
+)
 def test_wrong_bin_structures_are_named(tmp_path, content, message):
     path = tmp_path / "wrong.bin"
     path.write_bytes(pickle.dumps(content))
@@ -186,24 +197,39 @@ def test_bin_of_protocol5_numpy_arrays_from_build_eval_pack_loads_as_its_bytes(t
     write_bin(str(tmp_path / "ours.bin"), images, [False, True])  # the same images as bytes
     (data, flipped), issame = load_bin(str(path))
     (want, _), _ = load_bin(str(tmp_path / "ours.bin"))
-    assert issame == [False, True] and torch.equal(data, want) and torch.equal(flipped, torch.flip(want, dims=[3]))
+    assert (
+        issame == [False, True]
+        and torch.equal(data, want)
+        and torch.equal(flipped, torch.flip(want, dims=[3]))
+    )
 
 
-@pytest.mark.parametrize("damage,message", [
-    (lambda d: _renamed(d, "_frombuffer", "frombuffer"),
-     r"refusing to load global 'numpy\._core\.numeric\.frombuffer'"),
-    (lambda d: _renamed(_renamed(d, "numpy._core.numeric", "builtins"), "_frombuffer", "eval"),
-     r"refusing to load global 'builtins\.eval'"),
-    (lambda d: _renamed(_renamed(d, "numpy._core.numeric", "numpy"), "_frombuffer", "load"),
-     r"refusing to load global 'numpy\.load'"),
-    (lambda d: _renamed(d, "u1", "O8"), r"an array of dtype dtype\('O'\): only plain numeric arrays"),
-    (lambda d: _renamed(d, "u1", "u2"), r"an array of shape \(6, 1\) and dtype uint16 in 6 bytes"),
-])
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (
+            lambda d: _renamed(d, "_frombuffer", "frombuffer"),
+            r"refusing to load global 'numpy\._core\.numeric\.frombuffer'",
+        ),
+        (
+            lambda d: _renamed(_renamed(d, "numpy._core.numeric", "builtins"), "_frombuffer", "eval"),
+            r"refusing to load global 'builtins\.eval'",
+        ),
+        (
+            lambda d: _renamed(_renamed(d, "numpy._core.numeric", "numpy"), "_frombuffer", "load"),
+            r"refusing to load global 'numpy\.load'",
+        ),
+        (lambda d: _renamed(d, "u1", "O8"), r"an array of dtype dtype\('O'\): only plain numeric arrays"),
+        (lambda d: _renamed(d, "u1", "u2"), r"an array of shape \(6, 1\) and dtype uint16 in 6 bytes"),
+    ],
+)
 def test_bin_with_any_other_global_or_array_form_is_still_refused(tmp_path, damage, message):
     """Only the two `_frombuffer` names are taken, and rebuilt from checked arguments: every other
     global (numpy's own loaders included) is refused, and so is an object array."""
     data = _protocol5_bin([b"\x00\x01\x02\x03\x04\x05"], [True], 2)
     path = tmp_path / "odd.bin"
     path.write_bytes(damage(data))
-    with pytest.raises(VerificationDataError, match=r"odd\.bin: not a \(bins, issame_list\) pickle \(" + message):
+    with pytest.raises(
+        VerificationDataError, match=r"odd\.bin: not a \(bins, issame_list\) pickle \(" + message
+    ):
         load_bin(str(path))

@@ -11,6 +11,7 @@ bias), BatchNorm1d eps 2e-5. In training only: tokens masked at random (kept: in
 and refilled after the final norm with `mask_token`; stochastic depth rates rising linearly
 from 0 at block 0 to drop_path_rate at the last block.
 """
+
 import math
 
 import pytest
@@ -51,8 +52,12 @@ def _randomise_norms(model: torch.nn.Module) -> None:
                 t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype) * 0.2)
             elif name.endswith("running_var"):
                 t.copy_(torch.rand(t.shape, generator=g, dtype=t.dtype) + 0.5)
-            elif (name.startswith("norm") or ".norm" in name or name.startswith("feature.1")
-                  or name.startswith("feature.3")) and name.endswith(".weight"):
+            elif (
+                name.startswith("norm")
+                or ".norm" in name
+                or name.startswith("feature.1")
+                or name.startswith("feature.3")
+            ) and name.endswith(".weight"):
                 t.copy_(1 + torch.randn(t.shape, generator=g, dtype=t.dtype) * 0.2)
 
 
@@ -63,25 +68,34 @@ def _layer_norm(x, sd, prefix, eps=1e-5):
 
 
 def _batch_norm_eval(x, sd, prefix, eps=2e-5):
-    return ((x - sd[prefix + ".running_mean"]) / torch.sqrt(sd[prefix + ".running_var"] + eps)
-            * sd[prefix + ".weight"] + sd[prefix + ".bias"])
+    return (x - sd[prefix + ".running_mean"]) / torch.sqrt(sd[prefix + ".running_var"] + eps) * sd[
+        prefix + ".weight"
+    ] + sd[prefix + ".bias"]
 
 
-def reference_forward(sd: dict, images: torch.Tensor, heads: int = 8, seen: dict | None = None) -> torch.Tensor:
+def reference_forward(
+    sd: dict, images: torch.Tensor, heads: int = 8, seen: dict | None = None
+) -> torch.Tensor:
     """The eval-mode ViT, step by step from the state dict (the format in the module docstring)."""
     n = images.shape[0]
     dim, _, p, _ = sd["patch_embed.proj.weight"].shape
     grid = images.shape[-1] // p
     # patches as (channel, row, column) vectors, row-major over the grid
     patches = images.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5).reshape(n, grid * grid, -1)
-    x = patches @ sd["patch_embed.proj.weight"].reshape(dim, -1).T + sd["patch_embed.proj.bias"] + sd["pos_embed"]
+    x = (
+        patches @ sd["patch_embed.proj.weight"].reshape(dim, -1).T
+        + sd["patch_embed.proj.bias"]
+        + sd["pos_embed"]
+    )
     depth = len({k.split(".")[1] for k in sd if k.startswith("blocks.")})
     d_head = dim // heads
     for i in range(depth):
         b = f"blocks.{i}."
         h = _layer_norm(x, sd, b + "norm1")
         qkv = h @ sd[b + "attn.qkv.weight"].T
-        q, k, v = (qkv[..., j * dim:(j + 1) * dim].reshape(n, -1, heads, d_head).transpose(1, 2) for j in range(3))
+        q, k, v = (
+            qkv[..., j * dim : (j + 1) * dim].reshape(n, -1, heads, d_head).transpose(1, 2) for j in range(3)
+        )
         weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d_head), dim=-1)
         attended = (weights @ v).transpose(1, 2).reshape(n, -1, dim)
         x = x + attended @ sd[b + "attn.proj.weight"].T + sd[b + "attn.proj.bias"]
@@ -221,11 +235,16 @@ def test_checkpointed_training_gives_identical_outputs_and_gradients_with_fewer_
         def pack(t, count=count):
             count[0] += t.numel()
             return t
+
         torch.manual_seed(1)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(images)
         out.square().sum().backward()
-        runs[ckpt] = (out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, count[0])
+        runs[ckpt] = (
+            out.detach(),
+            {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+            count[0],
+        )
     torch.testing.assert_close(runs[True][0], runs[False][0])
     assert runs[True][1].keys() == runs[False][1].keys()
     for name, grad in runs[False][1].items():
@@ -248,6 +267,7 @@ def test_bf16_trunk_keeps_attention_scores_in_fp32_and_fp32_output(monkeypatch):
         out = original(q, k, v, *a, **kw)
         dtypes.append((q.dtype, out.dtype))
         return out
+
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     with torch.no_grad():
         out = model(torch.randn(2, 3, 112, 112))

@@ -1,4 +1,5 @@
 """using_wandb with the real wandb, offline: the config, loss, lr, samples/s and verification are logged."""
+
 import glob
 import json
 import os
@@ -22,8 +23,8 @@ def _records(path):
         if block - pos % block < 7:
             pos += block - pos % block
             continue
-        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
-        parts += data[pos + 7:pos + 7 + length]
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        parts += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             yield parts
@@ -42,8 +43,12 @@ def _read_offline_run(wandb_dir):
         record.ParseFromString(data)
         kind = record.WhichOneof("record_type")
         if kind == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item})
+            rows.append(
+                {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                    for item in record.history.item
+                }
+            )
         elif kind in ("config", "run"):  # the config comes with the run record, later changes as config
             update = record.config.update if kind == "config" else record.run.config.update
             config.update({item.key: json.loads(item.value_json) for item in update})
@@ -58,9 +63,26 @@ def test_wandb_offline_run_logs_config_loss_lr_rate_and_verification(drawn_faces
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = str(tmp_path / "run")
-    args = train_argv(drawn_faces, out, "--using_wandb", "true", "--suffix_run_name", "trial",
-                      "--save_artifacts", "true", "--val_targets", "['drawn_faces_val']", "--verbose", "6",
-                      "--max_steps", "6", "--ema", "false", "--dali", "true")
+    args = train_argv(
+        drawn_faces,
+        out,
+        "--using_wandb",
+        "true",
+        "--suffix_run_name",
+        "trial",
+        "--save_artifacts",
+        "true",
+        "--val_targets",
+        "['drawn_faces_val']",
+        "--verbose",
+        "6",
+        "--max_steps",
+        "6",
+        "--ema",
+        "false",
+        "--dali",
+        "true",
+    )
     assert train.main(args) == 0
     rows, config, artifacts = _read_offline_run(str(tmp_path))
     logged_loss = [r["train/loss"] for r in rows if "train/loss" in r]
@@ -82,7 +104,9 @@ def test_wandb_runs_on_rank_0_or_every_rank_with_wandb_log_all(monkeypatch):
 
     started = []
     monkeypatch.setattr(wandb, "init", lambda **kw: started.append(kw) or "run")
-    cfg = get_config("configs/demo", ["--using_wandb", "true", "--suffix_run_name", "x", "--wandb_resume", "true"])
+    cfg = get_config(
+        "configs/demo", ["--using_wandb", "true", "--suffix_run_name", "x", "--wandb_resume", "true"]
+    )
     assert start_wandb(cfg, 1) is None and started == []
     assert start_wandb(cfg, 0) == "run"
     assert started[0]["name"].endswith("_GPU0_x") and started[0]["resume"] is True

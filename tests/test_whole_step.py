@@ -2,6 +2,7 @@
 halves where a snapshot of insightface's recognition/arcface_torch is at hand, named by the
 ARCFACE_TORCH environment variable (CI has no internet, so without it that test skips, saying
 so). Nothing here is timed: the figures of a smoke run mean nothing."""
+
 import os
 import re
 import subprocess
@@ -17,8 +18,14 @@ ROW = r"^\s*{}\s+mbf\s+64\s+2\s+fp32\s+(\d+)\s+(\d+\.\d+)\s+(\S+)\s*$"
 
 
 def _smoke(kind: str, *extra: str) -> str:
-    done = subprocess.run([sys.executable, "benchmarks/whole_step.py", "--smoke", *extra], cwd=ROOT,
-                          env=env_for(kind), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "benchmarks/whole_step.py", "--smoke", *extra],
+        cwd=ROOT,
+        env=env_for(kind),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
@@ -31,8 +38,11 @@ def test_our_half_runs_train_py_step_without_a_snapshot(kind):
     assert "arcface_torch: not run (no --arcface_torch DIR)" in out, out
 
 
-@pytest.mark.skipif(not os.path.isdir(SNAPSHOT), reason="no arcface_torch snapshot: set ARCFACE_TORCH to a copy of "
-                    "insightface's recognition/arcface_torch (docs/gpus.md says how to make one)")
+@pytest.mark.skipif(
+    not os.path.isdir(SNAPSHOT),
+    reason="no arcface_torch snapshot: set ARCFACE_TORCH to a copy of "
+    "insightface's recognition/arcface_torch (docs/gpus.md says how to make one)",
+)
 @pytest.mark.parametrize("kind", [CUDA, "cpu"])
 def test_both_halves_run_from_the_snapshot_and_start_from_the_same_weights(kind):
     """arcface_torch's own backbone, PartialFC_V2 and margin, imported from the snapshot, load our
@@ -42,9 +52,14 @@ def test_both_halves_run_from_the_snapshot_and_start_from_the_same_weights(kind)
     for name in ("ShardFace", "arcface_torch"):
         row = re.search(ROW.format(name), out, re.M)
         assert row and int(row[1]) > 0 and float(row[2]) > 0, out
-    assert re.search(r"ours / arcface_torch: samples/s \d+\.\d+x, peak memory (n/a|\d+\.\d+x); initial weights: ours "
-                     r"\(backbone and head\)", out), out
-    losses = re.findall(r"^\s*(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+\S+\s*$", out.split("first steps' losses")[1], re.M)
+    assert re.search(
+        r"ours / arcface_torch: samples/s \d+\.\d+x, peak memory (n/a|\d+\.\d+x); initial weights: ours "
+        r"\(backbone and head\)",
+        out,
+    ), out
+    losses = re.findall(
+        r"^\s*(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+\S+\s*$", out.split("first steps' losses")[1], re.M
+    )
     assert [int(s) for s, _, _ in losses] == [1, 2], out
     first_ours, first_theirs = float(losses[0][1]), float(losses[0][2])
     assert abs(first_ours - first_theirs) <= 1e-4 * first_theirs + 1e-4, out
@@ -57,7 +72,12 @@ def test_a_directory_that_is_not_an_arcface_torch_snapshot_is_refused_by_name(tm
     finally:
         sys.path.remove(os.path.join(ROOT, "benchmarks"))
     (tmp_path / "losses.py").write_text("")
-    with pytest.raises(SystemExit, match=re.escape(f"--arcface_torch {tmp_path}: not a snapshot of insightface's "
-                                                   "recognition/arcface_torch (no backbones/__init__.py, "
-                                                   "partial_fc_v2.py, lr_scheduler.py)")):
+    with pytest.raises(
+        SystemExit,
+        match=re.escape(
+            f"--arcface_torch {tmp_path}: not a snapshot of insightface's "
+            "recognition/arcface_torch (no backbones/__init__.py, "
+            "partial_fc_v2.py, lr_scheduler.py)"
+        ),
+    ):
         load_arcface_torch(str(tmp_path))

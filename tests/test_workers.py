@@ -3,6 +3,7 @@ ends at once and leaves no process; closing it stops busy workers; workers are f
 a process that runs no other thread; a TMPDIR that cannot hold the forkserver's socket and a
 read-only /tmp fall back with one line; the count is capped at the cores; Ctrl-C in a tool is
 one line. Kept light at the top (no torch): the forkserver's workers import this module."""
+
 import functools
 import logging
 import multiprocessing
@@ -60,13 +61,23 @@ def test_a_worker_killed_from_outside_is_named_by_its_item_not_by_the_other_work
     terminated too; no worker is left."""
     needs_two_cores()
     pids = str(tmp_path)
-    killer = subprocess.Popen(["sh", "-c", f"while [ ! -s {pids}/3 ]; do sleep 0.01; done; kill -KILL $(cat {pids}/3)"])
+    killer = subprocess.Popen(
+        ["sh", "-c", f"while [ ! -s {pids}/3 ]; do sleep 0.01; done; kill -KILL $(cat {pids}/3)"]
+    )
     got = []
     try:
-        with pytest.raises(WorkerDied, match=r"^item 3: the worker process on this item was killed by SIGKILL "
-                                             r"\(the out-of-memory killer sends it\)$"):
-            for r in map_photos(functools.partial(_note_pid_then, folder=pids, long=(2, 3)), range(8), 2,
-                                what="item", name=lambda i: f"item {i}"):
+        with pytest.raises(
+            WorkerDied,
+            match=r"^item 3: the worker process on this item was killed by SIGKILL "
+            r"\(the out-of-memory killer sends it\)$",
+        ):
+            for r in map_photos(
+                functools.partial(_note_pid_then, folder=pids, long=(2, 3)),
+                range(8),
+                2,
+                what="item",
+                name=lambda i: f"item {i}",
+            ):
                 got.append(r)
     finally:
         killer.kill()
@@ -129,7 +140,9 @@ def test_the_worker_count_is_capped_at_the_cores_and_the_cap_said_once(caplog):
                 most = max(most, len(multiprocessing.active_children()))
     assert 0 < most <= cores or cores == 1
     said = [r.getMessage() for r in caplog.records if "worker processes asked for" in r.getMessage()]
-    assert said == [f"{cores + 2} worker processes asked for; this process may use {cores} cores: {cores} started"]
+    assert said == [
+        f"{cores + 2} worker processes asked for; this process may use {cores} cores: {cores} started"
+    ]
 
 
 def _parent_pid(item):
@@ -138,8 +151,14 @@ def _parent_pid(item):
 
 def _run(script: str, env=None) -> subprocess.CompletedProcess:
     """`python -c script` in a fresh process, from the repository."""
-    return subprocess.run([sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO, **(env or {})},
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 FORKED = """
@@ -203,26 +222,43 @@ def test_no_writable_temporary_directory_falls_back_in_one_line(tmp_path):
     """TMPDIR missing, /tmp and /var/tmp mounted read-only in a mount namespace of their own, the
     working directory /proc: tempfile finds nowhere to write."""
     needs_two_cores()
-    hidden = [p for p in (REPO, sys.prefix, sys.executable) if os.path.realpath(p).startswith(("/tmp/", "/var/tmp/"))]
+    hidden = [
+        p
+        for p in (REPO, sys.prefix, sys.executable)
+        if os.path.realpath(p).startswith(("/tmp/", "/var/tmp/"))
+    ]
     if hidden:  # the read-only mounts over /tmp and /var/tmp would hide them from the child
         pytest.skip(f"the repository or its python lies under /tmp or /var/tmp ({hidden[0]})")
     mounts = ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o ro tmpfs /tmp"]
     if shutil.which("unshare") is None or subprocess.run(mounts, capture_output=True).returncode != 0:
         pytest.skip("needs unshare -m and mount (root in a mount namespace)")
-    done = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o ro tmpfs /tmp && mount -t tmpfs -o ro tmpfs "
-                           f'/var/tmp && cd /proc && exec {sys.executable} -c "$SCRIPT"'],
-                          env={**os.environ, "PYTHONPATH": REPO, "TMPDIR": str(tmp_path / "missing"),
-                               "SCRIPT": THREADED_MAP}, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            "mount -t tmpfs -o ro tmpfs /tmp && mount -t tmpfs -o ro tmpfs "
+            f'/var/tmp && cd /proc && exec {sys.executable} -c "$SCRIPT"',
+        ],
+        env={**os.environ, "PYTHONPATH": REPO, "TMPDIR": str(tmp_path / "missing"), "SCRIPT": THREADED_MAP},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "[5, 4, 3, 2, 1]\n"
     [line] = done.stderr.splitlines()
-    assert line.startswith("worker processes are spawned") and line.endswith("no writable temporary directory")
+    assert line.startswith("worker processes are spawned") and line.endswith(
+        "no writable temporary directory"
+    )
 
 
 def _faces(root, count: int) -> str:
     """`count` photos of a face (scikit-image's astronaut, turned a little) in the folder `root`."""
     from PIL import Image
     from skimage import data
+
     head = Image.fromarray(data.astronaut()).crop((120, 20, 320, 240))
     for i in range(count):
         head.rotate(i % 7, fillcolor=(90, 90, 90)).save(root / f"h{i:02d}.png")
@@ -235,17 +271,24 @@ def many_photos(tmp_path_factory) -> str:
     return _faces(tmp_path_factory.mktemp("many"), 80)
 
 
-def test_worker_counts_below_one_are_refused_and_1000_capped_at_the_photos_and_the_cores(tmp_path, monkeypatch,
-                                                                                          capsys):
+def test_worker_counts_below_one_are_refused_and_1000_capped_at_the_photos_and_the_cores(
+    tmp_path, monkeypatch, capsys
+):
     from scripts.align import main as align_tool
+
     os.makedirs(tmp_path / "photos")
     src, dst = _faces(tmp_path / "photos", 3), str(tmp_path / "crops")
     for bad in ("0", "-1"):
         assert align_tool([src, dst, "--workers", bad]) == 2
-        assert capsys.readouterr().err.splitlines() == [f"error: --workers {bad}: at least 1 (1 runs in this process)"]
+        assert capsys.readouterr().err.splitlines() == [
+            f"error: --workers {bad}: at least 1 (1 runs in this process)"
+        ]
     started, real = [], faces.workers._pooled
-    monkeypatch.setattr(faces.workers, "_pooled", lambda fn, items, workers, *args: started.append(workers) or real(
-        fn, items, workers, *args))
+    monkeypatch.setattr(
+        faces.workers,
+        "_pooled",
+        lambda fn, items, workers, *args: started.append(workers) or real(fn, items, workers, *args),
+    )
     assert align_tool([src, dst, "--workers", "1000"]) == 0
     assert started == ([min(3, default_workers())] if default_workers() > 1 else [])
     assert len(os.listdir(dst)) == 4  # three crops and the report
@@ -271,9 +314,14 @@ def test_ctrl_c_during_a_worker_run_is_one_line_and_leaves_no_process_and_no_out
     # the tool starts with Ctrl-C's default disposition, as from a shell, whatever this process's is
     # (a SIGINT ignored here would be inherited: the tool could not be stopped, and the test would
     # be of this process's state, not of the tool)
-    tool = subprocess.Popen([sys.executable, "-m", "scripts.align", many_photos, str(dst), "--workers", "2"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    tool = subprocess.Popen(
+        [sys.executable, "-m", "scripts.align", many_photos, str(dst), "--workers", "2"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     said = b""
     try:
         while b"aligning" not in said:  # the first result is in: the workers run
@@ -311,8 +359,9 @@ if __name__ == "__main__":
 def test_workers_end_with_a_parent_killed_by_sigkill(tmp_path):
     """The out-of-memory killer may choose the parent: its workers, busy or idle, do not stay."""
     needs_two_cores()
-    parent = subprocess.Popen([sys.executable, "-c", ORPHANED, str(tmp_path)], cwd=REPO,
-                              env={**os.environ, "PYTHONPATH": REPO})
+    parent = subprocess.Popen(
+        [sys.executable, "-c", ORPHANED, str(tmp_path)], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}
+    )
     workers = [_pid_of(tmp_path, 0), _pid_of(tmp_path, 1)]
     parent.kill()
     parent.wait(10)

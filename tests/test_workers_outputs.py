@@ -30,6 +30,7 @@ def pools(monkeypatch) -> list[int]:
     def counting(fn, items, workers, *args):
         started.append(workers)
         return real(fn, items, workers, *args)
+
     monkeypatch.setattr(faces.workers, "_pooled", counting)
     return started
 
@@ -52,16 +53,32 @@ def test_make_bin_align_writes_the_same_bin_with_one_and_two_workers(photos, tmp
 def test_make_bin_align_of_a_pair_list_is_the_same_with_one_and_two_workers(photos, tmp_path, capsys, pools):
     """The list names the wall (no face: a fallback crop) and the photo holding two faces."""
     listing = tmp_path / "pairs.txt"
-    listing.write_text("p/h0.png p/h1.png 1\np/two.png q/wall.png 0\nq/m0.jpg q/m1.jpg 1\np/h2.png q/a.jpg 0\n"
-                       "p/h1.png p/h2.png 1\nq/a.jpg q/m0.jpg 0\np/h0.png p/two.png 1\nq/a.png q/wall.png 0\n"
-                       "q/a.jpg q/a.png 1\np/h0.png q/m1.jpg 0\n")
+    listing.write_text(
+        "p/h0.png p/h1.png 1\np/two.png q/wall.png 0\nq/m0.jpg q/m1.jpg 1\np/h2.png q/a.jpg 0\n"
+        "p/h1.png p/h2.png 1\nq/a.jpg q/m0.jpg 0\np/h0.png p/two.png 1\nq/a.png q/wall.png 0\n"
+        "q/a.jpg q/a.png 1\np/h0.png q/m1.jpg 0\n"
+    )
     out = {}
     for workers in ("1", "2"):
         dst = str(tmp_path / f"w{workers}.bin")
         cache = str(tmp_path / f"cache{workers}")  # each run detects afresh
         os.makedirs(cache)
-        assert make_bin([photos, dst, "--align", "--pairs_list", str(listing), "--workers", workers,
-                         "--cache_dir", cache]) == 0
+        assert (
+            make_bin(
+                [
+                    photos,
+                    dst,
+                    "--align",
+                    "--pairs_list",
+                    str(listing),
+                    "--workers",
+                    workers,
+                    "--cache_dir",
+                    cache,
+                ]
+            )
+            == 0
+        )
         said = capsys.readouterr().out.replace(dst, "OUT").replace(cache, "CACHE")
         out[workers] = (_bytes(dst), said)
     assert out["1"] == out["2"]
@@ -74,8 +91,11 @@ def test_embed_align_writes_the_same_arrays_and_listing_with_one_and_two_workers
     out = {}
     for workers in ("1", "2"):
         dst = str(tmp_path / f"w{workers}.npy")
-        assert embed_tool([model, photos, "--out", dst, "--align", "--workers", workers, "--batch_size", "2"]) == 0
-        out[workers] = (_bytes(dst), _bytes(dst[:-len(".npy")] + ".txt"))
+        assert (
+            embed_tool([model, photos, "--out", dst, "--align", "--workers", workers, "--batch_size", "2"])
+            == 0
+        )
+        out[workers] = (_bytes(dst), _bytes(dst[: -len(".npy")] + ".txt"))
     assert out["1"] == out["2"]
     assert pools and set(pools) == {2}  # the second run did use two processes
     assert len(np.load(str(tmp_path / "w1.npy"))) >= 7  # every photo with a face, both faces of two.png

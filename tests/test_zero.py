@@ -1,4 +1,5 @@
 """ZeRO-2 on W ranks equals the plain torch optimizer on one process with the global batch."""
+
 import pytest
 import torch
 from torch import nn
@@ -11,7 +12,7 @@ from tests.distributed import run_distributed
 from tests.tiny_net import GLOBAL_BATCH, TINY_BUCKET_MB, TwoDtypeNet, mse_loss, step_batch
 
 STEPS = 6
-TINY_CHUNK_MB = 25 * 4 / 2**20   # the optimizer steps each shard in chunks of 25 elements
+TINY_CHUNK_MB = 25 * 4 / 2**20  # the optimizer steps each shard in chunks of 25 elements
 
 
 OPTIMIZERS = {
@@ -35,18 +36,21 @@ def _reference(opt_name, clip, steps=STEPS):
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
-def _zero_train(rank, world_size, opt_name, clip, exchange="auto", steps=STEPS, model=None, opt=None, first=0):
+def _zero_train(
+    rank, world_size, opt_name, clip, exchange="auto", steps=STEPS, model=None, opt=None, first=0
+):
     if model is None:
         model = TwoDtypeNet()
         cls, kw = OPTIMIZERS[opt_name]
-        opt = Zero2Optimizer(model, cls, bucket_cap_mb=TINY_BUCKET_MB, step_chunk_mb=TINY_CHUNK_MB,
-                             exchange=exchange, **kw)
+        opt = Zero2Optimizer(
+            model, cls, bucket_cap_mb=TINY_BUCKET_MB, step_chunk_mb=TINY_CHUNK_MB, exchange=exchange, **kw
+        )
         assert len(opt.groups[0].chunks) > 1
     b = GLOBAL_BATCH // world_size
     norms = []
     for step in range(first, first + steps):
         x, y = step_batch(step)
-        mse_loss(model, x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
+        mse_loss(model, x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]).backward()
         if opt.exchange != "collective":  # gradients were copied into buckets and freed
             assert all(p.grad is None for p in model.parameters())
         else:  # views of the bucket buffer, zeroed once reduced
@@ -87,7 +91,7 @@ def _accumulation_worker(rank, world_size):
     b = GLOBAL_BATCH // world_size
     for step in range(3):
         x, y = step_batch(step)
-        x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+        x, y = x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
         for half in (slice(0, b // 2), slice(b // 2, b)):
             (mse_loss(model, x[half], y[half]) / 2).backward()
         opt.step()
@@ -101,7 +105,8 @@ def test_gradient_accumulation_over_micro_batches_equals_the_full_batch():
     for step in range(3):
         x, y = step_batch(step)
         mse_loss(ref_model, x, y).backward()
-        opt.step(); opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
     for params in run_distributed(_accumulation_worker, 2):
         for name, p in ref_model.named_parameters():
             torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6)
@@ -109,8 +114,9 @@ def test_gradient_accumulation_over_micro_batches_equals_the_full_batch():
 
 def test_layout_straddles_shard_borders():
     from parallel import build_layouts
+
     layouts = build_layouts(TwoDtypeNet(), 3, 1)
-    fp32 = next(l for l in layouts if l.dtype == torch.float32)
+    fp32 = next(layout for layout in layouts if layout.dtype == torch.float32)
     assert fp32.numel % (3 * 16) == 0
     partial = [s for s in fp32.slots if 0 < sum(p.global_range.size for p in s.owned) < s.global_range.size]
     assert partial, "some parameter must be split between ranks"
@@ -121,8 +127,15 @@ def _resume_worker(rank, world_size, path, phase):
     # the state is chunk-independent: saved from 25-element chunks, loaded whole at W=1
     # and exchange-independent: saved by the collective exchange, loaded by point-to-point
     chunk_mb = 4.0 if world_size == 1 else TINY_CHUNK_MB
-    opt = Zero2Optimizer(model, torch.optim.AdamW, bucket_cap_mb=TINY_BUCKET_MB, step_chunk_mb=chunk_mb,
-                         exchange="collective" if phase == "save" else "auto", lr=1e-2, weight_decay=0.1)
+    opt = Zero2Optimizer(
+        model,
+        torch.optim.AdamW,
+        bucket_cap_mb=TINY_BUCKET_MB,
+        step_chunk_mb=chunk_mb,
+        exchange="collective" if phase == "save" else "auto",
+        lr=1e-2,
+        weight_decay=0.1,
+    )
     if phase == "save":
         _zero_train(rank, world_size, "adamw", 0.3, steps=3, model=model, opt=opt)
         state = opt.state_dict(to_rank=0)  # gathered to the rank that writes
@@ -159,13 +172,18 @@ def _bf16_worker(rank, world_size):
     losses = []
     for step in range(8):
         x, y = step_batch(0)
-        loss = mse_loss(model, x[rank * b:(rank + 1) * b].bfloat16(), y[rank * b:(rank + 1) * b].bfloat16())
+        loss = mse_loss(
+            model, x[rank * b : (rank + 1) * b].bfloat16(), y[rank * b : (rank + 1) * b].bfloat16()
+        )
         loss.backward()
-        opt.step(); opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
         losses.append(float(loss))
     (master,) = opt.master_shards()
-    (_, shard), = master.pieces
-    weights = master.layout.shard_of(master.layout.flatten({n: p.detach() for n, p in model.named_parameters()}))
+    ((_, shard),) = master.pieces
+    weights = master.layout.shard_of(
+        master.layout.flatten({n: p.detach() for n, p in model.named_parameters()})
+    )
     # bf16 parameters are the rounded fp32 master: updates smaller than bf16 precision survive
     assert torch.equal(weights, shard.bfloat16())
     assert not torch.equal(shard, shard.bfloat16().float())
@@ -184,19 +202,25 @@ def test_bf16_model_keeps_fp32_master_and_learns():
 
 def _fp16_skip_worker(rank, world_size):
     model = TwoDtypeNet()
-    model.lin1.half(); model.lin2.half(); model.act.half()
-    net = lambda x: model.lin2(model.act(model.lin1(x.half()))).float() * model.scale.float()
+    model.lin1.half()
+    model.lin2.half()
+    model.act.half()
+
+    def net(x):
+        return model.lin2(model.act(model.lin1(x.half()))).float() * model.scale.float()
+
     opt = Zero2Optimizer(model, torch.optim.SGD, bucket_cap_mb=TINY_BUCKET_MB, lr=0.05)
     scaler = DynamicLossScaler(init_scale=1024.0, growth_interval=1000)
     b = GLOBAL_BATCH // world_size
     record = []
     for step in range(3):
         x, y = step_batch(step)
-        x = x[rank * b:(rank + 1) * b]
+        x = x[rank * b : (rank + 1) * b]
         if step == 1 and rank == 1:
-            x = x.clone(); x[0, 0] = float("inf")  # an overflow on one rank only
+            x = x.clone()
+            x[0, 0] = float("inf")  # an overflow on one rank only
         before = [p.detach().clone() for p in model.parameters()]
-        scaler.scale((net(x) - y[rank * b:(rank + 1) * b]).square().mean()).backward()
+        scaler.scale((net(x) - y[rank * b : (rank + 1) * b]).square().mean()).backward()
         stepped = scaler.unscale_(opt)
         if stepped:
             opt.step()
@@ -218,7 +242,8 @@ def _scratch_worker(rank, world_size, bucket_mb):
     held = []
     for _ in range(3):
         model(torch.randn(2, 3, 112, 112)).square().mean().backward()
-        opt.step(); opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
         held.append(opt.scratch.held_bytes)
     grad_bytes = sum(p.numel() * 4 for p in model.parameters())
     return opt.peak_scratch_bytes, held, grad_bytes
@@ -237,13 +262,15 @@ def test_gradient_scratch_is_a_few_buckets_reused_every_step(world_size):
 def test_scratch_pool_lends_the_smallest_fitting_buffer_and_drops_ones_too_small():
     pool = ScratchPool()
     a, b = pool.take(10, torch.float32, "cpu"), pool.take(30, torch.float32, "cpu")
-    pool.give(a); pool.give(b)
+    pool.give(a)
+    pool.give(b)
     assert pool.held_bytes == 40 * 4
     c = pool.take(8, torch.float32, "cpu")  # fits both: the 10-element buffer is lent
     assert c.numel() == 8 and c.data_ptr() == a.data_ptr()
     d = pool.take(50, torch.float32, "cpu")  # fits none: the free 30-element one is dropped
     assert pool.free == [] and pool.held_bytes == (10 + 50) * 4 == pool.peak_held_bytes
-    pool.give(c); pool.give(d)
+    pool.give(c)
+    pool.give(d)
     assert pool.take(40, torch.float64, "cpu").dtype == torch.float64  # kinds never mix
     assert len(pool.free) == 2
 
@@ -251,7 +278,7 @@ def test_scratch_pool_lends_the_smallest_fitting_buffer_and_drops_ones_too_small
 def test_a_parameter_without_gradient_is_named_instead_of_reducing_garbage():
     model = TwoDtypeNet()
     model.unused = nn.Linear(3, 3)
-    opt = Zero2Optimizer(model, torch.optim.SGD, lr=0.1)
+    _opt = Zero2Optimizer(model, torch.optim.SGD, lr=0.1)  # kept alive: its hooks reduce the gradients
     x, y = step_batch(0)
     with pytest.raises(RuntimeError, match=r"parameter 'unused\.(weight|bias)' \(2 in all\) got no gradient"):
         mse_loss(model, x, y).backward()
@@ -272,11 +299,19 @@ class _CallLog:
     each call is recorded, and so is how many reduce-scatters were launched but not waited."""
 
     def __init__(self):
-        import parallel.collectives as collectives
         import torch.distributed as dist
+
+        import parallel.collectives as collectives
+
         self.calls, self.open, self.most_open = [], 0, 0
-        for module, name in [(dist, "reduce"), (dist, "isend"), (dist, "broadcast"), (dist, "all_reduce"),
-                             (collectives, "_reduce_scatter"), (collectives, "_all_gather")]:
+        for module, name in [
+            (dist, "reduce"),
+            (dist, "isend"),
+            (dist, "broadcast"),
+            (dist, "all_reduce"),
+            (collectives, "_reduce_scatter"),
+            (collectives, "_all_gather"),
+        ]:
             setattr(module, name, self._wrap(name, getattr(module, name)))
 
     def _wrap(self, name, fn):
@@ -288,6 +323,7 @@ class _CallLog:
             self.open += 1
             self.most_open = max(self.most_open, self.open)
             return _CountedWork(work, self)
+
         return wrapper
 
 
@@ -306,8 +342,15 @@ def _collective_worker(rank, world_size, opt_name, clip):
     log = _CallLog()
     model = TwoDtypeNet()
     cls, kw = OPTIMIZERS[opt_name]
-    opt = Zero2Optimizer(model, cls, bucket_cap_mb=TINY_BUCKET_MB, step_chunk_mb=TINY_CHUNK_MB,
-                         exchange="collective", max_inflight_buckets=3, **kw)
+    opt = Zero2Optimizer(
+        model,
+        cls,
+        bucket_cap_mb=TINY_BUCKET_MB,
+        step_chunk_mb=TINY_CHUNK_MB,
+        exchange="collective",
+        max_inflight_buckets=3,
+        **kw,
+    )
     buckets = sum(len(g.buckets) for g in opt.groups)
     params, norms = _zero_train(rank, world_size, opt_name, clip, model=model, opt=opt)
     x, _ = step_batch(STEPS)
@@ -323,7 +366,8 @@ def test_collective_exchange_matches_plain_torch_with_buckets_in_flight_and_no_r
         ref_model.load_state_dict(ref_params)
         ref_out = ref_model(step_batch(STEPS)[0]).detach()
         for params, norms, out, calls, most_open, buckets in run_distributed(
-                _collective_worker, world_size, opt_name, clip):
+            _collective_worker, world_size, opt_name, clip
+        ):
             assert norms == pytest.approx(ref_norms, rel=1e-5) and min(ref_norms) > clip
             for name, ref in ref_params.items():
                 torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-5, msg=f"{opt_name} {name}")
@@ -338,8 +382,12 @@ def test_collective_exchange_matches_plain_torch_with_buckets_in_flight_and_no_r
 
 def test_segmented_layout_gives_every_rank_its_share_of_every_segment():
     from parallel.flat import FlatLayout
-    params = [("a", nn.Parameter(torch.randn(50))), ("b", nn.Parameter(torch.randn(7, 11))),
-              ("c", nn.Parameter(torch.randn(3)))]
+
+    params = [
+        ("a", nn.Parameter(torch.randn(50))),
+        ("b", nn.Parameter(torch.randn(7, 11))),
+        ("c", nn.Parameter(torch.randn(3))),
+    ]
     for world_size in (1, 2, 3):
         for segment in (None, 40, 100):
             layouts = [FlatLayout(params, world_size, r, segment) for r in range(world_size)]
@@ -356,7 +404,7 @@ def test_segmented_layout_gives_every_rank_its_share_of_every_segment():
                         whole = slot.global_range.of(full)
                         assert torch.equal(part.shard_range.of(shard), part.global_range.of(full))
                         assert torch.equal(part.param_range.of(whole), part.global_range.of(full))
-                        covered[part.global_range.start:part.global_range.end] += 1
+                        covered[part.global_range.start : part.global_range.end] += 1
             assert covered.sum() == sum(p.numel() for _, p in params) and covered.max() == 1
             if segment:
                 assert len(layouts[0].segments) > 1
@@ -364,6 +412,7 @@ def test_segmented_layout_gives_every_rank_its_share_of_every_segment():
 
 def test_p2p_exchange_is_refused_under_nccl():
     from parallel.zero import resolve_exchange
+
     with pytest.raises(ValueError, match="exchange='p2p' is for gloo"):
         resolve_exchange("p2p", "nccl")
     assert resolve_exchange("auto", "nccl") == "collective"
@@ -384,6 +433,7 @@ def _norm_worker(rank, world_size, batches=20):
     """The clipping norms of `batches` gradients from every optimizer variant, as Python floats
     (in fp32 about one batch in ten gives a norm that depends on the variant)."""
     from parallel.ddp import DDPOptimizer
+
     b = GLOBAL_BATCH // world_size
     norms = {}
     for variant in ("p2p", "collective", "ddp"):
@@ -397,7 +447,7 @@ def _norm_worker(rank, world_size, batches=20):
         norms[variant] = []
         for i in range(batches):
             x, y = step_batch(i)
-            mse_loss(net, x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
+            mse_loss(net, x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]).backward()
             norms[variant].append(opt.clip_grad_norm_(0.3).item())
             opt.zero_grad()
     return norms
@@ -416,18 +466,19 @@ def test_clip_norm_is_bitwise_the_same_for_ddp_and_zero2():
 def _no_sync_worker(rank, world_size, exchange):
     log = _CallLog()
     model = TwoDtypeNet()
-    opt = Zero2Optimizer(model, torch.optim.SGD, bucket_cap_mb=TINY_BUCKET_MB, exchange=exchange,
-                         lr=0.05, momentum=0.9)
+    opt = Zero2Optimizer(
+        model, torch.optim.SGD, bucket_cap_mb=TINY_BUCKET_MB, exchange=exchange, lr=0.05, momentum=0.9
+    )
     b = GLOBAL_BATCH // world_size
     silent = []
     for step in range(3):
         x, y = step_batch(step)
-        x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+        x, y = x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
         with opt.no_sync():
             before = len(log.calls)
-            (mse_loss(model, x[:b // 2], y[:b // 2]) / 2).backward()
+            (mse_loss(model, x[: b // 2], y[: b // 2]) / 2).backward()
             silent.append(len(log.calls) == before)
-        (mse_loss(model, x[b // 2:], y[b // 2:]) / 2).backward()
+        (mse_loss(model, x[b // 2 :], y[b // 2 :]) / 2).backward()
         opt.step()
         opt.zero_grad()
     return {n: t.clone() for n, t in model.state_dict().items()}, silent
@@ -439,23 +490,31 @@ def test_no_sync_micro_batches_equal_the_full_batch_and_communicate_nothing(exch
     opt = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
     for step in range(3):
         mse_loss(ref_model, *step_batch(step)).backward()
-        opt.step(); opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
     for params, silent in run_distributed(_no_sync_worker, 2, exchange):
         assert silent == [True] * 3
         for name, p in ref_model.named_parameters():
             torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("make_scheduler", [
-    lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
-    lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step)),
-    lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4),
-], ids=["StepLR", "LambdaLR", "CosineAnnealingLR"])
+@pytest.mark.parametrize(
+    "make_scheduler",
+    [
+        lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+        lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step)),
+        lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4),
+    ],
+    ids=["StepLR", "LambdaLR", "CosineAnnealingLR"],
+)
 def test_torch_lr_schedulers_drive_both_optimizers(make_scheduler):
     from parallel.ddp import DDPOptimizer
+
     plain = torch.optim.SGD(TwoDtypeNet().parameters(), lr=0.1, momentum=0.9)
-    ours = [Zero2Optimizer(TwoDtypeNet(), torch.optim.SGD, lr=0.1, momentum=0.9),
-            DDPOptimizer(TwoDtypeNet(), torch.optim.SGD, lr=0.1, momentum=0.9)]
+    ours = [
+        Zero2Optimizer(TwoDtypeNet(), torch.optim.SGD, lr=0.1, momentum=0.9),
+        DDPOptimizer(TwoDtypeNet(), torch.optim.SGD, lr=0.1, momentum=0.9),
+    ]
     schedulers = [make_scheduler(o) for o in [plain] + ours]
     seen = []
     for _ in range(5):
@@ -470,8 +529,11 @@ def test_torch_lr_schedulers_drive_both_optimizers(make_scheduler):
 
 def _to_rank_worker(rank, world_size):
     from parallel import ShardedEMA
+
     model = TwoDtypeNet()
-    opt = Zero2Optimizer(model, torch.optim.AdamW, bucket_cap_mb=TINY_BUCKET_MB, exchange="collective", lr=1e-2)
+    opt = Zero2Optimizer(
+        model, torch.optim.AdamW, bucket_cap_mb=TINY_BUCKET_MB, exchange="collective", lr=1e-2
+    )
     ema = ShardedEMA(model, decay=0.5, tau=1.0, optimizer=opt)
     _zero_train(rank, world_size, "adamw", 0.0, steps=2, model=model, opt=opt)
     ema.update()
@@ -497,9 +559,10 @@ def test_state_dicts_gathered_to_one_rank_equal_the_all_gathered_ones_on_the_cpu
 def _host_sync_worker(rank, world_size):
     from parallel.ddp import DDPOptimizer
     from tests.host_sync import HostSyncCounter
+
     x, y = step_batch(0)
     b = GLOBAL_BATCH // world_size
-    x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+    x, y = x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
     syncs = {}
     for variant in ("p2p", "collective", "ddp"):
         model = TwoDtypeNet()
@@ -507,8 +570,15 @@ def _host_sync_worker(rank, world_size):
             opt = DDPOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-2)
             net = opt.ddp
         else:
-            opt = Zero2Optimizer(model, torch.optim.SGD, bucket_cap_mb=TINY_BUCKET_MB, exchange=variant,
-                                 lr=0.1, momentum=0.9, weight_decay=1e-2)
+            opt = Zero2Optimizer(
+                model,
+                torch.optim.SGD,
+                bucket_cap_mb=TINY_BUCKET_MB,
+                exchange=variant,
+                lr=0.1,
+                momentum=0.9,
+                weight_decay=1e-2,
+            )
             net = model
         # (SGD: torch's AdamW reads its step count, a CPU tensor, on the host; no device wait)
         for step in range(2):  # the second step: momentum exists, an all-gather is pending

@@ -1,4 +1,5 @@
 """The tiny two-dtype model, its per-step data and loss, shared by the ZeRO-2 and EMA tests."""
+
 import torch
 from torch import nn
 

@@ -1,4 +1,5 @@
 """Small inputs for the command-line tools' tests: photo folders, a tiny model, a .bin."""
+
 from __future__ import annotations
 
 import io
@@ -19,14 +20,15 @@ RNG = np.random.default_rng(7)
 def noise_jpeg(seed: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(np.random.default_rng(seed).integers(0, 256, (112, 112, 3), dtype=np.uint8)).save(
-        buf, format="JPEG", quality=90)
+        buf, format="JPEG", quality=90
+    )
     return buf.getvalue()
 
 
 def truncated_jpeg(seed: int = 99) -> bytes:
     """A JPEG cut in half: its header reads (112x112), its pixels do not decode."""
     data = noise_jpeg(seed)
-    return data[:len(data) // 2]
+    return data[: len(data) // 2]
 
 
 def jpeg(color, size: int = 112) -> bytes:

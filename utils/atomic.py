@@ -20,6 +20,7 @@ is created and removed, since `os.access` says yes to root anywhere, /dev/fd inc
 the work starts. A folder output that is a symbolic link to a folder is published at the link's
 target: the link stays, and the folder it names is replaced.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -309,9 +310,11 @@ def check_name_length(path: str, what: str = "output") -> None:
     folder = os.path.dirname(os.path.abspath(path))
     limit = name_max(folder if os.path.isdir(folder) else os.sep)
     if staged > limit:
-        raise OutputError(f"{what} {path}: a name of {name} bytes is written first as .NAME.partial-{host_name()}-"
-                          f"{os.getpid()}, {staged} bytes, past the file system's limit of {limit}: choose a name of "
-                          f"at most {limit - (staged - name)} bytes")
+        raise OutputError(
+            f"{what} {path}: a name of {name} bytes is written first as .NAME.partial-{host_name()}-"
+            f"{os.getpid()}, {staged} bytes, past the file system's limit of {limit}: choose a name of "
+            f"at most {limit - (staged - name)} bytes"
+        )
 
 
 def _check_creates(path: str, folder: str, what: str) -> None:

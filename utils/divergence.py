@@ -17,6 +17,7 @@ warns when the embeddings' mean norm grows `NORM_GROWTH_WARN` times over the run
 logged value (a network ending in BatchNorm keeps it near sqrt(D) x its scale: mbf 20.7 and the
 demo network 10.4 after training).
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,7 +30,9 @@ from parallel.dist import cpu_group, get_world_size
 
 logger = logging.getLogger("shardface")
 
-EXPLODED_FACTOR = 1000.0  # backbone weight norm over its norm at start beyond which the weights count as diverged
+EXPLODED_FACTOR = (
+    1000.0  # backbone weight norm over its norm at start beyond which the weights count as diverged
+)
 NORM_GROWTH_WARN = 100.0  # embedding norm over its first logged value beyond which the run is warned of
 
 
@@ -46,19 +49,25 @@ def check_loss(loss_value: float, step: int, scaler, max_skipped: int = 20, labe
     over the CPU group, on whether every rank's loss is finite: a rank stopping alone would
     leave the others waiting in the next collective until `dist_timeout_min`."""
     if label_errors:
-        raise TrainingStopped(f"{label_errors} batch(es) up to step {step} held a label outside the classes "
-                              f"(the rank that read it logged the label and its position above): fix the data "
-                              f"or num_classes; the last checkpoint was written before it")
+        raise TrainingStopped(
+            f"{label_errors} batch(es) up to step {step} held a label outside the classes "
+            f"(the rank that read it logged the label and its position above): fix the data "
+            f"or num_classes; the last checkpoint was written before it"
+        )
     if scaler is None:
         finite = math.isfinite(loss_value)
         if not _on_every_rank(finite):
             where = f"is {loss_value}" if not finite else "is not finite on another rank"
-            raise TrainingStopped(f"loss {where} at step {step}: training diverged (or a label "
-                                  f"was out of range: see any error above); resume from the last "
-                                  f"checkpoint with a lower lr")
+            raise TrainingStopped(
+                f"loss {where} at step {step}: training diverged (or a label "
+                f"was out of range: see any error above); resume from the last "
+                f"checkpoint with a lower lr"
+            )
     elif scaler.skipped_in_a_row >= max_skipped:
-        raise TrainingStopped(f"fp16 loss scaler skipped {scaler.skipped_in_a_row} steps in a row "
-                              f"(scale {scaler.scale_value}) at step {step}: gradients stay non-finite")
+        raise TrainingStopped(
+            f"fp16 loss scaler skipped {scaler.skipped_in_a_row} steps in a row "
+            f"(scale {scaler.scale_value}) at step {step}: gradients stay non-finite"
+        )
 
 
 def _on_every_rank(holds: bool) -> bool:
@@ -71,8 +80,9 @@ def _on_every_rank(holds: bool) -> bool:
 
 
 @torch.no_grad()
-def probe_loss(backbone: torch.nn.Module, head: torch.nn.Module | None, images: torch.Tensor,
-               labels: torch.Tensor) -> float:
+def probe_loss(
+    backbone: torch.nn.Module, head: torch.nn.Module | None, images: torch.Tensor, labels: torch.Tensor
+) -> float:
     """The loss of a batch under the current weights, leaving no trace: no gradients, and
     the buffers (BatchNorm statistics, margin statistics) and RNG states put back, so an
     exact resume stays exact. The backbone runs in training mode, as the next step would;
@@ -115,30 +125,45 @@ def weight_norm(module: torch.nn.Module) -> float:
     return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
 
 
-def check_weights(step: int, backbone: torch.nn.Module, head: torch.nn.Module | None, batch=None,
-                  start_norm: float | None = None) -> None:
+def check_weights(
+    step: int,
+    backbone: torch.nn.Module,
+    head: torch.nn.Module | None,
+    batch=None,
+    start_norm: float | None = None,
+) -> None:
     """Raise TrainingStopped unless the weights about to be saved are finite on every rank,
     give a finite loss on `batch` (images, labels), and the backbone's norm is within
     `EXPLODED_FACTOR` of `start_norm` (the module docstring's rule): the loss the loop checks is
     the one before the update, so an update can poison the weights it then saves. Collective."""
-    finite = all(bool(torch.isfinite(p).all()) for module in (backbone, head) if module is not None
-                 for p in module.parameters())
+    finite = all(
+        bool(torch.isfinite(p).all())
+        for module in (backbone, head)
+        if module is not None
+        for p in module.parameters()
+    )
     norm = weight_norm(backbone) if finite and start_norm else 0.0
-    exploded = bool(start_norm) and not norm <= EXPLODED_FACTOR * start_norm  # identical weights on every rank
+    exploded = (
+        bool(start_norm) and not norm <= EXPLODED_FACTOR * start_norm
+    )  # identical weights on every rank
     if get_world_size() > 1:
         flag = torch.tensor([0.0 if finite else 1.0, 1.0 if exploded else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group())
         finite, exploded = flag[0].item() == 0.0, flag[1].item() == 1.0
     if finite and exploded:
-        raise TrainingStopped(f"the weights after step {step} exploded: the backbone's weight norm is {norm:.3g}, "
-                              f"{norm / start_norm:.3g} times its {start_norm:.3g} at start (the limit is "
-                              f"{EXPLODED_FACTOR:g} times): training diverged and they are not saved; resume from "
-                              f"the last checkpoint with a lower lr")
+        raise TrainingStopped(
+            f"the weights after step {step} exploded: the backbone's weight norm is {norm:.3g}, "
+            f"{norm / start_norm:.3g} times its {start_norm:.3g} at start (the limit is "
+            f"{EXPLODED_FACTOR:g} times): training diverged and they are not saved; resume from "
+            f"the last checkpoint with a lower lr"
+        )
     loss = probe_loss(backbone, head, *batch) if finite and batch is not None else float("nan")
     if not finite or (batch is not None and not math.isfinite(loss)):
         what = "are not finite" if not finite else f"give loss {loss} on the last batch"
-        raise TrainingStopped(f"the weights after step {step} {what}: training diverged and they are not "
-                              f"saved; resume from the last checkpoint with a lower lr")
+        raise TrainingStopped(
+            f"the weights after step {step} {what}: training diverged and they are not "
+            f"saved; resume from the last checkpoint with a lower lr"
+        )
 
 
 class EmbeddingNormWatch:
@@ -170,10 +195,16 @@ class EmbeddingNormWatch:
         elif not self.warned and not value <= self.growth_warn * self.first[1]:
             self.warned = True
             first_step, first = self.first
-            logger.warning("the embeddings' mean norm is %.3g at step %d, %.3g times its %.3g at step %d: the "
-                           "backbone is diverging though the loss is finite (a network with no BatchNorm at its "
-                           "end, such as dlib_resnet, does so quietly); stop it and start again with a lower lr",
-                           value, step, value / max(first, 1e-30), first, first_step)
+            logger.warning(
+                "the embeddings' mean norm is %.3g at step %d, %.3g times its %.3g at step %d: the "
+                "backbone is diverging though the loss is finite (a network with no BatchNorm at its "
+                "end, such as dlib_resnet, does so quietly); stop it and start again with a lower lr",
+                value,
+                step,
+                value / max(first, 1e-30),
+                first,
+                first_step,
+            )
         return value
 
 

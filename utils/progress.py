@@ -1,4 +1,5 @@
 """Progress lines with rate and ETA: `Progress` for scripts, `ProgressLogger` for training."""
+
 from __future__ import annotations
 
 import contextlib
@@ -38,8 +39,10 @@ class Progress:
             eta = (self.total - self.done) / rate if rate > 0 else 0
             pct = 100.0 * self.done / max(self.total, 1)
             end = "\n" if self.done >= self.total else "\r"
-            self.stream.write(f"{self.label} {self.done}/{self.total} {pct:5.1f}% "
-                              f"{rate:8.1f}/s ETA {format_seconds(eta)}   {end}")
+            self.stream.write(
+                f"{self.label} {self.done}/{self.total} {pct:5.1f}% "
+                f"{rate:8.1f}/s ETA {format_seconds(eta)}   {end}"
+            )
             self.stream.flush()
 
 
@@ -51,8 +54,16 @@ class ProgressLogger:
     Time spent inside `paused()` (evaluation, checkpoints) counts in neither samples/s nor the
     ETA, so both stay steady across an evaluation."""
 
-    def __init__(self, total_steps: int, frequent: int, samples_per_step: int, writer=None, first_step: int = 0,
-                 poll_limit_s: float | None = None, clock=time.monotonic):
+    def __init__(
+        self,
+        total_steps: int,
+        frequent: int,
+        samples_per_step: int,
+        writer=None,
+        first_step: int = 0,
+        poll_limit_s: float | None = None,
+        clock=time.monotonic,
+    ):
         self.total, self.frequent, self.samples_per_step = total_steps, frequent, samples_per_step
         self.writer = writer
         # the loop polls for stop requests once per `frequent` steps: warn (once) when that
@@ -98,16 +109,33 @@ class ProgressLogger:
         rate = (step - self.mark_step) * self.samples_per_step / max(training_s, 1e-9)
         eta = (self.total - step) * self.samples_per_step / max(rate, 1e-9)
         scale_txt = f"  scale {scale:.0f}" if scale is not None else ""
-        logger.info("step %d/%d  epoch %d  loss %.4f  lr %.5f  %.1f samples/s  ETA %s%s",
-                    step, self.total, epoch, loss, lr, rate, format_seconds(eta), scale_txt)
+        logger.info(
+            "step %d/%d  epoch %d  loss %.4f  lr %.5f  %.1f samples/s  ETA %s%s",
+            step,
+            self.total,
+            epoch,
+            loss,
+            lr,
+            rate,
+            format_seconds(eta),
+            scale_txt,
+        )
         if self.writer is not None:
             self.writer.add_scalar("train/samples_per_second", rate, step)
         window_s = self.frequent * training_s / max(step - self.mark_step, 1)
-        if self.poll_limit_s is not None and window_s > self.poll_limit_s and step - self.mark_step == self.frequent:
-            logger.warning("%d steps take %.0f s here, but a stop request (SIGTERM) waits %.0f s for the step end "
-                           "that polls it: lower --frequent (to %d or less) so a pre-emption still saves",
-                           self.frequent, window_s, self.poll_limit_s,
-                           max(1, int(self.frequent * self.poll_limit_s / window_s / 2)))
+        if (
+            self.poll_limit_s is not None
+            and window_s > self.poll_limit_s
+            and step - self.mark_step == self.frequent
+        ):
+            logger.warning(
+                "%d steps take %.0f s here, but a stop request (SIGTERM) waits %.0f s for the step end "
+                "that polls it: lower --frequent (to %d or less) so a pre-emption still saves",
+                self.frequent,
+                window_s,
+                self.poll_limit_s,
+                max(1, int(self.frequent * self.poll_limit_s / window_s / 2)),
+            )
             self.poll_limit_s = None
         self.mark_time, self.mark_step, self.paused_s = now, step, 0.0
 
@@ -130,8 +158,11 @@ class SkipReport:
             dist.all_reduce(t, group=cpu_group())
             total = int(t.item())
         if total > self.reported:
-            logger.warning("skipped %d undecodable images so far (all ranks), %d since the last report",
-                           total, total - self.reported)
+            logger.warning(
+                "skipped %d undecodable images so far (all ranks), %d since the last report",
+                total,
+                total - self.reported,
+            )
         if final:
             logger.info("skipped %d undecodable images in this job (all ranks)", total)
         if self.writer is not None:

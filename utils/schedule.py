@@ -1,4 +1,5 @@
 """Per-iteration learning-rate schedules."""
+
 from __future__ import annotations
 
 import math
@@ -6,7 +7,9 @@ import math
 KINDS = ("poly", "cosine", "poly_warmup")
 
 
-def lr_factor(step: int, total_steps: int, warmup_steps: int = 0, kind: str = "poly", power: float = 2.0) -> float:
+def lr_factor(
+    step: int, total_steps: int, warmup_steps: int = 0, kind: str = "poly", power: float = 2.0
+) -> float:
     """Multiplier of the base LR for optimizer step `step` (0-based: the steps taken before it).
 
     `poly_warmup` is arcface_torch's PolynomialLRWarmup as its train_v2 drives it: step 0
@@ -33,8 +36,9 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int = 0, kind: str = "p
     raise ValueError(f"unknown lr_scheduler '{kind}' ({', '.join(KINDS)})")
 
 
-def schedule_steps(kind: str, num_images: int, global_batch: int, warmup_epoch: int, num_epoch: int,
-                   steps_per_epoch: int) -> tuple[int, int]:
+def schedule_steps(
+    kind: str, num_images: int, global_batch: int, warmup_epoch: int, num_epoch: int, steps_per_epoch: int
+) -> tuple[int, int]:
     """(warmup steps, schedule length in steps). `poly_warmup` counts as arcface_torch does,
     `num_images // global_batch` per epoch; the others count the loader's optimizer steps."""
     if kind == "poly_warmup":

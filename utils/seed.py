@@ -1,4 +1,5 @@
 """Seeding every random number generator a run draws from."""
+
 from __future__ import annotations
 
 import random

@@ -3,6 +3,7 @@
 Rank 0 logs (every rank with `wandb_log_all`, each its own run `<yymmdd_HHMM>_GPU<rank>[_<suffix_run_name>]`).
 Every scalar written to TensorBoard (loss, lr, samples/s, verification) goes to wandb too, through
 `ScalarTee`, so the loop and callbacks need no wandb code."""
+
 from __future__ import annotations
 
 import datetime
@@ -29,6 +30,7 @@ def check_wandb_login(cfg: dict, rank: int) -> None:
         from wandb.errors import AuthenticationError
         from wandb.sdk import wandb_setup
         from wandb.sdk.lib.wbauth import authenticate
+
         settings = wandb_setup.singleton().settings
         mode, host = settings.mode, settings.base_url
         find = authenticate.authenticate_session
@@ -39,11 +41,15 @@ def check_wandb_login(cfg: dict, rank: int) -> None:
     try:
         found = find(host=host, source="shardface", prompt=False, update_session=False)
     except AuthenticationError as exc:  # a key is set but malformed
-        raise ConfigError(f"using_wandb = True but wandb's API key for {host} is not usable ({exc}): fix it with "
-                          f"`wandb login --relogin`, or pass --wandb_key") from None
+        raise ConfigError(
+            f"using_wandb = True but wandb's API key for {host} is not usable ({exc}): fix it with "
+            f"`wandb login --relogin`, or pass --wandb_key"
+        ) from None
     if found is None:
-        raise ConfigError(f"using_wandb = True but wandb has no API key for {host} (mode {mode}): run `wandb login`, "
-                          f"set WANDB_API_KEY or --wandb_key, or set WANDB_MODE=offline to log on this machine only")
+        raise ConfigError(
+            f"using_wandb = True but wandb has no API key for {host} (mode {mode}): run `wandb login`, "
+            f"set WANDB_API_KEY or --wandb_key, or set WANDB_MODE=offline to log on this machine only"
+        )
 
 
 def start_wandb(cfg: dict, rank: int):
@@ -57,8 +63,13 @@ def start_wandb(cfg: dict, rank: int):
     name = datetime.datetime.now().strftime("%y%m%d_%H%M") + f"_GPU{rank}"
     if cfg["suffix_run_name"]:
         name += f"_{cfg['suffix_run_name']}"
-    return wandb.init(entity=cfg["wandb_entity"], project=cfg["wandb_project"], name=name,
-                      resume=cfg["wandb_resume"] or None, config=dict(cfg))
+    return wandb.init(
+        entity=cfg["wandb_entity"],
+        project=cfg["wandb_project"],
+        name=name,
+        resume=cfg["wandb_resume"] or None,
+        config=dict(cfg),
+    )
 
 
 class ScalarTee:
