@@ -9,10 +9,12 @@ NPROC ?= 2
 
 setup: $(STAMP)
 
-# Re-installs only when the requirements change, so a second `make test` starts at once.
-$(STAMP): requirements.txt requirements-dev.txt
+# Re-installs only when the requirements change, so a second `make test` starts at once. The
+# project itself is installed editable: `shardface` and its tools work from any folder in the venv.
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	@touch $(STAMP)
 
 test: $(STAMP)

@@ -9,24 +9,24 @@ import os
 import torch
 from torch import nn
 
-from backbones import get_model
-from checkpoint.folders import find_checkpoint
-from configs.errors import ConfigError
-from dataset import build_dataset
-from dataset.aligned import AlignedFolderDataset
-from dataset.errors import DataLayoutError
-from dataset.folders import list_identity_folders, list_images
-from faces.align import ARCFACE_112
-from faces.detect import Detection
-from faces.stream import Crop, align_groups
-from faces.workers import default_workers
-from heads import PartialFC, SampledRowsOptimizer
-from heads.graph import CapturedHead
-from infer.weights import init_backbone_from
-from losses import build_margin
-from parallel.ddp import DDPOptimizer
-from parallel.zero import Zero2Optimizer
-from utils.progress import Progress
+from shardface.backbones import get_model
+from shardface.checkpoint.folders import find_checkpoint
+from shardface.dataset import build_dataset
+from shardface.dataset.aligned import AlignedFolderDataset
+from shardface.dataset.errors import DataLayoutError
+from shardface.dataset.folders import list_identity_folders, list_images
+from shardface.errors import ConfigError
+from shardface.faces.align import ARCFACE_112
+from shardface.faces.detect import Detection
+from shardface.faces.stream import Crop, align_groups
+from shardface.faces.workers import default_workers
+from shardface.heads import PartialFC, SampledRowsOptimizer
+from shardface.heads.graph import CapturedHead
+from shardface.infer.weights import init_backbone_from
+from shardface.losses import build_margin
+from shardface.parallel.ddp import DDPOptimizer
+from shardface.parallel.zero import Zero2Optimizer
+from shardface.utils.progress import Progress
 
 logger = logging.getLogger("shardface")
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from configs.errors import ConfigError
-from heads.sharding import check_world_fits, class_shard
+from shardface.errors import ConfigError
+from shardface.heads.sharding import check_world_fits, class_shard
 
 F32 = 4
 GB = 1e9
@@ -88,7 +88,7 @@ def head_memory(
 
 def backbone_counts(network: str, dim: int, batch: int, grad_checkpoint: bool = False) -> tuple[int, int]:
     """(parameters, bytes saved for backward at `batch` in fp32), from a meta-device forward."""
-    from backbones import get_model
+    from shardface.backbones import get_model
 
     with torch.device("meta"):
         model = get_model(network, num_features=dim, grad_checkpoint=grad_checkpoint)
@@ -123,7 +123,7 @@ def zero_memory(
 def forward_peak(network: str, dim: int, batch: int, size: tuple[int, int] = (112, 112)) -> int:
     """Bytes of the largest input plus output of one module in a no-gradient forward (a frozen
     teacher keeps nothing for backward), from a meta-device forward."""
-    from backbones import get_model
+    from shardface.backbones import get_model
 
     peak = [0]
 
@@ -148,8 +148,8 @@ def teacher_memory(cfg) -> dict[str, float]:
         return {}
     import os
 
-    from distill.teacher_file import TeacherFile, is_teacher_file
-    from infer.weights import load_backbone_state
+    from shardface.distill.teacher_file import TeacherFile, is_teacher_file
+    from shardface.infer.weights import load_backbone_state
 
     if is_teacher_file(cfg.teacher):
         return {"teacher targets": cfg.batch_size * TeacherFile(cfg.teacher).dim * F32}

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from builders import (
+from shardface.builders import (
     build_backbone,
     build_data_parallel,
     build_head,
@@ -25,31 +25,31 @@ from builders import (
     build_train_dataset,
     init_backbone,
 )
-from checkpoint.changes import log_resume_changes
-from checkpoint.checkpointer import Checkpointer
-from checkpoint.data_position import follow_data
-from checkpoint.files import atomic_write_text
-from checkpoint.foreign import refuse_arcface_torch_output
-from checkpoint.run_lock import RunLock
-from configs import format_config, get_config, save_config
-from configs.compat import compat_notes
-from configs.describe import describe_keys
-from configs.per_rank import SECRET_KEYS, rank_independent
-from configs.validate import warmup_problem
-from dataset import ResumableDistributedSampler, get_dataloader, normalize_images
-from dataset.errors import DataError
-from distill.run import build_distillation
-from eval.callback import VerificationCallback
-from parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
-from parallel.agreement import check_same_on_every_rank
-from parallel.dist import open_log_file
-from parallel.stop import StopSignal
-from parallel.user_errors import exits_on_user_error
-from utils.divergence import EmbeddingNormWatch, TrainingStopped, check_labels, check_loss
-from utils.progress import ProgressLogger, SkipReport
-from utils.schedule import lr_factor, schedule_steps, set_lr
-from utils.seed import seed_everything
-from utils.wandb_logging import check_wandb_login, finish_wandb, start_wandb, tee_writer
+from shardface.checkpoint.changes import log_resume_changes
+from shardface.checkpoint.checkpointer import Checkpointer
+from shardface.checkpoint.data_position import follow_data
+from shardface.checkpoint.files import atomic_write_text
+from shardface.checkpoint.foreign import refuse_arcface_torch_output
+from shardface.checkpoint.run_lock import RunLock
+from shardface.configs import format_config, get_config, save_config
+from shardface.configs.compat import compat_notes
+from shardface.configs.describe import describe_keys
+from shardface.configs.per_rank import SECRET_KEYS, rank_independent
+from shardface.configs.validate import warmup_problem
+from shardface.dataset import ResumableDistributedSampler, get_dataloader, normalize_images
+from shardface.dataset.errors import DataError
+from shardface.distill.run import build_distillation
+from shardface.eval.callback import VerificationCallback
+from shardface.parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
+from shardface.parallel.agreement import check_same_on_every_rank
+from shardface.parallel.dist import open_log_file
+from shardface.parallel.stop import StopSignal
+from shardface.parallel.user_errors import exits_on_user_error
+from shardface.utils.divergence import EmbeddingNormWatch, TrainingStopped, check_labels, check_loss
+from shardface.utils.progress import ProgressLogger, SkipReport
+from shardface.utils.schedule import lr_factor, schedule_steps, set_lr
+from shardface.utils.seed import seed_everything
+from shardface.utils.wandb_logging import check_wandb_login, finish_wandb, start_wandb, tee_writer
 
 
 def main(argv: list[str]) -> int:

@@ -6,7 +6,7 @@ accepts `fp16`, `bf16` (autocast inside the trunk, last FC and feature BN in fp3
 MobileFaceNet, like arcface_torch's, has none and refuses a non-zero value).
 """
 
-from backbones import dlib_resnet, iresnet, mobilefacenet, tiny, vit  # noqa: F401  (registration)
-from backbones.registry import get_model, list_models, register_model
+from shardface.backbones import dlib_resnet, iresnet, mobilefacenet, tiny, vit  # noqa: F401  (registration)
+from shardface.backbones.registry import get_model, list_models, register_model
 
 __all__ = ["get_model", "list_models", "register_model"]

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backbones.common import trunk_autocast
-from backbones.registry import register_model
+from shardface.backbones.common import trunk_autocast
+from shardface.backbones.registry import register_model
 
 CHIP_SIZE = 150
 # dlib's input_rgb_image_sized defaults (its file carries the values; these are they)

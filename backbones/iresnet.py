@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backbones.common import run_layers, run_segments, trunk_autocast
-from backbones.registry import register_model
+from shardface.backbones.common import run_layers, run_segments, trunk_autocast
+from shardface.backbones.registry import register_model
 
 
 def conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backbones.common import run_layers, trunk_autocast
-from backbones.registry import register_model
+from shardface.backbones.common import run_layers, trunk_autocast
+from shardface.backbones.registry import register_model
 
 
 class ConvBlock(nn.Module):

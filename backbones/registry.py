@@ -6,7 +6,7 @@ from typing import Callable
 
 from torch import nn
 
-from configs.errors import ConfigError
+from shardface.errors import ConfigError
 
 _REGISTRY: dict[str, Callable[..., nn.Module]] = {}
 

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from backbones.common import trunk_autocast
-from backbones.registry import register_model
+from shardface.backbones.common import trunk_autocast
+from shardface.backbones.registry import register_model
 
 
 def _no_autocast(device_type: str):

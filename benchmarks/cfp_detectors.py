@@ -36,8 +36,8 @@ import time
 import common  # noqa: F401,I001
 import numpy as np
 
-from eval.cfp import LISTS, read_cfp, read_photo_list
-from faces.detect import detect_faces, face_in_box, load_photo
+from shardface.eval.cfp import LISTS, read_cfp, read_photo_list
+from shardface.faces.detect import detect_faces, face_in_box, load_photo
 
 DLIB = {
     "hog0": ("hog", 0),
@@ -174,10 +174,10 @@ def chosen_faces(spec: str, results: dict, photos: list[str], which: list[int]) 
 
 
 def accuracy(root: str, spec: str, results: dict, photos: list[str]) -> str:
-    from eval.pairs import score_pairs
-    from faces.fallback import Fallback
-    from infer.model import load_model
-    from infer.stream import analyse
+    from shardface.eval.pairs import score_pairs
+    from shardface.faces.fallback import Fallback
+    from shardface.infer.model import load_model
+    from shardface.infer.stream import analyse
 
     pairs = read_cfp(root, "FP")
     index = {os.path.abspath(p): i for i, p in enumerate(photos)}

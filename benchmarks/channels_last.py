@@ -17,7 +17,7 @@ import common  # noqa: F401,I001  (puts the repository root on sys.path)
 import torch
 from common import table
 
-from backbones import get_model
+from shardface.backbones import get_model
 
 # (batch of a training step, embedding width): the real-faces benchmark's networks
 NETWORKS = {"tiny": (64, 128), "mbf": (32, 512), "r18": (16, 512), "dlib_resnet": (16, 128)}

@@ -22,8 +22,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from dataset import MXFaceDataset
-from dataset.recordio import unpack
+from shardface.dataset import MXFaceDataset
+from shardface.dataset.recordio import unpack
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -40,10 +40,10 @@ from multiprocessing import Pool
 import common  # noqa: F401,I001
 import torch
 
-from dataset.drawn_faces import identity_images
-from eval.verification import load_bin, test, write_bin
-from infer.model import load_module
-from scripts.make_drawn_faces import verification_pairs
+from shardface.dataset.drawn_faces import identity_images
+from shardface.eval.verification import load_bin, test, write_bin
+from shardface.infer.model import load_module
+from shardface.scripts.make_drawn_faces import verification_pairs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

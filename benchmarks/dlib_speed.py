@@ -38,8 +38,8 @@ def main() -> None:
     args = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
-    from eval.verification import embed
-    from infer.model import load_model
+    from shardface.eval.verification import embed
+    from shardface.infer.model import load_model
 
     chips = torch.randint(
         0, 256, (args.images, 3, 150, 150), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
@@ -59,8 +59,8 @@ def main() -> None:
     try:
         import dlib
 
-        from faces.models import model_file
-        from infer.weights import DLIB_FILE
+        from shardface.faces.models import model_file
+        from shardface.infer.weights import DLIB_FILE
 
         net = dlib.face_recognition_model_v1(model_file(DLIB_FILE))
         hwc = [np.ascontiguousarray(c.permute(1, 2, 0).numpy()) for c in chips]

@@ -17,8 +17,8 @@ import common  # noqa: F401,I001
 import torch
 import torch.distributed as dist
 
-from backbones import get_model
-from parallel import ShardedEMA, Zero2Optimizer
+from shardface.backbones import get_model
+from shardface.parallel import ShardedEMA, Zero2Optimizer
 from tests.distributed import run_distributed
 
 

@@ -20,8 +20,8 @@ import numpy as np
 from PIL import Image
 from skimage import data
 
-from faces.align import ARCFACE_112, similarity_transform
-from faces.detect import (
+from shardface.faces.align import ARCFACE_112, similarity_transform
+from shardface.faces.detect import (
     Detection,
     detect_faces,
     dlib5_frame_and_nose,
@@ -32,7 +32,7 @@ from faces.detect import (
     landmark_predictor,
     to_frame,
 )
-from faces.stream import Crop, stream
+from shardface.faces.stream import Crop, stream
 
 
 def aligned_faces(photo, template, detector: str = "hog", upsample: int = 1, landmarks: str = "5"):

@@ -24,12 +24,12 @@ import time
 
 import common  # noqa: F401,I001
 
-import faces.detect as detect
-from dataset.folders import walk_images
-from faces.align import ARCFACE_112, align
-from faces.detect import Detection, load_photo
-from faces.workers import default_workers
-from scripts.align import align_into, crop_stems
+import shardface.faces.detect as detect
+from shardface.dataset.folders import walk_images
+from shardface.faces.align import ARCFACE_112, align
+from shardface.faces.detect import Detection, load_photo
+from shardface.faces.workers import default_workers
+from shardface.scripts.align import align_into, crop_stems
 
 
 def sample(folder: str, limit: int) -> list[str]:
@@ -83,7 +83,7 @@ def stage_seconds(
         import numpy as np
         import torch
 
-        from infer.model import load_model
+        from shardface.infer.model import load_model
 
         loaded = load_model(model)
         images = torch.from_numpy(np.stack([np.asarray(c) for c in crops])).permute(0, 3, 1, 2).contiguous()

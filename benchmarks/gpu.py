@@ -116,8 +116,8 @@ def backbone_throughput(
     """The backbone step of part 1; `distill`: with an on-the-fly teacher of the same network
     and the cosine distillation loss alone (label-free: no head); `channels_last`: the batch in
     NHWC, the parameters as they are (what `config.channels_last` does in train.py)."""
-    from backbones import get_model
-    from parallel import DynamicLossScaler, Zero2Optimizer
+    from shardface.backbones import get_model
+    from shardface.parallel import DynamicLossScaler, Zero2Optimizer
 
     batch = sizes.batch
     torch.manual_seed(0)
@@ -130,10 +130,10 @@ def backbone_throughput(
         images = images.contiguous(memory_format=torch.channels_last)
     loss_of = lambda: model(images).float().square().mean()  # noqa: E731
     if distill:
-        from distill.head import DistillLoss
-        from distill.teacher import OnlineTeacher
-        from faces.align import ARCFACE_112
-        from infer.model import Model
+        from shardface.distill.head import DistillLoss
+        from shardface.distill.teacher import OnlineTeacher
+        from shardface.faces.align import ARCFACE_112
+        from shardface.infer.model import Model
 
         teacher = OnlineTeacher(
             Model(get_model(name, num_features=D).eval(), ARCFACE_112, name, ""),
@@ -165,9 +165,9 @@ def embed_rates(device: torch.device, sizes: Sizes, bin_path: str | None) -> lis
     the same crop, and the .bin's accuracy where one is given."""
     import numpy as np
 
-    from backbones import get_model
-    from eval.verification import evaluate, load_bin
-    from infer.embed import embed, l2_normalize
+    from shardface.backbones import get_model
+    from shardface.eval.verification import evaluate, load_bin
+    from shardface.infer.embed import embed, l2_normalize
 
     torch.manual_seed(0)
     module = get_model(sizes.embed_network, num_features=D).eval()
@@ -216,7 +216,7 @@ def _ratio(slow: dict, fast: dict) -> str:
 
 
 def _base_config():
-    from configs.base import config
+    from shardface.configs.base import config
 
     return config
 
@@ -224,8 +224,8 @@ def _base_config():
 def _head(method: str, classes_per_rank: int, sample_rate: float, device: torch.device):
     from pfc_v2_reference import PFCv2Reference
 
-    from heads import PartialFC, SampledRowsOptimizer
-    from losses import CombinedMarginLoss
+    from shardface.heads import PartialFC, SampledRowsOptimizer
+    from shardface.losses import CombinedMarginLoss
 
     margin = CombinedMarginLoss(64.0, 1.0, 0.5, 0.0)
     if method == "pfc_v2":
@@ -284,7 +284,7 @@ def head_step(
 
 def _process_group() -> None:
     """A world-size-1 group (NCCL on a GPU): the PFC v2 reference all-reduces unconditionally."""
-    from parallel.dist import init_distributed
+    from shardface.parallel.dist import init_distributed
     from tests.distributed import free_port
 
     for key, value in dict(

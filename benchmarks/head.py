@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from common import MB, peak_bytes, reset_peak, rss_bytes, table
 from pfc_v2_reference import PFCv2Reference
 
-from heads import PartialFC, SampledRowsOptimizer
-from heads.sharding import class_shard
-from losses import AdaFace, CombinedMarginLoss, CurricularFace, MagFace, SubCenterArcFace
-from parallel.collectives import all_gather_flat, reduce_scatter_flat
+from shardface.heads import PartialFC, SampledRowsOptimizer
+from shardface.heads.sharding import class_shard
+from shardface.losses import AdaFace, CombinedMarginLoss, CurricularFace, MagFace, SubCenterArcFace
+from shardface.parallel.collectives import all_gather_flat, reduce_scatter_flat
 from tests.distributed import run_distributed
 
 B, D = 128, 512

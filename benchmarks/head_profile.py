@@ -51,8 +51,8 @@ BYTES_PER_PASS = 1_000_000 * D * 4  # bytes of one pass over a 1M-class fp32 sha
 def build(case: str, method: str, device, gpus: int, batch: int, divisor: int, chunk: int, row_block: int):
     from pfc_v2_reference import PFCv2Reference
 
-    from heads import PartialFC, SampledRowsOptimizer
-    from losses import CombinedMarginLoss
+    from shardface.heads import PartialFC, SampledRowsOptimizer
+    from shardface.losses import CombinedMarginLoss
 
     classes, rate = HEAD_CASES[case] if case != "harness" else (HARNESS["classes"] // HARNESS["ranks"], 1.0)
     classes //= divisor

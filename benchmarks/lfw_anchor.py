@@ -37,17 +37,24 @@ import common  # noqa: F401,I001
 import numpy as np
 import torch
 
-from eval.cfp import read_list
-from eval.pairs import check_images, score_pairs
-from eval.verification import NFOLDS, evaluate
-from faces.align import ARCFACE_112
-from faces.detect import Detection, load_photo
-from faces.stream import Crop, stream
-from faces.workers import default_workers, map_photos
-from infer.embed import embed, l2_normalize
-from infer.model import load_model
-from infer.pair_photos import EmbeddingCache, FacesCache, Retries, cache_paths, pair_embeddings, pair_faces
-from utils.progress import Progress
+from shardface.eval.cfp import read_list
+from shardface.eval.pairs import check_images, score_pairs
+from shardface.eval.verification import NFOLDS, evaluate
+from shardface.faces.align import ARCFACE_112
+from shardface.faces.detect import Detection, load_photo
+from shardface.faces.stream import Crop, stream
+from shardface.faces.workers import default_workers, map_photos
+from shardface.infer.embed import embed, l2_normalize
+from shardface.infer.model import load_model
+from shardface.infer.pair_photos import (
+    EmbeddingCache,
+    FacesCache,
+    Retries,
+    cache_paths,
+    pair_embeddings,
+    pair_faces,
+)
+from shardface.utils.progress import Progress
 
 _DLIB = {}
 
@@ -57,7 +64,7 @@ def _dlib_models() -> tuple:
     if not _DLIB:
         import dlib
 
-        from faces.models import model_file
+        from shardface.faces.models import model_file
 
         _DLIB["m"] = (
             dlib.get_frontal_face_detector(),
@@ -152,7 +159,7 @@ def main() -> None:
     if not args.skip_dlib_own:
         t = time.perf_counter()
         progress = Progress(len(photos), "dlib's own pipeline")
-        own = list(map_photos(dlib_own, photos, args.workers, progress.update))
+        own = list(map_photos(dlib_own, photos, workers=args.workers, progress=progress.update))
         own_s = time.perf_counter() - t
         has = np.array([d is not None for d in own])
         own_emb = np.stack([d if d is not None else np.zeros(128, np.float32) for d in own])

@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from heads.sharding import class_shard
-from parallel.collectives import all_gather_no_grad, all_gather_rows
-from parallel.dist import get_rank, get_world_size
+from shardface.heads.sharding import class_shard
+from shardface.parallel.collectives import all_gather_no_grad, all_gather_rows
+from shardface.parallel.dist import get_rank, get_world_size
 
 
 class _DistSoftmaxCE(torch.autograd.Function):

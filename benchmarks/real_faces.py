@@ -221,9 +221,9 @@ def cache_dir(args, path: str) -> str | None:
 def list_faces(args, path: str, images: str | None, protocol: str | None = None):
     """(the pair list, every photo's face): found once (faces cached beside the list, as the
     anchor's and `scripts.verify --pairs_list`'s), the same for every model."""
-    from eval.cfp import read_list
-    from faces.detect import Detection
-    from infer.pair_photos import FacesCache, Retries, cache_paths, pair_faces
+    from shardface.eval.cfp import read_list
+    from shardface.faces.detect import Detection
+    from shardface.infer.pair_photos import FacesCache, Retries, cache_paths, pair_faces
 
     pair_list = read_list(path, images, protocol)
     faces_cache = cache_paths(path, None, cache_dir(args, path))[0]
@@ -239,9 +239,9 @@ def list_faces(args, path: str, images: str | None, protocol: str | None = None)
 
 def list_scores(args, path: str, pair_list, faces, run: str) -> tuple[float, float, float, float]:
     """(acc, std, acc-flip, std-flip) of a run's model on all the list's pairs, from the photos."""
-    from eval.pairs import score_pairs
-    from infer.model import load_model
-    from infer.pair_photos import EmbeddingCache, cache_paths, pair_embeddings
+    from shardface.eval.pairs import score_pairs
+    from shardface.infer.model import load_model
+    from shardface.infer.pair_photos import EmbeddingCache, cache_paths, pair_embeddings
 
     model = load_model(run)
     emb_cache = cache_paths(path, model.fingerprint, cache_dir(args, path))[1]
@@ -255,7 +255,7 @@ def list_scores(args, path: str, pair_list, faces, run: str) -> tuple[float, flo
 def speed(module: torch.nn.Module, size: int, threads: int, images: int = 256, batch: int = 64) -> float:
     """Images per second of `module` on size x size crops (infer.embed.embed: uint8 crops in,
     embeddings out, as every tool embeds) on `threads` threads, the median of 3 passes after a warm-up."""
-    from infer.embed import embed
+    from shardface.infer.embed import embed
 
     torch.set_num_threads(threads)
     crops = torch.randint(0, 256, (images, 3, size, size), dtype=torch.uint8)
@@ -270,9 +270,9 @@ def speed(module: torch.nn.Module, size: int, threads: int, images: int = 256, b
 
 def onnx_twin(module: torch.nn.Module, size: int, folder: str, name: str) -> str:
     """`module` exported as scripts.export_onnx writes it (its crop's template in the metadata), into `folder`."""
-    from faces.align import ARCFACE_112
-    from faces.dlib_chip import DLIB_150
-    from scripts.export_onnx import export
+    from shardface.faces.align import ARCFACE_112
+    from shardface.faces.dlib_chip import DLIB_150
+    from shardface.scripts.export_onnx import export
 
     path = os.path.join(folder, f"{name}.onnx")
     export(module, path, template=DLIB_150 if size == DLIB_150.size[0] else ARCFACE_112)
@@ -285,9 +285,9 @@ def speeds() -> None:
     writes runs)."""
     import tempfile
 
-    import backbones
-    from infer.model import load_model
-    from infer.onnx import OnnxBackbone
+    from shardface import backbones
+    from shardface.infer.model import load_model
+    from shardface.infer.onnx import OnnxBackbone
 
     cores = os.cpu_count() or 1
     nets = {"dlib (MODEL dlib, 150 chips)": (load_model("dlib").module, 150)}

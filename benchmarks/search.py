@@ -47,7 +47,7 @@ def _run(engine: str, size: int, dim: int, queries: int, k: int, repeat: int, th
     import faiss
     import torch
 
-    from infer.search import make_index
+    from shardface.infer.search import make_index
 
     torch.set_num_threads(threads)
     faiss.omp_set_num_threads(threads)
@@ -126,7 +126,7 @@ def _cells(
 
 
 def grid(sizes, dim: int, k: int, repeat: int, budget: float) -> list[dict]:
-    from infer.search import make_index
+    from shardface.infer.search import make_index
 
     every = len(os.sched_getaffinity(0))
     thread_counts = (1, every) if every > 1 else (1,)

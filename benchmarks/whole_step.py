@@ -175,10 +175,10 @@ def ours_config(args, classes: int) -> tuple[str, list[str]]:
 def run_ours(args, classes: int, device: torch.device):
     """train.py's step; returns (figures, the initial backbone and head weights, the batches,
     the resolved config, what the run logged about head_graph)."""
-    import train
-    from checkpoint.run_lock import RunLock
-    from configs import get_config
-    from parallel.stop import StopSignal
+    from shardface import train
+    from shardface.checkpoint.run_lock import RunLock
+    from shardface.configs import get_config
+    from shardface.parallel.stop import StopSignal
 
     config_path, argv = ours_config(args, classes)
     cfg = get_config(config_path, argv)
@@ -242,7 +242,7 @@ def run_theirs(args, aft, cfg, classes: int, device: torch.device, initial, batc
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    from dataset import normalize_images
+    from shardface.dataset import normalize_images
 
     normalized = [(normalize_images(images), labels.to(device)) for images, labels in batches]
     by_id = {id(images): i for i, (images, _) in enumerate(batches)}

@@ -14,9 +14,9 @@ import common  # noqa: F401,I001
 import torch
 from common import MB, table
 
-from backbones import get_model
-from parallel import Zero2Optimizer
-from parallel.ddp import DDPOptimizer
+from shardface.backbones import get_model
+from shardface.parallel import Zero2Optimizer
+from shardface.parallel.ddp import DDPOptimizer
 from tests.distributed import run_distributed
 
 OPTIMIZERS = {

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from checkpoint.state import plain
+from shardface.checkpoint.state import plain
 
 logger = logging.getLogger("shardface")
 

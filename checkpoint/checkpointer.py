@@ -6,13 +6,13 @@ import logging
 import os
 import shutil
 
-from checkpoint.files import CheckpointError
-from checkpoint.folders import find_checkpoint, list_checkpoints
-from checkpoint.load import load_checkpoint
-from checkpoint.save import save_checkpoint
-from checkpoint.state import TrainState, new_run_id
-from parallel.dist import barrier, from_rank0
-from utils.divergence import check_weights, weight_norm
+from shardface.checkpoint.files import CheckpointError
+from shardface.checkpoint.folders import find_checkpoint, list_checkpoints
+from shardface.checkpoint.load import load_checkpoint
+from shardface.checkpoint.save import save_checkpoint
+from shardface.checkpoint.state import TrainState, new_run_id
+from shardface.parallel.dist import barrier, from_rank0
+from shardface.utils.divergence import check_weights, weight_norm
 
 logger = logging.getLogger("shardface")
 # what a run writes beside its checkpoints, of its weights: an overwrite deletes them with the

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from checkpoint.state import TrainState
+from shardface.checkpoint.state import TrainState
 
 logger = logging.getLogger("shardface")
 

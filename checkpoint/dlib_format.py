@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from checkpoint.files import CheckpointError
+from shardface.checkpoint.files import CheckpointError
 
 _INF, _NINF, _NAN = 32000, 32001, 32002
 

@@ -8,11 +8,11 @@ import shutil
 
 import torch
 
-from configs.errors import UserError
-from utils.atomic import publishing
+from shardface.errors import ModelError
+from shardface.utils.atomic import publishing
 
 
-class CheckpointError(UserError, RuntimeError):
+class CheckpointError(ModelError):
     """A checkpoint that is missing, unreadable or does not fit this run (the message names it)."""
 
 

@@ -9,7 +9,7 @@ import shutil
 
 import torch
 
-from checkpoint.files import CheckpointError
+from shardface.checkpoint.files import CheckpointError
 
 logger = logging.getLogger("shardface")
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")

@@ -14,8 +14,8 @@ import os
 import re
 import shlex
 
-from checkpoint.files import CheckpointError
-from configs import parse_overrides
+from shardface.checkpoint.files import CheckpointError
+from shardface.configs import parse_overrides
 
 ARCFACE_RANK_FILE = re.compile(r"^checkpoint_gpu_(\d+)\.pt$")
 _RUN_KEYS = ("output", "resume", "overwrite")  # a train.py command's own, not the run's config

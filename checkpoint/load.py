@@ -9,9 +9,9 @@ import os
 
 import torch
 
-from checkpoint.files import CheckpointError, load_dict, safe_load
-from checkpoint.folders import HEAD_FILE, resolve_checkpoint
-from checkpoint.state import TrainState, exported, new_run_id, set_rng_state
+from shardface.checkpoint.files import CheckpointError, load_dict, safe_load
+from shardface.checkpoint.folders import HEAD_FILE, resolve_checkpoint
+from shardface.checkpoint.state import TrainState, exported, new_run_id, set_rng_state
 
 logger = logging.getLogger("shardface")
 

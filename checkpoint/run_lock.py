@@ -36,9 +36,9 @@ import socket
 import threading
 import time
 
-from checkpoint.files import CheckpointError
-from parallel.dist import from_every_rank, from_rank0, get_world_size
-from utils.atomic import process_alive
+from shardface.checkpoint.files import CheckpointError
+from shardface.parallel.dist import from_every_rank, from_rank0, get_world_size
+from shardface.utils.atomic import process_alive
 
 logger = logging.getLogger("shardface")
 

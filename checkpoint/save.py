@@ -9,11 +9,17 @@ from dataclasses import asdict
 
 import torch
 
-from checkpoint.files import CheckpointError, NoSpaceError, atomic_save, atomic_write_text, free_bytes
-from checkpoint.folders import list_checkpoints, prune_checkpoints
-from checkpoint.state import TrainState, cpu_tensors, exported, plain, rng_state
-from parallel.dist import from_every_rank, get_rank
-from utils.atomic import fsync_dir
+from shardface.checkpoint.files import (
+    CheckpointError,
+    NoSpaceError,
+    atomic_save,
+    atomic_write_text,
+    free_bytes,
+)
+from shardface.checkpoint.folders import list_checkpoints, prune_checkpoints
+from shardface.checkpoint.state import TrainState, cpu_tensors, exported, plain, rng_state
+from shardface.parallel.dist import from_every_rank, get_rank
+from shardface.utils.atomic import fsync_dir
 
 
 def _head_payload(head, head_opt) -> dict:

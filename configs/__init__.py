@@ -12,9 +12,9 @@ from typing import Any, Callable, Sequence
 
 from easydict import EasyDict as edict
 
-from configs.base import config as _base
-from configs.errors import ConfigError
-from configs.validate import validate_config
+from shardface.configs.base import config as _base
+from shardface.configs.validate import validate_config
+from shardface.errors import ConfigError
 
 __all__ = [
     "ConfigError",

@@ -1,12 +1,13 @@
 """Every default of a ShardFace run. Job configs override these; `--key value` overrides both.
 
-Key names follow insightface arcface_torch where the meaning is the same.
+Key names follow insightface arcface_torch where the meaning is the same. The table is aligned by
+hand (the formatter leaves it): `train.py --help` (configs/describe.py) reads each key's comment
+and the comment lines below it.
 """
 
 from easydict import EasyDict as edict
 
 # fmt: off
-# (an aligned table: describe.py reads each key's comment and its continuation lines)
 config = edict()
 
 # model

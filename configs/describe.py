@@ -20,6 +20,6 @@ def describe_keys(base_path: str | None = None) -> str:
                 out.append(f"  --{key} {value}" + (f"    {comment}" if comment else ""))
             elif line.lstrip().startswith("#") and line.startswith(" ") and out:
                 out.append(" " * 8 + line.strip().lstrip("#").strip())
-            elif line.startswith("# "):
+            elif line.startswith("# ") and not line.startswith("# fmt:"):  # the formatter's pragmas
                 out.append(f"\n{line[2:].strip()}:")
     return "\n".join(out)

@@ -6,7 +6,7 @@ network, seed and the distillation of each arm."""
 
 from easydict import EasyDict as edict
 
-from configs.demo import config as demo
+from shardface.configs.demo import config as demo
 
 config = edict()
 config.update(demo)  # the demo's recipe; what differs:

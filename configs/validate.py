@@ -6,7 +6,7 @@ import importlib.util
 import math
 import numbers
 
-from configs.errors import ConfigError
+from shardface.errors import ConfigError
 
 CHOICES = {
     "optimizer": ("sgd", "adamw"),

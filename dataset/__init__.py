@@ -1,4 +1,4 @@
-from dataset.errors import (
+from shardface.dataset.errors import (
     DataError,
     DataLayoutError,
     ImageDecodeError,
@@ -6,11 +6,11 @@ from dataset.errors import (
     LabelError,
     RecordIOError,
 )
-from dataset.faces import FolderFaceDataset, MXFaceDataset, SyntheticDataset, build_dataset
-from dataset.folders import list_identity_folders
-from dataset.images import decode_chw, decode_image, normalize_images
-from dataset.loader import ResumableDistributedSampler, get_dataloader
-from dataset.recordio import IndexedRecordReader, IRHeader, RecordWriter, pack, unpack
+from shardface.dataset.faces import FolderFaceDataset, MXFaceDataset, SyntheticDataset, build_dataset
+from shardface.dataset.folders import list_identity_folders
+from shardface.dataset.images import decode_chw, decode_image, normalize_images
+from shardface.dataset.loader import ResumableDistributedSampler, get_dataloader
+from shardface.dataset.recordio import IndexedRecordReader, IRHeader, RecordWriter, pack, unpack
 
 __all__ = [
     "MXFaceDataset",

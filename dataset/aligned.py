@@ -8,8 +8,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from dataset.errors import DataLayoutError
-from dataset.faces import FolderFaceDataset, SkipCounter
+from shardface.dataset.errors import DataLayoutError
+from shardface.dataset.faces import FolderFaceDataset, SkipCounter
 
 
 class AlignedFolderDataset(FolderFaceDataset):

@@ -1,10 +1,6 @@
 """What can be wrong with training data. Every message names the file and the key or value."""
 
-from configs.errors import UserError
-
-
-class DataError(UserError, ValueError):
-    """A training-data problem: a missing or malformed file, image or label."""
+from shardface.errors import DataError
 
 
 class RecordIOError(DataError):

@@ -10,14 +10,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dataset.errors import DataLayoutError, ImageDecodeError, ImageSizeError, LabelError
-from dataset.fingerprint import folder_fingerprint, recordio_fingerprint, synthetic_fingerprint
-from dataset.folders import list_identity_folders, list_images
-from dataset.geometry import check_files, check_records
-from dataset.images import FACE_SIZE, decode_chw, decode_image, normalize_images, read_image_file
-from dataset.layout import class_count, image_keys
-from dataset.pack import recover_rec_set
-from dataset.recordio import IndexedRecordReader, unpack
+from shardface.dataset.errors import DataLayoutError, ImageDecodeError, ImageSizeError, LabelError
+from shardface.dataset.fingerprint import folder_fingerprint, recordio_fingerprint, synthetic_fingerprint
+from shardface.dataset.folders import list_identity_folders, list_images
+from shardface.dataset.geometry import check_files, check_records
+from shardface.dataset.images import FACE_SIZE, decode_chw, decode_image, normalize_images, read_image_file
+from shardface.dataset.layout import class_count, image_keys
+from shardface.dataset.pack import recover_rec_set
+from shardface.dataset.recordio import IndexedRecordReader, unpack
 
 logger = logging.getLogger("shardface")
 

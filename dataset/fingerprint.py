@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-from dataset.errors import DataLayoutError
+from shardface.dataset.errors import DataLayoutError
 
 _ENDS = 64  # index entries hashed at each end of a RecordIO set
 _READ = 4  # records hashed at each end

@@ -12,8 +12,8 @@ import logging
 import os
 import stat
 
-from dataset.errors import DataLayoutError
-from dataset.images import IMAGE_EXTENSIONS
+from shardface.dataset.errors import DataLayoutError
+from shardface.dataset.images import IMAGE_EXTENSIONS
 
 logger = logging.getLogger("shardface")
 SHOWN = 3  # folders named in a warning

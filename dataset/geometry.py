@@ -8,9 +8,9 @@ import os
 import random
 from typing import Callable, Iterable
 
-from dataset.errors import ImageDecodeError, ImageSizeError
-from dataset.folders import regular_file
-from dataset.images import FACE_SIZE, image_size
+from shardface.dataset.errors import ImageDecodeError, ImageSizeError
+from shardface.dataset.folders import regular_file
+from shardface.dataset.images import FACE_SIZE, image_size
 
 logger = logging.getLogger("shardface")
 

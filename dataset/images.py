@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from dataset.errors import ImageDecodeError
+from shardface.dataset.errors import ImageDecodeError
 
 # every format Pillow reads that people keep photos in; the file's bytes decide the decoder
 IMAGE_EXTENSIONS = (

@@ -16,8 +16,8 @@ import logging
 
 import numpy as np
 
-from dataset.errors import RecordIOError
-from dataset.recordio import IndexedRecordReader, unpack
+from shardface.dataset.errors import RecordIOError
+from shardface.dataset.recordio import IndexedRecordReader, unpack
 
 logger = logging.getLogger("shardface")
 _REPACK = "re-pack the images with `python -m scripts.pack_rec` (insightface layout)"

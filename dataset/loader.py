@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from dataset.errors import DataError
-from dataset.images import jpeg_decoder
+from shardface.dataset.errors import DataError
+from shardface.dataset.images import jpeg_decoder
 
 
 class ResumableDistributedSampler(Sampler[int]):

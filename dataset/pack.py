@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
-from dataset.recordio import IRHeader, RecordWriter, pack
-from utils.atomic import OutputError, publishing_set, recover_set
+from shardface.dataset.recordio import IRHeader, RecordWriter, pack
+from shardface.errors import OutputError
+from shardface.utils.atomic import publishing_set, recover_set
 
 
 def rec_set(out_dir: str) -> list[str]:

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dataset.errors import RecordIOError
+from shardface.dataset.errors import RecordIOError
 
 MAGIC = 0xCED7230A
 _MAGIC_BYTES = struct.pack("<I", MAGIC)

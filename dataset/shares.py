@@ -40,10 +40,10 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from configs.errors import ConfigError, UserError
-from heads.sharding import class_shard
-from parallel.flat import Range
-from utils.atomic import publishing, publishing_dir
+from shardface.errors import ConfigError, UserError
+from shardface.heads.sharding import class_shard
+from shardface.parallel.flat import Range
+from shardface.utils.atomic import publishing, publishing_dir
 
 MANIFEST = "part.json"
 WAIT_MIN_S = 600.0  # rank 0 waits at least this long for the other ranks' parts after its own

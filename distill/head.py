@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from checkpoint.state import DISTILL_PROJECTION
-from distill.losses import DISTILL_LOSSES, centred, cosine_distill, relational_distill
-from parallel.collectives import all_gather_no_grad, all_gather_rows
-from parallel.dist import get_rank, get_world_size
+from shardface.checkpoint.state import DISTILL_PROJECTION
+from shardface.distill.losses import DISTILL_LOSSES, centred, cosine_distill, relational_distill
+from shardface.parallel.collectives import all_gather_no_grad, all_gather_rows
+from shardface.parallel.dist import get_rank, get_world_size
 
 PROJECTION = DISTILL_PROJECTION  # training-only: checkpoint.state.exported leaves it out of model.pt
 

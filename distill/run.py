@@ -9,11 +9,11 @@ import logging
 import torch
 from torch import nn
 
-from configs.errors import ConfigError
-from distill.head import DistillLoss, attach_projection
-from distill.losses import DISTILL_LOSSES, centred, constant_student_loss
-from distill.teacher import load_teacher, teacher_statistics
-from distill.teacher_file import TeacherFile, data_transform
+from shardface.distill.head import DistillLoss, attach_projection
+from shardface.distill.losses import DISTILL_LOSSES, centred, constant_student_loss
+from shardface.distill.teacher import load_teacher, teacher_statistics
+from shardface.distill.teacher_file import TeacherFile, data_transform
+from shardface.errors import ConfigError
 
 logger = logging.getLogger("shardface")
 

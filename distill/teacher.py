@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from configs.errors import ConfigError
-from dataset import normalize_images
-from distill.teacher_file import TeacherFile, is_teacher_file
-from faces.align import ARCFACE_112, Template
-from infer.model import Model, load_model
-from infer.onnx import OnnxBackbone
-from parallel.dist import get_rank, get_world_size
+from shardface.dataset import normalize_images
+from shardface.distill.teacher_file import TeacherFile, is_teacher_file
+from shardface.errors import ConfigError
+from shardface.faces.align import ARCFACE_112, Template
+from shardface.infer.model import Model, load_model
+from shardface.infer.onnx import OnnxBackbone
+from shardface.parallel.dist import get_rank, get_world_size
 
 _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _AUTOCAST_CASTS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.PReLU)  # weights autocast casts per call

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from checkpoint.files import CheckpointError
-from configs.errors import ConfigError
-from utils.atomic import publishing
-from utils.progress import Progress
+from shardface.checkpoint.files import CheckpointError
+from shardface.errors import ConfigError
+from shardface.utils.atomic import publishing
+from shardface.utils.progress import Progress
 
 MAGIC = b"SHARDFACE-TEACHER\n"
 ALIGN = 64

@@ -8,11 +8,11 @@ import os
 
 import numpy as np
 
-from checkpoint.files import atomic_write_text
-from checkpoint.state import exported, weights_fingerprint
-from eval.verification import NFOLDS, VerificationDataError, bin_path, l2_normalize, load_bin, test
-from infer.thresholds import THRESHOLD_FILE, threshold_at_far
-from parallel.dist import barrier
+from shardface.checkpoint.files import atomic_write_text
+from shardface.checkpoint.state import exported, weights_fingerprint
+from shardface.eval.verification import NFOLDS, VerificationDataError, bin_path, l2_normalize, load_bin, test
+from shardface.infer.thresholds import THRESHOLD_FILE, threshold_at_far
+from shardface.parallel.dist import barrier
 
 logger = logging.getLogger("shardface")
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import os
 
-from eval.pairs import PairList, PairListError, is_whole_number, read_pair_list
-from eval.verification import NFOLDS
+from shardface.eval.pairs import PairList, PairListError, is_whole_number, read_pair_list
+from shardface.eval.verification import NFOLDS
 
 PROTOCOLS = ("FP", "FF")
 LISTS = {"F": "Pair_list_F.txt", "P": "Pair_list_P.txt"}

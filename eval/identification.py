@@ -21,7 +21,7 @@ import math
 import numpy as np
 from PIL import Image, ImageDraw
 
-from utils.atomic import publishing
+from shardface.utils.atomic import publishing
 
 FPIR_LEVELS = (1e-1, 1e-2)
 

@@ -22,12 +22,12 @@ import numpy as np
 from PIL import Image, ImageDraw
 from sklearn.metrics import roc_curve
 
-from configs.errors import UserError
-from dataset.errors import DataError
-from faces.detect import Face
-from infer.model import as_model
-from infer.stream import analyse
-from utils.atomic import check_output_file, publishing
+from shardface.dataset.errors import DataError
+from shardface.errors import UserError
+from shardface.faces.detect import Face
+from shardface.infer.model import as_model
+from shardface.infer.stream import analyse
+from shardface.utils.atomic import check_output_file, publishing
 
 FAR_LEVELS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
 

@@ -19,9 +19,15 @@ import os
 
 import numpy as np
 
-from dataset import DataError
-from eval.identification import FPIR_LEVELS, insightface_tpir, mate_ranks, rank_accuracy, tpir_at_fpir
-from eval.ijb import image_features, read_faces, template_features
+from shardface.dataset import DataError
+from shardface.eval.identification import (
+    FPIR_LEVELS,
+    insightface_tpir,
+    mate_ranks,
+    rank_accuracy,
+    tpir_at_fpir,
+)
+from shardface.eval.ijb import image_features, read_faces, template_features
 
 GALLERIES = {"ijbc": ("G1", "G2"), "ijbb": ("S1", "S2")}
 

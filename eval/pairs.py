@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dataset.errors import DataError
-from eval.verification import NFOLDS, VerificationResult, evaluate
-from infer.embed import l2_normalize
+from shardface.dataset.errors import DataError
+from shardface.eval.verification import NFOLDS, VerificationResult, evaluate
+from shardface.infer.embed import l2_normalize
 
 
 class PairListError(DataError):

@@ -18,12 +18,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from dataset.errors import DataError
-from dataset.images import to_rgb
-from faces.align import ARCFACE_112
-from infer.embed import embed, l2_normalize
-from infer.model import as_model
-from utils.atomic import publishing
+from shardface.dataset.errors import DataError
+from shardface.dataset.images import to_rgb
+from shardface.faces.align import ARCFACE_112
+from shardface.infer.embed import embed, l2_normalize
+from shardface.infer.model import as_model
+from shardface.utils.atomic import publishing
 
 
 class VerificationDataError(DataError):

@@ -2,17 +2,14 @@
 """Use a face model from Python, in face_recognition's spirit: load it, find faces, embed,
 compare, enrol a gallery and identify.
 
-    python examples/use_a_model.py MODEL PEOPLE QUERY [OTHER]
+    python examples/use_a_model.py MODEL PEOPLE QUERY [OTHER]    (shardface installed: make setup)
 
 MODEL: `dlib`, a run or checkpoint directory, a model.pt or an .onnx. PEOPLE: a folder with one
 folder of photos per person. QUERY, OTHER: photos (OTHER defaults to QUERY)."""
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-
-from infer import Gallery, load_model  # noqa: E402
+from shardface import Gallery, load_model
 
 
 def main(model_name: str, people: str, query: str, other: str | None = None) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from dataset.images import to_rgb
+from shardface.dataset.images import to_rgb
 
 
 @dataclass(frozen=True)

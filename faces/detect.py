@@ -28,9 +28,9 @@ from typing import Callable
 import numpy as np
 from PIL import Image, ImageOps
 
-from dataset.errors import ImageDecodeError
-from dataset.images import to_rgb
-from faces.models import ModelFileError, model_file
+from shardface.dataset.errors import ImageDecodeError
+from shardface.dataset.images import to_rgb
+from shardface.faces.models import ModelFileError, model_file
 
 DETECTORS = ("hog", "mmod")
 LANDMARKS = {"5": "shape_predictor_5_face_landmarks.dat", "68": "shape_predictor_68_face_landmarks.dat"}

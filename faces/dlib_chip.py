@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from dataset.images import to_rgb
-from faces.align import Template, similarity_transform, warp
+from shardface.dataset.images import to_rgb
+from shardface.faces.align import Template, similarity_transform, warp
 
 SIZE, PADDING = 150, 0.25
 

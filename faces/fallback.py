@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from faces.align import similarity_transform
-from faces.detect import Face, five_from_dlib5
-from faces.dlib_chip import DLIB_150, DLIB_150_SHAPE5
+from shardface.faces.align import similarity_transform
+from shardface.faces.detect import Face, five_from_dlib5
+from shardface.faces.dlib_chip import DLIB_150, DLIB_150_SHAPE5
 
 FALLBACK_SCORE = 0.0  # a fallback face is no detection: below any detector's kept score
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from configs.errors import UserError
+from shardface.errors import ModelError
 
 PACKAGE = "face_recognition_models"
 INSTALL_HINT = "install it with `make setup` (pip install face-recognition-models)"
@@ -22,7 +22,7 @@ FILES = {
 }
 
 
-class ModelFileError(UserError, FileNotFoundError):
+class ModelFileError(ModelError, FileNotFoundError):
     """A model file that is missing or unreadable."""
 
 

@@ -11,9 +11,9 @@ from typing import Callable
 
 import numpy as np
 
-from dataset.shares import WAIT_MIN_S, Parts, list_key, share_of
-from faces.detect import Detection, Face
-from faces.stream import Found, find_faces
+from shardface.dataset.shares import WAIT_MIN_S, Parts, list_key, share_of
+from shardface.faces.detect import Detection, Face
+from shardface.faces.stream import Found, find_faces
 
 
 def _record(face: Face) -> dict:

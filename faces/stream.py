@@ -21,12 +21,12 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 from PIL import Image
 
-from dataset.errors import DataError
-from dataset.images import decode_chw, read_image_file, resize_face, to_rgb
-from faces.align import ARCFACE_112, Template, align
-from faces.detect import Detection, Face, load_photo
-from faces.dlib_chip import dlib_chip
-from faces.workers import map_photos
+from shardface.dataset.errors import DataError
+from shardface.dataset.images import decode_chw, read_image_file, resize_face, to_rgb
+from shardface.faces.align import ARCFACE_112, Template, align
+from shardface.faces.detect import Detection, Face, load_photo
+from shardface.faces.dlib_chip import dlib_chip
+from shardface.faces.workers import map_photos
 
 logger = logging.getLogger("shardface")
 SHOWN = 3  # photos named in a message
@@ -157,7 +157,12 @@ def stream(
     items = [(i, p, None if faces is None else faces[i]) for i, p in enumerate(photos)]
     setup = detection.worker_setup() if detection is not None and faces is None else None
     return map_photos(
-        task, items, workers, progress, name=lambda item: photo_name(item[1], item[0]), setup=setup
+        task,
+        items,
+        workers=workers,
+        progress=progress,
+        name=lambda item: photo_name(item[1], item[0]),
+        setup=setup,
     )
 
 

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from heads.partial_fc import PartialFC, SampledRows
+from shardface.heads.partial_fc import PartialFC, SampledRows
 
 logger = logging.getLogger("shardface")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from heads.partial_fc import PartialFC
-from parallel.wrapped import WrappedOptimizer
+from shardface.heads.partial_fc import PartialFC
+from shardface.parallel.wrapped import WrappedOptimizer
 
 
 class SampledRowsOptimizer(WrappedOptimizer):

@@ -6,11 +6,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from heads.sharded_ce import HeadPlan, ShardedMarginCE, rows_of_classes
-from heads.sharding import check_world_fits, class_shard, initial_class_rows
-from losses.base import MarginLoss
-from parallel.collectives import all_gather_no_grad, all_gather_rows
-from parallel.dist import get_rank, get_world_size
+from shardface.heads.sharded_ce import HeadPlan, ShardedMarginCE, rows_of_classes
+from shardface.heads.sharding import check_world_fits, class_shard, initial_class_rows
+from shardface.losses.base import MarginLoss
+from shardface.parallel.collectives import all_gather_no_grad, all_gather_rows
+from shardface.parallel.dist import get_rank, get_world_size
 
 EPS = 1e-12
 

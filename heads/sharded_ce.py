@@ -54,9 +54,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from losses.base import MarginLoss
-from parallel.collectives import all_gather_flat
-from parallel.dist import get_world_size
+from shardface.losses.base import MarginLoss
+from shardface.parallel.collectives import all_gather_flat
+from shardface.parallel.dist import get_world_size
 
 EPS = 1e-12
 # Where a margin's other logits are s * cos (`MarginLoss.linear_other_logits`), the head keeps

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from configs.errors import ConfigError
-from parallel.flat import Range
+from shardface.errors import ConfigError
+from shardface.parallel.flat import Range
 
 
 def class_shard(num_classes: int, world_size: int, rank: int) -> Range:

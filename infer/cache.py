@@ -26,9 +26,10 @@ import time
 
 import numpy as np
 
-from dataset.errors import DataError
-from dataset.fingerprint import file_ends
-from utils.atomic import OutputError, check_output_file, host_name, process_alive, publishing
+from shardface.dataset.errors import DataError
+from shardface.dataset.fingerprint import file_ends
+from shardface.errors import OutputError
+from shardface.utils.atomic import check_output_file, host_name, process_alive, publishing
 
 FORMAT = 3  # 3: every kind in one layout, keyed by content (2: the gallery's own)
 HASH_BLOCK = 1 << 16  # the bytes hashed at each end of a photo

@@ -7,8 +7,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from checkpoint.files import CheckpointError
-from dataset.images import normalize_images
+from shardface.checkpoint.files import CheckpointError
+from shardface.dataset.images import normalize_images
 
 
 def l2_normalize(x: np.ndarray) -> np.ndarray:

@@ -18,18 +18,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dataset import DataError
-from dataset.folders import hidden, identity_folders, not_regular, walk_images
-from dataset.images import IMAGE_EXTENSIONS, image_size
-from faces.align import ARCFACE_112, Template
-from faces.detect import Face
-from faces.stream import no_face_message
-from infer.cache import SAVE_EVERY_S, Cache, content_key
-from infer.embed import l2_normalize
-from infer.search import make_index
-from infer.stream import analyse, template_for
-from infer.thresholds import chosen_threshold, no_threshold
-from utils.progress import Progress
+from shardface.dataset import DataError
+from shardface.dataset.folders import hidden, identity_folders, not_regular, walk_images
+from shardface.dataset.images import IMAGE_EXTENSIONS, image_size
+from shardface.faces.align import ARCFACE_112, Template
+from shardface.faces.detect import Face
+from shardface.faces.stream import no_face_message
+from shardface.infer.cache import SAVE_EVERY_S, Cache, content_key
+from shardface.infer.embed import l2_normalize
+from shardface.infer.search import make_index
+from shardface.infer.stream import analyse, template_for
+from shardface.infer.thresholds import chosen_threshold, no_threshold
+from shardface.utils.progress import Progress
 
 COLLAPSED = 0.99  # mean cosine between different people's templates above which we warn
 logger = logging.getLogger("shardface")

@@ -26,19 +26,19 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 from torch import nn
 
-from backbones.dlib_resnet import DlibResNet
-from checkpoint.state import weights_fingerprint
-from dataset.errors import DataError
-from faces.align import ARCFACE_112, Template, similarity_transform
-from faces.detect import Detection, Face
-from faces.dlib_chip import DLIB_150
-from faces.models import model_file
-from faces.stream import open_image
-from infer.embed import module_device
-from infer.onnx import OnnxBackbone
-from infer.stream import analyse, embed_crops
-from infer.thresholds import DLIB_OWN, Threshold, run_threshold
-from infer.weights import DLIB, DLIB_FILE, dlib_state, load_backbone
+from shardface.backbones.dlib_resnet import DlibResNet
+from shardface.checkpoint.state import weights_fingerprint
+from shardface.dataset.errors import DataError
+from shardface.faces.align import ARCFACE_112, Template, similarity_transform
+from shardface.faces.detect import Detection, Face
+from shardface.faces.dlib_chip import DLIB_150
+from shardface.faces.models import model_file
+from shardface.faces.stream import open_image
+from shardface.infer.embed import module_device
+from shardface.infer.onnx import OnnxBackbone
+from shardface.infer.stream import analyse, embed_crops
+from shardface.infer.thresholds import DLIB_OWN, Threshold, run_threshold
+from shardface.infer.weights import DLIB, DLIB_FILE, dlib_state, load_backbone
 
 MODEL_HELP = "run output, checkpoint dir, model.pt (ShardFace or arcface_torch), .onnx or dlib"
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -71,7 +71,7 @@ def model_files(spec: str) -> list[str]:
         return [model_file(DLIB_FILE)]
     if not os.path.isdir(spec):
         return [spec, os.path.join(os.path.dirname(os.path.abspath(spec)), "config.json")]
-    from checkpoint.folders import find_checkpoint
+    from shardface.checkpoint.folders import find_checkpoint
 
     ckpt = find_checkpoint(spec) or spec
     run = [os.path.join(spec, f) for f in ("config.json", "latest", "model.pt")]

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from checkpoint.files import CheckpointError
-from checkpoint.load import refuse_non_finite
-from faces.align import ARCFACE_112, Template
-from infer.thresholds import THRESHOLD_KEY, saved_threshold
+from shardface.checkpoint.files import CheckpointError
+from shardface.checkpoint.load import refuse_non_finite
+from shardface.faces.align import ARCFACE_112, Template
+from shardface.infer.thresholds import THRESHOLD_KEY, saved_threshold
 
 TEMPLATE_KEY = "shardface.template"  # ONNX metadata: the crop template the model takes (JSON)
 

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dataset.errors import DataError
-from faces.detect import Detection, Face
-from faces.fallback import Fallback
-from faces.stream import stream
-from infer.cache import Cache, content_key
-from infer.stream import analyse
-from utils.progress import Progress
+from shardface.dataset.errors import DataError
+from shardface.faces.detect import Detection, Face
+from shardface.faces.fallback import Fallback
+from shardface.faces.stream import stream
+from shardface.infer.cache import Cache, content_key
+from shardface.infer.stream import analyse
+from shardface.utils.progress import Progress
 
 SHOWN = 20  # photos named in a report
 SHAPE = 68  # the most points of dlib's shape a face row holds

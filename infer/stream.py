@@ -10,11 +10,11 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from dataset.errors import DataError
-from faces.align import ARCFACE_112, Template
-from faces.detect import Face
-from faces.stream import Crop, Photo, stream
-from infer.embed import embed, l2_normalize, refuse_non_finite_embeddings
+from shardface.dataset.errors import DataError
+from shardface.faces.align import ARCFACE_112, Template
+from shardface.faces.detect import Face
+from shardface.faces.stream import Crop, Photo, stream
+from shardface.infer.embed import embed, l2_normalize, refuse_non_finite_embeddings
 
 
 def analyse(

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from checkpoint.state import weights_fingerprint
-from configs.errors import ConfigError
-from infer.weights import load_backbone_state
+from shardface.checkpoint.state import weights_fingerprint
+from shardface.errors import ConfigError
+from shardface.infer.weights import load_backbone_state
 
 DLIB_DISTANCE = 0.6  # dlib's same-person rule on its raw descriptors (dlib's face_recognition example)
 DLIB_NORM = 1.36  # the mean norm of dlib's descriptors of real faces (docs/identification.md)
@@ -147,7 +147,7 @@ def run_threshold(path: str, ema: bool = True, fingerprint: str | None = None) -
     run's model.pt: the latest checkpoint's weights, the EMA's where there is one) if it was measured on
     them: at their step and, where the record names a fingerprint, theirs (`fingerprint`, else read from
     `path`); else None (an earlier run's file in the same folder is not theirs)."""
-    from checkpoint.folders import CHECKPOINT_NAME, find_checkpoint
+    from shardface.checkpoint.folders import CHECKPOINT_NAME, find_checkpoint
 
     run = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     ckpt = find_checkpoint(run)

@@ -8,12 +8,12 @@ import os
 
 from torch import nn
 
-from backbones import get_model
-from backbones.dlib_resnet import DlibResNet
-from checkpoint.dlib_format import read_network, state_dict_for
-from checkpoint.files import CheckpointError
-from checkpoint.load import read_backbone_weights, refuse_non_finite, state_mismatch
-from faces.models import model_file
+from shardface.backbones import get_model
+from shardface.backbones.dlib_resnet import DlibResNet
+from shardface.checkpoint.dlib_format import read_network, state_dict_for
+from shardface.checkpoint.files import CheckpointError
+from shardface.checkpoint.load import read_backbone_weights, refuse_non_finite, state_mismatch
+from shardface.faces.models import model_file
 
 DLIB = "dlib"  # the MODEL / init_backbone name of dlib's face descriptor
 DLIB_FILE = "dlib_face_recognition_resnet_model_v1.dat"

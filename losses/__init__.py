@@ -1,10 +1,10 @@
-from losses.adaface import AdaFace
-from losses.base import MarginLoss
-from losses.build import MARGINS, build_margin
-from losses.curricularface import CurricularFace
-from losses.magface import MagFace
-from losses.margin import AMSoftmax, ArcFace, CombinedMarginLoss, CosFace
-from losses.subcenter import SubCenterArcFace
+from shardface.losses.adaface import AdaFace
+from shardface.losses.base import MarginLoss
+from shardface.losses.build import MARGINS, build_margin
+from shardface.losses.curricularface import CurricularFace
+from shardface.losses.magface import MagFace
+from shardface.losses.margin import AMSoftmax, ArcFace, CombinedMarginLoss, CosFace
+from shardface.losses.subcenter import SubCenterArcFace
 
 __all__ = [
     "MarginLoss",

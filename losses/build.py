@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from losses.adaface import AdaFace
-from losses.base import MarginLoss
-from losses.curricularface import CurricularFace
-from losses.magface import MagFace
-from losses.margin import CombinedMarginLoss
-from losses.subcenter import SubCenterArcFace
+from shardface.losses.adaface import AdaFace
+from shardface.losses.base import MarginLoss
+from shardface.losses.curricularface import CurricularFace
+from shardface.losses.magface import MagFace
+from shardface.losses.margin import CombinedMarginLoss
+from shardface.losses.subcenter import SubCenterArcFace
 
 MARGINS = ("combined", "arcface", "cosface", "adaface", "magface", "curricularface", "subcenter_arcface")
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from losses.base import MarginLoss
+from shardface.losses.base import MarginLoss
 
 
 class CurricularFace(MarginLoss):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from losses.margin import CombinedMarginLoss
+from shardface.losses.margin import CombinedMarginLoss
 
 
 class SubCenterArcFace(CombinedMarginLoss):

@@ -1,8 +1,8 @@
-from parallel.dist import DistInfo, get_rank, get_world_size, init_distributed, setup_logging
-from parallel.ema import ShardedEMA
-from parallel.flat import FlatLayout, ParamSlot, Range, build_layouts
-from parallel.scaler import DynamicLossScaler
-from parallel.zero import Zero2Optimizer
+from shardface.parallel.dist import DistInfo, get_rank, get_world_size, init_distributed, setup_logging
+from shardface.parallel.ema import ShardedEMA
+from shardface.parallel.flat import FlatLayout, ParamSlot, Range, build_layouts
+from shardface.parallel.scaler import DynamicLossScaler
+from shardface.parallel.zero import Zero2Optimizer
 
 __all__ = [
     "Zero2Optimizer",

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from configs.errors import ConfigError
-from parallel.dist import from_every_rank
+from shardface.errors import ConfigError
+from shardface.parallel.dist import from_every_rank
 
 _GROUPS_SHOWN = 4  # value groups named per key; more are counted
 

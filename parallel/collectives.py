@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel.dist import get_world_size
+from shardface.parallel.dist import get_world_size
 
 # torch >= 2.14 renamed the flat-tensor collectives; keep one spelling here.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -9,9 +9,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from parallel.dist import get_rank, get_world_size
-from parallel.grad_ops import clip_global_norm_, unscale_and_check_
-from parallel.wrapped import WrappedOptimizer
+from shardface.parallel.dist import get_rank, get_world_size
+from shardface.parallel.grad_ops import clip_global_norm_, unscale_and_check_
+from shardface.parallel.wrapped import WrappedOptimizer
 
 
 class DDPOptimizer(WrappedOptimizer):

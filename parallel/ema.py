@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.collectives import all_gather_no_grad
-from parallel.dist import get_rank, get_world_size
-from parallel.flat import build_layouts
+from shardface.parallel.collectives import all_gather_no_grad
+from shardface.parallel.dist import get_rank, get_world_size
+from shardface.parallel.flat import build_layouts
 
 
 class ShardedEMA:

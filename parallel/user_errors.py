@@ -1,6 +1,6 @@
 """User errors on the console: one line, `error: <message>`, printed once per job, exit code 2.
 
-A `configs.errors.UserError` (ConfigError, DataError, CheckpointError) is bad input the user
+A `errors.UserError` (ConfigError, DataError, CheckpointError) is bad input the user
 can fix, and its traceback says nothing the message does not; `SHARDFACE_DEBUG=1` shows it
 anyway. Under torchrun most such errors are found by every rank alike (the same config, the
 same missing file), a few by one rank only (a record one rank read). Rank 0 prints at once
@@ -20,7 +20,7 @@ import re
 import sys
 from typing import Callable, TypeVar
 
-from configs.errors import UserError
+from shardface.errors import UserError
 
 EXIT_USER_ERROR = 2
 DEBUG_ENV = "SHARDFACE_DEBUG"

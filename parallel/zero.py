@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.collectives import all_gather_flat, all_gather_no_grad, reduce_scatter_flat
-from parallel.dist import get_rank, get_world_size
-from parallel.flat import FlatLayout, ParamSlot, Range, ShardPiece, build_layouts
-from parallel.grad_ops import clip_global_norm_, unscale_and_check_
-from parallel.scratch import ScratchPool
-from parallel.wrapped import WrappedOptimizer
+from shardface.parallel.collectives import all_gather_flat, all_gather_no_grad, reduce_scatter_flat
+from shardface.parallel.dist import get_rank, get_world_size
+from shardface.parallel.flat import FlatLayout, ParamSlot, Range, ShardPiece, build_layouts
+from shardface.parallel.grad_ops import clip_global_norm_, unscale_and_check_
+from shardface.parallel.scratch import ScratchPool
+from shardface.parallel.wrapped import WrappedOptimizer
 
 
 class BucketState(Enum):

@@ -18,12 +18,6 @@ files one process writes (dataset/shares.py)."""
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
-    import os
-    import sys
-
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import csv
 import os
 import re
@@ -31,27 +25,26 @@ import sys
 import time
 from collections import Counter
 
-from configs.errors import ConfigError
-from dataset import DataError, DataLayoutError
-from dataset.folders import walk_images
-from dataset.geometry import check_files
-from dataset.images import IMAGE_EXTENSIONS
-from dataset.shares import WAIT_MIN_S, Parts, launch_rank, list_key, share_of
-from faces.align import ARCFACE_112
-from faces.detect import Detection, check_available
-from faces.stream import Crop, no_face_message, stream
-from faces.workers import warm_up
-from parallel.user_errors import exits_on_user_error
-from scripts.cli import ArgumentParser
-from scripts.options import (
+from shardface.dataset import DataError, DataLayoutError
+from shardface.dataset.folders import walk_images
+from shardface.dataset.geometry import check_files
+from shardface.dataset.images import IMAGE_EXTENSIONS
+from shardface.dataset.shares import WAIT_MIN_S, Parts, launch_rank, list_key, share_of
+from shardface.errors import ConfigError, OutputError
+from shardface.faces.align import ARCFACE_112
+from shardface.faces.detect import Detection, check_available
+from shardface.faces.stream import Crop, no_face_message, stream
+from shardface.parallel.user_errors import exits_on_user_error
+from shardface.scripts.cli import ArgumentParser
+from shardface.scripts.options import (
     add_detection_options,
     add_rank_options,
     add_workers_option,
     detection_from,
     workers_from,
 )
-from utils.atomic import OutputError, check_output_dir, publishing_dir
-from utils.progress import Progress
+from shardface.utils.atomic import check_output_dir, publishing_dir
+from shardface.utils.progress import Progress
 
 REPORT = "align_report.csv"
 MAX_SIZE = 1024  # crop side: 112 for insightface's networks, 150 for dlib's
@@ -249,7 +242,6 @@ def main(argv=None) -> int:
             f"--size {args.size}: from 16 to {MAX_SIZE} pixels (a crop is size x size x 3 bytes in memory)"
         )
     detection = detection_from(args)
-    warm_up(stream, workers)  # the workers' imports, while the photos are listed and checked
     check_available(detection.detector, detection.landmarks)  # a missing model file: one line, at start
     photos = photos_under(src)
     check_names(photos, crop_stems(photos), args.largest)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from configs.errors import ConfigError
+from shardface.errors import ConfigError
 
 
 def underscored(token: str) -> str:

@@ -14,25 +14,25 @@ template (no face: refused); a photo with several faces is named, with its count
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
-    import os
-    import sys
-
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import sys
 
 import numpy as np
 
-from dataset import DataError
-from dataset.geometry import check_files
-from eval.verification import best_threshold, load_bin
-from faces.stream import Found, no_face_message
-from infer.stream import analyse
-from infer.thresholds import chosen_threshold
-from parallel.user_errors import exits_on_user_error
-from scripts.cli import ArgumentParser
-from scripts.options import add_align_options, add_model_options, face_detection, model_from, workers_from
+from shardface.dataset import DataError
+from shardface.dataset.geometry import check_files
+from shardface.eval.verification import best_threshold, load_bin
+from shardface.faces.stream import Found, no_face_message
+from shardface.infer.stream import analyse
+from shardface.infer.thresholds import chosen_threshold
+from shardface.parallel.user_errors import exits_on_user_error
+from shardface.scripts.cli import ArgumentParser
+from shardface.scripts.options import (
+    add_align_options,
+    add_model_options,
+    face_detection,
+    model_from,
+    workers_from,
+)
 
 
 @exits_on_user_error

@@ -5,12 +5,6 @@ configs/demo.py on N gloo ranks, verify the trained model on unseen identities, 
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
-    import os
-    import sys
-
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import os
 import shutil
 import subprocess
@@ -19,12 +13,12 @@ import time
 
 import torch
 
-from backbones import get_model
-from configs import get_config
-from eval.verification import load_bin, test
-from infer.weights import load_backbone
-from parallel.user_errors import exits_on_user_error
-from scripts.cli import ArgumentParser
+from shardface.backbones import get_model
+from shardface.configs import get_config
+from shardface.eval.verification import load_bin, test
+from shardface.infer.weights import load_backbone
+from shardface.parallel.user_errors import exits_on_user_error
+from shardface.scripts.cli import ArgumentParser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/demo.py"

@@ -11,12 +11,6 @@ C x D weight of those centres) and `noisy_images.txt` (dataset indices of images
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
-    import os
-    import sys
-
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import argparse
 import glob
 import json
@@ -26,15 +20,16 @@ import sys
 import torch
 from easydict import EasyDict
 
-from builders import build_train_dataset
-from checkpoint.files import CheckpointError, safe_load
-from checkpoint.folders import resolve_checkpoint
-from configs.base import config as BASE
-from infer.weights import load_backbone
-from losses.subcenter import dominant_subcenters, drop_subcenters, far_from_dominant
-from parallel.user_errors import exits_on_user_error
-from scripts.cli import ArgumentParser
-from utils.atomic import OutputError, check_output_file, publishing_set, refuse_inputs
+from shardface.builders import build_train_dataset
+from shardface.checkpoint.files import CheckpointError, safe_load
+from shardface.checkpoint.folders import resolve_checkpoint
+from shardface.configs.base import config as BASE
+from shardface.errors import OutputError
+from shardface.infer.weights import load_backbone
+from shardface.losses.subcenter import dominant_subcenters, drop_subcenters, far_from_dominant
+from shardface.parallel.user_errors import exits_on_user_error
+from shardface.scripts.cli import ArgumentParser
+from shardface.utils.atomic import check_output_file, publishing_set, refuse_inputs
 
 
 def full_head_weight(checkpoint: str) -> tuple[torch.Tensor, int]:

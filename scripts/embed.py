@@ -14,29 +14,30 @@ named (refused with --strict)."""
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
-    import os
-    import sys
-
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import logging
 import os
 import sys
 
 import numpy as np
 
-from dataset import DataError
-from dataset.folders import image_files
-from dataset.geometry import check_files
-from faces.stream import Found, usable
-from infer.model import model_files
-from infer.stream import analyse
-from parallel.user_errors import exits_on_user_error
-from scripts.cli import ArgumentParser
-from scripts.options import add_align_options, add_model_options, face_detection, model_from, workers_from
-from utils.atomic import OutputError, check_output_file, publishing_set, refuse_inputs
-from utils.progress import Progress
+from shardface.dataset import DataError
+from shardface.dataset.folders import image_files
+from shardface.dataset.geometry import check_files
+from shardface.errors import OutputError
+from shardface.faces.stream import Found, usable
+from shardface.infer.model import model_files
+from shardface.infer.stream import analyse
+from shardface.parallel.user_errors import exits_on_user_error
+from shardface.scripts.cli import ArgumentParser
+from shardface.scripts.options import (
+    add_align_options,
+    add_model_options,
+    face_detection,
+    model_from,
+    workers_from,
+)
+from shardface.utils.atomic import check_output_file, publishing_set, refuse_inputs
+from shardface.utils.progress import Progress
 
 logger = logging.getLogger("shardface")
 

@@ -11,12 +11,6 @@ original."""
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
-    import os
-    import sys
-
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import json
 import os
 import sys
@@ -25,15 +19,15 @@ import warnings
 import numpy as np
 import torch
 
-from checkpoint.files import CheckpointError
-from faces.align import ARCFACE_112, Template
-from infer.model import model_files, model_kind
-from infer.onnx import TEMPLATE_KEY, template_json
-from infer.thresholds import THRESHOLD_KEY
-from parallel.user_errors import exits_on_user_error
-from scripts.cli import ArgumentParser
-from scripts.options import add_model_options, model_from
-from utils.atomic import check_output_file, publishing, refuse_inputs
+from shardface.checkpoint.files import CheckpointError
+from shardface.faces.align import ARCFACE_112, Template
+from shardface.infer.model import model_files, model_kind
+from shardface.infer.onnx import TEMPLATE_KEY, template_json
+from shardface.infer.thresholds import THRESHOLD_KEY
+from shardface.parallel.user_errors import exits_on_user_error
+from shardface.scripts.cli import ArgumentParser
+from shardface.scripts.options import add_model_options, model_from
+from shardface.utils.atomic import check_output_file, publishing, refuse_inputs
 
 
 def export(

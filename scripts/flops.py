@@ -12,21 +12,15 @@ run on the meta device, so no memory is allocated and even r2060 takes seconds.
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
-    import os
-    import sys
-
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import argparse
 import sys
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from backbones import get_model, list_models
-from parallel.user_errors import exits_on_user_error
-from scripts.cli import ArgumentParser
+from shardface.backbones import get_model, list_models
+from shardface.parallel.user_errors import exits_on_user_error
+from shardface.scripts.cli import ArgumentParser
 
 
 def complexity(network: str, num_features: int = 512) -> tuple[int, int]:

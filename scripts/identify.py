@@ -14,18 +14,12 @@ its validation set, saved by training and carried by export_onnx); a MODEL with 
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
-    import os
-    import sys
-
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import json
 import sys
 
-from dataset.folders import image_files
-from eval.verification import best_threshold, load_bin
-from infer.enrolment import (
+from shardface.dataset.folders import image_files
+from shardface.eval.verification import best_threshold, load_bin
+from shardface.infer.enrolment import (
     GalleryError,
     GalleryFile,
     check_image,
@@ -34,11 +28,17 @@ from infer.enrolment import (
     enrol,
     matches,
 )
-from infer.search import ENGINES
-from infer.thresholds import chosen_threshold, no_threshold
-from parallel.user_errors import exits_on_user_error
-from scripts.cli import ArgumentParser
-from scripts.options import add_align_options, add_model_options, face_detection, model_from, workers_from
+from shardface.infer.search import ENGINES
+from shardface.infer.thresholds import chosen_threshold, no_threshold
+from shardface.parallel.user_errors import exits_on_user_error
+from shardface.scripts.cli import ArgumentParser
+from shardface.scripts.options import (
+    add_align_options,
+    add_model_options,
+    face_detection,
+    model_from,
+    workers_from,
+)
 
 
 def query_files(inputs: list[str], template, align: bool) -> list[str]:

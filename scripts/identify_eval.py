@@ -15,19 +15,13 @@ saying what it needs: rank-k with k people enrolled or fewer, TPIR at FPIR f wit
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
-    import os
-    import sys
-
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import json
 import os
 import sys
 
 import numpy as np
 
-from eval.identification import (
+from shardface.eval.identification import (
     FPIR_LEVELS,
     cmc,
     det_curve,
@@ -36,11 +30,17 @@ from eval.identification import (
     plot_cmc_det,
     tpir_at_fpir,
 )
-from infer.enrolment import GalleryError, embedded_faces, list_gallery
-from parallel.user_errors import exits_on_user_error
-from scripts.cli import ArgumentParser
-from scripts.options import add_align_options, add_model_options, face_detection, model_from, workers_from
-from utils.atomic import check_output_file
+from shardface.infer.enrolment import GalleryError, embedded_faces, list_gallery
+from shardface.parallel.user_errors import exits_on_user_error
+from shardface.scripts.cli import ArgumentParser
+from shardface.scripts.options import (
+    add_align_options,
+    add_model_options,
+    face_detection,
+    model_from,
+    workers_from,
+)
+from shardface.utils.atomic import check_output_file
 
 
 def split(people: list[tuple[str, list[str]]], per_id: int, unknown: int, seed: int):

@@ -5,20 +5,14 @@ plot) or, with --protocol 1:N, identification (rank-1/5 and TPIR@FPIR per galler
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
-    import os
-    import sys
-
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import sys
 
-from eval.ijb import check_roc_path, evaluate_ijb, meta_folder
-from eval.ijb_1n import evaluate_ijb_1n
-from faces.align import ARCFACE_112
-from parallel.user_errors import exits_on_user_error
-from scripts.cli import ArgumentParser
-from scripts.options import add_model_options, model_from
+from shardface.eval.ijb import check_roc_path, evaluate_ijb, meta_folder
+from shardface.eval.ijb_1n import evaluate_ijb_1n
+from shardface.faces.align import ARCFACE_112
+from shardface.parallel.user_errors import exits_on_user_error
+from shardface.scripts.cli import ArgumentParser
+from shardface.scripts.options import add_model_options, model_from
 
 
 @exits_on_user_error

@@ -16,30 +16,24 @@ the head rows in class order, the optimizer state of both, and the schedule posi
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
-    import os
-    import sys
-
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import os
 import shlex
 import sys
 
 import torch
 
-from builders import build_backbone, build_head, build_head_optimizer
-from checkpoint.files import CheckpointError, safe_load
-from checkpoint.folders import list_checkpoints
-from checkpoint.foreign import ARCFACE_RANK_FILE as RANK_FILE
-from checkpoint.foreign import arcface_torch_rank_files, config_overrides
-from checkpoint.load import state_mismatch
-from checkpoint.save import save_checkpoint
-from checkpoint.state import TrainState, new_run_id
-from configs import ConfigError, get_config
-from heads.sharding import class_shard
-from parallel.user_errors import exits_on_user_error
-from utils.atomic import check_output_dir
+from shardface.builders import build_backbone, build_head, build_head_optimizer
+from shardface.checkpoint.files import CheckpointError, safe_load
+from shardface.checkpoint.folders import list_checkpoints
+from shardface.checkpoint.foreign import ARCFACE_RANK_FILE as RANK_FILE
+from shardface.checkpoint.foreign import arcface_torch_rank_files, config_overrides
+from shardface.checkpoint.load import state_mismatch
+from shardface.checkpoint.save import save_checkpoint
+from shardface.checkpoint.state import TrainState, new_run_id
+from shardface.configs import ConfigError, get_config
+from shardface.heads.sharding import class_shard
+from shardface.parallel.user_errors import exits_on_user_error
+from shardface.utils.atomic import check_output_dir
 
 KEYS = (
     "epoch",

@@ -21,28 +21,22 @@ scripts.verify finds it."""
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
-    import os
-    import sys
-
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import itertools
 import random
 import sys
 
-from configs.errors import ConfigError
-from dataset import DataError, list_identity_folders
-from dataset.geometry import check_files
-from dataset.images import stored_bytes
-from eval.cfp import read_list
-from eval.pairs import check_images
-from eval.verification import NFOLDS, write_bin
-from faces.stream import align_groups, aligned_pngs
-from infer.pair_photos import cache_paths, check_cache
-from parallel.user_errors import exits_on_user_error
-from scripts.cli import ArgumentParser
-from scripts.options import (
+from shardface.dataset import DataError, list_identity_folders
+from shardface.dataset.geometry import check_files
+from shardface.dataset.images import stored_bytes
+from shardface.errors import ConfigError
+from shardface.eval.cfp import read_list
+from shardface.eval.pairs import check_images
+from shardface.eval.verification import NFOLDS, write_bin
+from shardface.faces.stream import align_groups, aligned_pngs
+from shardface.infer.pair_photos import cache_paths, check_cache
+from shardface.parallel.user_errors import exits_on_user_error
+from shardface.scripts.cli import ArgumentParser
+from shardface.scripts.options import (
     add_align_options,
     add_pair_list_options,
     detection_from,
@@ -51,8 +45,8 @@ from scripts.options import (
     retries_from,
     workers_from,
 )
-from utils.atomic import check_output_file, refuse_inputs
-from utils.progress import Progress
+from shardface.utils.atomic import check_output_file, refuse_inputs
+from shardface.utils.progress import Progress
 
 DEFAULT_PAIRS = 3000
 

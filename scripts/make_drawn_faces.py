@@ -4,12 +4,6 @@ pairs from identities that are not in the training set. `python -m scripts.make_
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
-    import os
-    import sys
-
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import os
 import sys
 import time
@@ -17,12 +11,12 @@ from multiprocessing import Pool
 
 import numpy as np
 
-from dataset.drawn_faces import identity_images
-from dataset.pack import write_insightface_rec
-from eval.verification import write_bin
-from parallel.user_errors import exits_on_user_error
-from scripts.cli import ArgumentParser
-from utils.progress import Progress
+from shardface.dataset.drawn_faces import identity_images
+from shardface.dataset.pack import write_insightface_rec
+from shardface.eval.verification import write_bin
+from shardface.parallel.user_errors import exits_on_user_error
+from shardface.scripts.cli import ArgumentParser
+from shardface.utils.progress import Progress
 
 VAL_NAME = "drawn_faces_val"  # the .bin beside the training set; configs/demo.py's val_targets
 

@@ -10,12 +10,12 @@ import math
 
 import torch
 
-from configs.errors import ConfigError
-from eval.pairs import PairList
-from faces.detect import DETECTORS, LANDMARKS, MAX_SIDE, Detection, check_available
-from faces.workers import check_workers, default_workers
-from infer.model import MODEL_HELP, PRECISIONS, Model, load_model
-from infer.pair_photos import FacesCache, PairFaces, Retries, cache_paths, pair_faces
+from shardface.errors import ConfigError
+from shardface.eval.pairs import PairList
+from shardface.faces.detect import DETECTORS, LANDMARKS, MAX_SIDE, Detection, check_available
+from shardface.faces.workers import check_workers, default_workers
+from shardface.infer.model import MODEL_HELP, PRECISIONS, Model, load_model
+from shardface.infer.pair_photos import FacesCache, PairFaces, Retries, cache_paths, pair_faces
 
 
 def add_model_options(p, batch_size: int | None = 64, what: str = "MODEL") -> None:

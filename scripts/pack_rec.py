@@ -13,30 +13,24 @@ stored aligned to 112x112, as PNG (photos without a face are left out and named,
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
-    import os
-    import sys
-
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import os
 import sys
 from collections import defaultdict
 
-from configs.errors import ConfigError
-from dataset import DataError, DataLayoutError, list_identity_folders
-from dataset.folders import regular_file
-from dataset.geometry import check_files
-from dataset.images import stored_bytes
-from dataset.pack import write_insightface_rec
-from dataset.shares import launch_rank
-from faces.ranked import find_faces_ranked
-from faces.stream import align_groups, aligned_pngs
-from parallel.user_errors import exits_on_user_error
-from scripts.cli import ArgumentParser
-from scripts.options import add_align_options, add_rank_options, face_detection, workers_from
-from utils.atomic import check_output_dir, check_output_file, refuse_inputs
-from utils.progress import Progress
+from shardface.dataset import DataError, DataLayoutError, list_identity_folders
+from shardface.dataset.folders import regular_file
+from shardface.dataset.geometry import check_files
+from shardface.dataset.images import stored_bytes
+from shardface.dataset.pack import write_insightface_rec
+from shardface.dataset.shares import launch_rank
+from shardface.errors import ConfigError
+from shardface.faces.ranked import find_faces_ranked
+from shardface.faces.stream import align_groups, aligned_pngs
+from shardface.parallel.user_errors import exits_on_user_error
+from shardface.scripts.cli import ArgumentParser
+from shardface.scripts.options import add_align_options, add_rank_options, face_detection, workers_from
+from shardface.utils.atomic import check_output_dir, check_output_file, refuse_inputs
+from shardface.utils.progress import Progress
 
 
 def collect(source: str) -> list[list[str]]:

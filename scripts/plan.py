@@ -11,20 +11,14 @@ step. The model is planner.py's; tests hold it against peaks measured on the CPU
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
-    import os
-    import sys
-
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import argparse
 import sys
 
-from configs import get_config
-from heads.sharding import class_shard
-from parallel.user_errors import exits_on_user_error
-from planner import CUDA_RESERVE, GB, budget_bytes, max_classes, pfc_v2_max_classes, plan
-from scripts.cli import ArgumentParser
+from shardface.configs import get_config
+from shardface.heads.sharding import class_shard
+from shardface.parallel.user_errors import exits_on_user_error
+from shardface.planner import CUDA_RESERVE, GB, budget_bytes, max_classes, pfc_v2_max_classes, plan
+from shardface.scripts.cli import ArgumentParser
 
 
 @exits_on_user_error

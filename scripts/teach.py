@@ -13,29 +13,23 @@ or from the same data read otherwise, is refused. An existing OUT is replaced on
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
-    import os
-    import sys
-
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import os
 import sys
 
 from easydict import EasyDict
 
-from builders import build_train_dataset
-from configs.base import config as BASE
-from dataset.errors import DataLayoutError
-from dataset.folders import list_images
-from distill.teacher import OnlineTeacher
-from distill.teacher_file import data_transform, write_teacher_file
-from faces.align import ARCFACE_112
-from infer.model import model_files, tool_device
-from parallel.user_errors import exits_on_user_error
-from scripts.cli import ArgumentParser
-from scripts.options import add_model_options, device_from, model_from
-from utils.atomic import check_output_file, refuse_inputs
+from shardface.builders import build_train_dataset
+from shardface.configs.base import config as BASE
+from shardface.dataset.errors import DataLayoutError
+from shardface.dataset.folders import list_images
+from shardface.distill.teacher import OnlineTeacher
+from shardface.distill.teacher_file import data_transform, write_teacher_file
+from shardface.faces.align import ARCFACE_112
+from shardface.infer.model import model_files, tool_device
+from shardface.parallel.user_errors import exits_on_user_error
+from shardface.scripts.cli import ArgumentParser
+from shardface.scripts.options import add_model_options, device_from, model_from
+from shardface.utils.atomic import check_output_file, refuse_inputs
 
 PACKED = ("train.rec", "train.idx", "property")
 

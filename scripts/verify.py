@@ -20,25 +20,19 @@ a second model on the same list does not detect again, and a second run embeds n
 
 from __future__ import annotations
 
-if not __package__:  # run as a file (python scripts/x.py): import as `python -m scripts.x` does
-    import os
-    import sys
-
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import os
 import sys
 
-from configs.errors import ConfigError
-from eval.cfp import list_name, read_list
-from eval.pairs import check_images, score_pairs
-from eval.verification import NFOLDS, load_bin, test
-from faces.align import ARCFACE_112
-from infer.embed import refuse_non_finite_embeddings
-from infer.pair_photos import EmbeddingCache, cache_paths, check_cache, pair_embeddings
-from parallel.user_errors import exits_on_user_error
-from scripts.cli import ArgumentParser
-from scripts.options import (
+from shardface.errors import ConfigError
+from shardface.eval.cfp import list_name, read_list
+from shardface.eval.pairs import check_images, score_pairs
+from shardface.eval.verification import NFOLDS, load_bin, test
+from shardface.faces.align import ARCFACE_112
+from shardface.infer.embed import refuse_non_finite_embeddings
+from shardface.infer.pair_photos import EmbeddingCache, cache_paths, check_cache, pair_embeddings
+from shardface.parallel.user_errors import exits_on_user_error
+from shardface.scripts.cli import ArgumentParser
+from shardface.scripts.options import (
     add_detection_options,
     add_model_options,
     add_pair_list_options,
@@ -48,7 +42,7 @@ from scripts.options import (
     model_from,
     retries_from,
 )
-from utils.atomic import refuse_inputs
+from shardface.utils.atomic import refuse_inputs
 
 
 def verify_list(args, embedder, pair_list, detection):

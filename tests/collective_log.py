@@ -14,7 +14,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-import parallel.collectives as collectives
+import shardface.parallel.collectives as collectives
 
 COLLECTIVES = [
     "all_reduce",

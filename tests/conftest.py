@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scripts.make_drawn_faces import main as make_drawn_faces
+from shardface.scripts.make_drawn_faces import main as make_drawn_faces
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +40,7 @@ def drawn_faces(tmp_path_factory) -> str:
 def teacher_pt(tmp_path_factory) -> str:
     """A distillation teacher: a 64-D tiny network's model.pt (the demo student is 128-D, so the
     cosine loss trains a projection)."""
-    from backbones import get_model
+    from shardface.backbones import get_model
 
     torch.manual_seed(5)
     path = str(tmp_path_factory.mktemp("teacher") / "model.pt")

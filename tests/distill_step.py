@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import torch
 
-from builders import (
+from shardface.builders import (
     build_backbone,
     build_data_parallel,
     build_head,
     build_head_optimizer,
     build_train_dataset,
 )
-from configs import get_config
-from dataset import ResumableDistributedSampler, get_dataloader, normalize_images
-from distill.run import build_distillation
-from parallel import ShardedEMA
+from shardface.configs import get_config
+from shardface.dataset import ResumableDistributedSampler, get_dataloader, normalize_images
+from shardface.distill.run import build_distillation
+from shardface.parallel import ShardedEMA
 from tests.train_runs import train_argv
 
 

@@ -10,8 +10,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from heads import PartialFC
-from losses import CombinedMarginLoss
+from shardface.heads import PartialFC
+from shardface.losses import CombinedMarginLoss
 
 S, M2 = 64.0, 0.5  # ArcFace
 

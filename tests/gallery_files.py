@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from backbones import get_model
-from scripts.identify import main as identify
+from shardface.backbones import get_model
+from shardface.scripts.identify import main as identify
 
 
 def seeded_model(folder, seed):

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from faces.align import ARCFACE_112
+from shardface.faces.align import ARCFACE_112
 
 ARCFACE_TEMPLATE = ARCFACE_112.points
 

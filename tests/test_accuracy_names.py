@@ -7,8 +7,8 @@ import os
 
 import torch
 
-from backbones import get_model
-from scripts.compare import main as compare
+from shardface.backbones import get_model
+from shardface.scripts.compare import main as compare
 from tests.tool_files import jpeg
 
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from scripts.align import main as align_tool
+from shardface.scripts.align import main as align_tool
 from tests.astronaut import astronaut_head
 
 dlib = pytest.importorskip("dlib")

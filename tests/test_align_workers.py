@@ -1,4 +1,4 @@
-"""Faces on every core and on many machines: scripts.align and faces.stream.find_faces give the
+"""Faces on every core and on many machines: shardface.scripts.align and faces.stream.find_faces give the
 same output whatever the number of worker processes, a photo's error is named as with one
 process, a killed worker ends the tool with one line naming its photo and keeps the earlier
 output, and two ranks joined give what one process writes (faces/workers.py, dataset/shares.py).
@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dataset.errors import DataError, ImageDecodeError
-from dataset.shares import PartError, Parts, launch_rank, list_key, share_of
-from faces.detect import Detection
-from faces.stream import find_faces
-from faces.workers import WorkerDied, default_workers, map_photos
-from scripts.align import main as align_tool
+from shardface.dataset.errors import DataError, ImageDecodeError
+from shardface.dataset.shares import PartError, Parts, launch_rank, list_key, share_of
+from shardface.faces.detect import Detection
+from shardface.faces.stream import find_faces
+from shardface.faces.workers import WorkerDied, default_workers, map_photos
+from shardface.scripts.align import main as align_tool
 from tests.astronaut import align_photos
 from tests.distributed import run_distributed
 
@@ -41,7 +41,7 @@ def _tree(folder) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def one_process(photos, tmp_path_factory) -> dict[str, bytes]:
-    """scripts.align's output with one worker (in this process)."""
+    """shardface.scripts.align's output with one worker (in this process)."""
     dst = str(tmp_path_factory.mktemp("one") / "crops")
     assert align_tool([photos, dst, "--workers", "1"]) == 0
     return _tree(dst)
@@ -107,7 +107,7 @@ def test_results_come_in_input_order_from_a_bounded_window_then_the_first_error(
             yield i
 
     with pytest.raises(DataError, match="^item 13: refused$"):
-        for r in map_photos(_square_or_fail, items(), 2, progress=lambda: ticks.append(1), window=4):
+        for r in map_photos(_square_or_fail, items(), workers=2, progress=lambda: ticks.append(1), window=4):
             got.append(r)
             assert len(pulled) <= len(got) + 4  # never more than the window ahead of the caller
     assert got == [i * i for i in range(13)] and len(ticks) == 13
@@ -126,17 +126,17 @@ class _DieOnDoomed(Detection):
 def test_a_killed_worker_ends_align_with_one_line_naming_its_photo_and_keeps_the_earlier_output(
     photos, tmp_path, monkeypatch, capsys
 ):
-    import scripts.align
+    import shardface.scripts.align
 
     dst = tmp_path / "crops"
     os.makedirs(dst)
     (dst / "earlier.txt").write_text("kept")
-    monkeypatch.setattr(scripts.align, "detection_from", lambda args: _DieOnDoomed())
+    monkeypatch.setattr(shardface.scripts.align, "detection_from", lambda args: _DieOnDoomed())
     assert align_tool([photos, str(dst), "--workers", "2", "--overwrite"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (
-        f"error: {os.path.join(photos, DOOMED)}: the worker process on this photo was killed by "
-        "SIGKILL (the out-of-memory killer sends it)"
+        f"error: {os.path.join(photos, DOOMED)}: the worker process on this photo died (killed by a "
+        "signal: the out-of-memory killer sends SIGKILL)"
     )
     assert _tree(dst) == {"earlier.txt": b"kept"} and os.listdir(tmp_path) == ["crops"]
 
@@ -149,9 +149,13 @@ def _name_or_die(item):
 
 def test_a_worker_killed_by_the_engine_test_function_is_named_with_its_item():
     with pytest.raises(
-        WorkerDied, match=r"^q/m1\.jpg: the worker process on this photo was killed by SIGKILL"
+        WorkerDied, match=r"^q/m1\.jpg: the worker process on this photo died \(killed by a signal"
     ):
-        list(map_photos(_name_or_die, [("p/x", ""), (DOOMED, ""), ("p/y", "")], 2, name=lambda item: item[0]))
+        list(
+            map_photos(
+                _name_or_die, [("p/x", ""), (DOOMED, ""), ("p/y", "")], workers=2, name=lambda item: item[0]
+            )
+        )
 
 
 def _rank_aligns(rank, world, photos, dst):
@@ -267,7 +271,7 @@ def test_list_key_depends_on_the_list_its_order_and_the_options():
 
 
 def _rank_packs(rank, world, photos, out):
-    from scripts.pack_rec import main as pack_rec
+    from shardface.scripts.pack_rec import main as pack_rec
 
     return pack_rec(
         [photos, out, "--align", "--workers", "1"]
@@ -277,7 +281,7 @@ def _rank_packs(rank, world, photos, out):
 def test_two_ranks_of_pack_rec_align_write_the_recordio_of_one_process(photos, tmp_path):
     """Each rank finds its share's faces into a part; rank 0 packs them all: the same bytes as one
     process with two workers, and the parts are gone."""
-    from scripts.pack_rec import main as pack_rec
+    from shardface.scripts.pack_rec import main as pack_rec
 
     assert pack_rec([photos, str(tmp_path / "one"), "--align", "--workers", "2"]) == 0
     assert run_distributed(_rank_packs, 2, photos, str(tmp_path / "two"), init=False) == [0, 0]
@@ -286,7 +290,7 @@ def test_two_ranks_of_pack_rec_align_write_the_recordio_of_one_process(photos, t
 
 
 def test_pack_rec_shares_only_face_finding_among_machines(photos, tmp_path, capsys):
-    from scripts.pack_rec import main as pack_rec
+    from shardface.scripts.pack_rec import main as pack_rec
 
     assert pack_rec([photos, str(tmp_path / "out"), "--rank", "0", "--world", "2", "--resize"]) == 2
     err = capsys.readouterr().err

@@ -14,17 +14,17 @@ import shutil
 import pytest
 import torch
 
-import train
-from backbones import get_model
-from checkpoint.files import CheckpointError
-from checkpoint.folders import resolve_checkpoint
-from configs import get_config
-from infer.weights import load_backbone_state
-from losses import build_margin
-from parallel.zero import Zero2Optimizer
-from scripts import import_arcface_torch
+from shardface import train
+from shardface.backbones import get_model
+from shardface.checkpoint.files import CheckpointError
+from shardface.checkpoint.folders import resolve_checkpoint
+from shardface.configs import get_config
+from shardface.infer.weights import load_backbone_state
+from shardface.losses import build_margin
+from shardface.parallel.zero import Zero2Optimizer
+from shardface.scripts import import_arcface_torch
+from shardface.utils.schedule import lr_factor
 from tests.distributed import run_distributed
-from utils.schedule import lr_factor
 
 BASE_LR, IMAGES, CLASSES, DIM = 0.05, 128, 16, 128
 # the schedule spans 2 epochs of 8 global batches of 16; the arcface_torch run saved after epoch 1
@@ -592,7 +592,7 @@ def test_resume_with_another_config_than_the_checkpoints_names_each_changed_key(
     ],
 )
 def test_resume_on_another_world_size_or_batch_says_what_changes(ranks, batch, said):
-    from checkpoint.changes import log_resume_changes
+    from shardface.checkpoint.changes import log_resume_changes
     from tests.log_capture import shardface_messages
 
     cfg = get_config(None, ["--batch_size", str(batch[1]), "--lr", "0.05"])

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-import backbones
-from backbones import iresnet
-from backbones.common import run_segments
+from shardface import backbones
+from shardface.backbones import iresnet
+from shardface.backbones.common import run_segments
 
 # Parameter and buffer names and shapes, in state-dict order, of every network name of
 # insightface arcface_torch's backbones.get_model (num_features 512), dumped once from its
@@ -266,8 +266,8 @@ def test_dropout_is_applied_or_refused():
 
 def test_mistyped_network_is_one_line_listing_the_known_names_in_every_tool(tmp_path, capsys):
     """`--network resnet18` is a config error the tools print as `error: ...`, not a traceback."""
-    from configs.errors import ConfigError
-    from scripts.export_onnx import main as export_onnx
+    from shardface.errors import ConfigError
+    from shardface.scripts.export_onnx import main as export_onnx
 
     with pytest.raises(ConfigError, match=r"unknown network 'resnet18'; known networks: .*r18"):
         backbones.get_model("resnet18")

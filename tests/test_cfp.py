@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from eval.cfp import read_cfp, read_list
-from eval.pairs import PairListError
-from eval.verification import load_bin
-from scripts.make_bin import main as make_bin
-from scripts.verify import main as verify
+from shardface.eval.cfp import read_cfp, read_list
+from shardface.eval.pairs import PairListError
+from shardface.eval.verification import load_bin
+from shardface.scripts.make_bin import main as make_bin
+from shardface.scripts.verify import main as verify
 from tests.cfp_fixture import FRONTAL, PEOPLE, PROFILE, cfp_root
 from tests.gallery_files import seeded_model
 
@@ -136,7 +136,7 @@ def _arcface_torch_reads(path: str) -> tuple[list[np.ndarray], list[bool]]:
 def test_make_bin_writes_the_protocol_in_pair_order_for_training_and_arcface_torch(
     cfp, tmp_path, capsys, protocol
 ):
-    from eval.callback import VerificationCallback
+    from shardface.eval.callback import VerificationCallback
 
     name = f"cfp_{protocol.lower()}"
     out = str(tmp_path / f"{name}.bin")

@@ -9,11 +9,16 @@ import shutil
 import pytest
 import torch
 
-import train
-from checkpoint.files import CheckpointError, safe_load
-from checkpoint.folders import find_checkpoint, list_checkpoints, prune_checkpoints, resolve_checkpoint
-from checkpoint.load import read_backbone_weights
-from dataset.pack import write_insightface_rec
+from shardface import train
+from shardface.checkpoint.files import CheckpointError, safe_load
+from shardface.checkpoint.folders import (
+    find_checkpoint,
+    list_checkpoints,
+    prune_checkpoints,
+    resolve_checkpoint,
+)
+from shardface.checkpoint.load import read_backbone_weights
+from shardface.dataset.pack import write_insightface_rec
 from tests.train_runs import train_argv
 
 
@@ -201,7 +206,7 @@ def test_resume_with_another_optimizer_names_both(drawn_faces, eight_steps, tmp_
 def test_full_disk_names_the_path(tmp_path, monkeypatch):
     import errno
 
-    from checkpoint import files as checkpoint_files
+    from shardface.checkpoint import files as checkpoint_files
 
     def no_space(obj, f):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -234,7 +239,7 @@ def test_fp16_on_the_cpu_is_warned_about(drawn_faces, tmp_path):
 
 def _repacked(drawn_faces, out, per_id):
     """The drawn faces re-packed with `per_id` images per identity (their own 8, then repeats)."""
-    from dataset import MXFaceDataset, unpack
+    from shardface.dataset import MXFaceDataset, unpack
 
     source = MXFaceDataset(drawn_faces)
     groups = [[unpack(source.reader.read(1 + 8 * c + i % 8))[1] for i in range(per_id)] for c in range(16)]

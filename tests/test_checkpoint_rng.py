@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint.files import atomic_save, safe_load
-from checkpoint.state import cuda_state_to_restore, rng_state, set_rng_state
+from shardface.checkpoint.files import atomic_save, safe_load
+from shardface.checkpoint.state import cuda_state_to_restore, rng_state, set_rng_state
 
 
 def _draws() -> tuple:

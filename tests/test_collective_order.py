@@ -7,9 +7,9 @@ The real torch.distributed functions are wrapped inside each spawned rank: the c
 still runs (gloo), the wrapper only writes down what was asked for.
 """
 
-from checkpoint.load import load_checkpoint
-from checkpoint.save import save_checkpoint
-from checkpoint.state import TrainState
+from shardface.checkpoint.load import load_checkpoint
+from shardface.checkpoint.save import save_checkpoint
+from shardface.checkpoint.state import TrainState
 from tests.collective_log import recording
 from tests.distributed import run_distributed
 from tests.tiny_zero_run import build_parts, train_step

@@ -1,6 +1,6 @@
 import pytest
 
-from configs import ConfigError, get_config
+from shardface.configs import ConfigError, get_config
 
 
 def test_job_config_overrides_base_and_cli_overrides_both():
@@ -109,7 +109,7 @@ def test_batch_size_1_is_refused_for_batchnorm():
 
 
 def test_a_run_ending_inside_its_warmup_is_named_and_a_longer_one_is_not():
-    from configs.validate import warmup_problem
+    from shardface.configs.validate import warmup_problem
 
     assert "step 100, inside its 500-step warmup" in warmup_problem(100, 500)
     assert warmup_problem(500, 500) is None and warmup_problem(1000, 0) is None

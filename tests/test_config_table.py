@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from configs import get_config
+from shardface.configs import get_config
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 KEYS = (

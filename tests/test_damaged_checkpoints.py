@@ -8,11 +8,11 @@ import os
 import pytest
 import torch
 
-from backbones import get_model
-from checkpoint.files import CheckpointError, load_dict
-from checkpoint.folders import resolve_checkpoint
-from checkpoint.load import read_backbone_weights
-from infer.model import load_model
+from shardface.backbones import get_model
+from shardface.checkpoint.files import CheckpointError, load_dict
+from shardface.checkpoint.folders import resolve_checkpoint
+from shardface.checkpoint.load import read_backbone_weights
+from shardface.infer.model import load_model
 
 
 def _checkpoint(folder, meta=None, ema=None) -> str:

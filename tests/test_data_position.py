@@ -4,10 +4,10 @@ that tell data sets apart, and the rule applied on resume (runs: tests/test_chec
 import logging
 import shutil
 
-from checkpoint.data_position import follow_data
-from checkpoint.state import TrainState
-from dataset import build_dataset
-from dataset.pack import write_insightface_rec
+from shardface.checkpoint.data_position import follow_data
+from shardface.checkpoint.state import TrainState
+from shardface.dataset import build_dataset
+from shardface.dataset.pack import write_insightface_rec
 from tests.tool_files import jpeg
 
 

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from dataset import (
+from shardface.dataset import (
     DataLayoutError,
     ImageDecodeError,
     LabelError,
@@ -15,10 +15,10 @@ from dataset import (
     get_dataloader,
     normalize_images,
 )
-from dataset.pack import write_insightface_rec
-from dataset.recordio import IRHeader, RecordWriter, pack
+from shardface.dataset.pack import write_insightface_rec
+from shardface.dataset.recordio import IRHeader, RecordWriter, pack
+from shardface.errors import OutputError
 from tests.tool_files import jpeg
-from utils.atomic import OutputError
 
 COLORS = [(200, 30, 30), (30, 200, 30), (30, 30, 200)]
 
@@ -55,7 +55,7 @@ def test_fast_jpeg_decoder_matches_pil_and_rejects_truncation():
     import numpy as np
     from PIL import Image
 
-    from dataset.images import decode_chw, decode_image
+    from shardface.dataset.images import decode_chw, decode_image
 
     rng = np.random.default_rng(0)
     buf = io.BytesIO()
@@ -76,7 +76,7 @@ def test_damaged_jpeg_body_is_reported_with_its_key(caplog, capfd):
     import numpy as np
     from PIL import Image
 
-    from dataset.images import decode_chw
+    from shardface.dataset.images import decode_chw
 
     rng = np.random.default_rng(0)
     buf = io.BytesIO()
@@ -313,7 +313,7 @@ def test_skipped_images_are_counted_across_loader_workers(tmp_path):
 
 
 def test_property_file_with_a_utf8_bom_reads_as_without(tmp_path):
-    from dataset.faces import read_property
+    from shardface.dataset.faces import read_property
 
     (tmp_path / "property").write_bytes(b"\xef\xbb\xbf93431,112,112\n")
     assert read_property(str(tmp_path)) == (93431, 112, 112)

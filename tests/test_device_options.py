@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from scripts.embed import main as embed_tool
+from shardface.scripts.embed import main as embed_tool
 from tests.tool_files import photos, tiny_model
 
 
@@ -43,7 +43,7 @@ def test_device_cpu_embeds_as_the_default_does_on_a_cpu_machine(tmp_path):
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_low_precision_embeddings_on_a_gpu_stay_close_to_fp32(tmp_path, precision):
     """Unit rows of a 128-D network: fp16 (bf16) within 1e-3 (1e-2) of fp32's cosine 1."""
-    from infer.model import load_model
+    from shardface.infer.model import load_model
 
     crops = torch.randint(0, 256, (64, 3, 150, 150), dtype=torch.uint8)
     full = load_model("dlib", device=torch.device("cuda")).embed_crops(crops)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel.dist import (
+from shardface.parallel.dist import (
     attempt_store,
     check_local_rank,
     cpu_group,
@@ -131,7 +131,7 @@ def test_each_torchrun_attempt_gets_its_own_store_keys_on_one_node():
 def _ddp_under_detail(rank, world_size):
     from torch import nn
 
-    from parallel.ddp import DDPOptimizer
+    from shardface.parallel.ddp import DDPOptimizer
 
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     dist.set_debug_level_from_env()
@@ -189,8 +189,8 @@ def test_one_process_with_harmless_leftovers_runs_alone(monkeypatch):
 
 
 def _agree(rank, world_size):
-    from configs.errors import ConfigError
-    from parallel.agreement import check_same_on_every_rank
+    from shardface.errors import ConfigError
+    from shardface.parallel.agreement import check_same_on_every_rank
 
     try:
         check_same_on_every_rank(

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distill.head import DistillLoss
-from distill.losses import cosine_distill, relational_distill
-from heads import PartialFC
-from losses import CosFace
+from shardface.distill.head import DistillLoss
+from shardface.distill.losses import cosine_distill, relational_distill
+from shardface.heads import PartialFC
+from shardface.losses import CosFace
 from tests.distributed import run_distributed
 
 
@@ -85,7 +85,7 @@ CASES = [(kind, with_head) for kind in ("cosine", "relational") for with_head in
 def _label_free_probe(rank):
     """Whether this rank refuses a label-free save whose embeddings overflow on rank 1 alone
     (utils.divergence.check_weights with no head)."""
-    from utils.divergence import TrainingStopped, check_weights
+    from shardface.utils.divergence import TrainingStopped, check_weights
 
     net = torch.nn.Linear(3, 2)
     with torch.no_grad():

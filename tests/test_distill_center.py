@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-import train
-from distill.losses import centred, constant_student_loss, cosine_distill, relational_distill
+from shardface import train
+from shardface.distill.losses import centred, constant_student_loss, cosine_distill, relational_distill
 from tests.distributed import run_distributed
 from tests.train_runs import train_argv
 
@@ -78,9 +78,9 @@ def test_uncentred_a_constant_student_beats_one_that_tells_identities_apart_cent
 
 
 def _centre(rank, world_size, data, teacher, samples=40):
-    from builders import build_train_dataset
-    from configs import get_config
-    from distill.teacher import load_teacher, teacher_statistics
+    from shardface.builders import build_train_dataset
+    from shardface.configs import get_config
+    from shardface.distill.teacher import load_teacher, teacher_statistics
 
     cfg = get_config("configs/demo.py", ["--rec", data, "--num_classes", "16"])
     dataset = build_train_dataset(cfg)
@@ -105,7 +105,7 @@ def test_teacher_centre_is_the_same_measured_on_one_rank_or_two(drawn_faces, tea
 
 
 def test_teacher_file_mean_is_its_rows_mean(tmp_path):
-    from distill.teacher_file import FORMAT, TeacherFile, header_bytes
+    from shardface.distill.teacher_file import FORMAT, TeacherFile, header_bytes
 
     rows = np.random.default_rng(0).standard_normal((50, 8))
     rows = (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype(
@@ -140,7 +140,7 @@ def _argv(data, out, teacher, *extra):
 
 
 def test_the_centre_is_checkpointed_and_a_resume_keeps_it(drawn_faces, teacher_pt, tmp_path, monkeypatch):
-    from checkpoint.folders import resolve_checkpoint
+    from shardface.checkpoint.folders import resolve_checkpoint
 
     out = str(tmp_path / "run")
     assert train.main(_argv(drawn_faces, out, teacher_pt, "--max_steps", "2")) == 0
@@ -149,15 +149,17 @@ def test_the_centre_is_checkpointed_and_a_resume_keeps_it(drawn_faces, teacher_p
     torch.testing.assert_close(saved["center"], expected, rtol=1e-5, atol=1e-6)
     assert saved["center"].device.type == "cpu"
     assert 0 < saved["constant_loss"] < 2
-    import distill.teacher
+    import shardface.distill.teacher
 
     monkeypatch.setattr(
-        distill.teacher, "teacher_statistics", lambda *a, **k: pytest.fail("measured again on resume")
+        shardface.distill.teacher,
+        "teacher_statistics",
+        lambda *a, **k: pytest.fail("measured again on resume"),
     )
-    import distill.run
+    import shardface.distill.run
 
     monkeypatch.setattr(
-        distill.run, "teacher_statistics", lambda *a, **k: pytest.fail("measured again on resume")
+        shardface.distill.run, "teacher_statistics", lambda *a, **k: pytest.fail("measured again on resume")
     )
     assert train.main(_argv(drawn_faces, out, teacher_pt, "--max_steps", "4", "--resume", "true")) == 0
     again = torch.load(os.path.join(resolve_checkpoint(out), "meta.pt"))["distill"]
@@ -169,9 +171,9 @@ def test_a_resume_with_another_teacher_measures_its_centre_again_and_says_so(
 ):
     """The checkpoint records which teacher its centre came from (name, fingerprint); a resume
     under another teacher measures that teacher's centre and constant-student loss, in one line."""
-    from backbones import get_model
-    from checkpoint.folders import resolve_checkpoint
-    from infer.model import load_model
+    from shardface.backbones import get_model
+    from shardface.checkpoint.folders import resolve_checkpoint
+    from shardface.infer.model import load_model
 
     out, other = str(tmp_path / "run"), str(tmp_path / "other" / "model.pt")
     assert train.main(_argv(drawn_faces, out, teacher_pt, "--max_steps", "2")) == 0
@@ -198,8 +200,8 @@ def test_a_resume_with_another_teacher_measures_its_centre_again_and_says_so(
 
 
 def test_log_shows_the_term_beside_a_constant_students_and_warns_once_when_not_clearly_below(caplog):
-    from distill.head import DistillLoss
-    from distill.run import Distillation
+    from shardface.distill.head import DistillLoss
+    from shardface.distill.run import Distillation
 
     loss = DistillLoss("cosine", 1.0)
     distill = Distillation(teacher=None, loss=loss)
@@ -218,11 +220,11 @@ def test_log_shows_the_term_beside_a_constant_students_and_warns_once_when_not_c
 
 def _nearest_same_identity(model_pt: str | None, data: str, labels: list[int]) -> float:
     """The share of images whose nearest other image (cosine) is of the same identity."""
-    from dataset import build_dataset, normalize_images
-    from infer.weights import load_backbone
+    from shardface.dataset import build_dataset, normalize_images
+    from shardface.infer.weights import load_backbone
 
     if model_pt is None:  # the untrained network, as a run starts
-        from backbones import get_model
+        from shardface.backbones import get_model
 
         torch.manual_seed(0)
         model = get_model("tiny", num_features=128).eval()
@@ -241,10 +243,10 @@ def _nearest_same_identity(model_pt: str | None, data: str, labels: list[int]) -
 def _oracle_teacher_file(data: str, path: str, dim: int = 32) -> list[int]:
     """A teacher file for `data` whose rows are a shared direction plus a little of each record's
     identity (labels read here, never by the run): a narrow cone, as real teachers give."""
-    from builders import build_train_dataset
-    from configs import get_config
-    from dataset import build_dataset
-    from distill.teacher_file import FORMAT, data_transform, header_bytes
+    from shardface.builders import build_train_dataset
+    from shardface.configs import get_config
+    from shardface.dataset import build_dataset
+    from shardface.distill.teacher_file import FORMAT, data_transform, header_bytes
 
     cfg = get_config("configs/demo.py", ["--rec", data, "--num_classes", "16"])
     records = build_train_dataset(cfg)  # the records in the order a label-free run reads them

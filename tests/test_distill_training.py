@@ -7,17 +7,17 @@ import shutil
 import pytest
 import torch
 
-import train
-from backbones import get_model
-from checkpoint.folders import resolve_checkpoint
-from configs.errors import ConfigError
-from dataset import build_dataset, normalize_images
-from distill.teacher import OnlineTeacher
-from distill.teacher_file import TeacherFile
-from faces.align import ARCFACE_112
-from infer.model import Model, load_model
-from scripts.export_onnx import main as export_onnx
-from scripts.teach import main as teach
+from shardface import train
+from shardface.backbones import get_model
+from shardface.checkpoint.folders import resolve_checkpoint
+from shardface.dataset import build_dataset, normalize_images
+from shardface.distill.teacher import OnlineTeacher
+from shardface.distill.teacher_file import TeacherFile
+from shardface.errors import ConfigError
+from shardface.faces.align import ARCFACE_112
+from shardface.infer.model import Model, load_model
+from shardface.scripts.export_onnx import main as export_onnx
+from shardface.scripts.teach import main as teach
 from tests.distributed import run_distributed
 from tests.tool_files import jpeg
 from tests.train_runs import checkpoint_tensors, train_argv
@@ -167,8 +167,8 @@ def test_teacher_on_another_template_gets_its_own_crops():
 
 
 def test_planner_counts_an_on_the_fly_teacher(teacher_pt):
-    from configs import get_config
-    from planner import plan
+    from shardface.configs import get_config
+    from shardface.planner import plan
 
     base = ["--num_classes", "1000", "--batch_size", "16"]
     without = plan(get_config("configs/demo.py", base), 2)
@@ -183,7 +183,7 @@ def test_planner_counts_an_on_the_fly_teacher(teacher_pt):
 
 def test_loader_yields_each_image_with_its_record_index(drawn_faces):
     """What a teacher file's rows are read by: shuffled, on rank 1 of 2, mid-epoch."""
-    from dataset import ResumableDistributedSampler, get_dataloader
+    from shardface.dataset import ResumableDistributedSampler, get_dataloader
 
     dataset = build_dataset(drawn_faces, 16, train=True, normalize=False)
     sampler = ResumableDistributedSampler(len(dataset), 2, 1, 8, seed=3)

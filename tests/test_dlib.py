@@ -13,14 +13,14 @@ import pytest
 import torch
 from PIL import Image
 
-from backbones import get_model
-from backbones.dlib_resnet import DlibResNet, add_prev
-from checkpoint.dlib_format import DlibFormatError, read_network, state_dict_for
-from faces.align import ARCFACE_112, align
-from faces.dlib_chip import DLIB_150, DLIB_150_SHAPE5, chip_transform, dlib_chip
-from faces.models import model_file
-from infer.model import Model, load_model
-from infer.weights import DLIB_FILE, dlib_state
+from shardface.backbones import get_model
+from shardface.backbones.dlib_resnet import DlibResNet, add_prev
+from shardface.checkpoint.dlib_format import DlibFormatError, read_network, state_dict_for
+from shardface.faces.align import ARCFACE_112, align
+from shardface.faces.dlib_chip import DLIB_150, DLIB_150_SHAPE5, chip_transform, dlib_chip
+from shardface.faces.models import model_file
+from shardface.infer.model import Model, load_model
+from shardface.infer.weights import DLIB_FILE, dlib_state
 
 dlib = pytest.importorskip("dlib")
 
@@ -109,8 +109,8 @@ def test_reframed_112_crop_costs_dlib_little_against_its_own_chip(astronaut):
 
 @pytest.mark.slow
 def test_verify_runs_dlib_on_a_bin_set_reframing_its_112_crops(drawn_faces, capsys):
-    from scripts.make_drawn_faces import VAL_NAME
-    from scripts.verify import main as verify
+    from shardface.scripts.make_drawn_faces import VAL_NAME
+    from shardface.scripts.verify import main as verify
 
     assert verify(["dlib", "--bin", os.path.join(drawn_faces, f"{VAL_NAME}.bin")]) == 0
     out = capsys.readouterr().out
@@ -119,7 +119,7 @@ def test_verify_runs_dlib_on_a_bin_set_reframing_its_112_crops(drawn_faces, caps
 
 
 def test_embed_no_flip_of_a_dlib_chip_is_dlibs_descriptor(astronaut, tmp_path):
-    from scripts.embed import main as embed
+    from shardface.scripts.embed import main as embed
 
     chip = tmp_path / "chip.png"
     dlib_chip(Image.fromarray(astronaut["img"]), astronaut["points"]).save(chip)
@@ -196,7 +196,7 @@ def test_112_front_is_the_embedders_reframing_of_insightface_crops():
 
 @pytest.mark.slow
 def test_export_onnx_of_dlib_agrees_with_torch_and_records_its_chip(tmp_path):
-    from scripts.export_onnx import main as export_onnx
+    from shardface.scripts.export_onnx import main as export_onnx
 
     out = tmp_path / "dlib.onnx"
     assert export_onnx(["dlib", str(out)]) == 0
@@ -212,7 +212,7 @@ def test_export_onnx_of_dlib_agrees_with_torch_and_records_its_chip(tmp_path):
 
 
 def test_export_onnx_refusals_write_nothing(tmp_path, monkeypatch):
-    from scripts.export_onnx import main as export_onnx
+    from shardface.scripts.export_onnx import main as export_onnx
 
     monkeypatch.chdir(tmp_path)
     assert export_onnx(["dlib"]) == 2  # no run directory to write model.onnx into
@@ -223,8 +223,8 @@ def test_export_onnx_refusals_write_nothing(tmp_path, monkeypatch):
 
 
 def test_onnx_template_metadata_is_checked(tmp_path):
-    from checkpoint.files import CheckpointError
-    from infer.onnx import TEMPLATE_KEY, OnnxBackbone
+    from shardface.checkpoint.files import CheckpointError
+    from shardface.infer.onnx import TEMPLATE_KEY, OnnxBackbone
 
     with pytest.raises(CheckpointError, match=rf"x.onnx: unreadable {TEMPLATE_KEY} metadata"):
         OnnxBackbone._template(str(tmp_path / "x.onnx"), json.dumps({"name": "t", "size": [150]}))
@@ -233,7 +233,7 @@ def test_onnx_template_metadata_is_checked(tmp_path):
 
 @pytest.mark.slow
 def test_init_backbone_dlib_fine_tunes_dlibs_network_on_112_crops(drawn_faces, tmp_path):
-    import train
+    from shardface import train
     from tests.train_runs import train_argv
 
     seen = []
@@ -290,7 +290,7 @@ def test_init_backbone_dlib_fine_tunes_dlibs_network_on_112_crops(drawn_faces, t
 @pytest.mark.slow
 def test_export_onnx_of_dlib_resnet_on_112_crops_keeps_the_batch_dynamic(tmp_path):
     """A fine-tuned `dlib_resnet` (its 112 front a grid_sample) exports with any batch size."""
-    from scripts.export_onnx import check_parity, export
+    from shardface.scripts.export_onnx import check_parity, export
 
     model = get_model("dlib_resnet").eval()
     export(model, str(tmp_path / "ft.onnx"))
@@ -314,7 +314,7 @@ def _lfw_chips(count: int) -> list[np.ndarray]:
 
 
 def test_dlib_threshold_is_dlibs_distance_rule_turned_into_a_cosine(astronaut):
-    from infer.thresholds import DLIB_DISTANCE, DLIB_NORM, DLIB_THRESHOLD, cosine_for_distance
+    from shardface.infer.thresholds import DLIB_DISTANCE, DLIB_NORM, DLIB_THRESHOLD, cosine_for_distance
 
     rec = dlib.face_recognition_model_v1(model_file(DLIB_FILE))
     chip = np.asarray(dlib_chip(Image.fromarray(astronaut["img"]), astronaut["points"]))
@@ -337,8 +337,8 @@ def test_dlib_threshold_is_dlibs_distance_rule_turned_into_a_cosine(astronaut):
 
 
 def test_identify_dlib_calls_a_stranger_unknown_at_dlibs_own_threshold(astronaut, tmp_path, capsys):
-    from infer.thresholds import DLIB_THRESHOLD
-    from scripts.identify import main as identify
+    from shardface.infer.thresholds import DLIB_THRESHOLD
+    from shardface.scripts.identify import main as identify
 
     chip = dlib_chip(Image.fromarray(astronaut["img"]), astronaut["points"])
     os.makedirs(tmp_path / "g" / "eileen")

@@ -6,9 +6,9 @@ import inspect
 
 import pytest
 
-from backbones import get_model
-from heads import PartialFC
-from losses import ArcFace, CombinedMarginLoss, CosFace
+from shardface.backbones import get_model
+from shardface.heads import PartialFC
+from shardface.losses import ArcFace, CombinedMarginLoss, CosFace
 
 
 def _positional(fn) -> list[str]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel import ShardedEMA, Zero2Optimizer
+from shardface.parallel import ShardedEMA, Zero2Optimizer
 from tests.distributed import run_distributed
 from tests.tiny_net import GLOBAL_BATCH, TINY_BUCKET_MB, TwoDtypeNet, mse_loss, step_batch
 

@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-import backbones
-from checkpoint.files import CheckpointError
-from infer.weights import load_backbone
+from shardface import backbones
+from shardface.checkpoint.files import CheckpointError
+from shardface.infer.weights import load_backbone
 
 
 # r18 (11 s) in make test-all: mbf covers the same export path in make test
@@ -67,8 +67,8 @@ def test_corrupt_config_json_beside_model_is_named_and_network_gets_around_it(tm
 
 
 def test_config_json_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
-    from checkpoint.files import atomic_write_text
-    from configs import get_config, save_config
+    from shardface.checkpoint.files import atomic_write_text
+    from shardface.configs import get_config, save_config
 
     cfg = get_config("configs/demo.py", [])
     save_config(cfg, str(tmp_path), atomic_write_text)
@@ -90,7 +90,7 @@ def test_export_replaces_an_existing_out_only_with_overwrite_but_refreshes_the_r
 ):
     """README: outputs are replaced only with --overwrite, except the run's own model.onnx that
     an earlier export wrote. A photo, a text file or another model's .onnx at OUT is the user's."""
-    from scripts.export_onnx import main as export_onnx
+    from shardface.scripts.export_onnx import main as export_onnx
 
     torch.manual_seed(0)
     torch.save(backbones.get_model("tiny").state_dict(), tmp_path / "model.pt")
@@ -137,9 +137,9 @@ def test_onnx_whose_template_cannot_align_a_face_is_refused_naming_file_and_key(
 
     import onnx
 
-    from infer.model import load_module
-    from infer.onnx import TEMPLATE_KEY
-    from scripts.export_onnx import export
+    from shardface.infer.model import load_module
+    from shardface.infer.onnx import TEMPLATE_KEY
+    from shardface.scripts.export_onnx import export
 
     path = str(tmp_path / "m.onnx")
     export(backbones.get_model("tiny").eval(), path)

@@ -13,9 +13,9 @@ import pytest
 import torch
 from PIL import Image, ImageEnhance
 
-from faces.align import ARCFACE_112, align, similarity_transform
-from faces.detect import Face, check_available, detect_faces
-from faces.models import ModelFileError, model_file
+from shardface.faces.align import ARCFACE_112, align, similarity_transform
+from shardface.faces.detect import Face, check_available, detect_faces
+from shardface.faces.models import ModelFileError, model_file
 from tests.astronaut import astronaut_head, two_faces_photo
 
 
@@ -57,7 +57,7 @@ def aligned(photos, tmp_path_factory) -> tuple[str, str]:
     import contextlib
     import io
 
-    from scripts.align import main as align_tool
+    from shardface.scripts.align import main as align_tool
 
     dst = str(tmp_path_factory.mktemp("aligned") / "crops")
     out = io.StringIO()
@@ -185,7 +185,7 @@ def test_align_reports_every_photo_and_counts_and_names_those_without_a_face(ali
 
 
 def test_align_refusals_write_nothing(photos, tmp_path, capsys):
-    from scripts.align import main as align_tool
+    from shardface.scripts.align import main as align_tool
 
     inside = os.path.join(photos, "eileen", "out")
     for argv, message in (
@@ -226,8 +226,8 @@ def _people(photos: str, tmp_path, names=("eileen", "mirror")):
 def test_pack_rec_align_packs_largest_faces_leaves_out_and_names_the_rest_strict_refuses(
     photos, tmp_path, caplog, capsys
 ):
-    from dataset import MXFaceDataset
-    from scripts.pack_rec import main as pack_rec
+    from shardface.dataset import MXFaceDataset
+    from shardface.scripts.pack_rec import main as pack_rec
 
     src = _people(photos, tmp_path)  # the two people with faces (nobody has none: refused, below)
     assert pack_rec([str(src), str(tmp_path / "strict"), "--align", "--strict"]) == 2
@@ -250,7 +250,7 @@ def test_pack_rec_align_packs_largest_faces_leaves_out_and_names_the_rest_strict
 
 
 def test_align_options_refuse_resize_with_align(photos, tmp_path, capsys):
-    from scripts.pack_rec import main as pack_rec
+    from shardface.scripts.pack_rec import main as pack_rec
 
     assert pack_rec([photos, str(tmp_path / "rec"), "--align", "--resize"]) == 2
     assert "choose one" in capsys.readouterr().err
@@ -259,7 +259,7 @@ def test_align_options_refuse_resize_with_align(photos, tmp_path, capsys):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from backbones import get_model
+    from shardface.backbones import get_model
 
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("model")
@@ -271,7 +271,7 @@ def tiny_model(tmp_path_factory) -> str:
 def test_embed_align_equals_embedding_the_align_tools_crops_and_leaves_out_faceless(
     photos, aligned, tiny_model, tmp_path, caplog, capsys
 ):
-    from scripts.embed import main as embed
+    from shardface.scripts.embed import main as embed
 
     dst, _ = aligned
     eileen = os.path.join(photos, "eileen")
@@ -289,7 +289,7 @@ def test_embed_align_equals_embedding_the_align_tools_crops_and_leaves_out_facel
 
 
 def test_compare_align_compares_faces_and_refuses_a_photo_without_one(photos, tiny_model, capsys):
-    from scripts.compare import main as compare
+    from shardface.scripts.compare import main as compare
 
     one, two = os.path.join(photos, "eileen", "one.jpg"), os.path.join(photos, "eileen", "two.png")
     assert compare([tiny_model, one, two, "--align", "--threshold", "0.5"]) == 0
@@ -300,8 +300,8 @@ def test_compare_align_compares_faces_and_refuses_a_photo_without_one(photos, ti
 
 
 def test_make_bin_align_draws_pairs_of_aligned_faces(photos, tmp_path, capsys):
-    from eval.verification import load_bin
-    from scripts.make_bin import main as make_bin
+    from shardface.eval.verification import load_bin
+    from shardface.scripts.make_bin import main as make_bin
 
     src = _people(photos, tmp_path)
     out = str(tmp_path / "v.bin")
@@ -314,8 +314,8 @@ def test_make_bin_align_draws_pairs_of_aligned_faces(photos, tmp_path, capsys):
 
 
 def test_training_set_align_true_yields_aligned_faces_of_photos_with_one(photos, tmp_path):
-    from builders import build_train_dataset
-    from configs import get_config
+    from shardface.builders import build_train_dataset
+    from shardface.configs import get_config
 
     src = _people(photos, tmp_path)
     cfg = get_config("configs/demo.py", ["--rec", str(src), "--num_classes", "2", "--align", "true"])
@@ -335,8 +335,8 @@ def test_training_set_align_true_yields_aligned_faces_of_photos_with_one(photos,
 def test_training_set_align_true_label_free_takes_every_photo_with_a_face_under_the_folder(photos):
     """num_classes 0 (docs/distillation.md): the sub-folders are not people; a folder whose one
     photo has no face ('nobody') is no error, as an identity without a photo would be."""
-    from builders import build_train_dataset
-    from configs import get_config
+    from shardface.builders import build_train_dataset
+    from shardface.configs import get_config
 
     cfg = get_config(
         "configs/demo.py",
@@ -353,14 +353,14 @@ def test_teach_align_makes_the_rows_of_an_align_true_runs_faces_and_a_resize_fil
     """scripts.teach reads the data as the run does (builders.build_train_dataset): with --align,
     row i is the teacher's embedding of the run's aligned face i; a file made from the same photos
     resized is refused by the align true run, naming both readings."""
-    from builders import build_train_dataset
-    from configs import get_config
-    from configs.errors import ConfigError
-    from distill.run import Distillation
-    from distill.teacher import OnlineTeacher
-    from distill.teacher_file import TeacherFile
-    from infer.model import load_model
-    from scripts.teach import main as teach
+    from shardface.builders import build_train_dataset
+    from shardface.configs import get_config
+    from shardface.distill.run import Distillation
+    from shardface.distill.teacher import OnlineTeacher
+    from shardface.distill.teacher_file import TeacherFile
+    from shardface.errors import ConfigError
+    from shardface.infer.model import load_model
+    from shardface.scripts.teach import main as teach
 
     aligned_file, resized_file = str(tmp_path / "aligned.teacher"), str(tmp_path / "resized.teacher")
     assert teach([tiny_model, photos, aligned_file, "--align", "--num_workers", "0"]) == 0
@@ -385,7 +385,7 @@ def test_teach_align_makes_the_rows_of_an_align_true_runs_faces_and_a_resize_fil
 
 
 def test_crop_names_keep_folders_and_tell_apart_photos_sharing_a_name():
-    from scripts.align import crop_stems
+    from shardface.scripts.align import crop_stems
 
     assert crop_stems(["a/p1.jpg", "a/p1.png", "a/p2.jpg", "b/p1.jpg"]) == {
         "a/p1.jpg": "a/p1.jpg",
@@ -406,7 +406,7 @@ def test_crop_names_keep_folders_and_tell_apart_photos_sharing_a_name():
 def test_align_writes_one_crop_file_per_reported_face_whatever_the_names(head, tmp_path):
     """a.jpg, a.png and a_jpg.png in one folder, and a two-face k.jpg beside k.face2.jpg: every
     face the report lists has its own crop file."""
-    from scripts.align import main as align_tool
+    from shardface.scripts.align import main as align_tool
 
     os.makedirs(tmp_path / "src" / "p")
     for name in ("a.jpg", "a.png", "a_jpg.png", "k.face2.jpg"):
@@ -428,7 +428,7 @@ def test_align_writes_one_crop_file_per_reported_face_whatever_the_names(head, t
 def test_align_overwrite_swaps_folders_and_cleans_what_killed_runs_left(photos, tmp_path, capsys):
     import shutil
 
-    from scripts.align import main as align_tool
+    from shardface.scripts.align import main as align_tool
     from tests.tool_files import dead_pid
 
     src = tmp_path / "src"
@@ -454,8 +454,8 @@ def test_align_overwrite_swaps_folders_and_cleans_what_killed_runs_left(photos, 
 def test_align_killed_between_moving_the_earlier_folder_aside_and_the_new_one_in_keeps_it(photos, tmp_path):
     """Where no atomic exchange is available: a kill after the earlier DST was moved to its
     journaled backup leaves no DST; the next run puts the earlier one back before it starts."""
+    from shardface.utils import atomic
     from tests.tool_files import dead_pid
-    from utils import atomic
 
     dst, backup = tmp_path / "dst", tmp_path / f".dst.old-{socket.gethostname()}-{dead_pid()}"
     os.makedirs(backup)
@@ -464,8 +464,8 @@ def test_align_killed_between_moving_the_earlier_folder_aside_and_the_new_one_in
 
 
 def test_a_photo_stored_sideways_with_exif_orientation_is_turned_upright(head, head_faces, tmp_path):
-    from faces.detect import Detection
-    from faces.stream import stream
+    from shardface.faces.detect import Detection
+    from shardface.faces.stream import stream
 
     path = str(tmp_path / "sideways.jpg")
     exif = Image.Exif()
@@ -477,7 +477,7 @@ def test_a_photo_stored_sideways_with_exif_orientation_is_turned_upright(head, h
 
 
 def test_train_py_align_true_trains_on_a_folder_of_raw_photos(photos, tmp_path):
-    import train
+    from shardface import train
 
     src = _people(photos, tmp_path)
     run = str(tmp_path / "run")
@@ -515,13 +515,13 @@ def test_train_py_align_true_trains_on_a_folder_of_raw_photos(photos, tmp_path):
 
 
 def test_a_missing_model_file_stops_the_tool_at_start_in_one_line(photos, tmp_path, monkeypatch, capsys):
-    import faces.models
-    from faces.detect import face_detector, landmark_predictor
-    from scripts.align import main as align_tool
+    import shardface.faces.models
+    from shardface.faces.detect import face_detector, landmark_predictor
+    from shardface.scripts.align import main as align_tool
 
     empty = tmp_path / "models"
     os.makedirs(empty)
-    monkeypatch.setattr(faces.models, "models_dir", lambda: str(empty))
+    monkeypatch.setattr(shardface.faces.models, "models_dir", lambda: str(empty))
     face_detector.cache_clear(), landmark_predictor.cache_clear()
     try:
         assert align_tool([photos, str(tmp_path / "out"), "--detector", "mmod"]) == 2
@@ -537,7 +537,7 @@ def test_identify_align_names_each_face_of_a_photo_largest_first(photos, tiny_mo
     gives one row per face, largest first, each with its box."""
     import shutil
 
-    from scripts.identify import main as identify
+    from shardface.scripts.identify import main as identify
 
     gallery = tmp_path / "people"
     for person, photo in (("eileen", "one.jpg"), ("other", "turned.png")):
@@ -579,7 +579,7 @@ def _eval_folder(photos, root, people: dict[str, int], faceless, per_id=1, unkno
     whether that image is a photo without a face (role: 'enrolled', 'mated' or 'nonmated')."""
     import shutil
 
-    from scripts.identify_eval import split
+    from shardface.scripts.identify_eval import split
 
     layout = [(name, [f"{name}/{i}.png" for i in range(n)]) for name, n in sorted(people.items())]
     enrolled, mated, nonmated = split(layout, per_id, unknown, 0)
@@ -595,7 +595,7 @@ def _eval_folder(photos, root, people: dict[str, int], faceless, per_id=1, unkno
 def test_identify_eval_counts_and_names_faceless_images_and_leaves_out_probes_of_people_not_enrolled(
     photos, tiny_model, tmp_path, capsys
 ):
-    from scripts.identify_eval import main as identify_eval
+    from shardface.scripts.identify_eval import main as identify_eval
 
     # blank's enrolment image has no face, its probe has one: counted as non-mated it would be
     # an impostor in a test that holds no one out
@@ -633,7 +633,7 @@ def test_identify_eval_counts_and_names_faceless_images_and_leaves_out_probes_of
 def test_identify_eval_with_every_mated_probe_faceless_is_one_error_line(
     photos, tiny_model, tmp_path, capsys
 ):
-    from scripts.identify_eval import main as identify_eval
+    from shardface.scripts.identify_eval import main as identify_eval
 
     folder, _ = _eval_folder(
         photos, tmp_path / "people", {"ann": 2, "bob": 2}, lambda name, role: role == "mated"
@@ -646,7 +646,7 @@ def test_identify_eval_with_every_mated_probe_faceless_is_one_error_line(
 def test_compare_align_counts_a_photos_further_faces_and_refuses_a_faceless_one_without_naming_strict(
     photos, tiny_model, capsys
 ):
-    from scripts.compare import main as compare
+    from shardface.scripts.compare import main as compare
 
     one, two = os.path.join(photos, "eileen", "one.jpg"), os.path.join(photos, "eileen", "two.png")
     assert compare([tiny_model, one, two, "--align", "--threshold", "0.5"]) == 0
@@ -669,7 +669,7 @@ def test_compare_align_counts_a_photos_further_faces_and_refuses_a_faceless_one_
 
 
 def test_embed_align_counts_each_photos_further_faces(photos, tiny_model, tmp_path, caplog):
-    from scripts.embed import main as embed
+    from shardface.scripts.embed import main as embed
 
     assert (
         embed([tiny_model, os.path.join(photos, "eileen"), "--out", str(tmp_path / "e.npy"), "--align"]) == 0

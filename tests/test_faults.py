@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from checkpoint.folders import resolve_checkpoint
+from shardface.checkpoint.folders import resolve_checkpoint
 from tests.train_runs import train_argv
 
 
@@ -86,7 +86,7 @@ def _console(output):
 def _bad_label(data):
     import struct
 
-    from dataset.recordio import read_index
+    from shardface.dataset.recordio import read_index
 
     index = read_index(os.path.join(data, "train.idx"))
     with open(os.path.join(data, "train.rec"), "r+b") as f:
@@ -97,7 +97,7 @@ def _bad_label(data):
 
 
 def _corrupt_record(data):
-    from dataset.recordio import read_index
+    from shardface.dataset.recordio import read_index
 
     offset = read_index(os.path.join(data, "train.idx"))[40]
     with open(os.path.join(data, "train.rec"), "r+b") as f:
@@ -261,7 +261,7 @@ def test_dead_rank_makes_the_job_exit_instead_of_hanging(drawn_faces, tmp_path):
 
 def _assert_resumable(data_dir, out):
     """The newest intact checkpoint loads and training continues from it (one process)."""
-    import train
+    from shardface import train
 
     step = int(resolve_checkpoint(out).rsplit("-", 1)[1])
     # the launches' epoch count: the checkpoint may lie past train_argv's 3 epochs

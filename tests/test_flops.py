@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from scripts import flops
+from shardface.scripts import flops
 
 complexity = functools.lru_cache(maxsize=None)(flops.complexity)
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dataset.folders import image_files, list_identity_folders, list_images
-from infer.enrolment import list_gallery
-from scripts.align import photos_under
+from shardface.dataset.folders import image_files, list_identity_folders, list_images
+from shardface.infer.enrolment import list_gallery
+from shardface.scripts.align import photos_under
 
 
 def _png(path):

@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-import train
-from checkpoint import files as checkpoint_files
-from checkpoint.files import NoSpaceError
-from checkpoint.folders import find_checkpoint, list_checkpoints
-from checkpoint.load import read_backbone_weights
+from shardface import train
+from shardface.checkpoint import files as checkpoint_files
+from shardface.checkpoint.files import NoSpaceError
+from shardface.checkpoint.folders import find_checkpoint, list_checkpoints
+from shardface.checkpoint.load import read_backbone_weights
 from tests.distributed import run_distributed
 from tests.train_runs import train_argv
 
@@ -71,8 +71,8 @@ def test_full_disk_during_a_checkpoint_names_file_and_space_and_removes_the_part
 def _save_with_rank1_disk_full(rank, world_size, output):
     import pytest as _pytest
 
-    from checkpoint.save import save_checkpoint
-    from checkpoint.state import TrainState
+    from shardface.checkpoint.save import save_checkpoint
+    from shardface.checkpoint.state import TrainState
     from tests.tiny_zero_run import build_parts, train_step
 
     parts = build_parts(rank, "collective")

@@ -15,13 +15,13 @@ import pytest
 import torch
 from PIL import Image
 
-import faces.stream as s
-from dataset import DataError
-from faces.align import ARCFACE_112
-from faces.detect import Detection
-from faces.stream import find_faces, usable
-from infer.enrolment import enrol, mean_cross_cosine
-from infer.model import Model, load_model
+import shardface.faces.stream as s
+from shardface.dataset import DataError
+from shardface.faces.align import ARCFACE_112
+from shardface.faces.detect import Detection
+from shardface.faces.stream import find_faces, usable
+from shardface.infer.enrolment import enrol, mean_cross_cosine
+from shardface.infer.model import Model, load_model
 from tests.gallery_files import gallery_folder, noise_face, run_identify, seeded_model
 
 
@@ -132,9 +132,9 @@ def test_a_damaged_cache_is_enrolled_again_saying_so(tmp_path, caplog, how):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = """
 import os, signal, sys, time
-import faces.stream as s
-import infer.enrolment as g
-from infer.model import load_model
+import shardface.faces.stream as s
+import shardface.infer.enrolment as g
+from shardface.infer.model import load_model
 model, gallery, at, how, flag = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
 real, calls = s.crop_pixels, []  # called once per image read
 def hook(*a):
@@ -303,7 +303,7 @@ def test_a_min_score_that_is_not_finite_is_one_error_line(tmp_path, capsys, tool
         argv = [model, "--gallery", gallery, "--align", "--min_score", "nan", query]
         code, out, err = run_identify(capsys, *argv)
     else:
-        from scripts.embed import main as embed
+        from shardface.scripts.embed import main as embed
 
         code = embed([model, query, "--out", str(tmp_path / "out"), "--align", "--min_score", "nan"])
         err = capsys.readouterr().err

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from heads import PartialFC, SampledRowsOptimizer
-from losses import CombinedMarginLoss
+from shardface.heads import PartialFC, SampledRowsOptimizer
+from shardface.losses import CombinedMarginLoss
 from tests.collective_log import recording
 from tests.devices import CUDA, device_of, env_for
 from tests.distributed import run_distributed
@@ -62,9 +62,9 @@ assert paths, "no .pt files in " + out
 for path in paths:
     found = devices(torch.load(path, weights_only=True))  # no map_location, as a CPU-only host loads
     assert found <= {"cpu"}, f"{path} holds tensors on {sorted(found)}"
-from builders import build_backbone, build_data_parallel, build_head, build_head_optimizer
-from configs import get_config
-from checkpoint.load import load_checkpoint
+from shardface.builders import build_backbone, build_data_parallel, build_head, build_head_optimizer
+from shardface.configs import get_config
+from shardface.checkpoint.load import load_checkpoint
 cfg = get_config(argv[0], argv[1:])
 backbone, head = build_backbone(cfg), build_head(cfg)
 _, backbone_opt = build_data_parallel(cfg, backbone)
@@ -121,7 +121,7 @@ def test_train_runs_on_the_device_and_its_files_open_on_a_cpu_only_host(
     losses = re.findall(r"loss ([0-9.]+|nan|inf) ", log)
     assert len(losses) == SMOKE_STEPS and all(v not in ("nan", "inf") for v in losses), losses
     assert bool(re.search(r"loss [0-9.]+ .*scale \d+", log)) == (precision == "fp16")  # the loss scaler ran
-    from checkpoint.folders import resolve_checkpoint
+    from shardface.checkpoint.folders import resolve_checkpoint
 
     assert resolve_checkpoint(out).endswith(f"checkpoint-{SMOKE_STEPS:08d}")
     assert os.path.isfile(os.path.join(out, "model.pt"))
@@ -166,7 +166,7 @@ def _max_diff(params, reference: nn.Module) -> float:
 def _zero2_steps(device, x, side_stream: bool):
     """Two ZeRO-2 steps (collective exchange, small buckets, two in flight), forward/backward
     on the current or a side stream: gradient shards after each backward and the weights."""
-    from parallel import Zero2Optimizer
+    from shardface.parallel import Zero2Optimizer
 
     model = _small_model(device)
     opt = Zero2Optimizer(
@@ -200,8 +200,8 @@ def _zero2_steps(device, x, side_stream: bool):
 
 
 def _world_one(rank, world_size):
-    from parallel.collectives import _AllGatherRows
-    from parallel.dist import cpu_group, init_distributed
+    from shardface.parallel.collectives import _AllGatherRows
+    from shardface.parallel.dist import cpu_group, init_distributed
 
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     dist.set_debug_level_from_env()  # torch read the variable at import, before this worker set it
@@ -251,8 +251,8 @@ def _ddp_world_one(rank, world_size):
     """DDP through a world-size-1 group equals the plain optimizer. Its own process, without
     TORCH_DISTRIBUTED_DEBUG=DETAIL: torch 2.15's DDP constructor crashes (SIGSEGV, in its
     construction-time logger) on a process group made under DETAIL."""
-    from parallel.ddp import DDPOptimizer
-    from parallel.dist import init_distributed
+    from shardface.parallel.ddp import DDPOptimizer
+    from shardface.parallel.dist import init_distributed
 
     device = init_distributed(timeout_min=2, force_group=True).device
     x = torch.randn(48, 64, device=device)

@@ -39,7 +39,7 @@ def _python(kind: str, *args: str, timeout: int = 600) -> subprocess.CompletedPr
 
 @pytest.fixture(scope="module")
 def teacher_onnx(teacher_pt, tmp_path_factory) -> str:
-    from scripts.export_onnx import main as export_onnx
+    from shardface.scripts.export_onnx import main as export_onnx
 
     path = str(tmp_path_factory.mktemp("onnx") / "teacher.onnx")
     assert export_onnx([teacher_pt, path, "--network", "tiny"]) == 0
@@ -75,7 +75,7 @@ def test_distillation_trains_on_the_device(kind, case, drawn_faces, teacher_pt, 
             made = _python(kind, *args)
             assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-3000:]
         else:  # in this process: no second interpreter start in make test
-            from scripts.teach import main as teach
+            from shardface.scripts.teach import main as teach
 
             assert teach(args[2:] + ["--num_workers", "0"]) == 0
     else:
@@ -126,8 +126,8 @@ def _astronaut_crops(n: int) -> torch.Tensor:
 
 
 def _dlib_student(**kw):
-    from backbones.dlib_resnet import DlibResNet
-    from infer.weights import dlib_state
+    from shardface.backbones.dlib_resnet import DlibResNet
+    from shardface.infer.weights import dlib_state
 
     net = DlibResNet(input_size=112, **kw)
     net.load_state_dict(dlib_state())
@@ -164,8 +164,8 @@ def test_dlib_resnet_student_in_16_bits_matches_fp32_on_the_cpu(kind, precision)
 
 @pytest.mark.parametrize("kind", [CUDA, "cpu"])
 def test_gallery_enrolment_with_the_model_on_the_device_matches_the_cpu(kind, teacher_pt, tmp_path):
-    from infer.enrolment import enrol
-    from infer.model import load_model
+    from shardface.infer.enrolment import enrol
+    from shardface.infer.model import load_model
 
     crops = ((_astronaut_crops(6) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
     gallery = tmp_path / "gallery"
@@ -202,7 +202,7 @@ def test_distillation_step_never_synchronises_the_host_nor_copies_host_data(
     EMA): on a GPU under sync debug "error"; on the CPU under the sync counter. Neither makes a
     tensor from host data (a copy from pageable memory neither of them sees)."""
     if teacher == "teacher_file":
-        from scripts.teach import main as teach
+        from shardface.scripts.teach import main as teach
 
         teacher = str(tmp_path / "tiny.teacher")
         assert teach([teacher_pt, drawn_faces, teacher, "--network", "tiny", "--num_workers", "0"]) == 0

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from heads import PartialFC, SampledRowsOptimizer, class_shard
-from losses import ArcFace, CombinedMarginLoss, CosFace, CurricularFace, MarginLoss
+from shardface.heads import PartialFC, SampledRowsOptimizer, class_shard
+from shardface.losses import ArcFace, CombinedMarginLoss, CosFace, CurricularFace, MarginLoss
 from tests.distributed import run_distributed
 
 C, D, B_LOCAL = 13, 8, 4
@@ -218,7 +218,7 @@ def _initial_weight_worker(rank, world_size, num_classes=9001):
 
 
 def test_initial_head_is_the_same_at_any_world_size_and_no_two_shards_start_alike():
-    from heads.sharding import INIT_BLOCK, initial_class_rows
+    from shardface.heads.sharding import INIT_BLOCK, initial_class_rows
 
     C_INIT = 9001  # uneven over 3 ranks; shards start inside and across the generator's blocks
     assert C_INIT > 2 * INIT_BLOCK
@@ -239,8 +239,8 @@ def test_initial_head_is_the_same_at_any_world_size_and_no_two_shards_start_alik
 
 def _device_label_worker(rank, world_size):
     """The path labels on a GPU take (no raise: that would wait on the device), on the CPU."""
-    from parallel import DynamicLossScaler
-    from utils.divergence import TrainingStopped, check_loss
+    from shardface.parallel import DynamicLossScaler
+    from shardface.utils.divergence import TrainingStopped, check_loss
 
     head = PartialFC(CosFace(), D, C)
     head.raise_on_bad_labels = False

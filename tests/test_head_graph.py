@@ -20,12 +20,12 @@ import pytest
 import torch
 from torch import nn
 
-from builders import build_head_step, head_graph_blocker
-from configs import get_config
-from configs.errors import ConfigError
-from heads import PartialFC, SampledRowsOptimizer
-from heads.graph import CapturedHead
-from losses import AdaFace, ArcFace
+from shardface.builders import build_head_step, head_graph_blocker
+from shardface.configs import get_config
+from shardface.errors import ConfigError
+from shardface.heads import PartialFC, SampledRowsOptimizer
+from shardface.heads.graph import CapturedHead
+from shardface.losses import AdaFace, ArcFace
 from tests.devices import CUDA, device_of, env_for
 from tests.host_sync import HostSyncCounter
 from tests.log_capture import shardface_messages

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from heads import PartialFC, SampledRowsOptimizer
-from losses import ArcFace
+from shardface.heads import PartialFC, SampledRowsOptimizer
+from shardface.losses import ArcFace
 
 B, D = 1024, 512
 

@@ -18,8 +18,8 @@ import sys
 import pytest
 import torch
 
-from heads import PartialFC, SampledRowsOptimizer
-from losses import AdaFace, ArcFace, CosFace, CurricularFace, SubCenterArcFace
+from shardface.heads import PartialFC, SampledRowsOptimizer
+from shardface.losses import AdaFace, ArcFace, CosFace, CurricularFace, SubCenterArcFace
 from tests.shard_passes import ShardPassCounter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

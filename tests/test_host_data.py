@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from backbones import get_model
-from dataset import ResumableDistributedSampler, build_dataset, get_dataloader
-from distill.teacher_file import TeacherFile
-from faces.dlib_chip import DLIB_150
-from infer.model import Model
-from scripts.teach import main as teach
+from shardface.backbones import get_model
+from shardface.dataset import ResumableDistributedSampler, build_dataset, get_dataloader
+from shardface.distill.teacher_file import TeacherFile
+from shardface.faces.dlib_chip import DLIB_150
+from shardface.infer.model import Model
+from shardface.scripts.teach import main as teach
 from tests.host_sync import HostDataCounter
 
 MADE_FROM_HOST_DATA = [

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from eval.identification import (
+from shardface.eval.identification import (
     cmc,
     det_curve,
     insightface_tpir,

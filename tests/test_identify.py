@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from infer.enrolment import enrol
-from infer.model import as_model, load_model, load_module
-from scripts.identify import main as identify
+from shardface.infer.enrolment import enrol
+from shardface.infer.model import as_model, load_model, load_module
+from shardface.scripts.identify import main as identify
 from tests.gallery_files import gallery_folder, noise_face, run_identify, seeded_model
 
 
@@ -115,8 +115,8 @@ def test_bad_input_is_one_error_line_naming_it(tmp_path, capsys, case, named):
 
 
 def test_identify_eval_split_and_rank1_equal_a_direct_computation(tmp_path, capsys):
-    from scripts.identify_eval import main as identify_eval
-    from scripts.identify_eval import split
+    from shardface.scripts.identify_eval import main as identify_eval
+    from shardface.scripts.identify_eval import split
 
     model = seeded_model(tmp_path / "m", 0)
     root = gallery_folder(tmp_path / "g", (3, 3, 2, 1, 3))
@@ -143,7 +143,7 @@ def test_identify_eval_split_and_rank1_equal_a_direct_computation(tmp_path, caps
 @pytest.mark.parametrize("tool", ["identify", "compare"])
 @pytest.mark.parametrize("value", ["nan", "inf", "2", "-5", "1.0001"])
 def test_threshold_that_is_not_a_cosine_is_refused_in_one_line_before_any_work(tmp_path, capsys, tool, value):
-    from scripts.compare import main as compare
+    from shardface.scripts.compare import main as compare
 
     model = seeded_model(tmp_path / "m", 0)
     gallery = gallery_folder(tmp_path / "g")
@@ -168,7 +168,7 @@ def test_model_without_a_known_threshold_names_no_one_and_says_how_to_get_one(tm
 
 
 def test_identify_and_compare_print_the_threshold_they_used_and_where_it_came_from(tmp_path, capsys):
-    from scripts.compare import main as compare
+    from shardface.scripts.compare import main as compare
 
     model = seeded_model(tmp_path / "m", 0)
     gallery = gallery_folder(tmp_path / "g")
@@ -189,7 +189,7 @@ def test_identify_and_compare_print_the_threshold_they_used_and_where_it_came_fr
 def test_identify_eval_gives_no_figure_the_data_cannot_support(tmp_path, capsys):
     """4 people enrolled: rank-5 is 1 whatever the model, so n/a; 2 non-mated probes cannot
     measure FPIR 0.1 (needs 10) or 0.01 (needs 100)."""
-    from scripts.identify_eval import main as identify_eval
+    from shardface.scripts.identify_eval import main as identify_eval
 
     model = seeded_model(tmp_path / "m", 0)
     root = gallery_folder(tmp_path / "g", (3, 3, 2, 2, 3))
@@ -209,7 +209,7 @@ def test_identify_eval_gives_no_figure_the_data_cannot_support(tmp_path, capsys)
 
 
 def test_identify_eval_negative_unknown_ids_is_one_error_line(tmp_path, capsys):
-    from scripts.identify_eval import main as identify_eval
+    from shardface.scripts.identify_eval import main as identify_eval
 
     model = seeded_model(tmp_path / "m", 0)
     root = gallery_folder(tmp_path / "g", (2, 2))
@@ -220,7 +220,7 @@ def test_identify_eval_negative_unknown_ids_is_one_error_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_threshold_at_far_accepts_at_most_far_of_different_pairs_and_no_lower_threshold_does(seed):
-    from infer.thresholds import threshold_at_far
+    from shardface.infer.thresholds import threshold_at_far
 
     rng = np.random.default_rng(seed)
     n = [5, 40, 1500][seed]
@@ -247,10 +247,10 @@ def test_trained_runs_threshold_is_saved_by_verification_used_by_identify_and_ca
     the MODEL's own, stated; export_onnx writes it into the .onnx, whose tools state the same."""
     import io
 
-    from eval.callback import VerificationCallback
-    from eval.verification import write_bin
-    from scripts.compare import main as compare
-    from scripts.export_onnx import main as export_onnx
+    from shardface.eval.callback import VerificationCallback
+    from shardface.eval.verification import write_bin
+    from shardface.scripts.compare import main as compare
+    from shardface.scripts.export_onnx import main as export_onnx
 
     model = seeded_model(tmp_path / "run", 0)
     images = []
@@ -281,7 +281,7 @@ def test_trained_runs_threshold_is_saved_by_verification_used_by_identify_and_ca
 
 
 def test_identify_eval_plot_is_checked_before_the_evaluation(tmp_path, capsys, monkeypatch):
-    from scripts import identify_eval as tool
+    from shardface.scripts import identify_eval as tool
 
     model = seeded_model(tmp_path / "m", 0)
     root = gallery_folder(tmp_path / "g", (3, 3, 2, 1, 3))
@@ -302,7 +302,7 @@ def test_identify_eval_plot_is_checked_before_the_evaluation(tmp_path, capsys, m
 def test_identify_eval_embeds_batch_by_batch_with_progress_and_the_same_figures(tmp_path, capsys):
     """A folder larger than a batch: progress with an ETA on stderr, and batches of 4 give the
     figures one batch of all gives."""
-    from scripts.identify_eval import main as identify_eval
+    from shardface.scripts.identify_eval import main as identify_eval
 
     model = seeded_model(tmp_path / "m", 0)
     root = gallery_folder(tmp_path / "g", (3, 3, 2, 2, 3))
@@ -349,7 +349,7 @@ def test_a_query_named_twice_is_answered_once(tmp_path, capsys):
 def test_a_person_without_a_face_stops_the_gallery_after_the_others_are_saved(tmp_path):
     from PIL import Image
 
-    from infer.enrolment import GalleryError, default_cache
+    from shardface.infer.enrolment import GalleryError, default_cache
 
     model = load_model(seeded_model(tmp_path / "m", 0))
     people = tmp_path / "g"

@@ -5,8 +5,8 @@ import pytest
 import torch
 from PIL import Image
 
-from eval.ijb import evaluate_ijb
-from faces.align import ARCFACE_112, align, similarity_transform
+from shardface.eval.ijb import evaluate_ijb
+from shardface.faces.align import ARCFACE_112, align, similarity_transform
 from tests.ijb_fixture import MeanColour, make_ijb_fixture
 
 ARCFACE_TEMPLATE = ARCFACE_112.points
@@ -78,7 +78,7 @@ class NeverCalled(MeanColour):
 
 def test_roc_over_an_existing_file_is_refused_before_embedding_unless_overwrite(tmp_path):
     """--roc follows every tool's output rule (identify_eval's --plot): a photo there stays."""
-    from utils.atomic import OutputError
+    from shardface.errors import OutputError
 
     make_ijb_fixture(tmp_path)
     photo = tmp_path / "holiday.png"
@@ -92,7 +92,7 @@ def test_roc_over_an_existing_file_is_refused_before_embedding_unless_overwrite(
 
 
 def _tool(argv, capsys):
-    from scripts.ijb import main
+    from shardface.scripts.ijb import main
 
     capsys.readouterr()
     rc = main(argv)
@@ -150,7 +150,7 @@ def test_ijb_tool_refuses_an_existing_roc_and_a_wrong_root_in_one_line(tmp_path,
 def test_malformed_meta_line_is_a_data_error_naming_file_line_and_field(
     tmp_path, file, line, damage, expected
 ):
-    from dataset.errors import DataError
+    from shardface.dataset.errors import DataError
 
     make_ijb_fixture(tmp_path)
     path = tmp_path / "meta" / file
@@ -162,7 +162,7 @@ def test_malformed_meta_line_is_a_data_error_naming_file_line_and_field(
 
 
 def test_malformed_meta_through_the_tool_is_one_line(tmp_path, capsys):
-    import backbones
+    from shardface import backbones
 
     make_ijb_fixture(tmp_path)
     torch.save(backbones.get_model("tiny").state_dict(), tmp_path / "model.pt")

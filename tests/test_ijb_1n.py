@@ -8,9 +8,9 @@ import pytest
 import torch
 from PIL import Image
 
-from eval.ijb_1n import evaluate_ijb_1n
-from faces.align import ARCFACE_112
-from scripts.ijb import main as ijb
+from shardface.eval.ijb_1n import evaluate_ijb_1n
+from shardface.faces.align import ARCFACE_112
+from shardface.scripts.ijb import main as ijb
 
 
 class MeanColour(torch.nn.Module):
@@ -128,7 +128,7 @@ def test_ijbb_layout_through_the_tool_and_a_missing_gallery_file_is_named(tmp_pa
     model = tmp_path / "model.pt"
     import json
 
-    from backbones import get_model
+    from shardface.backbones import get_model
 
     torch.save(get_model("tiny", num_features=16).eval().state_dict(), model)
     json.dump({"network": "tiny"}, open(tmp_path / "config.json", "w"))

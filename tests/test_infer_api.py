@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from infer import Gallery, load_model
+from shardface import Gallery, load_model
 from tests.astronaut import astronaut_head, two_faces_photo
 from tests.gallery_files import gallery_folder, noise_face, seeded_model
 
@@ -37,7 +37,7 @@ def portrait(tmp_path_factory):
 def _dlibs_own_descriptor(img: np.ndarray) -> np.ndarray:
     """face_recognition's `face_encodings(img)[0]`, written with dlib's calls: HOG at one
     upsampling, the 5-point shape of the largest face, dlib's descriptor of its chip."""
-    from faces.models import model_file
+    from shardface.faces.models import model_file
 
     box = max(dlib.get_frontal_face_detector()(img, 1), key=lambda r: r.area())
     shape = dlib.shape_predictor(model_file("shape_predictor_5_face_landmarks.dat"))(img, box)
@@ -89,7 +89,7 @@ def test_compare_is_the_cosine_of_the_two_embeddings_and_a_photo_without_a_face_
 
 
 def test_gallery_answers_as_identify_does(tmp_path, capsys):
-    from scripts.identify import main as identify
+    from shardface.scripts.identify import main as identify
 
     model = seeded_model(tmp_path / "m", 0)
     people = gallery_folder(tmp_path / "g")

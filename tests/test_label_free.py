@@ -8,14 +8,14 @@ import shutil
 import pytest
 import torch
 
-import train
-from checkpoint.folders import resolve_checkpoint
-from configs import get_config
-from configs.errors import ConfigError
-from dataset import FolderFaceDataset, build_dataset
-from distill.teacher_file import TeacherFile
-from parallel.user_errors import exits_on_user_error
-from scripts.teach import main as teach
+from shardface import train
+from shardface.checkpoint.folders import resolve_checkpoint
+from shardface.configs import get_config
+from shardface.dataset import FolderFaceDataset, build_dataset
+from shardface.distill.teacher_file import TeacherFile
+from shardface.errors import ConfigError
+from shardface.parallel.user_errors import exits_on_user_error
+from shardface.scripts.teach import main as teach
 from tests.distributed import run_distributed
 from tests.tool_files import jpeg
 from tests.train_runs import train_argv
@@ -148,7 +148,7 @@ def test_label_free_step_under_ddp_gradient_acc_and_clipping(photos, teacher_pt,
 
 
 def test_planner_counts_no_head_label_free(teacher_pt):
-    from planner import plan
+    from shardface.planner import plan
 
     base = ["--batch_size", "16", "--teacher", teacher_pt, "--teacher_network", "tiny"]
     with_head = plan(get_config("configs/demo.py", base + ["--num_classes", "1000"]), 2)
@@ -164,7 +164,7 @@ def test_planner_counts_no_head_label_free(teacher_pt):
 
 
 def test_label_free_builds_no_head_nor_head_optimizer(teacher_pt):
-    from builders import build_head, build_head_optimizer
+    from shardface.builders import build_head, build_head_optimizer
 
     cfg = get_config("configs/demo.py", ["--num_classes", "0", "--teacher", teacher_pt])
     assert build_head(cfg) is None and build_head_optimizer(cfg, None) is None
@@ -228,7 +228,7 @@ def test_label_free_checkpoint_of_two_ranks_resumes_on_one(relational_runs, tmp_
 def test_label_free_save_refuses_finite_weights_whose_embeddings_overflow():
     """With no head the checkpoint probe is the batch's embeddings: finite weights that give
     inf embeddings are not saved."""
-    from utils.divergence import TrainingStopped, check_weights
+    from shardface.utils.divergence import TrainingStopped, check_weights
 
     net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4))
     batch = (torch.ones(2, 3, 2, 2), torch.zeros(2, dtype=torch.long))

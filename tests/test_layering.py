@@ -30,14 +30,19 @@ def _level(name: str) -> int:
 
 
 def _imported_tops(path: str) -> set[str]:
+    """Our top-level modules a file imports, each through the package (`shardface.<top>...`)."""
     tree = ast.parse(open(path).read(), path)
-    names = set()
+    modules = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            modules += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
-    return names & OURS
+            modules += (
+                [f"{node.module}.{alias.name}" for alias in node.names]
+                if node.module == "shardface"
+                else [node.module]
+            )
+    return {m.split(".")[1] for m in modules if m.startswith("shardface.")} & OURS
 
 
 def _sources():
@@ -48,6 +53,11 @@ def _sources():
             for f in sorted(files):
                 if f.endswith(".py"):
                     yield top, os.path.relpath(os.path.join(dirpath, f), ROOT)
+
+
+def test_the_scan_sees_imports_through_the_package():
+    assert {"faces", "infer"} <= _imported_tops(os.path.join(ROOT, "infer", "stream.py"))
+    assert {"backbones", "configs", "eval"} <= _imported_tops(os.path.join(ROOT, "scripts", "demo.py"))
 
 
 @pytest.mark.parametrize("top,path", list(_sources()))

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from dataset import MXFaceDataset, RecordIOError, ResumableDistributedSampler, get_dataloader
-from dataset.pack import write_insightface_rec
-from dataset.recordio import IRHeader, RecordWriter, pack
+from shardface.dataset import MXFaceDataset, RecordIOError, ResumableDistributedSampler, get_dataloader
+from shardface.dataset.pack import write_insightface_rec
+from shardface.dataset.recordio import IRHeader, RecordWriter, pack
 from tests.log_capture import shardface_messages
 from tests.tool_files import jpeg
 
@@ -97,7 +97,7 @@ def test_header_counting_other_identities_than_property_is_refused(tmp_path):
 
 
 def test_insightface_set_without_property_counts_its_classes_from_the_header(tmp_path):
-    from dataset import DataLayoutError, build_dataset
+    from shardface.dataset import DataLayoutError, build_dataset
 
     root = _insightface(tmp_path)  # 4 identities of 3 images; header labels (13, 17)
     os.remove(root / "property")
@@ -113,7 +113,7 @@ def test_insightface_set_without_property_counts_its_classes_from_the_header(tmp
 
 
 def test_im2rec_set_without_property_takes_its_class_count_from_the_config(tmp_path):
-    from dataset import DataLayoutError, build_dataset
+    from shardface.dataset import DataLayoutError, build_dataset
 
     root = _im2rec_set(tmp_path, lambda key: [key % 4], 8, 4)
     os.remove(os.path.join(root, "property"))

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from heads import PartialFC, class_shard
-from losses import AdaFace, ArcFace, CombinedMarginLoss, CurricularFace, MagFace, SubCenterArcFace
+from shardface.heads import PartialFC, class_shard
+from shardface.losses import AdaFace, ArcFace, CombinedMarginLoss, CurricularFace, MagFace, SubCenterArcFace
 from tests import margin_references as ref
 from tests.distributed import run_distributed
 
@@ -176,7 +176,7 @@ def test_running_statistics_survive_state_dict_and_eval_does_not_move_them():
 
 
 def test_dominant_subcenters_keep_the_centre_most_images_are_nearest():
-    from losses.subcenter import dominant_subcenters, drop_subcenters, far_from_dominant
+    from shardface.losses.subcenter import dominant_subcenters, drop_subcenters, far_from_dominant
 
     k = 3
     weight = torch.eye(6).repeat_interleave(1, 0)[:6]  # 2 classes x 3 centres, orthogonal
@@ -193,10 +193,10 @@ class _CurricularWithTwoCentres(CurricularFace):
 
 
 def _checkpoint_worker(rank, world_size, output, save):
-    from checkpoint.load import load_checkpoint
-    from checkpoint.save import save_checkpoint
-    from checkpoint.state import TrainState
-    from parallel.ddp import DDPOptimizer
+    from shardface.checkpoint.load import load_checkpoint
+    from shardface.checkpoint.save import save_checkpoint
+    from shardface.checkpoint.state import TrainState
+    from shardface.parallel.ddp import DDPOptimizer
 
     torch.manual_seed(0)
     backbone = torch.nn.Linear(4, D)
@@ -287,7 +287,7 @@ def test_adaface_non_target_cosines_past_its_clamp_carry_no_gradient(chunk, rate
 
 @pytest.fixture(scope="module")
 def subcenter_run(drawn_faces, tmp_path_factory):
-    import train
+    from shardface import train
     from tests.train_runs import train_argv
 
     out = str(tmp_path_factory.mktemp("subcenter") / "run")
@@ -312,7 +312,7 @@ def subcenter_run(drawn_faces, tmp_path_factory):
 
 
 def test_drop_subcenters_checks_its_output_before_the_pass(subcenter_run, tmp_path, monkeypatch, capsys):
-    from scripts import drop_subcenters
+    from shardface.scripts import drop_subcenters
 
     taken = tmp_path / "taken"
     taken.write_text("a file")
@@ -344,8 +344,8 @@ def test_drop_subcenters_reads_the_data_as_the_run_did(tmp_path):
     import numpy as np
     from PIL import Image
 
-    import train
-    from scripts import drop_subcenters
+    from shardface import train
+    from shardface.scripts import drop_subcenters
 
     rng = np.random.default_rng(0)
     for i in range(4):
@@ -392,8 +392,8 @@ def test_drop_subcenters_reads_the_data_as_the_run_did(tmp_path):
 
 
 def test_drop_subcenters_on_a_checkpoint_directory_reads_meta_config(subcenter_run, tmp_path):
-    from checkpoint.folders import find_checkpoint
-    from scripts import drop_subcenters
+    from shardface.checkpoint.folders import find_checkpoint
+    from shardface.scripts import drop_subcenters
 
     assert drop_subcenters.main([find_checkpoint(subcenter_run), "--out", str(tmp_path / "clean")]) == 0
     assert torch.load(tmp_path / "clean" / "head_dominant.pt").shape == (16, 128)  # one centre per class

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from losses import ArcFace, CombinedMarginLoss, CosFace
+from shardface.losses import ArcFace, CombinedMarginLoss, CosFace
 
 
 def test_cosface_and_arcface_formulas_on_target_only():

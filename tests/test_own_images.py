@@ -12,13 +12,13 @@ import pytest
 import torch
 from PIL import Image
 
-from dataset import DataError, ImageDecodeError, MXFaceDataset, build_dataset
-from dataset.errors import ImageSizeError
-from dataset.images import decode_chw, to_rgb
-from dataset.pack import write_insightface_rec
-from eval.verification import load_bin
-from scripts.make_bin import main as make_bin
-from scripts.pack_rec import main as pack_rec
+from shardface.dataset import DataError, ImageDecodeError, MXFaceDataset, build_dataset
+from shardface.dataset.errors import ImageSizeError
+from shardface.dataset.images import decode_chw, to_rgb
+from shardface.dataset.pack import write_insightface_rec
+from shardface.eval.verification import load_bin
+from shardface.scripts.make_bin import main as make_bin
+from shardface.scripts.pack_rec import main as pack_rec
 
 RNG = np.random.default_rng(0)
 RGB = RNG.integers(0, 256, (112, 112, 3), dtype=np.uint8)
@@ -281,7 +281,7 @@ def test_make_bin_refusals_name_the_problem_and_write_nothing(tmp_path, capsys):
 def _identities(root, ids, per_id, seed=5):
     """Drawn faces, one folder per identity; every third image re-saved as a 16-bit PGM or an
     RGBA PNG (the formats the decoder must take)."""
-    from dataset.drawn_faces import identity_images
+    from shardface.dataset.drawn_faces import identity_images
 
     for i in ids:
         folder = os.path.join(root, f"person{i:02d}")
@@ -302,11 +302,11 @@ def _identities(root, ids, per_id, seed=5):
 def test_own_photos_end_to_end_pack_train_make_bin_verify_embed_compare(tmp_path, capsys):
     """folder -> pack_rec -> train (tiny, val_targets on the own .bin) -> verify (run and ONNX)
     -> embed with the run, model.pt and ONNX: the same embeddings to 1e-4."""
-    import train
-    from scripts.compare import main as compare
-    from scripts.embed import main as embed
-    from scripts.export_onnx import main as export_onnx
-    from scripts.verify import main as verify
+    from shardface import train
+    from shardface.scripts.compare import main as compare
+    from shardface.scripts.embed import main as embed
+    from shardface.scripts.export_onnx import main as export_onnx
+    from shardface.scripts.verify import main as verify
 
     photos = _identities(tmp_path / "photos", range(8), 8)
     held = _identities(tmp_path / "held_out", range(8, 12), 5)
@@ -389,11 +389,11 @@ def test_model_pt_and_its_onnx_export_embed_alike_and_verify_takes_onnx(tmp_path
     beside it) and as .onnx gives the same embeddings, and verify reads the .onnx."""
     import json
 
-    from backbones import get_model
-    from dataset.folders import image_files
-    from infer.model import as_model, load_module
-    from scripts.export_onnx import export
-    from scripts.verify import main as verify
+    from shardface.backbones import get_model
+    from shardface.dataset.folders import image_files
+    from shardface.infer.model import as_model, load_module
+    from shardface.scripts.export_onnx import export
+    from shardface.scripts.verify import main as verify
 
     torch.manual_seed(0)
     model = get_model("tiny", num_features=64).eval()
@@ -425,9 +425,9 @@ def test_model_pt_and_its_onnx_export_embed_alike_and_verify_takes_onnx(tmp_path
 
 
 def test_unreadable_onnx_and_missing_inputs_are_one_line_errors(tmp_path, capsys):
-    from checkpoint.files import CheckpointError
-    from infer.model import load_module
-    from scripts.embed import main as embed
+    from shardface.checkpoint.files import CheckpointError
+    from shardface.infer.model import load_module
+    from shardface.scripts.embed import main as embed
 
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not a model")
@@ -444,7 +444,7 @@ def test_unreadable_onnx_and_missing_inputs_are_one_line_errors(tmp_path, capsys
 
 
 def test_training_on_wrong_size_images_is_refused_before_any_step(tmp_path):
-    import train
+    from shardface import train
 
     root = _folder(tmp_path / "f", [[(112, 92)] * 4, [(112, 112)] * 4])
     out = str(tmp_path / "run")
@@ -479,8 +479,8 @@ def test_undecodable_sampled_record_fails_at_start_unless_skipped(tmp_path):
 
 
 def test_ijb_takes_an_onnx_model_and_finds_the_constructed_tar(tmp_path, capsys):
-    from scripts.export_onnx import export
-    from scripts.ijb import main as ijb
+    from shardface.scripts.export_onnx import export
+    from shardface.scripts.ijb import main as ijb
     from tests.ijb_fixture import MeanColour, make_ijb_fixture
 
     make_ijb_fixture(tmp_path)

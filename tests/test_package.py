@@ -1,5 +1,6 @@
-"""`pip install .` ships the whole tree: every package folder, every top-level module and every
-command-line tool's module, and the installed copy works outside the repository."""
+"""`pip install .` ships one package, `shardface`: the checkout's root with every package folder,
+every top-level module and every command-line tool's module; the installed copy works outside the
+repository, beside a user's own `utils.py`, `dataset/` and `configs.py`."""
 
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ _NOT_SOURCES = {"work_dirs", "data", "output", "build", "dist"}
 
 
 def _package_folders() -> list[str]:
-    """Every top-level folder with an __init__.py: a package the wheel must hold (tests/ is not shipped)."""
+    """Every top-level folder with an __init__.py: a subpackage the wheel must hold (tests/ has none)."""
     return sorted(
         name
         for name in os.listdir(ROOT)
-        if name != "tests"
-        and not name.startswith(".")
+        if not name.startswith(".")
+        and not os.path.islink(os.path.join(ROOT, name))
         and os.path.isfile(os.path.join(ROOT, name, "__init__.py"))
     )
 
@@ -46,7 +47,7 @@ def _source_copy(dest: str) -> str:
             return [n for n in names if n == "__pycache__"]
         return [n for n in names if n.startswith(".") or n in _NOT_SOURCES or n.endswith(".egg-info")]
 
-    shutil.copytree(ROOT, dest, ignore=ignore)
+    shutil.copytree(ROOT, dest, ignore=ignore, symlinks=True)  # `shardface`, the link to the root, stays one
     return dest
 
 
@@ -80,25 +81,28 @@ def _wheel_names(wheel: str) -> set[str]:
         return set(z.namelist())
 
 
-def test_the_wheel_holds_every_package_folder_of_the_tree(wheel):
+def test_the_wheel_holds_one_top_level_name_shardface_with_every_package_folder_and_module(wheel):
     names = _wheel_names(wheel)
     assert "infer" in _package_folders() and "distill" in _package_folders()  # the scan sees the tree
-    missing = []
+    assert {"builders", "planner", "train", "errors", "__init__"} <= set(_top_modules())
+    tops = {n.split("/")[0] for n in names if ".dist-info/" not in n}
+    assert tops == {"shardface"}, f"site-packages would get {sorted(tops)}"
+    missing = [f"{m}.py" for m in _top_modules() if f"shardface/{m}.py" not in names]
     for package in _package_folders():
         for f in sorted(os.listdir(os.path.join(ROOT, package))):
-            if f.endswith(".py") and f"{package}/{f}" not in names:
+            if f.endswith(".py") and f"shardface/{package}/{f}" not in names:
                 missing.append(f"{package}/{f}")
     assert not missing, f"the wheel lacks {missing}"
-    folders = {n.split("/")[0] for n in names if "/" in n and ".dist-info/" not in n}
+    folders = {n.split("/")[1] for n in names if n.startswith("shardface/") and n.count("/") >= 2}
     assert folders == set(_package_folders()), (
         "only the package folders are shipped (not tests/, benchmarks/…)"
     )
 
 
-def test_the_wheel_holds_every_top_level_module(wheel):
-    names = _wheel_names(wheel)
-    assert {"builders", "planner", "train"} <= set(_top_modules())
-    assert not [m for m in _top_modules() if f"{m}.py" not in names]
+def test_the_packages_pyproject_lists_are_the_trees_package_folders():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        listed = tomllib.load(f)["tool"]["setuptools"]["packages"]
+    assert listed == ["shardface"] + [f"shardface.{p}" for p in _package_folders()]
 
 
 def _defines(source: str, name: str) -> bool:
@@ -124,6 +128,7 @@ def test_every_command_line_tool_resolves_to_a_module_in_the_wheel(wheel):
             assert f"{tool} = {target}" in entry_points, f"{tool} is not among the wheel's console scripts"
             module, function = target.split(":")
             path = module.replace(".", "/")
+            assert module.startswith("shardface."), f"{tool} = {target}: not in the package"
             found = [p for p in (f"{path}.py", f"{path}/__init__.py") if p in names]
             assert found, f"{tool} = {target}: the wheel has no module {module}"
             assert _defines(z.read(found[0]).decode(), function), (
@@ -131,10 +136,32 @@ def test_every_command_line_tool_resolves_to_a_module_in_the_wheel(wheel):
             )
 
 
-def test_the_installed_package_works_outside_the_repository(wheel, tmp_path):
-    """Installed from the wheel and run from another folder, the models load and a tool runs."""
+USER_FILES = {
+    "utils.py": "raise ImportError('the user utils.py was imported')\n",
+    "dataset/__init__.py": "DataError = None  # a user's own package\n",
+    "configs.py": "raise ImportError('the user configs.py was imported')\n",
+    "eval.py": "raise ImportError('the user eval.py was imported')\n",
+    "scripts/__init__.py": "",
+    "train.py": "raise ImportError('the user train.py was imported')\n",
+}
+
+USE_THE_API = """
+import shardface
+from shardface import Gallery, load_model
+import shardface.train, shardface.scripts.align
+print(shardface.__file__, shardface.train.__file__, shardface.scripts.align.__file__)
+print(sorted(shardface.__all__))
+print(load_model("dlib").name)
+"""
+
+
+def test_the_installed_package_works_beside_a_users_own_utils_dataset_and_configs(wheel, tmp_path):
+    """Installed from the wheel and used from a folder holding a user's own modules of the names
+    the project's folders have, the API and a tool run from the installed copy alone."""
     target, elsewhere = tmp_path / "site", tmp_path / "elsewhere"
-    elsewhere.mkdir()
+    for name, text in USER_FILES.items():
+        (elsewhere / name).parent.mkdir(parents=True, exist_ok=True)
+        (elsewhere / name).write_text(text)
     subprocess.run(
         [
             sys.executable,
@@ -151,21 +178,20 @@ def test_the_installed_package_works_outside_the_repository(wheel, tmp_path):
         check=True,
         cwd=str(elsewhere),
     )
+    assert sorted(os.listdir(target)) == [
+        "bin",
+        "shardface",
+        *[n for n in os.listdir(target) if n.endswith(".dist-info")],
+    ]
     env = {**os.environ, "PYTHONPATH": str(target)}
     done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import infer, train; from infer import load_model, Gallery; "
-            "print(infer.__file__, train.__file__)",
-        ],
-        cwd=str(elsewhere),
-        env=env,
-        capture_output=True,
-        text=True,
+        [sys.executable, "-c", USE_THE_API], cwd=str(elsewhere), env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    assert all(path.startswith(str(target)) for path in done.stdout.split()), done.stdout
+    paths, public, name = done.stdout.splitlines()
+    assert all(path.startswith(str(target)) for path in paths.split()), paths
+    assert "load_model" in public and "Gallery" in public and "UserError" in public
+    assert name == "dlib"
     tool = subprocess.run(
         [str(target / "bin" / "shardface-identify"), "--help"],
         cwd=str(elsewhere),

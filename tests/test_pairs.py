@@ -11,18 +11,18 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import faces.detect
-from eval.pairs import PairListError, contiguous_folds, read_pair_list
-from eval.verification import _folds, load_bin
-from faces.align import ARCFACE_112, align, similarity_transform
-from faces.detect import Detection, Face, five_from_dlib5, load_photo
-from faces.dlib_chip import chip_transform
-from faces.fallback import Fallback
-from infer.embed import embed
-from infer.model import load_model
-from infer.pair_photos import EmbeddingCache, FacesCache, cache_paths, pair_embeddings, pair_faces
-from scripts.make_bin import main as make_bin
-from scripts.verify import main as verify
+import shardface.faces.detect
+from shardface.eval.pairs import PairListError, contiguous_folds, read_pair_list
+from shardface.eval.verification import _folds, load_bin
+from shardface.faces.align import ARCFACE_112, align, similarity_transform
+from shardface.faces.detect import Detection, Face, five_from_dlib5, load_photo
+from shardface.faces.dlib_chip import chip_transform
+from shardface.faces.fallback import Fallback
+from shardface.infer.embed import embed
+from shardface.infer.model import load_model
+from shardface.infer.pair_photos import EmbeddingCache, FacesCache, cache_paths, pair_embeddings, pair_faces
+from shardface.scripts.make_bin import main as make_bin
+from shardface.scripts.verify import main as verify
 from tests.gallery_files import seeded_model
 from tests.lfw_folder import DIFF, SAME, lfw_folder, lfw_list
 
@@ -34,15 +34,15 @@ def lfw(tmp_path_factory) -> str:
 
 @pytest.fixture
 def counted(monkeypatch) -> list:
-    """Every face search run (faces.detect.Detection.faces calls faces.detect.detect_faces)."""
+    """Every face search run (shardface.faces.detect.Detection.faces calls shardface.faces.detect.detect_faces)."""
     calls = []
-    real = faces.detect.detect_faces
+    real = shardface.faces.detect.detect_faces
 
     def counting(img, *args, **kwargs):
         calls.append(args)
         return real(img, *args, **kwargs)
 
-    monkeypatch.setattr(faces.detect, "detect_faces", counting)
+    monkeypatch.setattr(shardface.faces.detect, "detect_faces", counting)
     return calls
 
 
@@ -153,14 +153,16 @@ def test_fallback_of_a_one_face_set_cuts_that_face_s_chip_alike_in_any_photo_siz
 
 
 def test_make_bin_writes_every_pair_in_list_order_and_names_the_fallbacks(lfw, tmp_path, capsys, monkeypatch):
-    import scripts.make_bin
+    import shardface.scripts.make_bin
 
     pairs = lfw_list(tmp_path / "pairs.txt")
     out = str(tmp_path / "v.bin")
     aligned = []
-    real = scripts.make_bin.aligned_pngs
+    real = shardface.scripts.make_bin.aligned_pngs
     monkeypatch.setattr(
-        scripts.make_bin, "aligned_pngs", lambda ps, *a, **k: aligned.extend(ps) or real(ps, *a, **k)
+        shardface.scripts.make_bin,
+        "aligned_pngs",
+        lambda ps, *a, **k: aligned.extend(ps) or real(ps, *a, **k),
     )
     assert make_bin([lfw, out, "--pairs_list", pairs, "--align"]) == 0
     said = capsys.readouterr().out

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from heads import PartialFC, SampledRowsOptimizer
-from losses import CosFace
-from parallel import Zero2Optimizer
-from planner import backbone_counts, head_memory, zero_memory
+from shardface.heads import PartialFC, SampledRowsOptimizer
+from shardface.losses import CosFace
+from shardface.parallel import Zero2Optimizer
+from shardface.planner import backbone_counts, head_memory, zero_memory
 from tests.distributed import run_distributed
 
 C, D, B_LOCAL = 60_000, 128, 64
@@ -49,7 +49,7 @@ def test_planner_head_memory_matches_the_measured_peak(fused, monkeypatch):
 
 
 def _zero_bytes(rank, world_size, optimizer):
-    from backbones import get_model
+    from shardface.backbones import get_model
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -73,7 +73,7 @@ def _zero_bytes(rank, world_size, optimizer):
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_planner_zero2_shards_and_gradient_buckets_match_the_optimizer(optimizer):
-    from backbones import get_model
+    from shardface.backbones import get_model
 
     params, _ = backbone_counts("r18", 128, 2)
     assert params == sum(p.numel() for p in get_model("r18", num_features=128).parameters())
@@ -85,7 +85,7 @@ def test_planner_zero2_shards_and_gradient_buckets_match_the_optimizer(optimizer
 
 
 def _empty_shard_rank(rank, world_size):
-    from configs import ConfigError
+    from shardface.configs import ConfigError
 
     try:
         PartialFC(CosFace(), 8, world_size - 1)
@@ -126,8 +126,8 @@ def test_more_ranks_than_classes_is_refused_at_start_on_every_rank_and_by_the_pl
 def test_channels_last_scratch_is_planned_per_sample_only_when_on():
     """The measured GPU cost of channels-last batches (planner.CHANNELS_LAST_SCRATCH_PER_SAMPLE)
     is one part of the plan, proportional to the batch, and absent in NCHW; nothing else moves."""
-    from configs import get_config
-    from planner import CHANNELS_LAST_SCRATCH_PER_SAMPLE, plan
+    from shardface.configs import get_config
+    from shardface.planner import CHANNELS_LAST_SCRATCH_PER_SAMPLE, plan
 
     part = "backbone channels-last scratch"
     on = plan(get_config("configs/demo.py", ["--batch_size", "64"]), 2)
@@ -142,7 +142,7 @@ def test_channels_last_scratch_is_planned_per_sample_only_when_on():
 @pytest.mark.parametrize("value", ["nan", "inf", "-5", "0", "1.5"])
 def test_plan_refuses_a_gpu_memory_that_is_not_a_finite_size_above_the_reserve_in_one_line(value, capsys):
     """--gpu_mem_gb nan failed at int(nan) inside max_classes; -5 planned for an impossible GPU."""
-    from scripts.plan import main
+    from shardface.scripts.plan import main
 
     assert main(["configs/demo.py", "--gpus", "2", "--gpu_mem_gb", value]) == 2
     err = capsys.readouterr().err
@@ -152,7 +152,7 @@ def test_plan_refuses_a_gpu_memory_that_is_not_a_finite_size_above_the_reserve_i
 
 
 def test_plan_of_a_real_gpu_still_answers(capsys):
-    from scripts.plan import main
+    from shardface.scripts.plan import main
 
     assert main(["configs/demo.py", "--gpus", "2", "--gpu_mem_gb", "16"]) == 0
     assert "budget 14.5 GB" in capsys.readouterr().out

@@ -4,7 +4,7 @@ too rarely for a pre-emption to save."""
 import logging
 import time
 
-from utils.progress import ProgressLogger, format_seconds
+from shardface.utils.progress import ProgressLogger, format_seconds
 
 
 class _Records(logging.Handler):

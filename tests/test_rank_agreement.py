@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-import train
-from distill.head import DistillLoss
+from shardface import train
+from shardface.distill.head import DistillLoss
 from tests.distributed import run_distributed
 from tests.train_runs import train_argv
 
@@ -17,17 +17,17 @@ POISONED_STEP = 2
 
 def _nan_on_rank_one(rank, world_size, args):
     """A test hook: rank 1's loss (and only rank 1's) is NaN at step POISONED_STEP, a logging step."""
-    import distill.run
+    import shardface.distill.run
 
     if rank == 1:
-        real, calls = distill.run.Distillation.loss, []
+        real, calls = shardface.distill.run.Distillation.loss, []
 
         def poisoned(self, *a):
             calls.append(None)
             loss = real(self, *a)
             return loss * float("nan") if len(calls) == POISONED_STEP else loss
 
-        distill.run.Distillation.loss = poisoned
+        shardface.distill.run.Distillation.loss = poisoned
     start = time.monotonic()
     code = train.main(args)
     return code, time.monotonic() - start

@@ -6,7 +6,7 @@ import struct
 import numpy as np
 import pytest
 
-from dataset.recordio import (
+from shardface.dataset.recordio import (
     MAGIC,
     IndexedRecordReader,
     IRHeader,

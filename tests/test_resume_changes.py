@@ -2,8 +2,8 @@
 
 import pytest
 
-from checkpoint.changes import log_resume_changes
-from configs import get_config
+from shardface.checkpoint.changes import log_resume_changes
+from shardface.configs import get_config
 from tests.log_capture import shardface_messages
 
 

@@ -13,11 +13,11 @@ import time
 import pytest
 import torch
 
-import train
-from checkpoint.files import CheckpointError
-from checkpoint.folders import find_checkpoint
-from checkpoint.load import read_backbone_weights
-from checkpoint.run_lock import LOCK_NAME, STALE_S, RunLock
+from shardface import train
+from shardface.checkpoint.files import CheckpointError
+from shardface.checkpoint.folders import find_checkpoint
+from shardface.checkpoint.load import read_backbone_weights
+from shardface.checkpoint.run_lock import LOCK_NAME, STALE_S, RunLock
 from tests.train_runs import train_argv
 
 

@@ -6,12 +6,12 @@ import json
 import os
 import shutil
 
-import train
-from checkpoint.folders import resolve_checkpoint
-from checkpoint.load import read_backbone_weights
-from checkpoint.state import weights_fingerprint
-from infer.model import load_model
-from infer.thresholds import THRESHOLD_FILE, run_threshold
+from shardface import train
+from shardface.checkpoint.folders import resolve_checkpoint
+from shardface.checkpoint.load import read_backbone_weights
+from shardface.checkpoint.state import weights_fingerprint
+from shardface.infer.model import load_model
+from shardface.infer.thresholds import THRESHOLD_FILE, run_threshold
 from tests.train_runs import train_argv
 
 VERIFIED = ("--val_targets", "['drawn_faces_val']", "--verbose", "4")

@@ -8,8 +8,8 @@ import subprocess
 import pytest
 import torch
 
-import backbones
-from scripts.cli import ArgumentParser, underscored
+from shardface import backbones
+from shardface.scripts.cli import ArgumentParser, underscored
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # every module of scripts/ with a `main`, and those of them that parse options: a new tool is
@@ -42,7 +42,7 @@ def _parser_of(tool: str, monkeypatch) -> ArgumentParser:
 
 @pytest.mark.parametrize("tool", TOOLS)
 def test_every_tool_reports_user_errors_in_one_line(tool):
-    from parallel.user_errors import exits_on_user_error
+    from shardface.parallel.user_errors import exits_on_user_error
 
     main = importlib.import_module(f"scripts.{tool}").main
     assert main.__code__ is exits_on_user_error(main).__code__, (
@@ -73,7 +73,7 @@ def test_dash_and_underscore_spellings_are_the_same_option():
 
 
 def test_tool_user_error_is_one_line_with_exit_code_2(tmp_path, capsys):
-    from scripts.pack_rec import main
+    from shardface.scripts.pack_rec import main
 
     (tmp_path / "list.txt").write_text("a.jpg 3\n")
     assert main([str(tmp_path / "list.txt"), str(tmp_path / "out")]) == 2
@@ -81,7 +81,7 @@ def test_tool_user_error_is_one_line_with_exit_code_2(tmp_path, capsys):
 
 
 def test_export_output_defaults_to_the_run_and_accepts_a_directory(tmp_path):
-    from scripts.export_onnx import output_path
+    from shardface.scripts.export_onnx import output_path
 
     run = tmp_path / "run"
     run.mkdir()
@@ -93,7 +93,7 @@ def test_export_output_defaults_to_the_run_and_accepts_a_directory(tmp_path):
 
 
 def test_export_into_a_directory_writes_model_onnx_there(tmp_path):
-    from scripts.export_onnx import main
+    from shardface.scripts.export_onnx import main
 
     torch.manual_seed(0)
     torch.save(backbones.get_model("tiny").state_dict(), tmp_path / "model.pt")

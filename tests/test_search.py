@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from infer.search import FASTER, ExactIndex, FaissIndex, make_index, pick_engine
+from shardface.infer.search import FASTER, ExactIndex, FaissIndex, make_index, pick_engine
 
 
 def brute_force(gallery: np.ndarray, queries: np.ndarray, k: int):
@@ -195,7 +195,7 @@ def test_k_far_beyond_the_gallery_is_clamped_before_anything_is_allocated(engine
 
 def test_gallery_identify_with_a_huge_top_lists_everyone_once():
     """The path Gallery.identify(top=...) and scripts.identify share (infer.enrolment.identify)."""
-    from infer.enrolment import identify
+    from shardface.infer.enrolment import identify
 
     rng = np.random.default_rng(3)
     templates = rng.normal(size=(2, 8)).astype(np.float32)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import train
-from parallel.user_errors import EXIT_USER_ERROR
+from shardface import train
+from shardface.parallel.user_errors import EXIT_USER_ERROR
 
 DEMO = ["configs/demo.py", "--num_workers", "0", "--val_targets", "[]", "--warmup_epoch", "0"]
 
@@ -72,7 +72,7 @@ def test_gradient_acc_over_the_batches_of_an_epoch_is_one_line_not_a_run_of_0_st
 
 def _train_cli(rank, world_size, args_per_rank):
     """train.py's entry point on this rank, with this rank's own arguments: its exit code."""
-    from parallel.user_errors import exits_on_user_error
+    from shardface.parallel.user_errors import exits_on_user_error
 
     return exits_on_user_error(train.main)(args_per_rank[rank])
 
@@ -97,7 +97,7 @@ def test_ranks_started_with_another_lr_refuse_on_every_rank_naming_key_values_an
 
 
 def test_differences_between_ranks_name_each_key_its_values_and_rank_ranges():
-    from parallel.agreement import describe_differences
+    from shardface.parallel.agreement import describe_differences
 
     same = {"lr": "0.1", "seed": "1", "wandb_key": "'k'"}
     ranks = [dict(same) for _ in range(8)]
@@ -112,9 +112,9 @@ def test_differences_between_ranks_name_each_key_its_values_and_rank_ranges():
 
 
 def _train_cli_patient_1s(rank, world_size, args_per_rank):
-    import checkpoint.run_lock
+    import shardface.checkpoint.run_lock
 
-    checkpoint.run_lock.SHARED_WAIT_S = (
+    shardface.checkpoint.run_lock.SHARED_WAIT_S = (
         1.0  # a local disk shows the lock at once: no network file system to wait for
     )
     return _train_cli(rank, world_size, args_per_rank)

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-import train
-from builders import build_train_dataset
-from checkpoint.files import CheckpointError
-from configs import get_config
-from configs.errors import ConfigError
-from distill.run import Distillation
-from distill.teacher_file import MAGIC, TeacherFile, header_bytes
-from parallel.user_errors import exits_on_user_error
-from scripts.teach import main as teach
+from shardface import train
+from shardface.builders import build_train_dataset
+from shardface.checkpoint.files import CheckpointError
+from shardface.configs import get_config
+from shardface.distill.run import Distillation
+from shardface.distill.teacher_file import MAGIC, TeacherFile, header_bytes
+from shardface.errors import ConfigError
+from shardface.parallel.user_errors import exits_on_user_error
+from shardface.scripts.teach import main as teach
 from tests.tool_files import photos, tiny_model
 from tests.train_runs import train_argv
 
@@ -195,10 +195,10 @@ class _ScaledTeacher(torch.nn.Module):
 def test_teach_refuses_a_teacher_whose_embedding_of_a_record_is_not_finite_or_zero(
     folder, tmp_path, factor, said
 ):
-    from distill.teacher import OnlineTeacher
-    from faces.align import ARCFACE_112
-    from infer.model import Model
-    from scripts.teach import write_teacher_file
+    from shardface.distill.teacher import OnlineTeacher
+    from shardface.faces.align import ARCFACE_112
+    from shardface.infer.model import Model
+    from shardface.scripts.teach import write_teacher_file
 
     cfg = get_config("configs/demo.py", ["--rec", folder, "--num_classes", "0", "--teacher", "odd"])
     data = build_train_dataset(cfg, train=False)

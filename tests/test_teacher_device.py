@@ -7,12 +7,12 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from backbones import get_model
-from configs.errors import ConfigError
-from distill.teacher import OnlineTeacher, load_teacher
-from faces.align import ARCFACE_112
-from infer.model import Model, load_model
-from scripts.export_onnx import main as export_onnx
+from shardface.backbones import get_model
+from shardface.distill.teacher import OnlineTeacher, load_teacher
+from shardface.errors import ConfigError
+from shardface.faces.align import ARCFACE_112
+from shardface.infer.model import Model, load_model
+from shardface.scripts.export_onnx import main as export_onnx
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,18 @@ import pytest
 import torch
 from torch import nn
 
-from checkpoint.files import CheckpointError
-from dataset import DataError, build_dataset
-from dataset.folders import image_files
-from eval.verification import VerificationDataError, load_bin, write_bin
-from infer.model import as_model, load_module
-from scripts.compare import main as compare
-from scripts.embed import main as embed
-from scripts.export_onnx import check_parity, export
-from scripts.export_onnx import main as export_onnx
-from scripts.make_bin import main as make_bin
-from scripts.pack_rec import main as pack_rec
-from scripts.verify import main as verify
+from shardface.checkpoint.files import CheckpointError
+from shardface.dataset import DataError, build_dataset
+from shardface.dataset.folders import image_files
+from shardface.eval.verification import VerificationDataError, load_bin, write_bin
+from shardface.infer.model import as_model, load_module
+from shardface.scripts.compare import main as compare
+from shardface.scripts.embed import main as embed
+from shardface.scripts.export_onnx import check_parity, export
+from shardface.scripts.export_onnx import main as export_onnx
+from shardface.scripts.make_bin import main as make_bin
+from shardface.scripts.pack_rec import main as pack_rec
+from shardface.scripts.verify import main as verify
 from tests.tool_files import noise_jpeg, photos, tiny_model, truncated_jpeg
 
 

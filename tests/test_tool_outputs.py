@@ -9,11 +9,11 @@ import socket
 
 import pytest
 
-from dataset import build_dataset
-from scripts.embed import main as embed
-from scripts.export_onnx import main as export_onnx
-from scripts.make_bin import main as make_bin
-from scripts.pack_rec import main as pack_rec
+from shardface.dataset import build_dataset
+from shardface.scripts.embed import main as embed
+from shardface.scripts.export_onnx import main as export_onnx
+from shardface.scripts.make_bin import main as make_bin
+from shardface.scripts.pack_rec import main as pack_rec
 from tests.tool_files import dead_pid, photos, tiny_model
 
 
@@ -122,7 +122,7 @@ def test_pack_killed_at_any_step_of_the_swap_leaves_the_earlier_set_or_the_new_o
     old = _contents(out)
     new = photos(tmp_path / "new", ids=3, per_id=4, first_seed=50)
     _pack_killed_at(new, out, name, n)
-    from dataset.pack import recover_rec_set
+    from shardface.dataset.pack import recover_rec_set
 
     recover_rec_set(out)
     visible = {k: v for k, v in _contents(out).items() if not k.startswith(".")}
@@ -186,7 +186,7 @@ def test_outputs_of_the_wrong_kind_are_refused_before_the_work(tmp_path, capsys)
     assert make_bin([faces, str(tmp_path / "v.bin"), "--overwrite", "--pairs", "10"]) == 2
     assert capsys.readouterr().err == f"error: output {tmp_path / 'v.bin'} is a directory; name a file\n"
     assert os.listdir(tmp_path / "v.bin") == [] and os.listdir(tmp_path / "e.npy") == []
-    from scripts.import_arcface_torch import main as import_arcface_torch
+    from shardface.scripts.import_arcface_torch import main as import_arcface_torch
 
     (tmp_path / "run").mkdir()
     (tmp_path / "out").write_text("a file")
@@ -213,7 +213,7 @@ def test_staging_files_of_dead_runs_on_this_host_are_removed_and_others_kept(tmp
 
 
 def test_publishing_a_file_that_fails_leaves_the_earlier_file_and_no_staging_file(tmp_path):
-    from utils import atomic
+    from shardface.utils import atomic
 
     path = tmp_path / "out.txt"
     path.write_text("earlier")
@@ -227,7 +227,8 @@ def test_publishing_a_file_that_fails_leaves_the_earlier_file_and_no_staging_fil
 def test_an_output_name_too_long_to_stage_is_refused_before_the_work_naming_it(tmp_path, capsys):
     """The staging name adds `.` and `.partial-HOST-PID` to the name: a name that fits alone can
     pass the file system's 255 bytes once staged, which failed only at the publish, after the work."""
-    from utils.atomic import OutputError, check_output_dir, check_output_file, staging_path
+    from shardface.errors import OutputError
+    from shardface.utils.atomic import check_output_dir, check_output_file, staging_path
 
     extra = len(os.path.basename(staging_path(str(tmp_path / "x")))) - 1
     long_name = "v" * (255 - extra + 1 - len(".bin")) + ".bin"  # fits alone; its staging name does not
@@ -251,7 +252,8 @@ def test_an_output_name_too_long_to_stage_is_refused_before_the_work_naming_it(t
 
 def test_an_output_folder_that_takes_no_file_is_refused_even_for_root(tmp_path, monkeypatch):
     """os.access says yes to root everywhere; the check creates the staging file instead."""
-    from utils import atomic
+    from shardface.errors import OutputError
+    from shardface.utils import atomic
 
     folder = tmp_path / "ro"
     folder.mkdir()
@@ -264,9 +266,7 @@ def test_an_output_folder_that_takes_no_file_is_refused_even_for_root(tmp_path, 
 
     monkeypatch.setattr(atomic.os, "access", lambda *a, **k: True)  # as root
     monkeypatch.setattr(atomic.os, "open", refusing)
-    with pytest.raises(
-        atomic.OutputError, match=r"out.bin: cannot create a file in .*ro \(Permission denied\)"
-    ):
+    with pytest.raises(OutputError, match=r"out.bin: cannot create a file in .*ro \(Permission denied\)"):
         atomic.check_output_file(str(folder / "out.bin"))
     monkeypatch.undo()
     atomic.check_output_file(str(folder / "out.bin"))
@@ -276,8 +276,8 @@ def test_an_output_folder_that_takes_no_file_is_refused_even_for_root(tmp_path, 
 def test_pair_cache_of_a_list_read_from_a_pipe_is_refused_before_the_work(tmp_path):
     """verify --pairs_list <(...): the list is /dev/fd/N, whose folder takes no file, not even
     root's; the cache check says so, and how to keep a cache elsewhere."""
-    from infer.pair_photos import cache_paths, check_cache
-    from utils.atomic import OutputError
+    from shardface.errors import OutputError
+    from shardface.infer.pair_photos import cache_paths, check_cache
 
     r, w = os.pipe()
     try:
@@ -299,7 +299,7 @@ def test_folder_output_through_a_symlink_replaces_the_linked_folder_and_keeps_th
 ):
     """align --overwrite DST where DST links to a folder: the folder it names gets the new crops
     (none of the old left), the link stays a link, and no staging or backup folder is left."""
-    from utils import atomic
+    from shardface.utils import atomic
 
     target = tmp_path / "disk" / "crops"
     target.mkdir(parents=True)

@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 
-import train
-from checkpoint.files import CheckpointError
-from checkpoint.folders import resolve_checkpoint
+from shardface import train
+from shardface.checkpoint.files import CheckpointError
+from shardface.checkpoint.folders import resolve_checkpoint
 from tests.distributed import run_distributed
 from tests.log_capture import shardface_messages
 from tests.train_runs import TRAIN_STEPS as STEPS
@@ -155,7 +155,7 @@ def test_exploding_weights_are_never_saved_though_finite(drawn_faces, tmp_path):
     """lr 1e6 multiplies the backbone's weights by ~1e5 per step: still finite, and the
     normalised head still gives a finite loss, but no checkpoint may keep them (the rule in
     utils/divergence.py); every checkpoint left has the weights' scale of the start."""
-    from checkpoint.folders import list_checkpoints
+    from shardface.checkpoint.folders import list_checkpoints
 
     out = str(tmp_path / "exploded")
     sane = ("--max_steps", "2", "--checkpoint_interval", "2", "--ema", "false")
@@ -195,7 +195,7 @@ def test_exploding_weights_are_never_saved_though_finite(drawn_faces, tmp_path):
 def test_embedding_norm_is_logged_and_its_growth_warned_of_once():
     """EmbeddingNormWatch: the mean norm of the added batches per report; one warning when it
     passes NORM_GROWTH_WARN times the first report's, naming the step and the factor."""
-    from utils.divergence import NORM_GROWTH_WARN, EmbeddingNormWatch
+    from shardface.utils.divergence import NORM_GROWTH_WARN, EmbeddingNormWatch
 
     watch, calls = EmbeddingNormWatch(), []
 
@@ -242,7 +242,7 @@ def test_corrupt_checkpoint_is_a_clear_error(drawn_faces, tmp_path, runs):
 
 
 def test_images_skipped_on_every_rank_are_reported(tmp_path):
-    from dataset.pack import write_insightface_rec
+    from shardface.dataset.pack import write_insightface_rec
     from tests.tool_files import jpeg
 
     data = str(tmp_path / "with_bad")

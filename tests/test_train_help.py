@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-import train
-from configs.base import config as base
+from shardface import train
+from shardface.configs.base import config as base
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

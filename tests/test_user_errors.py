@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from checkpoint.files import CheckpointError
-from configs.errors import ConfigError, UserError
-from dataset.errors import DataError
-from parallel.user_errors import EXIT_USER_ERROR, one_line, report_user_error
+from shardface.checkpoint.files import CheckpointError
+from shardface.dataset.errors import DataError
+from shardface.errors import ConfigError, UserError
+from shardface.parallel.user_errors import EXIT_USER_ERROR, one_line, report_user_error
 from tests.distributed import free_port
 from tests.train_runs import train_argv
 
@@ -54,7 +54,7 @@ def _cases(data, out):
 def test_user_error_prints_one_line_and_exits_2_without_config_dump(
     drawn_faces, tmp_path, monkeypatch, capsys, case
 ):
-    import train
+    from shardface import train
 
     argv, kind, fragments = _cases(drawn_faces, str(tmp_path / "run"))[case]
     monkeypatch.setattr(sys, "argv", ["train.py", *argv])
@@ -165,7 +165,7 @@ def test_a_rank_prints_the_error_rank_0_did_not_report(job_store):
 
 
 def test_a_rank_failing_after_a_peer_reported_a_user_error_exits_2_quietly(job_store, monkeypatch, capsys):
-    from parallel.user_errors import exits_on_user_error
+    from shardface.parallel.user_errors import exits_on_user_error
 
     _, env = job_store
     for key, value in dict(env, RANK="1").items():

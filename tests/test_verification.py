@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from eval import verification
-from eval.verification import VerificationDataError, embed, evaluate, load_bin, write_bin
+from shardface.eval import verification
+from shardface.eval.verification import VerificationDataError, embed, evaluate, load_bin, write_bin
 from tests.tool_files import jpeg
 
 

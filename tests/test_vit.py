@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import backbones
-from backbones.vit import VisionTransformer, drop_path
+from shardface import backbones
+from shardface.backbones.vit import VisionTransformer, drop_path
 
 # name: (embed_dim, depth, drop_path_rate, mask ratio it trains with, checkpointed in training)
 # arcface_torch's vit_b_dp005_mask_005 and vit_l_dp005_mask_005 pass mask_ratio 0.05, but its

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-import train
+from shardface import train
 from tests.train_runs import train_argv
 
 wandb = pytest.importorskip("wandb")
@@ -99,8 +99,8 @@ def test_wandb_offline_run_logs_config_loss_lr_rate_and_verification(drawn_faces
 
 
 def test_wandb_runs_on_rank_0_or_every_rank_with_wandb_log_all(monkeypatch):
-    from configs import get_config
-    from utils.wandb_logging import start_wandb, tee_writer
+    from shardface.configs import get_config
+    from shardface.utils.wandb_logging import start_wandb, tee_writer
 
     started = []
     monkeypatch.setattr(wandb, "init", lambda **kw: started.append(kw) or "run")

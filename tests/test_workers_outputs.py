@@ -8,11 +8,11 @@ import os
 import numpy as np
 import pytest
 
-import faces.workers
-from infer.enrolment import enrol
-from infer.model import load_model
-from scripts.embed import main as embed_tool
-from scripts.make_bin import main as make_bin
+import shardface.faces.workers
+from shardface.infer.enrolment import enrol
+from shardface.infer.model import load_model
+from shardface.scripts.embed import main as embed_tool
+from shardface.scripts.make_bin import main as make_bin
 from tests.astronaut import align_photos
 from tests.tool_files import tiny_model
 
@@ -25,13 +25,13 @@ def photos(tmp_path_factory) -> str:
 @pytest.fixture
 def pools(monkeypatch) -> list[int]:
     """The worker count of every pool started (one worker runs in this process, without a pool)."""
-    started, real = [], faces.workers._pooled
+    started, real = [], shardface.faces.workers._pooled
 
     def counting(fn, items, workers, *args):
         started.append(workers)
         return real(fn, items, workers, *args)
 
-    monkeypatch.setattr(faces.workers, "_pooled", counting)
+    monkeypatch.setattr(shardface.faces.workers, "_pooled", counting)
     return started
 
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from backbones import get_model
-from parallel import DynamicLossScaler, ShardedEMA, Zero2Optimizer
-from parallel.scratch import ScratchPool
-from parallel.zero import BucketState
+from shardface.backbones import get_model
+from shardface.parallel import DynamicLossScaler, ShardedEMA, Zero2Optimizer
+from shardface.parallel.scratch import ScratchPool
+from shardface.parallel.zero import BucketState
 from tests.distributed import run_distributed
 from tests.tiny_net import GLOBAL_BATCH, TINY_BUCKET_MB, TwoDtypeNet, mse_loss, step_batch
 
@@ -113,7 +113,7 @@ def test_gradient_accumulation_over_micro_batches_equals_the_full_batch():
 
 
 def test_layout_straddles_shard_borders():
-    from parallel import build_layouts
+    from shardface.parallel import build_layouts
 
     layouts = build_layouts(TwoDtypeNet(), 3, 1)
     fp32 = next(layout for layout in layouts if layout.dtype == torch.float32)
@@ -301,7 +301,7 @@ class _CallLog:
     def __init__(self):
         import torch.distributed as dist
 
-        import parallel.collectives as collectives
+        import shardface.parallel.collectives as collectives
 
         self.calls, self.open, self.most_open = [], 0, 0
         for module, name in [
@@ -381,7 +381,7 @@ def test_collective_exchange_matches_plain_torch_with_buckets_in_flight_and_no_r
 
 
 def test_segmented_layout_gives_every_rank_its_share_of_every_segment():
-    from parallel.flat import FlatLayout
+    from shardface.parallel.flat import FlatLayout
 
     params = [
         ("a", nn.Parameter(torch.randn(50))),
@@ -411,7 +411,7 @@ def test_segmented_layout_gives_every_rank_its_share_of_every_segment():
 
 
 def test_p2p_exchange_is_refused_under_nccl():
-    from parallel.zero import resolve_exchange
+    from shardface.parallel.zero import resolve_exchange
 
     with pytest.raises(ValueError, match="exchange='p2p' is for gloo"):
         resolve_exchange("p2p", "nccl")
@@ -432,7 +432,7 @@ def _wide_net() -> nn.Module:
 def _norm_worker(rank, world_size, batches=20):
     """The clipping norms of `batches` gradients from every optimizer variant, as Python floats
     (in fp32 about one batch in ten gives a norm that depends on the variant)."""
-    from parallel.ddp import DDPOptimizer
+    from shardface.parallel.ddp import DDPOptimizer
 
     b = GLOBAL_BATCH // world_size
     norms = {}
@@ -508,7 +508,7 @@ def test_no_sync_micro_batches_equal_the_full_batch_and_communicate_nothing(exch
     ids=["StepLR", "LambdaLR", "CosineAnnealingLR"],
 )
 def test_torch_lr_schedulers_drive_both_optimizers(make_scheduler):
-    from parallel.ddp import DDPOptimizer
+    from shardface.parallel.ddp import DDPOptimizer
 
     plain = torch.optim.SGD(TwoDtypeNet().parameters(), lr=0.1, momentum=0.9)
     ours = [
@@ -528,7 +528,7 @@ def test_torch_lr_schedulers_drive_both_optimizers(make_scheduler):
 
 
 def _to_rank_worker(rank, world_size):
-    from parallel import ShardedEMA
+    from shardface.parallel import ShardedEMA
 
     model = TwoDtypeNet()
     opt = Zero2Optimizer(
@@ -557,7 +557,7 @@ def test_state_dicts_gathered_to_one_rank_equal_the_all_gathered_ones_on_the_cpu
 
 # ----- no host synchronisation in the optimizers ------------------------------------------------
 def _host_sync_worker(rank, world_size):
-    from parallel.ddp import DDPOptimizer
+    from shardface.parallel.ddp import DDPOptimizer
     from tests.host_sync import HostSyncCounter
 
     x, y = step_batch(0)

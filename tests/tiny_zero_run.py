@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from heads import PartialFC, SampledRowsOptimizer
-from losses import CombinedMarginLoss
-from parallel import DynamicLossScaler, ShardedEMA, Zero2Optimizer
+from shardface.heads import PartialFC, SampledRowsOptimizer
+from shardface.losses import CombinedMarginLoss
+from shardface.parallel import DynamicLossScaler, ShardedEMA, Zero2Optimizer
 
 NUM_CLASSES, D, B = 50, 16, 4  # 50 % 8 != 0: uneven class shards
 

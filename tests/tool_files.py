@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-import backbones
+from shardface import backbones
 
 RNG = np.random.default_rng(7)
 

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from checkpoint.folders import resolve_checkpoint
+from shardface.checkpoint.folders import resolve_checkpoint
 
 TRAIN_STEPS = 12  # 8 steps per epoch at W=2, b=8 on `drawn_faces`: crosses an epoch boundary
 

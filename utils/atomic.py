@@ -32,14 +32,10 @@ import socket
 import stat
 from typing import Iterable, Iterator
 
-from configs.errors import UserError
+from shardface.errors import OutputError
 
 _STAGED = re.compile(r"^\.?(?P<name>.+)\.partial-(?:(?P<host>.+)-)?(?P<pid>\d+)$")
 _BACKUP = re.compile(r"^\.?(?P<name>.+)\.old-(?:(?P<host>.+)-)?(?P<pid>\d+)$")  # no host: older align
-
-
-class OutputError(UserError, ValueError):
-    """An output that cannot be written where asked, exists without --overwrite, or is an input."""
 
 
 def host_name() -> str:

@@ -26,7 +26,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from parallel.dist import cpu_group, get_world_size
+from shardface.parallel.dist import cpu_group, get_world_size
 
 logger = logging.getLogger("shardface")
 

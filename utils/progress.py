@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from parallel.dist import cpu_group, get_world_size
+from shardface.parallel.dist import cpu_group, get_world_size
 
 logger = logging.getLogger("shardface")
 

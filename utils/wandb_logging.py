@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 
-from configs.errors import ConfigError
+from shardface.errors import ConfigError
 
 _LOCAL_MODES = ("offline", "dryrun", "disabled")  # wandb modes that need no account
 
