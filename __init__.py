@@ -12,7 +12,7 @@ them, and `shardface` in the checkout is a link to the root, so the package impo
 installing. The public names below load on first use: `import shardface.heads` loads no photo tools.
 """
 
-import importlib
+from shardface.lazy import lazy_exports
 
 _PUBLIC = {
     "load_model": "shardface.infer.model",
@@ -27,15 +27,4 @@ _PUBLIC = {
     "OutputError": "shardface.errors",
 }
 __all__ = list(_PUBLIC)
-
-
-def __getattr__(name: str):
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'shardface' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_PUBLIC[name]), name)
-    globals()[name] = value  # found once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)

@@ -8,8 +8,9 @@ over the sorted photos under FOLDER (every identity folder alike), and prints:
   embedding the crops, in batches, with `--model`), measured by timing those calls in this
   process on the same photos (models loaded first);
 - per worker count: the wall time of `align_into` (pool start included), the time to its first
-  result (the pool's start: a fork of this process, or where that is unsafe a forkserver's
-  imports), photos/s over the whole run and after the first result, and the ratio to one worker.
+  result (the pool's start: forks of the forkserver, which `warm_up` starts before the photos are
+  read, as scripts.align starts it before it lists them), photos/s over the whole run and after the
+  first result, and the ratio to one worker.
 Timings on a shared machine move between runs; run it where nothing else runs for figures to
 quote (the issue's are for the 6,300 CelebA photos)."""
 
@@ -28,7 +29,7 @@ import shardface.faces.detect as detect
 from shardface.dataset.folders import walk_images
 from shardface.faces.align import ARCFACE_112, align
 from shardface.faces.detect import Detection, load_photo
-from shardface.faces.workers import default_workers
+from shardface.faces.workers import default_workers, warm_up
 from shardface.scripts.align import align_into, crop_stems
 
 
@@ -129,6 +130,7 @@ def main() -> None:
         f"{args.detector}, upsample {args.upsample}"
     )
 
+    warm_up(align_into, max(int(w) for w in args.workers.split(",")))  # as scripts.align does, at its start
     for photo in photos:  # in the page cache, for every run alike
         with open(os.path.join(args.folder, photo), "rb") as f:
             f.read()
@@ -142,8 +144,6 @@ def main() -> None:
             f"photos/s in all, {steady:.1f} after the first; x{base[0] / wall:.2f} in all, "
             f"x{steady / base[1]:.2f} after the first (against the first count)"
         )
-    # after the runs: a MODEL's torch starts threads, and faces.workers forks no worker from a
-    # process that runs some (scripts.align loads none)
     spent = stage_seconds(args.folder, photos, detection, args.model)
     total = sum(spent.values())
     print(

@@ -8,12 +8,15 @@ import logging
 import os
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from PIL import Image
 
 from shardface.dataset.errors import ImageDecodeError
+
+if TYPE_CHECKING:
+    import torch
 
 # every format Pillow reads that people keep photos in; the file's bytes decide the decoder
 IMAGE_EXTENSIONS = (
@@ -74,6 +77,8 @@ class _Stderr:
 def normalize_images(images: torch.Tensor) -> torch.Tensor:
     """uint8 images (any shape) -> float32 in [-1, 1], (x - 127.5) / 127.5 as arcface_torch;
     float images are taken as already normalised and returned unchanged."""
+    import torch  # here: the photo tools' workers decode with PIL and import no torch
+
     if images.dtype == torch.uint8:
         return images.float().sub_(127.5).div_(127.5)
     return images
@@ -192,6 +197,8 @@ def decode_chw(
     is damaged but decodable (libjpeg's "Corrupt JPEG data") is used, as every JPEG reader
     does, with a warning naming `where`. With `resize`, an image of another size goes through
     PIL's `resize_face` (one resize, whichever decoder)."""
+    import torch
+
     if data[:2] == b"\xff\xd8":
         try:
             chw, said = _Stderr.run(jpeg_decoder(), torch.frombuffer(bytearray(data), dtype=torch.uint8))

@@ -10,16 +10,19 @@ output is the same whatever their number. Around the executor this module adds w
   RuntimeError of it where it does not pickle): the first failing item in input order, as with one process.
 - A worker that dies (SIGKILL, the out-of-memory killer) ends the map at once with `WorkerDied`
   naming its item, where the executor only says that some process ended.
-- Workers are spawned: each a fresh interpreter that imports what `fn` needs, so a map may start
-  from any thread, and many at once. As with every multiprocessing program, a script that starts
-  workers keeps its work under `if __name__ == "__main__":` (a spawned worker imports the main module).
-- Workers ignore Ctrl-C from their first instruction (the parent, which gets it too, stops them),
-  end with their parent, run torch on one thread, and run `setup()` before their first item.
-  Closing the iterator, or running it to its end, leaves no worker.
+- A cheap start from any thread: workers are forked by multiprocessing's forkserver, which imported
+  `fn`'s module once (seconds: torch; `warm_up` starts it early), or are spawned where it cannot
+  listen (no socket in the temporary directory), said once. Never forked from this process, whose
+  other threads may hold locks. As in every multiprocessing program, a script that starts workers
+  keeps its work under `if __name__ == "__main__":` (a worker imports the main module).
+- Workers take this process's environment as it is at the map's start, ignore Ctrl-C from their
+  first instruction (the parent, which gets it too, stops them), end with their parent, run torch
+  on one thread, and run `setup()` before their first item. Closing the iterator, or running it to
+  its end, leaves no worker.
 
-Nothing here changes this process's state: no environment variable, no signal disposition, no
-start method. `fn` and the items must be picklable: a module-level function, or a functools.partial
-of one holding what every item shares (it reaches each worker once, at its start)."""
+This process's environment, signal dispositions and start method are left as they are. `fn` and
+the items must be picklable: a module-level function, or a functools.partial of one holding what
+every item shares (it reaches each worker once, at its start)."""
 
 from __future__ import annotations
 
@@ -30,11 +33,13 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import pickle
 import signal
 import sys
 import threading
+import types
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Iterable, Iterator, TypeVar
@@ -91,6 +96,12 @@ def map_photos(
             yield result
 
 
+def warm_up(fn: Callable, workers: int) -> None:
+    """Where workers will come from the forkserver, start it now: it imports `fn`'s needs (seconds) meanwhile."""
+    if workers > 1 and _worker is None and not multiprocessing.current_process().daemon:
+        _context(fn)
+
+
 @functools.cache  # each said once per process
 def _say_once(message: str) -> None:
     logger.warning("%s", message)
@@ -120,9 +131,53 @@ def _ctrl_c_held():
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
-def _start_worker(fn, setup, pids) -> None:
+def _module_of(fn) -> str:
+    fn = fn.func if isinstance(fn, functools.partial) else fn  # a partial of a partial is one partial
+    return getattr(fn, "__module__", None) or "__main__"
+
+
+def _preload(fn) -> list[str]:
+    """`fn`'s module and the modules the main module took its names from: a worker imports both (it
+    runs the main module again), so the forkserver imports them once (those it cannot, it skips)."""
+    main = sys.modules.get("__main__")
+    names = {_module_of(fn)}
+    for value in vars(main).values() if main is not None else ():
+        names.add(
+            value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+        )
+    return sorted(n for n in names if isinstance(n, str) and n not in ("__main__", "__mp_main__", "builtins"))
+
+
+def _context(fn) -> multiprocessing.context.BaseContext:
+    """The forkserver's context, its server running and importing `_preload(fn)` (the first call in a
+    process decides what it imports), or spawn's where it cannot listen. The server starts with
+    Ctrl-C held back, so every worker it forks starts so too."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_preload(fn))
+    try:
+        with _ctrl_c_held():
+            multiprocessing.forkserver.ensure_running()
+        return context
+    except OSError as exc:  # no temporary directory to write in, or a path too long for its socket
+        why = (
+            "no writable temporary directory"
+            if isinstance(exc, FileNotFoundError)
+            else f"the temporary directory cannot hold its socket ({exc}; TMPDIR={os.environ.get('TMPDIR')})"
+        )
+        _say_once(
+            "worker processes are spawned, each importing what it needs (seconds), instead of forked "
+            f"from a forkserver: {why}"
+        )
+        return multiprocessing.get_context("spawn")
+
+
+def _start_worker(fn, setup, pids, env: dict) -> None:
     """The executor's initializer, in each worker."""
     global _worker
+    os.environ.clear()  # the parent's, at the map's start (a forkserver's workers have the server's)
+    os.environ.update(env)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     signal.signal(signal.SIGTERM, _terminated)
@@ -169,14 +224,14 @@ def _work(index: int, item):
 
 
 def _pooled(fn, items: Iterable, workers: int, window: int, what: str, name: Callable, setup) -> Iterator:
-    """`map_photos` on a spawned executor. `out`: the items out, (index, item, future) in input order;
+    """`map_photos` on an executor of forkserver's or spawned workers. `out`: the items out, (index, item, future) in input order;
     `pids`: at `index % window` the pid of the worker on item `index`, 0 for none (the items out are
     consecutive: no two share a place). Closed, it terminates the workers still on an item."""
     window, items, out = max(window, workers), enumerate(items), collections.deque()
-    context = multiprocessing.get_context("spawn")
+    context = _context(fn)
     pids = context.Array("q", window, lock=False)
     executor = ProcessPoolExecutor(
-        workers, mp_context=context, initializer=_start_worker, initargs=(fn, setup, pids)
+        workers, mp_context=context, initializer=_start_worker, initargs=(fn, setup, pids, dict(os.environ))
     )
     try:
         while True:

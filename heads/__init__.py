@@ -1,6 +1,13 @@
-from shardface.heads.optimizer import SampledRowsOptimizer
-from shardface.heads.partial_fc import PartialFC, SampledRows
-from shardface.heads.sharded_ce import HeadPlan
-from shardface.heads.sharding import class_shard
+"""The class-sharded margin-softmax head. The names below load on first use."""
 
-__all__ = ["PartialFC", "SampledRows", "SampledRowsOptimizer", "HeadPlan", "class_shard"]
+from shardface.lazy import lazy_exports
+
+_PUBLIC = {
+    "PartialFC": "shardface.heads.partial_fc",
+    "SampledRows": "shardface.heads.partial_fc",
+    "SampledRowsOptimizer": "shardface.heads.optimizer",
+    "HeadPlan": "shardface.heads.sharded_ce",
+    "class_shard": "shardface.heads.sharding",
+}
+__all__ = list(_PUBLIC)
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)

@@ -34,6 +34,7 @@ from shardface.errors import ConfigError, OutputError
 from shardface.faces.align import ARCFACE_112
 from shardface.faces.detect import Detection, check_available
 from shardface.faces.stream import Crop, no_face_message, stream
+from shardface.faces.workers import warm_up
 from shardface.parallel.user_errors import exits_on_user_error
 from shardface.scripts.cli import ArgumentParser
 from shardface.scripts.options import (
@@ -242,6 +243,7 @@ def main(argv=None) -> int:
             f"--size {args.size}: from 16 to {MAX_SIZE} pixels (a crop is size x size x 3 bytes in memory)"
         )
     detection = detection_from(args)
+    warm_up(stream, workers)  # the workers' imports, while the photos are listed and checked
     check_available(detection.detector, detection.landmarks)  # a missing model file: one line, at start
     photos = photos_under(src)
     check_names(photos, crop_stems(photos), args.largest)

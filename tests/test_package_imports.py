@@ -38,10 +38,23 @@ def _is(node: ast.AST, dotted: str) -> bool:
     return ast.unparse(node) == dotted
 
 
+# functions that run only in a worker process of ours, on its own state: the pool's initializer
+# gives the worker the parent's environment (a forkserver's workers would have the server's)
+IN_A_WORKER = {"_start_worker"}
+
+
+def _walk_outside_workers(tree: ast.AST):
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.FunctionDef) and node.name in IN_A_WORKER:
+            continue
+        yield node
+        yield from _walk_outside_workers(node)
+
+
 def _global_writes(tree: ast.AST) -> list[str]:
-    """Lines that change sys.path or os.environ."""
+    """Lines that change sys.path or os.environ (outside a worker's own initializer)."""
     said = []
-    for node in ast.walk(tree):
+    for node in _walk_outside_workers(tree):
         targets = []
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
@@ -75,6 +88,8 @@ def test_no_module_of_the_package_edits_sys_path_or_the_environment():
 def test_the_scan_finds_each_kind_of_global_write():
     source = "import os, sys\nsys.path[0] = 'x'\nsys.path.insert(0, 'y')\nos.environ['A'] = '1'\ndel os.environ['A']\n"
     assert len(_global_writes(ast.parse(source))) == 4
+    nested = "def f():\n    def g():\n        os.environ.update(x)\ndef _start_worker():\n    os.environ.update(x)\n"
+    assert len(_global_writes(ast.parse(nested))) == 1
 
 
 def test_every_import_of_a_project_module_goes_through_shardface():
