@@ -26,7 +26,7 @@ from shardface.infer.weights import init_backbone_from
 from shardface.losses import build_margin
 from shardface.parallel.ddp import DDPOptimizer
 from shardface.parallel.zero import Zero2Optimizer
-from shardface.utils.progress import Progress
+from shardface.utils.progress import progress_bar
 
 logger = logging.getLogger("shardface")
 
@@ -63,14 +63,15 @@ def build_aligned_dataset(cfg, train: bool = True, normalize: bool = False) -> A
             "identity); a RecordIO set holds aligned crops already"
         )
     classes, groups = list_identity_folders(cfg.rec) if cfg.num_classes else ([], [list_images(cfg.rec)])
-    groups, faces = align_groups(
-        groups,
-        Detection(cfg.align_detector),
-        cfg.align_strict,
-        Progress(sum(map(len, groups)), "finding faces").update,
-        classes or [cfg.rec],
-        default_workers(),
-    )
+    with progress_bar(sum(map(len, groups)), "finding faces") as bar:
+        groups, faces = align_groups(
+            groups,
+            Detection(cfg.align_detector),
+            cfg.align_strict,
+            bar.update,
+            classes or [cfg.rec],
+            default_workers(),
+        )
     dataset = AlignedFolderDataset(cfg.rec, classes, groups, faces, Crop(ARCFACE_112), train, normalize)
     if cfg.num_classes and dataset.num_classes != cfg.num_classes:
         raise DataLayoutError(

@@ -54,7 +54,7 @@ from shardface.infer.pair_photos import (
     pair_embeddings,
     pair_faces,
 )
-from shardface.utils.progress import Progress
+from shardface.utils.progress import progress_bar
 
 _DLIB = {}
 
@@ -158,7 +158,7 @@ def main() -> None:
 
     if not args.skip_dlib_own:
         t = time.perf_counter()
-        progress = Progress(len(photos), "dlib's own pipeline")
+        progress = progress_bar(len(photos), "dlib's own pipeline")
         own = list(map_photos(dlib_own, photos, workers=args.workers, progress=progress.update))
         own_s = time.perf_counter() - t
         has = np.array([d is not None for d in own])

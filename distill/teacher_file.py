@@ -26,10 +26,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from shardface.checkpoint.files import CheckpointError
-from shardface.errors import ConfigError
+from shardface.errors import ConfigError, ModelError
 from shardface.utils.atomic import publishing
-from shardface.utils.progress import Progress
+from shardface.utils.progress import progress_bar
 
 MAGIC = b"SHARDFACE-TEACHER\n"
 ALIGN = 64
@@ -262,23 +261,28 @@ def write_teacher_file(
         "template": teacher.model.template.name,
         "rows": "L2-normalised embedding of the record plus its mirror image's, float16",
     }
-    progress = Progress(len(data), "teaching") if len(data) > batch_size else None
     done = 0
-    with publishing(out) as tmp, open(tmp, "wb") as f:  # utils.atomic: staged, fsynced, replaced
+    shown = len(data) > batch_size
+    # utils.atomic: staged, fsynced, replaced
+    with (
+        publishing(out) as tmp,
+        open(tmp, "wb") as f,
+        progress_bar(len(data), "teaching", shown=shown) as bar,
+    ):
         f.write(header_bytes(header))
         for images, _ in DataLoader(data, batch_size=batch_size, num_workers=num_workers):
             both = teacher.targets(images, None) + teacher.targets(images.flip(3), None)
             rows = torch.nn.functional.normalize(both, dim=1).cpu().numpy().astype("<f2")
             bad = np.flatnonzero(~np.isfinite(rows).all(axis=1))
             if len(bad):
-                raise CheckpointError(
+                raise ModelError(
                     f"teacher {teacher.name}: its embedding of record {done + int(bad[0])} of "
                     f"{header['data']} is not finite (NaN or inf); the teacher's output is unusable"
                 )
             norms = np.linalg.norm(rows.astype(np.float32), axis=1)
             bad = np.flatnonzero(~(np.abs(norms - 1.0) <= UNIT_TOLERANCE))
             if len(bad):
-                raise CheckpointError(
+                raise ModelError(
                     f"teacher {teacher.name}: its embedding of record {done + int(bad[0])} of "
                     f"{header['data']} (plus its mirror image's) has norm "
                     f"{float(both[bad[0]].norm()):.3g}, no direction to normalise; the teacher's "
@@ -286,5 +290,4 @@ def write_teacher_file(
                 )
             f.write(rows.tobytes())
             done += len(images)
-            if progress is not None:
-                progress.update(len(images))
+            bar.update(len(images))

@@ -34,6 +34,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import pickle
 import signal
@@ -157,6 +158,8 @@ def _context(fn) -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_preload(fn))
     try:
+        # the resource tracker first: starting it unblocks Ctrl-C in this thread (multiprocessing's own)
+        multiprocessing.resource_tracker.ensure_running()
         with _ctrl_c_held():
             multiprocessing.forkserver.ensure_running()
         return context

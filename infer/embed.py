@@ -7,8 +7,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardface.checkpoint.files import CheckpointError
 from shardface.dataset.images import normalize_images
+from shardface.errors import ModelError
 
 
 def l2_normalize(x: np.ndarray) -> np.ndarray:
@@ -50,11 +50,11 @@ def embed(images: torch.Tensor, module: nn.Module, batch_size: int, precision: s
 
 
 def refuse_non_finite_embeddings(emb: np.ndarray, where: str) -> np.ndarray:
-    """`emb`, or a CheckpointError naming the model and the first row that is NaN or inf (a
+    """`emb`, or a ModelError naming the model and the first row that is NaN or inf (a
     cosine of NaN compares as neither same nor different)."""
     bad = ~np.isfinite(emb).all(axis=1)
     if bad.any():
-        raise CheckpointError(
+        raise ModelError(
             f"{where}: {int(bad.sum())} of {len(bad)} embeddings are not finite (NaN or inf), "
             f"the first row {int(np.argmax(bad))}; the model's output is unusable"
         )

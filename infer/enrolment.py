@@ -29,7 +29,7 @@ from shardface.infer.embed import l2_normalize
 from shardface.infer.search import make_index
 from shardface.infer.stream import analyse, template_for
 from shardface.infer.thresholds import chosen_threshold, no_threshold
-from shardface.utils.progress import Progress
+from shardface.utils.progress import progress_bar
 
 COLLAPSED = 0.99  # mean cosine between different people's templates above which we warn
 logger = logging.getLogger("shardface")
@@ -121,26 +121,26 @@ def embedded_faces(
     batch at a time after every header is read; `strict` refuses a photo without a face, naming it."""
     for path in paths:
         check_image(path, model.template, align)
-    progress = (
-        Progress(len(paths), "finding and embedding faces" if align else "embedding").update
-        if show_progress and len(paths) > batch_size
-        else None
+    label, shown = (
+        "finding and embedding faces" if align else "embedding",
+        show_progress and len(paths) > batch_size,
     )
     out = []
-    for photo in analyse(
-        model,
-        paths,
-        workers,
-        largest_only=largest_only,
-        align=align,
-        batch_size=batch_size,
-        progress=progress,
-    ):
-        out += [
-            EmbeddedFace(photo.name, i, tuple(int(round(v)) for v in face.box), face.embedding)
-            for i, face in enumerate(photo.faces)
-            if face.embedding is not None
-        ]
+    with progress_bar(len(paths), label, shown=shown) as bar:
+        for photo in analyse(
+            model,
+            paths,
+            workers,
+            largest_only=largest_only,
+            align=align,
+            batch_size=batch_size,
+            progress=bar.update,
+        ):
+            out += [
+                EmbeddedFace(photo.name, i, tuple(int(round(v)) for v in face.box), face.embedding)
+                for i, face in enumerate(photo.faces)
+                if face.embedding is not None
+            ]
     seen = {f.path for f in out}
     missing = [p for p in paths if p not in seen]
     if strict and missing:
@@ -239,20 +239,20 @@ def enrol(
     todo = {k: p for k, p in zip(keys, paths) if k not in store}
     for path in todo.values():  # every header before the first embedding
         check_image(path, model.template, align)
-    progress = Progress(len(todo), "enrolling").update if show_progress and todo else None
-    for key, photo in zip(
-        todo,
-        analyse(
-            model,
-            list(todo.values()),
-            workers,
-            largest_only=True,
-            align=align,
-            batch_size=batch_size,
-            progress=progress,
-        ),
-    ):
-        store.put(key, photo.face.embedding if photo.face is not None else None)
+    with progress_bar(len(todo), "enrolling", shown=show_progress and bool(todo)) as bar:
+        for key, photo in zip(
+            todo,
+            analyse(
+                model,
+                list(todo.values()),
+                workers,
+                largest_only=True,
+                align=align,
+                batch_size=batch_size,
+                progress=bar.update,
+            ),
+        ):
+            store.put(key, photo.face.embedding if photo.face is not None else None)
     store.save()  # before any refusal
     rows, means = iter([store.get(k) for k in keys]), []
     for person, files in people:

@@ -25,7 +25,7 @@ from shardface.faces.fallback import Fallback
 from shardface.faces.stream import stream
 from shardface.infer.cache import Cache, content_key
 from shardface.infer.stream import analyse
-from shardface.utils.progress import Progress
+from shardface.utils.progress import progress_bar
 
 SHOWN = 20  # photos named in a report
 SHAPE = 68  # the most points of dlib's shape a face row holds
@@ -168,9 +168,9 @@ def _search(
     options = json.dumps(dataclasses.asdict(detection), sort_keys=True)
     keys = {p: f"{content[p]}|{options}" for p in photos}
     todo = [p for p in photos if keys[p] not in cache]
-    progress = Progress(len(todo), label).update if show_progress and todo else None
-    for p, photo in zip(todo, stream(todo, detection, workers=workers, progress=progress)):
-        cache.put(keys[p], _row(photo.size, photo.face))
+    with progress_bar(len(todo), label, shown=show_progress and bool(todo)) as bar:
+        for p, photo in zip(todo, stream(todo, detection, workers=workers, progress=bar.update)):
+            cache.put(keys[p], _row(photo.size, photo.face))
     return {p: _face(cache.get(keys[p])) for p in photos}, len(todo)
 
 
@@ -247,20 +247,20 @@ def pair_embeddings(
     cache = cache if cache is not None else EmbeddingCache(None, model)
     keys = {p: f"{faces.content[p]}|{_geometry(faces.faces[p])}" for p in photos}
     todo = [p for p in photos if keys[p] not in cache]
-    progress = Progress(len(todo), "embedding").update if show_progress and len(todo) > batch_size else None
     try:
-        for p, photo in zip(
-            todo,
-            analyse(
-                model,
+        with progress_bar(len(todo), "embedding", shown=show_progress and len(todo) > batch_size) as bar:
+            for p, photo in zip(
                 todo,
-                faces=[[faces.faces[p]] for p in todo],
-                batch_size=batch_size,
-                progress=progress,
-                raw=True,
-            ),
-        ):
-            cache.put(keys[p], photo.face.embedding)
+                analyse(
+                    model,
+                    todo,
+                    faces=[[faces.faces[p]] for p in todo],
+                    batch_size=batch_size,
+                    progress=bar.update,
+                    raw=True,
+                ),
+            ):
+                cache.put(keys[p], photo.face.embedding)
     finally:
         cache.save()
     rows = np.stack([cache.get(keys[p]) for p in photos]).astype(np.float32)

@@ -25,6 +25,8 @@ import sys
 import time
 from collections import Counter
 
+from tqdm import tqdm
+
 from shardface.dataset import DataError, DataLayoutError
 from shardface.dataset.folders import walk_images
 from shardface.dataset.geometry import check_files
@@ -45,7 +47,7 @@ from shardface.scripts.options import (
     workers_from,
 )
 from shardface.utils.atomic import check_output_dir, publishing_dir
-from shardface.utils.progress import Progress
+from shardface.utils.progress import progress_bar
 
 REPORT = "align_report.csv"
 MAX_SIZE = 1024  # crop side: 112 for insightface's networks, 150 for dlib's
@@ -99,7 +101,7 @@ def align_into(
     detection: Detection,
     side: int,
     largest_only: bool,
-    progress: Progress | None,
+    progress: tqdm,
     workers: int = 1,
     names: dict[str, str] | None = None,
 ) -> tuple[int, list[str]]:
@@ -115,7 +117,7 @@ def align_into(
         cut,
         workers,
         largest_only,
-        progress=progress and progress.update,
+        progress=progress.update,
     )
     with open(os.path.join(out, REPORT), "w", newline="", encoding="utf-8", errors="surrogateescape") as f:
         report = csv.writer(f)
@@ -169,18 +171,10 @@ def align_ranked(
     start, mine = time.monotonic(), share_of(len(photos), rank, world)
     share = photos[mine.start : mine.end]
     if parts.manifest(rank, photos) is None:  # else done by an earlier run of this job: kept
-        progress = Progress(len(share), f"aligning (rank 0's share of {world})") if rank == 0 else None
-        with parts.writing(rank, photos) as part:
+        label = f"aligning (rank 0's share of {world})"
+        with parts.writing(rank, photos) as part, progress_bar(len(share), label, shown=rank == 0) as bar:
             crops, without = align_into(
-                src,
-                share,
-                part.folder,
-                detection,
-                side,
-                largest_only,
-                progress,
-                workers,
-                names=crop_stems(photos),
+                src, share, part.folder, detection, side, largest_only, bar, workers, names=crop_stems(photos)
             )
             part.summary.update(crops=crops, without=[os.path.relpath(p, src) for p in without])
     if rank != 0:
@@ -257,17 +251,9 @@ def main(argv=None) -> int:
             return 0
         written, without = done
     else:
-        with publishing_dir(dst) as tmp:  # utils.atomic: staged beside DST, swapped in when complete
-            written, without = align_into(
-                src,
-                photos,
-                tmp,
-                detection,
-                args.size,
-                args.largest,
-                Progress(len(photos), "aligning"),
-                workers,
-            )
+        # utils.atomic: staged beside DST, swapped in when complete
+        with publishing_dir(dst) as tmp, progress_bar(len(photos), "aligning") as bar:
+            written, without = align_into(src, photos, tmp, detection, args.size, args.largest, bar, workers)
     print(
         f"wrote {written} crops of {len(photos) - len(without)} photos with faces into {dst}; "
         f"report: {os.path.join(dst, REPORT)}"

@@ -37,7 +37,7 @@ from shardface.scripts.options import (
     workers_from,
 )
 from shardface.utils.atomic import check_output_file, publishing_set, refuse_inputs
-from shardface.utils.progress import Progress
+from shardface.utils.progress import progress_bar
 
 logger = logging.getLogger("shardface")
 
@@ -81,26 +81,23 @@ def main(argv=None) -> int:
         check_files(paths, args.resize, size=tuple(model.template.size))
     found, rows, kept = Found(detection=detection), [], []
     shown = args.align or len(paths) > args.batch_size  # crops alone: a few batches go by unannounced
-    progress = (
-        Progress(len(paths), "finding and embedding faces" if args.align else "embedding").update
-        if shown
-        else None
-    )
-    for photo in analyse(
-        model,
-        paths,
-        workers_from(args) if args.align else 1,
-        not args.no_flip,
-        True,
-        args.align,
-        args.batch_size,
-        progress,
-        resize=args.resize,
-    ):
-        found.faces[photo.name] = photo.faces
-        if photo.face is not None:  # faces found on every core, each batch embedded as it comes back
-            rows.append(photo.face.embedding)
-            kept.append(photo.name)
+    label = "finding and embedding faces" if args.align else "embedding"
+    with progress_bar(len(paths), label, shown=shown) as bar:
+        for photo in analyse(
+            model,
+            paths,
+            workers_from(args) if args.align else 1,
+            not args.no_flip,
+            True,
+            args.align,
+            args.batch_size,
+            bar.update,
+            resize=args.resize,
+        ):
+            found.faces[photo.name] = photo.faces
+            if photo.face is not None:  # faces found on every core, each batch embedded as it comes back
+                rows.append(photo.face.embedding)
+                kept.append(photo.name)
     if args.align:
         usable(found, args.strict)  # photos without a face: named, or refused with --strict
         if found.several_faces():

@@ -46,7 +46,7 @@ from shardface.scripts.options import (
     workers_from,
 )
 from shardface.utils.atomic import check_output_file, refuse_inputs
-from shardface.utils.progress import Progress
+from shardface.utils.progress import progress_bar
 
 DEFAULT_PAIRS = 3000
 
@@ -172,14 +172,10 @@ def main(argv=None) -> int:
     check_output_file(args.output, overwrite=args.overwrite)
     names, groups = list_identity_folders(args.folder)
     if args.align:
-        groups, faces = align_groups(
-            groups,
-            detection_from(args),
-            args.strict,
-            Progress(sum(map(len, groups)), "finding faces").update,
-            names,
-            workers_from(args),
-        )
+        with progress_bar(sum(map(len, groups)), "finding faces") as bar:
+            groups, faces = align_groups(
+                groups, detection_from(args), args.strict, bar.update, names, workers_from(args)
+            )
     try:
         pairs, issame = draw_pairs(groups, args.pairs, args.seed)
     except ValueError as exc:  # too few pairs

@@ -16,7 +16,7 @@ from shardface.dataset.pack import write_insightface_rec
 from shardface.eval.verification import write_bin
 from shardface.parallel.user_errors import exits_on_user_error
 from shardface.scripts.cli import ArgumentParser
-from shardface.utils.progress import Progress
+from shardface.utils.progress import progress_bar
 
 VAL_NAME = "drawn_faces_val"  # the .bin beside the training set; configs/demo.py's val_targets
 
@@ -74,8 +74,7 @@ def main(argv=None) -> int:
 
     start = time.time()
     total = args.num_ids * args.per_id
-    progress = Progress(total, "train images")
-    with Pool(args.workers) as pool:
+    with Pool(args.workers) as pool, progress_bar(total, "train images") as progress:
         train = pool.imap(_images, [(i, args.per_id, args.seed) for i in range(args.num_ids)], chunksize=4)
         write_insightface_rec(args.output, train, total, args.num_ids, progress, overwrite=args.overwrite)
         # held-out identities: ids after the training ones, never written to train.rec

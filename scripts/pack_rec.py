@@ -30,7 +30,7 @@ from shardface.parallel.user_errors import exits_on_user_error
 from shardface.scripts.cli import ArgumentParser
 from shardface.scripts.options import add_align_options, add_rank_options, face_detection, workers_from
 from shardface.utils.atomic import check_output_dir, check_output_file, refuse_inputs
-from shardface.utils.progress import Progress
+from shardface.utils.progress import progress_bar
 
 
 def collect(source: str) -> list[list[str]]:
@@ -103,15 +103,16 @@ def main(argv=None) -> int:
         names = list_identity_folders(args.source)[0] if os.path.isdir(args.source) else None
         detection = face_detection(args)
         what = "finding faces" + (f" (rank 0's share of {world})" if world > 1 else "")
-        found = find_faces_ranked(
-            [p for g in groups for p in g],
-            detection,
-            args.output,
-            rank,
-            world,
-            Progress(total, what).update if rank == 0 else None,
-            workers_from(args),
-        )
+        with progress_bar(total, what, shown=rank == 0) as bar:
+            found = find_faces_ranked(
+                [p for g in groups for p in g],
+                detection,
+                args.output,
+                rank,
+                world,
+                bar.update,
+                workers_from(args),
+            )
         if found is None:
             print(
                 f"rank {rank} of {world}: the faces of its share are in the part beside {args.output}; rank 0 packs"
@@ -124,21 +125,21 @@ def main(argv=None) -> int:
         def stored(path: str) -> bytes:  # the stream's next crop: the photos come in the groups' order
             return next(pngs)
     else:
-        checking = Progress(total, "checking image headers")  # a DataError: one line (exits_on_user_error)
-        check_files((path for g in groups for path in g), args.resize, progress=checking.update)
+        with progress_bar(total, "checking image headers") as bar:  # a DataError: one line, after it
+            check_files((path for g in groups for path in g), args.resize, progress=bar.update)
 
         def stored(path: str) -> bytes:  # decodes it: a truncated image stops the pack, naming it
             return stored_bytes(path, args.resize)
 
-    progress = Progress(total, "packing")
-    write_insightface_rec(
-        args.output,
-        ([stored(p) for p in g] for g in groups),
-        total,
-        len(groups),
-        progress,
-        overwrite=args.overwrite,
-    )
+    with progress_bar(total, "packing") as bar:
+        write_insightface_rec(
+            args.output,
+            ([stored(p) for p in g] for g in groups),
+            total,
+            len(groups),
+            bar,
+            overwrite=args.overwrite,
+        )
     print(f"packed {total} images of {len(groups)} identities into {args.output}")
     return 0
 

@@ -312,7 +312,7 @@ def test_identify_eval_embeds_batch_by_batch_with_progress_and_the_same_figures(
     assert identify_eval([*args, "--batch_size", "4"]) == 0
     batched = capsys.readouterr()
     assert batched.out == whole.out and "rank-1" in whole.out
-    assert "embedding 13/13" in batched.err and "ETA" in batched.err and "ETA" not in whole.err
+    assert "embedding: 100%" in batched.err and "13/13 [" in batched.err and "embedding" not in whole.err
 
 
 def test_a_person_called_unknown_is_named_when_they_match_and_nobody_is_null_in_json(tmp_path, capsys):

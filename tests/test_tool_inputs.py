@@ -16,6 +16,7 @@ from torch import nn
 from shardface.checkpoint.files import CheckpointError
 from shardface.dataset import DataError, build_dataset
 from shardface.dataset.folders import image_files
+from shardface.errors import ModelError
 from shardface.eval.verification import VerificationDataError, load_bin, write_bin
 from shardface.infer.model import as_model, load_module
 from shardface.scripts.compare import main as compare
@@ -145,7 +146,7 @@ def test_embeddings_that_are_not_finite_are_refused_naming_the_model(tmp_path, c
     a, b = sorted(image_files([faces]))
     assert compare([path, a, b, "--threshold", "0.3"]) == 2
     assert f"{path}: 2 of 2 embeddings are not finite" in _error(capsys)
-    with pytest.raises(CheckpointError, match="embeddings are not finite"):
+    with pytest.raises(ModelError, match="embeddings are not finite"):
         as_model(NanOutput()).embed([a, b], align=False)
 
 

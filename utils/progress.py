@@ -1,4 +1,4 @@
-"""Progress lines with rate and ETA: `Progress` for scripts, `ProgressLogger` for training."""
+"""Progress with rate and time left: `progress_bar` (tqdm's) for the tools, `ProgressLogger`'s log line for training."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from shardface.parallel.dist import cpu_group, get_world_size
 
@@ -22,28 +23,19 @@ def format_seconds(seconds: float) -> str:
     return f"{h:d}:{m:02d}:{s:02d}" if h else f"{m:d}:{s:02d}"
 
 
-class Progress:
-    """`update(n)` prints `label  done/total  pct  rate/s  ETA` at most every `interval` s."""
-
-    def __init__(self, total: int, label: str = "", stream=None, interval: float = 1.0):
-        self.total, self.label, self.interval = total, label, interval
-        self.stream = stream or sys.stderr
-        self.done, self.start, self._last = 0, time.time(), 0.0
-
-    def update(self, n: int = 1) -> None:
-        self.done += n
-        now = time.time()
-        if now - self._last >= self.interval or self.done >= self.total:
-            self._last = now
-            rate = self.done / max(now - self.start, 1e-9)
-            eta = (self.total - self.done) / rate if rate > 0 else 0
-            pct = 100.0 * self.done / max(self.total, 1)
-            end = "\n" if self.done >= self.total else "\r"
-            self.stream.write(
-                f"{self.label} {self.done}/{self.total} {pct:5.1f}% "
-                f"{rate:8.1f}/s ETA {format_seconds(eta)}   {end}"
-            )
-            self.stream.flush()
+def progress_bar(total: int, label: str, *, shown: bool = True) -> tqdm:
+    """A tool's progress bar on stderr, tqdm's: `update(n)` after each n items done; count, rate and
+    time left, redrawn at most once a second; nothing at all where not `shown`. Use it as a context
+    manager: closed, it ends its line, so an error's one line comes after it."""
+    return tqdm(
+        total=total,
+        desc=label,
+        file=sys.stderr,
+        mininterval=1.0,
+        unit="",
+        dynamic_ncols=True,
+        disable=not shown,
+    )
 
 
 class ProgressLogger:
