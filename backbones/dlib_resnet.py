@@ -27,7 +27,7 @@ PIXEL_MEAN = (122.782, 117.001, 104.298)
 # The affine_grid matrix (output grid -> input grid, align_corners=False) that re-frames an
 # insightface 112x112 crop onto dlib's 150x150 chip: faces.dlib_chip.DLIB_150 against
 # faces.align.ARCFACE_112, written here because backbones sit below faces (tests/test_dlib.py
-# checks it equals infer.model.Model.from_crops's warp between those two templates).
+# checks it equals infer.model.Model.reframe's warp between those two templates).
 FRONT_112_TO_150 = ((0.9201470421, 0.0051075324, 0.0153296223), (-0.0051075324, 0.9201470421, 0.2847230046))
 
 

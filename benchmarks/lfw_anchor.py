@@ -14,7 +14,7 @@ CFP_ROOT --protocol FP|FF`), beside dlib's own pipeline on the same pairs, and t
   `compute_face_descriptor` (face_recognition's pipeline), the largest face of each photo; a
   photo where it finds none has no descriptor, so its pairs are scored as misses (or left out);
 - **the .bin path**: the same faces as insightface's 112x112 crops (what `scripts.make_bin
-  --pairs_list ... --align` writes), re-framed onto dlib's chip by Model.for_crops, as
+  --pairs_list ... --align` writes), re-framed onto dlib's chip by Model.module_for, as
   `scripts.verify dlib --bin` does: the black bands outside the 112 crop cost what they cost.
 
 Every score is a 10-fold accuracy (each fold judged at the threshold best on the other nine) of
@@ -151,7 +151,7 @@ def main() -> None:
             for photo in stream(photos, faces=[[faces.faces[p]] for p in photos], cut=Crop(ARCFACE_112))
         ]
     )
-    reframed = embed(crops, model.for_crops(ARCFACE_112), 64)
+    reframed = embed(crops, model.module_for(ARCFACE_112), 64)
     lines.append(
         (".bin path (112 crops re-framed)", len(issame), *folds_accuracy(reframed[rows], issame), "-")
     )

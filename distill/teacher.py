@@ -39,7 +39,7 @@ def _autocast(device: torch.device, precision: str | None):
 class OnlineTeacher:
     """A frozen Model run on each rank's local batch, under the run's precision
     (`precision` "fp16", "bf16" or None for fp32). Crops made for the training data's template
-    are re-framed onto the teacher's (`Model.from_crops`), so a 150x150 dlib teacher and a
+    are re-framed onto the teacher's (`Model.reframe`), so a 150x150 dlib teacher and a
     112x112 student meet on the same faces."""
 
     teacher_rows = None  # nothing for the loader to read
@@ -138,7 +138,7 @@ class OnlineTeacher:
 
     @torch.no_grad()
     def targets(self, images: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        x = self.model.from_crops(images, made_for=self.made_for)
+        x = self.model.reframe(images, made_for=self.made_for)
         with _autocast(x.device, self.precision):
             out = self.model.module(x)
         return out.float().to(images.device)

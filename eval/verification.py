@@ -270,7 +270,11 @@ def best_threshold(data_set, model, batch_size: int = 64, flip: bool = True) -> 
     `model`, an infer Model or a bare 112x112 module), with flip-fused embeddings unless
     flip=False; `cos >= threshold` is "same"."""
     (images, _), issame = data_set
-    emb = as_model(model).embed_crops(images, ARCFACE_112, flip, batch_size).astype(np.float64)
+    emb = (
+        as_model(model)
+        .embed_crops(images, made_for=ARCFACE_112, flip=flip, batch_size=batch_size)
+        .astype(np.float64)
+    )
     cos = np.sum(emb[0::2] * emb[1::2], axis=1)
     same = np.asarray(issame, dtype=bool)
     candidates = np.unique(cos)

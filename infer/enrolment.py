@@ -130,7 +130,7 @@ def embedded_faces(
         for photo in analyse(
             model,
             paths,
-            workers,
+            workers=workers,
             largest_only=largest_only,
             align=align,
             batch_size=batch_size,
@@ -245,7 +245,7 @@ def enrol(
             analyse(
                 model,
                 list(todo.values()),
-                workers,
+                workers=workers,
                 largest_only=True,
                 align=align,
                 batch_size=batch_size,

@@ -8,7 +8,7 @@ server's pool): dlib's detector, which is not, runs under a lock (faces.detect).
 Every Model's module takes N x 3 x h x w float RGB in [-1, 1] ((x - 127.5) / 127.5, as arcface_torch)
 at its template's h x w: a network that wants other scaling converts inside its module, so tools,
 training's evaluation, ONNX export and a distillation teacher all feed it alike. Crops made for
-another template (the 112x112 `.bin` sets, a student's batch) are re-framed by `Model.from_crops`.
+another template (the 112x112 `.bin` sets, a student's batch) are re-framed by `Model.reframe`.
 
 MODEL `dlib` is dlib's face descriptor (infer.weights): 128-D on dlib's 150x150 chip, cut exactly as
 dlib cuts it (faces.dlib_chip), so its embeddings are face_recognition's `face_encodings`."""
@@ -20,6 +20,7 @@ import hashlib
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -33,8 +34,8 @@ from shardface.faces.align import ARCFACE_112, Template, similarity_transform
 from shardface.faces.detect import Detection, Face
 from shardface.faces.dlib_chip import DLIB_150
 from shardface.faces.models import model_file
-from shardface.faces.stream import open_image
-from shardface.infer.embed import module_device
+from shardface.faces.stream import Photo, open_image
+from shardface.infer.embed import l2_normalize, module_device
 from shardface.infer.onnx import OnnxBackbone
 from shardface.infer.stream import analyse, embed_crops
 from shardface.infer.thresholds import DLIB_OWN, Threshold, run_threshold
@@ -106,7 +107,7 @@ class Model:
     kind: str = "weights"  # model_kind(name): "dlib", "onnx" or "weights"
     detection: Detection = Detection()  # how `faces` and `embed` find faces in photos
     precision: str = "fp32"  # on a GPU, "fp16" or "bf16" embeds under autocast (infer.embed)
-    # from_crops' warps per (template, device, dtype), made once: each made anew would wait on a host copy
+    # reframe' warps per (template, device, dtype), made once: each made anew would wait on a host copy
     _thetas: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -125,7 +126,7 @@ class Model:
         """The embedding's width (one blank crop embedded, once)."""
         return int(self.embed_crops(torch.zeros(1, 3, *self.template.size, dtype=torch.uint8)).shape[1])
 
-    def from_crops(self, images: torch.Tensor, made_for: Template = ARCFACE_112) -> torch.Tensor:
+    def reframe(self, images: torch.Tensor, made_for: Template = ARCFACE_112) -> torch.Tensor:
         """uint8 (or [-1, 1] float) N x 3 x H x W crops aligned to `made_for` -> float in [-1, 1] on this
         model's template and device: a similarity warp between the templates (none when they agree)."""
         images = images.to(self.device)
@@ -153,27 +154,32 @@ class Model:
             - 1
         )
 
-    def for_crops(self, made_for: Template = ARCFACE_112) -> nn.Module:
+    def module_for(self, made_for: Template = ARCFACE_112) -> nn.Module:
         """A module taking [-1, 1] crops aligned to `made_for` (the .bin sets' 112x112, IJB's):
-        this model's module behind `from_crops` (the module itself when the templates agree)."""
+        this model's module behind `reframe` (the module itself when the templates agree)."""
         return self.module if self._is_own(made_for) else _Reframed(self, made_for)
 
     def _is_own(self, made_for: Template) -> bool:
         return made_for.size == self.template.size and np.allclose(made_for.points, self.template.points)
 
-    # the Python API: the face stream's two functions as methods (infer.stream), and thin layers on them
-    analyse = analyse  # model.analyse(photos, workers=4): each photo with its faces and their embeddings
-    embed_crops = (
-        embed_crops  # model.embed_crops(crops, made_for=None): crops aligned to a template, embedded
-    )
+    # the Python API: the face stream's two entries (infer.stream), and thin layers on them
+    def analyse(self, photos, **options) -> Iterator[Photo]:
+        """Each photo with its faces and their embeddings, in order: infer.stream.analyse's keyword
+        options (workers, flip, largest_only, align, batch_size, progress, faces, resize, raw)."""
+        return analyse(self, photos, **options)
 
-    def faces(self, photo, flip: bool = True) -> list[Face]:
+    def embed_crops(self, crops: torch.Tensor, **options) -> np.ndarray:
+        """N x D unit rows of ready-made crops (the .bin sets', a teacher's batch) aligned to
+        `made_for` (default this model's template): infer.stream.embed_crops' keyword options."""
+        return embed_crops(self, crops, **options)
+
+    def faces(self, photo, *, flip: bool = True) -> list[Face]:
         """Every face of one photo, largest first, each with its embedding."""
         (found,) = self.analyse([photo], flip=flip)
         return found.faces
 
     def embed(
-        self, photos, align: bool = True, flip: bool = True, batch_size: int = 64, missing: str = "raise"
+        self, photos, *, align: bool = True, flip: bool = True, batch_size: int = 64, missing: str = "raise"
     ) -> np.ndarray:
         """N x D float32 unit rows, one per photo: with `align`, its largest face; without, the photo taken
         as a crop aligned for this model. A photo without a face is a DataError naming it (`missing="raise"`)
@@ -187,7 +193,8 @@ class Model:
             isinstance(photos, np.ndarray) and photos.ndim in (2, 3) and photos.dtype == np.uint8
         )
         rows = []
-        for photo in self.analyse([photos] if single else list(photos), 1, flip, True, align, batch_size):
+        photos = [photos] if single else list(photos)
+        for photo in self.analyse(photos, flip=flip, largest_only=True, align=align, batch_size=batch_size):
             if photo.face is None and missing == "raise":
                 raise DataError(f"{photo.name}: no face found")
             rows.append(
@@ -196,12 +203,34 @@ class Model:
         out = np.stack(rows) if rows else np.zeros((0, self.dim), np.float32)
         return out[0] if single else out
 
-    def compare(self, a, b, align: bool = True, flip: bool = True) -> Comparison:
-        """The cosine of two photos' largest faces (two crops without `align`), judged at the model's threshold."""
-        emb = self.embed([a, b], align, flip).astype(np.float64)
-        score = float(emb[0] @ emb[1])
+    def compare(self, a, b, *, align: bool = True, flip: bool = True) -> Comparison:
+        """The cosine of `a` and `b` judged at the model's threshold, as face_recognition's
+        `compare_faces` judges encodings. Each is a photo (its largest face; a crop without
+        `align`), a `Face` this model embedded, or one of its embeddings (D floats). An embedding
+        of another width is refused; one of another model of the same width cannot be told apart."""
+        emb = [self._embedding_of(x) for x in (a, b)]
+        photos = [x for x, e in zip((a, b), emb) if e is None]
+        found = iter(self.embed(photos, align=align, flip=flip) if photos else [])
+        a, b = (
+            l2_normalize(np.asarray(e if e is not None else next(found), np.float64)[None])[0] for e in emb
+        )
+        score = float(a @ b)
         value = self.threshold.value if self.threshold is not None else None
         return Comparison(score, None if value is None else score >= value, value)
+
+    def _embedding_of(self, x) -> np.ndarray | None:
+        """`x`'s embedding where it is a Face or an embedding; None for a photo."""
+        if isinstance(x, Face):
+            if x.embedding is None:
+                raise DataError(
+                    "a face without an embedding: take faces from this model's faces() or analyse()"
+                )
+            x = x.embedding
+        elif not (isinstance(x, np.ndarray) and x.ndim == 1 and np.issubdtype(x.dtype, np.floating)):
+            return None
+        if len(x) != self.dim:
+            raise DataError(f"an embedding of {len(x)} values: {self.name}'s have {self.dim}")
+        return np.asarray(x, np.float64)
 
     def draw(self, photo, found: list) -> Image.Image:
         """A copy of the photo with each of `found` drawn (box and five points): faces, or matches
@@ -233,7 +262,7 @@ class _Reframed(nn.Module):
         self.model, self.made_for, self.inner = model, made_for, model.module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(self.model.from_crops(x, self.made_for))
+        return self.inner(self.model.reframe(x, self.made_for))
 
 
 def load_module(

@@ -20,6 +20,7 @@ from shardface.infer.embed import embed, l2_normalize, refuse_non_finite_embeddi
 def analyse(
     model,
     photos: Iterable,
+    *,
     workers: int = 1,
     flip: bool = True,
     largest_only: bool = False,
@@ -35,7 +36,15 @@ def analyse(
     the model (or ARCFACE_112, re-framed), its one face the whole image; `resize` fits other sizes to the model's."""
     if align:
         crop = Crop(model.template, dlib_chip=model.kind == "dlib")  # picklable: the workers cut the crops
-        found = stream(photos, model.detection, crop, workers, largest_only, faces, progress)
+        found = stream(
+            photos,
+            model.detection,
+            crop,
+            workers=workers,
+            largest_only=largest_only,
+            faces=faces,
+            progress=progress,
+        )
     else:
         found = stream(
             photos,
@@ -76,7 +85,11 @@ def _embedded(model, photos: list[Photo], flip: bool, batch_size: int, raw: bool
         crops = torch.stack(
             [torch.from_numpy(np.array(photos[p].cuts[f])).permute(2, 0, 1) for p, f in where]
         )
-        rows.update(zip(where, embed_crops(model, crops, template, flip, batch_size, raw)))
+        rows.update(
+            zip(
+                where, embed_crops(model, crops, made_for=template, flip=flip, batch_size=batch_size, raw=raw)
+            )
+        )
     return [
         dataclasses.replace(
             photo,
@@ -92,6 +105,7 @@ def _embedded(model, photos: list[Photo], flip: bool, batch_size: int, raw: bool
 def embed_crops(
     model,
     crops: torch.Tensor,
+    *,
     made_for: Template | None = None,
     flip: bool = True,
     batch_size: int = 64,
@@ -100,7 +114,7 @@ def embed_crops(
     """N x D unit rows of N x 3 x h x w uint8 crops aligned to `made_for` (default the model's template; others
     re-framed): each crop's embedding plus its mirror's (the flip test), or its own without `flip`; `raw`: the
     two as the network gives them, N x 2 x D (the pair protocols score both). Non-finite rows are refused."""
-    module, precision = model.for_crops(made_for or model.template), model.precision
+    module, precision = model.module_for(made_for or model.template), model.precision
     own = refuse_non_finite_embeddings(embed(crops, module, batch_size, precision), model.name)
     if not (flip or raw):
         return l2_normalize(own).astype(np.float32)

@@ -74,7 +74,7 @@ def main(argv=None) -> int:
         analyse(
             model,
             pair,
-            workers,
+            workers=workers,
             largest_only=True,
             align=args.align,
             batch_size=args.batch_size,

@@ -86,12 +86,12 @@ def main(argv=None) -> int:
         for photo in analyse(
             model,
             paths,
-            workers_from(args) if args.align else 1,
-            not args.no_flip,
-            True,
-            args.align,
-            args.batch_size,
-            bar.update,
+            workers=workers_from(args) if args.align else 1,
+            flip=not args.no_flip,
+            largest_only=True,
+            align=args.align,
+            batch_size=args.batch_size,
+            progress=bar.update,
             resize=args.resize,
         ):
             found.faces[photo.name] = photo.faces

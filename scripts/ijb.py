@@ -36,7 +36,7 @@ def main(argv=None) -> int:
         p.error("--roc draws the 1:1 ROC; it has no meaning with --protocol 1:N")
     meta_folder(args.root)  # before the model is loaded: a wrong --root, and the ROC's place
     check_roc_path(args.roc, args.overwrite)
-    backbone = model_from(args).for_crops(ARCFACE_112)  # IJB crops are aligned to it
+    backbone = model_from(args).module_for(ARCFACE_112)  # IJB crops are aligned to it
     if args.protocol == "1:N":
         for gallery, m in evaluate_ijb_1n(args.root, backbone, args.target.lower(), args.batch_size).items():
             tpir = "  ".join(f"TPIR@FPIR {f:.0e}: {t:.4f}" for f, t in m.get("tpir", {}).items())

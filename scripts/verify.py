@@ -5,7 +5,7 @@
 `python -m scripts.verify MODEL --pairs_list CFP_ROOT --protocol FP` (or FF).
 
 The .bin sets hold insightface's 112x112 crops; a model made for another crop (MODEL `dlib`,
-150x150 dlib chips) sees them re-framed onto its template (infer.model.Model.from_crops):
+150x150 dlib chips) sees them re-framed onto its template (infer.model.Model.reframe):
 what falls outside the 112 crop is black, which costs some accuracy (docs/photos.md).
 
 With --pairs_list (LFW's pairs.txt, a plain `path1 path2 1|0` list, eval.pairs, or a CFP root
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         pair_list = read_list(args.pairs_list, args.images, args.protocol)
         check_images(pair_list)
     embedder = model_from(args, detection)
-    model = embedder.for_crops(ARCFACE_112)
+    model = embedder.module_for(ARCFACE_112)
     if args.bin and model is not embedder.module:
         print(
             f"{embedder.name} takes {embedder.template.name} crops: the sets' {ARCFACE_112.name} crops are re-framed onto it"

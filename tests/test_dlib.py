@@ -46,7 +46,7 @@ def cosine(a, b) -> float:
 def embed_chip(embedder: Model, chip: Image.Image) -> np.ndarray:
     x = torch.from_numpy(np.asarray(chip).copy()).permute(2, 0, 1)[None]
     with torch.no_grad():
-        return embedder.module(embedder.from_crops(x, embedder.template)).cpu().numpy()[0]
+        return embedder.module(embedder.reframe(x, embedder.template)).cpu().numpy()[0]
 
 
 @pytest.mark.parametrize("zoom", [1, 3])
@@ -102,7 +102,7 @@ def test_reframed_112_crop_costs_dlib_little_against_its_own_chip(astronaut):
     crop = align(photo, DLIB_150.points @ to_photo[:, :2].T + to_photo[:, 2], ARCFACE_112)
     x = torch.from_numpy(np.asarray(crop).copy()).permute(2, 0, 1)[None]
     with torch.no_grad():
-        reframed = embedder.for_crops(ARCFACE_112)(x.float().sub(127.5).div(127.5)).cpu().numpy()[0]
+        reframed = embedder.module_for(ARCFACE_112)(x.float().sub(127.5).div(127.5)).cpu().numpy()[0]
     assert cosine(reframed, astronaut["descriptor"]) >= 0.99
     assert np.linalg.norm(reframed - astronaut["descriptor"]) < 0.2
 
@@ -188,7 +188,7 @@ def test_112_front_is_the_embedders_reframing_of_insightface_crops():
     crops = torch.randint(
         0, 256, (2, 3, 112, 112), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
     )
-    expected = chip_net.chip(embedder.from_crops(crops, ARCFACE_112))
+    expected = chip_net.chip(embedder.reframe(crops, ARCFACE_112))
     torch.testing.assert_close(
         crop_net.chip(crops.float().sub(127.5).div(127.5)), expected, rtol=0, atol=1e-5
     )

@@ -64,9 +64,9 @@ def test_teacher_reframing_makes_no_tensor_from_host_data_after_the_first_batch(
 
     embedder = Model(Means(), DLIB_150, "means", "x")
     x = torch.rand(3, 3, 112, 112) * 2 - 1
-    first = embedder.from_crops(x)
+    first = embedder.reframe(x)
     with HostDataCounter() as c:
-        again = embedder.from_crops(x)
+        again = embedder.reframe(x)
     assert c.calls == [] and again.shape == (3, 3, 150, 150)
     torch.testing.assert_close(again, first, rtol=0, atol=0)
 

@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from shardface import Gallery, load_model
+from shardface.errors import DataError
 from tests.astronaut import astronaut_head, two_faces_photo
 from tests.gallery_files import gallery_folder, noise_face, seeded_model
 
@@ -68,6 +69,25 @@ def test_faces_come_largest_first_with_box_points_and_score(dlib_model):
     assert (x1 - x0) * (y1 - y0) > (u1 - u0) * (v1 - v0) and x0 < u0  # the full-size head is on the left
     assert faces[0].points.shape == (5, 2) and faces[0].score > 0
     assert all(x0 <= x <= x1 and y0 <= y <= y1 for x, y in faces[0].points)
+
+
+def test_compare_takes_photos_faces_or_embeddings_alike_and_refuses_an_embedding_of_another_width(
+    dlib_model, portrait
+):
+    flipped = Image.open(portrait).transpose(Image.FLIP_LEFT_RIGHT)
+    photos = dlib_model.compare(portrait, flipped)
+    face = dlib_model.faces(portrait)[0]
+    row = dlib_model.embed(flipped)
+    for a, b in (
+        (face, flipped),
+        (portrait, row),
+        (face, row),
+        (face.embedding.astype(np.float64), row * 3.0),
+    ):
+        got = dlib_model.compare(a, b)
+        assert got.score == pytest.approx(photos.score, abs=1e-6) and got.same is photos.same is True
+    with pytest.raises(DataError, match="an embedding of 512 values: .*have 128"):
+        dlib_model.compare(face, np.ones(512, np.float32))
 
 
 def test_compare_is_the_cosine_of_the_two_embeddings_and_a_photo_without_a_face_is_named(
