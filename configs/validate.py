@@ -152,6 +152,11 @@ def validate_config(cfg: dict) -> None:
         raise _fail("margin_list", margins, "m1 must be > 0")
     if cfg["fp16"] and cfg["bf16"]:
         raise ConfigError("config fp16 = True and bf16 = True: choose one")
+    if cfg["overwrite"] and cfg["resume"] in (True, "auto"):
+        raise ConfigError(
+            f"--resume {str(cfg['resume']).lower()} and --overwrite true: the first continues the run in "
+            f"{cfg['output']}, the second deletes it; pass one"
+        )
     if cfg["batch_size"] == 1:
         raise _fail(
             "batch_size", 1, "BatchNorm needs more than one sample per rank in training: use 2 or more"

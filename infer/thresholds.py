@@ -3,8 +3,9 @@
 
 A threshold is, in order: the one given (`--threshold T`: a finite cosine in [-1, 1]); the one
 fitted to a verification set (`--threshold_from VAL.bin`: the best over its pairs); the MODEL's
-own: for `dlib` its author's rule, Euclidean distance 0.6 between raw descriptors, as the cosine it
-is at their mean norm (derived in docs/identification.md, "dlib's threshold"), for a trained run its
+own: for `dlib` its author's rule, Euclidean distance 0.6 between raw descriptors, as the cosine of
+these embeddings whose verdicts agree with it on real faces (docs/identification.md, "dlib's
+threshold"), for a trained run its
 threshold at a stated FAR on its validation set (`threshold_at_far`, saved by training, carried
 into ONNX). A MODEL without a known threshold names no one: `identify` refuses at start."""
 
@@ -21,16 +22,10 @@ from shardface.checkpoint.state import weights_fingerprint
 from shardface.errors import ConfigError
 from shardface.infer.weights import load_backbone_state
 
-DLIB_DISTANCE = 0.6  # dlib's same-person rule on its raw descriptors (dlib's face_recognition example)
-DLIB_NORM = 1.36  # the mean norm of dlib's descriptors of real faces (docs/identification.md)
-
-
-def cosine_for_distance(distance: float, norm: float) -> float:
-    """The cosine of two vectors of norm `norm` at Euclidean distance `distance`."""
-    return 1.0 - distance**2 / (2.0 * norm**2)
-
-
-DLIB_THRESHOLD = cosine_for_distance(DLIB_DISTANCE, DLIB_NORM)
+DLIB_DISTANCE = 0.6  # dlib's same-person rule on its raw descriptors (face_recognition's compare_faces)
+# the cosine at which MODEL dlib's verdicts agree best with that rule on real photos (LFW, measured by
+# benchmarks/dlib_verdict.py on half its people and held on the other half: docs/identification.md)
+DLIB_THRESHOLD = 0.922
 
 
 class ThresholdError(ConfigError):
@@ -61,8 +56,8 @@ def checked(value: float, flag: str = "--threshold") -> float:
 # MODEL dlib's own threshold (Model.threshold)
 DLIB_OWN = Threshold(
     DLIB_THRESHOLD,
-    f"dlib's own rule, distance {DLIB_DISTANCE} between its descriptors (cosine "
-    f"1 - {DLIB_DISTANCE}^2 / (2 x {DLIB_NORM}^2) at their mean norm {DLIB_NORM})",
+    f"dlib's own rule, distance {DLIB_DISTANCE} between its descriptors, as the cosine that agrees "
+    "with it on real faces (docs/identification.md)",
 )
 
 

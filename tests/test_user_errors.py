@@ -40,6 +40,11 @@ def _cases(data, out):
             CheckpointError,
             ["--resume auto"],
         ),
+        "resume_and_overwrite": (
+            train_argv(data, out, "--resume", "auto", "--overwrite", "true"),
+            ConfigError,
+            ["--resume auto and --overwrite true", "pass one"],
+        ),
         "missing_val_bin": (
             train_argv(data, out, "--val_targets", "['lfw']", "--verbose", "4"),
             DataError,
@@ -49,7 +54,15 @@ def _cases(data, out):
 
 
 @pytest.mark.parametrize(
-    "case", ["unknown_key", "batch_size_1", "missing_rec", "resume_true_fresh_output", "missing_val_bin"]
+    "case",
+    [
+        "unknown_key",
+        "batch_size_1",
+        "missing_rec",
+        "resume_true_fresh_output",
+        "resume_and_overwrite",
+        "missing_val_bin",
+    ],
 )
 def test_user_error_prints_one_line_and_exits_2_without_config_dump(
     drawn_faces, tmp_path, monkeypatch, capsys, case
