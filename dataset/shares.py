@@ -1,87 +1,54 @@
-"""One photo list over many machines: each rank takes a contiguous share of the sorted list,
-writes what it makes of it into a part folder beside the output, and rank 0 joins the parts
-into exactly what one process writes.
+"""One photo list over many machines, as torchrun starts a tool
+(`torchrun --nnodes N --nproc_per_node K -m scripts.align SRC OUT`, as it starts training): each rank
+takes a contiguous share of the sorted list, writes what it makes of it into its part folder beside
+the output, and rank 0 joins the parts into exactly what one process writes.
 
-- `launch_rank(rank, world)`: --rank/--world where given, else torchrun's RANK/WORLD_SIZE (only
-  where torchrun started the process).
+- `tool_ranks()`: this process's rank and world in torchrun's process group (gloo, from torchrun's
+  variables), or rank 0 of 1 where torchrun did not start it.
 - `share_of(count, rank, world)`: rank r takes n_r = N // W + (r < N % W) items from
   (N // W) * r + min(r, N % W), the split of the head's classes (`heads.sharding.class_shard`).
-- `list_key(items, *shaping, root=)`: a hash of the list, of its files' sizes and times, and of
-  what shapes the output (options). The parts live in `<output>.parts-<key>/rank-<r>-of-<W>`, so
-  a part made from another list, a replaced photo, other options or another world size is never
-  taken for one of this job.
-- `Parts.writing(rank, share)`: a rank's part is filled under a staging name and published
-  whole (utils.atomic.publishing_dir), its manifest `part.json` written last. A rank that finds
-  its part complete (a job run again after another rank failed) keeps it.
-- `Parts.wait(items, timeout_s)`: rank 0 polls the shared file system until every part is
-  there, each checked against its share (key, rank, world, the share's count and hash), and
-  names the missing ranks when `timeout_s` passes.
-- `Parts.join(out, items, report)`: every part's files into `out` (hard links; a copy where the
-  file system has none), and the CSV `report` of each part (one row or more per item, the item
-  in its first column) concatenated under one header. Checked: each report lists exactly its
-  share, in order; each part holds the files its manifest counts; no two parts hold one file.
+- `Ranks.agree(items, *shaping, root=)`: before any work the ranks all-gather what decides the
+  output: the list's names, its files' sizes, the options. Where a rank's differs, every rank ends
+  at once with an error naming the difference. Copies of the same photos with other modification
+  times (each node's local copy) are the same job.
+- `Parts.make(rank, items, fill)`: a rank's part is filled under a staging name and published whole
+  (utils.atomic.publishing_dir), its manifest `part.json` written last. A part that a run of this
+  job left complete is kept, where its share's files (sizes and times, on this rank's machine) are
+  the ones it was made from; else it is made again.
+- `Ranks.outcome(work)`: each rank's result, or the error of its work, all-gathered: where one
+  rank failed, every rank ends with its error, naming that rank. A rank that dies (killed) ends
+  the job through torchrun, which stops the others and names it. No rank polls a folder.
+- `Parts.join(out, manifests, items, report)`: every part's files into `out` (hard links; a copy
+  where the file system has none), and the CSV `report` of each part concatenated under one
+  header. Checked: each report lists exactly its share, in order; each part holds the files its
+  manifest counts; no two parts hold one file.
 
-Coordination is the file system alone (no process group), so ranks may be started by torchrun
-or by hand on machines that share the output's folder. The parts stay until rank 0 has
-published the output, then `Parts.remove()` deletes them.
+The parts stay until rank 0 has published the output, then `Parts.remove()` deletes them: a job
+killed before that keeps every rank's work, and a run again completes from it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import csv
-import glob
 import hashlib
 import json
 import os
 import shutil
 import sys
-import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Sequence
 
-from shardface.errors import ConfigError, UserError
+from shardface.errors import UserError
 from shardface.heads.sharding import class_shard
 from shardface.parallel.flat import Range
 from shardface.utils.atomic import publishing, publishing_dir
 
 MANIFEST = "part.json"
-WAIT_MIN_S = 600.0  # rank 0 waits at least this long for the other ranks' parts after its own
 
 
 class PartError(UserError, RuntimeError):
-    """A part of a many-rank job that is missing or does not match its share."""
-
-
-def launch_rank(rank: int | None = None, world: int | None = None, env=None) -> tuple[int, int]:
-    """(rank, world size) from --rank/--world where given (both or neither), else from RANK and
-    WORLD_SIZE where torchrun started this process (it sets TORCHELASTIC_RUN_ID), else (0, 1):
-    variables left set in a shell are named and ignored, never taken for a share to wait on."""
-    env = os.environ if env is None else env
-    if (rank is None) != (world is None):
-        raise ConfigError(
-            "--rank and --world: give both (or neither, to take torchrun's RANK and WORLD_SIZE)"
-        )
-    if rank is None:
-        try:
-            rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
-        except ValueError:
-            raise ConfigError(
-                f"RANK={env.get('RANK')!r} WORLD_SIZE={env.get('WORLD_SIZE')!r}: not whole numbers"
-            ) from None
-        if world > 1 and "TORCHELASTIC_RUN_ID" not in env:
-            print(
-                f"RANK={rank} and WORLD_SIZE={world} are set, but torchrun did not start this process: running "
-                "as one process (pass --rank R --world W to share the photos among machines by hand)",
-                file=sys.stderr,
-                flush=True,
-            )
-            rank, world = 0, 1
-    if world < 1 or not 0 <= rank < world:
-        raise ConfigError(
-            f"--rank {rank} --world {world}: the world is at least 1 and the rank in [0, world)"
-        )
-    return rank, world
+    """A rank of a many-rank job that failed, disagrees with rank 0, or left a part that does not
+    match its share."""
 
 
 def share_of(count: int, rank: int, world: int) -> Range:
@@ -89,19 +56,110 @@ def share_of(count: int, rank: int, world: int) -> Range:
     return class_shard(count, world, rank)
 
 
-def list_key(items: Sequence[str], *shaping, root: str | None = None) -> str:
-    """16 hex digits of the SHA-256 of the items (in order), of each item's file (size and
-    modification time: a photo replaced under the same name gives another key) where `root`
-    names their folder ("" for paths as they are), and of `shaping` (what else decides the
-    output: options, as their repr)."""
+def _digest(values) -> str:
     h = hashlib.sha256()
-    for item in items:
-        h.update(item.encode("utf-8", "surrogateescape") + b"\0")
-        if root is not None:
-            st = os.stat(os.path.join(root, item))
-            h.update(f"{st.st_size}:{st.st_mtime_ns}\0".encode())
-    h.update(repr(shaping).encode())
+    for v in values:
+        h.update(str(v).encode("utf-8", "surrogateescape") + b"\0")
     return h.hexdigest()[:16]
+
+
+def _stats(items: Sequence[str], root: str | None, *fields: str) -> list:
+    return (
+        []
+        if root is None
+        else [tuple(getattr(os.stat(os.path.join(root, i)), f) for f in fields) for i in items]
+    )
+
+
+def list_key(items: Sequence[str], *shaping, root: str | None = None) -> str:
+    """16 hex digits naming the job: the items (in order), each item's file size where `root` names
+    their folder ("" for paths as they are), and `shaping` (what else decides the output: options,
+    as their repr). Modification times are not in it: every rank's copy of the photos is the same job."""
+    return _digest([*items, *_stats(items, root, "st_size"), repr(shaping)])
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among a tool's ranks (module docstring)."""
+
+    rank: int = 0
+    world: int = 1
+
+    def gathered(self, value) -> list:
+        """`value` of every rank, in rank order, on every rank (one all-gather; none for one rank)."""
+        if self.world == 1:
+            return [value]
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, value)
+        return out
+
+    def agree(self, items: Sequence[str], *shaping, root: str | None = None, what: str = "photos") -> None:
+        """Every rank has the same job as rank 0, or every rank raises a PartError naming the difference."""
+        sizes = _stats(items, root, "st_size")
+        mine = {
+            "count": len(items),
+            "names": _digest(items),
+            "sizes": _digest(sizes),
+            "options": repr(shaping),
+        }
+        theirs = self.gathered(mine)
+        for rank, job in enumerate(theirs):
+            differ = [k for k in mine if job[k] != theirs[0][k]]
+            if not differ:
+                continue
+            if "count" in differ or "names" in differ:
+                why = f"lists {job['count']} {what} under its source, rank 0 {theirs[0]['count']}, or other names"
+            elif "sizes" in differ:
+                why = f"has the same {len(items)} {what} with other file sizes (another copy of them?)"
+            else:
+                why = f"runs with other options ({job['options']}, rank 0: {theirs[0]['options']})"
+            raise PartError(
+                f"rank {rank} of {self.world} {why}: run every rank with the same {what} and options"
+            )
+
+    def outcome(self, work: Callable):
+        """`work()`'s result on every rank, gathered in rank order; where a rank's work raised, every
+        rank raises: that rank its own error, the others a PartError naming it and its message."""
+        try:
+            mine, error = ("ok", work()), None
+        except Exception as exc:
+            mine, error = (
+                ("error", f"{type(exc).__name__}: {exc}" if not isinstance(exc, UserError) else str(exc)),
+                exc,
+            )
+        everyone = self.gathered(mine)
+        if error is not None:
+            raise error
+        failed = [(rank, text) for rank, (status, text) in enumerate(everyone) if status == "error"]
+        if failed:
+            rank, text = failed[0]
+            raise PartError(f"rank {rank} of {self.world} failed: {text}")
+        return [value for _, value in everyone]
+
+
+def tool_ranks(env=None) -> Ranks:
+    """This process's rank among the tool's ranks: torchrun's process group (joined here, gloo) where
+    torchrun started it (it sets TORCHELASTIC_RUN_ID), else rank 0 of 1. RANK and WORLD_SIZE left set
+    in a shell are named and ignored, never taken for a share to wait on."""
+    env = os.environ if env is None else env
+    world = int(env.get("WORLD_SIZE", "1") or 1)
+    if world > 1 and "TORCHELASTIC_RUN_ID" not in env:
+        print(
+            f"RANK={env.get('RANK')} and WORLD_SIZE={world} are set, but torchrun did not start this process: "
+            "running as one process (start the ranks with torchrun to share the photos among machines)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return Ranks()
+    if world == 1:
+        return Ranks()
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")  # torchrun's MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
+    return Ranks(dist.get_rank(), dist.get_world_size())
 
 
 @dataclass
@@ -123,111 +181,51 @@ class Parts:
     def folder(self, rank: int) -> str:
         return os.path.join(self.root, f"rank-{rank}-of-{self.world}")
 
-    def _expected(self, rank: int, items: Sequence[str]) -> dict:
+    def _expected(self, rank: int, items: Sequence[str], root: str | None) -> dict:
         r = share_of(len(items), rank, self.world)
         share = items[r.start : r.end]
+        files = _stats(share, root, "st_size", "st_mtime_ns")
         return {
             "key": self.key,
             "rank": rank,
             "world": self.world,
             "count": len(share),
-            "share": list_key(share),
+            "share": _digest([*share, *files]),
         }
 
-    def manifest(self, rank: int, items: Sequence[str]) -> dict | None:
-        """The manifest of rank `rank`'s complete part, None where there is none yet; a part
-        that does not match its share of `items` is a PartError naming it."""
-        path = os.path.join(self.folder(rank), MANIFEST)
+    def manifest(self, rank: int, items: Sequence[str], root: str | None = None) -> dict | None:
+        """The manifest of rank `rank`'s complete part where it was made from its share of `items` as
+        they are now (`root`: their folder, for their files' sizes and times); else None."""
         try:
-            with open(path) as f:
+            with open(os.path.join(self.folder(rank), MANIFEST)) as f:
                 found = json.load(f)
-        except FileNotFoundError:
+        except (OSError, ValueError):  # none, or one a kill cut short: made again
             return None
-        except (OSError, ValueError) as exc:
-            raise PartError(
-                f"{path}: unreadable part manifest ({exc}); remove {self.root} and run every rank again"
-            )
-        expected = self._expected(rank, items)
-        wrong = [k for k, v in expected.items() if found.get(k) != v]
-        if wrong:
-            raise PartError(
-                f"{path}: this part does not match rank {rank}'s share of the photo list "
-                f"({', '.join(f'{k} {found.get(k)!r}, expected {expected[k]!r}' for k in wrong)}); "
-                f"remove {self.root} and run every rank again"
-            )
-        return found
+        expected = self._expected(rank, items, root)
+        return found if all(found.get(k) == v for k, v in expected.items()) else None
 
-    @contextlib.contextmanager
-    def writing(self, rank: int, items: Sequence[str]) -> Iterator[Part]:
-        """`with parts.writing(rank, items) as part:` fill `part.folder` with rank `rank`'s
-        share of `items`; when the block ends normally the folder is published whole with its
-        manifest (the share's count and hash, the files it holds, `part.summary`)."""
+    def make(
+        self, rank: int, items: Sequence[str], fill: Callable[[Part], None], root: str | None = None
+    ) -> dict:
+        """Rank `rank`'s part: kept where complete and current (`manifest`), else `fill(part)` fills
+        `part.folder` and `part.summary`, and the folder is published whole with its manifest. -> the manifest."""
+        kept = self.manifest(rank, items, root)
+        if kept is not None:
+            return kept
         os.makedirs(self.root, exist_ok=True)
         with publishing_dir(self.folder(rank)) as tmp:
             part = Part(tmp, {})
-            yield part
+            fill(part)
             files = sum(len(names) for _, _, names in os.walk(tmp))
+            manifest = {**self._expected(rank, items, root), "files": files, "summary": part.summary}
             with publishing(os.path.join(tmp, MANIFEST)) as staged, open(staged, "w") as f:
-                json.dump({**self._expected(rank, items), "files": files, "summary": part.summary}, f)
+                json.dump(manifest, f)
+        return manifest
 
-    def wait(self, items: Sequence[str], timeout_s: float, poll_s: float = 1.0) -> list[dict]:
-        """Every rank's manifest, in rank order, once all parts are complete and match their
-        shares; a PartError naming the missing ranks after `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        found: dict[int, dict] = {}
-        said = False
-        while True:
-            for rank in range(self.world):
-                if rank not in found:
-                    manifest = self.manifest(rank, items)
-                    if manifest is not None:
-                        found[rank] = manifest
-            missing = [r for r in range(self.world) if r not in found]
-            if not missing:
-                return [found[r] for r in range(self.world)]
-            if time.monotonic() >= deadline:
-                raise PartError(
-                    f"{self.root}: no complete part of rank {', '.join(map(str, missing))} of "
-                    f"{self.world} after {timeout_s:.0f} s; run every rank with the same photos, "
-                    f"output, options and world size{self._others()} (what was done is kept: a run "
-                    "again redoes only missing parts)"
-                )
-            if not said and timeout_s > 0:
-                print(
-                    f"waiting up to {timeout_s:.0f} s for the part of rank {', '.join(map(str, missing))} of "
-                    f"{self.world} in {self.root}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                said = True
-            time.sleep(poll_s)
-
-    def _others(self) -> str:
-        """What else is beside this job's parts: parts of other lists or options, or of this
-        list under another world size, in words ("" where nothing is)."""
-        lists = [
-            o
-            for o in sorted(glob.glob(glob.escape(self.root.rsplit(".parts-", 1)[0]) + ".parts-*"))
-            if o != self.root
-        ]
-        worlds = [
-            f
-            for f in sorted(glob.glob(os.path.join(glob.escape(self.root), "rank-*-of-*")))
-            if not f.endswith(f"-of-{self.world}")
-        ]
-        said = [f"{', '.join(lists)} came from another photo list or other options"] if lists else []
-        said += (
-            [f"{', '.join(os.path.basename(f) for f in worlds)} in {self.root} came from another world size"]
-            if worlds
-            else []
-        )
-        return f" ({'; '.join(said)})" if said else ""
-
-    def join(self, out: str, items: Sequence[str], report: str) -> dict:
+    def join(self, out: str, manifests: list[dict], items: Sequence[str], report: str) -> dict:
         """Every part's files into the folder `out` and their CSV `report`s concatenated into
         `out/report` under one header (checked: module docstring); -> each summary key summed
         (numbers) or concatenated (lists) over the ranks, in rank order."""
-        manifests = self.wait(items, 0.0)
         header = None
         with open(os.path.join(out, report), "wb") as joined:
             for rank in range(self.world):

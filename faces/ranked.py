@@ -1,17 +1,16 @@
-"""Finding the faces of one photo list on many machines (`pack_rec --align` under torchrun, or
-`--rank R --world W` by hand): each rank finds its share's faces (dataset.shares) on its own cores
-and writes them exactly into its part's manifest beside the output; rank 0 reads every part back
-into the `Found` one process would have made, so it writes what one process writes, byte for byte.
-Detection is nearly all the work (warp and packing a few per cent): W machines take about 1/W."""
+"""Finding the faces of one photo list on many machines (`pack_rec --align` under torchrun): each rank
+finds its share's faces (dataset.shares) on its own cores and writes them exactly into its part's
+manifest beside the output; rank 0 gathers every manifest into the `Found` one process would have
+made, so it writes what one process writes, byte for byte. Detection is nearly all the work (warp
+and packing a few per cent): W machines take about 1/W."""
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import numpy as np
 
-from shardface.dataset.shares import WAIT_MIN_S, Parts, list_key, share_of
+from shardface.dataset.shares import Parts, Ranks, list_key, share_of
 from shardface.faces.detect import Detection, Face
 from shardface.faces.stream import Found, find_faces
 
@@ -40,25 +39,27 @@ def find_faces_ranked(
     paths: list[str],
     detection: Detection,
     output: str,
-    rank: int,
-    world: int,
+    ranks: Ranks,
     progress: Callable[[], None] | None = None,
     workers: int = 1,
-) -> Found | None:
-    """The faces of every photo of `paths`, found by `world` ranks, each writing its share into its
-    part beside `output`: rank 0 returns them all (as `find_faces`, which world 1 is), others None."""
-    if world == 1:
-        return find_faces(paths, detection, progress, workers)
-    parts = Parts(output, list_key(paths, detection, "faces in the manifests", root=""), world)
-    start, mine = time.monotonic(), share_of(len(paths), rank, world)
+) -> tuple[Found, Parts | None] | None:
+    """The faces of every photo of `paths`, found by the ranks, each writing its share into its part
+    beside `output` (kept where a run of this job left it complete): rank 0 returns them all (as
+    `find_faces`, which one rank is) and the parts, which it removes once its output is published;
+    the others None."""
+    if ranks.world == 1:
+        return find_faces(paths, detection, progress, workers), None
+    ranks.agree(paths, detection, root="")
+    parts = Parts(output, list_key(paths, detection, "faces in the manifests", root=""), ranks.world)
+    mine = share_of(len(paths), ranks.rank, ranks.world)
     share = paths[mine.start : mine.end]
-    if parts.manifest(rank, paths) is None:  # else done by an earlier run of this job: kept
-        found = find_faces(share, detection, progress if rank == 0 else None, workers)
-        with parts.writing(rank, paths) as part:  # the manifest checks that a part holds its share
-            part.summary["faces"] = [[_record(face) for face in found.faces[path]] for path in share]
-    if rank != 0:
+
+    def fill(part) -> None:
+        found = find_faces(share, detection, progress if ranks.rank == 0 else None, workers)
+        part.summary["faces"] = [[_record(face) for face in found.faces[path]] for path in share]
+
+    manifests = ranks.outcome(lambda: parts.make(ranks.rank, paths, fill, root=""))
+    if ranks.rank != 0:
         return None
-    manifests = parts.wait(paths, max(WAIT_MIN_S, time.monotonic() - start))
     rows = [faces for manifest in manifests for faces in manifest["summary"]["faces"]]
-    parts.remove()
-    return Found({p: [_face(record) for record in faces] for p, faces in zip(paths, rows)}, detection)
+    return Found({p: [_face(record) for record in faces] for p, faces in zip(paths, rows)}, detection), parts

@@ -11,10 +11,10 @@ right mouth corner; x,y in the photo's pixels). Photos without a face are counte
 the end. DST is written beside itself under a temporary name and appears complete or not at all.
 
 The photos are shared by --workers processes (default: every core this process may use); the
-output is the same, byte for byte, whatever their number. Many machines: under torchrun, or
-with --rank R --world W on machines sharing DST's folder, each rank aligns its share of the
-sorted photos into DST.parts-<key>/rank-R-of-W, and rank 0 joins the parts into DST, the same
-files one process writes (dataset/shares.py)."""
+output is the same, byte for byte, whatever their number. Many machines: under torchrun
+(`torchrun --nnodes N --nproc_per_node K -m scripts.align SRC DST`, DST's folder shared), each rank
+aligns its share of the sorted photos into DST.parts-<key>/rank-R-of-W, and rank 0 joins the parts
+into DST, the same files one process writes (dataset/shares.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ import csv
 import os
 import re
 import sys
-import time
 from collections import Counter
 
 from tqdm import tqdm
@@ -31,7 +30,7 @@ from shardface.dataset import DataError, DataLayoutError
 from shardface.dataset.folders import walk_images
 from shardface.dataset.geometry import check_files
 from shardface.dataset.images import IMAGE_EXTENSIONS
-from shardface.dataset.shares import WAIT_MIN_S, Parts, launch_rank, list_key, share_of
+from shardface.dataset.shares import Part, Parts, Ranks, list_key, share_of, tool_ranks
 from shardface.errors import ConfigError, OutputError
 from shardface.faces.align import ARCFACE_112
 from shardface.faces.detect import Detection, check_available
@@ -41,7 +40,6 @@ from shardface.parallel.user_errors import exits_on_user_error
 from shardface.scripts.cli import ArgumentParser
 from shardface.scripts.options import (
     add_detection_options,
-    add_rank_options,
     add_workers_option,
     detection_from,
     workers_from,
@@ -161,27 +159,31 @@ def align_ranked(
     side: int,
     largest_only: bool,
     workers: int,
-    rank: int,
-    world: int,
+    ranks: Ranks,
 ) -> tuple[int, list[str]] | None:
-    """Rank `rank` of `world` aligns its share of `photos` into its part beside `dst`; rank 0
-    then waits for every part and publishes their join as `dst`, what one process writes
-    (dataset.shares). -> (crops written, photos without a face) on rank 0, None on the others."""
+    """Each rank aligns its share of `photos` into its part beside `dst` (kept where a run of this
+    job left it complete); rank 0 publishes their join as `dst`, what one process writes, and only
+    then removes the parts (dataset.shares). -> (crops written, photos without a face) on rank 0,
+    None on the others."""
+    rank, world = ranks.rank, ranks.world
+    ranks.agree(photos, detection, side, largest_only, root=src)
     parts = Parts(dst, list_key(photos, detection, side, largest_only, root=src), world)
-    start, mine = time.monotonic(), share_of(len(photos), rank, world)
+    mine = share_of(len(photos), rank, world)
     share = photos[mine.start : mine.end]
-    if parts.manifest(rank, photos) is None:  # else done by an earlier run of this job: kept
+
+    def fill(part: Part) -> None:
         label = f"aligning (rank 0's share of {world})"
-        with parts.writing(rank, photos) as part, progress_bar(len(share), label, shown=rank == 0) as bar:
+        with progress_bar(len(share), label, shown=rank == 0) as bar:
             crops, without = align_into(
                 src, share, part.folder, detection, side, largest_only, bar, workers, names=crop_stems(photos)
             )
-            part.summary.update(crops=crops, without=[os.path.relpath(p, src) for p in without])
+        part.summary.update(crops=crops, without=[os.path.relpath(p, src) for p in without])
+
+    manifests = ranks.outcome(lambda: parts.make(rank, photos, fill, root=src))
     if rank != 0:
         return None
-    parts.wait(photos, max(WAIT_MIN_S, time.monotonic() - start))
     with publishing_dir(dst) as tmp:
-        summary = parts.join(tmp, photos, REPORT)
+        summary = parts.join(tmp, manifests, photos, REPORT)
     parts.remove()
     return summary["crops"], [os.path.join(src, p) for p in summary["without"]]
 
@@ -209,13 +211,8 @@ def main(argv=None) -> int:
         help="replace an existing OUTPUT (the old one stays until the new one is complete)",
     )
     add_workers_option(p)
-    add_rank_options(
-        p,
-        "aligns its share of the sorted photos into a part folder beside OUTPUT; rank 0 "
-        "joins the parts into OUTPUT",
-    )
     args = p.parse_args(argv)
-    rank, world = launch_rank(args.rank, args.world)
+    ranks = tool_ranks()  # under torchrun: each rank aligns its share into a part, rank 0 joins them
     workers = workers_from(args)
     src, dst = args.source, args.output.rstrip(os.sep) or args.output
     if not os.path.isdir(src):
@@ -242,11 +239,12 @@ def main(argv=None) -> int:
     photos = photos_under(src)
     check_names(photos, crop_stems(photos), args.largest)
     check_files((os.path.join(src, ph) for ph in photos), resize=True)  # unreadable files, before any output
-    if world > 1:
-        done = align_ranked(src, photos, dst, detection, args.size, args.largest, workers, rank, world)
+    if ranks.world > 1:
+        done = align_ranked(src, photos, dst, detection, args.size, args.largest, workers, ranks)
         if done is None:
             print(
-                f"rank {rank} of {world}: its share of the {len(photos)} photos is aligned; rank 0 writes {dst}"
+                f"rank {ranks.rank} of {ranks.world}: its share of the {len(photos)} photos is aligned; "
+                f"rank 0 writes {dst}"
             )
             return 0
         written, without = done

@@ -1,7 +1,7 @@
 """The options the tools share, declared once: MODEL and its weights (`add_model_options`, every
 tool that uses a trained model), the face-finding options (scripts.align, and `--align` in
 pack_rec, make_bin, embed, compare, identify, identify_eval), how many processes find faces
-(--workers) and which share of the photos this machine takes (--rank, --world): one spelling,
+(--workers): one spelling,
 one help text, one Model and one Detection built from them."""
 
 from __future__ import annotations
@@ -179,23 +179,6 @@ def add_workers_option(p) -> None:
 
 def workers_from(args) -> int:
     return default_workers() if args.workers is None else check_workers(args.workers)
-
-
-def add_rank_options(p, what: str) -> None:
-    """--rank and --world, for a tool of which each of many machines does a share: `what` each
-    rank does (torchrun's RANK and WORLD_SIZE where the options are not given)."""
-    p.add_argument(
-        "--rank",
-        type=int,
-        default=None,
-        help=f"this machine's rank among --world (default: torchrun's RANK); each rank {what}",
-    )
-    p.add_argument(
-        "--world",
-        type=int,
-        default=None,
-        help="how many ranks share the photos (default: torchrun's WORLD_SIZE, else 1)",
-    )
 
 
 def add_pair_list_options(p) -> None:

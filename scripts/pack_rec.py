@@ -9,7 +9,8 @@ is packed: one that does not decode (a truncated JPEG) stops the pack, naming it
 set stays as it was. An image is stored as its file's bytes; with --resize an image of another
 size is stored resized, as PNG. With --align the images are photos: each photo's largest face is
 stored aligned to 112x112, as PNG (photos without a face are left out and named, or refused with
---strict; further faces are counted)."""
+--strict; further faces are counted). Under torchrun with --align, each rank finds the faces of
+its share of the photos and rank 0 packs them all: the same bytes as one process."""
 
 from __future__ import annotations
 
@@ -22,13 +23,13 @@ from shardface.dataset.folders import regular_file
 from shardface.dataset.geometry import check_files
 from shardface.dataset.images import stored_bytes
 from shardface.dataset.pack import write_insightface_rec
-from shardface.dataset.shares import launch_rank
+from shardface.dataset.shares import tool_ranks
 from shardface.errors import ConfigError
 from shardface.faces.ranked import find_faces_ranked
 from shardface.faces.stream import align_groups, aligned_pngs
 from shardface.parallel.user_errors import exits_on_user_error
 from shardface.scripts.cli import ArgumentParser
-from shardface.scripts.options import add_align_options, add_rank_options, face_detection, workers_from
+from shardface.scripts.options import add_align_options, face_detection, workers_from
 from shardface.utils.atomic import check_output_dir, check_output_file, refuse_inputs
 from shardface.utils.progress import progress_bar
 
@@ -79,17 +80,12 @@ def main(argv=None) -> int:
         "alignment, so align first where you can (docs/photos.md)",
     )
     add_align_options(p, "the images")
-    add_rank_options(
-        p,
-        "finds the faces of its share of the sorted photos (--align) into a part beside "
-        "OUT_DIR; rank 0 packs them all",
-    )
     args = p.parse_args(argv)
-    rank, world = launch_rank(args.rank, args.world)
-    if world > 1 and not args.align:
+    ranks = tool_ranks()  # under torchrun with --align: each rank finds its share's faces, rank 0 packs
+    if ranks.world > 1 and not args.align:
         raise ConfigError(
-            f"--world {world} (or torchrun's WORLD_SIZE): only --align's face finding is shared "
-            "among machines; without --align pack in one process"
+            f"torchrun's {ranks.world} ranks: only --align's face finding is shared among machines; "
+            "without --align pack in one process"
         )
     outputs = [os.path.join(args.output, n) for n in ("train.rec", "train.idx", "property")]
     check_output_dir(args.output)
@@ -102,22 +98,17 @@ def main(argv=None) -> int:
     if args.align:
         names = list_identity_folders(args.source)[0] if os.path.isdir(args.source) else None
         detection = face_detection(args)
-        what = "finding faces" + (f" (rank 0's share of {world})" if world > 1 else "")
-        with progress_bar(total, what, shown=rank == 0) as bar:
-            found = find_faces_ranked(
-                [p for g in groups for p in g],
-                detection,
-                args.output,
-                rank,
-                world,
-                bar.update,
-                workers_from(args),
+        what = "finding faces" + (f" (rank 0's share of {ranks.world})" if ranks.world > 1 else "")
+        with progress_bar(total, what, shown=ranks.rank == 0) as bar:
+            ranked = find_faces_ranked(
+                [p for g in groups for p in g], detection, args.output, ranks, bar.update, workers_from(args)
             )
-        if found is None:
+        if ranked is None:
             print(
-                f"rank {rank} of {world}: the faces of its share are in the part beside {args.output}; rank 0 packs"
+                f"rank {ranks.rank} of {ranks.world}: the faces of its share are found; rank 0 packs {args.output}"
             )
             return 0
+        found, parts = ranked
         groups, faces = align_groups(groups, detection, args.strict, names=names, found=found)
         total = sum(len(g) for g in groups)
         pngs = aligned_pngs([p for g in groups for p in g], faces, workers=workers_from(args))
@@ -125,6 +116,7 @@ def main(argv=None) -> int:
         def stored(path: str) -> bytes:  # the stream's next crop: the photos come in the groups' order
             return next(pngs)
     else:
+        parts = None
         with progress_bar(total, "checking image headers") as bar:  # a DataError: one line, after it
             check_files((path for g in groups for path in g), args.resize, progress=bar.update)
 
@@ -140,6 +132,8 @@ def main(argv=None) -> int:
             bar,
             overwrite=args.overwrite,
         )
+    if parts is not None:  # the ranks' faces, kept until the output is published
+        parts.remove()
     print(f"packed {total} images of {len(groups)} identities into {args.output}")
     return 0
 

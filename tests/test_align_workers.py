@@ -1,7 +1,7 @@
 """Faces on every core and on many machines: shardface.scripts.align and faces.stream.find_faces give the
 same output whatever the number of worker processes, a photo's error is named as with one
-process, a killed worker ends the tool with one line naming its photo and keeps the earlier
-output, and two ranks joined give what one process writes (faces/workers.py, dataset/shares.py).
+process, and a killed worker ends the tool with one line naming its photo and keeps the earlier
+output (faces/workers.py; many machines: tests/test_tool_ranks.py).
 Photos are small copies of scikit-image's astronaut (a real, detectable face)."""
 
 import os
@@ -10,16 +10,13 @@ import time
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from shardface.dataset.errors import DataError, ImageDecodeError
-from shardface.dataset.shares import PartError, Parts, launch_rank, list_key, share_of
 from shardface.faces.detect import Detection
 from shardface.faces.stream import find_faces
 from shardface.faces.workers import WorkerDied, default_workers, map_photos
 from shardface.scripts.align import main as align_tool
 from tests.astronaut import align_photos
-from tests.distributed import run_distributed
 
 DOOMED = os.path.join("q", "m1.jpg")  # the photo whose worker kills itself in the kill test
 
@@ -158,92 +155,11 @@ def test_a_worker_killed_by_the_engine_test_function_is_named_with_its_item():
         )
 
 
-def _rank_aligns(rank, world, photos, dst):
-    return align_tool([photos, dst, "--workers", "1"])  # torchrun's RANK and WORLD_SIZE say which share
-
-
-def test_two_ranks_publish_what_one_process_writes(photos, one_process, tmp_path):
-    dst = str(tmp_path / "crops")
-    assert run_distributed(_rank_aligns, 2, photos, dst, init=False) == [0, 0]
-    assert _tree(dst) == one_process
-    assert os.listdir(tmp_path) == ["crops"]  # the parts are removed once joined
-
-
-def test_ranks_run_one_after_another_by_hand_join_to_one_process_output(
-    photos, one_process, tmp_path, capsys
-):
-    """--rank/--world on one machine in turn: the later rank 0 finds rank 1's part and joins it;
-    a rank whose part is complete keeps it (a job run again redoes only what is missing)."""
-    dst = str(tmp_path / "crops")
-    assert align_tool([photos, dst, "--rank", "1", "--world", "2", "--workers", "1"]) == 0
-    [part] = os.listdir(tmp_path)
-    made = os.path.getmtime(os.path.join(tmp_path, part, "rank-1-of-2", "part.json"))
-    assert align_tool([photos, dst, "--rank", "1", "--world", "2", "--workers", "1"]) == 0
-    assert os.path.getmtime(os.path.join(tmp_path, part, "rank-1-of-2", "part.json")) == made
-    assert "rank 1 of 2: its share" in capsys.readouterr().out
-    assert align_tool([photos, dst, "--rank", "0", "--world", "2", "--workers", "1"]) == 0
-    assert _tree(dst) == one_process and os.listdir(tmp_path) == ["crops"]
-
-
-def _write_part(parts: Parts, rank: int, items: list[str], rows: list[str] | None = None) -> None:
-    r = share_of(len(items), rank, parts.world)
-    with parts.writing(rank, items) as part:
-        with open(os.path.join(part.folder, "report.csv"), "w") as f:
-            f.write("photo,crop\n" + "".join(f"{p},{p}.png\n" for p in (rows or items[r.start : r.end])))
-        for p in items[r.start : r.end]:
-            open(os.path.join(part.folder, f"{p}.png"), "w").write(p)
-
-
-def test_the_join_is_checked_and_a_missing_part_is_named_after_the_wait(tmp_path):
-    items = [f"f{i}" for i in range(7)]
-    parts = Parts(str(tmp_path / "out"), list_key(items), 3)
-    _write_part(parts, 0, items)
-    _write_part(parts, 2, items)
-    os.makedirs(Parts(str(tmp_path / "out"), list_key(items[1:]), 3).folder(1))  # another list's rank 1
-    with pytest.raises(
-        PartError,
-        match=r"no complete part of rank 1 of 3 after 0 s; .* \(\S+out\.parts-\w+ came "
-        r"from another photo list or other options\)",
-    ):
-        parts.wait(items, 0.1, poll_s=0.02)
-    _write_part(parts, 1, items, rows=["f3", "f2", "f4"])  # its share is f3, f4: a report of another list
-    os.makedirs(tmp_path / "joined")
-    with pytest.raises(
-        PartError, match=r"rank-1-of-3/report.csv: its rows list 3 photos, not the 2 of its share"
-    ):
-        parts.join(str(tmp_path / "joined"), items, "report.csv")
-    parts.remove()
-    for rank in range(3):
-        _write_part(parts, rank, items)
-    os.remove(os.path.join(parts.folder(2), "f6.png"))
-    os.makedirs(tmp_path / "joined2")
-    with pytest.raises(PartError, match=r"rank-2-of-3: holds 2 files, its manifest 3"):
-        parts.join(str(tmp_path / "joined2"), items, "report.csv")
-    other = Parts(str(tmp_path / "out"), list_key(items), 3)
-    with pytest.raises(PartError, match="does not match rank 0's share"):
-        other.manifest(0, items[:-1])  # a list with a photo less: another count and hash
-
-
-def test_shares_are_contiguous_cover_the_list_and_differ_by_one_at_most():
-    for count in (0, 1, 5, 13):
-        for world in (1, 2, 3, 5):
-            shares = [share_of(count, r, world) for r in range(world)]
-            assert [i for s in shares for i in range(s.start, s.end)] == list(range(count))
-            assert max(s.size for s in shares) - min(s.size for s in shares) <= 1
-
-
-def test_rank_and_worker_options_are_checked_in_one_line(photos, tmp_path, capsys):
-    for argv, message in (
-        (["--workers", "0"], "--workers 0: at least 1"),
-        (["--rank", "2", "--world", "2"], "--rank 2 --world 2: the world is at least 1"),
-        (["--rank", "1"], "--rank and --world: give both"),
-    ):
-        assert align_tool([photos, str(tmp_path / "out"), *argv]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith(f"error: {message}")
+def test_worker_counts_below_one_are_refused_in_one_line(photos, tmp_path, capsys):
+    assert align_tool([photos, str(tmp_path / "out"), "--workers", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --workers 0: at least 1")
     assert os.listdir(tmp_path) == []
-    torchrun = {"RANK": "3", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "job"}
-    assert launch_rank(env=torchrun) == (3, 4) and launch_rank(env={}) == (0, 1)
 
 
 def test_default_workers_are_the_cores_shared_among_the_ranks_of_this_machine():
@@ -251,103 +167,3 @@ def test_default_workers_are_the_cores_shared_among_the_ranks_of_this_machine():
     assert default_workers({}) == cores
     assert default_workers({"LOCAL_WORLD_SIZE": "2"}) == max(1, cores // 2)
     assert default_workers({"LOCAL_WORLD_SIZE": str(cores * 4)}) == 1
-
-
-def test_list_key_depends_on_the_list_its_order_and_the_options():
-    photos = ["a/1.jpg", "a/2.jpg"]
-    key = list_key(photos, Detection(), 112)
-    assert key == list_key(list(photos), Detection(), 112)
-    assert (
-        len(
-            {
-                key,
-                list_key(photos[::-1], Detection(), 112),
-                list_key(photos, Detection(upsample=2), 112),
-                list_key(photos, Detection(), 128),
-            }
-        )
-        == 4
-    )
-
-
-def _rank_packs(rank, world, photos, out):
-    from shardface.scripts.pack_rec import main as pack_rec
-
-    return pack_rec(
-        [photos, out, "--align", "--workers", "1"]
-    )  # torchrun's RANK and WORLD_SIZE say which share
-
-
-def test_two_ranks_of_pack_rec_align_write_the_recordio_of_one_process(photos, tmp_path):
-    """Each rank finds its share's faces into a part; rank 0 packs them all: the same bytes as one
-    process with two workers, and the parts are gone."""
-    from shardface.scripts.pack_rec import main as pack_rec
-
-    assert pack_rec([photos, str(tmp_path / "one"), "--align", "--workers", "2"]) == 0
-    assert run_distributed(_rank_packs, 2, photos, str(tmp_path / "two"), init=False) == [0, 0]
-    assert _tree(tmp_path / "two") == _tree(tmp_path / "one")
-    assert sorted(os.listdir(tmp_path)) == ["one", "two"]
-
-
-def test_pack_rec_shares_only_face_finding_among_machines(photos, tmp_path, capsys):
-    from shardface.scripts.pack_rec import main as pack_rec
-
-    assert pack_rec([photos, str(tmp_path / "out"), "--rank", "0", "--world", "2", "--resize"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "only --align's face finding is shared" in err
-    assert not os.path.exists(tmp_path / "out")
-
-
-def test_rank_variables_left_in_a_shell_are_named_and_align_runs_as_one_process(
-    photos, one_process, tmp_path, monkeypatch, capsys
-):
-    """RANK and WORLD_SIZE without torchrun (no TORCHELASTIC_RUN_ID) once made align take half
-    the photos and wait 600 s in silence for a rank that never comes."""
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    dst = str(tmp_path / "crops")
-    assert align_tool([photos, dst, "--workers", "1"]) == 0
-    assert _tree(dst) == one_process
-    assert (
-        "RANK=0 and WORLD_SIZE=2 are set, but torchrun did not start this process" in capsys.readouterr().err
-    )
-
-
-def test_a_photo_replaced_under_its_name_is_aligned_again_not_taken_from_a_finished_part(photos, tmp_path):
-    import shutil
-
-    src = tmp_path / "photos"
-    shutil.copytree(photos, src)
-    dst = str(tmp_path / "crops")
-    assert align_tool([str(src), dst, "--rank", "1", "--world", "2", "--workers", "1"]) == 0
-    one = os.path.join("q", "a.png")  # in rank 1's share of the sorted photos
-    Image.open(src / "p" / "h2.png").save(src / one)  # another photo under the same name
-    os.utime(src / one, ns=(1, 1))
-    assert align_tool([str(src), dst, "--rank", "1", "--world", "2", "--workers", "1"]) == 0
-    assert align_tool([str(src), dst, "--rank", "0", "--world", "2", "--workers", "1"]) == 0
-    fresh = str(tmp_path / "fresh")
-    assert align_tool([str(src), fresh, "--workers", "1"]) == 0
-    assert _tree(dst) == _tree(fresh)
-
-
-def test_a_part_of_another_world_size_is_named_when_the_wait_ends(tmp_path):
-    items = [f"f{i}" for i in range(7)]
-    _write_part(Parts(str(tmp_path / "out"), list_key(items), 3), 1, items)
-    two = Parts(str(tmp_path / "out"), list_key(items), 2)
-    _write_part(two, 0, items)
-    with pytest.raises(
-        PartError,
-        match=r"no complete part of rank 1 of 2 after 0 s; .*rank-1-of-3 in \S+ came "
-        r"from another world size",
-    ):
-        two.wait(items, 0.1, poll_s=0.02)
-
-
-def test_rank_0_says_what_it_waits_for_and_how_long(tmp_path, capsys):
-    items = [f"f{i}" for i in range(4)]
-    parts = Parts(str(tmp_path / "out"), list_key(items), 2)
-    _write_part(parts, 0, items)
-    with pytest.raises(PartError):
-        parts.wait(items, 0.2, poll_s=0.05)
-    assert f"waiting up to 0 s for the part of rank 1 of 2 in {parts.root}" in capsys.readouterr().err

@@ -12,11 +12,10 @@ import torch
 
 from shardface import train
 from shardface.builders import build_train_dataset
-from shardface.checkpoint.files import CheckpointError
 from shardface.configs import get_config
 from shardface.distill.run import Distillation
 from shardface.distill.teacher_file import MAGIC, TeacherFile, header_bytes
-from shardface.errors import ConfigError
+from shardface.errors import ConfigError, ModelError
 from shardface.parallel.user_errors import exits_on_user_error
 from shardface.scripts.teach import main as teach
 from tests.tool_files import photos, tiny_model
@@ -204,7 +203,7 @@ def test_teach_refuses_a_teacher_whose_embedding_of_a_record_is_not_finite_or_ze
     data = build_train_dataset(cfg, train=False)
     teacher = OnlineTeacher(Model(_ScaledTeacher(factor), ARCFACE_112, "odd", "x"), torch.device("cpu"))
     out = str(tmp_path / "odd.teacher")
-    with pytest.raises(CheckpointError, match=f"^teacher odd: its embedding of record 0 of {folder} {said}"):
+    with pytest.raises(ModelError, match=f"^teacher odd: its embedding of record 0 of {folder} {said}"):
         write_teacher_file(teacher, data, {"data": folder}, out, batch_size=4, num_workers=0)
     assert os.listdir(tmp_path) == []
 
