@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
+import re
 import shutil
 
 import torch
@@ -70,6 +72,16 @@ def safe_load(path: str):
         raise CheckpointError(f"{path}: checkpoint file missing")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        pickled = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        if pickled is None:
+            raise CheckpointError(
+                f"{path}: corrupt or unreadable checkpoint file (UnpicklingError)"
+            ) from None
+        raise CheckpointError(
+            f"{path}: a pickled Python object ({pickled[1]}), not weights; nothing in it was run. Save "
+            "the weights instead: torch.save(model.state_dict(), PATH)"
+        ) from None
     except Exception as exc:  # torch raises several types for truncated or foreign files
         raise CheckpointError(
             f"{path}: corrupt or unreadable checkpoint file ({type(exc).__name__}: {exc})"

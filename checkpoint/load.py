@@ -214,8 +214,17 @@ def load_checkpoint(
     weights = load_dict(os.path.join(ckpt, "backbone.pt"))  # a corrupt file is reported as such
     try:
         backbone.load_state_dict(weights)
-    except RuntimeError as exc:
-        raise CheckpointError(f"{ckpt}/backbone.pt does not fit this network: {exc}") from None
+    except RuntimeError:  # torch's text lists every key and shape: the two networks, in one line, say more
+        theirs = f"{saved_config.get('network', 'another network')}, embedding_size {saved_config.get('embedding_size', '?')}"
+        ours = (
+            f"{config.network}, embedding_size {config.embedding_size}"
+            if config is not None
+            else "this network"
+        )
+        raise CheckpointError(
+            f"{ckpt}/backbone.pt: the checkpoint's backbone is {theirs}; this run builds {ours}: resume with "
+            "the checkpoint's --network and --embedding_size, or train into another --output"
+        ) from None
     backbone_opt.load_state_dict(safe_load(os.path.join(ckpt, "optimizer.pt")))
     if ema is not None:
         ema_path = os.path.join(ckpt, "ema.pt")

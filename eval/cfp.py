@@ -90,6 +90,13 @@ def read_cfp(root: str, protocol: str) -> PairList:
     frontal = read_photo_list(folder, LISTS["F"])
     second = frontal if protocol == "FF" else read_photo_list(folder, LISTS["P"])
     what = "frontal and frontal" if protocol == "FF" else "frontal and profile"
+    splits = os.path.join(folder, "Split", protocol)
+    extra = sorted(set(os.listdir(splits)) - {f"{k:02d}" for k in range(1, NFOLDS + 1)})
+    if extra:
+        raise PairListError(
+            f"{splits}: holds {', '.join(extra)} beside CFP's {NFOLDS} splits 01-{NFOLDS:02d}, which its "
+            f"protocol scores; move {'them' if len(extra) > 1 else 'it'} out"
+        )
     pairs, issame, lines, folds = [], [], [], []
     for k in range(1, NFOLDS + 1):
         split = os.path.join(folder, "Split", protocol, f"{k:02d}")
@@ -114,10 +121,13 @@ def read_cfp(root: str, protocol: str) -> PairList:
     )
 
 
-def read_list(path: str, folder: str | None, protocol: str | None = None) -> PairList:
+def read_list(
+    path: str, folder: str | None, protocol: str | None = None, folder_is: str = "--images"
+) -> PairList:
     """The pairs `--pairs_list PATH` names: CFP's protocol `protocol` where PATH is a CFP root
     (its photos are where its lists say; `folder`, if given, must be that root), else the list
-    file's (eval.pairs) with its photos under `folder`."""
+    file's (eval.pairs) with its photos under `folder`; `folder_is` names the tool's option (or
+    argument) that gave `folder`."""
     if is_cfp(path):
         if protocol is None:
             raise PairListError(
@@ -125,7 +135,7 @@ def read_list(path: str, folder: str | None, protocol: str | None = None) -> Pai
             )
         if folder is not None and os.path.realpath(folder) != os.path.realpath(path):
             raise PairListError(
-                f"--images {folder}: CFP's photos are under its root {path}, where its lists name them"
+                f"{folder_is} {folder}: CFP's photos are under its root {path}, where its lists name them"
             )
         return read_cfp(path, protocol)
     if protocol is not None:

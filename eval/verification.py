@@ -97,10 +97,16 @@ def _unpickle_bin(path: str):
             return _BinUnpickler(f, encoding="bytes").load()
 
 
-def load_bin(path: str, image_size=(112, 112), min_pairs: int = 0):
+def load_bin(path: str, image_size=(112, 112), min_pairs: int = 0, flag: str | None = None):
     """Returns ([images N x 3 x H x W uint8, their mirror images], issame_list). Loading
     executes nothing from the file; a wrong structure, or fewer than `min_pairs` pairs (pass
-    NFOLDS before evaluating), is a VerificationDataError naming the file."""
+    NFOLDS before evaluating), is a VerificationDataError naming the file (and `flag`, the option
+    that gave it)."""
+    if os.path.isdir(path):
+        raise VerificationDataError(
+            f"{flag + ' ' if flag else ''}{path}: a folder; expected a verification .bin file (a pickled "
+            "(bins, issame_list), as make_bin writes)"
+        )
     try:
         data = _unpickle_bin(path)
     except FileNotFoundError:

@@ -108,8 +108,13 @@ class Cache:
         try:
             with np.load(path, allow_pickle=False) as z:
                 header, reason = json.loads(str(z["header"])), "another kind"
-        except Exception as exc:  # not an npz, truncated, no header: not ours, so never replaced
+        except Exception as exc:  # not an npz, truncated, no header: never replaced
             header, reason = None, f"{type(exc).__name__}: {exc}"
+            if ".shardface_" in os.path.basename(path):  # our own name: one of ours, cut short
+                raise CacheError(
+                    f"{path}: a damaged ShardFace {cls.what} ({reason}); delete it (it is made again) or "
+                    f"{cls.hint}"
+                ) from None
         if isinstance(header, dict) and cls.ours(header):
             return header
         raise CacheError(

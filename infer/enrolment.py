@@ -159,7 +159,7 @@ class GalleryFile(Cache):
     kind, what, hint, redo, unit = (
         "shardface gallery",
         "gallery file",
-        "pass another --cache FILE",
+        "pass another cache file (--cache FILE; from Python, Gallery(..., cache=FILE))",
         "enrolling every image again",
         True,
     )
@@ -185,12 +185,14 @@ class GalleryFile(Cache):
     def changes(self, old: dict) -> list[str]:
         """What changed since `old` that changes the embeddings, in words; another MODEL is refused."""
         new, said = self.header, []
-        if old["model"] != new["model"]:
+        if (
+            old["model"] != new["model"] and old.get("fingerprint") != new["fingerprint"]
+        ):  # same weights: same model
             made = [f"{h['model']} (fingerprint {h.get('fingerprint')})" for h in (old, new)]
             raise GalleryError(
                 f"{self.path}: this gallery file was enrolled with model {made[0]}, not {made[1]}; "
-                "pass --rebuild to enrol the gallery again with this model, or --cache FILE to keep "
-                "a second gallery file"
+                "enrol the gallery again with this model (--rebuild; Gallery(..., rebuild=True)), or keep "
+                "a second gallery file (--cache FILE; Gallery(..., cache=FILE))"
             )
         weights = {True: "EMA", False: "raw (--no_ema)"}
         if old.get("format") != new["format"]:
@@ -331,12 +333,23 @@ class Gallery:
     """The people of `folder` enrolled under `model`: photos (`align`, the default: each photo's
     largest face) or crops aligned for the model (align=False), as `identify --align` takes them."""
 
-    def __init__(self, model, folder: str, align: bool = True, threshold: float | None = None):
+    def __init__(
+        self,
+        model,
+        folder: str,
+        *,
+        align: bool = True,
+        threshold: float | None = None,
+        cache: str | None = None,
+        rebuild: bool = False,
+    ):
+        """`cache`: the gallery file (default: a hidden file in `folder`, which must then take one);
+        `rebuild`: enrol every photo again, replacing a gallery file of another model."""
         chosen = chosen_threshold(threshold, own=model.threshold)
         if chosen is None:
             raise no_threshold(model.name)
         self.model, self.align, self.threshold = model, align, chosen
-        self.enrolment = enrol(folder, model, align, show_progress=False)
+        self.enrolment = enrol(folder, model, align, cache=cache, rebuild=rebuild, show_progress=False)
         self.names = list(self.enrolment.names)
 
     def identify(self, photo, top: int = 1) -> list[Match]:

@@ -53,12 +53,12 @@ def checked(value: float, flag: str = "--threshold") -> float:
     return float(value)
 
 
-# MODEL dlib's own threshold (Model.threshold)
-DLIB_OWN = Threshold(
-    DLIB_THRESHOLD,
+# MODEL dlib's own threshold (Model.threshold); its record travels into an exported .onnx
+_DLIB_SOURCE = (
     f"dlib's own rule, distance {DLIB_DISTANCE} between its descriptors, as the cosine that agrees "
-    "with it on real faces (docs/identification.md)",
+    "with it on real faces (docs/identification.md)"
 )
+DLIB_OWN = Threshold(DLIB_THRESHOLD, _DLIB_SOURCE, {"threshold": DLIB_THRESHOLD, "rule": _DLIB_SOURCE})
 
 
 def chosen_threshold(
@@ -121,11 +121,14 @@ def threshold_at_far(cosines, same) -> dict | None:
 
 
 def saved_threshold(record: dict | None, where: str) -> Threshold | None:
-    """The Threshold of a record `threshold_at_far` made (with `val_target` and `step`), or None."""
+    """The Threshold of a record `threshold_at_far` made (with `val_target` and `step`), or of a
+    rule's record (`rule`: what it is, as MODEL dlib's), or None."""
     if not record:
         return None
     try:
         value = checked(record["threshold"], f"{where}: threshold")
+        if "rule" in record:
+            return Threshold(value, f"{record['rule']} ({where})", record)
         return Threshold(
             value,
             record=record,

@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         print(several)
     a, b = (p.face.embedding for p in photos)
     if args.threshold_from:
-        pairs = load_bin(args.threshold_from)
+        pairs = load_bin(args.threshold_from, flag="--threshold-from")
         threshold = chosen_threshold(
             None, (*best_threshold(pairs, model, args.batch_size), args.threshold_from, len(pairs[1]))
         )

@@ -24,7 +24,7 @@ from shardface.builders import build_train_dataset
 from shardface.checkpoint.files import CheckpointError, safe_load
 from shardface.checkpoint.folders import resolve_checkpoint
 from shardface.configs.base import config as BASE
-from shardface.errors import OutputError
+from shardface.errors import ConfigError, OutputError
 from shardface.infer.weights import load_backbone
 from shardface.losses.subcenter import dominant_subcenters, drop_subcenters, far_from_dominant
 from shardface.parallel.user_errors import exits_on_user_error
@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         "--overwrite", action="store_true", help="replace head_dominant.pt and noisy_images.txt in --out"
     )
     args = p.parse_args(argv)
+    if not 0 < args.max_degrees <= 180:  # nan fails too
+        raise ConfigError(f"--max_degrees {args.max_degrees:g}: an angle above 0 and at most 180 degrees")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch_size {args.batch_size}: at least 1")
     if os.path.exists(args.out) and not os.path.isdir(args.out):  # found now, not after the whole pass
         raise OutputError(
             f"--out {args.out}: a file is in its place; give a directory (it receives "

@@ -181,9 +181,9 @@ def main(argv=None) -> int:
     module = model.module.cpu()
     own = model.threshold.record if model.threshold is not None else None
     export(module, output, args.opset, model.template, parity=True, threshold=own)
+    how = f"at FAR {own['far']:g}" if own and "far" in own else "dlib's own rule"
     print(
-        f"exported {output}"
-        + (f" with the run's threshold {own['threshold']:.4f} (at FAR {own['far']:g})" if own else "")
+        f"exported {output}" + (f" with the model's threshold {own['threshold']:.4f} ({how})" if own else "")
     )
     return 0
 

@@ -103,7 +103,7 @@ def write_list_bin(args) -> int:
     detection = face_detection(args)
     retries_from(args, detection)
     check_output_file(args.output, overwrite=args.overwrite)
-    pair_list = read_list(args.pairs_list, args.folder, args.protocol)
+    pair_list = read_list(args.pairs_list, args.folder, args.protocol, folder_is="FOLDER")
     check_images(pair_list)
     photos = pair_list.photos
     cache = cache_paths(args.pairs_list, None, args.cache_dir)[0]

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         r = verify_list(args, embedder, pair_list, detection)
         rows.append((list_name(pair_list), r.accuracy, r.accuracy_flip, r.std_flip, r.xnorm))
     for path in args.bin:
-        r = test(load_bin(path, min_pairs=NFOLDS), model, args.batch_size)
+        r = test(load_bin(path, min_pairs=NFOLDS, flag="--bin"), model, args.batch_size)
         for emb in (r.embeddings, r.embeddings_flip):  # NaN distances would verify as chance
             refuse_non_finite_embeddings(emb, f"{args.model} on {path}")
         rows.append((os.path.basename(path), r.accuracy, r.accuracy_flip, r.std_flip, r.xnorm))

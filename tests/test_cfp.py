@@ -5,6 +5,7 @@ format says, by arcface_torch's, scoring what the photos score."""
 
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 
@@ -96,6 +97,24 @@ def test_folds_of_unequal_size_are_refused_naming_them(cfp, tmp_path):
         read_cfp(root, "FF")
 
 
+def test_splits_past_ten_are_refused_naming_them_not_dropped(cfp, tmp_path, capsys):
+    root = _copy(cfp, tmp_path)
+    for extra in ("11", "12"):
+        shutil.copytree(
+            os.path.join(root, "Protocol", "Split", "FP", "01"),
+            os.path.join(root, "Protocol", "Split", "FP", extra),
+        )
+    with pytest.raises(
+        PairListError, match=r"Split/FP: holds 11, 12 beside CFP's 10 splits 01-10.*move them out"
+    ):
+        read_cfp(root, "FP")
+    model = seeded_model(str(tmp_path / "m"), 0)
+    assert verify([model, "--pairs_list", root, "--protocol", "FP"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds 11, 12 beside CFP's 10 splits" in err[0]
+    read_cfp(root, "FF")  # the other protocol's splits are as they should be
+
+
 def test_protocol_options_where_they_mean_nothing_are_one_line(cfp, tmp_path, capsys):
     model = seeded_model(str(tmp_path / "m"), 0)
     listing = tmp_path / "pairs.txt"
@@ -116,6 +135,9 @@ def test_protocol_options_where_they_mean_nothing_are_one_line(cfp, tmp_path, ca
         assert len(err) == 1 and said in err[0]
     assert make_bin([cfp, str(tmp_path / "x.bin"), "--protocol", "FP"]) == 2
     assert "--protocol are for --pairs_list" in capsys.readouterr().err
+    assert make_bin([str(tmp_path), str(tmp_path / "x.bin"), "--pairs_list", cfp, "--protocol", "FP"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: FOLDER {tmp_path}: CFP's photos are under its root")
     with pytest.raises(PairListError, match="CFP's protocols are FP and FF"):
         read_list(cfp, None, "PF")
 

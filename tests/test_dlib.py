@@ -339,6 +339,19 @@ def test_dlib_threshold_says_what_dlibs_distance_rule_says_on_a_small_fixture(as
         assert all(cos[i, j] < DLIB_THRESHOLD for i, j in theirs), flip
 
 
+def test_export_onnx_of_dlib_carries_its_threshold_into_the_onnx(tmp_path, capsys):
+    from shardface.infer.thresholds import DLIB_THRESHOLD
+    from shardface.scripts.export_onnx import main as export_onnx
+
+    out = str(tmp_path / "dlib.onnx")
+    assert export_onnx(["dlib", out]) == 0
+    assert f"with the model's threshold {DLIB_THRESHOLD:.4f} (dlib's own rule)" in capsys.readouterr().out
+    exported = load_model(out)
+    assert exported.threshold.value == DLIB_THRESHOLD and exported.threshold.source.startswith(
+        "dlib's own rule"
+    )
+
+
 def test_identify_dlib_calls_a_stranger_unknown_at_dlibs_own_threshold(astronaut, tmp_path, capsys):
     from shardface.infer.thresholds import DLIB_THRESHOLD
     from shardface.scripts.identify import main as identify

@@ -50,6 +50,50 @@ def test_a_cache_path_that_is_not_a_gallery_file_is_refused_and_left_alone(tmp_p
     assert photo.read_bytes() == before
 
 
+def test_the_gallery_api_names_its_own_remedies_and_takes_them(tmp_path):
+    """A gallery file of another model: the refusal names Gallery's `rebuild` and `cache` keywords,
+    which the API takes (not the tools' --rebuild and --cache alone)."""
+    from shardface import Gallery
+    from shardface.infer.enrolment import GalleryError
+
+    first, second = (load_model(seeded_model(tmp_path / f"m{seed}", seed)) for seed in (0, 1))
+    gallery = gallery_folder(tmp_path / "g")
+    Gallery(first, gallery, align=False, threshold=0.2)
+    with pytest.raises(GalleryError, match=r"Gallery\(\.\.\., rebuild=True\).*Gallery\(\.\.\., cache=FILE\)"):
+        Gallery(second, gallery, align=False, threshold=0.2)
+    elsewhere = str(tmp_path / "elsewhere.npz")
+    assert Gallery(second, gallery, align=False, threshold=0.2, cache=elsewhere).names == [
+        "person0",
+        "person1",
+        "person2",
+    ]
+    assert os.path.isfile(elsewhere)
+    assert Gallery(second, gallery, align=False, threshold=0.2, rebuild=True).names == [
+        "person0",
+        "person1",
+        "person2",
+    ]
+
+
+def test_a_gallery_file_is_tied_to_the_weights_not_their_path(tmp_path, capsys):
+    """Enrolled with one model.pt, used with a copy of it elsewhere, or with the folder moved: the
+    same weights, the same gallery file, nothing enrolled again."""
+    import shutil
+
+    model = seeded_model(tmp_path / "m", 0)
+    gallery = gallery_folder(tmp_path / "g")
+    query = noise_face(tmp_path / "q.png", 5)
+    assert run_identify(capsys, model, "--gallery", gallery, query)[0] == 0
+    shutil.copytree(tmp_path / "m", tmp_path / "copy")
+    os.rename(tmp_path / "m", tmp_path / "moved")
+    for spec in (tmp_path / "copy" / "model.pt", tmp_path / "moved" / "model.pt"):
+        code, out, err = run_identify(capsys, str(spec), "--gallery", gallery, query)
+        assert code == 0 and "enrolling" not in err and "changed since" not in err, err
+    other = seeded_model(tmp_path / "other", 1)  # other weights: refused, naming both fingerprints
+    code, out, err = run_identify(capsys, other, "--gallery", gallery, query)
+    assert code == 2 and "enrolled with model" in err
+
+
 def test_a_directory_as_cache_is_refused_before_anything_is_enrolled(tmp_path, capsys):
     model = seeded_model(tmp_path / "m", 0)
     gallery = gallery_folder(tmp_path / "g")

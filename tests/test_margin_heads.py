@@ -311,6 +311,24 @@ def subcenter_run(drawn_faces, tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize(
+    "argv,said",
+    [
+        (["--max_degrees", "nan"], "--max_degrees nan: an angle above 0 and at most 180 degrees"),
+        (["--max_degrees", "-5"], "--max_degrees -5: an angle above 0"),
+        (["--max_degrees", "181"], "--max_degrees 181: an angle above 0"),
+        (["--batch_size", "0"], "--batch_size 0: at least 1"),
+    ],
+)
+def test_drop_subcenters_checks_each_option_at_start_in_one_line(subcenter_run, tmp_path, capsys, argv, said):
+    from shardface.scripts import drop_subcenters
+
+    assert drop_subcenters.main([subcenter_run, "--out", str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {said}"] or (len(err) == 1 and err[0].startswith(f"error: {said}"))
+    assert not os.path.exists(tmp_path / "out")
+
+
 def test_drop_subcenters_checks_its_output_before_the_pass(subcenter_run, tmp_path, monkeypatch, capsys):
     from shardface.scripts import drop_subcenters
 

@@ -332,9 +332,14 @@ def test_a_second_model_reuses_the_detections_and_a_second_run_the_embeddings(lf
             f"pairs.txt.shardface_pairs.{load_model(a).fingerprint}.npz",
         ]
     )
-    (cache / "pairs.txt.shardface_faces.npz").write_text("not a cache")
+    (cache / "pairs.txt.shardface_faces.npz").write_text("cut short")  # one of ours, damaged
     assert verify([a, "--pairs_list", pairs, "--images", lfw, "--cache_dir", str(cache)]) == 2
-    assert "not a ShardFace pair-list cache" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert (
+        "a damaged ShardFace pair-list cache file" in err
+        and "delete it (it is made again) or pass --cache_dir" in err
+    )
+    assert (cache / "pairs.txt.shardface_faces.npz").read_text() == "cut short"
 
 
 @pytest.mark.parametrize(

@@ -139,6 +139,33 @@ def test_export_parity_check_fails_on_nan_outputs(tmp_path):
         check_parity(NanOutput(), path)
 
 
+def test_a_folder_given_where_a_bin_is_expected_is_one_line_naming_the_option(tmp_path, capsys):
+    model = tiny_model(tmp_path)
+    folder = tmp_path / "a_folder"
+    folder.mkdir()
+    faces = photos(tmp_path / "faces", ids=1, per_id=2)
+    a, b = sorted(image_files([faces]))
+    assert verify([model, "--bin", str(folder)]) == 2
+    assert _error(capsys).startswith(f"error: --bin {folder}: a folder; expected a verification .bin file")
+    assert compare([model, a, b, "--threshold-from", str(folder)]) == 2
+    assert _error(capsys).startswith(
+        f"error: --threshold-from {folder}: a folder; expected a verification .bin"
+    )
+
+
+def test_a_pickled_module_in_place_of_weights_is_refused_in_one_plain_line_and_never_run(tmp_path, capsys):
+    path = tmp_path / "model.pt"
+    torch.save(nn.Linear(4, 4), path)  # the module itself: torch.save(model)
+    faces = photos(tmp_path / "faces", ids=1, per_id=1)
+    assert embed([str(path), faces, "--out", str(tmp_path / "out.npy"), "--network", "tiny"]) == 2
+    said = _error(capsys)
+    assert said.startswith(
+        f"error: {path}: a pickled Python object (torch.nn.modules.linear.Linear), not weights"
+    )
+    assert "torch.save(model.state_dict(), PATH)" in said
+    assert "weights_only=False" not in said and "\x1b" not in said
+
+
 def test_embeddings_that_are_not_finite_are_refused_naming_the_model(tmp_path, capsys):
     path = str(tmp_path / "nan.onnx")
     export(NanOutput(), path)

@@ -85,6 +85,33 @@ def test_user_error_prints_one_line_and_exits_2_without_config_dump(
         train.cli()
 
 
+def test_a_resume_with_another_network_is_one_line_naming_both_networks(
+    drawn_faces, tmp_path, monkeypatch, capsys
+):
+    from shardface import train
+
+    out = str(tmp_path / "run")
+    monkeypatch.delenv("SHARDFACE_DEBUG", raising=False)
+    monkeypatch.setattr(sys, "argv", ["train.py", *train_argv(drawn_faces, out, "--max_steps", "4")])
+    with pytest.raises(SystemExit) as exit_:
+        train.cli()
+    assert exit_.value.code in (0, None)
+    capsys.readouterr()
+    argv = train_argv(drawn_faces, out, "--resume", "true", "--network", "mbf", "--embedding_size", "32")
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        train.cli()
+    assert exit_.value.code == EXIT_USER_ERROR
+    captured = capsys.readouterr()
+    lines = _error_lines(captured.out + captured.err)
+    assert len(lines) == 1 and len(lines[0]) < 400, lines
+    assert (
+        "the checkpoint's backbone is tiny, embedding_size 128; this run builds mbf, embedding_size 32"
+        in lines[0]
+    )
+    assert "size mismatch" not in captured.out + captured.err
+
+
 def test_user_error_from_the_command_line_has_no_traceback(drawn_faces, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "SHARDFACE_DEBUG"}
     proc = subprocess.run(
