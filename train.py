@@ -397,13 +397,15 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
 
                     run.optimizer_step()
                     checkpoint_due = run.report(loss, lr)
-                    if run.verify.due(state.step):
-                        with run.progress.paused():  # out of samples/s and the ETA
-                            run.verify(state.step)
-                    if checkpoint_due:
-                        with run.progress.paused():
-                            run.checkpointer.save(state, (images, labels))
-                    if reason := run.exit_reason():
+                    reason = run.exit_reason()
+                    if reason != "stop signal":  # after a stop signal its checkpoint comes first, within its grace
+                        if run.verify.due(state.step):
+                            with run.progress.paused():  # out of samples/s and the ETA
+                                run.verify(state.step)
+                        if checkpoint_due:
+                            with run.progress.paused():
+                                run.checkpointer.save(state, (images, labels))
+                    if reason:
                         logger.info("%s: saving a checkpoint at step %d and exiting", reason, state.step)
                         run.checkpointer.save(state, (images, labels))
                         run.skips(state.step, final=True)

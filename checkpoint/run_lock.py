@@ -3,11 +3,12 @@
 `<output>/run.lock` holds the holder's host, pid, start time, user and scheduler job id (one
 JSON line). While the run lives, a daemon thread of rank 0 refreshes the file's mtime every
 `REFRESH_S` seconds (a thread, so a long evaluation or collective does not stop it). A lock
-counts as stale, and a new run takes it over with a warning, when
+counts as stale, and a new run takes it over with a warning saying which rule, when
   - its holder ran on this host and its pid is no longer alive (or is this very process,
-    which does not hold it: a lock left by an earlier in-process run), or
-  - it was not refreshed for `STALE_S` seconds (a holder on another host that died without
-    releasing it, or a recycled pid). The window is many refresh intervals wide, so a loaded
+    which does not hold it: a lock left by an earlier in-process run); a live pid on this host
+    keeps its lock however long it is stopped (Ctrl-Z, a SLURM suspend), or
+  - its holder ran on another host and it was not refreshed for `STALE_S` seconds (a holder
+    that died without releasing it). The window is many refresh intervals wide, so a loaded
     file server's late mtime updates or a few seconds of clock skew between hosts never make
     a live run's lock look stale.
 Anything else is a live run: the new one is refused at once with a CheckpointError naming it,
@@ -180,6 +181,7 @@ class RunLock:
                 return "left by an earlier run of this process"
             if not process_alive(pid):
                 return f"pid {pid} is not running on this host"
+            return None  # alive here: its run's, however long it has not refreshed (Ctrl-Z, a SLURM suspend)
         if age > STALE_S:
             return f"not refreshed for {age:.0f} s (stale after {STALE_S:.0f} s)"
         return None

@@ -16,6 +16,8 @@ import pytest
 from shardface.checkpoint.folders import resolve_checkpoint
 from tests.train_runs import train_argv
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def _launch(data_dir, output, *extra, console=None):
     cmd = [
@@ -165,6 +167,52 @@ def test_sigterm_during_process_group_setup_exits_promptly(drawn_faces, tmp_path
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+DUE_FOR_BOTH = """
+import os, signal, sys, time
+import shardface.train as train
+from shardface.eval.callback import VerificationCallback
+from shardface.parallel.stop import StopSignal
+
+made = StopSignal.__init__
+
+def short_grace(self, grace_s=20.0):
+    made(self, 2.0)  # a 2 s grace
+
+StopSignal.__init__ = short_grace
+VerificationCallback.due = lambda self, step: step == 4
+VerificationCallback.__call__ = lambda self, step: time.sleep(6)  # outlasts the grace
+real = train.Run.optimizer_step
+
+def step_then_sigterm(self):
+    if self.state.step == 3:  # the signal arrives during step 4, the step due for both, taken by
+        import shardface.parallel.stop as stop  # the stop signal's thread (as where no other thread
+        signal.pthread_kill(stop._ACTIVE.waiter.ident, signal.SIGTERM)  # of an older mask runs)
+        time.sleep(0.5)
+    real(self)
+
+train.Run.optimizer_step = step_then_sigterm
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_at_a_step_due_for_verification_and_a_checkpoint_saves_the_checkpoint_first(
+    drawn_faces, tmp_path
+):
+    """Verification due at the same step would outlast the stop signal's grace: the checkpoint is
+    saved first, and the verification skipped."""
+    out = str(tmp_path / "run")
+    argv = train_argv(drawn_faces, out, "--checkpoint_interval", "4", "--max_steps", "12")
+    done = subprocess.run(
+        [sys.executable, "-c", DUE_FOR_BOTH, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert resolve_checkpoint(out).endswith("checkpoint-00000004")
+    assert (
+        "stop signal: saving a checkpoint at step 4 and exiting"
+        in open(os.path.join(out, "training.log")).read()
+    )
 
 
 @pytest.mark.parametrize("workers", [0, 1])

@@ -119,6 +119,32 @@ def test_second_run_on_a_live_output_is_refused_at_once_naming_the_first(drawn_f
     )
 
 
+def test_a_stopped_run_on_this_host_keeps_its_lock_however_long_it_has_not_refreshed(
+    drawn_faces, tmp_path, monkeypatch
+):
+    """Ctrl-Z or a SLURM suspend (SIGSTOP) past the stale window: its pid is alive here, so a second
+    run into its output is refused, not let in to write beside it; once it is gone, it is taken over."""
+    import shardface.checkpoint.run_lock as run_lock
+
+    monkeypatch.setattr(run_lock, "STALE_S", 0.5)  # the window, short for the test
+    out = str(tmp_path / "run")
+    holder = subprocess.Popen(["sleep", "60"])
+    os.kill(holder.pid, signal.SIGSTOP)
+    try:
+        path = _write_lock(out, pid=holder.pid)
+        old = time.time() - 3600  # not refreshed for an hour
+        os.utime(path, (old, old))
+        with pytest.raises(CheckpointError, match=rf"in use by a live run \(host \S+, pid {holder.pid}"):
+            train.main(train_argv(drawn_faces, out, "--resume", "auto", "--max_steps", "4"))
+        assert json.load(open(path))["pid"] == holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = RunLock()
+    lock.acquire(out)  # its holder gone: taken over
+    lock.release()
+
+
 def test_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path, caplog):
     out = str(tmp_path / "run")
     dead = _dead_pid()
