@@ -398,7 +398,9 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
                     run.optimizer_step()
                     checkpoint_due = run.report(loss, lr)
                     reason = run.exit_reason()
-                    if reason != "stop signal":  # after a stop signal its checkpoint comes first, within its grace
+                    if (
+                        reason != "stop signal"
+                    ):  # after a stop signal its checkpoint comes first, within its grace
                         if run.verify.due(state.step):
                             with run.progress.paused():  # out of samples/s and the ETA
                                 run.verify(state.step)
