@@ -61,6 +61,8 @@ import common  # noqa: F401,I001  (puts the repository root on sys.path)
 import torch
 from common import MB, table
 
+from shardface.parallel.user_errors import exits_on_user_error
+
 GLINT360K = 360_232
 CASES = {"shard": -(-GLINT360K // 8), "full": GLINT360K}
 SNAPSHOT_FILES = ("backbones/__init__.py", "partial_fc_v2.py", "losses.py", "lr_scheduler.py")
@@ -371,6 +373,7 @@ def report(args, classes: int, ours: Half, theirs: Half | None, notes: list[str]
     print(table(losses, list(losses[0])))
 
 
+@exits_on_user_error  # a bad --set, --rec or class count: train.py's one-line errors
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(

@@ -46,9 +46,11 @@ def _write_atomically(path: str, mode: str, write) -> None:
             code = errno.ENOSPC
         reason = os.strerror(code) if code else str(exc).splitlines()[0]
         if code == errno.ENOSPC:
-            raise NoSpaceError(
+            full = NoSpaceError(
                 f"{path}: cannot write ({reason}); free space on {folder} or point output elsewhere"
-            ) from exc
+            )
+            full.filename = path
+            raise full from exc
         raise CheckpointError(f"{path}: cannot write ({reason})") from exc
 
 

@@ -126,8 +126,9 @@ def find_checkpoint(path: str, ema_optional: bool = False) -> str | None:
     return None
 
 
-def resolve_checkpoint(path: str, ema_optional: bool = False) -> str:
-    """Like `find_checkpoint`, but an error when there is no checkpoint."""
+def resolve_checkpoint(path: str, ema_optional: bool = False, *, resume: bool = False) -> str:
+    """Like `find_checkpoint`, but an error when there is no checkpoint; its hint is for
+    train.py where `resume`, else for the tools."""
     ckpt = find_checkpoint(path, ema_optional)
     if ckpt is None:
         found = list_checkpoints(path)
@@ -137,7 +138,11 @@ def resolve_checkpoint(path: str, ema_optional: bool = False) -> str:
             newest += "; --reset_ema true resumes without it, restarting the EMA from the loaded weights"
         exported_model = os.path.join(path, "model.pt")
         if os.path.isfile(exported_model):  # a run whose checkpoints were deleted to save space
-            newest += f"; its exported model.pt is there: pass {exported_model} for its weights"
+            newest += (
+                f"; its exported model.pt is there: start a new run from its weights with --init_backbone {exported_model}"
+                if resume
+                else f"; its exported model.pt is there: pass {exported_model} for its weights"
+            )
         raise CheckpointError(
             f"{path}: not a checkpoint (no meta.pt), and no intact checkpoint-* directory in it{newest}"
         )

@@ -192,7 +192,7 @@ def load_checkpoint(
     """Restore everything saved by `save_checkpoint`, resharding to this world size. With
     `config`, its `optimizer` must be the checkpoint's, and a missing ema.pt of a run that
     had EMA on is an error unless `config.reset_ema`."""
-    ckpt = resolve_checkpoint(path, ema_optional=bool(config is not None and config.reset_ema))
+    ckpt = resolve_checkpoint(path, ema_optional=bool(config is not None and config.reset_ema), resume=True)
     meta = load_dict(
         os.path.join(ckpt, "meta.pt"), "step", "epoch", "batch_in_epoch", "world_size", "num_classes"
     )

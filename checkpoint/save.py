@@ -60,7 +60,7 @@ def save_checkpoint(
     problem = None
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        problem = _attempt(lambda: os.makedirs(tmp), output, 0)
+        problem = _attempt(lambda: os.makedirs(tmp), output, 0, os.path.basename(final))
     _agree(problem, tmp)
     opt_state = backbone_opt.state_dict(to_rank=0)  # collectives: every rank takes part
     ema_state = ema.state_dict(to_rank=0) if ema is not None else None
@@ -101,7 +101,7 @@ def save_checkpoint(
         _previous_size(output)
         or _tensor_bytes([weights, opt_state, ema_state]) + _tensor_bytes(head_payload) * world_size
     )
-    _agree(_attempt(write_parts, output, needed), tmp)
+    _agree(_attempt(write_parts, output, needed, os.path.basename(final)), tmp)
 
     def publish():
         fsync_dir(tmp)
@@ -113,26 +113,33 @@ def save_checkpoint(
         if export_to:
             atomic_save(exported(ema_state if ema_state is not None else weights), export_to)
 
-    _agree(_attempt(publish, output, needed) if rank == 0 else None, tmp)
+    _agree(_attempt(publish, output, needed, os.path.basename(final)) if rank == 0 else None, tmp)
     return final
 
 
-def _attempt(write, output: str, needed: int) -> tuple[str, str] | None:
-    """None when `write()` succeeds, else the message to raise on every rank; for want of space
-    it names what a checkpoint needs and what was free when this rank failed."""
+def _attempt(write, output: str, needed: int, name: str) -> tuple[str, str] | None:
+    """None when `write()` succeeds, else the message to raise on every rank; for want of space it
+    names the output (not the staging folder, which is removed), the checkpoint and the file that
+    did not fit, what a checkpoint needs and what was free when this rank failed."""
     try:
         write()
         return None
     except CheckpointError as exc:
-        message, no_space = str(exc), isinstance(exc, NoSpaceError)
+        message, no_space, failed = str(exc), isinstance(exc, NoSpaceError), getattr(exc, "filename", None)
     except OSError as exc:
-        message, no_space = (
+        message, no_space, failed = (
             f"{exc.filename or 'checkpoint'}: cannot write ({exc.strerror or exc})",
             exc.errno == errno.ENOSPC,
+            exc.filename,
         )
     if no_space:
         need = f"a checkpoint needs about {needed / 2**20:.0f} MiB; " if needed else ""
-        message += f" ({need}{free_bytes(output) / 2**20:.0f} MiB free); the partial save was removed"
+        file = f"{os.path.basename(failed)} did not fit: " if failed else ""
+        message = (
+            f"{output}: no space for {name} ({file}No space left on device; {need}"
+            f"{free_bytes(output) / 2**20:.0f} MiB free); the partial save was removed and the earlier "
+            "checkpoints are intact: free space there or point --output elsewhere"
+        )
     return ("no space", message) if no_space else ("error", message)
 
 

@@ -123,9 +123,13 @@ def load_meta(root: str, prefix: str):
     path = os.path.join(root, "meta", f"{prefix}_template_pair_label.txt")
     rows = _read_rows(path, 3)
     pairs = _columns(path, rows, (int, int, int), "`template1 template2 label`")
-    for (lineno, _), (_, _, label) in zip(rows, pairs):
+    known = set(templates.tolist())
+    for (lineno, _), (a, b, label) in zip(rows, pairs):
         if label not in (0, 1):
             raise DataError(f"{path}:{lineno}: label {label}, expected 1 (genuine) or 0 (impostor)")
+        unknown = next((t for t in (a, b) if t not in known), None)
+        if unknown is not None:  # found here, before any face is embedded
+            raise DataError(f"{path}:{lineno}: template {unknown} has no faces in {prefix}_face_tid_mid.txt")
     return (
         names,
         templates,

@@ -14,9 +14,11 @@ exits quietly instead of adding a traceback.
 from __future__ import annotations
 
 import datetime
+import errno
 import functools
 import os
 import re
+import shutil
 import sys
 from typing import Callable, TypeVar
 
@@ -117,6 +119,19 @@ def _interrupt_in_one_line(shown: Callable) -> Callable:
     return hook
 
 
+def _no_space(exc: OSError) -> str:
+    """A full disk under an output, in one line: the output (utils.atomic names it), the space
+    left, and that what was there before is unchanged (outputs are published whole or not at all)."""
+    path = exc.filename if isinstance(exc.filename, str) else "an output"
+    try:
+        free = (
+            f"{shutil.disk_usage(os.path.dirname(os.path.abspath(path)) or '.').free / 2**20:.0f} MiB free; "
+        )
+    except OSError:
+        free = ""
+    return f"{path}: no space left on its device to write it ({free}nothing was published: what was there before is unchanged)"
+
+
 def exits_on_user_error(main: F) -> F:
     """Wrap a command-line entry point: a UserError is printed as one line (see the module
     docstring) and the entry point returns 2; with SHARDFACE_DEBUG=1 it propagates. A Ctrl-C
@@ -136,6 +151,13 @@ def exits_on_user_error(main: F) -> F:
             if debug:
                 raise
             report_user_error(exc)
+            return EXIT_USER_ERROR
+        except OSError as exc:
+            if debug or exc.errno != errno.ENOSPC:
+                if not debug and _peer_reported(os.environ):
+                    return EXIT_USER_ERROR
+                raise
+            report_user_error(UserError(_no_space(exc)))
             return EXIT_USER_ERROR
         except Exception:
             if not debug and _peer_reported(os.environ):

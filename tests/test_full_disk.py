@@ -59,7 +59,10 @@ def test_full_disk_during_a_checkpoint_names_file_and_space_and_removes_the_part
         train.main(train_argv(drawn_faces, out, "--max_steps", "4", "--checkpoint_interval", "2"))
     message = str(full.value)
     assert "\n" not in message
-    assert f"{out}/checkpoint-00000004.tmp/backbone.pt: cannot write (No space left on device)" in message
+    assert message.startswith(
+        f"{out}: no space for checkpoint-00000004 (backbone.pt did not fit: No space left"
+    )
+    assert ".tmp" not in message  # the staging folder, removed: not named
     assert "a checkpoint needs about" in message and "the partial save was removed" in message
     assert [os.path.basename(p) for _, p in list_checkpoints(out)] == ["checkpoint-00000002"]
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
@@ -93,10 +96,68 @@ def _save_with_rank1_disk_full(rank, world_size, output):
 def test_full_disk_on_one_rank_stops_every_rank_alike(tmp_path):
     out = str(tmp_path / "run")
     messages = run_distributed(_save_with_rank1_disk_full, 2, out, timeout=120)
-    assert (
-        messages[0] == messages[1] and "rng-rank1.pt: cannot write (No space left on device)" in messages[0]
-    )
+    assert messages[0] == messages[1] and "rng-rank1.pt did not fit: No space left on device" in messages[0]
     assert "a checkpoint needs about" in messages[0]
     assert [step for step, _ in list_checkpoints(out)] == [1]
     assert not os.path.exists(os.path.join(out, "checkpoint-00000002.tmp"))
     assert find_checkpoint(out).endswith("checkpoint-00000001")
+
+
+def _tool_outputs(tmp_path, tool):
+    """(the tool's argv, the output it replaces) with an earlier output already there."""
+    from tests.tool_files import photos, tiny_model
+
+    faces = photos(tmp_path / "faces", ids=3, per_id=4)
+    model = tiny_model(tmp_path / "m")
+    return {
+        "pack_rec": ([faces, str(tmp_path / "rec"), "--overwrite"], str(tmp_path / "rec")),
+        "make_bin": (
+            [faces, str(tmp_path / "v.bin"), "--pairs", "10", "--overwrite"],
+            str(tmp_path / "v.bin"),
+        ),
+        "embed": (
+            [model, faces, "--out", str(tmp_path / "emb.npy"), "--overwrite"],
+            str(tmp_path / "emb.npy"),
+        ),
+        "export_onnx": ([model, str(tmp_path / "m.onnx"), "--overwrite"], str(tmp_path / "m.onnx")),
+    }[tool]
+
+
+def _main(tool):
+    import importlib
+
+    return importlib.import_module(f"shardface.scripts.{tool}").main
+
+
+def _contents(path):
+    if os.path.isdir(path):
+        return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path))}
+    return open(path, "rb").read()
+
+
+@pytest.mark.parametrize("tool", ["pack_rec", "make_bin", "embed", "export_onnx"])
+def test_a_full_disk_under_a_tools_output_is_one_line_naming_it_and_the_earlier_output_stays(
+    tmp_path, monkeypatch, capsys, tool
+):
+    import builtins
+
+    argv, output = _tool_outputs(tmp_path, tool)
+    assert _main(tool)(argv) == 0
+    before = _contents(output)
+    real = builtins.open
+
+    def opening(path, mode="r", *args, **kw):
+        f = real(path, mode, *args, **kw)
+        staged = isinstance(path, (str, os.PathLike)) and ".partial-" in os.fspath(path)
+        return _FillingFile(f, 100) if staged and ("w" in mode or "a" in mode) else f
+
+    monkeypatch.setattr(builtins, "open", opening)
+    capsys.readouterr()
+    assert _main(tool)(argv) == 2
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    [line] = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert "Traceback" not in err and ".partial-" not in line, err
+    assert line.startswith(f"error: {output}") and "no space left on its device" in line, line
+    assert "what was there before is unchanged" in line
+    assert _contents(output) == before

@@ -145,6 +145,12 @@ def test_ijb_tool_refuses_an_existing_roc_and_a_wrong_root_in_one_line(tmp_path,
             lambda f: f[:2],
             r"ijbc_template_pair_label.txt:5: expected 3 fields",
         ),
+        (  # found before any face is embedded (NeverCalled), not after all of them
+            "ijbc_template_pair_label.txt",
+            4,
+            lambda f: ["999", f[1], f[2]],
+            r"ijbc_template_pair_label.txt:4: template 999 has no faces in ijbc_face_tid_mid.txt",
+        ),
     ],
 )
 def test_malformed_meta_line_is_a_data_error_naming_file_line_and_field(

@@ -112,6 +112,31 @@ def test_a_resume_with_another_network_is_one_line_naming_both_networks(
     assert "size mismatch" not in captured.out + captured.err
 
 
+def test_a_resume_of_a_checkpoint_without_its_rng_file_names_it_with_a_hint_for_train_py(
+    drawn_faces, tmp_path, monkeypatch, capsys
+):
+    import glob
+
+    from shardface import train
+
+    out = str(tmp_path / "run")
+    monkeypatch.delenv("SHARDFACE_DEBUG", raising=False)
+    monkeypatch.setattr(sys, "argv", ["train.py", *train_argv(drawn_faces, out, "--max_steps", "4")])
+    with pytest.raises(SystemExit):
+        train.cli()
+    for rng in glob.glob(os.path.join(out, "checkpoint-*", "rng-rank0.pt")):
+        os.remove(rng)
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["train.py", *train_argv(drawn_faces, out, "--resume", "true")])
+    with pytest.raises(SystemExit) as exit_:
+        train.cli()
+    assert exit_.value.code == EXIT_USER_ERROR
+    captured = capsys.readouterr()
+    [line] = _error_lines(captured.out + captured.err)
+    assert "lacks rng-rank0.pt" in line, line
+    assert "for its weights" not in line and f"--init_backbone {os.path.join(out, 'model.pt')}" in line, line
+
+
 def test_user_error_from_the_command_line_has_no_traceback(drawn_faces, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "SHARDFACE_DEBUG"}
     proc = subprocess.run(

@@ -38,6 +38,28 @@ def test_our_half_runs_train_py_step_without_a_snapshot(kind):
     assert "arcface_torch: not run (no --arcface_torch DIR)" in out, out
 
 
+@pytest.mark.parametrize(
+    "extra,said",
+    [
+        (["--set", "no_such_key=1"], "no_such_key"),
+        (["--set", "lr=x"], "error: --lr: could not convert string to float: 'x'"),
+        (["--rec", "/nowhere/at/all", "--classes", "16"], "/nowhere/at/all"),
+    ],
+)
+def test_bad_input_is_train_pys_one_line_error(extra, said):
+    done = subprocess.run(
+        [sys.executable, "benchmarks/whole_step.py", "--smoke", *extra],
+        cwd=ROOT,
+        env=env_for("cpu"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and len(errors) == 1 and said in errors[0], done.stderr[-2000:]
+
+
 @pytest.mark.skipif(
     not os.path.isdir(SNAPSHOT),
     reason="no arcface_torch snapshot: set ARCFACE_TORCH to a copy of "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import re
 import shutil
@@ -123,13 +124,29 @@ def publishing(path: str) -> Iterator[str]:
     remove_stale(path)
     tmp = staging_path(path)
     try:
-        yield tmp
-        _fsync_file(tmp)
-        os.replace(tmp, path)
+        with _named_when_full({tmp: path}):
+            yield tmp
+            _fsync_file(tmp)
+            os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+@contextlib.contextmanager
+def _named_when_full(outputs: dict[str, str], inside: bool = False) -> Iterator[None]:
+    """A write that finds no space: its OSError names the output it was for (`outputs`: staging
+    name -> output; `inside`: files within a staging folder), not the staging file, which is
+    removed. The tools say it in one line (parallel.user_errors)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            name = os.path.abspath(exc.filename) if isinstance(exc.filename, str) else None
+            staged = next((t for t in outputs if name and (name == os.path.abspath(t) or inside)), None)
+            exc.filename = outputs[staged] if staged is not None else next(iter(outputs.values()))
+        raise
 
 
 def _dead_backups(paths: list[str]) -> dict[int, dict[str, str]]:
@@ -197,9 +214,10 @@ def publishing_set(paths: list[str]) -> Iterator[list[str]]:
         remove_stale(path)
     temps = [staging_path(p) for p in paths]
     try:
-        yield temps
-        for tmp in temps:
-            _fsync_file(tmp)
+        with _named_when_full(dict(zip(temps, paths))):
+            yield temps
+            for tmp in temps:
+                _fsync_file(tmp)
         backups = {}
         for path in paths:
             if os.path.lexists(path):
@@ -274,7 +292,8 @@ def publishing_dir(path: str) -> Iterator[str]:
     tmp = staging_path(path)
     os.makedirs(tmp)
     try:
-        yield tmp
+        with _named_when_full({tmp: path}, inside=True):
+            yield tmp
         if not os.path.lexists(path):
             os.rename(tmp, path)
         elif _exchange(tmp, path):  # tmp now holds the earlier folder
