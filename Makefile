@@ -15,6 +15,7 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	$(PY) -c "from shardface.dataset.images import check_torchvision; check_torchvision()"
 	@touch $(STAMP)
 
 test: $(STAMP)

@@ -14,6 +14,7 @@ import numpy as np
 from PIL import Image
 
 from shardface.dataset.errors import ImageDecodeError
+from shardface.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -183,10 +184,34 @@ def image_size(data_or_path, where: str) -> tuple[int, int]:
 def jpeg_decoder():
     """torchvision's JPEG decoder (RGB out), imported at first use: torchvision's import takes
     about as long as torch's own, which a process that decodes no JPEG (a tool's --help, its
-    errors, `plan`, `export_onnx`) need not pay. Loaders call it before forking their workers."""
-    from torchvision.io import ImageReadMode, decode_jpeg
+    errors, `plan`, `export_onnx`) need not pay. Loaders call it before forking their workers. A
+    torchvision built for another torch is a ConfigError saying so in one line."""
+    try:
+        from torchvision.io import ImageReadMode, decode_jpeg
+    except (RuntimeError, ImportError, OSError) as exc:  # "operator torchvision::nms does not exist"
+        import importlib.metadata
 
+        import torch
+
+        try:
+            theirs = importlib.metadata.version("torchvision")
+        except importlib.metadata.PackageNotFoundError:
+            raise ConfigError(
+                "torchvision is not installed: install the one built for this torch (make setup)"
+            ) from None
+        raise ConfigError(
+            f"torch {torch.__version__} and torchvision {theirs} are different builds ({str(exc).splitlines()[0]}); "
+            "install a matching pair (make setup)"
+        ) from None
     return functools.partial(decode_jpeg, mode=ImageReadMode.RGB)
+
+
+def check_torchvision() -> None:
+    """`make setup`'s check: the one line of `jpeg_decoder`'s refusal, exit 1."""
+    try:
+        jpeg_decoder()
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def decode_chw(

@@ -27,7 +27,7 @@ import sys
 
 from shardface.dataset import DataError, list_identity_folders
 from shardface.dataset.geometry import check_files
-from shardface.dataset.images import stored_bytes
+from shardface.dataset.images import jpeg_decoder, stored_bytes
 from shardface.errors import ConfigError
 from shardface.eval.cfp import read_list
 from shardface.eval.pairs import check_images
@@ -159,6 +159,7 @@ def main(argv=None) -> int:
     add_align_options(p, "the images")
     add_pair_list_options(p)
     args = p.parse_args(argv)
+    jpeg_decoder()  # a torchvision of another build: one line now, before any output
     if args.pairs_list is not None:
         return write_list_bin(args)
     if args.retry_upsample is not None or args.retry_mmod or args.cache_dir is not None or args.protocol:

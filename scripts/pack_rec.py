@@ -21,7 +21,7 @@ from collections import defaultdict
 from shardface.dataset import DataError, DataLayoutError, list_identity_folders
 from shardface.dataset.folders import regular_file
 from shardface.dataset.geometry import check_files
-from shardface.dataset.images import stored_bytes
+from shardface.dataset.images import jpeg_decoder, stored_bytes
 from shardface.dataset.pack import write_insightface_rec
 from shardface.dataset.shares import tool_ranks
 from shardface.errors import ConfigError
@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     )
     add_align_options(p, "the images")
     args = p.parse_args(argv)
+    jpeg_decoder()  # a torchvision of another build: one line now, before any output
     ranks = tool_ranks()  # under torchrun with --align: each rank finds its share's faces, rank 0 packs
     if ranks.world > 1 and not args.align:
         raise ConfigError(

@@ -266,3 +266,35 @@ def test_embed_compare_and_make_bin_errors_are_one_line_with_exit_code_2(tmp_pat
     assert _error(capsys) == f"error: {missing}: image file not found\n"
     assert make_bin([str(tmp_path), str(tmp_path / "v.bin"), "--pairs", "4"]) == 2
     assert _error(capsys) == "error: --pairs 4: verification needs at least 10 pairs (its folds)\n"
+
+
+def test_a_torchvision_of_another_build_is_one_line_at_start(tmp_path):
+    """torchvision built for another torch fails at import ("operator torchvision::nms does not
+    exist"), once a 60-line torchrun traceback: here a stand-in package that fails as it does."""
+    import subprocess
+    import sys
+
+    fake = tmp_path / "site" / "torchvision"
+    (fake / "io").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "io" / "__init__.py").write_text(
+        'raise RuntimeError("operator torchvision::nms does not exist")\n'
+    )
+    faces = photos(tmp_path / "faces", ids=2, per_id=2)  # JPEGs: packing decodes them with torchvision
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), root])}
+    done = subprocess.run(
+        [sys.executable, "-m", "scripts.pack_rec", faces, str(tmp_path / "rec")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    [line] = [x for x in done.stderr.splitlines() if x.startswith("error: ")]
+    assert re.match(
+        r"error: torch \S+ and torchvision \S+ are different builds \(operator torchvision::nms", line
+    )
+    assert line.endswith("install a matching pair (make setup)")
+    assert not os.path.exists(tmp_path / "rec")
