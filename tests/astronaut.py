@@ -37,3 +37,13 @@ def align_photos(root) -> str:
     head.save(root / "q" / "a.jpg", quality=90)
     head.save(root / "q" / "a.png")
     return str(root)
+
+
+def file_tree(folder) -> dict[str, bytes]:
+    """Every file under `folder`: relative path -> bytes (what a tool wrote, to compare outputs)."""
+    out = {}
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            out[os.path.relpath(path, folder)] = open(path, "rb").read()
+    return out

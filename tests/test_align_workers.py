@@ -16,7 +16,7 @@ from shardface.faces.detect import Detection
 from shardface.faces.stream import find_faces
 from shardface.faces.workers import WorkerDied, default_workers, map_photos
 from shardface.scripts.align import main as align_tool
-from tests.astronaut import align_photos
+from tests.astronaut import align_photos, file_tree
 
 DOOMED = os.path.join("q", "m1.jpg")  # the photo whose worker kills itself in the kill test
 
@@ -26,22 +26,12 @@ def photos(tmp_path_factory) -> str:
     return align_photos(tmp_path_factory.mktemp("photos"))
 
 
-def _tree(folder) -> dict[str, bytes]:
-    """Every file under `folder`: relative path -> bytes."""
-    out = {}
-    for dirpath, _, names in os.walk(folder):
-        for name in names:
-            path = os.path.join(dirpath, name)
-            out[os.path.relpath(path, folder)] = open(path, "rb").read()
-    return out
-
-
 @pytest.fixture(scope="module")
 def one_process(photos, tmp_path_factory) -> dict[str, bytes]:
     """shardface.scripts.align's output with one worker (in this process)."""
     dst = str(tmp_path_factory.mktemp("one") / "crops")
     assert align_tool([photos, dst, "--workers", "1"]) == 0
-    return _tree(dst)
+    return file_tree(dst)
 
 
 def _summary(out: str, dst: str) -> str:
@@ -55,7 +45,7 @@ def test_align_writes_the_same_bytes_and_says_the_same_with_one_and_two_workers(
     for workers in ("1", "2"):
         dst = str(tmp_path / f"crops{workers}")
         assert align_tool([photos, dst, "--workers", workers]) == 0
-        assert _tree(dst) == one_process
+        assert file_tree(dst) == one_process
         said.append(_summary(capsys.readouterr().out, dst))
     assert said[0] == said[1] and "of 8 photos with faces" in said[0] and "no face found in 1 of 9" in said[0]
     crops = [f for f in one_process if f.endswith(".png")]
@@ -135,7 +125,7 @@ def test_a_killed_worker_ends_align_with_one_line_naming_its_photo_and_keeps_the
         f"error: {os.path.join(photos, DOOMED)}: the worker process on this photo died (killed by a "
         "signal: the out-of-memory killer sends SIGKILL)"
     )
-    assert _tree(dst) == {"earlier.txt": b"kept"} and os.listdir(tmp_path) == ["crops"]
+    assert file_tree(dst) == {"earlier.txt": b"kept"} and os.listdir(tmp_path) == ["crops"]
 
 
 def _name_or_die(item):

@@ -19,7 +19,7 @@ from shardface.dataset.shares import Part, PartError, Parts, Ranks, list_key, sh
 from shardface.errors import DataError, OutputError
 from shardface.faces.detect import Detection
 from shardface.scripts.align import main as align_tool
-from tests.astronaut import align_photos
+from tests.astronaut import align_photos, file_tree
 from tests.distributed import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,21 +30,11 @@ def photos(tmp_path_factory) -> str:
     return align_photos(tmp_path_factory.mktemp("photos"))
 
 
-def _tree(folder) -> dict[str, bytes]:
-    """Every file under `folder`: relative path -> bytes."""
-    out = {}
-    for dirpath, _, names in os.walk(folder):
-        for name in names:
-            path = os.path.join(dirpath, name)
-            out[os.path.relpath(path, folder)] = open(path, "rb").read()
-    return out
-
-
 @pytest.fixture(scope="module")
 def one_process(photos, tmp_path_factory) -> dict[str, bytes]:
     dst = str(tmp_path_factory.mktemp("one") / "crops")
     assert align_tool([photos, dst, "--workers", "1"]) == 0
-    return _tree(dst)
+    return file_tree(dst)
 
 
 def _rank_aligns(rank, world, photos, dst, fault=None):
@@ -78,7 +68,7 @@ def _parts_of(folder) -> list[str]:
 def test_two_ranks_publish_what_one_process_writes_and_remove_their_parts(photos, one_process, tmp_path):
     dst = str(tmp_path / "crops")
     assert run_distributed(_rank_aligns, 2, photos, dst, init=False) == [(0, [0]), (0, [1])]
-    assert _tree(dst) == one_process
+    assert file_tree(dst) == one_process
     assert os.listdir(tmp_path) == ["crops"]
 
 
@@ -92,7 +82,7 @@ def test_parts_stay_until_the_output_is_published_and_a_run_again_completes_from
     [parts] = _parts_of(tmp_path)
     assert sorted(os.listdir(tmp_path / parts)) == ["rank-0-of-2", "rank-1-of-2"] and not os.path.exists(dst)
     assert run_distributed(_rank_aligns, 2, photos, dst, init=False) == [(0, []), (0, [])]
-    assert _tree(dst) == one_process and os.listdir(tmp_path) == ["crops"]
+    assert file_tree(dst) == one_process and os.listdir(tmp_path) == ["crops"]
 
 
 def test_a_photo_replaced_under_its_name_is_aligned_again_not_taken_from_a_kept_part(photos, tmp_path):
@@ -107,7 +97,7 @@ def test_a_photo_replaced_under_its_name_is_aligned_again_not_taken_from_a_kept_
     assert again[1] == (0, [1]) and again[0][0] == 0  # rank 1 aligned its share again
     fresh = str(tmp_path / "fresh")
     assert align_tool([str(src), fresh, "--workers", "1"]) == 0
-    assert _tree(dst) == _tree(fresh)
+    assert file_tree(dst) == file_tree(fresh)
 
 
 def test_a_kept_part_whose_photos_were_touched_since_is_made_again_the_others_kept(photos, tmp_path):
@@ -133,7 +123,7 @@ def test_ranks_on_their_own_copies_of_the_photos_join_whatever_the_modification_
         copies.append(str(copy))
     dst = str(tmp_path / "crops")
     assert [code for code, _ in run_distributed(_rank_aligns, 2, copies, dst, init=False)] == [0, 0]
-    assert _tree(dst) == one_process
+    assert file_tree(dst) == one_process
 
 
 def test_ranks_whose_photos_differ_end_at_once_naming_the_difference(photos, tmp_path, capfd):
@@ -174,7 +164,7 @@ def test_two_ranks_of_pack_rec_align_write_the_recordio_of_one_process(photos, t
 
     assert pack_rec([photos, str(tmp_path / "one"), "--align", "--workers", "2"]) == 0
     assert run_distributed(_rank_packs, 2, photos, str(tmp_path / "two"), "--align", init=False) == [0, 0]
-    assert _tree(tmp_path / "two") == _tree(tmp_path / "one")
+    assert file_tree(tmp_path / "two") == file_tree(tmp_path / "one")
     assert sorted(os.listdir(tmp_path)) == ["one", "two"]
 
 
@@ -195,7 +185,7 @@ def test_rank_variables_left_in_a_shell_are_named_and_align_runs_as_one_process(
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     dst = str(tmp_path / "crops")
     assert align_tool([photos, dst, "--workers", "1"]) == 0
-    assert _tree(dst) == one_process
+    assert file_tree(dst) == one_process
     assert (
         "RANK=0 and WORLD_SIZE=2 are set, but torchrun did not start this process" in capsys.readouterr().err
     )
@@ -310,7 +300,7 @@ def test_torchrun_two_ranks_of_align_write_what_one_process_writes(many_photos, 
     job = _torchrun(many_photos, two)
     out, _ = job.communicate(timeout=300)
     assert job.returncode == 0, out
-    assert _tree(two) == _tree(one) and sorted(os.listdir(tmp_path)) == ["one", "two"]
+    assert file_tree(two) == file_tree(one) and sorted(os.listdir(tmp_path)) == ["one", "two"]
 
 
 def _rank_pid(job: subprocess.Popen, rank: int) -> int | None:

@@ -25,6 +25,18 @@ def _error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error: ")]
 
 
+def _cli(monkeypatch, capsys, argv: list[str]):
+    """train.py's command line run in this process: (its exit code, what it printed)."""
+    from shardface import train
+
+    monkeypatch.delenv("SHARDFACE_DEBUG", raising=False)
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        train.cli()
+    return exit_.value.code, capsys.readouterr()
+
+
 def _cases(data, out):
     """(train.py arguments, error type, fragments the message must hold) per kind of user error."""
     return {
@@ -88,21 +100,11 @@ def test_user_error_prints_one_line_and_exits_2_without_config_dump(
 def test_a_resume_with_another_network_is_one_line_naming_both_networks(
     drawn_faces, tmp_path, monkeypatch, capsys
 ):
-    from shardface import train
-
     out = str(tmp_path / "run")
-    monkeypatch.delenv("SHARDFACE_DEBUG", raising=False)
-    monkeypatch.setattr(sys, "argv", ["train.py", *train_argv(drawn_faces, out, "--max_steps", "4")])
-    with pytest.raises(SystemExit) as exit_:
-        train.cli()
-    assert exit_.value.code in (0, None)
-    capsys.readouterr()
+    assert _cli(monkeypatch, capsys, train_argv(drawn_faces, out, "--max_steps", "4"))[0] in (0, None)
     argv = train_argv(drawn_faces, out, "--resume", "true", "--network", "mbf", "--embedding_size", "32")
-    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
-    with pytest.raises(SystemExit) as exit_:
-        train.cli()
-    assert exit_.value.code == EXIT_USER_ERROR
-    captured = capsys.readouterr()
+    code, captured = _cli(monkeypatch, capsys, argv)
+    assert code == EXIT_USER_ERROR
     lines = _error_lines(captured.out + captured.err)
     assert len(lines) == 1 and len(lines[0]) < 400, lines
     assert (
@@ -117,21 +119,12 @@ def test_a_resume_of_a_checkpoint_without_its_rng_file_names_it_with_a_hint_for_
 ):
     import glob
 
-    from shardface import train
-
     out = str(tmp_path / "run")
-    monkeypatch.delenv("SHARDFACE_DEBUG", raising=False)
-    monkeypatch.setattr(sys, "argv", ["train.py", *train_argv(drawn_faces, out, "--max_steps", "4")])
-    with pytest.raises(SystemExit):
-        train.cli()
+    assert _cli(monkeypatch, capsys, train_argv(drawn_faces, out, "--max_steps", "4"))[0] in (0, None)
     for rng in glob.glob(os.path.join(out, "checkpoint-*", "rng-rank0.pt")):
         os.remove(rng)
-    capsys.readouterr()
-    monkeypatch.setattr(sys, "argv", ["train.py", *train_argv(drawn_faces, out, "--resume", "true")])
-    with pytest.raises(SystemExit) as exit_:
-        train.cli()
-    assert exit_.value.code == EXIT_USER_ERROR
-    captured = capsys.readouterr()
+    code, captured = _cli(monkeypatch, capsys, train_argv(drawn_faces, out, "--resume", "true"))
+    assert code == EXIT_USER_ERROR
     [line] = _error_lines(captured.out + captured.err)
     assert "lacks rng-rank0.pt" in line, line
     assert "for its weights" not in line and f"--init_backbone {os.path.join(out, 'model.pt')}" in line, line
