@@ -63,6 +63,27 @@ class Face:
         x0, y0, x1, y1 = self.box
         return max(0.0, x1 - x0) * max(0.0, y1 - y0)
 
+    def to_dict(self) -> dict:
+        """The face as JSON values: floats in full (repr), so `from_dict` gives it back bit for bit."""
+        return {
+            "box": [float(v) for v in self.box],
+            "points": self.points.tolist(),
+            "score": float(self.score),
+            "shape": None if self.shape is None else self.shape.tolist(),
+            "embedding": None if self.embedding is None else self.embedding.tolist(),
+        }
+
+    @classmethod
+    def from_dict(cls, record: dict) -> "Face":
+        shape, embedding = record.get("shape"), record.get("embedding")
+        return cls(
+            tuple(record["box"]),
+            np.asarray(record["points"], np.float64),
+            record["score"],
+            None if shape is None else np.asarray(shape, np.float64),
+            None if embedding is None else np.asarray(embedding, np.float32),
+        )
+
 
 def _dlib():
     try:

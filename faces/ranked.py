@@ -8,31 +8,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-import numpy as np
-
 from shardface.dataset.shares import Parts, Ranks, list_key, share_of
 from shardface.faces.detect import Detection, Face
 from shardface.faces.stream import Found, find_faces
-
-
-def _record(face: Face) -> dict:
-    """A face as JSON: floats written in full (repr), so it reads back bit for bit."""
-    return {
-        "box": list(face.box),
-        "points": face.points.tolist(),
-        "score": face.score,
-        "shape": None if face.shape is None else face.shape.tolist(),
-    }
-
-
-def _face(record: dict) -> Face:
-    shape = record["shape"]
-    return Face(
-        tuple(record["box"]),
-        np.asarray(record["points"], np.float64),
-        record["score"],
-        None if shape is None else np.asarray(shape, np.float64),
-    )
 
 
 def find_faces_ranked(
@@ -56,10 +34,12 @@ def find_faces_ranked(
 
     def fill(part) -> None:
         found = find_faces(share, detection, progress if ranks.rank == 0 else None, workers)
-        part.summary["faces"] = [[_record(face) for face in found.faces[path]] for path in share]
+        part.summary["faces"] = [[face.to_dict() for face in found.faces[path]] for path in share]
 
     manifests = ranks.outcome(lambda: parts.make(ranks.rank, paths, fill, root=""))
     if ranks.rank != 0:
         return None
     rows = [faces for manifest in manifests for faces in manifest["summary"]["faces"]]
-    return Found({p: [_face(record) for record in faces] for p, faces in zip(paths, rows)}, detection), parts
+    return Found(
+        {p: [Face.from_dict(record) for record in faces] for p, faces in zip(paths, rows)}, detection
+    ), parts

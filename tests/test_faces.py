@@ -678,3 +678,24 @@ def test_embed_align_counts_each_photos_further_faces(photos, tiny_model, tmp_pa
         f"1 of 5 photos hold several faces, the largest of each used: "
         f"{os.path.join(photos, 'eileen', 'two.png')} (2 faces)" in caplog.text
     )
+
+
+def test_a_face_goes_to_json_and_back_bit_for_bit():
+    import json
+
+    from shardface.faces.detect import Face
+
+    rng = np.random.default_rng(0)
+    face = Face(
+        (1.0 / 3, 2.5, 90.125, 101.0),
+        rng.random((5, 2)) * 100,
+        0.1 + 1e-12,
+        rng.random((68, 2)) * 100,
+        rng.random(128).astype(np.float32),
+    )
+    back = Face.from_dict(json.loads(json.dumps(face.to_dict())))
+    assert back.box == face.box and back.score == face.score
+    for a, b in ((back.points, face.points), (back.shape, face.shape), (back.embedding, face.embedding)):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    bare = Face.from_dict(json.loads(json.dumps(Face((0.0, 0.0, 1.0, 1.0), np.zeros((5, 2)), 1.0).to_dict())))
+    assert bare.shape is None and bare.embedding is None
