@@ -107,7 +107,7 @@ class Model:
     kind: str = "weights"  # model_kind(name): "dlib", "onnx" or "weights"
     detection: Detection = Detection()  # how `faces` and `embed` find faces in photos
     precision: str = "fp32"  # on a GPU, "fp16" or "bf16" embeds under autocast (infer.embed)
-    # reframe' warps per (template, device, dtype), made once: each made anew would wait on a host copy
+    # reframe's warps per (template, device, dtype), made once: each made anew would wait on a host copy
     _thetas: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
