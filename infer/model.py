@@ -203,11 +203,14 @@ class Model:
         out = np.stack(rows) if rows else np.zeros((0, self.dim), np.float32)
         return out[0] if single else out
 
-    def compare(self, a, b, *, align: bool = True, flip: bool = True) -> Comparison:
-        """The cosine of `a` and `b` judged at the model's threshold, as face_recognition's
-        `compare_faces` judges encodings. Each is a photo (its largest face; a crop without
-        `align`), a `Face` this model embedded, or one of its embeddings (D floats). An embedding
-        of another width is refused; one of another model of the same width cannot be told apart."""
+    def compare(
+        self, a, b, *, align: bool = True, flip: bool = True, threshold: float | None = None
+    ) -> Comparison:
+        """The cosine of `a` and `b` judged at `threshold` (default the model's own), as
+        face_recognition's `compare_faces` judges encodings. Each is a photo (its largest face; a
+        crop without `align`), a `Face` this model embedded, or one of its embeddings (D floats). An
+        embedding of another width is refused; one of another model of the same width cannot be
+        told apart."""
         emb = [self._embedding_of(x) for x in (a, b)]
         photos = [x for x, e in zip((a, b), emb) if e is None]
         found = iter(self.embed(photos, align=align, flip=flip) if photos else [])
@@ -215,7 +218,8 @@ class Model:
             l2_normalize(np.asarray(e if e is not None else next(found), np.float64)[None])[0] for e in emb
         )
         score = float(a @ b)
-        value = self.threshold.value if self.threshold is not None else None
+        own = self.threshold.value if self.threshold is not None else None
+        value = threshold if threshold is not None else own
         return Comparison(score, None if value is None else score >= value, value)
 
     def _embedding_of(self, x) -> np.ndarray | None:

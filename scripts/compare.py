@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
-
 from shardface.dataset import DataError
 from shardface.dataset.geometry import check_files
 from shardface.eval.verification import best_threshold, load_bin
 from shardface.faces.stream import Found, no_face_message
-from shardface.infer.stream import analyse
 from shardface.infer.thresholds import chosen_threshold
 from shardface.parallel.user_errors import exits_on_user_error
 from shardface.scripts.cli import ArgumentParser
@@ -71,8 +68,7 @@ def main(argv=None) -> int:
         check_files(pair, args.resize, size=tuple(model.template.size))
     workers = workers_from(args) if args.align and args.workers else 1  # two photos: no pool unless asked
     photos = list(
-        analyse(
-            model,
+        model.analyse(
             pair,
             workers=workers,
             largest_only=True,
@@ -87,24 +83,21 @@ def main(argv=None) -> int:
     several = Found({p.name: p.faces for p in photos}).several_faces()
     if several:
         print(several)
-    a, b = (p.face.embedding for p in photos)
     if args.threshold_from:
         pairs = load_bin(args.threshold_from, flag="--threshold-from")
         threshold = chosen_threshold(
             None, (*best_threshold(pairs, model, args.batch_size), args.threshold_from, len(pairs[1]))
         )
-    cosine = float(np.dot(a.astype(np.float64), b.astype(np.float64)))
-    print(f"cosine similarity {cosine:.4f}")
-    if threshold is None:
+    verdict = model.compare(*(p.face for p in photos), threshold=threshold.value if threshold else None)
+    print(f"cosine similarity {verdict.score:.4f}")
+    if verdict.same is None:
         print(
             f"{args.model} has no known threshold: pass --threshold T or --threshold-from VAL.bin to decide "
             f"same or different"
         )
     else:
         print(threshold.line())
-        print(
-            f"{'same' if cosine >= threshold.value else 'different'} person (threshold {threshold.value:.4f})"
-        )
+        print(f"{'same' if verdict.same else 'different'} person (threshold {verdict.threshold:.4f})")
     return 0
 
 
