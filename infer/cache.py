@@ -2,38 +2,40 @@
 pair list's faces and each model's embeddings of them (infer.pair_photos), so that a second run
 embeds (or searches) only what is new. One `Cache` class; a subclass per kind.
 
-A cache is one npz: `header` (JSON: kind, FORMAT and what made the rows: model, crop, options),
-`keys` (the photo's `content_key` and whatever else the row depends on), `has_row` (False: nothing
-found, as a photo without a face) and the rows, under the kind's `field`.
-- A path holding anything but a cache of the kind is refused by name and left alone (CacheError).
+A cache is one SQLite database (the standard library's sqlite3): a `header` table of one JSON row
+(kind, FORMAT and what made the rows: model, crop, options) and `rows` (the photo's `content_key`
+and whatever else the row depends on -> the row's bytes and dtype; no row where nothing was found,
+as a photo without a face).
+- A path holding anything but a cache of the kind is refused by name and left alone (CacheError);
+  a file of ShardFace's own cache name that is not one (cut short) is called damaged.
 - One of the kind made otherwise (format, model or options: `changes`) is not read, and one whose
-  arrays cannot be trusted is rebuilt; a warning says which.
-- Entries are only added: when anything is new, `save` atomically publishes (utils.atomic) the
-  file's entries, read again just before (another run's too), with this run's.
-- A long run saves its new entries every `save_every_s` seconds to `PATH.parts/HOST-PID/part-N.npz`:
-  a later or concurrent run of the same header takes them up; `save` removes its own and dead processes'."""
+  rows cannot be trusted is not either; a warning says which, and the first save replaces it.
+- Entries are only added, each batch in one transaction, every `save_every_s` seconds and at
+  `save`: two runs at once both add theirs (SQLite locks the file for each write), and a run killed
+  at any moment leaves what it committed, which the next run takes up. Nothing to merge."""
 
 from __future__ import annotations
 
 import contextlib
-import glob
 import hashlib
 import json
 import logging
 import os
-import shutil
+import sqlite3
 import time
+import urllib.parse
 
 import numpy as np
 
 from shardface.dataset.errors import DataError
 from shardface.dataset.fingerprint import file_ends
 from shardface.errors import OutputError
-from shardface.utils.atomic import check_output_file, host_name, process_alive, publishing
+from shardface.utils.atomic import check_output_file
 
-FORMAT = 3  # 3: every kind in one layout, keyed by content (2: the gallery's own)
+FORMAT = 4  # 4: SQLite (3: npz with part folders)
 HASH_BLOCK = 1 << 16  # the bytes hashed at each end of a photo
 SAVE_EVERY_S = 30.0  # a killed run loses at most this much work (and one batch)
+LOCK_WAIT_S = 60.0  # how long a write waits for another run's
 logger = logging.getLogger("shardface")
 
 
@@ -42,7 +44,7 @@ class CacheError(DataError):
 
 
 class _Damaged(Exception):
-    """A cache of ours whose arrays cannot be trusted (the reason)."""
+    """A cache of ours whose rows cannot be trusted (the reason)."""
 
 
 def content_key(path: str) -> str:
@@ -57,12 +59,19 @@ def content_key(path: str) -> str:
         os.close(fd)
 
 
+def _reading(path: str) -> sqlite3.Connection:
+    """A read-only connection: reading never creates or changes the file."""
+    return sqlite3.connect(
+        f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro", uri=True, timeout=LOCK_WAIT_S
+    )
+
+
 class Cache:
-    """key -> row (an array of `shape`) or None, read from `path` (None: in memory only) and its saved
-    parts unless `rebuild`. Each kind's `what`, `hint` and `redo` word its messages."""
+    """key -> row (an array of `shape`) or None, read from `path` (None: in memory only) unless
+    `rebuild`. Each kind's `what`, `hint` and `redo` word its messages."""
 
     kind = what = hint = redo = ""
-    field, unit = "embeddings", False
+    unit = False
 
     def __init__(
         self,
@@ -75,7 +84,7 @@ class Cache:
         self.path, self.shape, self.rebuild, self.save_every_s = path, tuple(shape), rebuild, save_every_s
         self.header = {"kind": self.kind, "format": FORMAT, **header}
         self.entries, self.new, self.unsaved = {}, set(), {}
-        self.last, self.part = time.monotonic(), 0
+        self.last = time.monotonic()
         old = self.check(path) if path is not None else None  # something else there: refused, even to rebuild
         if path is None or rebuild:
             return
@@ -87,14 +96,7 @@ class Cache:
                 self.entries = self._read(path)
             except _Damaged as exc:
                 logger.warning("%s: a damaged %s (%s): %s", path, self.what, exc, self.redo)
-        for part in sorted(glob.glob(os.path.join(glob.escape(f"{path}.parts"), "*-*", "part-*.npz"))):
-            try:  # another run's saved work (one that just finished removed it)
-                saved = self._read(part) if self.read_header(part) == self.header else {}
-            except (CacheError, _Damaged, OSError):
-                continue
-            saved = {k: v for k, v in saved.items() if k not in self.entries}
-            self.entries.update(saved)
-            self.new.update(saved)
+                self.rebuild = True
 
     @classmethod
     def ours(cls, header: dict) -> bool:
@@ -106,9 +108,10 @@ class Cache:
         if not os.path.lexists(path):
             return None
         try:
-            with np.load(path, allow_pickle=False) as z:
-                header, reason = json.loads(str(z["header"])), "another kind"
-        except Exception as exc:  # not an npz, truncated, no header: never replaced
+            with contextlib.closing(_reading(path)) as db:
+                row = db.execute("SELECT json FROM header").fetchone()
+            header, reason = (json.loads(row[0]) if row else None), "another kind"
+        except (sqlite3.Error, ValueError) as exc:  # not a database, cut short, no header table
             header, reason = None, f"{type(exc).__name__}: {exc}"
             if ".shardface_" in os.path.basename(path):  # our own name: one of ours, cut short
                 raise CacheError(
@@ -145,63 +148,65 @@ class Cache:
         return self.entries.get(key)
 
     def put(self, key: str, row: np.ndarray | None) -> None:
-        """Add an entry; every `save_every_s` seconds the new ones go to this process's part."""
+        """Add an entry; every `save_every_s` seconds the new ones are committed."""
         self.entries[key] = self.unsaved[key] = row
         self.new.add(key)
         if self.path is not None and time.monotonic() - self.last >= self.save_every_s:
-            own = os.path.join(f"{self.path}.parts", f"{host_name()}-{os.getpid()}")
-            os.makedirs(own, exist_ok=True)
-            self._write(os.path.join(own, f"part-{self.part:06d}.npz"), self.unsaved)
-            self.unsaved, self.part, self.last = {}, self.part + 1, time.monotonic()
+            self._commit()
 
     def save(self) -> None:
-        """Publish the entries, with any that another run added to the file since, when anything
-        is new; then remove this run's parts and those of processes that are gone."""
-        if self.path is None:
-            return
-        if self.new:
-            if not self.rebuild and self.read_header(self.path) == self.header:
-                with contextlib.suppress(_Damaged):
-                    self.entries = {**self._read(self.path), **self.entries}
-            self._write(self.path, self.entries)
-            self.new, self.unsaved, self.rebuild = set(), {}, False
-        parts = f"{self.path}.parts"
-        for folder in glob.glob(os.path.join(glob.escape(parts), "*-*")):
-            host, _, pid = os.path.basename(folder).rpartition("-")
-            if (
-                host == host_name()
-                and pid.isdigit()
-                and (int(pid) == os.getpid() or not process_alive(int(pid)))
-            ):
-                shutil.rmtree(folder, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.rmdir(parts)
+        """Commit what is new (nothing is written where nothing is)."""
+        if self.path is not None and self.new:
+            self._commit()
+            self.new = set()
+
+    def _commit(self) -> None:
+        """The unsaved entries added in one transaction; where the file's header is not this cache's
+        (another format, model or options, or rows not to be trusted), its rows are replaced by this run's."""
+        mine = json.dumps(self.header, sort_keys=True)
+        with contextlib.closing(sqlite3.connect(self.path, timeout=LOCK_WAIT_S)) as db, db:
+            db.execute("CREATE TABLE IF NOT EXISTS header (json TEXT NOT NULL)")
+            db.execute("CREATE TABLE IF NOT EXISTS rows (key TEXT PRIMARY KEY, dtype TEXT, row BLOB)")
+            stored = db.execute("SELECT json FROM header").fetchone()
+            entries = self.unsaved
+            if self.rebuild or stored is None or json.loads(stored[0]) != self.header:
+                db.execute("DELETE FROM rows")
+                db.execute("DELETE FROM header")
+                db.execute("INSERT INTO header VALUES (?)", (mine,))
+                entries = self.entries
+            db.executemany(
+                "INSERT OR REPLACE INTO rows VALUES (?, ?, ?)",
+                [
+                    (k, None, None)
+                    if r is None
+                    else (k, np.asarray(r).dtype.str, np.ascontiguousarray(r).tobytes())
+                    for k, r in entries.items()
+                ],
+            )
+        self.unsaved, self.rebuild, self.last = {}, False, time.monotonic()
 
     def _read(self, path: str) -> dict:
-        """The entries of a cache whose header matched; _Damaged (the reason) when its arrays are
-        not one finite row of `shape` (of unit length where `unit`) for each key that has one."""
+        """The entries of a cache whose header matched; _Damaged (the reason) when its rows are not
+        finite rows of `shape` (of unit length where `unit`)."""
         try:
-            with np.load(path, allow_pickle=False) as z:
-                keys, has, rows = z["keys"], z["has_row"], z[self.field]
-        except Exception as exc:
+            with contextlib.closing(_reading(path)) as db:
+                stored = db.execute("SELECT key, dtype, row FROM rows").fetchall()
+        except sqlite3.Error as exc:
             raise _Damaged(f"unreadable ({type(exc).__name__}: {exc})") from None
-        found = int(has.sum()) if has.dtype == bool and keys.ndim == 1 and has.shape == keys.shape else -1
-        if rows.shape != (found, *self.shape):
-            raise _Damaged(f"rows of shape {rows.shape} for {found} of {keys.shape} keys, each {self.shape}")
-        flat = rows.reshape(found, -1).astype(np.float64)
-        bad = ~np.isfinite(flat).all(1) | (self.unit & (np.abs(np.linalg.norm(flat, axis=1) - 1) > 1e-3))
+        out, size = {}, int(np.prod(self.shape))
+        for key, dtype, blob in stored:
+            if blob is None:
+                out[key] = None
+                continue
+            try:
+                row = np.frombuffer(blob, np.dtype(dtype))
+            except (TypeError, ValueError) as exc:
+                raise _Damaged(f"row {key!r}: {exc}") from None
+            if row.size != size:
+                raise _Damaged(f"row {key!r} holds {row.size} values, not {self.shape}")
+            out[key] = row.reshape(self.shape)
+        rows = np.array([r.reshape(-1) for r in out.values() if r is not None], np.float64).reshape(-1, size)
+        bad = ~np.isfinite(rows).all(1) | (self.unit & (np.abs(np.linalg.norm(rows, axis=1) - 1) > 1e-3))
         if bad.any():
             raise _Damaged(f"{int(bad.sum())} rows are not finite" + (" unit vectors" if self.unit else ""))
-        it = iter(rows)
-        return {key: next(it) if h else None for key, h in zip(keys.tolist(), has.tolist())}
-
-    def _write(self, path: str, entries: dict) -> None:
-        rows = [r for r in entries.values() if r is not None]
-        with publishing(path) as tmp, open(tmp, "wb") as f:
-            np.savez(
-                f,
-                header=np.array(json.dumps(self.header, sort_keys=True)),
-                keys=np.array(list(entries), str),
-                has_row=np.array([r is not None for r in entries.values()], bool),
-                **{self.field: np.array(rows).reshape(len(rows), *self.shape)},
-            )
+        return out

@@ -150,7 +150,7 @@ def embedded_faces(
 
 def default_cache(folder: str, ema: bool = True) -> str:
     """The gallery file of `folder`: one for the EMA weights (the default), one for the raw ones."""
-    return os.path.join(folder, ".shardface_gallery.npz" if ema else ".shardface_gallery.no_ema.npz")
+    return os.path.join(folder, ".shardface_gallery.sqlite" if ema else ".shardface_gallery.no_ema.sqlite")
 
 
 class GalleryFile(Cache):

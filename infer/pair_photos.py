@@ -6,8 +6,8 @@ A pair protocol keeps every pair (dropping those of photos without a face flatte
 each photo is searched once under the tools' face options, those without a face again by the
 `Retries` asked for, and one still without is cut at a fallback face (faces.fallback) and named.
 Both are cached (infer.cache) beside the list, or in `cache_paths`' folder: the faces, for every
-model, in `LIST.shardface_faces.npz` (`FacesCache`); each model's embeddings, keyed by the face cut
-(right whichever search found it), in `LIST.shardface_pairs.FINGERPRINT.npz` (`EmbeddingCache`)."""
+model, in `LIST.shardface_faces.sqlite` (`FacesCache`); each model's embeddings, keyed by the face
+cut (right whichever search found it), in `LIST.shardface_pairs.FINGERPRINT.sqlite` (`EmbeddingCache`)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,6 @@ class FacesCache(Cache):
         "pass --cache_dir DIR",
         "searching every photo again",
     )
-    field = "faces"
 
     def __init__(self, path: str | None):
         super().__init__(path, {}, (19 + 2 * SHAPE,))
@@ -66,14 +65,14 @@ def cache_paths(list_path: str, fingerprint: str | None, folder: str | None = No
     list_path = list_path.rstrip(os.sep) or list_path
     home = list_path if os.path.isdir(list_path) else os.path.dirname(os.path.abspath(list_path))
     base = os.path.join(folder if folder is not None else home, os.path.basename(os.path.abspath(list_path)))
-    return f"{base}.shardface_faces.npz", (
-        f"{base}.shardface_pairs.{fingerprint}.npz" if fingerprint else None
+    return f"{base}.shardface_faces.sqlite", (
+        f"{base}.shardface_pairs.{fingerprint}.sqlite" if fingerprint else None
     )
 
 
 def check_cache(path: str) -> None:
     """Before any work: `path` (of `cache_paths`) holds that cache or nothing, and can be written."""
-    (FacesCache if path.endswith(".shardface_faces.npz") else EmbeddingCache).check(path, write=True)
+    (FacesCache if path.endswith(".shardface_faces.sqlite") else EmbeddingCache).check(path, write=True)
 
 
 def _row(size: tuple[int, int], face: Face | None) -> np.ndarray:

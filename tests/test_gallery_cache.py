@@ -115,7 +115,7 @@ def test_a_directory_as_cache_is_refused_before_anything_is_enrolled(tmp_path, c
     finally:
         s.crop_pixels = real
     assert code == 2 and err.count("\n") == 1 and str(folder) in err and "directory" in err
-    assert seen == [] and not os.path.exists(f"{folder}.parts") and os.listdir(folder) == []
+    assert seen == [] and os.listdir(folder) == []
 
 
 def _uncompressed(path, seed):
@@ -136,33 +136,38 @@ def test_an_image_replaced_by_another_of_the_same_size_and_mtime_is_embedded_aga
     assert os.stat(target).st_size == st.st_size and os.stat(target).st_mtime_ns == st.st_mtime_ns
     again, seen = _enrolled(gallery, embedder)
     assert seen == [os.path.join("person1", "0.png")]
-    fresh = enrol(gallery, embedder, cache=str(tmp_path / "fresh.npz"), show_progress=False)
+    fresh = enrol(gallery, embedder, cache=str(tmp_path / "fresh.sqlite"), show_progress=False)
     np.testing.assert_allclose(again.templates, fresh.templates, atol=1e-6)
 
 
 def _damage(cache, how):
-    with np.load(cache, allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files}
-    emb = arrays["embeddings"]
-    if how == "a NaN row":
-        emb[1] = np.nan
-    elif how == "too few rows":
-        emb = emb[:-1]
-    elif how == "too wide rows":
-        emb = np.concatenate([emb, emb], axis=1) / np.sqrt(2)
-    elif how == "a row not of unit length":
-        emb[0] *= 0.5
-    arrays["embeddings"] = emb
-    with open(cache, "wb") as f:
-        np.savez(f, **arrays)
+    """One of the gallery file's rows spoiled, as a bad disk or another program would."""
+    import sqlite3
+
+    with sqlite3.connect(cache) as db:
+        key, dtype, blob = db.execute(
+            "SELECT key, dtype, row FROM rows WHERE row IS NOT NULL LIMIT 1"
+        ).fetchone()
+        row = np.frombuffer(blob, np.dtype(dtype)).copy()
+        if how == "a NaN row":
+            row[1] = np.nan
+        elif how == "too short a row":
+            row = row[:-1]
+        elif how == "too wide a row":
+            row = np.concatenate([row, row]) / np.sqrt(2)
+        elif how == "a row not of unit length":
+            row *= 0.5
+        db.execute("UPDATE rows SET row = ? WHERE key = ?", (row.tobytes(), key))
 
 
-@pytest.mark.parametrize("how", ["a NaN row", "too few rows", "too wide rows", "a row not of unit length"])
+@pytest.mark.parametrize(
+    "how", ["a NaN row", "too short a row", "too wide a row", "a row not of unit length"]
+)
 def test_a_damaged_cache_is_enrolled_again_saying_so(tmp_path, caplog, how):
     embedder = load_model(seeded_model(tmp_path / "m", 0))
     gallery = gallery_folder(tmp_path / "g")
     first = enrol(gallery, embedder, show_progress=False)
-    cache = os.path.join(gallery, ".shardface_gallery.npz")
+    cache = os.path.join(gallery, ".shardface_gallery.sqlite")
     _damage(cache, how)
     with caplog.at_level(logging.WARNING, "shardface"):
         again, seen = _enrolled(gallery, embedder)
@@ -207,12 +212,10 @@ def test_a_killed_enrolment_resumes_from_what_it_saved(tmp_path):
     gallery = gallery_folder(tmp_path / "g", (3, 3))
     proc = _enrolling(model, gallery, 5, "kill")  # four images embedded and saved
     assert proc.wait(timeout=120) == -signal.SIGKILL
-    parts = os.path.join(gallery, ".shardface_gallery.npz.parts")
-    assert len(os.listdir(parts)) == 1  # the killed process's folder
     resumed, seen = _enrolled(gallery, embedder, batch_size=1, save_every_s=0)
     assert seen == [os.path.join("person1", "1.png"), os.path.join("person1", "2.png")]
-    assert not os.path.exists(parts)  # the dead run's saved parts are in the gallery file now
-    fresh = enrol(gallery, embedder, cache=str(tmp_path / "fresh.npz"), show_progress=False)
+    assert sorted(os.listdir(gallery)) == [".shardface_gallery.sqlite", "person0", "person1"]  # no parts
+    fresh = enrol(gallery, embedder, cache=str(tmp_path / "fresh.sqlite"), show_progress=False)
     np.testing.assert_allclose(resumed.templates, fresh.templates, atol=1e-6)
 
 
@@ -231,8 +234,8 @@ def test_two_enrolments_of_one_gallery_keep_each_others_saved_parts(tmp_path):
     finally:
         open(flag, "w").close()
         code = proc.wait(timeout=120)
-    assert code == 0  # it finished its enrolment, its saved parts still there
-    assert not os.path.exists(os.path.join(gallery, ".shardface_gallery.npz.parts"))
+    assert code == 0  # it finished its enrolment
+    assert sorted(os.listdir(gallery)) == [".shardface_gallery.sqlite", "person0", "person1"]  # no parts
     again, seen = _enrolled(gallery, embedder)
     assert seen == []
     np.testing.assert_allclose(again.templates, parent.templates, atol=1e-6)
@@ -258,8 +261,8 @@ def test_the_ema_choice_keeps_its_own_gallery_file_and_is_named_when_it_changes(
         assert seen == []
     assert "since enrolment" not in caplog.text
     assert sorted(f for f in os.listdir(gallery) if f.startswith(".")) == [
-        ".shardface_gallery.no_ema.npz",
-        ".shardface_gallery.npz",
+        ".shardface_gallery.no_ema.sqlite",
+        ".shardface_gallery.sqlite",
     ]
     shared = str(tmp_path / "one.npz")  # one file named for both: the change is said as what it is
     enrol(gallery, ema, cache=shared, show_progress=False)

@@ -174,11 +174,11 @@ def test_gallery_enrolment_with_the_model_on_the_device_matches_the_cpu(kind, te
         Image.fromarray(crop.permute(1, 2, 0).numpy()).save(gallery / f"person{i % 3}" / f"{i}.png")
     on_device = load_model(teacher_pt, "tiny", device=device_of(kind))
     assert on_device.device.type == kind
-    got = enrol(str(gallery), on_device, cache=str(tmp_path / "device.npz"), show_progress=False)
+    got = enrol(str(gallery), on_device, cache=str(tmp_path / "device.sqlite"), show_progress=False)
     want = enrol(
         str(gallery),
         load_model(teacher_pt, "tiny", device=torch.device("cpu")),
-        cache=str(tmp_path / "cpu.npz"),
+        cache=str(tmp_path / "cpu.sqlite"),
         show_progress=False,
     )
     assert got.names == want.names == ["person0", "person1", "person2"] and got.images == 6

@@ -44,7 +44,7 @@ def test_cache_is_reused_updated_when_the_folder_changes_and_another_model_is_re
     gallery = gallery_folder(tmp_path / "g")
     embedder = load_model(model)
     first = enrol(gallery, embedder, show_progress=False)
-    cache = os.path.join(gallery, ".shardface_gallery.npz")
+    cache = os.path.join(gallery, ".shardface_gallery.sqlite")
     stamp = os.stat(cache).st_mtime_ns
     again = enrol(gallery, embedder, show_progress=False)
     assert (
@@ -56,7 +56,7 @@ def test_cache_is_reused_updated_when_the_folder_changes_and_another_model_is_re
     os.makedirs(tmp_path / "g" / "person3")
     noise_face(tmp_path / "g" / "person3" / "a.png", 78)
     updated = enrol(gallery, embedder, show_progress=False)
-    fresh = enrol(gallery, embedder, cache=str(tmp_path / "fresh.npz"), show_progress=False)
+    fresh = enrol(gallery, embedder, cache=str(tmp_path / "fresh.sqlite"), show_progress=False)
     assert updated.names == fresh.names == ["person0", "person1", "person2", "person3"]
     np.testing.assert_allclose(updated.templates, fresh.templates, atol=1e-6)
     code, _, err = run_identify(
@@ -153,7 +153,7 @@ def test_threshold_that_is_not_a_cosine_is_refused_in_one_line_before_any_work(t
     out = capsys.readouterr()
     assert code == 2 and out.out == "" and out.err.count("\n") == 1
     assert f"--threshold {float(value)}" in out.err and "[-1, 1]" in out.err
-    assert not os.path.exists(os.path.join(gallery, ".shardface_gallery.npz"))  # nothing enrolled
+    assert not os.path.exists(os.path.join(gallery, ".shardface_gallery.sqlite"))  # nothing enrolled
 
 
 def test_model_without_a_known_threshold_names_no_one_and_says_how_to_get_one(tmp_path, capsys):
@@ -164,7 +164,7 @@ def test_model_without_a_known_threshold_names_no_one_and_says_how_to_get_one(tm
     out = capsys.readouterr()
     assert code == 2 and out.out == "" and out.err.count("\n") == 1
     assert model in out.err and "--threshold T" in out.err and "--threshold_from VAL.bin" in out.err
-    assert not os.path.exists(os.path.join(gallery, ".shardface_gallery.npz"))
+    assert not os.path.exists(os.path.join(gallery, ".shardface_gallery.sqlite"))
 
 
 def test_identify_and_compare_print_the_threshold_they_used_and_where_it_came_from(tmp_path, capsys):

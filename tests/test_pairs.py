@@ -272,7 +272,7 @@ def test_verify_from_photos_equals_verify_from_the_list_bin_for_a_112_model(lfw,
 
     assert row("pairs.txt") == row("v.bin")  # acc, acc-flip, std, XNorm
     assert not [
-        f for f in os.listdir(tmp_path) if f not in before and not f.endswith(".npz")
+        f for f in os.listdir(tmp_path) if f not in before and not f.endswith(".sqlite")
     ]  # no .bin written
     model = load_model(model_path)
     (images, mirrored), _ = load_bin(out)
@@ -327,19 +327,19 @@ def test_a_second_model_reuses_the_detections_and_a_second_run_the_embeddings(lf
     assert (first.embedded, again.embedded) == (9, 0) and np.array_equal(first.emb, again.emb)
     assert sorted(os.listdir(cache)) == sorted(
         [
-            "pairs.txt.shardface_faces.npz",
+            "pairs.txt.shardface_faces.sqlite",
             os.path.basename(b_file),
-            f"pairs.txt.shardface_pairs.{load_model(a).fingerprint}.npz",
+            f"pairs.txt.shardface_pairs.{load_model(a).fingerprint}.sqlite",
         ]
     )
-    (cache / "pairs.txt.shardface_faces.npz").write_text("cut short")  # one of ours, damaged
+    (cache / "pairs.txt.shardface_faces.sqlite").write_text("cut short")  # one of ours, damaged
     assert verify([a, "--pairs_list", pairs, "--images", lfw, "--cache_dir", str(cache)]) == 2
     err = capsys.readouterr().err
     assert (
         "a damaged ShardFace pair-list cache file" in err
         and "delete it (it is made again) or pass --cache_dir" in err
     )
-    assert (cache / "pairs.txt.shardface_faces.npz").read_text() == "cut short"
+    assert (cache / "pairs.txt.shardface_faces.sqlite").read_text() == "cut short"
 
 
 @pytest.mark.parametrize(
@@ -388,7 +388,7 @@ def test_verify_of_a_list_from_a_pipe_refuses_its_cache_place_before_searching_a
     finally:
         os.close(r)
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and f"/dev/fd/{r}.shardface_faces.npz" in err and "--cache_dir" in err
+    assert err.count("\n") == 0 and f"/dev/fd/{r}.shardface_faces.sqlite" in err and "--cache_dir" in err
     assert not counted
 
 
