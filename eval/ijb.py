@@ -26,7 +26,6 @@ from shardface.dataset.errors import DataError
 from shardface.errors import UserError
 from shardface.faces.detect import Face
 from shardface.infer.model import as_model
-from shardface.infer.stream import analyse
 from shardface.utils.atomic import check_output_file, publishing
 
 FAR_LEVELS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
@@ -151,7 +150,7 @@ def image_features(root: str, names, landmarks, backbone, batch_size: int = 64) 
     faces = [[Face((0.0, 0.0, 0.0, 0.0), np.asarray(marks, np.float64), float("nan"))] for marks in landmarks]
     rows = [
         photo.face.embedding.sum(0)
-        for photo in analyse(as_model(backbone), paths, faces=faces, batch_size=batch_size, raw=True)
+        for photo in as_model(backbone).analyse(paths, faces=faces, batch_size=batch_size, raw=True)
     ]
     return np.stack(rows) if rows else np.zeros((0, 0), np.float32)
 

@@ -26,7 +26,6 @@ from shardface.dataset.geometry import check_files
 from shardface.errors import OutputError
 from shardface.faces.stream import Found, usable
 from shardface.infer.model import model_files
-from shardface.infer.stream import analyse
 from shardface.parallel.user_errors import exits_on_user_error
 from shardface.scripts.cli import ArgumentParser
 from shardface.scripts.options import (
@@ -83,8 +82,7 @@ def main(argv=None) -> int:
     shown = args.align or len(paths) > args.batch_size  # crops alone: a few batches go by unannounced
     label = "finding and embedding faces" if args.align else "embedding"
     with progress_bar(len(paths), label, shown=shown) as bar:
-        for photo in analyse(
-            model,
+        for photo in model.analyse(
             paths,
             workers=workers_from(args) if args.align else 1,
             flip=not args.no_flip,
