@@ -19,7 +19,7 @@ from shardface.checkpoint.files import (
 from shardface.checkpoint.folders import list_checkpoints, prune_checkpoints
 from shardface.checkpoint.state import TrainState, cpu_tensors, exported, plain, rng_state
 from shardface.parallel.dist import from_every_rank, get_rank
-from shardface.utils.atomic import fsync_dir
+from shardface.utils.atomic import publish, remove_stale, staging_path
 
 
 def _head_payload(head, head_opt) -> dict:
@@ -56,10 +56,10 @@ def save_checkpoint(
     also writes the weights for export there (the EMA's when EMA is on), from the same gather.
     `extra_meta` joins meta.pt (`imported_from`: a checkpoint without RNG states to restore)."""
     final = os.path.join(output, f"checkpoint-{state.step:08d}")
-    tmp = f"{final}.tmp"
+    tmp = from_every_rank(staging_path(final))[0]  # rank 0's: the ranks fill one staging folder
     problem = None
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_stale(final)
         problem = _attempt(lambda: os.makedirs(tmp), output, 0, os.path.basename(final))
     _agree(problem, tmp)
     opt_state = backbone_opt.state_dict(to_rank=0)  # collectives: every rank takes part
@@ -103,17 +103,14 @@ def save_checkpoint(
     )
     _agree(_attempt(write_parts, output, needed, os.path.basename(final)), tmp)
 
-    def publish():
-        fsync_dir(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        fsync_dir(output)
+    def publish_all():
+        publish([tmp], [final])  # utils.atomic's folder swap, as every tool's
         atomic_write_text(os.path.join(output, "latest"), os.path.basename(final) + "\n")
         prune_checkpoints(output, state.step, state.run_id, keep)
         if export_to:
             atomic_save(exported(ema_state if ema_state is not None else weights), export_to)
 
-    _agree(_attempt(publish, output, needed, os.path.basename(final)) if rank == 0 else None, tmp)
+    _agree(_attempt(publish_all, output, needed, os.path.basename(final)) if rank == 0 else None, tmp)
     return final
 
 

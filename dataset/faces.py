@@ -301,7 +301,7 @@ def build_dataset(
         raise DataLayoutError(f"{rec}: data directory not found")
     if os.path.isfile(os.path.join(rec, "train.rec")):
         idx = os.path.join(rec, "train.idx")
-        if not os.path.exists(idx):  # pack_rec publishes train.idx last (utils.atomic.publishing_set)
+        if not os.path.exists(idx):  # pack_rec publishes train.idx last (utils.atomic)
             try:
                 restored = recover_rec_set(rec)
             except OSError as e:

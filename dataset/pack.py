@@ -7,7 +7,7 @@ from typing import Iterable
 
 from shardface.dataset.recordio import IRHeader, RecordWriter, pack
 from shardface.errors import OutputError
-from shardface.utils.atomic import publishing_set, recover_set
+from shardface.utils.atomic import publishing_set, recover
 
 
 def rec_set(out_dir: str) -> list[str]:
@@ -18,7 +18,7 @@ def rec_set(out_dir: str) -> list[str]:
 def recover_rec_set(out_dir: str) -> bool:
     """Put back the earlier set where a pack killed mid-swap left no train.idx (utils.atomic's
     journal); True when it did."""
-    return recover_set(rec_set(out_dir))
+    return recover(rec_set(out_dir))
 
 
 def write_insightface_rec(

@@ -26,7 +26,8 @@ from shardface.dataset.errors import DataError
 from shardface.errors import UserError
 from shardface.faces.detect import Face
 from shardface.infer.model import as_model
-from shardface.utils.atomic import check_output_file, publishing
+from shardface.utils.atomic import publishing
+from shardface.utils.outputs import check_output_file
 
 FAR_LEVELS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
 
@@ -209,7 +210,7 @@ def plot_roc(labels, scores, path: str, title: str = "ROC") -> None:
 
 def check_roc_path(path: str | None, overwrite: bool = False) -> None:
     """Refuse an ROC path that cannot be written, before any image is embedded: the output rule
-    of every tool (utils.atomic.check_output_file, as identify_eval's --plot): its folder exists,
+    of every tool (utils.outputs.check_output_file, as identify_eval's --plot): its folder exists,
     it is not a folder, an existing file is replaced only with `overwrite`."""
     if path:
         check_output_file(path, overwrite=overwrite, what="--roc")

@@ -30,7 +30,7 @@ import numpy as np
 from shardface.dataset.errors import DataError
 from shardface.dataset.fingerprint import file_ends
 from shardface.errors import OutputError
-from shardface.utils.atomic import check_output_file
+from shardface.utils.outputs import check_output_file
 
 FORMAT = 4  # 4: SQLite (3: npz with part folders)
 HASH_BLOCK = 1 << 16  # the bytes hashed at each end of a photo

@@ -44,7 +44,8 @@ from shardface.scripts.options import (
     detection_from,
     workers_from,
 )
-from shardface.utils.atomic import check_output_dir, publishing_dir
+from shardface.utils.atomic import publishing_dir
+from shardface.utils.outputs import check_output_dir
 from shardface.utils.progress import progress_bar
 
 REPORT = "align_report.csv"

@@ -29,7 +29,8 @@ from shardface.infer.weights import load_backbone
 from shardface.losses.subcenter import dominant_subcenters, drop_subcenters, far_from_dominant
 from shardface.parallel.user_errors import exits_on_user_error
 from shardface.scripts.cli import ArgumentParser
-from shardface.utils.atomic import check_output_file, publishing_set, refuse_inputs
+from shardface.utils.atomic import publishing_set
+from shardface.utils.outputs import check_output_file, refuse_inputs
 
 
 def full_head_weight(checkpoint: str) -> tuple[torch.Tensor, int]:

@@ -35,7 +35,8 @@ from shardface.scripts.options import (
     model_from,
     workers_from,
 )
-from shardface.utils.atomic import check_output_file, publishing_set, refuse_inputs
+from shardface.utils.atomic import publishing_set
+from shardface.utils.outputs import check_output_file, refuse_inputs
 from shardface.utils.progress import progress_bar
 
 logger = logging.getLogger("shardface")

@@ -27,7 +27,8 @@ from shardface.infer.thresholds import THRESHOLD_KEY
 from shardface.parallel.user_errors import exits_on_user_error
 from shardface.scripts.cli import ArgumentParser
 from shardface.scripts.options import add_model_options, model_from
-from shardface.utils.atomic import check_output_file, publishing, refuse_inputs
+from shardface.utils.atomic import publishing
+from shardface.utils.outputs import check_output_file, refuse_inputs
 
 
 def export(

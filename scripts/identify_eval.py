@@ -40,7 +40,7 @@ from shardface.scripts.options import (
     model_from,
     workers_from,
 )
-from shardface.utils.atomic import check_output_file
+from shardface.utils.outputs import check_output_file
 
 
 def split(people: list[tuple[str, list[str]]], per_id: int, unknown: int, seed: int):

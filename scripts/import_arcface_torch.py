@@ -33,7 +33,7 @@ from shardface.checkpoint.state import TrainState, new_run_id
 from shardface.configs import ConfigError, get_config
 from shardface.heads.sharding import class_shard
 from shardface.parallel.user_errors import exits_on_user_error
-from shardface.utils.atomic import check_output_dir
+from shardface.utils.outputs import check_output_dir
 
 KEYS = (
     "epoch",

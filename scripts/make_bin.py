@@ -45,7 +45,7 @@ from shardface.scripts.options import (
     retries_from,
     workers_from,
 )
-from shardface.utils.atomic import check_output_file, refuse_inputs
+from shardface.utils.outputs import check_output_file, refuse_inputs
 from shardface.utils.progress import progress_bar
 
 DEFAULT_PAIRS = 3000

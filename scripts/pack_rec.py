@@ -30,7 +30,7 @@ from shardface.faces.stream import align_groups, aligned_pngs
 from shardface.parallel.user_errors import exits_on_user_error
 from shardface.scripts.cli import ArgumentParser
 from shardface.scripts.options import add_align_options, face_detection, workers_from
-from shardface.utils.atomic import check_output_dir, check_output_file, refuse_inputs
+from shardface.utils.outputs import check_output_dir, check_output_file, refuse_inputs
 from shardface.utils.progress import progress_bar
 
 

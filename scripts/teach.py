@@ -29,7 +29,7 @@ from shardface.infer.model import model_files, tool_device
 from shardface.parallel.user_errors import exits_on_user_error
 from shardface.scripts.cli import ArgumentParser
 from shardface.scripts.options import add_model_options, device_from, model_from
-from shardface.utils.atomic import check_output_file, refuse_inputs
+from shardface.utils.outputs import check_output_file, refuse_inputs
 
 PACKED = ("train.rec", "train.idx", "property")
 

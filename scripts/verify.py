@@ -42,7 +42,7 @@ from shardface.scripts.options import (
     model_from,
     retries_from,
 )
-from shardface.utils.atomic import refuse_inputs
+from shardface.utils.outputs import refuse_inputs
 
 
 def verify_list(args, embedder, pair_list, detection):

@@ -452,15 +452,15 @@ def test_align_overwrite_swaps_folders_and_cleans_what_killed_runs_left(photos, 
 
 
 def test_align_killed_between_moving_the_earlier_folder_aside_and_the_new_one_in_keeps_it(photos, tmp_path):
-    """Where no atomic exchange is available: a kill after the earlier DST was moved to its
-    journaled backup leaves no DST; the next run puts the earlier one back before it starts."""
+    """A kill after the earlier DST was moved to its journaled backup leaves no DST; the next
+    run puts the earlier one back before it starts."""
     from shardface.utils import atomic
     from tests.tool_files import dead_pid
 
     dst, backup = tmp_path / "dst", tmp_path / f".dst.old-{socket.gethostname()}-{dead_pid()}"
     os.makedirs(backup)
     (backup / "earlier").write_text("x")
-    assert atomic.recover_dir(str(dst)) and os.listdir(dst) == ["earlier"] and os.listdir(tmp_path) == ["dst"]
+    assert atomic.recover([str(dst)]) and os.listdir(dst) == ["earlier"] and os.listdir(tmp_path) == ["dst"]
 
 
 def test_a_photo_stored_sideways_with_exif_orientation_is_turned_upright(head, head_faces, tmp_path):

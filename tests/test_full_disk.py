@@ -40,12 +40,13 @@ class _FillingFile:
         self.f.close()
 
 
-def fill_disk_at(monkeypatch, fragment: str, room: int = 1000) -> None:
-    """Writes to files whose path contains `fragment` run out of space after `room` bytes."""
+def fill_disk_at(monkeypatch, *fragments: str, room: int = 1000) -> None:
+    """Writes to files whose path contains every one of `fragments` run out of space after
+    `room` bytes."""
 
     def opening(path, mode="r", *args, **kw):
         f = open(path, mode, *args, **kw)
-        return _FillingFile(f, room) if fragment in path and "w" in mode else f
+        return _FillingFile(f, room) if all(f in path for f in fragments) and "w" in mode else f
 
     monkeypatch.setattr(checkpoint_files, "open", opening, raising=False)
 
@@ -54,7 +55,7 @@ def test_full_disk_during_a_checkpoint_names_file_and_space_and_removes_the_part
     drawn_faces, tmp_path, monkeypatch
 ):
     out = str(tmp_path / "run")
-    fill_disk_at(monkeypatch, os.path.join("checkpoint-00000004.tmp", ".backbone.pt.partial-"))
+    fill_disk_at(monkeypatch, "/.checkpoint-00000004.partial-", "/.backbone.pt.partial-")
     with pytest.raises(NoSpaceError) as full:
         train.main(train_argv(drawn_faces, out, "--max_steps", "4", "--checkpoint_interval", "2"))
     message = str(full.value)
@@ -62,10 +63,10 @@ def test_full_disk_during_a_checkpoint_names_file_and_space_and_removes_the_part
     assert message.startswith(
         f"{out}: no space for checkpoint-00000004 (backbone.pt did not fit: No space left"
     )
-    assert ".tmp" not in message  # the staging folder, removed: not named
+    assert ".partial-" not in message  # the staging folder, removed: not named
     assert "a checkpoint needs about" in message and "the partial save was removed" in message
     assert [os.path.basename(p) for _, p in list_checkpoints(out)] == ["checkpoint-00000002"]
-    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+    assert not [n for n in os.listdir(out) if ".partial-" in n]
     assert find_checkpoint(out).endswith("checkpoint-00000002")
     read_backbone_weights(out)  # the earlier checkpoint loads
     assert not os.path.exists(os.path.join(out, "run.lock"))
@@ -99,7 +100,7 @@ def test_full_disk_on_one_rank_stops_every_rank_alike(tmp_path):
     assert messages[0] == messages[1] and "rng-rank1.pt did not fit: No space left on device" in messages[0]
     assert "a checkpoint needs about" in messages[0]
     assert [step for step, _ in list_checkpoints(out)] == [1]
-    assert not os.path.exists(os.path.join(out, "checkpoint-00000002.tmp"))
+    assert not [n for n in os.listdir(out) if ".partial-" in n]
     assert find_checkpoint(out).endswith("checkpoint-00000001")
 
 

@@ -228,7 +228,8 @@ def test_an_output_name_too_long_to_stage_is_refused_before_the_work_naming_it(t
     """The staging name adds `.` and `.partial-HOST-PID` to the name: a name that fits alone can
     pass the file system's 255 bytes once staged, which failed only at the publish, after the work."""
     from shardface.errors import OutputError
-    from shardface.utils.atomic import check_output_dir, check_output_file, staging_path
+    from shardface.utils.atomic import staging_path
+    from shardface.utils.outputs import check_output_dir, check_output_file
 
     extra = len(os.path.basename(staging_path(str(tmp_path / "x")))) - 1
     long_name = "v" * (255 - extra + 1 - len(".bin")) + ".bin"  # fits alone; its staging name does not
@@ -253,7 +254,7 @@ def test_an_output_name_too_long_to_stage_is_refused_before_the_work_naming_it(t
 def test_an_output_folder_that_takes_no_file_is_refused_even_for_root(tmp_path, monkeypatch):
     """os.access says yes to root everywhere; the check creates the staging file instead."""
     from shardface.errors import OutputError
-    from shardface.utils import atomic
+    from shardface.utils import outputs
 
     folder = tmp_path / "ro"
     folder.mkdir()
@@ -264,12 +265,12 @@ def test_an_output_folder_that_takes_no_file_is_refused_even_for_root(tmp_path, 
             raise PermissionError(13, "Permission denied", path)
         return real_open(path, flags, *a)
 
-    monkeypatch.setattr(atomic.os, "access", lambda *a, **k: True)  # as root
-    monkeypatch.setattr(atomic.os, "open", refusing)
+    monkeypatch.setattr(outputs.os, "access", lambda *a, **k: True)  # as root
+    monkeypatch.setattr(outputs.os, "open", refusing)
     with pytest.raises(OutputError, match=r"out.bin: cannot create a file in .*ro \(Permission denied\)"):
-        atomic.check_output_file(str(folder / "out.bin"))
+        outputs.check_output_file(str(folder / "out.bin"))
     monkeypatch.undo()
-    atomic.check_output_file(str(folder / "out.bin"))
+    outputs.check_output_file(str(folder / "out.bin"))
     assert os.listdir(folder) == []  # the probe leaves nothing
 
 
@@ -293,22 +294,17 @@ def test_pair_cache_of_a_list_read_from_a_pipe_is_refused_before_the_work(tmp_pa
         os.close(r), os.close(w)
 
 
-@pytest.mark.parametrize("exchange", [True, False])
-def test_folder_output_through_a_symlink_replaces_the_linked_folder_and_keeps_the_link(
-    tmp_path, monkeypatch, exchange
-):
+def test_folder_output_through_a_symlink_replaces_the_linked_folder_and_keeps_the_link(tmp_path):
     """align --overwrite DST where DST links to a folder: the folder it names gets the new crops
     (none of the old left), the link stays a link, and no staging or backup folder is left."""
-    from shardface.utils import atomic
+    from shardface.utils import atomic, outputs
 
     target = tmp_path / "disk" / "crops"
     target.mkdir(parents=True)
     (target / "old.png").write_bytes(b"old crop")
     link = tmp_path / "crops"
     link.symlink_to(target)
-    if not exchange:  # a system without renameat2: the journaled move aside
-        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
-    atomic.check_output_dir(str(link))
+    outputs.check_output_dir(str(link))
     with atomic.publishing_dir(str(link)) as tmp:
         open(os.path.join(tmp, "new.png"), "wb").write(b"new crop")
     assert link.is_symlink() and os.path.realpath(link) == str(target)
