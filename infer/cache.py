@@ -4,8 +4,8 @@ embeds (or searches) only what is new. One `Cache` class; a subclass per kind.
 
 A cache is one SQLite database (the standard library's sqlite3): a `header` table of one JSON row
 (kind, FORMAT and what made the rows: model, crop, options) and `rows` (the photo's `content_key`
-and whatever else the row depends on -> the row's bytes and dtype; no row where nothing was found,
-as a photo without a face).
+and whatever else the row depends on -> the row: an array's bytes and dtype, or a JSON record,
+such as a photo's size and its `Face.to_dict`; no row where nothing was found).
 - A path holding anything but a cache of the kind is refused by name and left alone (CacheError);
   a file of ShardFace's own cache name that is not one (cut short) is called damaged.
 - One of the kind made otherwise (format, model or options: `changes`) is not read, and one whose
@@ -32,7 +32,7 @@ from shardface.dataset.fingerprint import file_ends
 from shardface.errors import OutputError
 from shardface.utils.outputs import check_output_file
 
-FORMAT = 4  # 4: SQLite (3: npz with part folders)
+FORMAT = 5  # 5: JSON records beside arrays (4: SQLite, 3: npz with part folders)
 HASH_BLOCK = 1 << 16  # the bytes hashed at each end of a photo
 SAVE_EVERY_S = 30.0  # a killed run loses at most this much work (and one batch)
 LOCK_WAIT_S = 60.0  # how long a write waits for another run's
@@ -67,7 +67,7 @@ def _reading(path: str) -> sqlite3.Connection:
 
 
 class Cache:
-    """key -> row (an array of `shape`) or None, read from `path` (None: in memory only) unless
+    """key -> row (an array of `shape`; with shape None, a JSON record) or None, read from `path` (None: in memory only) unless
     `rebuild`. Each kind's `what`, `hint` and `redo` word its messages."""
 
     kind = what = hint = redo = ""
@@ -77,11 +77,11 @@ class Cache:
         self,
         path: str | None,
         header: dict,
-        shape: tuple,
+        shape: tuple | None,
         rebuild: bool = False,
         save_every_s: float = SAVE_EVERY_S,
     ):
-        self.path, self.shape, self.rebuild, self.save_every_s = path, tuple(shape), rebuild, save_every_s
+        self.path, self.shape, self.rebuild, self.save_every_s = path, shape, rebuild, save_every_s
         self.header = {"kind": self.kind, "format": FORMAT, **header}
         self.entries, self.new, self.unsaved = {}, set(), {}
         self.last = time.monotonic()
@@ -147,7 +147,7 @@ class Cache:
     def get(self, key: str) -> np.ndarray | None:
         return self.entries.get(key)
 
-    def put(self, key: str, row: np.ndarray | None) -> None:
+    def put(self, key: str, row: np.ndarray | dict | None) -> None:
         """Add an entry; every `save_every_s` seconds the new ones are committed."""
         self.entries[key] = self.unsaved[key] = row
         self.new.add(key)
@@ -176,23 +176,30 @@ class Cache:
                 entries = self.entries
             db.executemany(
                 "INSERT OR REPLACE INTO rows VALUES (?, ?, ?)",
-                [
-                    (k, None, None)
-                    if r is None
-                    else (k, np.asarray(r).dtype.str, np.ascontiguousarray(r).tobytes())
-                    for k, r in entries.items()
-                ],
+                [(k, *self._encode(r)) for k, r in entries.items()],
             )
         self.unsaved, self.rebuild, self.last = {}, False, time.monotonic()
 
+    def _encode(self, row) -> tuple[str | None, bytes | None]:
+        if row is None:
+            return None, None
+        if self.shape is None:
+            return "json", json.dumps(row, sort_keys=True).encode()
+        return np.asarray(row).dtype.str, np.ascontiguousarray(row).tobytes()
+
     def _read(self, path: str) -> dict:
         """The entries of a cache whose header matched; _Damaged (the reason) when its rows are not
-        finite rows of `shape` (of unit length where `unit`)."""
+        finite rows of `shape` (of unit length where `unit`), or not JSON records."""
         try:
             with contextlib.closing(_reading(path)) as db:
                 stored = db.execute("SELECT key, dtype, row FROM rows").fetchall()
         except sqlite3.Error as exc:
             raise _Damaged(f"unreadable ({type(exc).__name__}: {exc})") from None
+        if self.shape is None:
+            try:
+                return {k: None if blob is None else json.loads(blob) for k, _, blob in stored}
+            except ValueError as exc:
+                raise _Damaged(f"a row is not JSON ({exc})") from None
         out, size = {}, int(np.prod(self.shape))
         for key, dtype, blob in stored:
             if blob is None:

@@ -23,7 +23,7 @@ from shardface.dataset.folders import hidden, identity_folders, not_regular, wal
 from shardface.dataset.images import IMAGE_EXTENSIONS, image_size
 from shardface.faces.align import ARCFACE_112, Template
 from shardface.faces.detect import Face
-from shardface.faces.stream import no_face_message
+from shardface.faces.stream import Photo, no_face_message
 from shardface.infer.cache import SAVE_EVERY_S, Cache, content_key
 from shardface.infer.embed import l2_normalize
 from shardface.infer.search import make_index
@@ -37,16 +37,6 @@ logger = logging.getLogger("shardface")
 
 class GalleryError(DataError):
     """A gallery folder, gallery file or query that cannot be used (the message names it)."""
-
-
-@dataclass
-class EmbeddedFace:
-    """One face found in a photo (or a crop file's one face): where it is and its embedding."""
-
-    path: str
-    index: int  # 0 = the largest face of the photo
-    box: tuple[int, int, int, int]  # x0, y0, x1, y1 in photo pixels (the whole crop without alignment)
-    embedding: np.ndarray  # D, L2-normalised
 
 
 @dataclass
@@ -116,9 +106,10 @@ def embedded_faces(
     largest_only: bool = False,
     show_progress: bool = False,
     strict: bool = False,
-) -> list[EmbeddedFace]:
-    """Every face (or the largest) of every photo (one per file without `align`), in order, embedded a
-    batch at a time after every header is read; `strict` refuses a photo without a face, naming it."""
+) -> list[Photo]:
+    """The photos with a face, in order, each with every face (or the largest; one per file without
+    `align`) embedded, a batch at a time after every header is read; `strict` refuses a photo without
+    a face, naming it."""
     for path in paths:
         check_image(path, model.template, align)
     label, shown = (
@@ -136,12 +127,9 @@ def embedded_faces(
             batch_size=batch_size,
             progress=bar.update,
         ):
-            out += [
-                EmbeddedFace(photo.name, i, tuple(int(round(v)) for v in face.box), face.embedding)
-                for i, face in enumerate(photo.faces)
-                if face.embedding is not None
-            ]
-    seen = {f.path for f in out}
+            embedded = [face for face in photo.faces if face.embedding is not None]
+            out += [dataclasses.replace(photo, faces=embedded, cuts=[])] if embedded else []
+    seen = {photo.name for photo in out}
     missing = [p for p in paths if p not in seen]
     if strict and missing:
         raise GalleryError(f"{no_face_message(missing, len(paths), model.detection)}; --strict refuses them")
@@ -319,7 +307,7 @@ class Match:
 def matches(
     faces: list[Face], enrolment, threshold: float, top: int = 1, engine: str = "auto", device="cpu"
 ) -> list[Match]:
-    """Each embedded face's Match (anything with .embedding: a Face, an EmbeddedFace) against the people."""
+    """Each embedded face's Match against the people."""
     if not faces:
         return []
     scores, ids = identify(enrolment, np.stack([f.embedding for f in faces]), top, engine, device)

@@ -28,11 +28,10 @@ from shardface.infer.stream import analyse
 from shardface.utils.progress import progress_bar
 
 SHOWN = 20  # photos named in a report
-SHAPE = 68  # the most points of dlib's shape a face row holds
 
 
 class FacesCache(Cache):
-    """(photo content, face options) -> its size and largest face, as one row (`_row`)."""
+    """(photo content, face options) -> its size and largest face, as one JSON record (`_row`)."""
 
     kind, what, hint, redo = (
         "shardface pair-list faces",
@@ -42,7 +41,7 @@ class FacesCache(Cache):
     )
 
     def __init__(self, path: str | None):
-        super().__init__(path, {}, (19 + 2 * SHAPE,))
+        super().__init__(path, {}, None)
 
 
 class EmbeddingCache(Cache):
@@ -75,30 +74,12 @@ def check_cache(path: str) -> None:
     (FacesCache if path.endswith(".shardface_faces.sqlite") else EmbeddingCache).check(path, write=True)
 
 
-def _row(size: tuple[int, int], face: Face | None) -> np.ndarray:
-    """w, h, found, box (4), points (10), score, n (dlib's shape's points), that shape (zero-padded)."""
-    row = np.zeros(19 + 2 * SHAPE)
-    row[:3] = (*size, face is not None)
-    if face is not None:
-        shape = np.zeros((0, 2)) if face.shape is None else np.asarray(face.shape)
-        row[3:19] = (*face.box, *np.ravel(face.points), face.score, len(shape))
-        row[19 : 19 + shape.size] = shape.ravel()
-    return row
+def _row(size: tuple[int, int], face: Face | None) -> dict:
+    return {"size": list(size), "face": None if face is None else face.to_dict()}
 
 
-def _face(row: np.ndarray) -> tuple[tuple[int, int], Face | None]:
-    n = int(row[18])
-    face = (
-        Face(
-            tuple(float(v) for v in row[3:7]),
-            row[7:17].reshape(5, 2).copy(),
-            float(row[17]),
-            row[19 : 19 + 2 * n].reshape(n, 2).copy() if n else None,
-        )
-        if row[2]
-        else None
-    )
-    return (int(row[0]), int(row[1])), face
+def _face(row: dict) -> tuple[tuple[int, int], Face | None]:
+    return tuple(row["size"]), None if row["face"] is None else Face.from_dict(row["face"])
 
 
 @dataclass(frozen=True)

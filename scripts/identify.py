@@ -53,19 +53,20 @@ def query_files(inputs: list[str], template, align: bool) -> list[str]:
     return paths
 
 
-def result_rows(matched) -> list[dict]:
-    """One JSON row per face (its Match: infer.enrolment); `name` is null where nobody reaches the
-    threshold (a person may be called "unknown")."""
+def result_rows(places: list[tuple[str, int]], matched) -> list[dict]:
+    """One JSON row per face, at `places` (photo, index of the face: 0 the largest) with its Match
+    (infer.enrolment); `name` is null where nobody reaches the threshold (a person may be called
+    "unknown")."""
     return [
         {
-            "file": m.face.path,
-            "face": m.face.index,
-            "box": list(m.face.box),
+            "file": path,
+            "face": index,
+            "box": [int(round(v)) for v in m.face.box],
             "name": m.name,
             "score": round(m.score, 6),
             "candidates": [{"name": n, "score": round(v, 6)} for n, v in m.candidates],
         }
-        for m in matched
+        for (path, index), m in zip(places, matched)
     ]
 
 
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
         strict=args.strict,
         workers=workers,
     )
-    faces = embedded_faces(
+    photos = embedded_faces(
         queries,
         embedder,
         args.align,
@@ -163,8 +164,10 @@ def main(argv=None) -> int:
         show_progress=not args.json,
         strict=args.strict,
     )
-    rows = result_rows(matches(faces, gallery, threshold, args.top, args.engine, embedder.device))
-    without = [q for q in queries if q not in {f.path for f in faces}]
+    places = [(photo.name, i) for photo in photos for i in range(len(photo.faces))]
+    faces = [face for photo in photos for face in photo.faces]
+    rows = result_rows(places, matches(faces, gallery, threshold, args.top, args.engine, embedder.device))
+    without = [q for q in queries if q not in {photo.name for photo in photos}]
     if args.json:
         print(
             json.dumps(

@@ -93,8 +93,8 @@ def evaluate(
         show_progress=show_progress,
         strict=strict,
     )
-    for face in found:  # the largest face of each image
-        faces[os.path.relpath(face.path, folder)] = face.embedding
+    for photo in found:  # the largest face of each image
+        faces[os.path.relpath(photo.name, folder)] = photo.face.embedding
     names, templates, not_enrolled = [], [], []
     for name, fs in enrolled:
         found = [faces[f] for f in fs if f in faces]
