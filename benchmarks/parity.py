@@ -1,0 +1,302 @@
+#!/usr/bin/env python
+"""Parity on real faces (issue #64): one network and one recipe trained twice at W=2, by
+arcface_torch's own code and by train.py, on the same packed faces; then both verified on LFW
+(and CFP) from the photos.
+
+    .venv/bin/python benchmarks/parity.py --rec REC --arcface_torch DIR --lfw LFW --pairs_list pairs.txt \\
+        [--cfp CFP_ROOT] [--arms ...] [--seeds 1 2] [--work work_dirs/parity]
+
+- **recipe**: `configs/parity.py`, read by both halves (train.py as its job config; the
+  arcface_torch half through `configs.get_config`, so an override reaches both alike).
+- **arcface_torch**: its pieces imported from a snapshot of insightface's
+  `recognition/arcface_torch` (`--arcface_torch DIR`, as benchmarks/whole_step.py imports them,
+  never copied): `backbones.get_model`, `CombinedMarginLoss`, `PartialFC_V2`,
+  `PolynomialLRWarmup`. Its train_v2.py loop body is restated around them under torchrun: DDP
+  with its options and fp16 compression hook, one SGD over backbone and head, the backbone
+  clipped at norm 5, `lr_scheduler.step()` each step. Two things are not its own: the batches
+  come from ShardFace's loader (its loader needs mxnet; both halves read the same records, with
+  the same mirroring), and PolynomialLRWarmup is built without the `verbose` argument that
+  torch >= 2.7 no longer takes (its schedule is its own `get_lr`). Its fp16 compression hook
+  casts the gradients before the all-reduce, also in fp32 training: gradients past fp16's range
+  (65504) become inf and the weights NaN. The smoke run's noise does that in its first step
+  (random weights, gradients near 1e11), so the smoke accepts it for this half, saying so; a
+  real run that diverges is reported, not hidden.
+- **ShardFace**: `train.py configs/parity.py` under torchrun, every other key at its default
+  (channels-last, ZeRO-2); the arm `shardface exact` adds `--straight_through false`, the
+  margin's exact derivative.
+- **time**: each run's wall time, the torchrun launch included, and samples/s. Time the runs on
+  a quiet machine, one after another.
+- **verification**: as benchmarks/real_faces.py's (its faces and caches): LFW view 2, all 6,000
+  pairs from the photos, and with `--cfp` CFP's FP and FF, single view and flip test.
+
+A finished run is kept and not trained again (`--evaluate`: the table of finished runs). `--smoke`
+trains each half a few steps on synthetic data at toy size and loads each model (nothing else),
+so that the script cannot rot; `make test` runs it. Research data: nothing of the faces is
+written into the repository (the work folder is under the ignored work_dirs/ by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import common  # noqa: F401,I001
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = "configs/parity.py"
+ARMS = {"arcface_torch": None, "shardface": [], "shardface exact": ["--straight_through", "false"]}
+SMOKE = ["--network", "mbf", "--batch_size", "2", "--embedding_size", "64", "--max_steps", "2"]
+
+
+def launch(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+
+
+def run_dir(work: str, arm: str, seed: int) -> str:
+    return os.path.join(work, "runs", f"{arm.replace(' ', '_')}_seed{seed}")
+
+
+def model_of(run: str, arm: str) -> str:
+    """What load_model takes for a run: arcface_torch's model.pt, or ShardFace's run folder."""
+    return os.path.join(run, "model.pt") if arm == "arcface_torch" else run
+
+
+def train(args, arm: str, seed: int, recipe: list[str]) -> None:
+    """One arm's run at W=`--nproc`; its wall time and samples/s go into `timing.txt`."""
+    out = run_dir(args.work, arm, seed)
+    if os.path.isfile(os.path.join(out, "timing.txt")):
+        return
+    os.makedirs(out, exist_ok=True)
+    keys = [*recipe, "--seed", str(seed), "--output", out]
+    if arm == "arcface_torch":
+        command = [*launch(args.nproc), __file__, "--worker", "--arcface_torch", args.arcface_torch, *keys]
+    else:
+        command = [*launch(args.nproc), "train.py", CONFIG, *keys, *ARMS[arm]]
+    print(f"training {arm}, seed {seed} -> {out}", flush=True)
+    t = time.perf_counter()
+    with open(os.path.join(out, "console.log"), "w") as log:
+        done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - t
+    if done.returncode != 0:
+        raise SystemExit(f"{arm}, seed {seed}: exit {done.returncode}; see {out}/console.log")
+    samples = int(open(os.path.join(out, "samples.txt")).read()) if arm == "arcface_torch" else None
+    if samples is None:
+        samples = _trained_samples(out)
+    with open(os.path.join(out, "timing.txt"), "w") as f:
+        f.write(f"{wall:.1f} {samples}\n")
+
+
+def _trained_samples(run: str) -> int:
+    """The samples train.py's run trained: its steps times the global batch (from its checkpoint)."""
+    from shardface.checkpoint.folders import find_checkpoint
+
+    meta = torch.load(os.path.join(find_checkpoint(run), "meta.pt"), map_location="cpu", weights_only=True)
+    return int(meta["step"]) * int(meta["batch_size"]) * int(meta["world_size"])
+
+
+def worker(argv: list[str]) -> None:
+    """arcface_torch's half, one rank of it (started by torchrun): see the module docstring."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    from torch.nn.parallel import DistributedDataParallel
+    from whole_step import cuda_calls_stay_on_the_cpu, load_arcface_torch
+
+    from shardface.configs import get_config
+    from shardface.dataset import build_dataset, normalize_images
+    from shardface.dataset.loader import ResumableDistributedSampler, get_dataloader
+
+    snapshot = argv[argv.index("--arcface_torch") + 1]
+    rest = [
+        a for i, a in enumerate(argv) if a != "--arcface_torch" and argv[i - 1 : i] != ["--arcface_torch"]
+    ]
+    cfg = get_config(CONFIG, rest)
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    aft = load_arcface_torch(snapshot)
+    torch.manual_seed(cfg.seed)
+    backbone = aft.backbones.get_model(
+        cfg.network, dropout=0.0, fp16=cfg.fp16, num_features=cfg.embedding_size
+    ).to(device)
+    backbone = DistributedDataParallel(
+        module=backbone,
+        broadcast_buffers=False,
+        device_ids=[device.index] if cuda else None,
+        bucket_cap_mb=16,
+        find_unused_parameters=True,
+    )
+    backbone.register_comm_hook(None, fp16_compress_hook)
+    backbone.train()
+    backbone._set_static_graph()
+    margin = aft.losses.CombinedMarginLoss(64, *cfg.margin_list, cfg.interclass_filtering_threshold)
+    with cuda_calls_stay_on_the_cpu(device):
+        pfc = aft.partial_fc_v2.PartialFC_V2(
+            margin, cfg.embedding_size, cfg.num_classes, cfg.sample_rate, False
+        )
+        pfc.train().to(device)
+    opt = torch.optim.SGD(
+        params=[{"params": backbone.parameters()}, {"params": pfc.parameters()}],
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
+    )
+    dataset = build_dataset(cfg.rec, cfg.num_classes, normalize=False)
+    sampler = ResumableDistributedSampler(len(dataset), world, rank, cfg.batch_size, cfg.seed, source=cfg.rec)
+    loader = get_dataloader(dataset, sampler, cfg.num_workers, device, cfg.seed)
+    per_epoch = sampler.batches_per_epoch
+    total = min(per_epoch * cfg.num_epoch, cfg.max_steps or per_epoch * cfg.num_epoch)
+    scheduler = _polynomial(aft, opt, per_epoch * cfg.warmup_epoch, per_epoch * cfg.num_epoch)
+    step = 0
+    for epoch in range(cfg.num_epoch):
+        sampler.set_epoch(epoch)
+        dataset.set_epoch(epoch, cfg.seed)
+        for images, labels in loader:
+            images = normalize_images(images.to(device, non_blocking=True))
+            with cuda_calls_stay_on_the_cpu(device):
+                loss = pfc(backbone(images), labels.to(device).clone())  # it squeezes its labels in place
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(backbone.parameters(), 5)
+            opt.step()
+            opt.zero_grad()
+            scheduler.step()
+            step += 1
+            if rank == 0 and step % cfg.frequent == 0:
+                print(f"step {step}/{total} epoch {epoch} loss {loss.item():.4f}", flush=True)
+            if step == total:
+                break
+        if step == total:
+            break
+    if rank == 0:
+        torch.save(backbone.module.state_dict(), os.path.join(cfg.output, "model.pt"))
+        with open(os.path.join(cfg.output, "config.json"), "w") as f:  # names the network for load_model
+            json.dump(dict(cfg), f, indent=1)
+        with open(os.path.join(cfg.output, "samples.txt"), "w") as f:
+            f.write(f"{step * cfg.batch_size * world}\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _polynomial(aft, opt, warmup: int, total: int):
+    """arcface_torch's PolynomialLRWarmup (its `get_lr`), built as its __init__ builds it, less the
+    `verbose` argument torch >= 2.7's LRScheduler refuses."""
+
+    class Schedule(aft.lr_scheduler.PolynomialLRWarmup):
+        def __init__(self):
+            torch.optim.lr_scheduler.LRScheduler.__init__(self, opt)
+            self.total_iters, self.power, self.warmup_iters = total, 1.0, warmup
+
+    return Schedule()
+
+
+def report(args, recipe_note: str) -> None:
+    """The table of the finished runs on each pair list, with each arm's means and deviations."""
+    from real_faces import list_faces, list_scores
+
+    runs = [(arm, seed, run_dir(args.work, arm, seed)) for arm in args.arms for seed in args.seeds]
+    runs = [r for r in runs if os.path.isfile(os.path.join(r[2], "timing.txt"))]
+    lists = [("LFW view 2", args.pairs_list, args.lfw, None)]
+    lists += [(f"CFP-{p}", args.cfp, None, p) for p in ("FP", "FF") if args.cfp]
+    scores = {}
+    for title, path, images, protocol in lists:
+        pair_list, faces = list_faces(args, path, images, protocol)
+        for arm, seed, run in runs:
+            scores[arm, seed, title] = list_scores(args, path, pair_list, faces, model_of(run, arm))
+    print(f"\n{recipe_note}\n")
+    head = " | ".join(f"{t} acc | {t} flip" for t, *_ in lists)
+    print(f"| code / arm | seed | {head} | wall min | samples/s |")
+    print("|---|---" + "|---" * (2 * len(lists) + 2) + "|")
+    for arm in args.arms:
+        mine = [(seed, run) for a, seed, run in runs if a == arm]
+        for seed, run in mine:
+            wall, samples = open(os.path.join(run, "timing.txt")).read().split()
+            cells = " | ".join(
+                f"{scores[arm, seed, t][0]:.4f} | {scores[arm, seed, t][2]:.4f}" for t, *_ in lists
+            )
+            print(f"| {arm} | {seed} | {cells} | {float(wall) / 60:.1f} | {int(samples) / float(wall):.1f} |")
+        if len(mine) > 1:
+            cells = []
+            for t, *_ in lists:
+                for i in (0, 2):
+                    values = [scores[arm, seed, t][i] for seed, _ in mine]
+                    cells.append(f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}")
+            walls = [float(open(os.path.join(r, "timing.txt")).read().split()[0]) for _, r in mine]
+            print(f"| {arm}: mean ± sd | - | {' | '.join(cells)} | {statistics.mean(walls) / 60:.1f} | |")
+
+
+def smoke(args) -> None:
+    """Each half a few steps at toy size on synthetic data; each model loads and embeds."""
+    from shardface.errors import ModelError
+    from shardface.infer.model import load_model
+
+    recipe = ["--rec", "synthetic", "--num_classes", "64", "--num_epoch", "1", "--num_workers", "0", *SMOKE]
+    arms = ["shardface"] + (["arcface_torch"] if args.arcface_torch else [])
+    with tempfile.TemporaryDirectory() as work:
+        args.work = work
+        for arm in arms:
+            train(args, arm, 1, recipe)
+            wall, samples = open(os.path.join(run_dir(work, arm, 1), "timing.txt")).read().split()
+            try:
+                model = load_model(model_of(run_dir(work, arm, 1), arm))
+            except ModelError as exc:  # see the module docstring: noise overflows its fp16 hook
+                if arm != "arcface_torch" or "non-finite" not in str(exc):
+                    raise
+                print(f"smoke {arm}: {samples} samples in {float(wall):.1f} s, weights non-finite")
+                continue
+            emb = model.embed_crops(torch.zeros(2, 3, 112, 112, dtype=torch.uint8))
+            print(f"smoke {arm}: {samples} samples in {float(wall):.1f} s, embeddings {tuple(emb.shape)}")
+    if not args.arcface_torch:
+        print("arcface_torch: not run (no --arcface_torch DIR)")
+
+
+def main() -> None:
+    if "--worker" in sys.argv:
+        worker([a for a in sys.argv[1:] if a != "--worker"])
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rec", help="the packed training set (pack_rec's folder)")
+    p.add_argument("--arcface_torch", help="a snapshot of insightface's recognition/arcface_torch")
+    p.add_argument("--lfw", help="LFW's folder: FOLDER/name/name_000n.jpg")
+    p.add_argument("--pairs_list", help="LFW's pairs.txt (view 2)")
+    p.add_argument("--cfp", default=None, help="a CFP root: its FP and FF protocols too")
+    p.add_argument("--work", default=os.path.join(ROOT, "work_dirs", "parity"))
+    p.add_argument("--cache_dir", default=None, help="the LFW faces' and embeddings' cache")
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), metavar="ARM")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--num_epoch", type=int, default=None, help="overrides the recipe's, for both halves")
+    p.add_argument("--nproc", type=int, default=2, help="ranks per run")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="face-finding processes")
+    p.add_argument("--evaluate", action="store_true", help="only the table of the finished runs")
+    p.add_argument("--smoke", action="store_true", help="both halves at toy size (figures mean nothing)")
+    args = p.parse_args()
+    if args.smoke:
+        smoke(args)
+        return
+    if not (args.rec and args.lfw and args.pairs_list):
+        p.error("--rec, --lfw and --pairs_list are needed (or --smoke)")
+    args.work = os.path.abspath(args.work)
+    from shardface.dataset import build_dataset
+
+    with open(os.path.join(args.rec, "property")) as f:
+        classes = int(f.read().split(",")[0])
+    recipe = ["--rec", os.path.abspath(args.rec), "--num_classes", str(classes)]
+    recipe += ["--num_image", str(len(build_dataset(args.rec, classes)))]
+    recipe += ["--num_epoch", str(args.num_epoch)] if args.num_epoch else []
+    if not args.evaluate:
+        if "arcface_torch" in args.arms and not args.arcface_torch:
+            p.error("the arm arcface_torch needs --arcface_torch DIR")
+        for seed in args.seeds:  # every arm's first seed before any second
+            for arm in args.arms:
+                train(args, arm, seed, recipe)
+    report(args, f"recipe: {CONFIG} {' '.join(recipe)}, W={args.nproc}")
+
+
+if __name__ == "__main__":
+    main()
