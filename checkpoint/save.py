@@ -19,7 +19,7 @@ from shardface.checkpoint.files import (
 from shardface.checkpoint.folders import list_checkpoints, prune_checkpoints
 from shardface.checkpoint.state import TrainState, cpu_tensors, exported, plain, rng_state
 from shardface.parallel.dist import from_every_rank, get_rank
-from shardface.utils.atomic import publish, remove_stale, staging_path
+from shardface.utils.atomic import publish
 
 
 def _head_payload(head, head_opt) -> dict:
@@ -56,10 +56,12 @@ def save_checkpoint(
     also writes the weights for export there (the EMA's when EMA is on), from the same gather.
     `extra_meta` joins meta.pt (`imported_from`: a checkpoint without RNG states to restore)."""
     final = os.path.join(output, f"checkpoint-{state.step:08d}")
-    tmp = from_every_rank(staging_path(final))[0]  # rank 0's: the ranks fill one staging folder
+    # one staging folder that every rank names alike; the run lock keeps any other run out of
+    # `output`, so one left by a killed run is litter, removed here
+    tmp = os.path.join(output, f".{os.path.basename(final)}.partial")
     problem = None
     if rank == 0:
-        remove_stale(final)
+        shutil.rmtree(tmp, ignore_errors=True)
         problem = _attempt(lambda: os.makedirs(tmp), output, 0, os.path.basename(final))
     _agree(problem, tmp)
     opt_state = backbone_opt.state_dict(to_rank=0)  # collectives: every rank takes part

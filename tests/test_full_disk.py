@@ -55,7 +55,7 @@ def test_full_disk_during_a_checkpoint_names_file_and_space_and_removes_the_part
     drawn_faces, tmp_path, monkeypatch
 ):
     out = str(tmp_path / "run")
-    fill_disk_at(monkeypatch, "/.checkpoint-00000004.partial-", "/.backbone.pt.partial-")
+    fill_disk_at(monkeypatch, "/.checkpoint-00000004.partial/", "/.backbone.pt.partial-")
     with pytest.raises(NoSpaceError) as full:
         train.main(train_argv(drawn_faces, out, "--max_steps", "4", "--checkpoint_interval", "2"))
     message = str(full.value)
@@ -63,10 +63,10 @@ def test_full_disk_during_a_checkpoint_names_file_and_space_and_removes_the_part
     assert message.startswith(
         f"{out}: no space for checkpoint-00000004 (backbone.pt did not fit: No space left"
     )
-    assert ".partial-" not in message  # the staging folder, removed: not named
+    assert ".partial" not in message  # the staging folder, removed: not named
     assert "a checkpoint needs about" in message and "the partial save was removed" in message
     assert [os.path.basename(p) for _, p in list_checkpoints(out)] == ["checkpoint-00000002"]
-    assert not [n for n in os.listdir(out) if ".partial-" in n]
+    assert not [n for n in os.listdir(out) if ".partial" in n]
     assert find_checkpoint(out).endswith("checkpoint-00000002")
     read_backbone_weights(out)  # the earlier checkpoint loads
     assert not os.path.exists(os.path.join(out, "run.lock"))
@@ -100,7 +100,7 @@ def test_full_disk_on_one_rank_stops_every_rank_alike(tmp_path):
     assert messages[0] == messages[1] and "rng-rank1.pt did not fit: No space left on device" in messages[0]
     assert "a checkpoint needs about" in messages[0]
     assert [step for step, _ in list_checkpoints(out)] == [1]
-    assert not [n for n in os.listdir(out) if ".partial-" in n]
+    assert not [n for n in os.listdir(out) if ".partial" in n]
     assert find_checkpoint(out).endswith("checkpoint-00000001")
 
 
