@@ -153,6 +153,7 @@ SHARDFACE_ONLY = {  # the same keys, then the margin
         "subcenter_arcface",
     ),
     "real_faces": ("mbf", 298, 1.0, 0.1, 64, "sgd", 10, 1, (1.0, 0.0, 0.35), "combined"),
+    "parity": ("mbf", 298, 1.0, 0.1, 64, "sgd", 10, 0, (1.0, 0.5, 0.0), "combined"),
 }
 
 
