@@ -104,9 +104,7 @@ def _trained_samples(run: str) -> int:
 def worker(argv: list[str]) -> None:
     """arcface_torch's half, one rank of it (started by torchrun): see the module docstring."""
     import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
-    from torch.nn.parallel import DistributedDataParallel
-    from whole_step import cuda_calls_stay_on_the_cpu, load_arcface_torch
+    from whole_step import cuda_calls_stay_on_the_cpu, load_arcface_torch, wrapped_as_train_v2
 
     from shardface.configs import get_config
     from shardface.dataset import build_dataset, normalize_images
@@ -126,22 +124,7 @@ def worker(argv: list[str]) -> None:
     backbone = aft.backbones.get_model(
         cfg.network, dropout=0.0, fp16=cfg.fp16, num_features=cfg.embedding_size
     ).to(device)
-    backbone = DistributedDataParallel(
-        module=backbone,
-        broadcast_buffers=False,
-        device_ids=[device.index] if cuda else None,
-        bucket_cap_mb=16,
-        find_unused_parameters=True,
-    )
-    backbone.register_comm_hook(None, fp16_compress_hook)
-    backbone.train()
-    backbone._set_static_graph()
-    margin = aft.losses.CombinedMarginLoss(64, *cfg.margin_list, cfg.interclass_filtering_threshold)
-    with cuda_calls_stay_on_the_cpu(device):
-        pfc = aft.partial_fc_v2.PartialFC_V2(
-            margin, cfg.embedding_size, cfg.num_classes, cfg.sample_rate, False
-        )
-        pfc.train().to(device)
+    backbone, pfc = wrapped_as_train_v2(aft, cfg, backbone, cfg.num_classes, device)
     opt = torch.optim.SGD(
         params=[{"params": backbone.parameters()}, {"params": pfc.parameters()}],
         lr=cfg.lr,

@@ -239,10 +239,31 @@ def rec_batches(args, run, device: torch.device) -> list:
     return batches
 
 
-def run_theirs(args, aft, cfg, classes: int, device: torch.device, initial, batches) -> Half:
-    """arcface_torch's step (its train_v2.py loop body) from the snapshot's modules."""
+def wrapped_as_train_v2(aft, cfg, backbone, classes: int, device: torch.device):
+    """(DDP backbone, PartialFC_V2 head) as arcface_torch's train_v2.py builds them: DDP with its
+    options, fp16 compression hook and static graph, and the head over its CombinedMarginLoss."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
     from torch.nn.parallel import DistributedDataParallel
+
+    backbone = DistributedDataParallel(
+        module=backbone,
+        broadcast_buffers=False,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=16,
+        find_unused_parameters=True,
+    )
+    backbone.register_comm_hook(None, fp16_compress_hook)
+    backbone.train()
+    backbone._set_static_graph()
+    margin = aft.losses.CombinedMarginLoss(64, *cfg.margin_list, cfg.interclass_filtering_threshold)
+    with cuda_calls_stay_on_the_cpu(device):
+        pfc = aft.partial_fc_v2.PartialFC_V2(margin, cfg.embedding_size, classes, cfg.sample_rate, False)
+        pfc.train().to(device)
+    return backbone, pfc
+
+
+def run_theirs(args, aft, cfg, classes: int, device: torch.device, initial, batches) -> Half:
+    """arcface_torch's step (its train_v2.py loop body) from the snapshot's modules."""
 
     from shardface.dataset import normalize_images
 
@@ -259,20 +280,7 @@ def run_theirs(args, aft, cfg, classes: int, device: torch.device, initial, batc
         half.note = "initial weights: ours (backbone and head)"
     except RuntimeError as e:
         half.note = f"initial weights: the head's only; the backbones differ ({str(e).splitlines()[0][:120]})"
-    backbone = DistributedDataParallel(
-        module=backbone,
-        broadcast_buffers=False,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        bucket_cap_mb=16,
-        find_unused_parameters=True,
-    )
-    backbone.register_comm_hook(None, fp16_compress_hook)
-    backbone.train()
-    backbone._set_static_graph()
-    margin = aft.losses.CombinedMarginLoss(64, *cfg.margin_list, cfg.interclass_filtering_threshold)
-    with cuda_calls_stay_on_the_cpu(device):
-        pfc = aft.partial_fc_v2.PartialFC_V2(margin, cfg.embedding_size, classes, cfg.sample_rate, False)
-        pfc.train().to(device)
+    backbone, pfc = wrapped_as_train_v2(aft, cfg, backbone, classes, device)
     with torch.no_grad():
         pfc.weight.copy_(initial[1])
     opt = torch.optim.SGD(
