@@ -12,8 +12,9 @@ A checkpoint is a directory `checkpoint-<step>` under the run's output:
 
 Every rank writes its files into one staging folder (each file staged, flushed and renamed),
 which is then published as every tool's folder output is (utils.atomic) and named in `latest`,
-so an interrupted save never replaces the last good checkpoint. Loading uses `torch.load(weights_only=True)` and
-reshards the head (by class index), the optimizer state and the EMA to the current ranks.
+so an interrupted save never replaces the last good checkpoint. Loading uses
+`torch.load(weights_only=True)` and reshards the head (by class index), the optimizer state
+and the EMA to the current ranks.
 The output directory must be shared by all ranks (one machine, or a shared file system).
 
 The package, module by module:

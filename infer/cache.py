@@ -67,8 +67,8 @@ def _reading(path: str) -> sqlite3.Connection:
 
 
 class Cache:
-    """key -> row (an array of `shape`; with shape None, a JSON record) or None, read from `path` (None: in memory only) unless
-    `rebuild`. Each kind's `what`, `hint` and `redo` word its messages."""
+    """key -> row (an array of `shape`; with shape None, a JSON record) or None, read from `path`
+    (None: in memory only) unless `rebuild`. Each kind's `what`, `hint` and `redo` word its messages."""
 
     kind = what = hint = redo = ""
     unit = False

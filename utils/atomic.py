@@ -101,7 +101,8 @@ def fsync_dir(path: str) -> None:
 
 
 def _fsync(paths: list[str]) -> None:
-    """fsync each file of `paths` (a folder's own files are its writer's to flush), then each folder holding one."""
+    """fsync each file of `paths` (a folder's own files are its writer's to flush), then each
+    folder holding one."""
     for path in paths:
         if os.path.isfile(path):
             with open(path, "rb") as f:
