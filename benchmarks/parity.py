@@ -86,11 +86,18 @@ def train(args, arm: str, seed: int, recipe: list[str]) -> None:
     wall = time.perf_counter() - t
     if done.returncode != 0:
         raise SystemExit(f"{arm}, seed {seed}: exit {done.returncode}; see {out}/console.log")
-    samples = int(open(os.path.join(out, "samples.txt")).read()) if arm == "arcface_torch" else None
-    if samples is None:
+    if arm == "arcface_torch":
+        samples = int(open(os.path.join(out, "samples.txt")).read())
+    else:
         samples = _trained_samples(out)
     with open(os.path.join(out, "timing.txt"), "w") as f:
         f.write(f"{wall:.1f} {samples}\n")
+
+
+def timing(run: str) -> tuple[float, int]:
+    """(wall seconds, samples trained) of a finished run, as `train` wrote them."""
+    wall, samples = open(os.path.join(run, "timing.txt")).read().split()
+    return float(wall), int(samples)
 
 
 def _trained_samples(run: str) -> int:
@@ -199,18 +206,18 @@ def report(args, recipe_note: str) -> None:
     for arm in args.arms:
         mine = [(seed, run) for a, seed, run in runs if a == arm]
         for seed, run in mine:
-            wall, samples = open(os.path.join(run, "timing.txt")).read().split()
+            wall, samples = timing(run)
             cells = " | ".join(
                 f"{scores[arm, seed, t][0]:.4f} | {scores[arm, seed, t][2]:.4f}" for t, *_ in lists
             )
-            print(f"| {arm} | {seed} | {cells} | {float(wall) / 60:.1f} | {int(samples) / float(wall):.1f} |")
+            print(f"| {arm} | {seed} | {cells} | {wall / 60:.1f} | {samples / wall:.1f} |")
         if len(mine) > 1:
             cells = []
             for t, *_ in lists:
                 for i in (0, 2):
                     values = [scores[arm, seed, t][i] for seed, _ in mine]
                     cells.append(f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}")
-            walls = [float(open(os.path.join(r, "timing.txt")).read().split()[0]) for _, r in mine]
+            walls = [timing(r)[0] for _, r in mine]
             print(f"| {arm}: mean ± sd | - | {' | '.join(cells)} | {statistics.mean(walls) / 60:.1f} | |")
 
 
@@ -225,16 +232,16 @@ def smoke(args) -> None:
         args.work = work
         for arm in arms:
             train(args, arm, 1, recipe)
-            wall, samples = open(os.path.join(run_dir(work, arm, 1), "timing.txt")).read().split()
+            wall, samples = timing(run_dir(work, arm, 1))
             try:
                 model = load_model(model_of(run_dir(work, arm, 1), arm))
             except ModelError as exc:  # see the module docstring: noise overflows its fp16 hook
                 if arm != "arcface_torch" or "non-finite" not in str(exc):
                     raise
-                print(f"smoke {arm}: {samples} samples in {float(wall):.1f} s, weights non-finite")
+                print(f"smoke {arm}: {samples} samples in {wall:.1f} s, weights non-finite")
                 continue
             emb = model.embed_crops(torch.zeros(2, 3, 112, 112, dtype=torch.uint8))
-            print(f"smoke {arm}: {samples} samples in {float(wall):.1f} s, embeddings {tuple(emb.shape)}")
+            print(f"smoke {arm}: {samples} samples in {wall:.1f} s, embeddings {tuple(emb.shape)}")
     if not args.arcface_torch:
         print("arcface_torch: not run (no --arcface_torch DIR)")
 

@@ -19,7 +19,7 @@ from shardface.checkpoint.files import (
 from shardface.checkpoint.folders import list_checkpoints, prune_checkpoints
 from shardface.checkpoint.state import TrainState, cpu_tensors, exported, plain, rng_state
 from shardface.parallel.dist import from_every_rank, get_rank
-from shardface.utils.atomic import publish
+from shardface.utils.atomic import publish, recover
 
 
 def _head_payload(head, head_opt) -> dict:
@@ -106,6 +106,7 @@ def save_checkpoint(
     _agree(_attempt(write_parts, output, needed, os.path.basename(final)), tmp)
 
     def publish_all():
+        recover([final])  # a swap of this step that a killed run left
         publish([tmp], [final])  # utils.atomic's folder swap, as every tool's
         atomic_write_text(os.path.join(output, "latest"), os.path.basename(final) + "\n")
         prune_checkpoints(output, state.step, state.run_id, keep)

@@ -163,8 +163,8 @@ def _restore(paths: list[str], backups: dict[str, str]) -> None:
 def publish(temps: list[str], paths: list[str]) -> None:
     """Swap the written `temps` in for `paths` (key last), journaled as the module says: a folder
     is moved aside to its backup, a file hard-linked to its (on a file system without hard links
-    a file has no backup, but the key still goes first and comes back last)."""
-    recover(paths)
+    a file has no backup, but the key still goes first and comes back last). The caller has run
+    `recover(paths)` first."""
     _fsync(temps)
     backups = {}
     for path in paths:
