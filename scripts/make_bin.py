@@ -13,11 +13,11 @@ photos without a face are left out of the draw and named (refused with --strict)
 With --pairs_list (LFW's pairs.txt or a plain `path1 path2 1|0` list, eval.pairs; or a CFP root
 with --protocol FP or FF, eval.cfp: insightface's cfp_fp.bin and cfp_ff.bin) the pairs are the
 list's, in its order, so verification's 10 folds are the list's own (LFW view 2's 10 sets of 600,
-CFP's 10 splits of 700). A pair is never dropped: with --align a photo where no face is found, after the retries
-asked for (--retry_upsample, --retry_mmod), is cut at a fallback face (infer.pair_photos, as
-scripts.verify does) and named; --strict refuses such photos instead. Each photo is aligned once
-however many pairs name it; its detection is cached beside the list (infer.cache), where
-scripts.verify finds it."""
+CFP's 10 splits of 700). A pair is never dropped: with --align a photo where no face is found,
+after the retries asked for (--retry_upsample, --retry_mmod: on by default for a CFP root), is
+cut at a fallback face (infer.pair_photos, as scripts.verify does) and named; --strict refuses
+such photos instead. Each photo is aligned once however many pairs name it; its detection is
+cached beside the list (infer.cache), where scripts.verify finds it."""
 
 from __future__ import annotations
 
@@ -96,7 +96,9 @@ def write_list_bin(args) -> int:
     for given, name in ((args.pairs is not None, "--pairs"), (args.seed is not None, "--seed")):
         if given:
             raise ConfigError(f"{name} draws pairs; --pairs_list takes the list's own")
-    if not args.align and (args.retry_upsample is not None or args.retry_mmod or args.cache_dir is not None):
+    if not args.align and (
+        args.retry_upsample is not None or args.retry_mmod is not None or args.cache_dir is not None
+    ):
         raise ConfigError(
             "--retry_upsample, --retry_mmod and --cache_dir search photos for faces: pass --align"
         )
@@ -162,7 +164,12 @@ def main(argv=None) -> int:
     jpeg_decoder()  # a torchvision of another build: one line now, before any output
     if args.pairs_list is not None:
         return write_list_bin(args)
-    if args.retry_upsample is not None or args.retry_mmod or args.cache_dir is not None or args.protocol:
+    if (
+        args.retry_upsample is not None
+        or args.retry_mmod is not None
+        or args.cache_dir is not None
+        or args.protocol
+    ):
         raise ConfigError(
             "--retry_upsample, --retry_mmod, --cache_dir and --protocol are for --pairs_list (photos "
             "without a face are left out of a drawn set)"

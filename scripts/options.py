@@ -11,6 +11,7 @@ import math
 import torch
 
 from shardface.errors import ConfigError
+from shardface.eval.cfp import is_cfp
 from shardface.eval.pairs import PairList
 from shardface.faces.detect import DETECTORS, LANDMARKS, MAX_SIDE, Detection, check_available
 from shardface.faces.workers import check_workers, default_workers
@@ -194,9 +195,13 @@ def add_pair_list_options(p) -> None:
     )
     p.add_argument(
         "--retry_mmod",
-        action="store_true",
+        nargs="?",
+        const="true",
+        default=None,
+        choices=("true", "false"),
         help="then search the photos still without a face with dlib's CNN (MMOD) detector (slower on "
-        "a CPU, finds turned faces); a photo still without one gets a fallback face",
+        "a CPU, finds turned faces); a photo still without one gets a fallback face (default: true "
+        "for a CFP root, whose profiles HOG mostly misses; false for other lists)",
     )
     p.add_argument(
         "--protocol",
@@ -214,19 +219,23 @@ def add_pair_list_options(p) -> None:
 
 
 def retries_from(args, detection: Detection) -> Retries:
-    """The retries the options ask for, checked (and dlib's CNN detector loaded) before any work."""
+    """The retries the options ask for (dlib's CNN detector by default on a CFP root), checked
+    (and that detector loaded) before any work."""
     if args.retry_upsample is not None and args.retry_upsample <= detection.upsample:
         raise ConfigError(
             f"--retry_upsample {args.retry_upsample}: more than --upsample {detection.upsample}, "
             "the first search's"
         )
-    if args.retry_mmod and detection.detector == "mmod":
+    if args.retry_mmod == "true" and detection.detector == "mmod":
         raise ConfigError(
             "--retry_mmod with --detector mmod: the first search used dlib's CNN detector already"
         )
-    if args.retry_mmod:
+    mmod = args.retry_mmod == "true" or (
+        args.retry_mmod is None and detection.detector != "mmod" and is_cfp(args.pairs_list)
+    )
+    if mmod:
         check_available("mmod", detection.landmarks)
-    return Retries(args.retry_upsample, args.retry_mmod)
+    return Retries(args.retry_upsample, mmod)
 
 
 def list_faces(args, pair_list: PairList, detection: Detection, strict: bool) -> PairFaces:

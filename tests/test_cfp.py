@@ -245,6 +245,30 @@ def test_verify_from_the_photos_scores_what_verify_of_the_bin_scores(cfp, tmp_pa
     assert rows[0][1:] == rows[1][1:]  # acc, acc-flip, std, XNorm
 
 
+def test_a_cfp_root_searches_its_profiles_with_dlibs_cnn_by_default(cfp, tmp_path, capsys):
+    """On a CFP root, dlib's CNN detector searches the photos where HOG finds no face, with no
+    flag, in verify and make_bin alike; `--retry_mmod false` leaves it out; a plain list of the
+    same photos keeps HOG alone unless asked."""
+    cache = ["--cache_dir", str(tmp_path), "--workers", "1"]
+    cfp_fp = ["--pairs_list", cfp, "--protocol", "FP", *cache]
+    searched = f"--retry_mmod: a face found in 0 of the {PEOPLE} photos searched again"  # the blanks
+    assert verify(["dlib", *cfp_fp]) == 0
+    assert searched in capsys.readouterr().out
+    assert make_bin([cfp, str(tmp_path / "cfp_fp.bin"), *cfp_fp, "--align"]) == 0
+    assert searched in capsys.readouterr().out
+    assert verify(["dlib", *cfp_fp, "--retry_mmod", "false"]) == 0
+    said = capsys.readouterr().out
+    assert "--retry_mmod:" not in said and "--retry_mmod may find more" in said
+    plain = tmp_path / "plain.txt"
+    fp = read_cfp(cfp, "FP")
+    plain.write_text("".join(f"{a} {b} {int(same)}\n" for (a, b), same in zip(fp.pairs, fp.issame)))
+    plain_list = ["--pairs_list", str(plain), "--images", cfp, *cache]
+    assert verify(["dlib", *plain_list]) == 0
+    assert "--retry_mmod:" not in capsys.readouterr().out
+    assert verify(["dlib", *plain_list, "--retry_mmod"]) == 0
+    assert searched in capsys.readouterr().out
+
+
 def test_the_detector_study_scores_what_verify_scores_and_resumes(cfp, tmp_path, capsys):
     """benchmarks/cfp_detectors.py: faces found per option (the blank profiles in none), and FP
     scored on an option's faces exactly as `verify --pairs_list CFP --protocol FP` scores them
@@ -275,7 +299,19 @@ def test_the_detector_study_scores_what_verify_scores_and_resumes(cfp, tmp_path,
     assert faceless == f"{PEOPLE} of {len(read_cfp(root, 'FP').photos)}"  # the blank profiles
     assert (
         verify(
-            ["dlib", "--pairs_list", root, "--protocol", "FP", "--cache_dir", str(tmp_path), "--workers", "1"]
+            [
+                "dlib",
+                "--pairs_list",
+                root,
+                "--protocol",
+                "FP",
+                "--retry_mmod",
+                "false",
+                "--cache_dir",
+                str(tmp_path),
+                "--workers",
+                "1",
+            ]
         )
         == 0
     )
