@@ -25,7 +25,11 @@ arcface_torch's own code and by train.py, on the same packed faces; then both ve
   (channels-last, ZeRO-2); the arm `shardface exact` adds `--straight_through false`, the
   margin's exact derivative.
 - **time**: each run's wall time, the torchrun launch included, and samples/s. Time the runs on
-  a quiet machine, one after another.
+  a quiet machine, one after another. Each half keeps its weights at every epoch's end, as
+  train_v2.py saves model.pt then (arcface_torch: `epoch-K.pt`; ShardFace: a checkpoint per
+  epoch), and the report verifies ShardFace's in order until one reaches arcface_torch's final
+  LFW accuracy (flip test, the same seed): the time to reach it is that file's time since the
+  launch.
 - **verification**: as benchmarks/real_faces.py's (its faces and caches): LFW view 2, all 6,000
   pairs from the photos, and with `--cfp` CFP's FP and FF, single view and flip test.
 
@@ -78,8 +82,11 @@ def train(args, arm: str, seed: int, recipe: list[str]) -> None:
     if arm == "arcface_torch":
         command = [*launch(args.nproc), __file__, "--worker", "--arcface_torch", args.arcface_torch, *keys]
     else:
-        command = [*launch(args.nproc), "train.py", CONFIG, *keys, *ARMS[arm]]
+        every = ["--checkpoint_interval", str(steps_per_epoch(recipe, args.nproc)), "--keep_checkpoints", "0"]
+        command = [*launch(args.nproc), "train.py", CONFIG, *keys, *every, *ARMS[arm]]
     print(f"training {arm}, seed {seed} -> {out}", flush=True)
+    with open(os.path.join(out, "started.txt"), "w") as f:
+        f.write(f"{time.time():.3f}\n")
     t = time.perf_counter()
     with open(os.path.join(out, "console.log"), "w") as log:
         done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -92,6 +99,33 @@ def train(args, arm: str, seed: int, recipe: list[str]) -> None:
         samples = _trained_samples(out)
     with open(os.path.join(out, "timing.txt"), "w") as f:
         f.write(f"{wall:.1f} {samples}\n")
+
+
+def steps_per_epoch(recipe: list[str], nproc: int) -> int:
+    """Each rank's full batches per epoch (the loader drops the last, short one)."""
+    from shardface.configs import get_config
+
+    cfg = get_config(CONFIG, recipe)
+    return cfg.num_image // (cfg.batch_size * nproc)
+
+
+def epoch_models(run: str, arm: str) -> list[tuple[str, float]]:
+    """(the weights kept at an epoch's end, seconds from the launch to their writing), in order."""
+    from shardface.checkpoint.folders import list_checkpoints
+
+    if arm == "arcface_torch":
+        paths = sorted(os.path.join(run, f) for f in os.listdir(run) if f.startswith("epoch-"))
+    else:
+        paths = [folder for _, folder in list_checkpoints(run)]
+    started = float(open(os.path.join(run, "started.txt")).read())
+    return [(p, _written(p) - started) for p in paths]
+
+
+def _written(path: str) -> float:
+    """When a file, or the last file of a folder, was written."""
+    if os.path.isfile(path):
+        return os.path.getmtime(path)
+    return max(os.path.getmtime(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
 def timing(run: str) -> tuple[float, int]:
@@ -162,6 +196,8 @@ def worker(argv: list[str]) -> None:
                 print(f"step {step}/{total} epoch {epoch} loss {loss.item():.4f}", flush=True)
             if step == total:
                 break
+        if rank == 0:  # as train_v2.py saves model.pt at each epoch's end; kept for the time to reach
+            torch.save(backbone.module.state_dict(), os.path.join(cfg.output, f"epoch-{epoch + 1:03d}.pt"))
         if step == total:
             break
     if rank == 0:
@@ -219,6 +255,39 @@ def report(args, recipe_note: str) -> None:
                     cells.append(f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}")
             walls = [timing(r)[0] for _, r in mine]
             print(f"| {arm}: mean ± sd | - | {' | '.join(cells)} | {statistics.mean(walls) / 60:.1f} | |")
+    lfw = lists[0]
+    time_to_reach(
+        args, runs, {k: v[2] for k, v in scores.items() if k[2] == lfw[0]}, *list_faces(args, *lfw[1:])
+    )
+
+
+def time_to_reach(args, runs, final: dict, pair_list, faces) -> None:
+    """For each ShardFace run beside arcface_torch's of its seed: its first epoch's weights that
+    reach arcface_torch's final LFW accuracy (flip test), and when they were written."""
+    from real_faces import list_scores
+
+    theirs = {seed: run for arm, seed, run in runs if arm == "arcface_torch"}
+    print(
+        "\n| arm | seed | arcface_torch's final LFW flip | reached at | LFW flip there | time | arcface_torch's wall | ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for arm, seed, run in runs:
+        if arm == "arcface_torch" or seed not in theirs:
+            continue
+        target, wall = final["arcface_torch", seed, "LFW view 2"], timing(theirs[seed])[0]
+        epochs = epoch_models(run, arm)
+        for k, (path, seconds) in enumerate(epochs, 1):
+            acc = list_scores(args, args.pairs_list, pair_list, faces, path)[2]
+            if acc >= target:
+                print(
+                    f"| {arm} | {seed} | {target:.4f} | epoch {k} of {len(epochs)} | {acc:.4f} | "
+                    f"{seconds / 60:.1f} min | {wall / 60:.1f} min | {seconds / wall:.2f}x |"
+                )
+                break
+        else:
+            print(
+                f"| {arm} | {seed} | {target:.4f} | not reached in {len(epochs)} epochs | {acc:.4f} | - | {wall / 60:.1f} min | - |"
+            )
 
 
 def smoke(args) -> None:
