@@ -245,7 +245,7 @@ def align_groups(
     found: Found | None = None,
 ) -> tuple[list[list[str]], dict[str, Face]]:
     """Identity groups of photos -> (the groups less photos without a face, each kept photo's largest face),
-    from `found` where found already (faces.ranked). An identity left without a photo is a DataError
+    from `found` where found already (infer.ranked). An identity left without a photo is a DataError
     naming it: dropping it would renumber every later label."""
     if found is None:
         found = find_faces((p for g in groups for p in g), detection, progress, workers)

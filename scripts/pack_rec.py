@@ -25,8 +25,8 @@ from shardface.dataset.images import jpeg_decoder, stored_bytes
 from shardface.dataset.pack import write_insightface_rec
 from shardface.dataset.shares import tool_ranks
 from shardface.errors import ConfigError
-from shardface.faces.ranked import find_faces_ranked
 from shardface.faces.stream import align_groups, aligned_pngs
+from shardface.infer.ranked import find_faces_ranked
 from shardface.parallel.user_errors import exits_on_user_error
 from shardface.scripts.cli import ArgumentParser
 from shardface.scripts.options import add_align_options, face_detection, workers_from

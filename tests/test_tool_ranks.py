@@ -168,6 +168,44 @@ def test_two_ranks_of_pack_rec_align_write_the_recordio_of_one_process(photos, t
     assert sorted(os.listdir(tmp_path)) == ["one", "two"]
 
 
+def _rank_packs_searching(rank, world, photos, out, break_after=None):
+    """One rank of `pack_rec --align`; -> (its exit, the photos its face search was given). With
+    `break_after`, rank 1's search fails after that many photos (a kill, say)."""
+    import shardface.infer.ranked as ranked
+    from shardface.scripts.pack_rec import main as pack_rec
+
+    given, real = [], ranked.stream
+
+    def searching(paths, *a, **k):
+        given.extend(paths)
+        for i, photo in enumerate(real(paths, *a, **k)):
+            if break_after is not None and rank == 1 and i == break_after:
+                raise DataError("the search broke (a test's fault)")
+            yield photo
+
+    ranked.stream = searching
+    return pack_rec([photos, out, "--align", "--workers", "1"]), given
+
+
+def test_a_rank_stopped_part_way_keeps_the_faces_it_found_and_a_run_again_searches_only_the_rest(
+    photos, tmp_path, capfd
+):
+    from shardface.scripts.pack_rec import main as pack_rec
+
+    assert pack_rec([photos, str(tmp_path / "one"), "--align", "--workers", "1"]) == 0
+    out = str(tmp_path / "two")
+    first = run_distributed(_rank_packs_searching, 2, photos, out, 2, init=False)
+    assert [code for code, _ in first] == [2, 2] and not os.path.exists(out)
+    share = first[1][1]
+    again = run_distributed(_rank_packs_searching, 2, photos, out, init=False)
+    assert again[0] == (0, []) and again[1] == (0, share[2:])  # rank 0's part was complete: kept
+    assert f"rank 1 of 2: the faces of 2 of its {len(share)} photos were found by an earlier run" in (
+        capfd.readouterr().out
+    )
+    assert file_tree(out) == file_tree(tmp_path / "one")
+    assert sorted(os.listdir(tmp_path)) == ["one", "two"]  # the parts, and their caches, removed
+
+
 def test_pack_rec_shares_only_face_finding_among_ranks(photos, tmp_path, capfd):
     assert run_distributed(_rank_packs, 2, photos, str(tmp_path / "out"), "--resize", init=False) == [2, 2]
     errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error: ")]
