@@ -268,7 +268,8 @@ def time_to_reach(args, runs, final: dict, pair_list, faces) -> None:
 
     theirs = {seed: run for arm, seed, run in runs if arm == "arcface_torch"}
     print(
-        "\n| arm | seed | arcface_torch's final LFW flip | reached at | LFW flip there | time | arcface_torch's wall | ratio |"
+        "\n| arm | seed | arcface_torch's final LFW flip | reached at | LFW flip there | time "
+        "| arcface_torch's wall | ratio |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for arm, seed, run in runs:
@@ -286,7 +287,8 @@ def time_to_reach(args, runs, final: dict, pair_list, faces) -> None:
                 break
         else:
             print(
-                f"| {arm} | {seed} | {target:.4f} | not reached in {len(epochs)} epochs | {acc:.4f} | - | {wall / 60:.1f} min | - |"
+                f"| {arm} | {seed} | {target:.4f} | not reached in {len(epochs)} epochs | {acc:.4f} | - "
+                f"| {wall / 60:.1f} min | - |"
             )
 
 
