@@ -78,7 +78,7 @@ def head_memory(
         first = min(B, dim) if sample_rate >= 1 else 0
         r = min(row_block, B - first)
         parts["head kept cosines"] = r * n_used * subcenters * F32
-        # a block's tile and its gradient (the radial term is taken from the tile: issue #37)
+        # a block's tile and its gradient (the radial term is taken from the tile)
         parts["head tile buffers"] = 2 * max(first, r) * tile * F32 + (
             2 * tile * dim * F32 if sample_rate < 1 else 0
         )

@@ -1,4 +1,4 @@
-"""The recipe both halves of benchmarks/parity.py train (issue #64): arcface_torch's own code and
+"""The recipe both halves of benchmarks/parity.py train: arcface_torch's own code and
 train.py read this one file, so no arm is tuned alone. arcface_torch's base recipe (ArcFace
 m=0.5, SGD lr 0.1, momentum 0.9, weight decay 5e-4, polynomial decay without warmup, 512-d),
 its `mbf`, batch 64 per rank at W=2 (global 128), 10 epochs; every other key at its default.

@@ -1,4 +1,4 @@
-"""Models trained here on real people (benchmarks/real_faces.py, issue #36): CelebA's in-the-wild
+"""Models trained here on real people (benchmarks/real_faces.py): CelebA's in-the-wild
 photos of 299 people, aligned and packed by this project's tools, 2 CPU ranks. Fixed before the
 first run and not tuned on any result: the demo's recipe (configs/demo.py: CosFace s=32 m=0.35,
 SGD, poly decay, EMA) for 10 epochs, whatever the network; the benchmark sets rec, num_classes,

@@ -1,4 +1,4 @@
-"""Distillation's term of a rank's loss, and the projection it trains (issue #29).
+"""Distillation's term of a rank's loss, and the projection it trains.
 
 Gradient scale, as the margin head's (heads/partial_fc.py): the backbone optimizer averages
 gradients over ranks, so each rank's loss must give W x its share of the global gradient.

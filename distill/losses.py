@@ -1,4 +1,4 @@
-"""Distillation losses between a student's and a teacher's embeddings (issue #29).
+"""Distillation losses between a student's and a teacher's embeddings.
 
 Both are pure functions of the rows they are given; distill/head.py decides which rows
 each rank passes, so that W ranks equal one process with the global batch.

@@ -1,5 +1,5 @@
 """Distillation in a training run: the teacher, its targets' centre and the loss that replaces
-the head's in the step (issue #29; docs/distillation.md). train.py builds it with
+the head's in the step (docs/distillation.md). train.py builds it with
 `build_distillation` and calls `prepare` once the run's output is taken."""
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ logger = logging.getLogger("shardface")
 
 
 class Distillation:
-    """The run's teacher and its loss (issue #29; docs/distillation.md). `loss(head, embeddings,
+    """The run's teacher and its loss (docs/distillation.md). `loss(head, embeddings,
     labels, images, rows)` replaces `head(embeddings, labels)` in the step; with no head
     (label-free) it is the distillation loss alone."""
 
     # the student's term must go clearly below a constant student's: this share of it, once this
-    # share of the run has passed, or the log warns (issue #40: uncentred dlib targets let a
+    # share of the run has passed, or the log warns (uncentred dlib targets let a
     # label-free student sit at a constant's level while its loss fell)
     COLLAPSE_RATIO, COLLAPSE_AFTER = 0.8, 0.2
 

@@ -1,4 +1,4 @@
-"""The teacher of distillation (issue #29): a MODEL run beside the student, or a file of its
+"""The teacher of distillation: a MODEL run beside the student, or a file of its
 embeddings made beforehand by `python -m scripts.teach` (distill/teacher_file.py).
 
 Both give `targets(images, rows)`: b x D_t float32 embeddings of the rank's batch, on the
