@@ -102,11 +102,12 @@ def train(args, arm: str, seed: int, recipe: list[str]) -> None:
 
 
 def steps_per_epoch(recipe: list[str], nproc: int) -> int:
-    """Each rank's full batches per epoch (the loader drops the last, short one)."""
+    """Each rank's batches per epoch, as training's sampler counts them."""
     from shardface.configs import get_config
+    from shardface.dataset.loader import ResumableDistributedSampler
 
     cfg = get_config(CONFIG, recipe)
-    return cfg.num_image // (cfg.batch_size * nproc)
+    return ResumableDistributedSampler(cfg.num_image, nproc, 0, cfg.batch_size).batches_per_epoch
 
 
 def epoch_models(run: str, arm: str) -> list[tuple[str, float]]:
@@ -230,9 +231,10 @@ def report(args, recipe_note: str) -> None:
     runs = [r for r in runs if os.path.isfile(os.path.join(r[2], "timing.txt"))]
     lists = [("LFW view 2", args.pairs_list, args.lfw, None)]
     lists += [(f"CFP-{p}", args.cfp, None, p) for p in ("FP", "FF") if args.cfp]
-    scores = {}
+    scores, lfw = {}, None
     for title, path, images, protocol in lists:
         pair_list, faces = list_faces(args, path, images, protocol)
+        lfw = lfw or (pair_list, faces)  # the first list's, for the time to reach
         for arm, seed, run in runs:
             scores[arm, seed, title] = list_scores(args, path, pair_list, faces, model_of(run, arm))
     print(f"\n{recipe_note}\n")
@@ -255,10 +257,7 @@ def report(args, recipe_note: str) -> None:
                     cells.append(f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}")
             walls = [timing(r)[0] for _, r in mine]
             print(f"| {arm}: mean ± sd | - | {' | '.join(cells)} | {statistics.mean(walls) / 60:.1f} | |")
-    lfw = lists[0]
-    time_to_reach(
-        args, runs, {k: v[2] for k, v in scores.items() if k[2] == lfw[0]}, *list_faces(args, *lfw[1:])
-    )
+    time_to_reach(args, runs, {k: v[2] for k, v in scores.items() if k[2] == lists[0][0]}, *lfw)
 
 
 def time_to_reach(args, runs, final: dict, pair_list, faces) -> None:

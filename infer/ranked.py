@@ -20,8 +20,8 @@ from shardface.infer.cache import Cache, content_key
 
 
 class ShareCache(Cache):
-    """(photo path, content) -> the faces found in it (each `Face.to_dict`, largest first), for the
-    job `key` (dataset.shares.list_key)."""
+    """(photo path, content) -> the faces found in it (each `Face.to_dict`, largest first); one
+    job's, as the parts folder that holds it is."""
 
     kind, what, hint, redo = (
         "shardface rank faces",
@@ -30,8 +30,8 @@ class ShareCache(Cache):
         "searching its share again",
     )
 
-    def __init__(self, path: str, key: str):
-        super().__init__(path, {"job": key}, None)
+    def __init__(self, path: str):
+        super().__init__(path, {}, None)
 
 
 def find_faces_ranked(
@@ -55,7 +55,7 @@ def find_faces_ranked(
     tick = progress if ranks.rank == 0 else None
 
     def fill(part) -> None:
-        cache = ShareCache(os.path.join(parts.root, f"rank-{ranks.rank}.shardface_faces.sqlite"), parts.key)
+        cache = ShareCache(os.path.join(parts.root, f"rank-{ranks.rank}.shardface_faces.sqlite"))
         keys = {p: f"{p}|{content_key(p)}" for p in share}
         todo = [p for p in share if keys[p] not in cache]
         if len(todo) < len(share):
@@ -63,7 +63,7 @@ def find_faces_ranked(
                 f"rank {ranks.rank} of {ranks.world}: the faces of {len(share) - len(todo)} of its "
                 f"{len(share)} photos were found by an earlier run"
             )
-        for _ in range(len(share) - len(todo) if tick else 0):
+        for _ in range(len(share) - len(todo)) if tick else ():
             tick()
         try:
             for photo in stream(todo, detection, workers=workers, progress=tick):
