@@ -53,7 +53,10 @@ def _sharded_ema_worker(rank, world_size, with_zero, exchange="auto"):
     return ema.state_dict(), shard_sizes, sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("with_zero,exchange", [(True, "p2p"), (True, "collective"), (False, "auto")])
+@pytest.mark.parametrize(
+    "with_zero,exchange",
+    [pytest.param(True, "p2p", marks=pytest.mark.slow), (True, "collective"), (False, "auto")],
+)
 def test_sharded_ema_matches_full_ema(with_zero, exchange):
     # collective: the master shard is a piece of every bucket, the fp32 one views of the weights
     ref = _plain_ema_run()

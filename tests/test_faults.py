@@ -215,7 +215,7 @@ def test_sigterm_at_a_step_due_for_verification_and_a_checkpoint_saves_the_check
     )
 
 
-@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("workers", [pytest.param(0, marks=pytest.mark.slow), 1])
 def test_sigterm_on_one_rank_checkpoints_and_exits_cleanly_on_all(drawn_faces, tmp_path, workers):
     out = str(tmp_path / "sigterm")
     proc = _launch(drawn_faces, out, "--num_workers", str(workers))

@@ -455,12 +455,12 @@ def _fused_worker(rank, world_size, optimizer, sample_rate, fused):
 @pytest.mark.parametrize(
     "optimizer,sample_rate,world_size",
     [
-        ("sgd", 1.0, 2),
+        pytest.param("sgd", 1.0, 2, marks=pytest.mark.slow),
         ("adamw", 1.0, 2),
         ("sgd", 0.4, 2),
         ("adam", 0.4, 2),
         ("sgd", 1.0, 1),
-        ("adamw", 0.4, 1),
+        pytest.param("adamw", 0.4, 1, marks=pytest.mark.slow),
     ],
 )
 def test_fused_head_optimizer_equals_the_unfused_step(optimizer, sample_rate, world_size):

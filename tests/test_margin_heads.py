@@ -233,7 +233,7 @@ def _checkpoint_worker(rank, world_size, output, save):
     return head.weight.detach().clone(), float(curricular.t), full[shard.start * 2 : shard.end * 2]
 
 
-@pytest.mark.parametrize("load_world", [1, 3])
+@pytest.mark.parametrize("load_world", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_margin_state_and_subcentre_rows_resume_on_another_world_size(tmp_path, load_world):
     run_distributed(_checkpoint_worker, 2, str(tmp_path), True)
     for weight, t, expected in run_distributed(_checkpoint_worker, load_world, str(tmp_path), False):

@@ -39,7 +39,7 @@ def _head_peak(rank, world_size, fused):
     return _rss_status("VmHWM") - resting + held
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_planner_head_memory_matches_the_measured_peak(fused, monkeypatch):
     # exact resident-set peaks: large blocks straight from mmap, returned when freed
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
@@ -71,7 +71,7 @@ def _zero_bytes(rank, world_size, optimizer):
     return state, grad, buckets
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("optimizer", ["sgd", pytest.param("adamw", marks=pytest.mark.slow)])
 def test_planner_zero2_shards_and_gradient_buckets_match_the_optimizer(optimizer):
     from shardface.backbones import get_model
 

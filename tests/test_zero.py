@@ -249,7 +249,7 @@ def _scratch_worker(rank, world_size, bucket_mb):
     return opt.peak_scratch_bytes, held, grad_bytes
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_gradient_scratch_is_a_few_buckets_reused_every_step(world_size):
     bucket_mb = 0.25
     for peak, held, grad_bytes in run_distributed(_scratch_worker, world_size, bucket_mb):
@@ -358,7 +358,7 @@ def _collective_worker(rank, world_size, opt_name, clip):
     return params, norms, out.detach(), log.calls, log.most_open, buckets
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_collective_exchange_matches_plain_torch_with_buckets_in_flight_and_no_reduce(world_size):
     for opt_name, clip in (("sgd", 0.3), ("adamw", 0.3)):
         ref_params, ref_norms = _reference(opt_name, clip)
