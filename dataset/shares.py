@@ -141,7 +141,8 @@ class Ranks:
 
 def tool_ranks(env=None) -> Ranks:
     """This process's rank among the tool's ranks: torchrun's process group (joined here, gloo) where
-    torchrun started it (it sets TORCHELASTIC_RUN_ID), else rank 0 of 1. RANK and WORLD_SIZE left set
+    torchrun started it (it sets TORCHELASTIC_RUN_ID), else rank 0 of 1. On a node with GPUs, each
+    local rank's models run on its own GPU (LOCAL_RANK, modulo the GPUs). RANK and WORLD_SIZE left set
     in a shell are named and ignored, never taken for a share to wait on."""
     env = os.environ if env is None else env
     world = int(env.get("WORLD_SIZE", "1") or 1)
@@ -159,6 +160,10 @@ def tool_ranks(env=None) -> Ranks:
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")  # torchrun's MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
+    import torch
+
+    if torch.cuda.is_available():  # a model runs on this rank's own GPU of its node
+        torch.cuda.set_device(int(env.get("LOCAL_RANK", "0") or 0) % torch.cuda.device_count())
     return Ranks(dist.get_rank(), dist.get_world_size())
 
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -19,8 +20,10 @@ from shardface.dataset.shares import Part, PartError, Parts, Ranks, list_key, sh
 from shardface.errors import DataError, OutputError
 from shardface.faces.detect import Detection
 from shardface.scripts.align import main as align_tool
+from shardface.scripts.embed import main as embed_tool
 from tests.astronaut import align_photos, file_tree
 from tests.distributed import run_distributed
+from tests.tool_files import tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -388,3 +391,21 @@ def test_a_killed_rank_ends_the_torchrun_job_at_once_and_is_named(many_photos, t
     assert job.returncode != 0
     assert "rank      : 1" in out or "rank: 1" in out, out
     assert not os.path.exists(tmp_path / "crops")
+
+
+def _rank_embeds(rank, world, model, photos, out):
+    return embed_tool([model, photos, "--out", out, "--align", "--workers", "1", "--batch_size", "2"])
+
+
+def test_two_ranks_of_embed_write_the_rows_and_listing_of_one_process(photos, tmp_path, capsys):
+    """Each rank embeds its share of the sorted photos (the wall, without a face, in rank 1's), and
+    rank 0 alone writes the pair: one process's listing, its rows to float tolerance (each share's
+    batches start at the share)."""
+    model = tiny_model(str(tmp_path / "run"))
+    one, two = str(tmp_path / "one.npy"), str(tmp_path / "two.npy")
+    assert embed_tool([model, photos, "--out", one, "--align", "--workers", "1", "--batch_size", "2"]) == 0
+    assert run_distributed(_rank_embeds, 2, model, photos, two, init=False) == [0, 0]
+    listing = open(one[: -len(".npy")] + ".txt").read()
+    assert open(two[: -len(".npy")] + ".txt").read() == listing and "wall" not in listing
+    np.testing.assert_allclose(np.load(two), np.load(one), rtol=0, atol=1e-5)
+    assert sorted(os.listdir(tmp_path)) == ["one.npy", "one.txt", "run", "two.npy", "two.txt"]
