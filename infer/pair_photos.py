@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardface.dataset.errors import DataError
+from shardface.dataset.shares import Ranks, share_of
 from shardface.faces.detect import Detection, Face
 from shardface.faces.fallback import Fallback
 from shardface.faces.stream import stream
@@ -142,16 +143,30 @@ def _search(
     cache: FacesCache,
     label: str,
     show_progress: bool,
-    workers: int = 1,
+    workers: int,
+    ranks: Ranks,
 ) -> tuple[dict[str, tuple[tuple[int, int], Face | None]], int]:
-    """({photo: (its size, its largest face or None)}, searches run) under `detection`, on `workers`."""
+    """({photo: (its size, its largest face or None)}, searches run) under `detection`, on `workers`.
+    Among ranks, rank 0's cache decides what is searched, each rank searches its share of that, and
+    every rank returns rank 0's answer."""
     options = json.dumps(dataclasses.asdict(detection), sort_keys=True)
     keys = {p: f"{content[p]}|{options}" for p in photos}
-    todo = [p for p in photos if keys[p] not in cache]
-    with progress_bar(len(todo), label, shown=show_progress and bool(todo)) as bar:
-        for p, photo in zip(todo, stream(todo, detection, workers=workers, progress=bar.update)):
-            cache.put(keys[p], _row(photo.size, photo.face))
-    return {p: _face(cache.get(keys[p])) for p in photos}, len(todo)
+    todo = ranks.gathered([p for p in photos if keys[p] not in cache])[0]
+    share = share_of(len(todo), ranks.rank, ranks.world)
+    mine = todo[share.start : share.end]
+
+    def work() -> list[dict]:
+        shown = show_progress and bool(mine) and ranks.rank == 0
+        with progress_bar(len(mine), label, shown=shown) as bar:
+            for p, photo in zip(mine, stream(mine, detection, workers=workers, progress=bar.update)):
+                cache.put(keys[p], _row(photo.size, photo.face))  # kept as it goes: see pair_faces
+        return [cache.get(keys[p]) for p in mine]
+
+    searched = ranks.outcome(work)
+    for p, row in zip(todo, (row for rows in searched for row in rows)) if ranks.world > 1 else ():
+        cache.put(keys[p], row)
+    found = {p: _face(cache.get(keys[p])) for p in photos} if ranks.rank == 0 else None
+    return ranks.gathered(found)[0], len(todo)
 
 
 def pair_faces(
@@ -162,20 +177,24 @@ def pair_faces(
     strict: bool = False,
     show_progress: bool = True,
     workers: int = 1,
+    ranks: Ranks = Ranks(),
 ) -> PairFaces:
     """Each photo's face (see the module docstring); `strict` refuses photos without one instead
-    of giving them the fallback. Unreadable photos are an ImageDecodeError naming them."""
+    of giving them the fallback. Unreadable photos are an ImageDecodeError naming them. Under
+    torchrun, `ranks` share each search (`_search`), and every rank returns the same faces."""
     cache = cache if cache is not None else FacesCache(None)
     content = {p: content_key(p) for p in photos}
     recovered = []
     try:  # what was searched is kept, even when a photo cannot be read or the run is interrupted
-        found, searched = _search(photos, detection, content, cache, "finding faces", show_progress, workers)
+        found, searched = _search(
+            photos, detection, content, cache, "finding faces", show_progress, workers, ranks
+        )
         for option, again in retries.searches(detection):
             missing = [p for p in photos if found[p][1] is None]
             if not missing:
                 break
             more, n = _search(
-                missing, again, content, cache, f"finding faces ({option})", show_progress, workers
+                missing, again, content, cache, f"finding faces ({option})", show_progress, workers, ranks
             )
             searched += n
             found.update({p: v for p, v in more.items() if v[1] is not None})

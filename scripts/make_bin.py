@@ -17,7 +17,12 @@ CFP's 10 splits of 700). A pair is never dropped: with --align a photo where no 
 after the retries asked for (--retry_upsample, --retry_mmod: on by default for a CFP root), is
 cut at a fallback face (infer.pair_photos, as scripts.verify does) and named; --strict refuses
 such photos instead. Each photo is aligned once however many pairs name it; its detection is
-cached beside the list (infer.cache), where scripts.verify finds it."""
+cached beside the list (infer.cache), where scripts.verify finds it.
+
+Under torchrun with --align (`torchrun --nnodes N --nproc_per_node K -m scripts.make_bin ...`) each
+rank searches a share of the photos for faces, and rank 0 writes the .bin one process writes: a
+drawn set's ranks keep their parts beside OUT.bin until it is published (infer.ranked); a list's
+ranks share each search rank 0's faces cache leaves to do (infer.pair_photos)."""
 
 from __future__ import annotations
 
@@ -28,12 +33,14 @@ import sys
 from shardface.dataset import DataError, list_identity_folders
 from shardface.dataset.geometry import check_files
 from shardface.dataset.images import jpeg_decoder, stored_bytes
+from shardface.dataset.shares import Ranks, tool_ranks
 from shardface.errors import ConfigError
 from shardface.eval.cfp import read_list
 from shardface.eval.pairs import check_images
 from shardface.eval.verification import NFOLDS, write_bin
 from shardface.faces.stream import align_groups, aligned_pngs
 from shardface.infer.pair_photos import cache_paths, check_cache
+from shardface.infer.ranked import find_faces_ranked
 from shardface.parallel.user_errors import exits_on_user_error
 from shardface.scripts.cli import ArgumentParser
 from shardface.scripts.options import (
@@ -91,7 +98,12 @@ def draw_pairs(
     return order, issame
 
 
-def write_list_bin(args) -> int:
+def _helped(ranks: Ranks, output: str) -> int:
+    print(f"rank {ranks.rank} of {ranks.world}: the faces of its share are found; rank 0 writes {output}")
+    return 0
+
+
+def write_list_bin(args, ranks: Ranks) -> int:
     """--pairs_list: the list's pairs in its order (see the module docstring)."""
     for given, name in ((args.pairs is not None, "--pairs"), (args.seed is not None, "--seed")):
         if given:
@@ -112,7 +124,10 @@ def write_list_bin(args) -> int:
     refuse_inputs([args.output] + ([cache] if args.align else []), photos + [args.pairs_list])
     if args.align:
         check_cache(cache)
-        faces = list_faces(args, pair_list, detection, args.strict).faces
+        ranks.agree(photos, detection, retries_from(args, detection), args.strict, root="")
+        faces = list_faces(args, pair_list, detection, args.strict, ranks).faces
+        if ranks.rank != 0:
+            return _helped(ranks, args.output)
         encoded = dict(
             zip(photos, aligned_pngs(photos, faces, workers=workers_from(args)))
         )  # each photo once
@@ -162,8 +177,14 @@ def main(argv=None) -> int:
     add_pair_list_options(p)
     args = p.parse_args(argv)
     jpeg_decoder()  # a torchvision of another build: one line now, before any output
+    ranks = tool_ranks()  # under torchrun with --align: the ranks share the face finding, rank 0 writes
+    if ranks.world > 1 and not args.align:
+        raise ConfigError(
+            f"torchrun's {ranks.world} ranks: only --align's face finding is shared among machines; "
+            "without --align write the .bin in one process"
+        )
     if args.pairs_list is not None:
-        return write_list_bin(args)
+        return write_list_bin(args, ranks)
     if (
         args.retry_upsample is not None
         or args.retry_mmod is not None
@@ -179,11 +200,17 @@ def main(argv=None) -> int:
         raise DataError(f"--pairs {args.pairs}: verification needs at least {NFOLDS} pairs (its folds)")
     check_output_file(args.output, overwrite=args.overwrite)
     names, groups = list_identity_folders(args.folder)
+    parts = None
     if args.align:
-        with progress_bar(sum(map(len, groups)), "finding faces") as bar:
-            groups, faces = align_groups(
-                groups, detection_from(args), args.strict, bar.update, names, workers_from(args)
-            )
+        detection = detection_from(args)
+        what = "finding faces" + (f" (rank 0's share of {ranks.world})" if ranks.world > 1 else "")
+        with progress_bar(sum(map(len, groups)), what, shown=ranks.rank == 0) as bar:
+            paths = [p for g in groups for p in g]
+            ranked = find_faces_ranked(paths, detection, args.output, ranks, bar.update, workers_from(args))
+        if ranked is None:
+            return _helped(ranks, args.output)
+        found, parts = ranked
+        groups, faces = align_groups(groups, detection, args.strict, names=names, found=found)
     try:
         pairs, issame = draw_pairs(groups, args.pairs, args.seed)
     except ValueError as exc:  # too few pairs
@@ -204,6 +231,8 @@ def main(argv=None) -> int:
         else {path: stored_bytes(path, args.resize) for path in used}
     )
     write_bin(args.output, [encoded[path] for pair in pairs for path in pair], issame)
+    if parts is not None:  # the ranks' faces, kept until the output is published
+        parts.remove()
     print(
         f"wrote {args.output}: {len(issame)} pairs ({sum(issame)} same, {len(issame) - sum(issame)} "
         f"different) of {len(groups)} identities, {len(used)} images"

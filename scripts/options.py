@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from shardface.dataset.shares import Ranks
 from shardface.errors import ConfigError
 from shardface.eval.cfp import is_cfp
 from shardface.eval.pairs import PairList
@@ -238,18 +239,22 @@ def retries_from(args, detection: Detection) -> Retries:
     return Retries(args.retry_upsample, mmod)
 
 
-def list_faces(args, pair_list: PairList, detection: Detection, strict: bool) -> PairFaces:
+def list_faces(
+    args, pair_list: PairList, detection: Detection, strict: bool, ranks: Ranks = Ranks()
+) -> PairFaces:
     """The face of each photo of the list (detected, recovered by a retry, or the fallback), with
-    the faces cache of the options, and the report printed."""
+    the faces cache of the options (rank 0's: the others search their shares of what it leaves to
+    do), and the report printed (by rank 0)."""
     path = cache_paths(args.pairs_list, None, args.cache_dir)[0]
     faces = pair_faces(
         pair_list.photos,
         detection,
         retries_from(args, detection),
-        FacesCache(path),
+        FacesCache(path if ranks.rank == 0 else None),
         strict,
         workers=workers_from(args),
+        ranks=ranks,
     )
-    for line in faces.report(pair_list.pairs):
+    for line in faces.report(pair_list.pairs) if ranks.rank == 0 else ():
         print(line)
     return faces

@@ -21,6 +21,7 @@ from shardface.errors import DataError, OutputError
 from shardface.faces.detect import Detection
 from shardface.scripts.align import main as align_tool
 from shardface.scripts.embed import main as embed_tool
+from shardface.scripts.make_bin import main as make_bin_tool
 from tests.astronaut import align_photos, file_tree
 from tests.distributed import run_distributed
 from tests.tool_files import tiny_model
@@ -409,3 +410,48 @@ def test_two_ranks_of_embed_write_the_rows_and_listing_of_one_process(photos, tm
     assert open(two[: -len(".npy")] + ".txt").read() == listing and "wall" not in listing
     np.testing.assert_allclose(np.load(two), np.load(one), rtol=0, atol=1e-5)
     assert sorted(os.listdir(tmp_path)) == ["one.npy", "one.txt", "run", "two.npy", "two.txt"]
+
+
+PAIRS = (
+    "p/h0.png p/h1.png 1\np/two.png q/wall.png 0\nq/m0.jpg q/m1.jpg 1\np/h2.png q/a.jpg 0\n"
+    "p/h1.png p/h2.png 1\nq/a.jpg q/m0.jpg 0\np/h0.png p/two.png 1\nq/a.png q/wall.png 0\n"
+    "q/a.jpg q/a.png 1\np/h0.png q/m1.jpg 0\n"
+)  # the wall has no face (a fallback crop); two.png holds two
+
+
+def _rank_makes_bin(rank, world, argv, searcher):
+    """One rank of make_bin; returns (its exit code, the photos it searched for faces)."""
+    import importlib
+
+    module = importlib.import_module(searcher)
+    searched, real = [], module.stream
+    module.stream = lambda photos, *a, **k: real(searched.extend(photos) or photos, *a, **k)
+    return make_bin_tool(argv), searched
+
+
+@pytest.mark.parametrize("listed", [False, True], ids=["drawn", "pair_list"])
+def test_two_ranks_of_make_bin_align_share_the_search_and_write_one_processs_bin(photos, tmp_path, listed):
+    """A drawn set's ranks find their shares' faces into parts (infer.ranked), removed once the .bin
+    is published; a pair list's ranks share the search rank 0's faces cache leaves to do. Either
+    way each photo is searched once, by one rank, and rank 0 writes one process's bytes."""
+    (tmp_path / "pairs.txt").write_text(PAIRS)
+    searcher = "shardface.infer.pair_photos" if listed else "shardface.infer.ranked"
+    out = {}
+    for ranks in (1, 2):
+        cache = tmp_path / f"cache{ranks}"  # each job detects afresh
+        cache.mkdir()
+        dst = str(tmp_path / f"w{ranks}.bin")
+        argv = [photos, dst, "--align", "--workers", "1"]
+        argv += ["--pairs_list", str(tmp_path / "pairs.txt"), "--cache_dir", str(cache)] if listed else []
+        if ranks == 1:
+            assert make_bin_tool(argv) == 0
+        else:
+            done = run_distributed(_rank_makes_bin, 2, argv, searcher, init=False)
+            assert [rc for rc, _ in done] == [0, 0]
+            shares = [searched for _, searched in done]
+            assert all(shares) and not set(shares[0]) & set(shares[1])
+            assert sorted(shares[0] + shares[1]) == sorted(set(shares[0] + shares[1])) and len(shares[1]) == 4
+        with open(dst, "rb") as f:
+            out[ranks] = f.read()
+    assert out[1] == out[2]
+    assert not [n for n in os.listdir(tmp_path) if ".parts-" in n]
