@@ -11,7 +11,11 @@ threshold, TPIR mated probes found at rank 1 above it. Images without a face (--
 out and named, enrolment and probes apart; a person left with no enrolled face is named and
 their probes left out (not counted as non-mated). A figure the data cannot support is `n/a`,
 saying what it needs: rank-k with k people enrolled or fewer, TPIR at FPIR f with fewer than
-1/f non-mated probes."""
+1/f non-mated probes.
+
+Under torchrun (`torchrun --nnodes N --nproc_per_node K -m scripts.identify_eval MODEL DIR ...`) each
+rank embeds a contiguous share of the sorted images, and rank 0 reports what one process reports
+(dataset/shares.py: the ranks agree on the job first; a rank that fails ends them all)."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import sys
 
 import numpy as np
 
+from shardface.dataset.shares import Ranks, share_of, tool_ranks
 from shardface.eval.identification import (
     FPIR_LEVELS,
     cmc,
@@ -70,6 +75,7 @@ def evaluate(
     strict: bool = False,
     workers: int = 1,
     show_progress: bool = False,
+    ranks: Ranks = Ranks(),
 ):
     people = list_gallery(folder)
     if unknown < 0:
@@ -83,17 +89,21 @@ def evaluate(
         )
     files = sorted({f for _, fs in enrolled for f in fs} | {f for _, f in mated + nonmated})
     faces, paths = {}, [os.path.join(folder, f) for f in files]
-    found = embedded_faces(  # every header is read before the first embedding
-        paths,
-        model,
-        align,
-        batch_size,
-        workers,
-        largest_only=True,
-        show_progress=show_progress,
-        strict=strict,
+    ranks.agree(paths, align, per_id, unknown, seed, strict, root="", what="images")
+    share = share_of(len(paths), ranks.rank, ranks.world)
+    shares = ranks.outcome(
+        lambda: embedded_faces(  # every header is read before the first embedding
+            paths[share.start : share.end],
+            model,
+            align,
+            batch_size,
+            workers,
+            largest_only=True,
+            show_progress=show_progress and ranks.rank == 0,
+            strict=strict,
+        )
     )
-    for photo in found:  # the largest face of each image
+    for photo in (photo for found in shares for photo in found):  # the largest face of each image
         faces[os.path.relpath(photo.name, folder)] = photo.face.embedding
     names, templates, not_enrolled = [], [], []
     for name, fs in enrolled:
@@ -220,6 +230,7 @@ def main(argv=None) -> int:
     )
     detection = face_detection(args)
     model = model_from(args, detection)
+    tool = tool_ranks()  # under torchrun: each rank embeds its share, rank 0 reports
     result, (ranks, mate, non) = evaluate(
         model,
         args.folder,
@@ -231,7 +242,12 @@ def main(argv=None) -> int:
         strict=args.strict,
         workers=workers_from(args),
         show_progress=not args.json,
+        ranks=tool,
     )
+    if tool.rank != 0:  # (with --json, rank 0's document alone)
+        if not args.json:
+            print(f"rank {tool.rank} of {tool.world}: its share of the images is embedded; rank 0 reports")
+        return 0
     if args.plot:
         fpir, fnir = det_curve(ranks, mate, non) if len(non) else (np.zeros(0), None)
         plot_cmc_det(

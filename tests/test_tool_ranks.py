@@ -455,3 +455,25 @@ def test_two_ranks_of_make_bin_align_share_the_search_and_write_one_processs_bin
             out[ranks] = f.read()
     assert out[1] == out[2]
     assert not [n for n in os.listdir(tmp_path) if ".parts-" in n]
+
+
+def _rank_evaluates(rank, world, argv):
+    import contextlib
+    import io
+
+    from shardface.scripts.identify_eval import main as identify_eval
+
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        rc = identify_eval(argv)
+    return rc, said.getvalue()
+
+
+def test_two_ranks_of_identify_eval_report_what_one_process_reports(photos, tmp_path):
+    """p/ and q/ are two people (q's wall has no face: named, left out); with --json, rank 0 prints
+    one process's document and rank 1 nothing."""
+    model = tiny_model(str(tmp_path / "run"))
+    argv = [model, photos, "--align", "--workers", "1", "--unknown_ids", "0", "--json"]
+    one = _rank_evaluates(0, 1, argv)
+    assert one[0] == 0 and "q/wall.png" in one[1]
+    assert run_distributed(_rank_evaluates, 2, argv, init=False) == [one, (0, "")]
