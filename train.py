@@ -32,9 +32,7 @@ from shardface.checkpoint.files import atomic_write_text
 from shardface.checkpoint.foreign import refuse_arcface_torch_output
 from shardface.checkpoint.run_lock import RunLock
 from shardface.configs import format_config, get_config, save_config
-from shardface.configs.compat import compat_notes
-from shardface.configs.describe import describe_keys
-from shardface.configs.per_rank import SECRET_KEYS, rank_independent
+from shardface.configs.schema import SECRET_KEYS, describe_keys, rank_independent, served_notes
 from shardface.configs.validate import warmup_problem
 from shardface.dataset import ResumableDistributedSampler, get_dataloader, normalize_images
 from shardface.dataset.errors import DataError
@@ -54,7 +52,7 @@ from shardface.utils.wandb_logging import check_wandb_login, finish_wandb, start
 
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__ + "\nConfig keys (defaults from configs/base.py):" + describe_keys())
+        print(__doc__ + "\nConfig keys (configs/schema.py):" + describe_keys())
         return 0
     if not argv or argv[0].startswith("--"):
         print(__doc__)
@@ -189,7 +187,7 @@ class Run:
         cfg, info, logger = self.cfg, self.info, self.logger
         lock.acquire(cfg.output, info.rank)  # one live run per output, seen by every rank: else refused here
         if info.is_main:
-            for note in compat_notes(cfg):
+            for note in served_notes(cfg):
                 logger.warning(note)
         if initialised:
             logger.info(initialised)

@@ -105,7 +105,7 @@ def train(data: str, ids: int, out: str, *extra: str) -> tuple[int, list[float]]
 
 
 LOSSES = ("none", "cosine", "relational")
-SEEDS = (2048, 1)  # 2048: the demo's (configs/base.py), the seed of the runs before issue 40
+SEEDS = (2048, 1)  # 2048: the demo's (configs/schema.py), the seed of the runs before issue 40
 
 
 def student_dir(loss: str, seed: int) -> str:

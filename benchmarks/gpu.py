@@ -392,7 +392,7 @@ def main(argv=None) -> int:
         print(
             f"\nhead forward+backward at one rank's shapes of a {sizes.gpus}-GPU job "
             f"({sizes.gpus * sizes.batch} embeddings x D={D}, fp32; ours chunk_size "
-            f"{_base_config().chunk_size}, row_block {_base_config().row_block}: configs/base.py)"
+            f"{_base_config().chunk_size}, row_block {_base_config().row_block}: configs/schema.py)"
         )
         print(table(rows, list(rows[0])))
 

@@ -356,10 +356,10 @@ def main(argv=None) -> int:
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument(
-        "--chunk_size", type=int, default=_base_config().chunk_size, help="default: configs/base.py's"
+        "--chunk_size", type=int, default=_base_config().chunk_size, help="default: configs/schema.py's"
     )
     p.add_argument(
-        "--row_block", type=int, default=_base_config().row_block, help="default: configs/base.py's"
+        "--row_block", type=int, default=_base_config().row_block, help="default: configs/schema.py's"
     )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)

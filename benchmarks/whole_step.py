@@ -7,7 +7,7 @@ Both train arcface_torch's job config `configs/glint360k_<network>.py` (its marg
 decay, fp16, schedule), batch 128, on the same batches, at world size 1:
 
 - **ShardFace**: train.py's own step (train.Run's `forward_backward` and `optimizer_step`, built
-  as train.py builds them), every other key at its default (configs/base.py: channels-last,
+  as train.py builds them), every other key at its default (configs/schema.py: channels-last,
   ZeRO-2, the tiled head); `--set KEY=VALUE` overrides one (`--set head_graph=true`). A plain
   `python train.py` at W=1 has no process group; neither does this half.
 - **arcface_torch**, from a snapshot of insightface's `recognition/arcface_torch` passed as

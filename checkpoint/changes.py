@@ -1,6 +1,6 @@
 """What a resume changes against its checkpoint, said key by key.
 
-A resume trains with this run's resolved config (configs/base.py, the job config, the command
+A resume trains with this run's resolved config (configs/schema.py's defaults, the job config, the command
 line), never silently with the checkpoint's: every key whose value differs from the one the
 checkpoint recorded is named with both values. The schedule follows this run's config: a
 changed `num_epoch` or `max_steps` re-spreads the learning rate over the new total (said only

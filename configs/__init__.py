@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 from easydict import EasyDict as edict
 
 from shardface.configs.base import config as _base
+from shardface.configs.schema import KEYS, dump
 from shardface.configs.validate import validate_config
 from shardface.errors import ConfigError
 
@@ -119,35 +120,9 @@ def _unknown(unknown: dict[str, list[str]], known: Sequence[str]) -> ConfigError
     )
 
 
-def parse_value(text: str, default: Any, key: str = "") -> Any:
-    """Parse a command-line string to the type of the key's default."""
-    if key == "resume" and text.lower() == "auto":
-        return "auto"
-    if isinstance(default, bool):
-        low = text.lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"expected a boolean, got '{text}'")
-    if isinstance(default, int):
-        return int(text)
-    if isinstance(default, float):
-        return float(text)
-    if isinstance(default, (list, tuple)):
-        try:
-            value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            value = [v for v in text.split(",") if v]
-        if not isinstance(value, (list, tuple)):
-            value = [value]
-        return type(default)(value)
-    if default is None:
-        try:
-            return ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            return text
-    return text
+def parse_value(text: str, key: str) -> Any:
+    """A command-line string read as its key's kind reads it (configs/schema.py)."""
+    return KEYS[key].kind.parse(text)
 
 
 def parse_overrides(argv: Sequence[str]) -> list[tuple[str, str]]:
@@ -186,7 +161,7 @@ def get_config(path: str | None = None, argv: Sequence[str] = ()) -> edict:
         raise _unknown(unknown, list(_base))
     for key, text in overrides:
         try:
-            cfg[key] = parse_value(text, _base[key], key)
+            cfg[key] = parse_value(text, key)
         except ValueError as exc:
             raise ConfigError(f"--{key}: {exc}") from None
     validate_config(cfg)
@@ -194,8 +169,8 @@ def get_config(path: str | None = None, argv: Sequence[str] = ()) -> edict:
 
 
 def format_config(cfg: dict) -> str:
-    width = max(len(k) for k in cfg)
-    return "\n".join(f"{k.ljust(width)} : {cfg[k]!r}" for k in sorted(cfg))
+    """The resolved config for training.log, secret values hidden (configs/schema.py)."""
+    return dump(cfg)
 
 
 def save_config(cfg: dict, output: str, write_text: Callable[[str, str], None]) -> str:

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardface.configs.schema import KEYS
 from shardface.heads.sharded_ce import HeadPlan, ShardedMarginCE, rows_of_classes
 from shardface.heads.sharding import check_world_fits, class_shard, initial_class_rows
 from shardface.losses.base import MarginLoss
@@ -84,7 +85,8 @@ class PartialFC(nn.Module):
     Arguments: the positional ones are arcface_torch's `PartialFC_V2(margin_loss,
     embedding_size, num_classes, sample_rate=1.0, fp16=False)`, so its calls build this head
     unchanged; `fp16=True` (its logits GEMM under fp16 autocast) selects `precision="bf16"`
-    here. Everything ShardFace adds is keyword-only.
+    here. Everything ShardFace adds is keyword-only; `chunk_size` (None or 0: the whole shard in
+    one tile) and `row_block` default to the config's (configs/schema.py).
     """
 
     def __init__(
@@ -95,10 +97,10 @@ class PartialFC(nn.Module):
         sample_rate: float = 1.0,
         fp16: bool = False,
         *,
-        chunk_size: int | None = None,
+        chunk_size: int | None = KEYS["chunk_size"].default,
         process_group=None,
         validate: bool = True,
-        row_block: int = 128,
+        row_block: int = KEYS["row_block"].default,
         precision: str | None = None,
         fused_optimizer: bool = False,
     ):

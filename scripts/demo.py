@@ -39,7 +39,7 @@ def main(argv=None) -> int:
         default=0.90,
         help="fail when the trained verification accuracy is below this (default 0.90)",
     )
-    p.add_argument("--margin", default="", help="train with this margin head instead (see configs/base.py)")
+    p.add_argument("--margin", default="", help="train with this margin head instead (see configs/schema.py)")
     args = p.parse_args(argv)
     overrides = ["--margin", args.margin, "--output", f"work_dirs/demo_{args.margin}"] if args.margin else []
     start = time.time()

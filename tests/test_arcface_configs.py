@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from shardface.configs import ConfigError, get_config
-from shardface.configs.compat import compat_notes
+from shardface.configs.schema import served_notes as compat_notes
 
 # arcface_torch's recognition/arcface_torch/configs/, base.py and __init__.py aside (written down by hand)
 ARCFACE_TORCH_JOB_CONFIGS = """

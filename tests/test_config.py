@@ -113,3 +113,25 @@ def test_a_run_ending_inside_its_warmup_is_named_and_a_longer_one_is_not():
 
     assert "step 100, inside its 500-step warmup" in warmup_problem(100, 500)
     assert warmup_problem(500, 500) is None and warmup_problem(1000, 0) is None
+
+
+def test_every_key_has_a_kind_that_takes_its_default_and_refuses_another_type_and_a_help():
+    from shardface.configs.schema import KEYS, Kind
+
+    for name, key in KEYS.items():
+        assert isinstance(key.kind, Kind) and type(key.kind) is not Kind, name
+        assert key.help.strip(), name
+        assert key.kind.refuses(key.default) == "", name
+        assert key.kind.refuses(object()) != "", name
+        assert get_config(None, [f"--{name}", repr(key.default).strip("'")])[name] == key.default, name
+
+
+def test_the_dump_hides_secret_values_and_the_ranks_compare_all_but_the_per_rank_keys():
+    from shardface.configs import format_config
+    from shardface.configs.schema import KEYS, rank_independent
+
+    cfg = get_config(None, ["--wandb_key", "k3y-abc123", "--num_workers", "5"])
+    dump = format_config(cfg)
+    assert "k3y-abc123" not in dump and "wandb_key" in dump and "<hidden>" in dump
+    assert "num_workers" in dump and len(dump.splitlines()) == len(KEYS)
+    assert set(cfg) - set(rank_independent(cfg)) == {"output", "num_workers"}

@@ -5,13 +5,20 @@ typed: in a fresh copy of the tree, `make demo`, then every command of the bash 
 README and docs/*.md that a CPU can run, each in a shell that did `source .venv/bin/activate` as
 README says. Every command shown is listed in `COMMANDS`, with the reason when it is not run
 here; a new command fails the test until it is listed. (Commands quoted inline in the prose are
-not walked.)"""
+not walked.) Every `python`/`torchrun` command shown, run here or not, has its arguments parsed
+by the program's own parser (train.py's config keys, a tool's or a benchmark's options), so a
+mistyped option in any of them fails."""
 
+import argparse
 import glob
+import importlib
 import os
 import re
+import runpy
+import shlex
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -128,6 +135,73 @@ def test_every_readme_command_is_listed():
     assert "make demo" in commands and "make test" in commands and len(commands) >= 10
     stale = [c for c in COMMANDS if c not in commands]
     assert not stale, f"COMMANDS lists commands no longer in README or docs/: {stale}"
+
+
+class _Parsed(BaseException):
+    """Raised by a program's parser once its arguments parse: nothing of the program runs."""
+
+
+def _program(command: str) -> tuple[str, list[str]] | None:
+    """(train.py, scripts.X or benchmarks/x.py; its arguments) of a python or torchrun command,
+    past variables set before it and srun; None for any other command."""
+    words = shlex.split(command.split("&&")[-1])
+    while words and (re.match(r"^[A-Z_]+=", words[0]) or words[0] == "srun"):
+        words = words[1:]
+    if not words or words[0] not in ("python", "python3", "torchrun"):
+        return None
+    for i, word in enumerate(words[1:], 1):
+        if word == "-m":
+            return (words[i + 1], words[i + 2 :]) if words[i + 1].startswith("scripts.") else None
+        if word.endswith(".py"):
+            return word, words[i + 1 :]
+    return None
+
+
+def _parse(program: str, argv: list[str]) -> None:
+    """Raises where `argv` does not parse (SystemExit from argparse, a ConfigError from train.py's keys)."""
+    if program == "train.py":  # a config the docs name as the user's own: its overrides on the base
+        from shardface.configs import get_config, resolve_config_path
+        from shardface.errors import ConfigError
+
+        try:
+            path = resolve_config_path(argv[0])
+        except ConfigError:
+            path = None
+        get_config(path, argv[1:])
+        return
+    try:
+        if program.startswith("scripts."):
+            importlib.import_module(f"shardface.{program}").main(argv)
+        else:
+            sys.argv = [program, *argv]
+            runpy.run_path(os.path.join(ROOT, program), run_name="__main__")
+    except _Parsed:
+        return
+    raise AssertionError("it ran past its parser")
+
+
+def test_every_python_command_the_docs_show_parses(monkeypatch, capsys):
+    real = argparse.ArgumentParser.parse_args
+
+    def parse_only(self, args=None, namespace=None):
+        real(self, args, namespace)
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    failures, parsed = [], 0
+    for command in documented_commands():
+        program = _program(command)
+        if program is None:
+            continue
+        try:
+            _parse(*program)
+            parsed += 1
+        except (SystemExit, Exception) as exc:
+            failures.append(f"$ {command}\n  {type(exc).__name__}: {exc} {capsys.readouterr().err[-500:]}")
+    assert not failures, "\n".join(failures)
+    assert parsed >= 40, parsed
 
 
 def test_readme_is_short_and_narrow():
