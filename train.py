@@ -32,7 +32,7 @@ from shardface.checkpoint.files import atomic_write_text
 from shardface.checkpoint.foreign import refuse_arcface_torch_output
 from shardface.checkpoint.run_lock import RunLock
 from shardface.configs import format_config, get_config, save_config
-from shardface.configs.schema import SECRET_KEYS, describe_keys, rank_independent, served_notes
+from shardface.configs.schema import describe_keys, rank_independent, secret_keys, served_notes
 from shardface.configs.validate import warmup_problem
 from shardface.dataset import ResumableDistributedSampler, get_dataloader, normalize_images
 from shardface.dataset.errors import DataError
@@ -88,7 +88,7 @@ class Run:
         # what building the run says (photos left out, compat notes) reaches it too
         self.logger = setup_logging(info.rank, os.path.join(cfg.output, "training.log"), held=True)
         check_same_on_every_rank(
-            rank_independent(cfg), "the config", SECRET_KEYS
+            rank_independent(cfg), "the config", secret_keys()
         )  # before any rank acts on it
         check_wandb_login(
             cfg, info.rank

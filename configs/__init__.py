@@ -12,8 +12,7 @@ from typing import Any, Callable, Sequence
 
 from easydict import EasyDict as edict
 
-from shardface.configs.base import config as _base
-from shardface.configs.schema import KEYS, dump
+from shardface.configs.schema import defaults, dump, keys
 from shardface.configs.validate import validate_config
 from shardface.errors import ConfigError
 
@@ -107,13 +106,13 @@ def _assignment_line(path: str) -> int | str:
 def _unknown(unknown: dict[str, list[str]], known: Sequence[str]) -> ConfigError:
     """One error naming every unknown key of every source; a hint only for keys near a known one."""
     parts = []
-    for where, keys in unknown.items():
+    for where, names in unknown.items():
         named = []
-        for key in keys:
+        for key in names:
             close = difflib.get_close_matches(key, known, n=3, cutoff=0.75)
             named.append(f"'{key}'" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
         parts.append(f"{', '.join(named)} in {where}")
-    count = sum(len(keys) for keys in unknown.values())
+    count = sum(len(names) for names in unknown.values())
     return ConfigError(
         f"unknown config key{'s' if count > 1 else ''} {'; '.join(parts)}; "
         f"`python train.py --help` lists every key"
@@ -122,7 +121,7 @@ def _unknown(unknown: dict[str, list[str]], known: Sequence[str]) -> ConfigError
 
 def parse_value(text: str, key: str) -> Any:
     """A command-line string read as its key's kind reads it (configs/schema.py)."""
-    return KEYS[key].kind.parse(text)
+    return keys()[key].kind.parse(text)
 
 
 def parse_overrides(argv: Sequence[str]) -> list[tuple[str, str]]:
@@ -145,7 +144,7 @@ def parse_overrides(argv: Sequence[str]) -> list[tuple[str, str]]:
 
 def get_config(path: str | None = None, argv: Sequence[str] = ()) -> edict:
     """Resolve base defaults, the job config at `path`, then `--key value` overrides."""
-    cfg = edict(dict(_base))
+    cfg = edict(defaults())
     unknown: dict[str, list[str]] = {}
     if path:
         path = resolve_config_path(path)
@@ -156,9 +155,9 @@ def get_config(path: str | None = None, argv: Sequence[str] = ()) -> edict:
             cfg.output = os.path.join("work_dirs", os.path.splitext(os.path.basename(path))[0])
     overrides = parse_overrides(argv)
     unknown["command line"] = [key for key, _ in overrides if key not in cfg]
-    unknown = {where: keys for where, keys in unknown.items() if keys}
+    unknown = {where: names for where, names in unknown.items() if names}
     if unknown:
-        raise _unknown(unknown, list(_base))
+        raise _unknown(unknown, list(cfg))
     for key, text in overrides:
         try:
             cfg[key] = parse_value(text, key)

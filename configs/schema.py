@@ -3,7 +3,8 @@ help text, whether it may differ between the ranks of one job (and why), whether
 secret, and what ShardFace does instead where it serves an arcface_torch key its own way.
 
 The defaults (configs/base.py), `train.py --help`, validation, the ranks' agreement check and the
-config dump in training.log are all made from `KEYS`. Job files stay arcface_torch's
+config dump in training.log are all made from `SECTIONS` (`keys()`), read when they run: a key
+added to a section gets all of them. Job files stay arcface_torch's
 `config.x = ...` on an edict, loaded over the defaults. Key names follow arcface_torch where the
 meaning is the same. A help text's lines are printed as written, under the key's line."""
 
@@ -472,27 +473,35 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "save_artifacts": Key(False, BOOLEAN, "log model.pt as a wandb artifact at the end"),
     },
 }
-KEYS: dict[str, Key] = {name: key for keys in SECTIONS.values() for name, key in keys.items()}
-SECRET_KEYS = tuple(name for name, key in KEYS.items() if key.secret)
+
+
+def keys() -> dict[str, Key]:
+    """Every key, in the sections' order: the one place a key is added (a section of `SECTIONS`)."""
+    return {name: key for section in SECTIONS.values() for name, key in section.items()}
+
+
+def secret_keys() -> tuple[str, ...]:
+    return tuple(name for name, key in keys().items() if key.secret)
 
 
 def defaults() -> dict:
     """Every key's default (a fresh list where it is a list)."""
     return {
         name: list(key.default) if isinstance(key.default, list) else key.default
-        for name, key in KEYS.items()
+        for name, key in keys().items()
     }
 
 
 def rank_independent(cfg: dict) -> dict:
     """`cfg` without the keys that may differ per rank (train.py refuses a job whose ranks disagree on
     any other: parallel/agreement.py)."""
-    return {name: value for name, value in cfg.items() if not KEYS[name].per_rank}
+    every = keys()
+    return {name: value for name, value in cfg.items() if not every[name].per_rank}
 
 
 def served_notes(cfg: dict) -> list[str]:
     """One line for each arcface_torch key that is set and that ShardFace serves its own way."""
-    return list(dict.fromkeys(KEYS[k].served for k in KEYS if KEYS[k].served and cfg.get(k)))
+    return list(dict.fromkeys(key.served for name, key in keys().items() if key.served and cfg.get(name)))
 
 
 def describe_keys() -> str:
@@ -511,5 +520,5 @@ def describe_keys() -> str:
 def dump(cfg: dict) -> str:
     """The resolved config (training.log), one `key : value` line each, sorted, secret values hidden."""
     width = max(len(k) for k in cfg)
-    hidden = {k for k in SECRET_KEYS if cfg.get(k)}
+    hidden = {k for k in secret_keys() if cfg.get(k)}
     return "\n".join(f"{k.ljust(width)} : {'<hidden>' if k in hidden else repr(cfg[k])}" for k in sorted(cfg))

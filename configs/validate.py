@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from shardface.configs.schema import KEYS
+from shardface.configs.schema import keys
 from shardface.errors import ConfigError
 
 
@@ -15,7 +15,7 @@ def _fail(key: str, value, why: str) -> ConfigError:
 
 def validate_config(cfg: dict) -> None:
     """Raise ConfigError for the first key whose value is of the wrong type or out of range."""
-    for key, spec in KEYS.items():  # each key's type and range (configs/schema.py)
+    for key, spec in keys().items():  # each key's type and range (configs/schema.py)
         why = spec.kind.refuses(cfg[key])
         if why:
             raise _fail(key, cfg[key], why)

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardface.configs.schema import KEYS
+from shardface.configs.schema import keys
 from shardface.heads.sharded_ce import HeadPlan, ShardedMarginCE, rows_of_classes
 from shardface.heads.sharding import check_world_fits, class_shard, initial_class_rows
 from shardface.losses.base import MarginLoss
@@ -97,10 +97,10 @@ class PartialFC(nn.Module):
         sample_rate: float = 1.0,
         fp16: bool = False,
         *,
-        chunk_size: int | None = KEYS["chunk_size"].default,
+        chunk_size: int | None = keys()["chunk_size"].default,
         process_group=None,
         validate: bool = True,
-        row_block: int = KEYS["row_block"].default,
+        row_block: int = keys()["row_block"].default,
         precision: str | None = None,
         fused_optimizer: bool = False,
     ):

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardface.configs.schema import KEYS
+from shardface.configs.schema import keys
 from shardface.losses.base import MarginLoss
 from shardface.parallel.collectives import all_gather_flat
 from shardface.parallel.dist import get_world_size
@@ -80,8 +80,8 @@ class HeadPlan:
     tile's weight gradient is complete hands it to `step_rows(rows, grad, decay)` (the head
     optimizer's update of those rows with gradient grad + decay_j w_j), then drops it."""
 
-    tile: int = KEYS["chunk_size"].default  # the defaults are the config's (configs/schema.py)
-    row_block: int = KEYS["row_block"].default
+    tile: int = keys()["chunk_size"].default  # the defaults are the config's (configs/schema.py)
+    row_block: int = keys()["row_block"].default
     precision: str = "fp32"
     fused: bool = False
 

@@ -116,9 +116,9 @@ def test_a_run_ending_inside_its_warmup_is_named_and_a_longer_one_is_not():
 
 
 def test_every_key_has_a_kind_that_takes_its_default_and_refuses_another_type_and_a_help():
-    from shardface.configs.schema import KEYS, Kind
+    from shardface.configs.schema import Kind, keys
 
-    for name, key in KEYS.items():
+    for name, key in keys().items():
         assert isinstance(key.kind, Kind) and type(key.kind) is not Kind, name
         assert key.help.strip(), name
         assert key.kind.refuses(key.default) == "", name
@@ -128,10 +128,24 @@ def test_every_key_has_a_kind_that_takes_its_default_and_refuses_another_type_an
 
 def test_the_dump_hides_secret_values_and_the_ranks_compare_all_but_the_per_rank_keys():
     from shardface.configs import format_config
-    from shardface.configs.schema import KEYS, rank_independent
+    from shardface.configs.schema import keys, rank_independent
 
     cfg = get_config(None, ["--wandb_key", "k3y-abc123", "--num_workers", "5"])
     dump = format_config(cfg)
     assert "k3y-abc123" not in dump and "wandb_key" in dump and "<hidden>" in dump
-    assert "num_workers" in dump and len(dump.splitlines()) == len(KEYS)
+    assert "num_workers" in dump and len(dump.splitlines()) == len(keys())
     assert set(cfg) - set(rank_independent(cfg)) == {"output", "num_workers"}
+
+
+def test_a_key_added_to_the_schema_gets_help_validation_parsing_and_the_ranks_check(monkeypatch):
+    from shardface.configs.schema import SECTIONS, Integer, Key, describe_keys, rank_independent
+
+    monkeypatch.setitem(SECTIONS["data"], "shuffle_buffer", Key(64, Integer(1), "records held for shuffling"))
+    assert "  --shuffle_buffer 64    records held for shuffling" in describe_keys().splitlines()
+    cfg = get_config("configs/demo.py", ["--shuffle_buffer", "128"])
+    assert cfg.shuffle_buffer == 128 and rank_independent(cfg)["shuffle_buffer"] == 128
+    assert get_config(None).shuffle_buffer == 64
+    with pytest.raises(ConfigError, match="shuffle_buffer = 0: expected a positive integer"):
+        get_config(None, ["--shuffle_buffer", "0"])
+    with pytest.raises(ConfigError, match="did you mean shuffle_buffer"):
+        get_config(None, ["--shuffle_bufer", "8"])
