@@ -14,9 +14,9 @@ commercial use; the public-domain 5-point model gives eye corners and the nose b
 points are `[1, u, v] @ FROM_NOSE_BASE` for the nose base at (u, v) in the eyes' frame: origin
 midway between the eye centres, x the vector from the left to the right eye centre, y that turned
 90 degrees (down the face), so unchanged by the face's position, size and roll. The constants are
-the least-squares fit to the 68-point model's five points on 188 real faces (the 94 of scikit-image's
-LFW subset that HOG finds, upscaled, and their mirror images; `python benchmarks/faces.py --fit`);
-what the substitution costs: benchmarks/README.md ('Faces')."""
+the least-squares fit to the 68-point model's five points on real faces, made by
+`python benchmarks/faces.py --fit`; the data it was fitted on and what the substitution costs are in
+benchmarks/README.md ('Faces')."""
 
 from __future__ import annotations
 

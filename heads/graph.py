@@ -1,9 +1,9 @@
-"""The head's training step replayed from CUDA graphs (config `head_graph`, issue 56).
+"""The head's training step replayed from CUDA graphs (config `head_graph`).
 
-On a GPU the head's step is launch-bound: a few hundred small kernels whose issue time on a
-slow host exceeds their run time (benchmarks/head_profile.py --graph measured the captured step
-at 1.69x eager on Glint360K's 8-GPU shapes). Captured once and replayed, the whole forward is one
-launch and the whole backward another.
+On a GPU the head's step is a few hundred small kernels, whose issue time on a slow host can
+exceed their run time (`benchmarks/head_profile.py --graph` measures the captured step against
+the eager one; figures in benchmarks/README.md). Captured once and replayed, the whole forward
+is one launch and the whole backward another.
 """
 
 from __future__ import annotations

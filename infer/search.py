@@ -18,9 +18,9 @@ import torch
 
 ENGINES = ("auto", "exact", "faiss")
 
-# The faster engine per (N, Q) of `benchmarks/search.py --grid` (N random unit 512-D vectors, Q queries at
-# once, top 10; 2026-11-26, a quiet 2-core AMD EPYC; its closing rule, pasted: benchmarks/runs/search_grid.md)
-# for (1 thread, float32), (all threads, float32), (1 thread, float16), (all threads, float16).
+# The faster engine per (N, Q) as `benchmarks/search.py --grid` measured it (N random unit 512-D vectors, Q
+# queries at once, top 10; the run, its machine and date: benchmarks/runs/search_grid.md), for (1 thread,
+# float32), (all threads, float32), (1 thread, float16), (all threads, float16).
 FASTER = {
     (10_000, 1): ("faiss", "faiss", "faiss", "faiss"),
     (10_000, 10): ("exact", "exact", "faiss", "faiss"),

@@ -1,7 +1,9 @@
-"""One face stream drives every use of faces (DESIGN 'One face stream'): only faces/stream.py
-runs the detector on photos and only infer/stream.py runs a model's forward on them; the
-packages' imports have no circle; and the API a face_recognition or insightface user expects
-(faces with embeddings, a verdict, matches with boxes, a picture) are layers on it."""
+"""One face stream drives every use of faces (docs/architecture.md, 'One face stream'): the
+detector runs on photos only inside faces/stream.py, once per photo, whichever door (the API,
+the tools) asked, which is counted on a fixture with every dlib search recorded; only
+infer/stream.py runs a model's forward on them; the packages' imports have no circle; and the
+API a face_recognition or insightface user expects (faces with embeddings, a verdict, matches
+with boxes, a picture) are layers on it."""
 
 import ast
 import os
@@ -46,16 +48,6 @@ def _tree(path: str) -> ast.Module:
         return ast.parse(f.read(), path)
 
 
-def _calls(tree: ast.Module) -> set[str]:
-    """The names called, as `f(...)` or `x.f(...)`."""
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            f = node.func
-            out.add(f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else "")
-    return out
-
-
 def _imported_names(tree: ast.Module, module: str) -> set[str]:
     return {
         a.name
@@ -63,15 +55,6 @@ def _imported_names(tree: ast.Module, module: str) -> set[str]:
         if isinstance(n, ast.ImportFrom) and n.module == f"shardface.{module}"
         for a in n.names
     }
-
-
-def test_only_the_face_stream_runs_the_detector_on_photos():
-    runs = sorted(
-        path
-        for _, path in _sources()
-        if {"detect_faces", "faces"} & _calls(_tree(path)) and path != os.path.join("faces", "detect.py")
-    )
-    assert runs == [os.path.join("faces", "stream.py")]
 
 
 def test_only_infer_stream_runs_a_models_forward_on_photos():
@@ -230,3 +213,46 @@ def test_the_api_is_safe_from_several_threads(model, astronaut):
     for t in threads:
         t.join()
     assert not errors and len(got) == 12 and all(boxes == alone for boxes in got)
+
+
+@pytest.fixture
+def searches(monkeypatch) -> list[list[str]]:
+    """Each dlib face search run from now on: the source files of its call stack."""
+    import traceback
+
+    import shardface.faces.detect as detect
+
+    out, real = [], detect._boxes
+
+    def recorded(*args, **kwargs):
+        out.append([os.path.realpath(frame.filename) for frame in traceback.extract_stack()])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(detect, "_boxes", recorded)
+    return out
+
+
+def test_every_door_searches_each_photo_once_inside_the_face_stream(model, astronaut, tmp_path, searches):
+    from shardface import Gallery
+    from shardface.scripts.align import main as align
+    from shardface.scripts.compare import main as compare
+    from shardface.scripts.embed import main as embed
+
+    os.makedirs(tmp_path / "people" / "eileen")
+    Image.open(astronaut).rotate(3).save(tmp_path / "people" / "eileen" / "1.jpg", quality=95)
+    doors = [
+        ("Model.faces", lambda: model.faces(astronaut), 1),
+        ("Model.embed", lambda: model.embed([astronaut, astronaut]), 2),
+        ("Model.compare", lambda: model.compare(astronaut, astronaut), 2),
+        ("Gallery.identify", lambda: Gallery(model, str(tmp_path / "people")).identify(astronaut), 2),
+        ("align", lambda: align([str(tmp_path / "people"), str(tmp_path / "crops"), "--workers", "1"]), 1),
+        ("embed --align", lambda: embed(["dlib", astronaut, "--align", "--out", str(tmp_path / "e.npy")]), 1),
+        ("compare --align", lambda: compare(["dlib", astronaut, astronaut, "--align"]), 2),
+    ]
+    stream = os.path.realpath(os.path.join(ROOT, "faces", "stream.py"))
+    for door, run, photos in doors:
+        searches.clear()
+        run()
+        assert len(searches) == photos, (door, len(searches))
+        outside = [files for files in searches if stream not in files]
+        assert not outside, f"{door}: a face search outside faces/stream.py, from {outside[0][-4:]}"
