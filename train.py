@@ -87,12 +87,10 @@ class Run:
         # training.log is held in memory until the run is accepted (a refused start writes no log), so
         # what building the run says (photos left out, compat notes) reaches it too
         self.logger = setup_logging(info.rank, os.path.join(cfg.output, "training.log"), held=True)
-        check_same_on_every_rank(
-            rank_independent(cfg), "the config", secret_keys()
-        )  # before any rank acts on it
-        check_wandb_login(
-            cfg, info.rank
-        )  # wandb.init would find a missing key only once the output is written
+        # before any rank acts on it
+        check_same_on_every_rank(rank_independent(cfg), "the config", secret_keys())
+        # wandb.init would find a missing key only once the output is written
+        check_wandb_login(cfg, info.rank)
         initialised = self._build_model()
         self._plan_steps()
         # a missing val set refuses the run here, writing nothing; the run's threshold is saved in output
@@ -114,21 +112,17 @@ class Run:
         cfg, device = self.cfg, self.info.device
         torch.manual_seed(cfg.seed)  # identical initial backbone on every rank
         self.backbone = build_backbone(cfg).to(device)
-        initialised = init_backbone(
-            cfg, self.backbone
-        )  # fine-tuning from pretrained weights (not when resuming)
+        # fine-tuning from pretrained weights (not when resuming)
+        initialised = init_backbone(cfg, self.backbone)
         self.head = build_head(cfg, device)  # None when label-free (num_classes 0)
-        self.distill = build_distillation(
-            cfg, self.backbone, device
-        )  # None without a teacher; may add a projection
+        # None without a teacher; may add a projection
+        self.distill = build_distillation(cfg, self.backbone, device)
         self.model, self.backbone_opt = build_data_parallel(cfg, self.backbone)
         self.head_opt = build_head_optimizer(cfg, self.head)
-        self.head_step = build_head_step(
-            cfg, self.head, device, self.distill
-        )  # the head, or it in CUDA graphs
-        self.optimizers = [
-            opt for opt in (self.backbone_opt, self.head_opt) if opt is not None
-        ]  # stepped in order
+        # the head, or it in CUDA graphs
+        self.head_step = build_head_step(cfg, self.head, device, self.distill)
+        # stepped in order
+        self.optimizers = [opt for opt in (self.backbone_opt, self.head_opt) if opt is not None]
         self.head_params = list(self.head.parameters()) if self.head is not None else []
         # clip_head false: the backbone alone (arcface_torch)
         self.clipped_head_params = self.head_params if cfg.clip_head else []
@@ -207,6 +201,7 @@ class Run:
             keep=cfg.keep_checkpoints,
         )
         self.state = state = checkpointer.start(cfg.resume, cfg.overwrite, batch_size=cfg.batch_size)
+        # another data set than the checkpoint's: the epoch restarts
         follow_data(
             state,
             checkpointer.resumed_meta,
@@ -214,7 +209,7 @@ class Run:
             self.dataset.fingerprint(),
             cfg.rec,
             self.sampler.batches_per_epoch,
-        )  # another data set than the checkpoint's: the epoch restarts
+        )
         if (
             self.distill is not None
         ):  # the teacher's centre: the checkpoint's, else measured; then saved with each one
@@ -241,9 +236,8 @@ class Run:
 
             # events past the step this run starts from (a resume's re-done steps) are dropped
             writer = SummaryWriter(os.path.join(cfg.output, "tensorboard"), purge_step=self.state.step + 1)
-        self.wandb_run = start_wandb(
-            cfg, info.rank
-        )  # None unless using_wandb (rank 0, or all with wandb_log_all)
+        # None unless using_wandb (rank 0, or all with wandb_log_all)
+        self.wandb_run = start_wandb(cfg, info.rank)
         self.writer = writer = tee_writer(writer, self.wandb_run)
         self.verify.writer = writer
         if info.is_main:  # only once the data, the output and the val sets are accepted
@@ -263,9 +257,8 @@ class Run:
             poll_limit_s=self.stop.grace_s if info.device.type != "cpu" else None,
         )
         self.skips = SkipReport(self.dataset, cfg.frequent, writer, enabled=cfg.skip_bad_images)
-        self.norms = (
-            EmbeddingNormWatch(writer) if info.is_main else None
-        )  # rank 0's batches: a warning, no stop
+        # rank 0's batches: a warning, no stop
+        self.norms = EmbeddingNormWatch(writer) if info.is_main else None
         self.first_step = self.state.step
         # built once: its persistent workers (and their open record files) serve every epoch
         self.loader = get_dataloader(

@@ -95,7 +95,10 @@ class DlibResNet(nn.Module):
             raise ValueError(
                 f"dlib_resnet: input_size {input_size} (112: insightface crops; 150: dlib chips)"
             )
-        self.input_size, self.fp16, self.bf16, self.grad_checkpoint = input_size, fp16, bf16, grad_checkpoint
+        self.input_size = input_size
+        self.fp16 = fp16
+        self.bf16 = bf16
+        self.grad_checkpoint = grad_checkpoint
         self.register_buffer("pixel_mean", torch.tensor(PIXEL_MEAN))
         # the 112 -> 150 warp, made once and moved with the module: a tensor built from the
         # constants in each forward is a copy from host memory that waits for the device

@@ -121,9 +121,8 @@ def main() -> None:
     cache = FacesCache(faces_cache)
 
     t = time.perf_counter()
-    first = pair_faces(
-        photos, model.detection, Retries(), cache, workers=args.workers
-    )  # the first search alone
+    # the first search alone
+    first = pair_faces(photos, model.detection, Retries(), cache, workers=args.workers)
     faces = pair_faces(photos, model.detection, Retries(upsample=2, mmod=True), cache, workers=args.workers)
     found_s = time.perf_counter() - t
     print("\n".join(faces.report(pair_list.pairs)[:4]))

@@ -52,13 +52,11 @@ class Checkpointer:
         world_size: int = 1,
         keep: int = 2,
     ):
-        self.output, self.config, self.rank, self.world_size, self.keep = (
-            output,
-            config,
-            rank,
-            world_size,
-            keep,
-        )
+        self.output = output
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.keep = keep
         self.parts = dict(
             backbone=backbone, backbone_opt=backbone_opt, head=head, head_opt=head_opt, ema=ema, scaler=scaler
         )

@@ -78,9 +78,8 @@ class RunLock:
     before the run starts; `acquire` is collective (every rank calls it; all raise alike);
     `release` is safe to call on every rank, any number of times, held or not."""
 
-    _held_here: set[str] = (
-        set()
-    )  # the locks this process holds (a lock naming our own pid but absent here is stale)
+    # the locks this process holds (a lock naming our own pid but absent here is stale)
+    _held_here: set[str] = set()
 
     def __init__(self) -> None:
         self.path: str | None = None

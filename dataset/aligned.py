@@ -27,7 +27,10 @@ class AlignedFolderDataset(FolderFaceDataset):
         train: bool = True,
         normalize: bool = True,
     ):
-        self.train, self.normalize, self.skip_bad_images, self.resize = train, normalize, False, False
+        self.train = train
+        self.normalize = normalize
+        self.skip_bad_images = False
+        self.resize = False
         self.classes, self.faces, self.cut = classes, faces, cut
         self.samples = [(path, label) for label, paths in enumerate(groups) for path in paths]
         if not self.samples:

@@ -134,7 +134,10 @@ class MXFaceDataset(_MirrorsInTraining, Dataset):
         resize: bool = False,
         label_free: bool = False,
     ):
-        self.root_dir, self.transform, self.train, self.normalize = root_dir, transform, train, normalize
+        self.root_dir = root_dir
+        self.transform = transform
+        self.train = train
+        self.normalize = normalize
         self.resize = resize
         self.skip_bad_images = skip_bad_images
         self.reader = IndexedRecordReader(
@@ -226,12 +229,10 @@ class FolderFaceDataset(_MirrorsInTraining, Dataset):
         resize: bool = False,
         label_free: bool = False,
     ):
-        self.train, self.normalize, self.skip_bad_images, self.resize = (
-            train,
-            normalize,
-            skip_bad_images,
-            resize,
-        )
+        self.train = train
+        self.normalize = normalize
+        self.skip_bad_images = skip_bad_images
+        self.resize = resize
         self.classes, groups = (
             ([], [list_images(root_dir)]) if label_free else list_identity_folders(root_dir)
         )

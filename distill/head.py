@@ -56,7 +56,10 @@ class DistillLoss:
     ):
         if kind not in DISTILL_LOSSES:
             raise ValueError(f"distill_loss must be one of {DISTILL_LOSSES}, got {kind!r}")
-        self.kind, self.weight, self.projection, self.group = kind, weight, projection, group
+        self.kind = kind
+        self.weight = weight
+        self.projection = projection
+        self.group = group
         self.center = center
         self.world_size, self.rank = get_world_size(group), get_rank(group)
         self._terms: torch.Tensor | None = None
@@ -66,7 +69,10 @@ class DistillLoss:
         """The mean unweighted term since the last call (reads the device), or None."""
         if self._terms is None:
             return None
-        value, self._terms, count, self._count = self._terms, None, self._count, 0
+        value = self._terms
+        self._terms = None
+        count = self._count
+        self._count = 0
         return float(value) / count
 
     def term(self, local: torch.Tensor, teacher: torch.Tensor, gathered: torch.Tensor | None) -> torch.Tensor:

@@ -51,12 +51,10 @@ class OnlineTeacher:
         precision: str | None = None,
         made_for: Template = ARCFACE_112,
     ):
-        self.model, self.device, self.precision, self.made_for = (
-            model,
-            torch.device(device),
-            precision,
-            made_for,
-        )
+        self.model = model
+        self.device = torch.device(device)
+        self.precision = precision
+        self.made_for = made_for
         module = model.module.eval()
         onnx = isinstance(module, OnnxBackbone)
         if not onnx:  # onnxruntime places its own (a GPU run refuses it: load_teacher)

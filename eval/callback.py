@@ -41,7 +41,10 @@ class VerificationCallback:
         output: str | None = None,
     ):
         self.enabled, self.every, self.output = bool(val_targets), every, output
-        self.backbone, self.ema, self.writer, self.batch_size = backbone, ema, summary_writer, batch_size
+        self.backbone = backbone
+        self.ema = ema
+        self.writer = summary_writer
+        self.batch_size = batch_size
         self.sets = {}
         for name in val_targets:  # every rank checks, so every rank stops alike on a missing set
             path = bin_path(val_dir, name)

@@ -97,7 +97,10 @@ def read_cfp(root: str, protocol: str) -> PairList:
             f"{splits}: holds {', '.join(extra)} beside CFP's {NFOLDS} splits 01-{NFOLDS:02d}, which its "
             f"protocol scores; move {'them' if len(extra) > 1 else 'it'} out"
         )
-    pairs, issame, lines, folds = [], [], [], []
+    pairs = []
+    issame = []
+    lines = []
+    folds = []
     for k in range(1, NFOLDS + 1):
         split = os.path.join(folder, "Split", protocol, f"{k:02d}")
         start = len(pairs)

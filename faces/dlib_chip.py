@@ -116,9 +116,10 @@ def dlib_chip(img: Image.Image, shape5: np.ndarray, size: int = SIZE) -> Image.I
         for _ in range(levels):
             if min(rgb.shape[:2]) <= 8:  # dlib's pyramid leaves nothing of so small a part: a black chip
                 return Image.new("RGB", (size, size))
+            # dlib's offsets one level down
             rgb, centre = (
                 _pyramid_down(rgb),
                 centre / 2 - np.array([1.25, 0.75]),
-            )  # dlib's offsets one level down
+            )
         linear = linear / 2**levels
     return warp(Image.fromarray(rgb), _to_photo(centre, linear, size), (size, size))

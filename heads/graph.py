@@ -58,7 +58,10 @@ class CapturedHead:
                 "CapturedHead: a fused head steps its optimizer inside backward, at a learning "
                 "rate a graph would freeze"
             )
-        self.head, self.eager_calls, self.warmup, self.emulate = head, max(1, eager_calls), warmup, emulate
+        self.head = head
+        self.eager_calls = max(1, eager_calls)
+        self.warmup = warmup
+        self.emulate = emulate
         self.params = [p for p in head.parameters() if p.requires_grad]
         self.calls = 0
         self.failed = False

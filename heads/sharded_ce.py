@@ -266,8 +266,15 @@ class _Walk:
         group,
         grads: bool,
     ):
-        self.emb_n, self.shard, self.labels, self.has = emb_n, shard, labels, has
-        self.t_logit, self.margin, self.rows, self.plan, self.group = t_logit, margin, rows, plan, group
+        self.emb_n = emb_n
+        self.shard = shard
+        self.labels = labels
+        self.has = has
+        self.t_logit = t_logit
+        self.margin = margin
+        self.rows = rows
+        self.plan = plan
+        self.group = group
         self.grads = grads
         B, D = emb_n.shape
         self.k = shard.k

@@ -81,7 +81,10 @@ class Cache:
         rebuild: bool = False,
         save_every_s: float = SAVE_EVERY_S,
     ):
-        self.path, self.shape, self.rebuild, self.save_every_s = path, shape, rebuild, save_every_s
+        self.path = path
+        self.shape = shape
+        self.rebuild = rebuild
+        self.save_every_s = save_every_s
         self.header = {"kind": self.kind, "format": FORMAT, **header}
         self.entries, self.new, self.unsaved = {}, set(), {}
         self.last = time.monotonic()

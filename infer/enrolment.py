@@ -144,13 +144,11 @@ def default_cache(folder: str, ema: bool = True) -> str:
 class GalleryFile(Cache):
     """A gallery's cache: an image's content key -> its largest face's unit embedding (None: no face)."""
 
-    kind, what, hint, redo, unit = (
-        "shardface gallery",
-        "gallery file",
-        "pass another cache file (--cache FILE; from Python, Gallery(..., cache=FILE))",
-        "enrolling every image again",
-        True,
-    )
+    kind = "shardface gallery"
+    what = "gallery file"
+    hint = "pass another cache file (--cache FILE; from Python, Gallery(..., cache=FILE))"
+    redo = "enrolling every image again"
+    unit = True
 
     def __init__(
         self, path: str, model, align: bool, rebuild: bool = False, save_every_s: float = SAVE_EVERY_S

@@ -43,10 +43,9 @@ from shardface.infer.weights import DLIB, DLIB_FILE, dlib_state, load_backbone
 
 MODEL_HELP = "run output, checkpoint dir, model.pt (ShardFace or arcface_torch), .onnx or dlib"
 PRECISIONS = ("fp32", "fp16", "bf16")
-FOUND, NOBODY = (
-    (0, 220, 90),
-    (255, 170, 0),
-)  # Model.draw's colours: a face named or plainly found; one matching nobody
+# Model.draw's colours: a face named or plainly found; one matching nobody
+FOUND = (0, 220, 90)
+NOBODY = (255, 170, 0)
 
 
 def tool_device() -> torch.device:
@@ -300,12 +299,10 @@ def load_model(
     kind = model_kind(spec)
     module = load_module(spec, network, ema, device)
     if kind == "dlib":  # one set of weights, no EMA to choose
-        template, fingerprint, threshold, ema = (
-            DLIB_150,
-            fingerprint_file(model_file(DLIB_FILE)),
-            DLIB_OWN,
-            True,
-        )
+        template = DLIB_150
+        fingerprint = fingerprint_file(model_file(DLIB_FILE))
+        threshold = DLIB_OWN
+        ema = True
     elif kind == "onnx":
         template, fingerprint, threshold = module.template, fingerprint_file(spec), module.threshold
     else:  # the hash files derived from these weights record (checkpoint.state.weights_fingerprint)

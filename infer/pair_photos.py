@@ -34,12 +34,10 @@ SHOWN = 20  # photos named in a report
 class FacesCache(Cache):
     """(photo content, face options) -> its size and largest face, as one JSON record (`_row`)."""
 
-    kind, what, hint, redo = (
-        "shardface pair-list faces",
-        "pair-list cache file",
-        "pass --cache_dir DIR",
-        "searching every photo again",
-    )
+    kind = "shardface pair-list faces"
+    what = "pair-list cache file"
+    hint = "pass --cache_dir DIR"
+    redo = "searching every photo again"
 
     def __init__(self, path: str | None):
         super().__init__(path, {}, None)
@@ -48,12 +46,10 @@ class FacesCache(Cache):
 class EmbeddingCache(Cache):
     """(photo content, face) -> one model's raw embeddings of the crop and of its mirror, 2 x D."""
 
-    kind, what, hint, redo = (
-        "shardface pair-list embeddings",
-        FacesCache.what,
-        FacesCache.hint,
-        "embedding every photo again",
-    )
+    kind = "shardface pair-list embeddings"
+    what = FacesCache.what
+    hint = FacesCache.hint
+    redo = "embedding every photo again"
 
     def __init__(self, path: str | None, model):
         super().__init__(path, {"fingerprint": model.fingerprint, "crop": model.crop_name}, (2, model.dim))

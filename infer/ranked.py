@@ -23,12 +23,10 @@ class ShareCache(Cache):
     """(photo path, content) -> the faces found in it (each `Face.to_dict`, largest first); one
     job's, as the parts folder that holds it is."""
 
-    kind, what, hint, redo = (
-        "shardface rank faces",
-        "rank's faces cache file",
-        "remove the parts folder",
-        "searching its share again",
-    )
+    kind = "shardface rank faces"
+    what = "rank's faces cache file"
+    hint = "remove the parts folder"
+    redo = "searching its share again"
 
     def __init__(self, path: str):
         super().__init__(path, {}, None)

@@ -34,7 +34,10 @@ class MagFace(MarginLoss):
             raise ValueError(
                 f"MagFace needs 0 < l_a < u_a and l_m <= u_m; got l_a={l_a}, u_a={u_a}, l_m={l_m}, u_m={u_m}"
             )
-        self.l_a, self.u_a, self.l_m, self.u_m = float(l_a), float(u_a), float(l_m), float(u_m)
+        self.l_a = float(l_a)
+        self.u_a = float(u_a)
+        self.l_m = float(l_m)
+        self.u_m = float(u_m)
         self.lambda_g, self.easy_margin = float(lambda_g), bool(easy_margin)
 
     def _magnitude(self, norms: torch.Tensor) -> torch.Tensor:

@@ -62,7 +62,10 @@ class StopSignal:
 
     def __init__(self, grace_s: float = 20.0):
         global _ACTIVE
-        self.flag, self.grace_s, self.deferring, self.closed = False, grace_s, False, False
+        self.flag = False
+        self.grace_s = grace_s
+        self.deferring = False
+        self.closed = False
         self.acknowledged = threading.Event()
         self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         self.previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)

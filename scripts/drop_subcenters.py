@@ -103,9 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     if k < 2:
         raise CheckpointError(f"{args.run}: the head has one centre per class; nothing to drop")
     model = load_backbone(args.run).eval()
-    dataset = build_train_dataset(
-        cfg, train=False, normalize=True
-    )  # as trained: align, resize, skipped images
+    # as trained: align, resize, skipped images
+    dataset = build_train_dataset(cfg, train=False, normalize=True)
     os.makedirs(args.out, exist_ok=True)  # an unwritable --out fails here, before the pass
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=cfg.num_workers)
     embeddings, labels = [], []

@@ -133,13 +133,11 @@ def main(argv=None) -> int:
     chosen = chosen_threshold(args.threshold, own=embedder.threshold)
     if chosen is None and not args.threshold_from:  # refused before the gallery is enrolled
         raise no_threshold(args.model)
-    queries = list(
-        dict.fromkeys(query_files(args.queries, embedder.template, args.align))
-    )  # each answered once
+    # each answered once
+    queries = list(dict.fromkeys(query_files(args.queries, embedder.template, args.align)))
     if args.threshold_from:
-        pairs = load_bin(
-            args.threshold_from
-        )  # insightface's 112x112 crops, re-framed onto the model's template
+        # insightface's 112x112 crops, re-framed onto the model's template
+        pairs = load_bin(args.threshold_from)
         fitted = (*best_threshold(pairs, embedder, args.batch_size), args.threshold_from, len(pairs[1]))
         chosen = chosen_threshold(None, fitted, embedder.threshold)
     threshold = chosen.value

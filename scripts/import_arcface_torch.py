@@ -237,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) < 3 or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    config, run_dir, out_dir, overrides = argv[0], argv[1], argv[2], argv[3:]
+    config = argv[0]
+    run_dir = argv[1]
+    out_dir = argv[2]
+    overrides = argv[3:]
     cfg = get_config(config, overrides)
     ckpt = import_run(cfg, run_dir, out_dir)  # a checkpoint or config error: one line, exit 2
     if cfg.lr_scheduler != "poly_warmup":

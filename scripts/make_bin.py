@@ -128,9 +128,8 @@ def write_list_bin(args, ranks: Ranks) -> int:
         faces = list_faces(args, pair_list, detection, args.strict, ranks).faces
         if ranks.rank != 0:
             return _helped(ranks, args.output)
-        encoded = dict(
-            zip(photos, aligned_pngs(photos, faces, workers=workers_from(args)))
-        )  # each photo once
+        # each photo once
+        encoded = dict(zip(photos, aligned_pngs(photos, faces, workers=workers_from(args))))
     else:
         check_files(photos, args.resize)
         encoded = {p: stored_bytes(p, args.resize) for p in photos}

@@ -19,10 +19,11 @@ def _photos(person: int) -> tuple[list[Image.Image], list[Image.Image]]:
     if person % 2:
         head = head.transpose(Image.FLIP_LEFT_RIGHT)
     frontal = [head.rotate(4 * i, resample=Image.BILINEAR, fillcolor=(90, 90, 90)) for i in range(FRONTAL)]
+    # the second: no face
     profile = [
         head.rotate(-8, resample=Image.BILINEAR, fillcolor=(90, 90, 90)),
         Image.new("RGB", head.size, (120 + 20 * person, 140, 160)),
-    ]  # the second: no face
+    ]
     return frontal, profile
 
 

@@ -74,6 +74,7 @@ def _worker(rank, world_size, port, fn, args, results, init, env, cwd, caller):
         os.environ.update(env)  # the caller's, at the call (the forkserver's are from its start)
         os.chdir(cwd)
         torch.set_num_threads(1)
+        # torchrun's own mark (dataset.shares.launch_rank)
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
@@ -82,7 +83,7 @@ def _worker(rank, world_size, port, fn, args, results, init, env, cwd, caller):
             LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE=str(world_size),
             TORCHELASTIC_RUN_ID="tests",
-        )  # torchrun's own mark (dataset.shares.launch_rank)
+        )
         if init:
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
         try:

@@ -35,9 +35,8 @@ def test_a_photo_whose_crop_names_would_be_too_long_is_named_before_any_work(one
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and os.path.join("p", name) in err[0] and "over 255 bytes" in err[0]
     assert not os.path.exists(tmp_path / "dst")
-    assert (
-        align_tool([one_photo, str(tmp_path / "dst"), "--workers", "1", "--largest"]) == 0
-    )  # one crop: fits
+    # one crop: fits
+    assert align_tool([one_photo, str(tmp_path / "dst"), "--workers", "1", "--largest"]) == 0
 
 
 def test_a_photo_name_that_is_not_utf8_is_reported_as_the_file_system_has_it(one_photo, tmp_path):

@@ -228,9 +228,8 @@ def test_logged_lr_of_step_n_is_the_rate_it_used_and_readme_says_arcface_torch_l
     }
     assert sorted(logged) == list(range(1, STEPS + 1))
     for n, lr in logged.items():
-        assert lr == pytest.approx(one_rank["lrs"][n - 1], abs=6e-6), (
-            n
-        )  # step n trained with rate n - 1 (0-based)
+        # step n trained with rate n - 1 (0-based)
+        assert lr == pytest.approx(one_rank["lrs"][n - 1], abs=6e-6), n
         # arcface_torch's line for global_step n: after scheduler.step(), the rate of step n + 1
         if n < STEPS:
             assert polynomial_lr_warmup(n, CUT, SCHEDULE) == pytest.approx(one_rank["lrs"][n], abs=1e-12), n

@@ -188,9 +188,8 @@ def test_make_bin_writes_the_protocol_in_pair_order_for_training_and_arcface_tor
     assert their_issame == pairs.issame and all(i.shape == (112, 112, 3) for i in theirs)
     np.testing.assert_array_equal(np.stack(theirs), images.permute(0, 2, 3, 1).numpy())
     if protocol == "FP":
-        assert (
-            "no face found in" in said and "profile/02.jpg" in said
-        )  # the faceless profiles: fallbacks, named
+        # the faceless profiles: fallbacks, named
+        assert "no face found in" in said and "profile/02.jpg" in said
     # training's verification reads it by its insightface name from val_dir
     callback = VerificationCallback([name], str(tmp_path), 1, None)
     assert list(callback.sets) == [name] and callback.sets[name][1] == pairs.issame
@@ -289,11 +288,12 @@ def test_the_detector_study_scores_what_verify_scores_and_resumes(cfp, tmp_path,
     frontal, profile = PEOPLE * FRONTAL, PEOPLE * PROFILE
     for option in ("hog0", "hog1"):
         assert f"| {option} | {frontal} / {frontal} (1.0000) | {PEOPLE} / {profile} (0.5000) |" in done.stdout
+    # the accuracy table's
     rows = [
         line.split("|")[2:]
         for line in done.stdout.splitlines()
         if line.startswith(("| hog1 |", "| hog1+hog0 |")) and " / " not in line
-    ]  # the accuracy table's
+    ]
     assert len(rows) == 2 and rows[0] == rows[1], done.stdout
     faceless, acc, acc_flip = rows[0][0].strip(), rows[0][1].split()[0], rows[0][2].split()[0]
     assert faceless == f"{PEOPLE} of {len(read_cfp(root, 'FP').photos)}"  # the blank profiles

@@ -154,16 +154,14 @@ def test_overwrite_starts_tensorboard_and_training_log_over(drawn_faces, eight_s
     assert _train(drawn_faces, out, "--max_steps", "3", "--overwrite", "true") == 0
     assert _logged_steps(out) == [1, 2, 3]
     log = open(os.path.join(out, "training.log")).read()
-    assert (
-        "step 3/3" in log and "step 8/8" not in log and len(re.findall(r"^network\s", log, re.M)) == 1
-    )  # one config dump
+    # one config dump
+    assert "step 3/3" in log and "step 8/8" not in log and len(re.findall(r"^network\s", log, re.M)) == 1
 
 
 def test_resume_drops_the_events_logged_after_its_checkpoint(drawn_faces, eight_steps, tmp_path):
     out = _copy(eight_steps, tmp_path)
-    shutil.rmtree(
-        os.path.join(out, "checkpoint-00000008")
-    )  # as if killed after step 8's events, before its save
+    # as if killed after step 8's events, before its save
+    shutil.rmtree(os.path.join(out, "checkpoint-00000008"))
     os.remove(os.path.join(out, "latest"))
     assert _train(drawn_faces, out, "--max_steps", "8", "--resume", "true") == 0  # from step 4: 5..8 again
     assert _logged_steps(out) == list(range(1, 9))

@@ -114,9 +114,8 @@ def test_training_flip_mirrors_the_image(tmp_path):
 
 def test_label_beyond_num_classes_names_file_and_key(tmp_path):
     root = _insightface_set(tmp_path)
-    ds = MXFaceDataset(
-        root, num_classes=2
-    )  # (a property of 2 classes disagrees with the header: test_layout)
+    # (a property of 2 classes disagrees with the header: test_layout)
+    ds = MXFaceDataset(root, num_classes=2)
     with pytest.raises(LabelError, match=r"train\.rec key 9: label 2 outside \[0, 2\)"):
         ds[8]
 

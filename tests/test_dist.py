@@ -34,9 +34,8 @@ def test_gloo_interface_problems_are_named_before_connecting():
     ifs = ["lo", "eth0", "ib0"]
     problem = gloo_interface_problem(16, 8, ifname="", host_address="127.0.1.1", interfaces=ifs)
     assert "GLOO_SOCKET_IFNAME" in problem and "127.0.1.1" in problem and "eth0" in problem
-    assert (
-        gloo_interface_problem(8, 8, ifname="", host_address="127.0.1.1", interfaces=ifs) is None
-    )  # one node
+    # one node
+    assert gloo_interface_problem(8, 8, ifname="", host_address="127.0.1.1", interfaces=ifs) is None
     assert gloo_interface_problem(16, 8, ifname="", host_address="10.0.0.5", interfaces=ifs) is None
     assert gloo_interface_problem(16, 8, ifname="eth0,ib0", interfaces=ifs) is None
     missing = gloo_interface_problem(16, 8, ifname="eth1", interfaces=ifs)

@@ -108,9 +108,8 @@ def test_teacher_file_mean_is_its_rows_mean(tmp_path):
     from shardface.distill.teacher_file import FORMAT, TeacherFile, header_bytes
 
     rows = np.random.default_rng(0).standard_normal((50, 8))
-    rows = (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype(
-        "<f2"
-    )  # unit rows, as scripts.teach writes
+    # unit rows, as scripts.teach writes
+    rows = (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype("<f2")
     path = str(tmp_path / "t.teacher")
     with open(path, "wb") as f:
         f.write(header_bytes({"format": FORMAT, "data_size": 50, "dim": 8}))

@@ -71,9 +71,8 @@ def test_torch_port_gives_dlibs_descriptor_on_the_astronaut_photo(astronaut):
     out = embed_chip(embedder, dlib_chip(Image.fromarray(astronaut["img"]), astronaut["points"]))
     assert out.shape == (128,)
     assert cosine(out, astronaut["descriptor"]) >= 0.9999
-    np.testing.assert_allclose(
-        out, astronaut["descriptor"], atol=1e-4
-    )  # dlib's scale too, not only its direction
+    # dlib's scale too, not only its direction
+    np.testing.assert_allclose(out, astronaut["descriptor"], atol=1e-4)
 
 
 @pytest.mark.slow

@@ -87,6 +87,7 @@ def test_train_runs_on_the_device_and_its_files_open_on_a_cpu_only_host(
     drawn_faces, tmp_path, kind, precision, zero
 ):
     out = str(tmp_path / "run")
+    # NHWC on tensor cores
     argv = train_argv(
         drawn_faces,
         out,
@@ -106,7 +107,7 @@ def test_train_runs_on_the_device_and_its_files_open_on_a_cpu_only_host(
         str(precision == "bf16").lower(),
         "--channels_last",
         str(precision != "fp32").lower(),
-    )  # NHWC on tensor cores
+    )
     done = subprocess.run(
         [sys.executable, "train.py", *argv],
         cwd=ROOT,

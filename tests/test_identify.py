@@ -47,9 +47,8 @@ def test_cache_is_reused_updated_when_the_folder_changes_and_another_model_is_re
     cache = os.path.join(gallery, ".shardface_gallery.sqlite")
     stamp = os.stat(cache).st_mtime_ns
     again = enrol(gallery, embedder, show_progress=False)
-    assert (
-        os.stat(cache).st_mtime_ns == stamp and first.names == again.names
-    )  # nothing re-embedded or written
+    # nothing re-embedded or written
+    assert os.stat(cache).st_mtime_ns == stamp and first.names == again.names
     np.testing.assert_array_equal(first.templates, again.templates)
     noise_face(tmp_path / "g" / "person0" / "new.png", 77)
     os.remove(tmp_path / "g" / "person2" / "2.png")
@@ -359,6 +358,5 @@ def test_a_person_without_a_face_stops_the_gallery_after_the_others_are_saved(tm
     Image.fromarray(np.zeros((160, 160, 3), np.uint8)).save(people / "eve" / "0.png")
     with pytest.raises(GalleryError, match="no face found in any of"):
         enrol(str(people), model, align=True, show_progress=False)
-    assert os.path.isfile(
-        default_cache(str(people))
-    )  # the searches are kept: a rerun with a photo added is quick
+    # the searches are kept: a rerun with a photo added is quick
+    assert os.path.isfile(default_cache(str(people)))

@@ -243,9 +243,10 @@ def test_margin_state_and_subcentre_rows_resume_on_another_world_size(tmp_path, 
 
 # scales whose s * (1 - eps) is far from its fp32 rounding (30, 60) as well as exact ones
 @pytest.mark.parametrize("s", [S, 30.0, 60.0, 64.0])
+# 4 <= D / 2: logits kept
 @pytest.mark.parametrize(
     "chunk,rate,rows", [(None, 1.0, 6), (4, 1.0, 6), (4, 0.5, 6), (None, 1.0, 4), (4, 1.0, 4)]
-)  # 4 <= D / 2: logits kept
+)
 def test_adaface_non_target_cosines_past_its_clamp_carry_no_gradient(chunk, rate, rows, s):
     """AdaFace clamps every cosine to [-1 + eps, 1 - eps]: embeddings pointing along (or against)
     a non-target class give that logit no gradient, in the head as in the paper's formulation."""

@@ -353,9 +353,8 @@ def test_own_photos_end_to_end_pack_train_make_bin_verify_embed_compare(tmp_path
     for model in (run, onnx_path):
         verify([model, "--bin", os.path.join(rec, "own_val.bin")])
     table = capsys.readouterr().out.splitlines()
-    assert (
-        table[1].split()[1:] == table[4].split()[1:]
-    )  # same accuracies, std, XNorm (each table then its legend)
+    # same accuracies, std, XNorm (each table then its legend)
+    assert table[1].split()[1:] == table[4].split()[1:]
     assert table[2].startswith(
         "acc, acc-flip: 10-fold accuracy (insightface's protocol: each fold judged at the "
         "threshold best on the other 9); scripts.compare --threshold-from prints the "

@@ -147,9 +147,8 @@ def test_fallback_of_a_one_face_set_cuts_that_face_s_chip_alike_in_any_photo_siz
     assert np.allclose(bigger.shape, (same.shape - centre) * 2 + centre2, atol=1e-6)
     no_shape = Fallback.of([(Face(face.box, face.points, face.score, None), photo.size)]).face(photo.size)
     to_112 = [similarity_transform(ARCFACE_112.points, f.points) for f in (no_shape, face)]
-    assert no_shape.shape is None and np.allclose(
-        *to_112, atol=0.1
-    )  # fitted to the five points: within 0.1 px
+    # fitted to the five points: within 0.1 px
+    assert no_shape.shape is None and np.allclose(*to_112, atol=0.1)
 
 
 def test_make_bin_writes_every_pair_in_list_order_and_names_the_fallbacks(lfw, tmp_path, capsys, monkeypatch):
@@ -271,9 +270,8 @@ def test_verify_from_photos_equals_verify_from_the_list_bin_for_a_112_model(lfw,
         return next(line for line in table.splitlines() if line.startswith(name)).split()[1:]
 
     assert row("pairs.txt") == row("v.bin")  # acc, acc-flip, std, XNorm
-    assert not [
-        f for f in os.listdir(tmp_path) if f not in before and not f.endswith(".sqlite")
-    ]  # no .bin written
+    # no .bin written
+    assert not [f for f in os.listdir(tmp_path) if f not in before and not f.endswith(".sqlite")]
     model = load_model(model_path)
     (images, mirrored), _ = load_bin(out)
     pair_list = read_pair_list(pairs, lfw)
@@ -289,6 +287,7 @@ def test_a_second_model_reuses_the_detections_and_a_second_run_the_embeddings(lf
     pairs = lfw_list(tmp_path / "pairs.txt")
     cache = tmp_path / "cache"
     os.makedirs(cache)
+    # searched in this process, where `counted` sees them
     assert (
         make_bin(
             [
@@ -304,7 +303,7 @@ def test_a_second_model_reuses_the_detections_and_a_second_run_the_embeddings(lf
             ]
         )
         == 0
-    )  # searched in this process, where `counted` sees them
+    )
     assert (
         len(counted) == 9
         and "faces: 9 photo searches run, 0 answered by the cache" in capsys.readouterr().out
@@ -318,9 +317,8 @@ def test_a_second_model_reuses_the_detections_and_a_second_run_the_embeddings(lf
     assert "embeddings: 9 photos embedded, 0 from the cache" in said
     faces_file, b_file = cache_paths(pairs, load_model(b).fingerprint, str(cache))
     model_b, photos = load_model(b), read_pair_list(pairs, lfw).photos
-    found = pair_faces(
-        photos, cache=FacesCache(faces_file), show_progress=False
-    )  # what verify runs for model b
+    # what verify runs for model b
+    found = pair_faces(photos, cache=FacesCache(faces_file), show_progress=False)
     assert len(counted) == 9 and found.searched == 0 and len(found.fallbacks) == 3
     first = pair_embeddings(model_b, photos, found, EmbeddingCache(b_file, model_b), show_progress=False)
     again = pair_embeddings(model_b, photos, found, EmbeddingCache(b_file, model_b), show_progress=False)

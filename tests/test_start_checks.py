@@ -89,10 +89,11 @@ def test_ranks_started_with_another_lr_refuse_on_every_rank_naming_key_values_an
     args = [train_argv(drawn_faces, out), train_argv(drawn_faces, out, "--lr", "0.2", "--num_workers", "1")]
     assert run_distributed(_train_cli, 2, args, init=False, timeout=120) == [EXIT_USER_ERROR] * 2
     lines = _error_lines(capfd.readouterr().err)
+    # num_workers may differ
     assert lines == [
         "error: the config differs between the ranks of this job: lr 0.05 on rank 0, 0.2 on rank 1; "
         "start every rank with the same config file and --key values"
-    ]  # num_workers may differ
+    ]
     assert not os.path.exists(out)  # nothing trained, nothing written
 
 
@@ -140,9 +141,8 @@ def test_ranks_writing_different_output_directories_refuse_at_start_naming_ranks
     assert len(lines) == 1, lines
     assert f"rank 0 (host {host}) holds its lock {out0}/run.lock" in lines[0], lines[0]
     assert f"rank 1 (host {host}) in {out1} did not find it" in lines[0], lines[0]
-    assert not os.path.exists(out0) and not os.path.exists(
-        out1
-    )  # the lock and the directory it made are gone
+    # the lock and the directory it made are gone
+    assert not os.path.exists(out0) and not os.path.exists(out1)
 
 
 def _snapshot(folder):
@@ -166,11 +166,12 @@ def test_a_refused_resume_or_start_writes_nothing_in_the_output(drawn_faces, tmp
     assert train.main(train_argv(drawn_faces, out, "--stop_after_steps", "2", "--ema", "false")) == 0
     before = _snapshot(out)
     assert {"config.json", "training.log", "latest"} <= set(before)
+    # a fresh start in an output holding checkpoints
     refused = [
         ("--resume", "true", "--lr", "0.01", "--val_targets", "['nowhere']", "--verbose", "1"),  # val set
         ("--resume", "true", "--lr", "0.01", "--optimizer", "adamw"),  # the checkpoint's optimizer state
         ("--lr", "0.01"),
-    ]  # a fresh start in an output holding checkpoints
+    ]
     for extra in refused:
         code, lines, _ = _cli(monkeypatch, capsys, train_argv(drawn_faces, out, "--ema", "false", *extra))
         assert code == EXIT_USER_ERROR and len(lines) == 1, (extra, lines)

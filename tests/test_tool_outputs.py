@@ -201,11 +201,12 @@ def test_staging_files_of_dead_runs_on_this_host_are_removed_and_others_kept(tmp
     faces = photos(tmp_path / "faces", ids=3, per_id=4)
     pid, host = dead_pid(), socket.gethostname()
     dead = [f".v.bin.partial-{host}-{pid}", f"v.bin.partial-{pid}"]  # the second: the old naming
+    # another output's: its own publish cleans it
     kept = [
         f".v.bin.partial-{host}-{os.getppid()}",  # a live process
         f".v.bin.partial-another-host-{pid}",  # its pid means nothing here
         f".w.bin.partial-{host}-{pid}",
-    ]  # another output's: its own publish cleans it
+    ]
     for name in dead + kept:
         (tmp_path / name).write_bytes(b"litter")
     assert make_bin([faces, str(tmp_path / "v.bin"), "--pairs", "10"]) == 0

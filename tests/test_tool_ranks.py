@@ -412,11 +412,12 @@ def test_two_ranks_of_embed_write_the_rows_and_listing_of_one_process(photos, tm
     assert sorted(os.listdir(tmp_path)) == ["one.npy", "one.txt", "run", "two.npy", "two.txt"]
 
 
+# the wall has no face (a fallback crop); two.png holds two
 PAIRS = (
     "p/h0.png p/h1.png 1\np/two.png q/wall.png 0\nq/m0.jpg q/m1.jpg 1\np/h2.png q/a.jpg 0\n"
     "p/h1.png p/h2.png 1\nq/a.jpg q/m0.jpg 0\np/h0.png p/two.png 1\nq/a.png q/wall.png 0\n"
     "q/a.jpg q/a.png 1\np/h0.png q/m1.jpg 0\n"
-)  # the wall has no face (a fallback crop); two.png holds two
+)
 
 
 def _rank_makes_bin(rank, world, argv, searcher):

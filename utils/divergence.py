@@ -143,9 +143,8 @@ def check_weights(
         for p in module.parameters()
     )
     norm = weight_norm(backbone) if finite and start_norm else 0.0
-    exploded = (
-        bool(start_norm) and not norm <= EXPLODED_FACTOR * start_norm
-    )  # identical weights on every rank
+    # identical weights on every rank
+    exploded = bool(start_norm) and not norm <= EXPLODED_FACTOR * start_norm
     if get_world_size() > 1:
         flag = torch.tensor([0.0 if finite else 1.0, 1.0 if exploded else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group())
