@@ -2,7 +2,7 @@ from easydict import EasyDict as edict
 
 config = edict()
 config.network = "r50"
-config.margin = "curricularface"  # the paper's hyper-parameters: configs/base.py
+config.margin = "curricularface"  # the paper's hyper-parameters: configs/schema.py
 config.embedding_size = 512
 config.sample_rate = 1.0
 config.fp16 = True

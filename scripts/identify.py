@@ -3,7 +3,7 @@
 `python -m scripts.identify MODEL --gallery DIR [--align] [--top K] [--threshold T | --threshold-from VAL.bin] QUERY...`
 
 The gallery is one folder per person; each person is scored by the mean template of their
-images (infer/enrolment.py). The enrolment is cached in DIR/.shardface_gallery.npz and updated
+images (infer/enrolment.py). The enrolment is cached in DIR/.shardface_gallery.sqlite and updated
 when images are added, changed or removed; a gallery file of another MODEL is refused
 (--rebuild replaces it). One line per face of each query: the file, the face (index and box),
 the best person and their cosine score, or `unknown (best ...)` when the score is below the
@@ -108,8 +108,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--cache",
         default=None,
-        help="the gallery file (default GALLERY/.shardface_gallery.npz, "
-        "with --no_ema GALLERY/.shardface_gallery.no_ema.npz)",
+        help="the gallery file (default GALLERY/.shardface_gallery.sqlite, "
+        "with --no_ema GALLERY/.shardface_gallery.no_ema.sqlite)",
     )
     p.add_argument(
         "--rebuild", action="store_true", help="enrol every image again, replacing the gallery file"
