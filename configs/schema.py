@@ -116,9 +116,15 @@ class Choice(Kind):
         return f"expected one of {', '.join(map(repr, self.allowed))}"
 
     def parse(self, text: str):
-        if any(isinstance(a, bool) for a in self.allowed) and text.lower() in _BOOL_WORDS:
+        """A string choice as given (validation names a wrong one with its key); where the choices
+        mix true and false with names (`resume`), a bool word or a name, else a ValueError."""
+        if not any(isinstance(a, bool) for a in self.allowed):
+            return text
+        if text.lower() in _BOOL_WORDS:
             return _BOOL_WORDS[text.lower()]
-        return text
+        if text in self.allowed:
+            return text
+        raise ValueError(self.refuses(text))
 
 
 @dataclass(frozen=True)

@@ -228,9 +228,9 @@ def main(argv=None) -> int:
     unknown = (
         args.unknown_ids if args.unknown_ids is not None else max(1, len(list_gallery(args.folder)) // 10)
     )
+    tool = tool_ranks()  # under torchrun: each rank embeds its share (on its own GPU), rank 0 reports
     detection = face_detection(args)
     model = model_from(args, detection)
-    tool = tool_ranks()  # under torchrun: each rank embeds its share, rank 0 reports
     result, (ranks, mate, non) = evaluate(
         model,
         args.folder,
