@@ -35,9 +35,11 @@ def test_positional_parameters_are_arcface_torchs(fn, theirs):
 
 
 def test_partial_fc_v2_positional_call_sets_sample_rate_and_fp16_not_a_tile_size():
+    from shardface.configs.schema import keys
+
     head = PartialFC(CombinedMarginLoss(64.0, 1.0, 0.5, 0.0), 8, 10, 1.0, True)
-    # 16-bit logits, the whole shard per GEMM
-    assert head.chunk_size is None and head.plan.precision == "bf16"
+    # 16-bit logits; the tile is the config's default, not the fifth argument
+    assert head.chunk_size == keys()["chunk_size"].default and head.plan.precision == "bf16"
     assert (
         PartialFC(CosFace(), 8, 10, 0.5).plan.precision == "fp32"
         and PartialFC(CosFace(), 8, 10, 0.5).sample_rate == 0.5

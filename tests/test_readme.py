@@ -157,9 +157,13 @@ def _program(command: str) -> tuple[str, list[str]] | None:
     return None
 
 
+# programs whose arguments are a config and `--key value` config keys, after this many positionals
+CONFIG_KEYS_AFTER = {"train.py": 1, "scripts.import_arcface_torch": 3}
+
+
 def _parse(program: str, argv: list[str]) -> None:
-    """Raises where `argv` does not parse (SystemExit from argparse, a ConfigError from train.py's keys)."""
-    if program == "train.py":  # a config the docs name as the user's own: its overrides on the base
+    """Raises where `argv` does not parse (SystemExit from argparse, a ConfigError from config keys)."""
+    if program in CONFIG_KEYS_AFTER:  # a config the docs name as the user's own: its keys on the base
         from shardface.configs import get_config, resolve_config_path
         from shardface.errors import ConfigError
 
@@ -167,7 +171,7 @@ def _parse(program: str, argv: list[str]) -> None:
             path = resolve_config_path(argv[0])
         except ConfigError:
             path = None
-        get_config(path, argv[1:])
+        get_config(path, argv[CONFIG_KEYS_AFTER[program] :])
         return
     try:  # scripts.plan parses its config keys beside its options (parse_known_args): it runs, in a second
         if program.startswith("scripts."):
