@@ -268,6 +268,7 @@ def test_a_cfp_root_searches_its_profiles_with_dlibs_cnn_by_default(cfp, tmp_pat
     assert searched in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a benchmark script's check; verify's own CFP path is held by the tests above
 def test_the_detector_study_scores_what_verify_scores_and_resumes(cfp, tmp_path, capsys):
     """benchmarks/cfp_detectors.py: faces found per option (the blank profiles in none), and FP
     scored on an option's faces exactly as `verify --pairs_list CFP --protocol FP` scores them

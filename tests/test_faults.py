@@ -108,7 +108,11 @@ def _corrupt_record(data):
     return ("--num_classes", "16"), "bad magic"
 
 
-@pytest.mark.parametrize("spoil", [_bad_label, _corrupt_record], ids=["bad_label", "corrupt_record"])
+@pytest.mark.parametrize(
+    "spoil",
+    [pytest.param(_bad_label, marks=pytest.mark.slow), _corrupt_record],
+    ids=["bad_label", "corrupt_record"],
+)
 def test_data_error_with_loader_workers_exits_within_seconds(drawn_faces, tmp_path, spoil):
     """A worker's data error must end the job: workers get the default signal mask, so the
     SIGTERM Python sends them at exit is not ignored."""

@@ -79,7 +79,7 @@ TRAIN_CASES = [
     pytest.param("cuda", p, z, marks=pytest.mark.gpu, id=f"cuda-{p}-{'zero2' if z else 'ddp'}")
     for p in ("fp32", "fp16", "bf16")
     for z in (True, False)
-] + [pytest.param("cpu", "fp32", True, id="cpu-fp32-zero2")]
+] + [pytest.param("cpu", "fp32", True, id="cpu-fp32-zero2", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("kind,precision,zero", TRAIN_CASES)

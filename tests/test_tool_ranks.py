@@ -104,6 +104,7 @@ def test_a_photo_replaced_under_its_name_is_aligned_again_not_taken_from_a_kept_
     assert file_tree(dst) == file_tree(fresh)
 
 
+@pytest.mark.slow  # the photo replaced under its name, above, holds the same check of a kept part
 def test_a_kept_part_whose_photos_were_touched_since_is_made_again_the_others_kept(photos, tmp_path):
     src = tmp_path / "photos"
     shutil.copytree(photos, src)
