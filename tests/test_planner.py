@@ -45,7 +45,7 @@ def test_planner_head_memory_matches_the_measured_peak(fused, monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     planned = sum(head_memory(C, 2, B_LOCAL, D, chunk=4096, row_block=32, fused=fused).values())
     measured = []
-    for _ in range(2):  # a resident-set peak now and then comes out a few per cent low: the closer of two
+    for _ in range(2):  # a resident-set peak now and then comes out a few per cent low: measured once more
         measured.append(
             max(run_distributed(_head_peak, 2, fused, timeout=300, fresh=True))
         )  # malloc reads it at exec
