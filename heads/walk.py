@@ -87,13 +87,20 @@ class Kept:
     Also the tile-sized scratch buffers the gradient pass reuses, one per name."""
 
     def __init__(
-        self, grad_weight, first_in_grad: bool, later_rows: int, shard_rows: int, tile_rows: int, device
+        self,
+        grad_weight,
+        first_in_grad: bool,
+        keep_logits: bool,
+        later_rows: int,
+        shard_rows: int,
+        tile_rows: int,
+        device,
     ):
         self.grad_weight = grad_weight
         self.first_in_grad = first_in_grad
         self.tile_rows = tile_rows  # the widest tile's shard rows
         self.device = device
-        self.keep_logits = False
+        self.keep_logits = keep_logits
         self.block = (
             None
             if grad_weight is None
@@ -296,23 +303,23 @@ class AccumulatedGradient:
     cos_ij inv_j^2 w_j, so g_j = inv_j sum_i dcos_ij e_i + decay_j w_j. Sampled rows go through
     index_add / index_copy; unsampled rows keep their exact zero."""
 
-    def __init__(self, grad_weight: torch.Tensor, decay: _Decay):
-        self.grad_weight = grad_weight
+    def __init__(self, kept: Kept, decay: _Decay):
+        self.kept = kept  # the weight gradient's one home (its first block's kept values live in it)
         self.decay = decay
 
     def add(self, dcos, e, rr: slice, shard_rows, r0: int) -> None:
         """A block before the last: its tile's products into the tile's rows."""
         if shard_rows is not None:
-            self.grad_weight.index_add_(0, shard_rows, dcos.t() @ e)
+            self.kept.grad_weight.index_add_(0, shard_rows, dcos.t() @ e)
         elif r0 == 0:
-            torch.mm(dcos.t(), e, out=self.grad_weight[rr])
+            torch.mm(dcos.t(), e, out=self.kept.grad_weight[rr])
         else:
-            self.grad_weight[rr].addmm_(dcos.t(), e)
+            self.kept.grad_weight[rr].addmm_(dcos.t(), e)
 
     def complete(self, dcos, e, w, inv, rr: slice, shard_rows, radial, scale, earlier: bool) -> None:
         """The last block: the tile's rows complete, corrected."""
         if shard_rows is None:
-            g = self.grad_weight[rr]
+            g = self.kept.grad_weight[rr]
             if earlier:  # the earlier blocks' sum, formed at scale 1
                 g.mul_(scale).addmm_(dcos.t(), e)
             else:
@@ -320,10 +327,10 @@ class AccumulatedGradient:
         else:
             g = dcos.t() @ e
             if earlier:
-                g.addcmul_(self.grad_weight[shard_rows], scale)
+                g.addcmul_(self.kept.grad_weight[shard_rows], scale)
         g.addcmul_(w, self.decay(radial, g, w, inv, rr)[:, None])
         if shard_rows is not None:
-            self.grad_weight.index_copy_(0, shard_rows, g)
+            self.kept.grad_weight.index_copy_(0, shard_rows, g)
 
 
 class SteppedRows:
@@ -389,9 +396,8 @@ class Walk:
             self.d_target = torch.zeros(B, dtype=torch.float32, device=emb_n.device)
         later = max((r1 - r0 for r0, r1 in self.blocks[1 if in_grad else 0 :]), default=0)
         n_rows = shard.classes * self.k
-        self.kept = Kept(grad_weight, in_grad, later, n_rows, self.K * self.k, emb_n.device)
-        self.kept.keep_logits = keep_logits
-        self.sink = AccumulatedGradient(grad_weight, self.decay) if grads else None
+        self.kept = Kept(grad_weight, in_grad, keep_logits, later, n_rows, self.K * self.k, emb_n.device)
+        self.sink = AccumulatedGradient(self.kept, self.decay) if grads else None
 
     @property
     def grad_weight(self):
@@ -400,8 +406,6 @@ class Walk:
     @grad_weight.setter
     def grad_weight(self, value):
         self.kept.grad_weight = value
-        if self.sink is not None:
-            self.sink.grad_weight = value
 
     def gemm_in(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(torch.bfloat16) if self.plan.precision == "bf16" else x

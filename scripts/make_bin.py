@@ -124,7 +124,7 @@ def write_list_bin(args, ranks: Ranks) -> int:
     refuse_inputs([args.output] + ([cache] if args.align else []), photos + [args.pairs_list])
     if args.align:
         check_cache(cache)
-        ranks.agree(photos, detection, retries_from(args, detection), args.strict, root="")
+        ranks.agree(photos, detection, args.retry_upsample, args.retry_mmod, args.strict, root="")
         faces = list_faces(args, pair_list, detection, args.strict, ranks).faces
         if ranks.rank != 0:
             return _helped(ranks, args.output)
