@@ -100,6 +100,26 @@ def report_user_error(exc: BaseException, env=None, stream=None, wait_s: float =
     return True
 
 
+def _end_open_bars() -> None:
+    """End the line of each progress bar (tqdm's) still open, as closing it does, so that what is
+    printed next starts a line of its own; a bar whose construction the Ctrl-C cut short, after
+    it drew its first line, gets the line's end written for it."""
+    std = sys.modules.get("tqdm.std")
+    if std is None:
+        return
+    for bar in list(std.tqdm._instances):
+        if getattr(bar, "disable", True) or getattr(bar, "sp", None) is None:
+            continue  # a bar not shown, or not drawn yet
+        ended = hasattr(bar, "last_print_t")  # then close() redraws it and ends its line
+        try:
+            bar.close()
+        except Exception:
+            ended = False
+        if not ended:
+            bar.fp.write("\n")
+            bar.fp.flush()
+
+
 def _interrupt_in_one_line(shown: Callable) -> Callable:
     """A `sys.excepthook` that shows a Ctrl-C which reached the top of the program as one line, as
     training does (the tools publish their outputs whole or not at all: nothing to point at), and
@@ -107,6 +127,7 @@ def _interrupt_in_one_line(shown: Callable) -> Callable:
 
     def hook(kind, exc, tb):
         if issubclass(kind, KeyboardInterrupt) and os.environ.get(DEBUG_ENV, "") in ("", "0"):
+            _end_open_bars()
             print(
                 "SIGINT received: stopped; outputs are published whole or not at all",
                 file=sys.stderr,

@@ -238,3 +238,33 @@ def test_a_rank_failing_after_a_peer_reported_a_user_error_exits_2_quietly(job_s
     assert report_user_error(ConfigError("config x = 1: bad"), dict(env, RANK="0"), io.StringIO())
     assert exits_on_user_error(lost_peer)() == EXIT_USER_ERROR
     assert capsys.readouterr().err == ""
+
+
+class _CtrlCAtFirstDraw(io.StringIO):
+    """A terminal on which a Ctrl-C lands the moment the first thing written to it is shown."""
+
+    interrupted = False
+
+    def flush(self):
+        if self.getvalue() and not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("when", ["in the bar's construction", "while the bar runs"])
+def test_a_ctrl_c_line_starts_a_line_of_its_own_after_an_open_progress_bar(monkeypatch, when):
+    from shardface.parallel.user_errors import _interrupt_in_one_line
+    from shardface.utils.progress import progress_bar
+
+    terminal = _CtrlCAtFirstDraw() if when == "in the bar's construction" else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.delenv("SHARDFACE_DEBUG", raising=False)
+    try:
+        bar = progress_bar(80, "aligning")  # the Ctrl-C comes before `with` holds it
+        bar.update(1)
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as exc:
+        _interrupt_in_one_line(sys.__excepthook__)(KeyboardInterrupt, exc, exc.__traceback__)
+    lines = terminal.getvalue().splitlines()
+    assert lines[-1] == "SIGINT received: stopped; outputs are published whole or not at all"
+    assert "aligning:" in lines[-2], lines

@@ -331,7 +331,7 @@ def test_ctrl_c_during_a_worker_run_is_one_line_and_leaves_no_process_and_no_out
     )
     said = b""
     try:
-        while b"aligning" not in said:  # the first result is in: the workers run
+        while b"aligning" not in said:  # the bar is drawn: the workers start, or run
             chunk = os.read(tool.stderr.fileno(), 4096)
             assert chunk, said.decode()
             said += chunk
