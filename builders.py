@@ -1,10 +1,12 @@
 """A run's parts built from its config: the training set, the backbone, the margin head, their optimizers and
-the data-parallel module the backbone is called through. train.py composes these."""
+the data-parallel module the backbone is called through, and `ModelParts`, all that a step runs and steps.
+train.py composes these."""
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -15,6 +17,7 @@ from shardface.dataset import build_dataset
 from shardface.dataset.aligned import AlignedFolderDataset
 from shardface.dataset.errors import DataLayoutError
 from shardface.dataset.folders import list_identity_folders, list_images
+from shardface.distill.run import Distillation, build_distillation
 from shardface.errors import ConfigError
 from shardface.faces.align import ARCFACE_112
 from shardface.faces.detect import Detection
@@ -25,8 +28,11 @@ from shardface.heads.graph import CapturedHead
 from shardface.infer.weights import init_backbone_from
 from shardface.losses import build_margin
 from shardface.parallel.ddp import DDPOptimizer
+from shardface.parallel.ema import ShardedEMA
+from shardface.parallel.scaler import DynamicLossScaler
 from shardface.parallel.zero import Zero2Optimizer
 from shardface.utils.progress import progress_bar
+from shardface.utils.seed import seed_everything
 
 logger = logging.getLogger("shardface")
 
@@ -182,3 +188,79 @@ def build_head_optimizer(cfg, head: PartialFC | None) -> SampledRowsOptimizer | 
         return None
     cls, kw = optimizer_class(cfg)
     return SampledRowsOptimizer(head, cls, **kw)
+
+
+@dataclass
+class ModelParts:
+    """All that a training step runs and steps, built alike on every rank by `build_model_parts`.
+
+    `model` is what forward is called on: the backbone itself under ZeRO-2, DDP's wrapper
+    otherwise. `head` is None label-free (`num_classes` 0), and `head_step` is what the loss
+    calls: the head, or its CUDA-graph replay. `distill` is None without a teacher; `ema` and
+    `scaler` are None where the config turns them off. `step` is the optimizer step, called on
+    every rank alike (its clip and its fp16 check are collectives).
+    """
+
+    backbone: nn.Module
+    model: nn.Module
+    backbone_opt: Zero2Optimizer | DDPOptimizer
+    head: PartialFC | None
+    head_opt: SampledRowsOptimizer | None
+    head_step: object
+    distill: Distillation | None
+    ema: ShardedEMA | None
+    scaler: DynamicLossScaler | None
+    clip_head: bool  # false: the global-norm clip covers the backbone alone (arcface_torch)
+    initialised: str | None  # what fine-tuning loaded, for the run's log
+    optimizers: list = field(init=False)  # stepped in this order
+    head_params: list = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.optimizers = [opt for opt in (self.backbone_opt, self.head_opt) if opt is not None]
+        self.head_params = list(self.head.parameters()) if self.head is not None else []
+
+    def step(self, max_grad_norm: float) -> None:
+        """[fp16 unscale] -> global-norm clip -> both optimizers -> EMA, then the gradients
+        cleared. A step whose fp16 gradients overflowed on any rank is skipped on all."""
+        scaler = self.scaler
+        if scaler is None or scaler.unscale_(self.backbone_opt, extra_params=self.head_params):
+            clipped_head = self.head_params if self.clip_head else []
+            self.backbone_opt.clip_grad_norm_(max_grad_norm, extra_params=clipped_head)
+            for opt in self.optimizers:
+                opt.step()
+            if self.ema is not None:
+                self.ema.update()
+        for opt in self.optimizers:
+            opt.zero_grad()
+
+
+def build_model_parts(cfg, device: torch.device, rank: int) -> ModelParts:
+    """The run's `ModelParts` on `device`, in one fixed order on every rank. The backbone starts
+    from the same seed on every rank; from its return on, each rank's randomness (Partial FC's
+    sampling) is seeded by `cfg.seed + rank`."""
+    torch.manual_seed(cfg.seed)  # identical initial backbone on every rank
+    backbone = build_backbone(cfg).to(device)
+    initialised = init_backbone(cfg, backbone)  # fine-tuning (not when resuming)
+    head = build_head(cfg, device)
+    distill = build_distillation(cfg, backbone, device)  # may add a projection to the backbone
+    model, backbone_opt = build_data_parallel(cfg, backbone)
+    head_opt = build_head_optimizer(cfg, head)
+    parts = ModelParts(
+        backbone=backbone,
+        model=model,
+        backbone_opt=backbone_opt,
+        head=head,
+        head_opt=head_opt,
+        head_step=build_head_step(cfg, head, device, distill),
+        distill=distill,
+        ema=(
+            ShardedEMA(backbone, cfg.ema_decay, cfg.ema_tau, optimizer=backbone_opt if cfg.zero else None)
+            if cfg.ema
+            else None
+        ),
+        scaler=DynamicLossScaler() if cfg.fp16 else None,
+        clip_head=cfg.clip_head,
+        initialised=initialised,
+    )
+    seed_everything(cfg.seed + rank)
+    return parts

@@ -16,15 +16,7 @@ import sys
 
 import torch
 
-from shardface.builders import (
-    build_backbone,
-    build_data_parallel,
-    build_head,
-    build_head_optimizer,
-    build_head_step,
-    build_train_dataset,
-    init_backbone,
-)
+from shardface.builders import build_model_parts, build_train_dataset
 from shardface.checkpoint.changes import log_resume_changes
 from shardface.checkpoint.checkpointer import Checkpointer
 from shardface.checkpoint.data_position import follow_data
@@ -35,19 +27,16 @@ from shardface.configs import format_config, get_config, save_config
 from shardface.configs.schema import describe_keys, rank_independent, secret_keys, served_notes
 from shardface.configs.validate import warmup_problem
 from shardface.dataset import ResumableDistributedSampler, get_dataloader, normalize_images
-from shardface.dataset.errors import DataError
-from shardface.distill.run import build_distillation
 from shardface.eval.callback import VerificationCallback
-from shardface.parallel import DynamicLossScaler, ShardedEMA, init_distributed, setup_logging
+from shardface.parallel import init_distributed, setup_logging
 from shardface.parallel.agreement import check_same_on_every_rank
 from shardface.parallel.dist import open_log_file
 from shardface.parallel.stop import StopSignal
 from shardface.parallel.user_errors import exits_on_user_error
-from shardface.utils.divergence import EmbeddingNormWatch, TrainingStopped, check_labels, check_loss
-from shardface.utils.progress import ProgressLogger, SkipReport
-from shardface.utils.schedule import lr_factor, schedule_steps, set_lr
-from shardface.utils.seed import seed_everything
-from shardface.utils.wandb_logging import check_wandb_login, finish_wandb, start_wandb, tee_writer
+from shardface.utils.divergence import TrainingStopped, check_labels, check_loss
+from shardface.utils.reports import Reports
+from shardface.utils.schedule import StepPlan, set_lr
+from shardface.utils.wandb_logging import check_wandb_login
 
 
 def main(argv: list[str]) -> int:
@@ -69,14 +58,16 @@ def main(argv: list[str]) -> int:
 
 
 class Run:
-    """One training run on this rank: its config, every part the loop steps, and where it stands.
+    """One training run on this rank: its config, its parts, its data and plan, and where it stands.
 
     `Run(cfg, config_path, stop, lock)` builds it on every rank in one fixed order (the config and
     data checks, the lock, the resume and the teacher's centre issue collectives in that order);
     a run refused while it is built raises, and has written nothing in its output: training.log is
     held and the config saved only once the data, the output and the val sets are accepted.
-    The step's parts are methods (`forward_backward`, `optimizer_step`, `report`, `exit_reason`);
-    `close` ends the tensorboard and wandb reports on every way out of the loop.
+    What a step runs is `parts` (builders.ModelParts), its counts and lr are `plan`
+    (utils.schedule.StepPlan), and what it reports goes through `reports` (utils.reports.Reports).
+    The step's own parts are methods (`forward_backward`, `optimizer_step`, `report`,
+    `exit_reason`); `close` ends the reports on every way out of the loop.
     """
 
     def __init__(self, cfg, config_path: str, stop: StopSignal, lock: RunLock) -> None:
@@ -91,110 +82,61 @@ class Run:
         check_same_on_every_rank(rank_independent(cfg), "the config", secret_keys())
         # wandb.init would find a missing key only once the output is written
         check_wandb_login(cfg, info.rank)
-        initialised = self._build_model()
+        self.parts = build_model_parts(cfg, info.device, info.rank)
         self._plan_steps()
         # a missing val set refuses the run here, writing nothing; the run's threshold is saved in output
         self.verify = VerificationCallback(
             cfg.val_targets,
             cfg.val_dir or cfg.rec,
             cfg.verbose,
-            self.backbone,
-            self.ema,
+            self.parts.backbone,
+            self.parts.ema,
             is_main=info.is_main,
             output=cfg.output,
         )
-        self._accept(lock, initialised)
+        self._accept(lock)
         self._open_reports(config_path)
 
-    def _build_model(self) -> str | None:
-        """Backbone, head, distillation, their optimizers, EMA and loss scaler; returns what
-        fine-tuning loaded (logged once the run is accepted)."""
-        cfg, device = self.cfg, self.info.device
-        torch.manual_seed(cfg.seed)  # identical initial backbone on every rank
-        self.backbone = build_backbone(cfg).to(device)
-        # fine-tuning from pretrained weights (not when resuming)
-        initialised = init_backbone(cfg, self.backbone)
-        self.head = build_head(cfg, device)  # None when label-free (num_classes 0)
-        # None without a teacher; may add a projection
-        self.distill = build_distillation(cfg, self.backbone, device)
-        self.model, self.backbone_opt = build_data_parallel(cfg, self.backbone)
-        self.head_opt = build_head_optimizer(cfg, self.head)
-        # the head, or it in CUDA graphs
-        self.head_step = build_head_step(cfg, self.head, device, self.distill)
-        # stepped in order
-        self.optimizers = [opt for opt in (self.backbone_opt, self.head_opt) if opt is not None]
-        self.head_params = list(self.head.parameters()) if self.head is not None else []
-        # clip_head false: the backbone alone (arcface_torch)
-        self.clipped_head_params = self.head_params if cfg.clip_head else []
-        self.ema = (
-            ShardedEMA(
-                self.backbone, cfg.ema_decay, cfg.ema_tau, optimizer=self.backbone_opt if cfg.zero else None
-            )
-            if cfg.ema
-            else None
-        )
-        self.scaler = DynamicLossScaler() if cfg.fp16 else None
-        seed_everything(cfg.seed + self.info.rank)  # per-rank randomness (Partial FC sampling) from here
-        return initialised
-
     def _plan_steps(self) -> None:
-        """The data set, its sampler, and the step counts: per epoch, in all, and the lr schedule's."""
-        cfg, info, logger = self.cfg, self.info, self.logger
+        """The data set, its sampler, and the step plan."""
+        cfg, info = self.cfg, self.info
         self.dataset = dataset = build_train_dataset(cfg)  # uint8 from the workers, normalised on the device
-        if self.distill is not None:
-            self.distill.check_data(cfg, dataset)  # a teacher file made from other data is refused here
+        if self.parts.distill is not None:
+            self.parts.distill.check_data(cfg, dataset)  # a teacher file made from other data is refused here
         if cfg.num_image and cfg.num_image != len(dataset) and cfg.rec != "synthetic":
-            logger.warning(
+            self.logger.warning(
                 "config num_image is %d but %s holds %d images; using the latter",
                 cfg.num_image,
                 cfg.rec,
                 len(dataset),
             )
-        self.sampler = sampler = ResumableDistributedSampler(
+        self.sampler = ResumableDistributedSampler(
             len(dataset), info.world_size, info.rank, cfg.batch_size, cfg.seed, source=cfg.rec
         )
-        self.steps_per_epoch = sampler.batches_per_epoch // cfg.gradient_acc
-        if self.steps_per_epoch == 0:  # else the run would end at once, "done" after 0 steps
-            raise DataError(
-                f"gradient_acc {cfg.gradient_acc} is more than the {sampler.batches_per_epoch} batches of "
-                f"{cfg.batch_size} x {info.world_size} ranks that {cfg.rec} fills per epoch: not one "
-                f"optimizer step; use --gradient_acc {sampler.batches_per_epoch} or less"
-            )
-        self.total_steps = cfg.num_epoch * self.steps_per_epoch
-        if cfg.max_steps:
-            self.total_steps = min(self.total_steps, cfg.max_steps)
-        self.warmup_steps, schedule_total = schedule_steps(
-            cfg.lr_scheduler,
-            len(dataset),
-            cfg.batch_size * info.world_size * cfg.gradient_acc,
-            cfg.warmup_epoch,
-            cfg.num_epoch,
-            self.steps_per_epoch,
-        )
-        self.schedule_steps_total = min(schedule_total, self.total_steps)
-        if problem := warmup_problem(self.total_steps, self.warmup_steps):
-            logger.warning(problem)
+        self.plan = plan = StepPlan.of(cfg, len(dataset), self.sampler.batches_per_epoch, info.world_size)
+        if problem := warmup_problem(plan.total_steps, plan.warmup_steps):
+            self.logger.warning(problem)
 
-    def _accept(self, lock: RunLock, initialised: str | None) -> None:
+    def _accept(self, lock: RunLock) -> None:
         """Take the output (lock, checkpointer, resume, teacher's centre); only then write in it:
         training.log, the config, what the resume changed."""
-        cfg, info, logger = self.cfg, self.info, self.logger
+        cfg, info, logger, parts = self.cfg, self.info, self.logger, self.parts
         lock.acquire(cfg.output, info.rank)  # one live run per output, seen by every rank: else refused here
         if info.is_main:
             for note in served_notes(cfg):
                 logger.warning(note)
-        if initialised:
-            logger.info(initialised)
+        if parts.initialised:
+            logger.info(parts.initialised)
         if cfg.fp16 and info.device.type == "cpu":
             logger.warning("fp16 on the CPU is emulated and many times slower than fp32: use bf16 or neither")
         self.checkpointer = checkpointer = Checkpointer(
             cfg.output,
-            backbone=self.backbone,
-            backbone_opt=self.backbone_opt,
-            head=self.head,
-            head_opt=self.head_opt,
-            ema=self.ema,
-            scaler=self.scaler,
+            backbone=parts.backbone,
+            backbone_opt=parts.backbone_opt,
+            head=parts.head,
+            head_opt=parts.head_opt,
+            ema=parts.ema,
+            scaler=parts.scaler,
             config=cfg,
             rank=info.rank,
             world_size=info.world_size,
@@ -211,10 +153,10 @@ class Run:
             self.sampler.batches_per_epoch,
         )
         if (
-            self.distill is not None
-        ):  # the teacher's centre: the checkpoint's, else measured; then saved with each one
-            self.distill.prepare(cfg, self.dataset, info.device, checkpointer.resumed_meta)
-            checkpointer.extra_meta = self.distill.checkpoint_meta()
+            parts.distill is not None
+        ):  # the teacher's centre: the checkpoint's, else measured; saved with each
+            parts.distill.prepare(cfg, self.dataset, info.device, checkpointer.resumed_meta)
+            checkpointer.extra_meta = parts.distill.checkpoint_meta()
         # accepted: only now is anything written (a refused run must not replace the config of the run it met)
         open_log_file()
         if info.is_main:
@@ -224,22 +166,26 @@ class Run:
                 "resumed at step %d (epoch %d, batch %d)", state.step, state.epoch, state.batch_in_epoch
             )
             log_resume_changes(
-                checkpointer.resumed_meta, cfg, info.world_size, self.steps_per_epoch, self.total_steps
+                checkpointer.resumed_meta,
+                cfg,
+                info.world_size,
+                self.plan.steps_per_epoch,
+                self.plan.total_steps,
             )
 
     def _open_reports(self, config_path: str) -> None:
-        """Tensorboard, wandb, the config's log line, progress and skip reports, and the loader."""
+        """The reports, the config's log line, and the loader."""
         cfg, info = self.cfg, self.info
-        writer = None
-        if info.is_main:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # events past the step this run starts from (a resume's re-done steps) are dropped
-            writer = SummaryWriter(os.path.join(cfg.output, "tensorboard"), purge_step=self.state.step + 1)
-        # None unless using_wandb (rank 0, or all with wandb_log_all)
-        self.wandb_run = start_wandb(cfg, info.rank)
-        self.writer = writer = tee_writer(writer, self.wandb_run)
-        self.verify.writer = writer
+        self.reports = Reports(
+            cfg,
+            self.dataset,
+            rank=info.rank,
+            world_size=info.world_size,
+            first_step=self.state.step,
+            total_steps=self.plan.total_steps,
+            poll_limit_s=self.stop.grace_s if info.device.type != "cpu" else None,
+        )
+        self.verify.writer = self.reports.writer
         if info.is_main:  # only once the data, the output and the val sets are accepted
             self.logger.info(
                 "config %s (world size %d, %s)\n%s",
@@ -248,80 +194,58 @@ class Run:
                 info.device,
                 format_config(cfg),
             )
-        self.progress = ProgressLogger(
-            self.total_steps,
-            cfg.frequent,
-            cfg.batch_size * info.world_size * cfg.gradient_acc,
-            writer,
-            first_step=self.state.step,
-            poll_limit_s=self.stop.grace_s if info.device.type != "cpu" else None,
-        )
-        self.skips = SkipReport(self.dataset, cfg.frequent, writer, enabled=cfg.skip_bad_images)
-        # rank 0's batches: a warning, no stop
-        self.norms = EmbeddingNormWatch(writer) if info.is_main else None
         self.first_step = self.state.step
         # built once: its persistent workers (and their open record files) serve every epoch
+        distill = self.parts.distill
         self.loader = get_dataloader(
             self.dataset,
             self.sampler,
             cfg.num_workers,
             info.device,
             cfg.seed,
-            teacher_rows=self.distill.teacher_rows if self.distill is not None else None,
+            teacher_rows=distill.teacher_rows if distill is not None else None,
         )
 
     def forward_backward(self, images, labels, rows, last_micro: bool):
         """One micro-batch from the loader: its labels checked, moved to the device, the step's lr
         set, forward and backward (the gradients averaged across ranks only on the step's last
         micro-batch). Returns (images, labels) on the device, the loss and the lr."""
-        cfg, head, distill = self.cfg, self.head, self.distill
+        cfg, parts = self.cfg, self.parts
         # on the CPU, where no device waits; label-free data has no labels to check
-        if head is not None and (problem := check_labels(labels, cfg.num_classes)):
+        if parts.head is not None and (problem := check_labels(labels, cfg.num_classes)):
             self.logger.error("%s (the head stops every rank)", problem)
         images = images.to(self.info.device, non_blocking=True)
-        if (
-            cfg.channels_last
-        ):  # the parameters keep their layout (ZeRO's flat shards): only activations change;
-            # the uint8 batch is a quarter of the float one to copy, and normalising keeps its layout
+        if cfg.channels_last:
+            # the parameters keep their layout (ZeRO's flat shards): only activations change; the
+            # uint8 batch is a quarter of the float one to copy, and normalising keeps its layout
             images = images.contiguous(memory_format=torch.channels_last)
         images = normalize_images(images)
         labels = labels.to(self.info.device, non_blocking=True)
-        lr = cfg.lr * lr_factor(
-            self.state.step, self.schedule_steps_total, self.warmup_steps, cfg.lr_scheduler, cfg.lr_power
-        )
-        set_lr(self.optimizers, lr)  # before forward: a fused head steps in backward
-        with contextlib.nullcontext() if last_micro else self.backbone_opt.no_sync():
-            embeddings = self.model(images)
-            if self.norms is not None:
-                self.norms.add(embeddings)
-            loss = (
-                self.head_step(embeddings, labels)
-                if distill is None
-                else distill.loss(head, embeddings, labels, images, rows)
-            )
+        lr = self.plan.lr(cfg, self.state.step)
+        set_lr(parts.optimizers, lr)  # before forward: a fused head steps in backward
+        with contextlib.nullcontext() if last_micro else parts.backbone_opt.no_sync():
+            embeddings = parts.model(images)
+            if self.reports.norms is not None:
+                self.reports.norms.add(embeddings)
+            if parts.distill is None:
+                loss = parts.head_step(embeddings, labels)
+            else:
+                loss = parts.distill.loss(parts.head, embeddings, labels, images, rows)
             scaled = loss / cfg.gradient_acc
-            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            (parts.scaler.scale(scaled) if parts.scaler else scaled).backward()
         return images, labels, loss, lr
 
     def optimizer_step(self) -> None:
-        """[fp16 unscale] -> global-norm clip -> both optimizers -> EMA (a step whose fp16
-        gradients overflowed is skipped), then the gradients cleared and the step counted."""
-        scaler = self.scaler
-        if scaler is None or scaler.unscale_(self.backbone_opt, extra_params=self.head_params):
-            self.backbone_opt.clip_grad_norm_(self.cfg.max_grad_norm, extra_params=self.clipped_head_params)
-            for opt in self.optimizers:
-                opt.step()
-            if self.ema is not None:
-                self.ema.update()
-        for opt in self.optimizers:
-            opt.zero_grad()
+        """The parts' optimizer step (builders.ModelParts.step), then the step counted."""
+        self.parts.step(self.cfg.max_grad_norm)
         self.state.step += 1
 
     def report(self, loss: torch.Tensor, lr: float) -> bool:
         """Log the step's progress when due, after checking its loss; returns whether a
         checkpoint is due. The loss stays on the device; the host reads it once per `frequent`
         steps, and before a checkpoint (a diverged step is never saved as the last good one)."""
-        step, progress, scaler = self.state.step, self.progress, self.scaler
+        step, progress, scaler = self.state.step, self.reports.progress, self.parts.scaler
+        head, distill, norms = self.parts.head, self.parts.distill, self.reports.norms
         progress.add(loss.detach())
         checkpoint_due = step % self.cfg.checkpoint_interval == 0
         if progress.due(step) or checkpoint_due:
@@ -330,15 +254,15 @@ class Run:
                 loss_value,
                 step,
                 scaler,
-                label_errors=self.head.take_label_errors() if self.head is not None else 0,
+                label_errors=head.take_label_errors() if head is not None else 0,
             )
             if progress.due(step):
                 progress(step, self.state.epoch, loss_value, lr, scaler.scale_value if scaler else None)
-                if self.norms is not None:
-                    self.norms(step)
-                if self.distill is not None:
-                    self.distill.report(step, self.total_steps)
-        self.skips(step)
+                if norms is not None:
+                    norms(step)
+                if distill is not None:
+                    distill.report(step, self.plan.total_steps)
+        self.reports.skips(step)
         return checkpoint_due
 
     def exit_reason(self) -> str | None:
@@ -347,22 +271,14 @@ class Run:
         `frequent` steps on GPUs (a gloo round trip; their steps are short)."""
         step = self.state.step
         job_done = self.cfg.stop_after_steps and step - self.first_step >= self.cfg.stop_after_steps
-        poll = self.info.device.type == "cpu" or self.progress.due(step)
+        poll = self.info.device.type == "cpu" or self.reports.progress.due(step)
         if job_done or (poll and self.stop.requested()):
             return "job step limit" if job_done else "stop signal"
         return None
 
     def close(self) -> None:
-        """End the reports: tensorboard's events flushed, wandb finished (with model.pt as an
-        artifact when asked)."""
-        if self.writer is not None:
-            self.writer.close()
-        model_path = os.path.join(self.cfg.output, "model.pt")
-        finish_wandb(
-            self.wandb_run,
-            model_path if os.path.isfile(model_path) else None,
-            self.cfg.save_artifacts and self.info.is_main,
-        )
+        """End the reports (utils.reports.Reports.close)."""
+        self.reports.close()
 
 
 def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
@@ -372,11 +288,11 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
     state, logger = run.state, run.logger
     try:
         with stop.deferred():  # a stop signal waits for the step end from here on
-            while state.step < run.total_steps and state.epoch < cfg.num_epoch:
+            while state.step < run.plan.total_steps and state.epoch < cfg.num_epoch:
                 run.sampler.set_epoch(state.epoch, state.batch_in_epoch)
                 run.dataset.set_epoch(state.epoch, cfg.seed)  # mirroring fixed by (seed, epoch, index)
                 for images, labels, *rows in run.loader:  # rows: a teacher file's, read by the workers
-                    if state.batch_in_epoch >= run.steps_per_epoch * cfg.gradient_acc:
+                    if state.batch_in_epoch >= run.plan.steps_per_epoch * cfg.gradient_acc:
                         continue  # too few batches left for a whole step (see last_micro)
                     # a step's micro-batches never span two epochs (nor a resume): the epoch's last
                     # batches_per_epoch % gradient_acc batches are skipped, so every epoch has steps_per_epoch
@@ -389,27 +305,26 @@ def train(cfg, config_path: str, stop: StopSignal, lock: RunLock) -> int:
                     run.optimizer_step()
                     checkpoint_due = run.report(loss, lr)
                     reason = run.exit_reason()
-                    if (
-                        reason != "stop signal"
-                    ):  # after a stop signal its checkpoint comes first, within its grace
+                    # after a stop signal its checkpoint comes first, within its grace
+                    if reason != "stop signal":
                         if run.verify.due(state.step):
-                            with run.progress.paused():  # out of samples/s and the ETA
+                            with run.reports.progress.paused():  # out of samples/s and the ETA
                                 run.verify(state.step)
                         if checkpoint_due:
-                            with run.progress.paused():
+                            with run.reports.progress.paused():
                                 run.checkpointer.save(state, (images, labels))
                     if reason:
                         logger.info("%s: saving a checkpoint at step %d and exiting", reason, state.step)
                         run.checkpointer.save(state, (images, labels))
-                        run.skips(state.step, final=True)
+                        run.reports.skips(state.step, final=True)
                         return 0
-                    if state.step >= run.total_steps:
+                    if state.step >= run.plan.total_steps:
                         break
                 else:
                     state.epoch, state.batch_in_epoch = state.epoch + 1, 0
             run.checkpointer.save(state, (images, labels) if state.step > run.first_step else None)
             run.verify(state.step)
-            run.skips(state.step, final=True)
+            run.reports.skips(state.step, final=True)
             logger.info("done: %d steps; weights in %s", state.step, os.path.join(cfg.output, "model.pt"))
             return 0
     except TrainingStopped as exc:

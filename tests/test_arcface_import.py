@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from shardface import train
+from shardface import builders, train
 from shardface.backbones import get_model
 from shardface.checkpoint.files import CheckpointError
 from shardface.checkpoint.folders import resolve_checkpoint
@@ -406,7 +406,7 @@ class _Seen(Exception):
 def first_forward_of(argv):
     """(input, output) of the backbone's first forward in a run of `argv` (which ends there)."""
     seen = []
-    real = train.build_backbone
+    real = builders.build_backbone
 
     def record(module, args, out):
         seen.append((args[0].detach().clone(), out.detach().clone()))
@@ -418,7 +418,7 @@ def first_forward_of(argv):
         return model
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(train, "build_backbone", spied)
+    mp.setattr(builders, "build_backbone", spied)
     try:
         with pytest.raises(_Seen):
             train.main(argv)

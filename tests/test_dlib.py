@@ -232,11 +232,11 @@ def test_onnx_template_metadata_is_checked(tmp_path):
 
 @pytest.mark.slow
 def test_init_backbone_dlib_fine_tunes_dlibs_network_on_112_crops(drawn_faces, tmp_path):
-    from shardface import train
+    from shardface import builders, train
     from tests.train_runs import train_argv
 
     seen = []
-    real = train.build_backbone
+    real = builders.build_backbone
 
     def spied(cfg):
         model = real(cfg)
@@ -249,7 +249,7 @@ def test_init_backbone_dlib_fine_tunes_dlibs_network_on_112_crops(drawn_faces, t
 
     out = str(tmp_path / "ft")
     mp = pytest.MonkeyPatch()
-    mp.setattr(train, "build_backbone", spied)
+    mp.setattr(builders, "build_backbone", spied)
     try:
         assert (
             train.main(

@@ -1,8 +1,11 @@
-"""Per-iteration learning-rate schedules."""
+"""Per-iteration learning-rate schedules, and a run's step counts (`StepPlan`)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
+from shardface.errors import DataError
 
 KINDS = ("poly", "cosine", "poly_warmup")
 
@@ -51,3 +54,49 @@ def set_lr(optimizers, lr: float) -> None:
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = lr
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A run's optimizer-step counts and its learning rate at each step.
+
+    `steps_per_epoch`: whole steps of `gradient_acc` batches each rank's sampler fills per epoch;
+    `total_steps`: `num_epoch` epochs of them, capped by `max_steps`; `warmup_steps` and
+    `schedule_total`: the lr schedule's warmup and length (see `schedule_steps`), the latter at
+    most `total_steps`.
+    """
+
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+    schedule_total: int
+
+    @classmethod
+    def of(cls, cfg, num_images: int, batches_per_epoch: int, world_size: int) -> "StepPlan":
+        """The plan of `cfg` over `num_images` images that fill `batches_per_epoch` batches on each
+        of `world_size` ranks. Raises DataError where an epoch fills not one whole step."""
+        steps_per_epoch = batches_per_epoch // cfg.gradient_acc
+        if steps_per_epoch == 0:  # else the run would end at once, "done" after 0 steps
+            raise DataError(
+                f"gradient_acc {cfg.gradient_acc} is more than the {batches_per_epoch} batches of "
+                f"{cfg.batch_size} x {world_size} ranks that {cfg.rec} fills per epoch: not one "
+                f"optimizer step; use --gradient_acc {batches_per_epoch} or less"
+            )
+        total_steps = cfg.num_epoch * steps_per_epoch
+        if cfg.max_steps:
+            total_steps = min(total_steps, cfg.max_steps)
+        warmup_steps, schedule_total = schedule_steps(
+            cfg.lr_scheduler,
+            num_images,
+            cfg.batch_size * world_size * cfg.gradient_acc,
+            cfg.warmup_epoch,
+            cfg.num_epoch,
+            steps_per_epoch,
+        )
+        return cls(steps_per_epoch, total_steps, warmup_steps, min(schedule_total, total_steps))
+
+    def lr(self, cfg, step: int) -> float:
+        """The learning rate of optimizer step `step` (0-based)."""
+        return cfg.lr * lr_factor(
+            step, self.schedule_total, self.warmup_steps, cfg.lr_scheduler, cfg.lr_power
+        )
