@@ -47,3 +47,34 @@ def file_tree(folder) -> dict[str, bytes]:
             path = os.path.join(dirpath, name)
             out[os.path.relpath(path, folder)] = open(path, "rb").read()
     return out
+
+
+def documented_photos(root) -> None:
+    """Under `root`, the photos the docs' commands name (README, docs/photos.md and
+    docs/identification.md), each of the astronaut's head, turned and mirrored: photos/train/ with
+    34 people of 3 photos, photos/held_out/ with 8 more, a.jpg and b.jpg, group.jpg (two faces),
+    people/ (a gallery of two) and more_photos/. The "people" are one face: the commands run on
+    them, nothing is learnt."""
+    head = astronaut_head()
+
+    def photo(p: int, i: int) -> Image.Image:
+        turned = head.transpose(Image.FLIP_LEFT_RIGHT) if p % 2 else head
+        return turned.rotate((p + 2 * i) % 7, resample=Image.BILINEAR, fillcolor=(60 + p % 9 * 10,) * 3)
+
+    for folder, prefix, people, first in (("train", "person", 34, 0), ("held_out", "guest", 8, 34)):
+        for p in range(people):
+            os.makedirs(root / "photos" / folder / f"{prefix}{p:02d}")
+            for i in range(3):
+                photo(first + p, i).save(
+                    root / "photos" / folder / f"{prefix}{p:02d}" / f"{i}.jpg", quality=95
+                )
+    photo(0, 0).save(root / "a.jpg", quality=95)
+    photo(0, 1).save(root / "b.jpg", quality=95)
+    two_faces_photo(head).save(root / "group.jpg", quality=95)
+    for p, name in enumerate(("eileen", "sally")):
+        os.makedirs(root / "people" / name)
+        for i in range(2):
+            photo(p, i).save(root / "people" / name / f"{i}.jpg", quality=95)
+    os.makedirs(root / "more_photos")
+    for i in range(2):
+        photo(3, i).save(root / "more_photos" / f"{i}.jpg", quality=95)

@@ -2,8 +2,9 @@
 columns); every relative link in README, docs/ and benchmarks/ points to a file (and heading)
 that exists; every `python -m scripts.X` names a module of the tree. And their commands work as
 typed: in a fresh copy of the tree, `make demo`, then every command of the bash blocks of
-README and docs/*.md that a CPU can run, each in a shell that did `source .venv/bin/activate` as
-README says. Every command shown is listed in `COMMANDS`, with the reason when it is not run
+README and docs/*.md that a CPU can run without research data, each in a shell that did
+`source .venv/bin/activate` as README says, on photos made under the names the docs use
+(tests/astronaut.py), the walk through one's own photos in a copy of its own. Every command shown is listed in `COMMANDS`, with the reason when it is not run
 here; a new command fails the test until it is listed. (Commands quoted inline in the prose are
 not walked.) Every `python`/`torchrun` command shown, run here or not, has its arguments parsed
 by the program's own parser (train.py's config keys, a tool's or a benchmark's options), so a
@@ -34,7 +35,7 @@ LINKED = (
 PENDING: set[str] = set()  # files a link may name before they are committed
 RUN = None  # run as typed
 NEEDS_GPU = "needs GPUs"
-NEEDS_DATA = "needs a data set or run this machine does not have"
+NEEDS_DATA = "needs a research data set (MS1M, LFW, CFP, IJB) or a run trained on one"
 COMMANDS = {
     "make demo": RUN,
     "make test": "the test suite itself, of which this test is a part",
@@ -68,32 +69,32 @@ COMMANDS = {
     "python -m scripts.ijb work_dirs/ms1mv3_r50 --root /data/IJB_release/IJBC --target IJBC --roc roc.png": NEEDS_DATA,
     "python -m scripts.export_onnx work_dirs/ms1mv3_r50": NEEDS_DATA,
     "python -m scripts.export_onnx insightface_r100/model.pt r100.onnx --network r100": NEEDS_DATA,
-    "python -m scripts.align photos aligned": NEEDS_DATA,
-    "python -m scripts.embed dlib photos --align --out emb.npy": NEEDS_DATA,
-    "python -m scripts.compare dlib a.jpg b.jpg --align": NEEDS_DATA,
-    "python -m scripts.identify dlib --gallery people --align group.jpg": NEEDS_DATA,
+    "python -m scripts.align photos aligned": RUN,
+    "python -m scripts.embed dlib photos --align --out emb.npy": RUN,
+    "python -m scripts.compare dlib a.jpg b.jpg --align": RUN,
+    "python -m scripts.identify dlib --gallery people --align group.jpg": RUN,
     "torchrun --nnodes 4 --nproc_per_node 1 --node_rank $NODE --master_addr $HEAD --master_port 29500 "
     "-m scripts.pack_rec /data/photos/train /data/mine --align": "needs 4 machines and a photo set",
-    "python -m scripts.align photos/train aligned/train --largest": NEEDS_DATA,
-    "python -m scripts.align photos/held_out aligned/held_out --largest": NEEDS_DATA,
-    "python -m scripts.pack_rec aligned/train data/mine": NEEDS_DATA,
-    "python -m scripts.make_bin aligned/held_out data/mine/mine_val.bin --seed 0": NEEDS_DATA,
+    "python -m scripts.align photos/train aligned/train --largest": RUN,
+    "python -m scripts.align photos/held_out aligned/held_out --largest": RUN,
+    "python -m scripts.pack_rec aligned/train data/mine": RUN,
+    "python -m scripts.make_bin aligned/held_out data/mine/mine_val.bin --seed 0": RUN,
     "python train.py configs/demo.py --rec data/mine --num_classes 34 --val_targets \"['mine_val']\" "
-    "--output work_dirs/mine": NEEDS_DATA,
-    "python -m scripts.verify work_dirs/mine --bin data/mine/mine_val.bin": NEEDS_DATA,
-    "python -m scripts.export_onnx work_dirs/mine work_dirs/mine/model.onnx": NEEDS_DATA,
-    "python -m scripts.embed work_dirs/mine/model.onnx photos/held_out --align --out emb.npy": NEEDS_DATA,
-    "python -m scripts.compare work_dirs/mine a.jpg b.jpg --align --threshold-from data/mine/mine_val.bin": NEEDS_DATA,
+    "--output work_dirs/mine": RUN,
+    "python -m scripts.verify work_dirs/mine --bin data/mine/mine_val.bin": RUN,
+    "python -m scripts.export_onnx work_dirs/mine work_dirs/mine/model.onnx": RUN,
+    "python -m scripts.embed work_dirs/mine/model.onnx photos/held_out --align --out emb.npy": RUN,
+    "python -m scripts.compare work_dirs/mine a.jpg b.jpg --align --threshold-from data/mine/mine_val.bin": RUN,
     "python -m scripts.identify work_dirs/mine --gallery people --align --top 3 "
-    "--threshold-from data/mine/mine_val.bin group.jpg more_photos/": NEEDS_DATA,
+    "--threshold-from data/mine/mine_val.bin group.jpg more_photos/": RUN,
     "python -m scripts.identify_eval work_dirs/mine photos/held_out --align --gallery_per_id 1 "
-    "--unknown_ids 5 --plot cmc_det.png": NEEDS_DATA,
+    "--unknown_ids 5 --plot cmc_det.png": RUN,
     "python -m scripts.ijb work_dirs/ms1mv3_r50 --root /data/IJB_release/IJBC --target IJBC --protocol 1:N": NEEDS_DATA,
     "python -m scripts.import_arcface_torch configs/ms1mv3_r50 old_run/ work_dirs/ms1mv3_r50 --num_epoch 25": NEEDS_DATA,
-    "python -m scripts.embed dlib photos/held_out --align --no_flip --out dlib.npy": NEEDS_DATA,
-    "python -m scripts.export_onnx dlib dlib.onnx": "tests/test_dlib.py runs it (slow: a minute on 2 CPU cores)",
+    "python -m scripts.embed dlib photos/held_out --align --no_flip --out dlib.npy": RUN,
+    "python -m scripts.export_onnx dlib dlib.onnx": RUN,
     "python train.py configs/demo.py --rec data/mine --num_classes 34 --network dlib_resnet "
-    "--embedding_size 128 --init_backbone dlib --lr 0.01 --output work_dirs/mine_dlib": NEEDS_DATA,
+    "--embedding_size 128 --init_backbone dlib --lr 0.01 --output work_dirs/mine_dlib": RUN,
     "torchrun --nproc_per_node 8 train.py configs/ms1mv3_r50 --num_epoch 25 --output work_dirs/ms1mv3_r50 --resume true": NEEDS_GPU,
     "torchrun --nproc_per_node 8 train.py configs/my_faces --init_backbone ms1mv3_r50/model.pt": NEEDS_GPU,
     "torchrun --nproc_per_node 8 train.py configs/ms1mv3_mbf --teacher work_dirs/ms1mv3_r100 --distill_loss cosine": NEEDS_GPU,
@@ -313,13 +314,16 @@ def _fresh_copy(dst: str) -> None:
     open(os.path.join(dst, ".venv", ".installed-requirements"), "w").close()
 
 
-@pytest.mark.slow
-def test_readme_commands_run_as_typed_after_make_demo(tmp_path):
-    clone = str(tmp_path / "shardface")
-    _fresh_copy(clone)
+# the docs' walk through one's own photos runs in a copy of its own: photos.md trains work_dirs/mine, which
+# identification.md's commands use, and its outputs (emb.npy, aligned/) would meet README's
+PHOTO_WALK = ("docs/photos.md", "docs/identification.md")
+
+
+def _run_as_typed(clone: str, commands: list[str]) -> list[str]:
+    """Each command in a shell that sourced .venv/bin/activate (make's as they are); the failures."""
     env = {k: v for k, v in os.environ.items() if k not in ("SHARDFACE_DEBUG", "PYTHONPATH", "VIRTUAL_ENV")}
     failures = []
-    for command in documented_commands(clone):
+    for command in commands:
         if COMMANDS.get(command, RUN) is not RUN:
             continue
         shell = command if command.startswith("make ") else f"source .venv/bin/activate && {command}"
@@ -333,6 +337,22 @@ def test_readme_commands_run_as_typed_after_make_demo(tmp_path):
         )
         if proc.returncode != 0:
             failures.append(f"$ {command}  -> exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-1500:]}")
+    return failures
+
+
+@pytest.mark.slow
+def test_readme_commands_run_as_typed_after_make_demo(tmp_path):
+    """Every command marked RUN, on the photos the docs name (tests/astronaut.py makes them)."""
+    pytest.importorskip("dlib")
+    from tests.astronaut import documented_photos
+
+    failures = []
+    for name, docs in (("main", [d for d in DOCS if d not in PHOTO_WALK]), ("photos", list(PHOTO_WALK))):
+        clone = tmp_path / name
+        _fresh_copy(str(clone))
+        documented_photos(clone)
+        commands = [c for doc in docs for c in readme_commands(open(clone / doc).read())]
+        failures += _run_as_typed(str(clone), commands)
     assert not failures, "\n\n".join(failures)
 
 
