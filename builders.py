@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -206,7 +207,7 @@ class ModelParts:
     backbone_opt: Zero2Optimizer | DDPOptimizer
     head: PartialFC | None
     head_opt: SampledRowsOptimizer | None
-    head_step: object
+    head_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
     distill: Distillation | None
     ema: ShardedEMA | None
     scaler: DynamicLossScaler | None
