@@ -191,8 +191,8 @@ def run_ours(args, classes: int, device: torch.device):
         with contextlib.redirect_stdout(said):  # its log (the config, progress) goes to training.log
             run = train.Run(cfg, config_path, stop, lock)
         initial = (
-            {k: v.detach().cpu().clone() for k, v in run.backbone.state_dict().items()},
-            run.head.weight.detach().cpu().clone(),
+            {k: v.detach().cpu().clone() for k, v in run.parts.backbone.state_dict().items()},
+            run.parts.head.weight.detach().cpu().clone(),
         )
         if batches is None:
             batches = rec_batches(args, run, device)
