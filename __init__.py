@@ -20,6 +20,8 @@ _PUBLIC = {
     "Comparison": "shardface.infer.model",
     "Gallery": "shardface.infer.enrolment",
     "Match": "shardface.infer.enrolment",
+    "Threshold": "shardface.infer.thresholds",
+    "fit_threshold": "shardface.eval.verification",
     "UserError": "shardface.errors",
     "ConfigError": "shardface.errors",
     "DataError": "shardface.errors",

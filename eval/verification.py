@@ -23,6 +23,7 @@ from shardface.dataset.images import to_rgb
 from shardface.faces.align import ARCFACE_112
 from shardface.infer.embed import embed, l2_normalize
 from shardface.infer.model import as_model
+from shardface.infer.thresholds import Threshold, chosen_threshold
 from shardface.utils.atomic import publishing
 
 
@@ -268,6 +269,17 @@ def test(data_set, backbone: torch.nn.Module, batch_size: int, nfolds: int = NFO
 
 def bin_path(val_dir: str, name: str) -> str:
     return os.path.join(val_dir, name if name.endswith(".bin") else f"{name}.bin")
+
+
+def fit_threshold(
+    model, path: str, *, batch_size: int = 64, flag: str | None = "--threshold_from"
+) -> Threshold:
+    """The `Threshold` that best separates the pairs of the verification .bin at `path` under
+    `model` (`best_threshold`), its source naming the file and its best-threshold accuracy (fitted
+    to those pairs: an upper bound, not a measure); a bad file is a VerificationDataError naming it
+    (and `flag`)."""
+    pairs = load_bin(path, flag=flag)
+    return chosen_threshold(None, (*best_threshold(pairs, model, batch_size), path, len(pairs[1])))
 
 
 def best_threshold(data_set, model, batch_size: int = 64, flip: bool = True) -> tuple[float, float]:

@@ -30,11 +30,12 @@ from torch import nn
 from shardface.backbones.dlib_resnet import DlibResNet
 from shardface.checkpoint.state import weights_fingerprint
 from shardface.dataset.errors import DataError
+from shardface.dataset.geometry import check_files
 from shardface.faces.align import ARCFACE_112, Template, similarity_transform
 from shardface.faces.detect import Detection, Face
 from shardface.faces.dlib_chip import DLIB_150
 from shardface.faces.models import model_file
-from shardface.faces.stream import Photo, open_image
+from shardface.faces.stream import Found, Photo, no_face_message, open_image
 from shardface.infer.embed import l2_normalize, module_device
 from shardface.infer.onnx import OnnxBackbone
 from shardface.infer.stream import analyse, embed_crops
@@ -80,11 +81,15 @@ def model_files(spec: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Comparison:
-    """Two photos compared: the cosine of their largest faces and the verdict at `threshold` (None: none known)."""
+    """Two faces compared: the cosine of their embeddings and the verdict at `threshold` (None: none
+    known), with where the threshold came from (`source`) and, for photos, the line naming those
+    that hold several faces, of which the largest was compared (`several`, else None)."""
 
     score: float
     same: bool | None
     threshold: float | None
+    source: str | None = None
+    several: str | None = None
 
     def __str__(self) -> str:
         if self.same is None:
@@ -203,23 +208,52 @@ class Model:
         return out[0] if single else out
 
     def compare(
-        self, a, b, *, align: bool = True, flip: bool = True, threshold: float | None = None
+        self,
+        a,
+        b,
+        *,
+        align: bool = True,
+        flip: bool = True,
+        threshold: float | Threshold | None = None,
+        workers: int = 1,
+        resize: bool = False,
     ) -> Comparison:
-        """The cosine of `a` and `b` judged at `threshold` (default the model's own), as
-        face_recognition's `compare_faces` judges encodings. Each is a photo (its largest face; a
-        crop without `align`), a `Face` this model embedded, or one of its embeddings (D floats). An
-        embedding of another width is refused; one of another model of the same width cannot be
-        told apart."""
+        """The cosine of `a` and `b` judged at `threshold` (a cosine, a `Threshold`; default the
+        model's own), as face_recognition's `compare_faces` judges encodings. Each is a photo (its
+        largest face; without `align` a crop for this model, or of any size with `resize`), a
+        `Face` this model embedded, or one of its embeddings (D floats). The photos' faces are
+        found on `workers` processes. A photo without a face is a DataError naming each such
+        photo; a crop file of another size, or that is no image, is refused before any is read
+        whole. An embedding of another width is refused; one of another model of the same width
+        cannot be told apart."""
+        if threshold is not None and not isinstance(threshold, Threshold):
+            threshold = Threshold.given(threshold, "threshold")
+        threshold = threshold or self.threshold
         emb = [self._embedding_of(x) for x in (a, b)]
         photos = [x for x, e in zip((a, b), emb) if e is None]
-        found = iter(self.embed(photos, align=align, flip=flip) if photos else [])
+        files = [x for x in photos if isinstance(x, (str, os.PathLike))]
+        if files and not align:
+            check_files(files, resize, size=tuple(self.template.size))
+        found = list(
+            self.analyse(photos, workers=workers, flip=flip, largest_only=True, align=align, resize=resize)
+        )
+        without = [photo.name for photo in found if photo.face is None]
+        if without:
+            raise DataError(
+                f"{no_face_message(without, len(found), self.detection)}: compare needs a face in each"
+            )
+        faces = iter(photo.face.embedding for photo in found)
         a, b = (
-            l2_normalize(np.asarray(e if e is not None else next(found), np.float64)[None])[0] for e in emb
+            l2_normalize(np.asarray(e if e is not None else next(faces), np.float64)[None])[0] for e in emb
         )
         score = float(a @ b)
-        own = self.threshold.value if self.threshold is not None else None
-        value = threshold if threshold is not None else own
-        return Comparison(score, None if value is None else score >= value, value)
+        return Comparison(
+            score,
+            None if threshold is None else score >= threshold.value,
+            None if threshold is None else threshold.value,
+            None if threshold is None else threshold.source,
+            Found({photo.name: photo.faces for photo in found}).several_faces(),
+        )
 
     def _embedding_of(self, x) -> np.ndarray | None:
         """`x`'s embedding where it is a Face or an embedding; None for a photo."""

@@ -41,6 +41,11 @@ class Threshold:
     def line(self) -> str:
         return f"threshold {self.value:.4f}: {self.source}"
 
+    @classmethod
+    def given(cls, value, flag: str = "--threshold") -> "Threshold":
+        """A threshold a user gave as `flag`: a cosine in [-1, 1], else a ThresholdError naming it."""
+        return cls(checked(value, flag), f"given by {flag}")
+
 
 def checked(value: float, flag: str = "--threshold") -> float:
     """`value` if it is a cosine (a finite real number in [-1, 1], not a bool), else a ThresholdError naming it."""
@@ -67,7 +72,7 @@ def chosen_threshold(
     """The threshold to decide at, in the module docstring's order: `given`, `fitted` ((threshold,
     accuracy, .bin path, pairs) of eval.verification.best_threshold), `own` (Model.threshold)."""
     if given is not None:
-        return Threshold(checked(given), "given by --threshold")
+        return Threshold.given(given)
     if fitted is not None:
         value, accuracy, path, pairs = fitted
         # fitted to these pairs: its accuracy is an upper bound, not a measure

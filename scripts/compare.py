@@ -16,11 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from shardface.dataset import DataError
-from shardface.dataset.geometry import check_files
-from shardface.eval.verification import best_threshold, load_bin
-from shardface.faces.stream import Found, no_face_message
-from shardface.infer.thresholds import chosen_threshold
+from shardface import Threshold, fit_threshold
 from shardface.parallel.user_errors import exits_on_user_error
 from shardface.scripts.cli import ArgumentParser
 from shardface.scripts.options import (
@@ -59,36 +55,23 @@ def main(argv=None) -> int:
     )
     add_align_options(p, "the two images", strict=False)  # a photo without a face is always refused
     args = p.parse_args(argv)
-    threshold = chosen_threshold(args.threshold)  # a threshold that is no cosine: refused at start
-    detection = face_detection(args)
-    model = model_from(args, detection)
-    threshold = threshold or model.threshold
-    pair = [args.image_a, args.image_b]
-    if not args.align:
-        check_files(pair, args.resize, size=tuple(model.template.size))
-    workers = workers_from(args) if args.align and args.workers else 1  # two photos: no pool unless asked
-    photos = list(
-        model.analyse(
-            pair,
-            workers=workers,
-            largest_only=True,
-            align=args.align,
-            batch_size=args.batch_size,
-            resize=args.resize,
-        )
-    )
-    without = [p.name for p in photos if p.face is None]
-    if without:
-        raise DataError(f"{no_face_message(without, len(pair))}: compare needs a face in each")
-    several = Found({p.name: p.faces for p in photos}).several_faces()
-    if several:
-        print(several)
+    # a threshold that is no cosine: refused at start
+    threshold = Threshold.given(args.threshold) if args.threshold is not None else None
+    model = model_from(args, face_detection(args))
     if args.threshold_from:
-        pairs = load_bin(args.threshold_from, flag="--threshold-from")
-        threshold = chosen_threshold(
-            None, (*best_threshold(pairs, model, args.batch_size), args.threshold_from, len(pairs[1]))
+        threshold = fit_threshold(
+            model, args.threshold_from, batch_size=args.batch_size, flag="--threshold-from"
         )
-    verdict = model.compare(*(p.face for p in photos), threshold=threshold.value if threshold else None)
+    verdict = model.compare(
+        args.image_a,
+        args.image_b,
+        align=args.align,
+        threshold=threshold,
+        workers=workers_from(args) if args.align and args.workers else 1,  # two photos: no pool unless asked
+        resize=args.resize,
+    )
+    if verdict.several:
+        print(verdict.several)
     print(f"cosine similarity {verdict.score:.4f}")
     if verdict.same is None:
         print(
@@ -96,7 +79,7 @@ def main(argv=None) -> int:
             f"same or different"
         )
     else:
-        print(threshold.line())
+        print(f"threshold {verdict.threshold:.4f}: {verdict.source}")
         print(f"{'same' if verdict.same else 'different'} person (threshold {verdict.threshold:.4f})")
     return 0
 
