@@ -18,7 +18,7 @@ import json
 import sys
 
 from shardface.dataset.folders import image_files
-from shardface.eval.verification import best_threshold, load_bin
+from shardface.eval.verification import fit_threshold
 from shardface.infer.enrolment import (
     GalleryError,
     GalleryFile,
@@ -135,11 +135,8 @@ def main(argv=None) -> int:
         raise no_threshold(args.model)
     # each answered once
     queries = list(dict.fromkeys(query_files(args.queries, embedder.template, args.align)))
-    if args.threshold_from:
-        # insightface's 112x112 crops, re-framed onto the model's template
-        pairs = load_bin(args.threshold_from)
-        fitted = (*best_threshold(pairs, embedder, args.batch_size), args.threshold_from, len(pairs[1]))
-        chosen = chosen_threshold(None, fitted, embedder.threshold)
+    if args.threshold_from:  # insightface's 112x112 crops, re-framed onto the model's template
+        chosen = fit_threshold(embedder, args.threshold_from, batch_size=args.batch_size)
     threshold = chosen.value
     workers = workers_from(args)
     gallery = enrol(
