@@ -23,7 +23,7 @@ from shardface.dataset.images import to_rgb
 from shardface.faces.align import ARCFACE_112
 from shardface.infer.embed import embed, l2_normalize
 from shardface.infer.model import as_model
-from shardface.infer.thresholds import Threshold, chosen_threshold
+from shardface.infer.thresholds import Threshold, fitted_threshold
 from shardface.utils.atomic import publishing
 
 
@@ -279,7 +279,7 @@ def fit_threshold(
     to those pairs: an upper bound, not a measure); a bad file is a VerificationDataError naming it
     (and `flag`)."""
     pairs = load_bin(path, flag=flag)
-    return chosen_threshold(None, (*best_threshold(pairs, model, batch_size), path, len(pairs[1])))
+    return fitted_threshold(*best_threshold(pairs, model, batch_size), path, len(pairs[1]))
 
 
 def best_threshold(data_set, model, batch_size: int = 64, flip: bool = True) -> tuple[float, float]:

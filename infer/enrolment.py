@@ -28,7 +28,7 @@ from shardface.infer.cache import SAVE_EVERY_S, Cache, content_key
 from shardface.infer.embed import l2_normalize
 from shardface.infer.search import make_index
 from shardface.infer.stream import analyse, template_for
-from shardface.infer.thresholds import chosen_threshold, no_threshold
+from shardface.infer.thresholds import Threshold, chosen_threshold, no_threshold
 from shardface.utils.progress import progress_bar
 
 COLLAPSED = 0.99  # mean cosine between different people's templates above which we warn
@@ -325,7 +325,7 @@ class Gallery:
         folder: str,
         *,
         align: bool = True,
-        threshold: float | None = None,
+        threshold: float | Threshold | None = None,
         cache: str | None = None,
         rebuild: bool = False,
     ):

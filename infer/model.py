@@ -39,7 +39,7 @@ from shardface.faces.stream import Found, Photo, no_face_message, open_image
 from shardface.infer.embed import l2_normalize, module_device
 from shardface.infer.onnx import OnnxBackbone
 from shardface.infer.stream import analyse, embed_crops
-from shardface.infer.thresholds import DLIB_OWN, Threshold, run_threshold
+from shardface.infer.thresholds import DLIB_OWN, Threshold, chosen_threshold, run_threshold
 from shardface.infer.weights import DLIB, DLIB_FILE, dlib_state, load_backbone
 
 MODEL_HELP = "run output, checkpoint dir, model.pt (ShardFace or arcface_torch), .onnx or dlib"
@@ -226,9 +226,7 @@ class Model:
         photo; a crop file of another size, or that is no image, is refused before any is read
         whole. An embedding of another width is refused; one of another model of the same width
         cannot be told apart."""
-        if threshold is not None and not isinstance(threshold, Threshold):
-            threshold = Threshold.given(threshold, "threshold")
-        threshold = threshold or self.threshold
+        threshold = chosen_threshold(threshold, self.threshold)
         emb = [self._embedding_of(x) for x in (a, b)]
         photos = [x for x, e in zip((a, b), emb) if e is None]
         files = [x for x in photos if isinstance(x, (str, os.PathLike))]

@@ -66,23 +66,23 @@ _DLIB_SOURCE = (
 DLIB_OWN = Threshold(DLIB_THRESHOLD, _DLIB_SOURCE, {"threshold": DLIB_THRESHOLD, "rule": _DLIB_SOURCE})
 
 
-def chosen_threshold(
-    given: float | None, fitted: tuple[float, float, str, int] | None = None, own: Threshold | None = None
-) -> Threshold | None:
-    """The threshold to decide at, in the module docstring's order: `given`, `fitted` ((threshold,
-    accuracy, .bin path, pairs) of eval.verification.best_threshold), `own` (Model.threshold)."""
-    if given is not None:
-        return Threshold.given(given)
-    if fitted is not None:
-        value, accuracy, path, pairs = fitted
-        # fitted to these pairs: its accuracy is an upper bound, not a measure
-        return Threshold(
-            value,
-            f"from {path}: the best over all its {pairs} pairs, {accuracy:.4f} of them right "
-            f"at it (best-threshold accuracy; scripts.verify reports the 10-fold accuracy, "
-            f"each fold judged at a threshold chosen on the other 9)",
-        )
-    return own
+def chosen_threshold(given: float | Threshold | None, own: Threshold | None = None) -> Threshold | None:
+    """The threshold to decide at: `given` (a cosine, checked; or a Threshold, such as
+    eval.verification.fit_threshold's), else `own` (Model.threshold)."""
+    if isinstance(given, Threshold):
+        return given
+    return Threshold.given(given) if given is not None else own
+
+
+def fitted_threshold(value: float, accuracy: float, path: str, pairs: int) -> Threshold:
+    """The threshold fitted to all `pairs` pairs of the .bin at `path`, right on `accuracy` of them."""
+    # fitted to these pairs: its accuracy is an upper bound, not a measure
+    return Threshold(
+        value,
+        f"from {path}: the best over all its {pairs} pairs, {accuracy:.4f} of them right "
+        f"at it (best-threshold accuracy; scripts.verify reports the 10-fold accuracy, "
+        f"each fold judged at a threshold chosen on the other 9)",
+    )
 
 
 def no_threshold(model: str) -> ThresholdError:
