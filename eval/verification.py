@@ -271,9 +271,7 @@ def bin_path(val_dir: str, name: str) -> str:
     return os.path.join(val_dir, name if name.endswith(".bin") else f"{name}.bin")
 
 
-def fit_threshold(
-    model, path: str, *, batch_size: int = 64, flag: str | None = "--threshold_from"
-) -> Threshold:
+def fit_threshold(model, path: str, *, batch_size: int = 64, flag: str | None = None) -> Threshold:
     """The `Threshold` that best separates the pairs of the verification .bin at `path` under
     `model` (`best_threshold`), its source naming the file and its best-threshold accuracy (fitted
     to those pairs: an upper bound, not a measure); a bad file is a VerificationDataError naming it
