@@ -4,6 +4,7 @@ the README's example runs."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -149,3 +150,37 @@ def test_the_readme_example_runs(tmp_path, portrait):
     answers = lines[[i for i, line in enumerate(lines) if line.startswith("cosine to ")][0] + 1 :]
     assert answers[0].startswith("eileen (")  # her face, the largest; the badge on her suit is nobody
     assert all(a.startswith("unknown (") for a in answers[1:])
+
+
+def test_compare_names_every_faceless_photo_and_says_which_holds_several_faces(
+    dlib_model, portrait, tmp_path
+):
+    group = tmp_path / "group.png"
+    two_faces_photo(astronaut_head()).save(group)
+    verdict = dlib_model.compare(str(group), portrait)
+    assert verdict.several is not None and f"{group} (2 faces)" in verdict.several
+    assert dlib_model.compare(portrait, portrait).several is None
+    walls = [tmp_path / f"wall{i}.png" for i in range(2)]
+    for wall in walls:
+        Image.new("RGB", (160, 160), (120, 140, 160)).save(wall)
+    with pytest.raises(DataError, match=re.escape(f"no face found in 2 of 2 photos: {walls[0]}, {walls[1]}")):
+        dlib_model.compare(str(walls[0]), str(walls[1]))
+
+
+def test_compare_judges_at_a_threshold_given_as_a_cosine_or_a_threshold_and_refuses_a_non_cosine(
+    dlib_model, portrait, drawn_faces
+):
+    from shardface import Threshold, fit_threshold
+    from shardface.infer.thresholds import ThresholdError
+
+    own = dlib_model.compare(portrait, portrait)
+    assert own.threshold == dlib_model.threshold.value and own.source == dlib_model.threshold.source
+    strict = dlib_model.compare(portrait, portrait, threshold=Threshold(1.0, "mine"))
+    assert (strict.threshold, strict.source, strict.same) == (1.0, "mine", own.score >= 1.0)
+    assert dlib_model.compare(portrait, portrait, threshold=-1.0).same is True
+    with pytest.raises(ThresholdError, match="not a cosine"):
+        dlib_model.compare(portrait, portrait, threshold=2.0)
+    val = os.path.join(drawn_faces, "drawn_faces_val.bin")
+    fitted = fit_threshold(dlib_model, val)
+    assert fitted.source.startswith(f"from {val}: the best over all its 40 pairs")
+    assert dlib_model.compare(portrait, portrait, threshold=fitted).threshold == fitted.value
