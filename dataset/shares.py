@@ -29,6 +29,7 @@ killed before that keeps every rank's work, and a run again completes from it.
 
 from __future__ import annotations
 
+import atexit
 import csv
 import hashlib
 import json
@@ -160,11 +161,21 @@ def tool_ranks(env=None) -> Ranks:
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")  # torchrun's MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
+        # left while the interpreter is whole: a process that exits with a gloo group alive can die
+        # of SIGABRT as it finalizes ("terminate called without an active exception")
+        atexit.register(_leave_process_group)
     import torch
 
     if torch.cuda.is_available():  # a model runs on this rank's own GPU of its node
         torch.cuda.set_device(int(env.get("LOCAL_RANK", "0") or 0) % torch.cuda.device_count())
     return Ranks(dist.get_rank(), dist.get_world_size())
+
+
+def _leave_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @dataclass
