@@ -229,7 +229,7 @@ def main(argv=None) -> int:
         raise OutputError(f"{dst} exists; pass --overwrite to replace it")
     parent = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(parent):
-        raise OutputError(f"{parent}: output directory not found")
+        raise OutputError(f"output {dst}: the directory {parent} does not exist; create it first")
     if not 16 <= args.size <= MAX_SIZE:
         raise ConfigError(
             f"--size {args.size}: from 16 to {MAX_SIZE} pixels (a crop is size x size x 3 bytes in memory)"

@@ -190,7 +190,7 @@ def test_align_refusals_write_nothing(photos, tmp_path, capsys):
     inside = os.path.join(photos, "eileen", "out")
     for argv, message in (
         ([photos, inside], "is inside"),
-        ([photos, str(tmp_path / "no" / "out")], "output directory not found"),
+        ([photos, str(tmp_path / "no" / "out")], "does not exist; create it first"),
         ([str(tmp_path / "gone"), str(tmp_path / "out")], "photo folder not found"),
         ([photos, str(tmp_path / "out"), "--detector", "mmod", "--upsample", "-1"], "--upsample"),
     ):

@@ -75,6 +75,7 @@ COMMANDS = {
     "python -m scripts.identify dlib --gallery people --align group.jpg": RUN,
     "torchrun --nnodes 4 --nproc_per_node 1 --node_rank $NODE --master_addr $HEAD --master_port 29500 "
     "-m scripts.pack_rec /data/photos/train /data/mine --align": "needs 4 machines and a photo set",
+    "mkdir -p aligned data": RUN,
     "python -m scripts.align photos/train aligned/train --largest": RUN,
     "python -m scripts.align photos/held_out aligned/held_out --largest": RUN,
     "python -m scripts.pack_rec aligned/train data/mine": RUN,
@@ -303,7 +304,12 @@ def _fresh_copy(dst: str) -> None:
         text=True,
     ).stdout.split("\0")
     for name in filter(None, files):
-        if os.path.isfile(os.path.join(ROOT, name)):
+        if os.path.islink(
+            os.path.join(ROOT, name)
+        ):  # `shardface`, the link to the root: a link, as git makes it
+            os.makedirs(os.path.dirname(os.path.join(dst, name)) or dst, exist_ok=True)
+            os.symlink(os.readlink(os.path.join(ROOT, name)), os.path.join(dst, name))
+        elif os.path.isfile(os.path.join(ROOT, name)):
             os.makedirs(os.path.dirname(os.path.join(dst, name)) or dst, exist_ok=True)
             shutil.copy2(os.path.join(ROOT, name), os.path.join(dst, name))
     venv = os.path.realpath(os.path.join(ROOT, ".venv"))
