@@ -6,8 +6,8 @@ are numbers (CelebA's), their names cannot be checked against LFW's.
         [--per_person 4] [--sheet candidates.png]
 
 Each person is one template, the normalised mean of MODEL dlib's embeddings (no flip test) of the
-largest faces in their first `--per_person` photos: a training person is a sub-folder of `--train`,
-an LFW person one named in the pair list. Every training person is compared with every LFW person.
+largest faces in their first photos (`--per_person` of a training person, a sub-folder of `--train`;
+`--lfw_per_person` of an LFW person, one named in the pair list). Every training person is compared with every LFW person.
 A pair of templates at or above `--threshold` (default MODEL dlib's own, the cosine of dlib's
 same-person rule) is a candidate. Printed: the candidates, best first, each with the number of the
 list's pairs its LFW person is in; then how many of the list's pairs hold a candidate's LFW person.
@@ -82,7 +82,12 @@ def main() -> None:
     p.add_argument("--train", required=True, help="the training photos, one sub-folder per person")
     p.add_argument("--lfw", required=True, help="LFW's photo folder (NAME/NAME_000N.jpg)")
     p.add_argument("--pairs_list", required=True, help="LFW's pairs.txt: its people are the ones compared")
-    p.add_argument("--per_person", type=int, default=4, help="photos per person in a template (default 4)")
+    p.add_argument(
+        "--per_person", type=int, default=4, help="photos per training person's template (default 4)"
+    )
+    p.add_argument(
+        "--lfw_per_person", type=int, default=1, help="photos per LFW person's template (default 1)"
+    )
     p.add_argument(
         "--threshold", type=float, default=DLIB_THRESHOLD, help="candidate at or above this cosine"
     )

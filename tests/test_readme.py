@@ -95,7 +95,7 @@ COMMANDS = {
     "python -m scripts.embed dlib photos/held_out --align --no_flip --out dlib.npy": RUN,
     "python -m scripts.export_onnx dlib dlib.onnx": RUN,
     "python train.py configs/demo.py --rec data/mine --num_classes 34 --network dlib_resnet "
-    "--embedding_size 128 --init_backbone dlib --lr 0.01 --output work_dirs/mine_dlib": RUN,
+    "--embedding_size 128 --init_backbone dlib --lr 0.01 --val_targets \"['mine_val']\" --output work_dirs/mine_dlib": RUN,
     "torchrun --nproc_per_node 8 train.py configs/ms1mv3_r50 --num_epoch 25 --output work_dirs/ms1mv3_r50 --resume true": NEEDS_GPU,
     "torchrun --nproc_per_node 8 train.py configs/my_faces --init_backbone ms1mv3_r50/model.pt": NEEDS_GPU,
     "torchrun --nproc_per_node 8 train.py configs/ms1mv3_mbf --teacher work_dirs/ms1mv3_r100 --distill_loss cosine": NEEDS_GPU,
