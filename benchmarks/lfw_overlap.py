@@ -86,7 +86,7 @@ def main() -> None:
         "--per_person", type=int, default=4, help="photos per training person's template (default 4)"
     )
     p.add_argument(
-        "--lfw_per_person", type=int, default=1, help="photos per LFW person's template (default 1)"
+        "--lfw_per_person", type=int, default=4, help="photos per LFW person's template (default 4)"
     )
     p.add_argument(
         "--threshold", type=float, default=DLIB_THRESHOLD, help="candidate at or above this cosine"
@@ -101,7 +101,7 @@ def main() -> None:
         if os.path.isdir(os.path.join(args.train, t))
     }
     lfw = {
-        n: first_photos(os.path.join(args.lfw, n), args.per_person)
+        n: first_photos(os.path.join(args.lfw, n), args.lfw_per_person)
         for n in sorted(paired_people(args.pairs_list))
     }
     model = load_model("dlib")
