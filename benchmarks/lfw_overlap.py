@@ -8,10 +8,12 @@ are numbers (CelebA's), their names cannot be checked against LFW's.
 Each person is one template, the normalised mean of MODEL dlib's embeddings (no flip test) of the
 largest faces in their first photos (`--per_person` of a training person, a sub-folder of `--train`;
 `--lfw_per_person` of an LFW person, one named in the pair list). Every training person is compared with every LFW person.
-A pair of templates at or above `--threshold` (default MODEL dlib's own, the cosine of dlib's
-same-person rule) is a candidate. Printed: the candidates, best first, each with the number of the
-list's pairs its LFW person is in; then how many of the list's pairs hold a candidate's LFW person.
-`--sheet` draws each candidate's first photos side by side, to look at. LFW and CelebA are for
+A candidate is a pair of people who are each other's nearest template, at or above `--threshold`
+(default MODEL dlib's own, the cosine of dlib's same-person rule on single photos). Printed: how
+many pairs of templates reach the threshold at all, the candidates, best first, each with the
+number of the list's pairs its LFW person is in, and how many of the list's pairs hold a
+candidate's LFW person. `--sheet` draws the first `--show` candidates' photos side by side, to
+look at. LFW and CelebA are for
 research use: nothing of them is written into the repository.
 """
 
@@ -92,6 +94,8 @@ def main() -> None:
         "--threshold", type=float, default=DLIB_THRESHOLD, help="candidate at or above this cosine"
     )
     p.add_argument("--sheet", default=None, help="a PNG of the candidates' photos side by side")
+    p.add_argument("--show", type=int, default=20, help="candidates printed and drawn (default 20)")
+    p.add_argument("--cache", default=None, help="an .npz keeping the templates, for a second look")
     p.add_argument("--workers", type=int, default=default_workers())
     args = p.parse_args()
     counts = pair_counts(args.pairs_list)
@@ -104,9 +108,15 @@ def main() -> None:
         n: first_photos(os.path.join(args.lfw, n), args.lfw_per_person)
         for n in sorted(paired_people(args.pairs_list))
     }
-    model = load_model("dlib")
-    train_names, train_t = templates(model, train, args.workers)
-    lfw_names, lfw_t = templates(model, lfw, args.workers)
+    if args.cache and os.path.exists(args.cache):
+        got = np.load(args.cache)
+        train_names, train_t, lfw_names, lfw_t = (list(got["tn"]), got["tt"], list(got["ln"]), got["lt"])
+    else:
+        model = load_model("dlib")
+        train_names, train_t = templates(model, train, args.workers)
+        lfw_names, lfw_t = templates(model, lfw, args.workers)
+        if args.cache:
+            np.savez(args.cache, tn=train_names, tt=train_t, ln=lfw_names, lt=lfw_t)
     print(
         f"templates: {len(train_names)} of {len(train)} training people, {len(lfw_names)} of {len(lfw)} LFW people"
     )
@@ -114,15 +124,19 @@ def main() -> None:
     best = cos.max(1)
     for q in (50, 90, 99, 100):
         print(f"each training person's best LFW cosine, {q}th percentile: {np.percentile(best, q):.4f}")
+    print(f"pairs of templates at cosine >= {args.threshold:.4f}: {int((cos >= args.threshold).sum())}")
+    # a person in both sets is each other's nearest: mutual nearest neighbours at or above the threshold
+    their_best = cos.argmax(0)
     hits = sorted(
         (
             (train_names[i], lfw_names[j], float(cos[i, j]))
-            for i, j in zip(*np.nonzero(cos >= args.threshold))
+            for i, j in enumerate(cos.argmax(1))
+            if their_best[j] == i and cos[i, j] >= args.threshold
         ),
         key=lambda c: -c[2],
     )
-    print(f"candidates at cosine >= {args.threshold:.4f}: {len(hits)}")
-    for t, n, c in hits:
+    print(f"candidates (mutual nearest, cosine >= {args.threshold:.4f}): {len(hits)}; the first {args.show}:")
+    for t, n, c in hits[: args.show]:
         print(f"  {t:>8}  {n:<32} cosine {c:.4f}  in {counts[n]} pairs")
     people = {n for _, n, _ in hits}
     touched = 0
@@ -132,7 +146,7 @@ def main() -> None:
             touched += bool(people & set(fields[0::2][:2] if len(fields) == 4 else fields[:1]))
     print(f"pairs of the list holding a candidate's LFW person: {touched}")
     if args.sheet and hits:
-        sheet(hits, train, lfw, args.sheet)
+        sheet(hits[: args.show], train, lfw, args.sheet)
         print(f"wrote {args.sheet}")
 
 
