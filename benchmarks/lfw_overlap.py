@@ -26,7 +26,7 @@ from collections import Counter
 import common  # noqa: F401,I001
 import numpy as np
 from PIL import Image
-from real_faces import paired_people
+from real_faces import pair_people
 
 from shardface.faces.workers import default_workers
 from shardface.infer.model import load_model
@@ -56,16 +56,6 @@ def templates(model, people: dict[str, list[str]], workers: int) -> tuple[list[s
             names.append(name)
             out.append(mean / np.linalg.norm(mean))
     return names, np.stack(out)
-
-
-def pair_counts(pairs_list: str) -> Counter:
-    """How many of the list's pairs each LFW person is in."""
-    counts: Counter = Counter()
-    with open(pairs_list) as f:
-        for line in f.read().splitlines()[1:]:
-            fields = line.split()
-            counts.update(set(fields[0::2][:2]) if len(fields) == 4 else fields[:1])
-    return counts
 
 
 def sheet(candidates, train: dict, lfw: dict, path: str, side: int = 112) -> None:
@@ -98,16 +88,14 @@ def main() -> None:
     p.add_argument("--cache", default=None, help="an .npz keeping the templates, for a second look")
     p.add_argument("--workers", type=int, default=default_workers())
     args = p.parse_args()
-    counts = pair_counts(args.pairs_list)
+    pairs = pair_people(args.pairs_list)
+    counts = Counter(name for people in pairs for name in people)  # pairs each LFW person is in
     train = {
         t: first_photos(os.path.join(args.train, t), args.per_person)
         for t in sorted(os.listdir(args.train))
         if os.path.isdir(os.path.join(args.train, t))
     }
-    lfw = {
-        n: first_photos(os.path.join(args.lfw, n), args.lfw_per_person)
-        for n in sorted(paired_people(args.pairs_list))
-    }
+    lfw = {n: first_photos(os.path.join(args.lfw, n), args.lfw_per_person) for n in sorted(counts)}
     if args.cache and os.path.exists(args.cache):
         got = np.load(args.cache)
         train_names, train_t, lfw_names, lfw_t = (list(got["tn"]), got["tt"], list(got["ln"]), got["lt"])
@@ -139,11 +127,7 @@ def main() -> None:
     for t, n, c in hits[: args.show]:
         print(f"  {t:>8}  {n:<32} cosine {c:.4f}  in {counts[n]} pairs")
     people = {n for _, n, _ in hits}
-    touched = 0
-    with open(args.pairs_list) as f:
-        for line in f.read().splitlines()[1:]:
-            fields = line.split()
-            touched += bool(people & set(fields[0::2][:2] if len(fields) == 4 else fields[:1]))
+    touched = sum(bool(people & pair) for pair in pairs)
     print(f"pairs of the list holding a candidate's LFW person: {touched}")
     if args.sheet and hits:
         sheet(hits[: args.show], train, lfw, args.sheet)

@@ -101,14 +101,16 @@ def sh(*args: str, log: str | None = None) -> None:
         raise SystemExit(f"{' '.join(args)} failed ({done.returncode}){': ' + log if log else ''}\n{tail}")
 
 
+def pair_people(pairs_list: str) -> list[set[str]]:
+    """The LFW people of each pair of pairs.txt, in order (one for a same-person pair, two else)."""
+    with open(pairs_list) as f:
+        rows = [line.split() for line in f.read().splitlines()[1:]]
+    return [set(fields[0::2][:2] if len(fields) == 4 else fields[:1]) for fields in rows]
+
+
 def paired_people(pairs_list: str) -> set[str]:
     """The LFW people named in pairs.txt (never trained on)."""
-    names = set()
-    with open(pairs_list) as f:
-        for line in f.read().splitlines()[1:]:
-            fields = line.split()
-            names.update(fields[0::2][:2] if len(fields) == 4 else fields[:1])
-    return names
+    return set().union(*pair_people(pairs_list))
 
 
 def prepare(args, work: str) -> dict[str, str]:
